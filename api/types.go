@@ -1,0 +1,255 @@
+// Package api holds the wire types of the dsec REST API (API.md) and embeds
+// the OpenAPI document that describes them. It is public: the Go SDK, the
+// apiserver and the edge all speak these types, so a field renamed here is a
+// contract break.
+package api
+
+import "time"
+
+// Sandbox backends.
+const (
+	BackendContainer = "container"
+	BackendGVisor    = "gvisor"
+	BackendMicroVM   = "microvm"
+)
+
+// Sandbox states.
+const (
+	StateCreating = "creating"
+	StateRunning  = "running"
+	StatePaused   = "paused"
+	StateStopped  = "stopped"
+	StateFailed   = "failed"
+)
+
+// Layer kinds.
+const (
+	KindBase      = "base"
+	KindWorkspace = "workspace"
+	KindToolkit   = "toolkit"
+	KindSnapshot  = "snapshot"
+)
+
+// NetworkPolicy is a sandbox's egress allowlist (enforced from the host side).
+type NetworkPolicy struct {
+	Allow []string `json:"allow,omitempty"`
+	Deny  []string `json:"deny,omitempty"`
+}
+
+// SandboxSpec is what a caller asks for in POST /v1/sandboxes.
+type SandboxSpec struct {
+	Backend     string            `json:"backend,omitempty"`
+	Base        string            `json:"base,omitempty"`
+	Image       string            `json:"image,omitempty"`
+	Workspace   string            `json:"workspace,omitempty"`
+	Toolkits    []string          `json:"toolkits,omitempty"`
+	Snapshot    string            `json:"snapshot,omitempty"`
+	CPU         float64           `json:"cpu,omitempty"`
+	MemoryMB    int64             `json:"memory_mb,omitempty"`
+	DiskMB      int64             `json:"disk_mb,omitempty"`
+	Pids        int64             `json:"pids,omitempty"`
+	TTL         int64             `json:"ttl,omitempty"`
+	IdleTimeout int64             `json:"idle_timeout,omitempty"`
+	Network     *NetworkPolicy    `json:"network,omitempty"`
+	Env         map[string]string `json:"env,omitempty"`
+	User        string            `json:"user,omitempty"`
+	Workdir     string            `json:"workdir,omitempty"`
+	Labels      map[string]string `json:"labels,omitempty"`
+	QoS         string            `json:"qos,omitempty"`
+}
+
+// Sandbox is the API's view of one sandbox.
+type Sandbox struct {
+	ID           string            `json:"id"`
+	Node         string            `json:"node"`
+	Backend      string            `json:"backend"`
+	State        string            `json:"state"`
+	Spec         SandboxSpec       `json:"spec"`
+	CreatedAt    time.Time         `json:"created_at"`
+	ExpiresAt    *time.Time        `json:"expires_at,omitempty"`
+	LastActiveAt *time.Time        `json:"last_active_at,omitempty"`
+	Labels       map[string]string `json:"labels,omitempty"`
+	// Layers are the digests the sandbox's rootfs is composed of, bottom first.
+	Layers []string `json:"layers,omitempty"`
+	// Error explains a failed or stopped state.
+	Error string `json:"error,omitempty"`
+}
+
+// BatchCreateRequest is the body of POST /v1/sandboxes:batch.
+type BatchCreateRequest struct {
+	Count int         `json:"count"`
+	Spec  SandboxSpec `json:"spec"`
+}
+
+// BatchError is one failed item of a batch.
+type BatchError struct {
+	Index int         `json:"index"`
+	Error ErrorDetail `json:"error"`
+}
+
+// BatchResult is returned by batch create and fork.
+type BatchResult struct {
+	Sandboxes []Sandbox    `json:"sandboxes"`
+	Errors    []BatchError `json:"errors"`
+}
+
+// SandboxList is returned by GET /v1/sandboxes.
+type SandboxList struct {
+	Sandboxes     []Sandbox `json:"sandboxes"`
+	NextPageToken string    `json:"next_page_token,omitempty"`
+}
+
+// LabelsRequest selects sandboxes by labels (delete/pause/resume by labels).
+type LabelsRequest struct {
+	Labels map[string]string `json:"labels"`
+}
+
+// DeleteResult is returned by POST /v1/sandboxes:delete.
+type DeleteResult struct {
+	Deleted int `json:"deleted"`
+}
+
+// KeepaliveRequest extends a sandbox's lifetime: it expires TTL seconds from now.
+type KeepaliveRequest struct {
+	TTL int64 `json:"ttl"`
+}
+
+// Stats is a sandbox's current resource use.
+type Stats struct {
+	CPUUsageNS     uint64 `json:"cpu_usage_ns"`
+	MemoryBytes    uint64 `json:"memory_bytes"`
+	MemoryMaxBytes uint64 `json:"memory_limit_bytes,omitempty"`
+	Pids           uint64 `json:"pids"`
+	DiskBytes      uint64 `json:"disk_bytes"`
+}
+
+// ExecRequest is the body of POST /v1/sandboxes/{id}/exec. Exactly one of
+// Cmd (run by /bin/sh -c) and Argv is given.
+type ExecRequest struct {
+	Cmd            string            `json:"cmd,omitempty"`
+	Argv           []string          `json:"argv,omitempty"`
+	Cwd            string            `json:"cwd,omitempty"`
+	Env            map[string]string `json:"env,omitempty"`
+	User           string            `json:"user,omitempty"`
+	Stdin          string            `json:"stdin,omitempty"`
+	StdinB64       string            `json:"stdin_b64,omitempty"`
+	Timeout        int64             `json:"timeout,omitempty"`
+	MaxOutputBytes int64             `json:"max_output_bytes,omitempty"`
+}
+
+// ExecResult is the result of a one-shot exec or a session run. Stdout and
+// Stderr hold the output as text; when it is not valid UTF-8 the exact bytes
+// are also given base64-encoded in the _b64 fields.
+type ExecResult struct {
+	ExitCode   int    `json:"exit_code"`
+	Stdout     string `json:"stdout"`
+	Stderr     string `json:"stderr"`
+	StdoutB64  string `json:"stdout_b64,omitempty"`
+	StderrB64  string `json:"stderr_b64,omitempty"`
+	TimedOut   bool   `json:"timed_out"`
+	Truncated  bool   `json:"truncated"`
+	DurationMS int64  `json:"duration_ms"`
+}
+
+// ExecEvent is one NDJSON line of a streaming exec: exactly one of the output
+// fields, or the final status (ExitCode non-nil), or an error.
+type ExecEvent struct {
+	Stdout     string       `json:"stdout,omitempty"`
+	Stderr     string       `json:"stderr,omitempty"`
+	StdoutB64  string       `json:"stdout_b64,omitempty"`
+	StderrB64  string       `json:"stderr_b64,omitempty"`
+	ExitCode   *int         `json:"exit_code,omitempty"`
+	TimedOut   bool         `json:"timed_out,omitempty"`
+	Truncated  bool         `json:"truncated,omitempty"`
+	DurationMS int64        `json:"duration_ms,omitempty"`
+	Error      *ErrorDetail `json:"error,omitempty"`
+}
+
+// SessionRequest opens a persistent shell.
+type SessionRequest struct {
+	Shell string            `json:"shell,omitempty"`
+	Cwd   string            `json:"cwd,omitempty"`
+	Env   map[string]string `json:"env,omitempty"`
+	User  string            `json:"user,omitempty"`
+}
+
+// Session identifies an open shell session.
+type Session struct {
+	SessionID string `json:"session_id"`
+}
+
+// SessionRunRequest runs one command in a session's shell.
+type SessionRunRequest struct {
+	Command        string `json:"command"`
+	Timeout        int64  `json:"timeout,omitempty"`
+	MaxOutputBytes int64  `json:"max_output_bytes,omitempty"`
+}
+
+// FileEntry describes one file in a listing or stat.
+type FileEntry struct {
+	Path       string    `json:"path"`
+	Type       string    `json:"type"` // file | dir | symlink | other
+	Size       int64     `json:"size"`
+	Mode       string    `json:"mode"` // octal permission bits, e.g. "0644"
+	MTime      time.Time `json:"mtime"`
+	LinkTarget string    `json:"link_target,omitempty"`
+}
+
+// FileList is returned by files:list.
+type FileList struct {
+	Entries []FileEntry `json:"entries"`
+}
+
+// TarResult is returned by PUT files:tar.
+type TarResult struct {
+	Files int   `json:"files"`
+	Bytes int64 `json:"bytes"`
+}
+
+// Layer is one EROFS layer in the catalog.
+type Layer struct {
+	Digest    string    `json:"digest"`
+	Ref       string    `json:"ref"`
+	Kind      string    `json:"kind"`
+	SizeBytes int64     `json:"size_bytes"`
+	CreatedAt time.Time `json:"created_at"`
+}
+
+// LayerList is returned by GET /v1/layers.
+type LayerList struct {
+	Layers []Layer `json:"layers"`
+}
+
+// Node is an edge as seen by the apiserver.
+type Node struct {
+	Name       string         `json:"name"`
+	Healthy    bool           `json:"healthy"`
+	Backends   []string       `json:"backends"`
+	Runtime    string         `json:"runtime,omitempty"`
+	CgroupMode string         `json:"cgroup_mode,omitempty"`
+	Capacity   Capacity       `json:"capacity"`
+	Counts     map[string]int `json:"counts"` // sandboxes by state
+}
+
+// Capacity is what a node can hold.
+type Capacity struct {
+	MaxSandboxes int     `json:"max_sandboxes"`
+	CPU          float64 `json:"cpu"`
+	MemoryMB     int64   `json:"memory_mb"`
+}
+
+// NodeList is returned by GET /v1/nodes.
+type NodeList struct {
+	Nodes []Node `json:"nodes"`
+}
+
+// ErrorDetail is the body of every error: {"error": {...}}.
+type ErrorDetail struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+// ErrorBody wraps ErrorDetail as API.md specifies.
+type ErrorBody struct {
+	Error ErrorDetail `json:"error"`
+}

@@ -1,0 +1,466 @@
+package main
+
+import (
+	"archive/tar"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/hostfs"
+	"github.com/dsecproject/dsec/internal/layer"
+	dsec "github.com/dsecproject/dsec/sdk/go"
+)
+
+// `dsec bench` measures dsec through its API against the floor: the bare
+// OCI runtime driven directly on the same EROFS layer with its own overlay,
+// in the same run, so a noisy machine affects both sides alike.
+
+type benchOpts struct {
+	count       int
+	concurrency int
+	stateDir    string
+	base        string
+	jsonOut     bool
+	noBaseline  bool
+}
+
+// benchRow is one measure of the report.
+type benchRow struct {
+	Measure     string  `json:"measure"`
+	Count       int     `json:"count"`
+	Concurrency int     `json:"concurrency"`
+	P50MS       float64 `json:"p50_ms"`
+	P99MS       float64 `json:"p99_ms"`
+	PerSec      float64 `json:"per_sec"`
+	Failures    int     `json:"failures"`
+	BaseP50MS   float64 `json:"baseline_p50_ms,omitempty"`
+	BaseP99MS   float64 `json:"baseline_p99_ms,omitempty"`
+	BasePerSec  float64 `json:"baseline_per_sec,omitempty"`
+	Baseline    string  `json:"baseline,omitempty"`
+	RatioP50    float64 `json:"ratio_p50,omitempty"`
+}
+
+func runBench(args []string) error {
+	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" {
+		fmt.Print("usage: dsec bench create|exec [flags]\n\n" +
+			"  create  create → ready latency and throughput through the API, then delete\n" +
+			"  exec    exec round trip of `true` through the API\n\n" +
+			"Each prints the same measure for the bare OCI runtime (crun/runc run -d,\n" +
+			"exec, delete) on the same EROFS layer with an overlay, measured in the same run.\n" +
+			"Needs a running `dsec up` (DSEC_ENDPOINT/DSEC_API_KEY or its config file) and,\n" +
+			"for the baseline, root and the daemon's --state-dir.\n")
+		if len(args) == 0 {
+			return errors.New("bench: missing subcommand")
+		}
+		return errHelpShown
+	}
+	sub := args[0]
+	var o benchOpts
+	f := newCmdFlags("bench "+sub, "[flags]", "Benchmark "+sub+" against the bare runtime.")
+	f.IntVar(&o.count, "count", 100, "operations to measure")
+	f.IntVar(&o.concurrency, "concurrency", 8, "operations in flight at once")
+	f.StringVar(&o.stateDir, "state-dir", "/var/lib/dsec", "the daemon's state dir (for the baseline's layer blob)")
+	f.StringVar(&o.base, "base", "", "base layer ref to use (default: build base/bench:busybox from the host's busybox)")
+	f.BoolVar(&o.jsonOut, "json", false, "print JSON instead of a table")
+	f.BoolVar(&o.noBaseline, "no-baseline", false, "skip the bare-runtime baseline")
+	if _, err := f.parseN(args[1:], 0, 0); err != nil {
+		return err
+	}
+	if o.count < 1 || o.concurrency < 1 || o.concurrency > 1024 {
+		return errors.New("bench: --count must be ≥ 1 and --concurrency between 1 and 1024")
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	ref, digest, err := benchBase(ctx, c, o.base)
+	if err != nil {
+		return err
+	}
+	nodes, err := c.ListNodes(ctx)
+	if err != nil {
+		return err
+	}
+	rt := "crun"
+	if len(nodes) > 0 && nodes[0].Runtime != "" {
+		rt = nodes[0].Runtime
+	}
+	var rows []benchRow
+	switch sub {
+	case "create":
+		rows, err = benchCreate(ctx, c, o, ref, digest, rt)
+	case "exec":
+		rows, err = benchExec(ctx, c, o, ref, digest, rt)
+	default:
+		return fmt.Errorf("bench: unknown subcommand %q (want create or exec)", sub)
+	}
+	if err != nil {
+		return err
+	}
+	return printBench(rows, o.jsonOut)
+}
+
+// benchBase returns the base layer to use, building one from the host's
+// busybox when none is given.
+func benchBase(ctx context.Context, c *dsec.Client, ref string) (string, string, error) {
+	if ref != "" {
+		l, err := c.GetLayer(ctx, ref)
+		if err != nil {
+			return "", "", err
+		}
+		return ref, l.Digest, nil
+	}
+	ref = "base/bench:busybox"
+	if l, err := c.GetLayer(ctx, ref); err == nil {
+		return ref, l.Digest, nil
+	}
+	dir, err := os.MkdirTemp("", "dsec-bench-rootfs-")
+	if err != nil {
+		return "", "", err
+	}
+	defer os.RemoveAll(dir)
+	if err := hostfs.Build(dir, hostfs.Options{}); err != nil {
+		return "", "", err
+	}
+	pr, pw := io.Pipe()
+	go func() { pw.CloseWithError(tarDir(dir, pw)) }()
+	l, err := c.BuildLayer(ctx, "base", "bench", "busybox", pr)
+	if err != nil {
+		return "", "", fmt.Errorf("building the bench base layer: %w", err)
+	}
+	fmt.Fprintf(os.Stderr, "built %s (%s)\n", ref, l.Digest)
+	return ref, l.Digest, nil
+}
+
+// tarDir writes dir as a tar stream (regular files, dirs, symlinks).
+func tarDir(dir string, w io.Writer) error {
+	tw := tar.NewWriter(w)
+	err := filepath.Walk(dir, func(p string, info os.FileInfo, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(dir, p)
+		if rel == "." {
+			return nil
+		}
+		link := ""
+		if info.Mode()&os.ModeSymlink != 0 {
+			link, _ = os.Readlink(p)
+		}
+		h, err := tar.FileInfoHeader(info, link)
+		if err != nil {
+			return err
+		}
+		h.Name = rel
+		if info.IsDir() {
+			h.Name += "/"
+		}
+		if err := tw.WriteHeader(h); err != nil {
+			return err
+		}
+		if info.Mode().IsRegular() {
+			f, err := os.Open(p)
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			_, err = io.Copy(tw, f)
+			return err
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	return tw.Close()
+}
+
+// runParallel runs fn count times with at most conc in flight and returns
+// each call's duration, the failures and the wall time.
+func runParallel(count, conc int, fn func(i int) error) ([]time.Duration, int, time.Duration, error) {
+	var mu sync.Mutex
+	durs := make([]time.Duration, 0, count)
+	fails := 0
+	var firstErr error
+	sem := make(chan struct{}, conc)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i := range count {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			t0 := time.Now()
+			err := fn(i)
+			d := time.Since(t0)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				fails++
+				if firstErr == nil {
+					firstErr = err
+				}
+				return
+			}
+			durs = append(durs, d)
+		}()
+	}
+	wg.Wait()
+	return durs, fails, time.Since(start), firstErr
+}
+
+func pct(durs []time.Duration, p float64) float64 {
+	if len(durs) == 0 {
+		return 0
+	}
+	s := append([]time.Duration(nil), durs...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	idx := int(float64(len(s)-1) * p)
+	return float64(s[idx].Microseconds()) / 1000
+}
+
+func row(measure string, count, conc int, durs []time.Duration, fails int, wall time.Duration) benchRow {
+	return benchRow{Measure: measure, Count: count, Concurrency: conc, P50MS: pct(durs, .5), P99MS: pct(durs, .99),
+		PerSec: float64(len(durs)) / wall.Seconds(), Failures: fails}
+}
+
+func withBaseline(r benchRow, b benchRow, name string) benchRow {
+	r.BaseP50MS, r.BaseP99MS, r.BasePerSec, r.Baseline = b.P50MS, b.P99MS, b.PerSec, name
+	if b.P50MS > 0 {
+		r.RatioP50 = r.P50MS / b.P50MS
+	}
+	return r
+}
+
+func benchCreate(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, rt string) ([]benchRow, error) {
+	label := fmt.Sprintf("bench-%d", time.Now().UnixNano())
+	ids := make([]string, o.count)
+	fmt.Fprintf(os.Stderr, "dsec: creating %d sandboxes, %d at a time...\n", o.count, o.concurrency)
+	durs, fails, wall, ferr := runParallel(o.count, o.concurrency, func(i int) error {
+		sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": label}})
+		if err == nil {
+			ids[i] = sb.ID
+		}
+		return err
+	})
+	if ferr != nil {
+		fmt.Fprintf(os.Stderr, "first create failure: %v\n", ferr)
+	}
+	create := row("create", o.count, o.concurrency, durs, fails, wall)
+	fmt.Fprintf(os.Stderr, "dsec: deleting...\n")
+	ddurs, dfails, dwall, _ := runParallel(o.count, o.concurrency, func(i int) error {
+		if ids[i] == "" {
+			return nil
+		}
+		return c.DeleteSandbox(ctx, ids[i])
+	})
+	del := row("delete", o.count, o.concurrency, ddurs, dfails, dwall)
+	if o.noBaseline {
+		return []benchRow{create, del}, nil
+	}
+	b, err := newBaseline(o.stateDir, digest, rt)
+	if err != nil {
+		return nil, fmt.Errorf("baseline: %w (use --no-baseline to skip)", err)
+	}
+	defer b.close()
+	fmt.Fprintf(os.Stderr, "baseline: %s run -d ×%d...\n", rt, o.count)
+	names := make([]string, o.count)
+	bd, bf, bw, berr := runParallel(o.count, o.concurrency, func(i int) error {
+		n, err := b.run(i)
+		names[i] = n
+		return err
+	})
+	if berr != nil {
+		fmt.Fprintf(os.Stderr, "first baseline failure: %v\n", berr)
+	}
+	bcreate := row("create", o.count, o.concurrency, bd, bf, bw)
+	dd, df, dw, _ := runParallel(o.count, o.concurrency, func(i int) error {
+		if names[i] == "" {
+			return nil
+		}
+		return b.remove(names[i])
+	})
+	bdel := row("delete", o.count, o.concurrency, dd, df, dw)
+	return []benchRow{
+		withBaseline(create, bcreate, rt+" run -d"),
+		withBaseline(del, bdel, rt+" delete -f"),
+	}, nil
+}
+
+func benchExec(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, rt string) ([]benchRow, error) {
+	sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": "exec"}})
+	if err != nil {
+		return nil, err
+	}
+	defer c.DeleteSandbox(context.Background(), sb.ID)
+	fmt.Fprintf(os.Stderr, "dsec: exec `true` ×%d, %d at a time...\n", o.count, o.concurrency)
+	durs, fails, wall, ferr := runParallel(o.count, o.concurrency, func(int) error {
+		res, err := c.Exec(ctx, sb.ID, api.ExecRequest{Argv: []string{"/bin/true"}})
+		if err == nil && res.ExitCode != 0 {
+			err = fmt.Errorf("exit %d: %s", res.ExitCode, res.Stderr)
+		}
+		return err
+	})
+	if ferr != nil {
+		fmt.Fprintf(os.Stderr, "first exec failure: %v\n", ferr)
+	}
+	r := row("exec true", o.count, o.concurrency, durs, fails, wall)
+	if o.noBaseline {
+		return []benchRow{r}, nil
+	}
+	b, err := newBaseline(o.stateDir, digest, rt)
+	if err != nil {
+		return nil, fmt.Errorf("baseline: %w (use --no-baseline to skip)", err)
+	}
+	defer b.close()
+	name, err := b.run(0)
+	if err != nil {
+		return nil, err
+	}
+	defer b.remove(name)
+	fmt.Fprintf(os.Stderr, "baseline: %s exec ×%d...\n", rt, o.count)
+	bd, bf, bw, berr := runParallel(o.count, o.concurrency, func(int) error {
+		return b.exec(name)
+	})
+	if berr != nil {
+		fmt.Fprintf(os.Stderr, "first baseline failure: %v\n", berr)
+	}
+	return []benchRow{withBaseline(r, row("exec", o.count, o.concurrency, bd, bf, bw), rt+" exec")}, nil
+}
+
+// baseline drives the OCI runtime directly: the layer blob mounted once,
+// an overlay and a minimal bundle per container, no dsec in the path.
+type baseline struct {
+	dir, lower, runtime, root string
+}
+
+func newBaseline(stateDir, digest, rt string) (*baseline, error) {
+	if os.Geteuid() != 0 {
+		return nil, errors.New("needs root to mount the layer and run the runtime")
+	}
+	blob := filepath.Join(stateDir, "layers", "blobs", "sha256", strings.TrimPrefix(digest, "sha256:")+".erofs")
+	if _, err := os.Stat(blob); err != nil {
+		return nil, fmt.Errorf("layer blob not found under --state-dir %s: %w", stateDir, err)
+	}
+	dir, err := os.MkdirTemp("", "dsec-bench-")
+	if err != nil {
+		return nil, err
+	}
+	b := &baseline{dir: dir, lower: filepath.Join(dir, "lower"), runtime: rt, root: filepath.Join(dir, "state")}
+	_ = os.MkdirAll(b.lower, 0o755)
+	if err := unix.Mount(blob, b.lower, "erofs", unix.MS_RDONLY, ""); err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("mounting layer: %w", err)
+	}
+	return b, nil
+}
+
+// close removes every container and mount the baseline made, including
+// those of a run cut short (Ctrl-C, a failed create).
+func (b *baseline) close() {
+	ents, _ := os.ReadDir(b.dir)
+	for _, e := range ents {
+		if strings.HasPrefix(e.Name(), "bench-") {
+			_ = exec.Command(b.runtime, "--root", b.root, "delete", "-f", e.Name()).Run()
+			_ = layer.UnmountOverlay(filepath.Join(b.dir, e.Name(), "rootfs"))
+		}
+	}
+	_ = unix.Unmount(b.lower, unix.MNT_DETACH)
+	_ = os.RemoveAll(b.dir)
+}
+
+// baselineSpec is a minimal bundle: the runtime's defaults for namespaces
+// and mounts, pid1 a long sleep.
+func baselineSpec(rootfs string) []byte {
+	spec := map[string]any{
+		"ociVersion": "1.0.2",
+		"process": map[string]any{
+			"args": []string{"/bin/sleep", "100000"}, "cwd": "/",
+			"env":  []string{"PATH=/bin:/usr/bin"},
+			"user": map[string]any{"uid": 0, "gid": 0},
+		},
+		"root":     map[string]any{"path": rootfs},
+		"hostname": "bench",
+		"mounts": []map[string]any{
+			{"destination": "/proc", "type": "proc", "source": "proc"},
+			{"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": []string{"nosuid", "mode=755"}},
+		},
+		"linux": map[string]any{
+			"namespaces": []map[string]string{{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}, {"type": "network"}},
+		},
+	}
+	b, _ := json.Marshal(spec)
+	return b
+}
+
+func (b *baseline) run(i int) (string, error) {
+	name := fmt.Sprintf("bench-%d", i)
+	cd := filepath.Join(b.dir, name)
+	for _, s := range []string{"upper", "work", "rootfs"} {
+		if err := os.MkdirAll(filepath.Join(cd, s), 0o755); err != nil {
+			return "", err
+		}
+	}
+	if err := layer.MountOverlay([]string{b.lower}, filepath.Join(cd, "upper"), filepath.Join(cd, "work"), filepath.Join(cd, "rootfs")); err != nil {
+		return "", err
+	}
+	if err := os.WriteFile(filepath.Join(cd, "config.json"), baselineSpec(filepath.Join(cd, "rootfs")), 0o600); err != nil {
+		return "", err
+	}
+	// The container inherits the runtime's stdio: /dev/null, errors via --log.
+	logPath := filepath.Join(cd, "runtime.log")
+	cmd := exec.Command(b.runtime, "--root", b.root, "--log", logPath, "run", "-d", "--bundle", cd, name)
+	if err := cmd.Run(); err != nil {
+		out, _ := os.ReadFile(logPath)
+		return "", fmt.Errorf("%s run: %v: %s", b.runtime, err, out)
+	}
+	return name, nil
+}
+
+func (b *baseline) exec(name string) error {
+	out, err := exec.Command(b.runtime, "--root", b.root, "exec", name, "/bin/true").CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("%s exec: %v: %s", b.runtime, err, out)
+	}
+	return nil
+}
+
+func (b *baseline) remove(name string) error {
+	out, err := exec.Command(b.runtime, "--root", b.root, "delete", "-f", name).CombinedOutput()
+	_ = layer.UnmountOverlay(filepath.Join(b.dir, name, "rootfs"))
+	if err != nil {
+		return fmt.Errorf("%s delete: %v: %s", b.runtime, err, out)
+	}
+	return nil
+}
+
+func printBench(rows []benchRow, asJSON bool) error {
+	if asJSON {
+		return printJSON(map[string]any{"time": time.Now().UTC(), "results": rows})
+	}
+	tw := newTable()
+	fmt.Fprintln(tw, "MEASURE\tN\tCONC\tP50 ms\tP99 ms\tPER SEC\tFAIL\tBASELINE\tB P50 ms\tB P99 ms\tB PER SEC\tP50 RATIO")
+	for _, r := range rows {
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%.1f\t%.1f\t%.0f\t%d\t%s\t%.1f\t%.1f\t%.0f\t%.2fx\n",
+			r.Measure, r.Count, r.Concurrency, r.P50MS, r.P99MS, r.PerSec, r.Failures,
+			orDash(r.Baseline), r.BaseP50MS, r.BaseP99MS, r.BasePerSec, r.RatioP50)
+	}
+	return tw.Flush()
+}

@@ -1,0 +1,242 @@
+package main
+
+import (
+	"archive/tar"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/dsecproject/dsec/api"
+)
+
+// runCLI runs one client command against handler, capturing stdout.
+func runCLI(t *testing.T, handler http.Handler, args ...string) (stdout string, err error) {
+	t.Helper()
+	srv := httptest.NewServer(handler)
+	defer srv.Close()
+	t.Setenv("DSEC_ENDPOINT", srv.URL)
+	t.Setenv("DSEC_API_KEY", "test-key")
+	t.Setenv("DSEC_CONFIG", "")
+	t.Setenv("HOME", t.TempDir())
+
+	out, err := os.CreateTemp(t.TempDir(), "stdout")
+	if err != nil {
+		t.Fatal(err)
+	}
+	devnull, _ := os.Open(os.DevNull)
+	oldOut, oldErr := os.Stdout, os.Stderr
+	os.Stdout, os.Stderr = out, devnull
+	handled, err := runCommand(args[0], args[1:])
+	os.Stdout, os.Stderr = oldOut, oldErr
+	devnull.Close()
+	if !handled {
+		t.Fatalf("%s not handled", args[0])
+	}
+	b, _ := os.ReadFile(out.Name())
+	out.Close()
+	return string(b), err
+}
+
+func jsonReply(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	json.NewEncoder(w).Encode(v)
+}
+
+func TestCLIExecExitCode(t *testing.T) {
+	var got api.ExecRequest
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/sandboxes/{id}/exec", func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Authorization") != "Bearer test-key" {
+			jsonReply(w, 401, api.ErrorBody{Error: api.ErrorDetail{Code: "unauthenticated", Message: "no"}})
+			return
+		}
+		got = api.ExecRequest{}
+		json.NewDecoder(r.Body).Decode(&got)
+		jsonReply(w, 200, api.ExecResult{ExitCode: 3, Stdout: "out\n", Stderr: "err\n"})
+	})
+	out, err := runCLI(t, mux, "exec", "--cwd", "/repo", "--env", "A=1", "sb-1", "--", "ls", "-la")
+	var ec *exitCodeError
+	if !errors.As(err, &ec) || ec.ExitCode() != 3 {
+		t.Fatalf("want exit code 3, got %v", err)
+	}
+	if out != "out\n" {
+		t.Errorf("stdout %q", out)
+	}
+	if !slices.Equal(got.Argv, []string{"ls", "-la"}) || got.Cwd != "/repo" || got.Env["A"] != "1" || got.Cmd != "" {
+		t.Errorf("request %+v", got)
+	}
+
+	_, err = runCLI(t, mux, "exec", "sb-1", "--cmd", "echo hi | wc")
+	if !errors.As(err, &ec) || got.Cmd != "echo hi | wc" || got.Argv != nil {
+		t.Errorf("--cmd: err %v request %+v", err, got)
+	}
+	if _, err := runCLI(t, mux, "exec", "sb-1"); err == nil || errors.As(err, &ec) {
+		t.Errorf("no command: got %v", err)
+	}
+}
+
+func TestCLISandboxCreateBatchAndList(t *testing.T) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/sandboxes:batch", func(w http.ResponseWriter, r *http.Request) {
+		var req api.BatchCreateRequest
+		json.NewDecoder(r.Body).Decode(&req)
+		if req.Spec.Base != "base/py:1" || req.Spec.Labels["job"] != "j" || !slices.Equal(req.Spec.Toolkits, []string{"toolkit/a:1", "toolkit/b:1"}) || req.Spec.TTL != 600 {
+			jsonReply(w, 400, api.ErrorBody{Error: api.ErrorDetail{Code: "invalid_argument", Message: "bad spec"}})
+			return
+		}
+		res := api.BatchResult{Errors: []api.BatchError{{Index: 2, Error: api.ErrorDetail{Code: "resource_exhausted", Message: "full"}}}}
+		for i := 0; i < req.Count-1; i++ {
+			res.Sandboxes = append(res.Sandboxes, api.Sandbox{ID: "sb-e-" + string(rune('a'+i))})
+		}
+		jsonReply(w, 200, res)
+	})
+	mux.HandleFunc("GET /v1/sandboxes", func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Query().Get("page_token") == "" {
+			jsonReply(w, 200, api.SandboxList{Sandboxes: []api.Sandbox{{ID: "sb-1", State: "running", Spec: api.SandboxSpec{Base: "base/py:1"}, Labels: map[string]string{"job": "j"}}}, NextPageToken: "2"})
+			return
+		}
+		jsonReply(w, 200, api.SandboxList{Sandboxes: []api.Sandbox{{ID: "sb-2", State: "paused"}}})
+	})
+	out, err := runCLI(t, mux, "sandbox", "create", "--base", "base/py:1", "--label", "job=j",
+		"--toolkit", "toolkit/a:1", "--toolkit", "toolkit/b:1", "--ttl", "10m", "--count", "3")
+	if err == nil || !strings.Contains(err.Error(), "1 of 3") {
+		t.Errorf("partial batch: got %v", err)
+	}
+	if out != "sb-e-a\nsb-e-b\n" {
+		t.Errorf("stdout %q", out)
+	}
+
+	out, err = runCLI(t, mux, "sandbox", "list")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if len(lines) != 3 || !strings.HasPrefix(lines[0], "ID") || !strings.Contains(lines[1], "job=j") || !strings.HasPrefix(lines[2], "sb-2") {
+		t.Errorf("table:\n%s", out)
+	}
+}
+
+func TestCLILayerBuildDir(t *testing.T) {
+	dir := t.TempDir()
+	os.MkdirAll(filepath.Join(dir, "etc"), 0o755)
+	os.WriteFile(filepath.Join(dir, "etc", "hello"), []byte("hello"), 0o600)
+	os.Symlink("etc/hello", filepath.Join(dir, "hi"))
+
+	var names []string
+	var query string
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/layers", func(w http.ResponseWriter, r *http.Request) {
+		query = r.URL.RawQuery
+		tr := tar.NewReader(r.Body)
+		for {
+			h, err := tr.Next()
+			if err != nil {
+				break
+			}
+			names = append(names, h.Name)
+		}
+		io.Copy(io.Discard, r.Body)
+		jsonReply(w, 201, api.Layer{Ref: "workspace/w:v1", Digest: "sha256:abc", SizeBytes: 4096})
+	})
+	out, err := runCLI(t, mux, "layer", "build", "--kind", "workspace", "--name", "w", dir, "--tag", "v1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if query != "kind=workspace&name=w&tag=v1" {
+		t.Errorf("query %q", query)
+	}
+	if !slices.Equal(names, []string{"etc/", "etc/hello", "hi"}) {
+		t.Errorf("entries %q", names)
+	}
+	if !strings.HasPrefix(out, "workspace/w:v1 sha256:abc") {
+		t.Errorf("stdout %q", out)
+	}
+
+	// A refusal reaches the user even though the tar stream was cut.
+	mux2 := http.NewServeMux()
+	mux2.HandleFunc("POST /v1/layers", func(w http.ResponseWriter, r *http.Request) {
+		jsonReply(w, 403, api.ErrorBody{Error: api.ErrorDetail{Code: "permission_denied", Message: "builders only"}})
+	})
+	if _, err := runCLI(t, mux2, "layer", "build", "--kind", "base", "--name", "x", "--tag", "v1", dir); err == nil || !strings.Contains(err.Error(), "builders only") {
+		t.Errorf("refusal: got %v", err)
+	}
+	if _, err := runCLI(t, mux2, "layer", "build", "--kind", "nope", "--name", "x", "--tag", "v1", dir); err == nil {
+		t.Error("bad kind accepted")
+	}
+	if _, err := runCLI(t, mux2, "layer", "build", "--kind", "base", "--name", "x", dir); err == nil || !strings.Contains(err.Error(), "--tag is required") {
+		t.Errorf("missing tag: got %v", err)
+	}
+}
+
+func TestCLIFilesPull(t *testing.T) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v1/sandboxes/{id}/files:tar", func(w http.ResponseWriter, r *http.Request) {
+		tw := tar.NewWriter(w)
+		name := "repo/a.txt"
+		if r.URL.Query().Get("path") == "/evil" {
+			name = "../escaped.txt"
+		}
+		tw.WriteHeader(&tar.Header{Name: name, Mode: 0o644, Size: 2, Typeflag: tar.TypeReg})
+		tw.Write([]byte("ok"))
+		tw.Close()
+	})
+	mux.HandleFunc("GET /v1/sandboxes/{id}/files", func(w http.ResponseWriter, r *http.Request) {
+		jsonReply(w, 404, api.ErrorBody{Error: api.ErrorDetail{Code: "not_found", Message: "no such file"}})
+	})
+	parent := t.TempDir()
+	dst := filepath.Join(parent, "out")
+	if _, err := runCLI(t, mux, "files", "pull", "sb-1", "/repo", dst); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := os.ReadFile(filepath.Join(dst, "repo", "a.txt")); string(b) != "ok" {
+		t.Errorf("pulled %q", b)
+	}
+	if _, err := runCLI(t, mux, "files", "pull", "sb-1", "/evil", dst); err == nil || !strings.Contains(err.Error(), "outside") {
+		t.Errorf("escape: got %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(parent, "escaped.txt")); err == nil {
+		t.Error("file escaped the target directory")
+	}
+	// files get -o of a missing file leaves nothing behind.
+	target := filepath.Join(parent, "got.txt")
+	if _, err := runCLI(t, mux, "files", "get", "-o", target, "sb-1", "/missing"); err == nil || !strings.Contains(err.Error(), "no such file") {
+		t.Errorf("get missing: %v", err)
+	}
+	if entries, _ := os.ReadDir(parent); len(entries) != 1 {
+		t.Errorf("left behind: %v", entries)
+	}
+}
+
+func TestRunCommandUnknown(t *testing.T) {
+	if handled, _ := runCommand("server", nil); handled {
+		t.Error("server must be left to main")
+	}
+}
+
+func TestCLIExecStreamTimeout(t *testing.T) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/sandboxes/{id}/exec", func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Query().Get("stream") != "true" {
+			jsonReply(w, 400, api.ErrorBody{Error: api.ErrorDetail{Code: "invalid_argument", Message: "want stream"}})
+			return
+		}
+		io.WriteString(w, `{"stdout":"tick\n"}`+"\n"+`{"stderr":"warn\n"}`+"\n"+`{"stdout":"tock\n"}`+"\n")
+		io.WriteString(w, `{"exit_code":-1,"timed_out":true,"duration_ms":1000}`+"\n")
+	})
+	out, err := runCLI(t, mux, "exec", "--stream", "--timeout", "1s", "sb-1", "--", "sleep", "9")
+	var ec *exitCodeError
+	if !errors.As(err, &ec) || ec.ExitCode() != exitTimedOut {
+		t.Fatalf("want exit %d, got %v", exitTimedOut, err)
+	}
+	if out != "tick\ntock\n" {
+		t.Errorf("stdout %q", out)
+	}
+}

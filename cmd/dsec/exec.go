@@ -1,0 +1,227 @@
+package main
+
+import (
+	"context"
+	"encoding/base64"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"unicode/utf8"
+
+	"github.com/dsecproject/dsec/api"
+	dsec "github.com/dsecproject/dsec/sdk/go"
+)
+
+// exitTimedOut is the status for a command killed by its timeout, the same
+// one coreutils timeout(1) uses.
+const exitTimedOut = 124
+
+func runExec(ctx context.Context, args []string) error {
+	fs := newCmdFlags("exec", "[flags] ID -- ARGV...  |  dsec exec [flags] ID --cmd 'shell command'",
+		"Run a command in a sandbox. Its stdout and stderr go to dsec's, and dsec exits\n"+
+			"with its exit status (124 if it timed out). ARGV runs directly; --cmd runs\nunder /bin/sh -c.")
+	var req api.ExecRequest
+	var timeout secondsFlag
+	env := kvFlag{}
+	fs.StringVar(&req.Cmd, "cmd", "", "shell command, run by /bin/sh -c")
+	fs.StringVar(&req.Cwd, "cwd", "", "working directory")
+	fs.Var(env, "env", "environment variable `K=V` (repeatable)")
+	fs.StringVar(&req.User, "user", "", "user to run as")
+	fs.Var(&timeout, "timeout", "kill the command after this long (`seconds` or duration; 0 = server default)")
+	fs.Int64Var(&req.MaxOutputBytes, "max-output-bytes", 0, "cap per output stream (0 = server default)")
+	stdin := fs.String("stdin", "", "send this `FILE` as the command's stdin ('-' = dsec's stdin)")
+	stream := fs.Bool("stream", false, "stream output as it is produced")
+	asJSON := fs.Bool("json", false, "print the result as JSON instead of the output (not with --stream)")
+	pos, _, err := fs.parse(args)
+	if err != nil {
+		return err
+	}
+	if len(pos) < 1 {
+		return fmt.Errorf("usage: dsec exec %s", fs.synopsis)
+	}
+	id, argv := pos[0], pos[1:]
+	switch {
+	case req.Cmd == "" && len(argv) == 0:
+		return fmt.Errorf("exec: give a command: ID -- ARGV... or --cmd 'shell command'")
+	case req.Cmd != "" && len(argv) > 0:
+		return fmt.Errorf("exec: give either --cmd or ARGV, not both")
+	case *stream && *asJSON:
+		return fmt.Errorf("exec: --json and --stream do not mix")
+	}
+	if len(argv) > 0 {
+		req.Argv = argv
+	}
+	if len(env) > 0 {
+		req.Env = env
+	}
+	req.Timeout = int64(timeout)
+	if *stdin != "" {
+		if err := setStdin(&req, *stdin); err != nil {
+			return err
+		}
+	}
+
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	if *stream {
+		final, err := c.ExecStream(ctx, id, req, func(ev api.ExecEvent) error {
+			if b := dsec.OutputBytes(ev.Stdout, ev.StdoutB64); len(b) > 0 {
+				if _, err := os.Stdout.Write(b); err != nil {
+					return err
+				}
+			}
+			if b := dsec.OutputBytes(ev.Stderr, ev.StderrB64); len(b) > 0 {
+				os.Stderr.Write(b)
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		return commandStatus(*final.ExitCode, final.TimedOut, final.Truncated)
+	}
+	res, err := c.Exec(ctx, id, req)
+	if err != nil {
+		return err
+	}
+	return reportResult(res, *asJSON)
+}
+
+// setStdin loads the command's stdin from a file or dsec's own stdin. The
+// API carries it inline, as text or, if it is not UTF-8, as base64.
+func setStdin(req *api.ExecRequest, name string) error {
+	var r io.Reader = os.Stdin
+	if name != "-" {
+		f, err := os.Open(name)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		r = f
+	}
+	b, err := io.ReadAll(r)
+	if err != nil {
+		return fmt.Errorf("reading stdin: %w", err)
+	}
+	if utf8.Valid(b) {
+		req.Stdin = string(b)
+	} else {
+		req.StdinB64 = base64.StdEncoding.EncodeToString(b)
+	}
+	return nil
+}
+
+// reportResult writes a finished command's output (or its JSON) and turns
+// its status into dsec's.
+func reportResult(res *api.ExecResult, asJSON bool) error {
+	if asJSON {
+		if err := printJSON(res); err != nil {
+			return err
+		}
+	} else {
+		if _, err := os.Stdout.Write(dsec.OutputBytes(res.Stdout, res.StdoutB64)); err != nil {
+			return err
+		}
+		os.Stderr.Write(dsec.OutputBytes(res.Stderr, res.StderrB64))
+	}
+	return commandStatus(res.ExitCode, res.TimedOut, res.Truncated)
+}
+
+// commandStatus prints notices for a timeout or truncated output and maps
+// the command's exit code onto dsec's.
+func commandStatus(code int, timedOut, truncated bool) error {
+	if truncated {
+		fmt.Fprintln(os.Stderr, "dsec: output truncated (raise --max-output-bytes or use files get)")
+	}
+	if timedOut {
+		fmt.Fprintln(os.Stderr, "dsec: command timed out and was killed")
+		return &exitCodeError{code: exitTimedOut}
+	}
+	switch {
+	case code == 0:
+		return nil
+	case code < 0 || code > 255:
+		// Not a value a process can exit with (e.g. -1 for "killed"):
+		// still fail, without aliasing to success.
+		return &exitCodeError{code: 255}
+	}
+	return &exitCodeError{code: code}
+}
+
+func runSession(ctx context.Context, args []string) error {
+	return dispatchGroup(ctx, "session", []subcommand{
+		{"open", "open a persistent shell and print its id", sessionOpen},
+		{"run", "run a command in a session's shell", sessionRun},
+		{"close", "close a session, killing its processes", sessionClose},
+	}, args)
+}
+
+func sessionOpen(ctx context.Context, args []string) error {
+	fs := newCmdFlags("session open", "[flags] ID", "Open a persistent shell in a sandbox and print the session id.")
+	var req api.SessionRequest
+	env := kvFlag{}
+	fs.StringVar(&req.Shell, "shell", "", "shell to run (default: the server's, e.g. /bin/bash)")
+	fs.StringVar(&req.Cwd, "cwd", "", "initial working directory")
+	fs.Var(env, "env", "environment variable `K=V` (repeatable)")
+	fs.StringVar(&req.User, "user", "", "user to run as")
+	pos, err := fs.parseN(args, 1, 1)
+	if err != nil {
+		return err
+	}
+	if len(env) > 0 {
+		req.Env = env
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	sid, err := c.CreateSession(ctx, pos[0], req)
+	if err != nil {
+		return err
+	}
+	fmt.Println(sid)
+	return nil
+}
+
+func sessionRun(ctx context.Context, args []string) error {
+	fs := newCmdFlags("session run", "[flags] ID SID 'command'",
+		"Run a command in a session's shell; cwd, variables and functions persist\nbetween runs. dsec exits with the command's status.")
+	var timeout secondsFlag
+	fs.Var(&timeout, "timeout", "kill the command after this long (`seconds` or duration)")
+	maxOut := fs.Int64("max-output-bytes", 0, "cap per output stream (0 = server default)")
+	asJSON := fs.Bool("json", false, "print the result as JSON instead of the output")
+	pos, _, err := fs.parse(args)
+	if err != nil {
+		return err
+	}
+	if len(pos) < 3 {
+		return fmt.Errorf("usage: dsec session run %s", fs.synopsis)
+	}
+	// Like ssh, several words are joined into one command line.
+	req := api.SessionRunRequest{Command: strings.Join(pos[2:], " "), Timeout: int64(timeout), MaxOutputBytes: *maxOut}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	res, err := c.SessionRun(ctx, pos[0], pos[1], req)
+	if err != nil {
+		return err
+	}
+	return reportResult(res, *asJSON)
+}
+
+func sessionClose(ctx context.Context, args []string) error {
+	fs := newCmdFlags("session close", "ID SID", "Close a session and kill its process tree.")
+	pos, err := fs.parseN(args, 2, 2)
+	if err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	return c.CloseSession(ctx, pos[0], pos[1])
+}

@@ -1,0 +1,284 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+)
+
+var layerKinds = []string{api.KindBase, api.KindWorkspace, api.KindToolkit, api.KindSnapshot}
+
+func runLayer(ctx context.Context, args []string) error {
+	return dispatchGroup(ctx, "layer", []subcommand{
+		{"build", "build a layer from a directory or tar", layerBuild},
+		{"list", "list layers", layerList},
+		{"get", "show one layer", layerGet},
+		{"delete", "remove a layer ref", layerDelete},
+	}, args)
+}
+
+func layerBuild(ctx context.Context, args []string) error {
+	fs := newCmdFlags("layer build", "--kind K --name N --tag T [--json] DIR_OR_TAR",
+		"Build a layer KIND/NAME:TAG. A directory is tarred on the fly (modes,\n"+
+			"symlinks and hard links kept); a file (.tar or .tar.gz) is sent as is.\n"+
+			"Progress goes to stderr, the layer to stdout.")
+	kind := fs.String("kind", "", "layer kind: "+strings.Join(layerKinds, " | ")+" (required)")
+	name := fs.String("name", "", "layer name (required)")
+	tag := fs.String("tag", "", "layer tag (required: refs have no implicit latest)")
+	asJSON := fs.Bool("json", false, "print the API response as JSON")
+	pos, err := fs.parseN(args, 1, 1)
+	if err != nil {
+		return err
+	}
+	if !slices.Contains(layerKinds, *kind) {
+		return fmt.Errorf("layer build: --kind must be one of %s", strings.Join(layerKinds, ", "))
+	}
+	if *name == "" {
+		return fmt.Errorf("layer build: --name is required")
+	}
+	if *tag == "" {
+		return fmt.Errorf("layer build: --tag is required")
+	}
+	src := pos[0]
+	fi, err := os.Stat(src)
+	if err != nil {
+		return err
+	}
+	if !fi.IsDir() && !fi.Mode().IsRegular() {
+		return fmt.Errorf("%s is neither a directory nor a tar file", src)
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+
+	sent := &countingReader{}
+	stopProgress := showProgress(sent)
+	var layer *api.Layer
+	send := func(body io.Reader) error {
+		var err error
+		layer, err = c.BuildLayer(ctx, *kind, *name, *tag, body)
+		return err
+	}
+	var st tarStats
+	if fi.IsDir() {
+		st, err = streamDirTar(src, sent, send)
+	} else {
+		var f *os.File
+		if f, err = os.Open(src); err == nil {
+			sent.r = f
+			err = send(sent) // the SDK closes sent, and so f
+		}
+	}
+	stopProgress()
+	if err != nil {
+		return err
+	}
+	if st.Skipped > 0 {
+		fmt.Fprintf(os.Stderr, "dsec: skipped %d sockets\n", st.Skipped)
+	}
+	if *asJSON {
+		return printJSON(layer)
+	}
+	fmt.Printf("%s %s %s\n", layer.Ref, layer.Digest, humanBytes(layer.SizeBytes))
+	return nil
+}
+
+// countingReader counts the bytes read through it; Close reaches the
+// underlying reader so that net/http can stop a producer on an early answer.
+type countingReader struct {
+	r io.Reader
+	n atomic.Int64
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n.Add(int64(n))
+	return n, err
+}
+
+func (c *countingReader) Close() error {
+	if cl, ok := c.r.(io.Closer); ok {
+		return cl.Close()
+	}
+	return nil
+}
+
+// showProgress reports the bytes read through r on stderr: a line redrawn
+// twice a second on a terminal, and a summary when the returned stop is
+// called.
+func showProgress(r *countingReader) (stop func()) {
+	start := time.Now()
+	quit := make(chan struct{})
+	var wg sync.WaitGroup
+	if stderrIsTerminal() {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			t := time.NewTicker(500 * time.Millisecond)
+			defer t.Stop()
+			for {
+				select {
+				case <-quit:
+					fmt.Fprint(os.Stderr, "\r\033[K")
+					return
+				case <-t.C:
+					fmt.Fprintf(os.Stderr, "\r\033[Ksent %s", humanBytes(r.n.Load()))
+				}
+			}
+		}()
+	}
+	return func() {
+		close(quit)
+		wg.Wait()
+		el := time.Since(start)
+		fmt.Fprintf(os.Stderr, "sent %s in %s\n", humanBytes(r.n.Load()), el.Round(100*time.Millisecond))
+	}
+}
+
+func stderrIsTerminal() bool {
+	fi, err := os.Stderr.Stat()
+	return err == nil && fi.Mode()&os.ModeCharDevice != 0
+}
+
+func layerList(ctx context.Context, args []string) error {
+	fs := newCmdFlags("layer list", "[--kind K] [--json]", "List the layer catalog.")
+	kind := fs.String("kind", "", "only this kind: "+strings.Join(layerKinds, " | "))
+	asJSON := fs.Bool("json", false, "print a JSON array")
+	if _, err := fs.parseN(args, 0, 0); err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	layers, err := c.ListLayers(ctx, *kind)
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		if layers == nil {
+			layers = []api.Layer{}
+		}
+		return printJSON(layers)
+	}
+	tw := newTable()
+	fmt.Fprintln(tw, "REF\tDIGEST\tSIZE\tAGE")
+	now := time.Now()
+	for _, l := range layers {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", orDash(l.Ref), shortDigest(l.Digest), humanBytes(l.SizeBytes), humanAge(l.CreatedAt, now))
+	}
+	return tw.Flush()
+}
+
+// shortDigest keeps "sha256:" and 12 hex digits, as image tools do.
+func shortDigest(d string) string {
+	const keep = len("sha256:") + 12
+	if strings.HasPrefix(d, "sha256:") && len(d) > keep {
+		return d[:keep]
+	}
+	return d
+}
+
+func layerGet(ctx context.Context, args []string) error {
+	fs := newCmdFlags("layer get", "[--json] REF_OR_DIGEST", "Show one layer, by ref (kind/name:tag) or digest.")
+	asJSON := fs.Bool("json", false, "print the API response as JSON")
+	pos, err := fs.parseN(args, 1, 1)
+	if err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	l, err := c.GetLayer(ctx, pos[0])
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return printJSON(l)
+	}
+	tw := newTable()
+	fmt.Fprintf(tw, "Ref:\t%s\n", orDash(l.Ref))
+	fmt.Fprintf(tw, "Digest:\t%s\n", l.Digest)
+	fmt.Fprintf(tw, "Kind:\t%s\n", l.Kind)
+	fmt.Fprintf(tw, "Size:\t%s (%d bytes)\n", humanBytes(l.SizeBytes), l.SizeBytes)
+	if !l.CreatedAt.IsZero() {
+		fmt.Fprintf(tw, "Created:\t%s\n", l.CreatedAt.Local().Format(time.RFC3339))
+	}
+	return tw.Flush()
+}
+
+func layerDelete(ctx context.Context, args []string) error {
+	fs := newCmdFlags("layer delete", "REF", "Remove a ref from the layer catalog.")
+	pos, err := fs.parseN(args, 1, 1)
+	if err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	return c.DeleteLayer(ctx, pos[0])
+}
+
+func runNodes(ctx context.Context, args []string) error {
+	fs := newCmdFlags("nodes", "[--json]", "List the edges the apiserver knows, with capacity and sandbox counts.")
+	asJSON := fs.Bool("json", false, "print a JSON array")
+	if _, err := fs.parseN(args, 0, 0); err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	nodes, err := c.ListNodes(ctx)
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		if nodes == nil {
+			nodes = []api.Node{}
+		}
+		return printJSON(nodes)
+	}
+	tw := newTable()
+	fmt.Fprintln(tw, "NAME\tSTATUS\tBACKENDS\tCPU\tMEMORY\tRUNNING\tSANDBOXES\tMAX")
+	for _, n := range nodes {
+		status := "healthy"
+		if !n.Healthy {
+			status = "unhealthy"
+		}
+		total := 0
+		for _, v := range n.Counts {
+			total += v
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%g\t%s\t%d\t%d\t%d\n", n.Name, status, orDash(strings.Join(n.Backends, ",")),
+			n.Capacity.CPU, humanBytes(n.Capacity.MemoryMB<<20), n.Counts[api.StateRunning], total, n.Capacity.MaxSandboxes)
+	}
+	return tw.Flush()
+}
+
+func runHealth(ctx context.Context, args []string) error {
+	fs := newCmdFlags("health", "", "Check that the API endpoint answers GET /healthz.")
+	if _, err := fs.parseN(args, 0, 0); err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	if err := c.Health(ctx); err != nil {
+		return err
+	}
+	fmt.Printf("ok %s\n", c.Endpoint())
+	return nil
+}

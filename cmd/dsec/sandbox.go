@@ -1,0 +1,302 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	dsec "github.com/dsecproject/dsec/sdk/go"
+)
+
+func runSandbox(ctx context.Context, args []string) error {
+	return dispatchGroup(ctx, "sandbox", []subcommand{
+		{"create", "create sandboxes and print their ids", sandboxCreate},
+		{"list", "list sandboxes", sandboxList},
+		{"get", "show one sandbox", sandboxGet},
+		{"delete", "delete sandboxes by id or by label", sandboxDelete},
+		{"keepalive", "extend a sandbox's lifetime", sandboxKeepalive},
+		{"stats", "show a sandbox's resource use", sandboxStats},
+	}, args)
+}
+
+func sandboxCreate(ctx context.Context, args []string) error {
+	fs := newCmdFlags("sandbox create", "[flags]",
+		"Create a sandbox and print its id; with --count N, create N in one batch\nand print one id per line.")
+	var spec api.SandboxSpec
+	var toolkits, allow, deny stringList
+	var ttl, idle secondsFlag
+	labels, env := kvFlag{}, kvFlag{}
+	fs.StringVar(&spec.Base, "base", "", "base layer `REF`, e.g. base/python:3.11")
+	fs.StringVar(&spec.Image, "image", "", "image `REF` (instead of --base)")
+	fs.StringVar(&spec.Workspace, "workspace", "", "workspace layer `REF`")
+	fs.Var(&toolkits, "toolkit", "toolkit layer `REF` (repeatable, applied in order)")
+	fs.StringVar(&spec.Snapshot, "snapshot", "", "start from snapshot layer `REF`")
+	fs.StringVar(&spec.Backend, "backend", "", "container | gvisor | microvm (default: the platform's)")
+	fs.Float64Var(&spec.CPU, "cpu", 0, "CPU cores")
+	fs.Int64Var(&spec.MemoryMB, "memory-mb", 0, "memory limit in MiB")
+	fs.Int64Var(&spec.DiskMB, "disk-mb", 0, "writable layer quota in MiB")
+	fs.Int64Var(&spec.Pids, "pids", 0, "process limit")
+	fs.Var(&ttl, "ttl", "maximum lifetime, `seconds` or a duration like 1h (0 = platform default)")
+	fs.Var(&idle, "idle-timeout", "stop after this long without requests (`seconds` or duration)")
+	fs.Var(labels, "label", "label `k=v` (repeatable)")
+	fs.Var(env, "env", "environment variable `K=V` (repeatable)")
+	fs.StringVar(&spec.User, "user", "", "default user for commands")
+	fs.StringVar(&spec.Workdir, "workdir", "", "default working directory")
+	fs.StringVar(&spec.QoS, "qos", "", "ls (latency-sensitive) | be (best-effort)")
+	fs.Var(&allow, "allow", "egress allow rule: preset, CIDR or CIDR:port/proto (repeatable)")
+	fs.Var(&deny, "deny", "egress deny rule (repeatable)")
+	count := fs.Int("count", 1, "number of sandboxes to create")
+	asJSON := fs.Bool("json", false, "print the API response as JSON")
+	if _, err := fs.parseN(args, 0, 0); err != nil {
+		return err
+	}
+	if *count < 1 {
+		return fmt.Errorf("sandbox create: --count must be at least 1")
+	}
+	spec.Toolkits = toolkits
+	spec.TTL, spec.IdleTimeout = int64(ttl), int64(idle)
+	if len(labels) > 0 {
+		spec.Labels = labels
+	}
+	if len(env) > 0 {
+		spec.Env = env
+	}
+	if len(allow) > 0 || len(deny) > 0 {
+		spec.Network = &api.NetworkPolicy{Allow: allow, Deny: deny}
+	}
+
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	if *count == 1 {
+		sb, err := c.CreateSandbox(ctx, spec)
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			return printJSON(sb)
+		}
+		fmt.Println(sb.ID)
+		return nil
+	}
+	res, err := c.CreateSandboxes(ctx, *count, spec)
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		if err := printJSON(res); err != nil {
+			return err
+		}
+	} else {
+		for _, sb := range res.Sandboxes {
+			fmt.Println(sb.ID)
+		}
+		for _, e := range res.Errors {
+			fmt.Fprintf(os.Stderr, "dsec: sandbox #%d: %s: %s\n", e.Index, e.Error.Code, e.Error.Message)
+		}
+	}
+	if len(res.Errors) > 0 {
+		return fmt.Errorf("%d of %d sandboxes failed", len(res.Errors), *count)
+	}
+	return nil
+}
+
+func sandboxList(ctx context.Context, args []string) error {
+	fs := newCmdFlags("sandbox list", "[flags]", "List sandboxes (all pages).")
+	labels := kvFlag{}
+	fs.Var(labels, "label", "only sandboxes with label `k=v` (repeatable; all must match)")
+	state := fs.String("state", "", "only sandboxes in this state (creating, running, paused, stopped, failed)")
+	asJSON := fs.Bool("json", false, "print a JSON array")
+	if _, err := fs.parseN(args, 0, 0); err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	opts := dsec.ListOptions{State: *state}
+	if len(labels) > 0 {
+		opts.Labels = labels
+	}
+	all, err := c.ListAllSandboxes(ctx, opts)
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		if all == nil {
+			all = []api.Sandbox{}
+		}
+		return printJSON(all)
+	}
+	tw := newTable()
+	fmt.Fprintln(tw, "ID\tSTATE\tBASE\tAGE\tLABELS")
+	now := time.Now()
+	for _, sb := range all {
+		base := sb.Spec.Base
+		if base == "" {
+			base = sb.Spec.Image
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", sb.ID, sb.State, orDash(base),
+			humanAge(sb.CreatedAt, now), orDash(formatKV(sb.Labels)))
+	}
+	return tw.Flush()
+}
+
+func sandboxGet(ctx context.Context, args []string) error {
+	fs := newCmdFlags("sandbox get", "[--json] ID", "Show one sandbox.")
+	asJSON := fs.Bool("json", false, "print the API response as JSON")
+	pos, err := fs.parseN(args, 1, 1)
+	if err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	sb, err := c.GetSandbox(ctx, pos[0])
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return printJSON(sb)
+	}
+	tw := newTable()
+	row := func(k, v string) {
+		if v != "" {
+			fmt.Fprintf(tw, "%s:\t%s\n", k, v)
+		}
+	}
+	row("ID", sb.ID)
+	row("State", sb.State)
+	row("Error", sb.Error)
+	row("Node", sb.Node)
+	row("Backend", sb.Backend)
+	row("Base", sb.Spec.Base)
+	row("Image", sb.Spec.Image)
+	row("Workspace", sb.Spec.Workspace)
+	row("Toolkits", strings.Join(sb.Spec.Toolkits, ", "))
+	row("Snapshot", sb.Spec.Snapshot)
+	row("Labels", formatKV(sb.Labels))
+	if !sb.CreatedAt.IsZero() {
+		row("Created", sb.CreatedAt.Local().Format(time.RFC3339))
+	}
+	if sb.ExpiresAt != nil {
+		row("Expires", sb.ExpiresAt.Local().Format(time.RFC3339))
+	}
+	if sb.LastActiveAt != nil {
+		row("Last active", sb.LastActiveAt.Local().Format(time.RFC3339))
+	}
+	var limits []string
+	if sb.Spec.CPU > 0 {
+		limits = append(limits, fmt.Sprintf("cpu=%g", sb.Spec.CPU))
+	}
+	if sb.Spec.MemoryMB > 0 {
+		limits = append(limits, fmt.Sprintf("memory=%dMiB", sb.Spec.MemoryMB))
+	}
+	if sb.Spec.DiskMB > 0 {
+		limits = append(limits, fmt.Sprintf("disk=%dMiB", sb.Spec.DiskMB))
+	}
+	if sb.Spec.Pids > 0 {
+		limits = append(limits, fmt.Sprintf("pids=%d", sb.Spec.Pids))
+	}
+	row("Limits", strings.Join(limits, " "))
+	return tw.Flush()
+}
+
+func sandboxDelete(ctx context.Context, args []string) error {
+	fs := newCmdFlags("sandbox delete", "ID... | --label k=v ...",
+		"Delete sandboxes by id, or every sandbox carrying all the given labels.\nDeleting an unknown id succeeds (delete is idempotent).")
+	labels := kvFlag{}
+	fs.Var(labels, "label", "delete sandboxes with label `k=v` (repeatable; all must match)")
+	ids, err := fs.parseN(args, 0, -1)
+	if err != nil {
+		return err
+	}
+	if (len(ids) == 0) == (len(labels) == 0) {
+		return fmt.Errorf("sandbox delete: give either ids or --label, not both or neither")
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	if len(labels) > 0 {
+		n, err := c.DeleteSandboxes(ctx, labels)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("deleted %d sandboxes\n", n)
+		return nil
+	}
+	failed := 0
+	for _, id := range ids {
+		if err := c.DeleteSandbox(ctx, id); err != nil {
+			if ctx.Err() != nil {
+				return err
+			}
+			fmt.Fprintf(os.Stderr, "dsec: %s: %v\n", id, err)
+			failed++
+			continue
+		}
+		fmt.Println(id)
+	}
+	if failed > 0 {
+		return fmt.Errorf("%d of %d deletes failed", failed, len(ids))
+	}
+	return nil
+}
+
+func sandboxKeepalive(ctx context.Context, args []string) error {
+	fs := newCmdFlags("sandbox keepalive", "ID --ttl SECONDS", "Extend a sandbox's lifetime: it then expires --ttl from now.")
+	var ttl secondsFlag
+	fs.Var(&ttl, "ttl", "new remaining lifetime, `seconds` or a duration like 30m (required)")
+	pos, err := fs.parseN(args, 1, 1)
+	if err != nil {
+		return err
+	}
+	if ttl <= 0 {
+		return fmt.Errorf("sandbox keepalive: --ttl is required")
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	if err := c.Keepalive(ctx, pos[0], time.Duration(ttl)*time.Second); err != nil {
+		return err
+	}
+	fmt.Printf("%s: expires in %ds\n", pos[0], int64(ttl))
+	return nil
+}
+
+func sandboxStats(ctx context.Context, args []string) error {
+	fs := newCmdFlags("sandbox stats", "[--json] ID", "Show a sandbox's current resource use.")
+	asJSON := fs.Bool("json", false, "print the API response as JSON")
+	pos, err := fs.parseN(args, 1, 1)
+	if err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	st, err := c.Stats(ctx, pos[0])
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return printJSON(st)
+	}
+	mem := humanBytes(int64(st.MemoryBytes))
+	if st.MemoryMaxBytes > 0 {
+		mem += " / " + humanBytes(int64(st.MemoryMaxBytes))
+	}
+	tw := newTable()
+	fmt.Fprintf(tw, "CPU time:\t%s\n", time.Duration(st.CPUUsageNS).Round(time.Millisecond))
+	fmt.Fprintf(tw, "Memory:\t%s\n", mem)
+	fmt.Fprintf(tw, "Pids:\t%d\n", st.Pids)
+	fmt.Fprintf(tw, "Disk:\t%s\n", humanBytes(int64(st.DiskBytes)))
+	return tw.Flush()
+}

@@ -1,0 +1,315 @@
+package main
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/internal/apiserver"
+	"github.com/dsecproject/dsec/internal/cgroup"
+	"github.com/dsecproject/dsec/internal/edge"
+	"github.com/dsecproject/dsec/internal/iam"
+	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/sandbox"
+	"github.com/dsecproject/dsec/internal/sandbox/container"
+	"github.com/dsecproject/dsec/internal/store"
+	dsec "github.com/dsecproject/dsec/sdk/go"
+)
+
+// upConfig is everything `dsec up` can be told.
+type upConfig struct {
+	listen       string
+	stateDir     string
+	apiKey       string
+	runtime      string
+	nodeName     string
+	maxSandboxes int
+	configPath   string
+	logFormat    string
+	logLevel     string
+}
+
+func runUp(args []string) error {
+	var c upConfig
+	f := newCmdFlags("up", "[flags]", "Run a single-node dsec: apiserver + edge + embedded bbolt store + local\n"+
+		"layer directory. Needs root (it mounts layers and runs containers).\n"+
+		"Writes the endpoint and an admin API key to ~/.config/dsec/config.json.")
+	f.StringVar(&c.listen, "listen", "127.0.0.1:7070", "address to serve the API on")
+	f.StringVar(&c.stateDir, "state-dir", "/var/lib/dsec", "state directory (store, layers, sandboxes)")
+	f.StringVar(&c.apiKey, "api-key", os.Getenv(dsec.EnvAPIKey), "admin API key to accept (default: $DSEC_API_KEY, else generated once)")
+	f.StringVar(&c.runtime, "runtime", "auto", "OCI runtime: auto (crun, else runc), crun or runc")
+	f.StringVar(&c.nodeName, "node-name", "local", "this node's name (part of every sandbox id)")
+	f.IntVar(&c.maxSandboxes, "max-sandboxes", 4096, "admission limit of live sandboxes on this node")
+	f.StringVar(&c.configPath, "config", "", "client config file to write (default ~/.config/dsec/config.json or $DSEC_CONFIG)")
+	f.StringVar(&c.logFormat, "log-format", "text", "log format: text or json")
+	f.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
+	if _, err := f.parseN(args, 0, 0); err != nil {
+		return err
+	}
+	log, err := newLogger(c.logFormat, c.logLevel)
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	return up(ctx, c, log)
+}
+
+func newLogger(format, level string) (*slog.Logger, error) {
+	var lv slog.Level
+	if err := lv.UnmarshalText([]byte(level)); err != nil {
+		return nil, fmt.Errorf("--log-level %q: want debug, info, warn or error", level)
+	}
+	opts := &slog.HandlerOptions{Level: lv}
+	switch format {
+	case "text":
+		return slog.New(slog.NewTextHandler(os.Stderr, opts)), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(os.Stderr, opts)), nil
+	}
+	return nil, fmt.Errorf("--log-format %q: want text or json", format)
+}
+
+// node is a wired single-node platform.
+type node struct {
+	layers  *layer.Store
+	edge    *edge.Edge
+	server  *apiserver.Server
+	store   store.Store
+	runtime string
+}
+
+func (n *node) Close() {
+	n.edge.Close()
+	_ = n.store.Close()
+}
+
+// chooseRuntime picks crun where it can run (preparing a hybrid cgroup host
+// for it, which is logged), runc otherwise.
+func chooseRuntime(want string, cg *cgroup.Info, log *slog.Logger) (string, error) {
+	has := func(b string) bool { _, err := exec.LookPath(b); return err == nil }
+	switch want {
+	case "runc":
+		if !has("runc") {
+			return "", errors.New("runtime runc not found (apt-get install runc)")
+		}
+		return "runc", nil
+	case "crun", "auto":
+	default:
+		return "", fmt.Errorf("--runtime %q: want auto, crun or runc", want)
+	}
+	if !has("crun") {
+		if want == "crun" || !has("runc") {
+			return "", errors.New("no OCI runtime found (apt-get install crun runc)")
+		}
+		log.Info("crun not installed; using runc")
+		return "runc", nil
+	}
+	ok, why := cg.CrunCompatible()
+	if !ok {
+		log.Warn("crun cannot run on this cgroup layout as is; preparing the host", "reason", why)
+		actions, err := cg.PrepareForCrun()
+		for _, a := range actions {
+			log.Warn("host preparation for crun", "action", a)
+		}
+		if err != nil {
+			if want == "crun" || !has("runc") {
+				return "", fmt.Errorf("preparing cgroups for crun: %w", err)
+			}
+			log.Warn("falling back to runc", "err", err)
+			return "runc", nil
+		}
+		if ok, why = cg.CrunCompatible(); !ok {
+			if want == "crun" || !has("runc") {
+				return "", fmt.Errorf("crun still cannot run after host preparation: %s", why)
+			}
+			log.Warn("falling back to runc", "reason", why)
+			return "runc", nil
+		}
+	}
+	return "crun", nil
+}
+
+// newNode wires store, IAM, layer store, backend, edge and apiserver.
+func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.Registry) (*node, *iam.IAM, error) {
+	if os.Geteuid() != 0 {
+		return nil, nil, errors.New("dsec up needs root: it mounts EROFS layers and overlayfs and runs OCI containers")
+	}
+	raiseNoFile(log)
+	if err := os.MkdirAll(c.stateDir, 0o700); err != nil {
+		return nil, nil, fmt.Errorf("creating state dir: %w", err)
+	}
+	cg, err := cgroup.Detect()
+	if err != nil {
+		return nil, nil, fmt.Errorf("probing cgroups: %w", err)
+	}
+	log.Info("cgroups", "mode", cg.Mode.String(), "v2_controllers", strings.Join(cg.UnifiedControllers, ","))
+	rt, err := chooseRuntime(c.runtime, cg, log)
+	if err != nil {
+		return nil, nil, err
+	}
+	st, err := store.OpenBolt(filepath.Join(c.stateDir, "dsec.db"))
+	if err != nil {
+		return nil, nil, err
+	}
+	fail := func(err error) (*node, *iam.IAM, error) {
+		_ = st.Close()
+		return nil, nil, err
+	}
+	ident, err := iam.New(st)
+	if err != nil {
+		return fail(fmt.Errorf("opening IAM: %w", err))
+	}
+	layers, err := layer.NewStore(filepath.Join(c.stateDir, "layers"), st, log)
+	if err != nil {
+		return fail(fmt.Errorf("opening layer store: %w", err))
+	}
+	backend, err := container.New(container.Config{
+		Runtime:   rt,
+		StateRoot: filepath.Join(c.stateDir, "runtime", rt),
+		CgroupNS:  cg.Mode == cgroup.V2,
+	})
+	if err != nil {
+		return fail(err)
+	}
+	policy := sandbox.DefaultPolicy()
+	ed, err := edge.New(edge.Config{
+		Name: c.nodeName, StateDir: filepath.Join(c.stateDir, "edge"),
+		MaxSandboxes: c.maxSandboxes, Policy: policy,
+		CgroupParent: cgroupParent(c.nodeName, c.stateDir),
+	}, edge.Deps{
+		Backend: backend, BlobPath: layers.BlobPath, Cgroups: cg, Log: log,
+		Metrics: edge.NewMetrics(reg), Runtime: rt,
+	})
+	if err != nil {
+		return fail(err)
+	}
+	if err := ed.Start(ctx); err != nil {
+		return fail(err)
+	}
+	srv := apiserver.New(apiserver.Deps{
+		IAM: ident, Layers: layers, Edges: []apiserver.EdgeClient{ed}, Log: log,
+		Registry: reg, Gatherer: reg, Policy: policy, MaxLayerBytes: 64 << 30,
+	})
+	log.Info("edge ready", "node", c.nodeName, "runtime", rt, "state_dir", c.stateDir)
+	return &node{layers: layers, edge: ed, server: srv, store: st, runtime: rt}, ident, nil
+}
+
+// cgroupParent names this instance's parent cgroup. It is unique per state
+// dir, because recovery reaps every child of the parent that is not one of
+// its own sandboxes: two daemons on one host (tests, several edges) must
+// never share one.
+func cgroupParent(node, stateDir string) string {
+	abs, err := filepath.Abs(stateDir)
+	if err != nil {
+		abs = stateDir
+	}
+	sum := sha256.Sum256([]byte(abs))
+	return "/dsec/" + node + "-" + hex.EncodeToString(sum[:4])
+}
+
+// raiseNoFile lifts the soft open-files limit to the hard one: the edge
+// holds pipes and fds for many sandboxes at once.
+func raiseNoFile(log *slog.Logger) {
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		return
+	}
+	want := lim
+	if b, err := os.ReadFile("/proc/sys/fs/nr_open"); err == nil {
+		var n uint64
+		if _, err := fmt.Sscan(string(b), &n); err == nil && n > want.Max {
+			want.Max = n
+		}
+	}
+	want.Cur = want.Max
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &want); err != nil {
+		want.Max = lim.Max
+		want.Cur = lim.Max
+		_ = unix.Setrlimit(unix.RLIMIT_NOFILE, &want)
+	}
+	log.Debug("open files limit", "limit", want.Cur)
+}
+
+func up(ctx context.Context, c upConfig, log *slog.Logger) error {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	n, ident, err := newNode(ctx, c, log, reg)
+	if err != nil {
+		return err
+	}
+	defer n.Close()
+
+	key, created, err := ident.EnsureAdminKey(c.apiKey)
+	if err != nil {
+		return fmt.Errorf("setting up the admin key: %w", err)
+	}
+	keyFile := filepath.Join(c.stateDir, "admin.key")
+	switch {
+	case created && c.apiKey == "":
+		// Kept root-only in the state dir so the client config can be
+		// rewritten after it is lost; only its hash is in the store.
+		if err := os.WriteFile(keyFile, []byte(key+"\n"), 0o600); err != nil {
+			return fmt.Errorf("saving admin key: %w", err)
+		}
+		log.Info("created admin API key", "key_file", keyFile)
+	case c.apiKey != "":
+		key = c.apiKey
+	default:
+		b, err := os.ReadFile(keyFile)
+		if err == nil {
+			key = strings.TrimSpace(string(b))
+		} else {
+			key = ""
+			log.Warn("an admin key exists but its plaintext is not in the state dir; pass --api-key to write the client config", "key_file", keyFile)
+		}
+	}
+
+	ln, err := net.Listen("tcp", c.listen)
+	if err != nil {
+		return fmt.Errorf("listening on %s: %w", c.listen, err)
+	}
+	endpoint := "http://" + ln.Addr().String()
+	if key != "" {
+		cfgPath := c.configPath
+		if cfgPath == "" {
+			if cfgPath, err = dsec.DefaultConfigPath(); err != nil {
+				return err
+			}
+		}
+		if err := dsec.SaveConfig(cfgPath, dsec.Config{Endpoint: endpoint, APIKey: key}); err != nil {
+			return err
+		}
+		log.Info("wrote client config", "path", cfgPath)
+	}
+	hs := &http.Server{Handler: n.server.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	errc := make(chan error, 1)
+	go func() { errc <- hs.Serve(ln) }()
+	log.Info("dsec up: serving", "endpoint", endpoint)
+	select {
+	case <-ctx.Done():
+		log.Info("shutting down; sandboxes keep running and are re-adopted on the next start")
+	case err := <-errc:
+		return fmt.Errorf("serving: %w", err)
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_ = hs.Shutdown(sctx)
+	return nil
+}

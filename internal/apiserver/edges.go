@@ -1,0 +1,73 @@
+package apiserver
+
+import (
+	"context"
+	"io"
+	"os"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edge"
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+// EdgeClient is what the apiserver needs from an edge. *edge.Edge implements
+// it in-process (`dsec up`); a remote edge gets an HTTP implementation.
+type EdgeClient interface {
+	Name() string
+	Info() api.Node
+	LayerUsers(digest string) int
+
+	Create(ctx context.Context, req edge.CreateRequest) (*api.Sandbox, error)
+	Get(ctx context.Context, id string) (*api.Sandbox, error)
+	List(ctx context.Context, f edge.ListFilter) []api.Sandbox
+	Delete(ctx context.Context, id string) error
+	DeleteByLabels(ctx context.Context, sel map[string]string) (int, error)
+	Keepalive(ctx context.Context, id string, ttl int64) (*api.Sandbox, error)
+	Stats(ctx context.Context, id string) (*api.Stats, error)
+
+	Exec(ctx context.Context, id string, req api.ExecRequest, emit func(api.ExecEvent) error) (*api.ExecResult, error)
+	OpenSession(ctx context.Context, id string, req api.SessionRequest) (*api.Session, error)
+	RunInSession(ctx context.Context, id, sid string, req api.SessionRunRequest) (*api.ExecResult, error)
+	CloseSession(ctx context.Context, id, sid string) error
+
+	ReadFile(ctx context.Context, id, path string) (io.ReadCloser, api.FileEntry, error)
+	WriteFile(ctx context.Context, id, path string, data io.Reader, mode os.FileMode) (api.FileEntry, error)
+	StatFile(ctx context.Context, id, path string) (api.FileEntry, error)
+	ListFiles(ctx context.Context, id, path string, depth int) ([]api.FileEntry, error)
+	RemoveFile(ctx context.Context, id, path string, recursive bool) error
+	WriteTar(ctx context.Context, id, path string, w io.Writer) error
+	ExtractTar(ctx context.Context, id, path string, rd io.Reader) (api.TarResult, error)
+}
+
+var _ EdgeClient = (*edge.Edge)(nil)
+
+// edgeOf returns the edge that owns sandbox id.
+func (s *Server) edgeOf(id string) (EdgeClient, error) {
+	node, ok := edge.NodeOf(id)
+	if !ok {
+		return nil, errdefs.NotFound("sandbox %s not found (malformed id)", id)
+	}
+	e := s.edges[node]
+	if e == nil {
+		return nil, errdefs.NotFound("sandbox %s not found (unknown node %s)", id, node)
+	}
+	return e, nil
+}
+
+// inUse reports whether any edge has a sandbox using the layer digest.
+func (s *Server) inUse(digest string) bool {
+	for _, e := range s.edges {
+		if e.LayerUsers(digest) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+func (s *Server) nodes() []api.Node {
+	out := make([]api.Node, 0, len(s.edges))
+	for _, e := range s.deps.Edges {
+		out = append(out, e.Info())
+	}
+	return out
+}

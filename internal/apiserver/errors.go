@@ -1,0 +1,117 @@
+package apiserver
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+
+	"io"
+	"log/slog"
+	"net/http"
+	"strings"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+// status maps an API error code to its HTTP status (API.md).
+func status(code string) int {
+	switch code {
+	case "invalid_argument":
+		return http.StatusBadRequest
+	case "unauthenticated":
+		return http.StatusUnauthorized
+	case "permission_denied":
+		return http.StatusForbidden
+	case "not_found":
+		return http.StatusNotFound
+	case "already_exists", "failed_precondition":
+		return http.StatusConflict
+	case "quota_exceeded":
+		return http.StatusTooManyRequests
+	case "resource_exhausted", "unavailable":
+		return http.StatusServiceUnavailable
+	}
+	return http.StatusInternalServerError
+}
+
+// writeError writes the API error body for err. Classified errors carry
+// their message (written for the caller). Internal errors may hold host
+// detail (paths, runtime output), so the caller gets a reference and the
+// operator's log gets the detail under the same reference.
+func (s *Server) writeError(w http.ResponseWriter, r *http.Request, err error) {
+	code := errdefs.Code(err)
+	st := status(code)
+	msg := err.Error()
+	if st == http.StatusInternalServerError {
+		var b [6]byte
+		_, _ = rand.Read(b[:])
+		ref := hex.EncodeToString(b[:])
+		s.log.Error("request failed", "ref", ref, "method", r.Method, "path", r.URL.Path, "err", err)
+		msg = "internal error (ref " + ref + "; the server log has the details)"
+	}
+	writeJSON(w, st, api.ErrorBody{Error: api.ErrorDetail{Code: code, Message: msg}})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	enc := json.NewEncoder(w)
+	if err := enc.Encode(v); err != nil {
+		slog.Debug("writing response", "err", err)
+	}
+}
+
+// maxJSONBody bounds JSON request bodies.
+const maxJSONBody = 32 << 20
+
+// decode reads a JSON body strictly: unknown fields, trailing data and wrong
+// types are errors that name the problem.
+func decode(r *http.Request, v any) error {
+	body := http.MaxBytesReader(nil, r.Body, maxJSONBody)
+	dec := json.NewDecoder(body)
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		var se *json.SyntaxError
+		var te *json.UnmarshalTypeError
+		var mbe *http.MaxBytesError
+		switch {
+		case errors.Is(err, io.EOF):
+			return errdefs.Invalid("request body is empty; a JSON object is required")
+		case errors.As(err, &se):
+			return errdefs.Invalid("malformed JSON at byte %d: %v", se.Offset, err)
+		case errors.As(err, &te):
+			return errdefs.Invalid("field %q must be %s, got JSON %s", te.Field, te.Type, te.Value)
+		case errors.As(err, &mbe):
+			return errdefs.Invalid("request body larger than %d bytes", maxJSONBody)
+		case strings.HasPrefix(err.Error(), "json: unknown field"):
+			return errdefs.Invalid("unknown field %s", strings.TrimPrefix(err.Error(), "json: unknown field "))
+		}
+		return errdefs.Invalid("malformed JSON: %v", err)
+	}
+	if dec.More() {
+		return errdefs.Invalid("request body has data after the JSON object")
+	}
+	var extra json.RawMessage
+	if err := dec.Decode(&extra); err != io.EOF {
+		return errdefs.Invalid("request body has data after the JSON object")
+	}
+	return nil
+}
+
+// decodeOptional is decode for endpoints whose body may be empty.
+func decodeOptional(r *http.Request, v any) error {
+	if r.ContentLength == 0 {
+		return nil
+	}
+	err := decode(r, v)
+	if err != nil && strings.Contains(err.Error(), "request body is empty") {
+		return nil
+	}
+	return err
+}
+
+func badQuery(name, val, want string) error {
+	return errdefs.Invalid("query parameter %s=%q: %s", name, val, want)
+}

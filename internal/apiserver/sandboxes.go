@@ -1,0 +1,304 @@
+package apiserver
+
+import (
+	"context"
+	"encoding/base64"
+	"net/http"
+	"sort"
+	"strconv"
+	"sync"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edge"
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/placement"
+	"github.com/dsecproject/dsec/internal/sandbox"
+)
+
+// maxBatch bounds one batch create.
+const maxBatch = 1000
+
+// batchConcurrency is how many creates of one batch run at once.
+const batchConcurrency = 16
+
+func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
+	var spec api.SandboxSpec
+	if err := decode(r, &spec); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	sb, err := s.create(r.Context(), spec)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, sb)
+}
+
+// prepare validates a spec and resolves its layer refs to digests.
+func (s *Server) prepare(spec *api.SandboxSpec) ([]string, error) {
+	if err := sandbox.Normalize(spec, s.deps.Policy); err != nil {
+		return nil, err
+	}
+	if spec.Snapshot != "" {
+		return nil, errdefs.Precondition("starting from a snapshot is not supported by this release; omit snapshot")
+	}
+	var digests []string
+	add := func(field, ref, kind string) error {
+		l, err := s.resolve(ref)
+		if err != nil {
+			return err
+		}
+		if l.Kind != kind {
+			return errdefs.Invalid("%s %s is a %s layer, want a %s layer", field, ref, l.Kind, kind)
+		}
+		digests = append(digests, l.Digest)
+		return nil
+	}
+	if err := add("base", spec.Base, api.KindBase); err != nil {
+		return nil, err
+	}
+	if spec.Workspace != "" {
+		if err := add("workspace", spec.Workspace, api.KindWorkspace); err != nil {
+			return nil, err
+		}
+	}
+	for _, t := range spec.Toolkits {
+		if err := add("toolkit", t, api.KindToolkit); err != nil {
+			return nil, err
+		}
+	}
+	return digests, nil
+}
+
+// resolve finds a layer by ref (kind/name:tag) or digest.
+func (s *Server) resolve(ref string) (api.Layer, error) {
+	if layer.IsDigest(ref) {
+		return s.deps.Layers.Get(ref)
+	}
+	if _, err := layer.ParseRef(ref); err != nil {
+		return api.Layer{}, err
+	}
+	return s.deps.Layers.Resolve(ref)
+}
+
+// create places a prepared sandbox, retrying on other nodes when an edge
+// rejects it for capacity.
+func (s *Server) create(ctx context.Context, spec api.SandboxSpec) (*api.Sandbox, error) {
+	digests, err := s.prepare(&spec)
+	if err != nil {
+		return nil, err
+	}
+	return s.place(ctx, spec, digests)
+}
+
+func (s *Server) place(ctx context.Context, spec api.SandboxSpec, digests []string) (*api.Sandbox, error) {
+	tried := map[string]bool{}
+	for {
+		node, err := placement.Pick(s.nodes(), placement.Request{Backend: spec.Backend, Exclude: tried}, nil)
+		if err != nil {
+			return nil, err
+		}
+		sb, err := s.edges[node].Create(ctx, edge.CreateRequest{Spec: spec, Digests: digests})
+		if err == nil || !errorsIsExhausted(err) {
+			return sb, err
+		}
+		tried[node] = true
+	}
+}
+
+func errorsIsExhausted(err error) bool { return errdefs.Code(err) == "resource_exhausted" }
+
+func (s *Server) batchCreate(w http.ResponseWriter, r *http.Request) {
+	var req api.BatchCreateRequest
+	if err := decode(r, &req); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if req.Count < 1 || req.Count > maxBatch {
+		s.writeError(w, r, errdefs.Invalid("count must be between 1 and %d, got %d", maxBatch, req.Count))
+		return
+	}
+	spec := req.Spec
+	digests, err := s.prepare(&spec)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	res := api.BatchResult{Sandboxes: []api.Sandbox{}, Errors: []api.BatchError{}}
+	made := make([]*api.Sandbox, req.Count)
+	errs := make([]error, req.Count)
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, batchConcurrency)
+	for i := range req.Count {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			made[i], errs[i] = s.place(r.Context(), spec, digests)
+		}()
+	}
+	wg.Wait()
+	for i := range req.Count {
+		if errs[i] != nil {
+			res.Errors = append(res.Errors, api.BatchError{Index: i, Error: api.ErrorDetail{Code: errdefs.Code(errs[i]), Message: errs[i].Error()}})
+			continue
+		}
+		res.Sandboxes = append(res.Sandboxes, *made[i])
+	}
+	writeJSON(w, http.StatusOK, res)
+}
+
+func (s *Server) getSandbox(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	e, err := s.edgeOf(id)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	sb, err := e.Get(r.Context(), id)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, sb)
+}
+
+// Pagination: results are ordered by id; the page token is the last id of
+// the previous page, opaque to clients.
+const (
+	defaultPageSize = 100
+	maxPageSize     = 1000
+)
+
+func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	sel, err := sandbox.ParseSelector(q["label"])
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	state := q.Get("state")
+	switch state {
+	case "", api.StateCreating, api.StateRunning, api.StatePaused, api.StateStopped, api.StateFailed:
+	default:
+		s.writeError(w, r, badQuery("state", state, "want creating, running, paused, stopped or failed"))
+		return
+	}
+	limit := defaultPageSize
+	if v := q.Get("limit"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > maxPageSize {
+			s.writeError(w, r, badQuery("limit", v, "want an integer from 1 to 1000"))
+			return
+		}
+		limit = n
+	}
+	after := ""
+	if tok := q.Get("page_token"); tok != "" {
+		b, err := base64.RawURLEncoding.DecodeString(tok)
+		if err != nil {
+			s.writeError(w, r, badQuery("page_token", tok, "not a token returned by this API"))
+			return
+		}
+		after = string(b)
+	}
+	var all []api.Sandbox
+	for _, e := range s.deps.Edges {
+		all = append(all, e.List(r.Context(), edge.ListFilter{State: state, Labels: sel})...)
+	}
+	sort.Slice(all, func(i, j int) bool { return all[i].ID < all[j].ID })
+	start := sort.Search(len(all), func(i int) bool { return all[i].ID > after })
+	page := all[start:]
+	out := api.SandboxList{Sandboxes: []api.Sandbox{}}
+	if len(page) > limit {
+		page = page[:limit]
+		out.NextPageToken = base64.RawURLEncoding.EncodeToString([]byte(page[len(page)-1].ID))
+	}
+	out.Sandboxes = append(out.Sandboxes, page...)
+	writeJSON(w, http.StatusOK, out)
+}
+
+func (s *Server) deleteSandbox(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	e, err := s.edgeOf(id)
+	if err != nil {
+		// Idempotent: an id no edge could own is already gone.
+		w.WriteHeader(http.StatusNoContent)
+		return
+	}
+	if err := e.Delete(r.Context(), id); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (s *Server) deleteByLabels(w http.ResponseWriter, r *http.Request) {
+	var req api.LabelsRequest
+	if err := decode(r, &req); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if len(req.Labels) == 0 {
+		s.writeError(w, r, errdefs.Invalid("labels are required (refusing to delete every sandbox)"))
+		return
+	}
+	for k, v := range req.Labels {
+		if err := sandbox.ValidateLabel(k, v); err != nil {
+			s.writeError(w, r, err)
+			return
+		}
+	}
+	total := 0
+	for _, e := range s.deps.Edges {
+		n, err := e.DeleteByLabels(r.Context(), req.Labels)
+		total += n
+		if err != nil {
+			s.writeError(w, r, err)
+			return
+		}
+	}
+	writeJSON(w, http.StatusOK, api.DeleteResult{Deleted: total})
+}
+
+func (s *Server) keepalive(w http.ResponseWriter, r *http.Request) {
+	var req api.KeepaliveRequest
+	if err := decodeOptional(r, &req); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	id := r.PathValue("id")
+	e, err := s.edgeOf(id)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	sb, err := e.Keepalive(r.Context(), id, req.TTL)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, sb)
+}
+
+func (s *Server) stats(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	e, err := s.edgeOf(id)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	st, err := e.Stats(r.Context(), id)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, st)
+}
+
+func (s *Server) listNodes(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, api.NodeList{Nodes: s.nodes()})
+}

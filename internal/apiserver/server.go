@@ -1,0 +1,220 @@
+// Package apiserver is the only ingress of dsec: it authenticates every /v1
+// call (iam), validates input, resolves layer refs through the catalog,
+// places new sandboxes (placement) and forwards per-sandbox calls to the
+// edge that owns them (the sandbox id names it). It keeps no per-sandbox
+// state. It is the only package that knows HTTP status codes.
+package apiserver
+
+import (
+	"context"
+	"log/slog"
+	"net/http"
+	"runtime/debug"
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/iam"
+	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/sandbox"
+)
+
+// Deps are the apiserver's collaborators.
+type Deps struct {
+	IAM    *iam.IAM
+	Layers *layer.Store
+	// Edges are the nodes this apiserver forwards to.
+	Edges []EdgeClient
+	Log   *slog.Logger
+	// Registry collects /metrics; Gatherer serves them.
+	Registry prometheus.Registerer
+	Gatherer prometheus.Gatherer
+	// Policy bounds sandbox specs (the edges apply their own too).
+	Policy sandbox.Policy
+	// MaxLayerBytes bounds one layer upload (extracted size).
+	MaxLayerBytes int64
+}
+
+// Server serves the REST API.
+type Server struct {
+	deps     Deps
+	log      *slog.Logger
+	edges    map[string]EdgeClient
+	mux      *http.ServeMux
+	requests *prometheus.CounterVec
+}
+
+// New builds the server and its routes.
+func New(deps Deps) *Server {
+	if deps.Log == nil {
+		deps.Log = slog.Default()
+	}
+	s := &Server{deps: deps, log: deps.Log, edges: map[string]EdgeClient{}, mux: http.NewServeMux()}
+	for _, e := range deps.Edges {
+		s.edges[e.Name()] = e
+	}
+	s.requests = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "dsec_api_requests_total", Help: "API requests by route and status code.",
+	}, []string{"route", "code"})
+	if deps.Registry != nil {
+		deps.Registry.MustRegister(s.requests)
+	}
+	s.routes()
+	return s
+}
+
+// Handler returns the HTTP handler.
+func (s *Server) Handler() http.Handler { return s.recoverPanics(s.mux) }
+
+func (s *Server) routes() {
+	s.mux.HandleFunc("GET /healthz", s.healthz)
+	if s.deps.Gatherer != nil {
+		s.mux.Handle("GET /metrics", promhttp.HandlerFor(s.deps.Gatherer, promhttp.HandlerOpts{}))
+	}
+	s.handle("GET /v1/openapi.yaml", "", s.openapi)
+
+	s.handle("POST /v1/sandboxes", iam.SandboxCreate, s.createSandbox)
+	s.handle("POST /v1/sandboxes:batch", iam.SandboxCreate, s.batchCreate)
+	s.handle("GET /v1/sandboxes", iam.SandboxRead, s.listSandboxes)
+	s.handle("POST /v1/sandboxes:delete", iam.SandboxWrite, s.deleteByLabels)
+	s.handle("GET /v1/sandboxes/{id}", iam.SandboxRead, s.getSandbox)
+	s.handle("DELETE /v1/sandboxes/{id}", iam.SandboxWrite, s.deleteSandbox)
+	s.handle("POST /v1/sandboxes/{id}/keepalive", iam.SandboxWrite, s.keepalive)
+	s.handle("GET /v1/sandboxes/{id}/stats", iam.SandboxRead, s.stats)
+	s.handle("POST /v1/sandboxes/{id}/exec", iam.SandboxWrite, s.exec)
+	s.handle("POST /v1/sandboxes/{id}/sessions", iam.SandboxWrite, s.openSession)
+	s.handle("POST /v1/sandboxes/{id}/sessions/{sid}/run", iam.SandboxWrite, s.runSession)
+	s.handle("DELETE /v1/sandboxes/{id}/sessions/{sid}", iam.SandboxWrite, s.closeSession)
+	s.handle("GET /v1/sandboxes/{id}/files", iam.SandboxRead, s.readFile)
+	s.handle("PUT /v1/sandboxes/{id}/files", iam.SandboxWrite, s.writeFile)
+	s.handle("DELETE /v1/sandboxes/{id}/files", iam.SandboxWrite, s.removeFile)
+	s.handle("GET /v1/sandboxes/{id}/files:list", iam.SandboxRead, s.listFiles)
+	s.handle("GET /v1/sandboxes/{id}/files:stat", iam.SandboxRead, s.statFile)
+	s.handle("GET /v1/sandboxes/{id}/files:tar", iam.SandboxRead, s.downloadTar)
+	s.handle("PUT /v1/sandboxes/{id}/files:tar", iam.SandboxWrite, s.uploadTar)
+
+	s.handle("POST /v1/layers", iam.LayerWrite, s.buildLayer)
+	s.handle("GET /v1/layers", iam.LayerRead, s.listLayers)
+	s.handle("GET /v1/layers/{ref...}", iam.LayerRead, s.getLayer)
+	s.handle("DELETE /v1/layers/{ref...}", iam.LayerWrite, s.deleteLayer)
+
+	s.handle("GET /v1/nodes", iam.SandboxRead, s.listNodes)
+	// Anything else under /v1 is a JSON 404, not the mux's text page.
+	s.handle("/v1/", "", func(w http.ResponseWriter, r *http.Request) {
+		s.writeError(w, r, errdefs.NotFound("no such endpoint: %s %s", r.Method, r.URL.Path))
+	})
+}
+
+type principalKey struct{}
+
+// handle registers an authenticated route that needs action ("" = any
+// authenticated principal).
+func (s *Server) handle(pattern string, action iam.Action, h http.HandlerFunc) {
+	s.mux.Handle(pattern, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rec := &statusRecorder{ResponseWriter: w, status: http.StatusOK}
+		defer func() { s.requests.WithLabelValues(pattern, strconv.Itoa(rec.status)).Inc() }()
+		key, ok := bearer(r)
+		if !ok {
+			rec.Header().Set("WWW-Authenticate", `Bearer realm="dsec"`)
+			s.writeError(rec, r, errdefs.Unauthenticated("missing Authorization: Bearer <api key> header"))
+			return
+		}
+		p, err := s.deps.IAM.Authenticate(key)
+		if err != nil {
+			rec.Header().Set("WWW-Authenticate", `Bearer realm="dsec", error="invalid_token"`)
+			s.writeError(rec, r, err)
+			return
+		}
+		if action != "" {
+			if err := s.deps.IAM.Authorize(p, action); err != nil {
+				s.writeError(rec, r, err)
+				return
+			}
+		}
+		h(rec, r.WithContext(context.WithValue(r.Context(), principalKey{}, p)))
+	}))
+}
+
+func bearer(r *http.Request) (string, bool) {
+	h := r.Header.Get("Authorization")
+	const prefix = "Bearer "
+	if len(h) <= len(prefix) || !equalFold(h[:len(prefix)], prefix) {
+		return "", false
+	}
+	return h[len(prefix):], true
+}
+
+func equalFold(a, b string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := 0; i < len(a); i++ {
+		ca, cb := a[i]|0x20, b[i]|0x20
+		if ca != cb {
+			return false
+		}
+	}
+	return true
+}
+
+// statusRecorder remembers the status for metrics and passes Flush through
+// (streaming exec needs it).
+type statusRecorder struct {
+	http.ResponseWriter
+	status int
+	wrote  bool
+}
+
+func (s *statusRecorder) WriteHeader(code int) {
+	if !s.wrote {
+		s.status, s.wrote = code, true
+	}
+	s.ResponseWriter.WriteHeader(code)
+}
+
+func (s *statusRecorder) Write(b []byte) (int, error) {
+	s.wrote = true
+	return s.ResponseWriter.Write(b)
+}
+
+func (s *statusRecorder) Flush() {
+	if f, ok := s.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+	}
+}
+
+func (s *statusRecorder) Unwrap() http.ResponseWriter { return s.ResponseWriter }
+
+// recoverPanics turns a handler panic into a 500 with the API error shape:
+// a bug in one request must never take the daemon down.
+func (s *Server) recoverPanics(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		defer func() {
+			if v := recover(); v != nil {
+				if v == http.ErrAbortHandler {
+					panic(v)
+				}
+				s.log.Error("handler panic", "method", r.Method, "path", r.URL.Path, "panic", v, "stack", string(debug.Stack()))
+				writeJSON(w, http.StatusInternalServerError, api.ErrorBody{Error: api.ErrorDetail{Code: "internal", Message: "internal error (logged by the server)"}})
+			}
+		}()
+		h.ServeHTTP(w, r)
+	})
+}
+
+func (s *Server) healthz(w http.ResponseWriter, r *http.Request) {
+	nodes := make([]string, 0, len(s.edges))
+	for n := range s.edges {
+		nodes = append(nodes, n)
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "nodes": nodes, "time": time.Now().UTC()})
+}
+
+func (s *Server) openapi(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Type", "application/yaml")
+	_, _ = w.Write(api.OpenAPI)
+}

@@ -1,0 +1,275 @@
+package edge
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/cleanup"
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/sandbox"
+)
+
+// CreateRequest is a sandbox to create: a normalized spec plus the layer
+// digests its refs resolved to (bottom first: base, workspace, toolkits).
+type CreateRequest struct {
+	Spec    api.SandboxSpec
+	Digests []string
+}
+
+// Create admits, composes and starts one sandbox. On any failure nothing is
+// left behind: no mount, cgroup, runtime state, directory or record.
+func (e *Edge) Create(ctx context.Context, req CreateRequest) (*api.Sandbox, error) {
+	start := time.Now()
+	sb, err := e.create(ctx, req)
+	if err != nil {
+		e.metrics.createFailures.WithLabelValues(errdefs.Code(err)).Inc()
+		return nil, err
+	}
+	e.metrics.createSeconds.Observe(time.Since(start).Seconds())
+	return sb, nil
+}
+
+func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, error) {
+	spec := req.Spec
+	if err := sandbox.Normalize(&spec, e.cfg.Policy); err != nil {
+		return nil, err
+	}
+	if len(req.Digests) == 0 {
+		return nil, errdefs.Invalid("no layers to compose")
+	}
+	for _, d := range req.Digests {
+		if !layer.IsDigest(d) {
+			return nil, errdefs.Invalid("bad layer digest %q", d)
+		}
+	}
+	var undo cleanup.Stack
+	defer undo.Run()
+
+	// Admission: count live sandboxes plus creations in flight.
+	e.mu.Lock()
+	if len(e.sandboxes)+e.creating >= e.cfg.MaxSandboxes {
+		e.mu.Unlock()
+		return nil, errdefs.Exhausted("node %s is full (%d sandboxes)", e.cfg.Name, e.cfg.MaxSandboxes)
+	}
+	e.creating++
+	e.mu.Unlock()
+	defer func() {
+		e.mu.Lock()
+		e.creating--
+		e.mu.Unlock()
+	}()
+
+	id := e.newID()
+	dir := e.sandboxDir(id)
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("creating sandbox dir: %w", err)
+	}
+	undo.Add(func() { _ = os.RemoveAll(dir) })
+	for _, d := range []string{"upper", "work", "rootfs", "bundle"} {
+		if err := os.Mkdir(filepath.Join(dir, d), 0o755); err != nil {
+			return nil, fmt.Errorf("creating sandbox dir: %w", err)
+		}
+	}
+	now := time.Now().UTC()
+	exp := now.Add(time.Duration(spec.TTL) * time.Second)
+	rec := record{
+		Sandbox: api.Sandbox{
+			ID: id, Node: e.cfg.Name, Backend: spec.Backend, State: api.StateCreating,
+			Spec: spec, CreatedAt: now, ExpiresAt: &exp, Labels: spec.Labels, Layers: req.Digests,
+		},
+		Digests:    req.Digests,
+		CgroupPath: e.cfg.CgroupParent + "/" + id,
+	}
+	// The record goes first, marked creating: if the edge dies mid-create,
+	// recovery finds it and undoes everything below.
+	if err := writeRecord(dir, &rec); err != nil {
+		return nil, err
+	}
+
+	lowers := make([]string, len(req.Digests))
+	for i, d := range req.Digests {
+		mp, err := e.mounter.Acquire(d)
+		if err != nil {
+			return nil, err // names the layer already
+		}
+		undo.Add(func() { _ = e.mounter.Release(d) })
+		// Overlay wants the topmost lower first.
+		lowers[len(req.Digests)-1-i] = mp
+	}
+	rootfs := filepath.Join(dir, "rootfs")
+	if err := layer.MountOverlay(lowers, filepath.Join(dir, "upper"), filepath.Join(dir, "work"), rootfs); err != nil {
+		return nil, fmt.Errorf("mounting overlay: %w", err)
+	}
+	undo.Add(func() { _ = layer.UnmountOverlay(rootfs) })
+
+	cfg := sandbox.Config{
+		ID: id, Dir: filepath.Join(dir, "bundle"), Rootfs: rootfs, Hostname: "sandbox",
+		CgroupPath: rec.CgroupPath,
+		Limits: sandbox.Limits{
+			CPU: spec.CPU, MemoryBytes: spec.MemoryMB << 20, Pids: spec.Pids,
+			BestEffort: spec.QoS == "be",
+		},
+	}
+	if err := e.deps.Backend.Create(ctx, cfg); err != nil {
+		return nil, fmt.Errorf("starting sandbox: %w", err)
+	}
+	undo.Add(func() { e.destroyRuntime(context.Background(), id, rec.CgroupPath) })
+
+	rec.Sandbox.State = api.StateRunning
+	if err := writeRecord(dir, &rec); err != nil {
+		return nil, err
+	}
+	s := &sbx{dir: dir, rec: rec}
+	s.touch()
+	e.mu.Lock()
+	e.sandboxes[id] = s
+	e.mu.Unlock()
+	undo.Release()
+	e.log.Info("sandbox created", "sandbox_id", id, "base", spec.Base, "layers", len(req.Digests))
+	v := s.view()
+	return &v, nil
+}
+
+// destroyRuntime stops the sandbox's processes and removes its runtime
+// state and cgroup. Best effort: errors are logged, the reaper retries.
+func (e *Edge) destroyRuntime(ctx context.Context, id, cgroupPath string) {
+	if err := e.deps.Backend.Destroy(ctx, id); err != nil {
+		e.log.Warn("destroying sandbox runtime", "sandbox_id", id, "err", err)
+	}
+	if e.deps.Cgroups != nil && cgroupPath != "" {
+		if err := e.deps.Cgroups.Remove(cgroupPath); err != nil {
+			e.log.Warn("removing sandbox cgroup", "sandbox_id", id, "err", err)
+		}
+	}
+}
+
+// Delete removes a sandbox and everything it holds. Deleting an unknown
+// sandbox succeeds (idempotent). A delete that arrives while the reaper
+// stops the sandbox waits for it, then removes the record too.
+func (e *Edge) Delete(ctx context.Context, id string) error {
+	e.mu.RLock()
+	s := e.sandboxes[id]
+	e.mu.RUnlock()
+	if s == nil {
+		return nil
+	}
+	s.life.Lock()
+	defer s.life.Unlock()
+	e.mu.RLock()
+	gone := e.sandboxes[id] != s
+	e.mu.RUnlock()
+	if gone {
+		return nil // deleted while we waited
+	}
+	s.mu.Lock()
+	s.going = true
+	s.mu.Unlock()
+	if err := e.teardown(ctx, s, true); err != nil {
+		s.mu.Lock()
+		s.going = false
+		s.mu.Unlock()
+		return err
+	}
+	e.mu.Lock()
+	delete(e.sandboxes, id)
+	e.mu.Unlock()
+	e.log.Info("sandbox deleted", "sandbox_id", id)
+	return nil
+}
+
+// teardown releases a sandbox's node resources. With remove it also deletes
+// its directory (writable layer included); without, it keeps the record as
+// a stopped sandbox.
+func (e *Edge) teardown(ctx context.Context, s *sbx, remove bool) error {
+	s.closeSessions()
+	s.mu.Lock()
+	rec := s.rec
+	if s.root != nil {
+		_ = s.root.Close()
+		s.root = nil
+	}
+	s.mu.Unlock()
+	id := rec.Sandbox.ID
+	if holdsResources(rec.Sandbox.State) {
+		e.destroyRuntime(ctx, id, rec.CgroupPath)
+		rootfs := filepath.Join(s.dir, "rootfs")
+		if err := layer.UnmountOverlay(rootfs); err != nil {
+			return fmt.Errorf("unmounting sandbox rootfs: %w", err)
+		}
+		for _, d := range rec.Digests {
+			if err := e.mounter.Release(d); err != nil {
+				e.log.Warn("releasing layer", "sandbox_id", id, "digest", d, "err", err)
+			}
+		}
+	}
+	if remove {
+		if err := os.RemoveAll(s.dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("removing sandbox dir: %w", err)
+		}
+	}
+	return nil
+}
+
+// stopSandbox ends a sandbox for a reason (ttl, idle timeout) but keeps
+// its record readable for StoppedRetention.
+func (e *Edge) stopSandbox(ctx context.Context, s *sbx, reason string) {
+	s.life.Lock()
+	defer s.life.Unlock()
+	s.mu.Lock()
+	if !holdsResources(s.rec.Sandbox.State) {
+		s.mu.Unlock()
+		return // deleted or stopped while we waited
+	}
+	s.going = true
+	id := s.rec.Sandbox.ID
+	s.mu.Unlock()
+	if err := e.teardown(ctx, s, false); err != nil {
+		e.log.Warn("stopping sandbox", "sandbox_id", id, "err", err)
+		s.mu.Lock()
+		s.going = false
+		s.mu.Unlock()
+		return
+	}
+	// The writable layer goes with the runtime: a stopped sandbox cannot be
+	// restarted, so keeping it would only leak disk.
+	for _, d := range []string{"upper", "work", "rootfs", "bundle"} {
+		_ = os.RemoveAll(filepath.Join(s.dir, d))
+	}
+	now := time.Now().UTC()
+	s.mu.Lock()
+	s.rec.Sandbox.State = api.StateStopped
+	s.rec.Sandbox.Error = reason
+	s.rec.StoppedAt = &now
+	if err := s.persistLocked(); err != nil {
+		e.log.Warn("persisting stopped sandbox", "sandbox_id", id, "err", err)
+	}
+	s.going = false
+	s.mu.Unlock()
+	e.metrics.reaped.WithLabelValues(reason).Inc()
+	e.log.Info("sandbox stopped", "sandbox_id", id, "reason", reason)
+}
+
+// DeleteByLabels deletes every sandbox whose labels contain sel.
+func (e *Edge) DeleteByLabels(ctx context.Context, sel map[string]string) (int, error) {
+	if len(sel) == 0 {
+		return 0, errdefs.Invalid("labels are required (refusing to delete every sandbox)")
+	}
+	n := 0
+	var firstErr error
+	for _, v := range e.List(ctx, ListFilter{Labels: sel}) {
+		if err := e.Delete(ctx, v.ID); err != nil {
+			if firstErr == nil {
+				firstErr = err
+			}
+			continue
+		}
+		n++
+	}
+	return n, firstErr
+}

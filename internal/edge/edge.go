@@ -1,0 +1,386 @@
+// Package edge is the node daemon: it admits sandboxes, composes their root
+// filesystems from layers, drives the sandbox backend, serves exec, sessions
+// and files, enforces TTL and idle timeouts, and after its own restart
+// re-adopts live sandboxes and reaps whatever belongs to none. It owns the
+// truth about its sandboxes in a state directory on local disk. The
+// apiserver calls it (in-process for `dsec up`).
+package edge
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/base32"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/cgroup"
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/sandbox"
+)
+
+// Config configures an edge.
+type Config struct {
+	// Name identifies the node; it is part of every sandbox id.
+	Name string
+	// StateDir holds sandboxes/, mnt/ (layer mounts) and runtime state.
+	StateDir string
+	// MaxSandboxes is the admission limit (live sandboxes on this node).
+	MaxSandboxes int
+	// Policy bounds specs.
+	Policy sandbox.Policy
+	// CgroupParent is the parent cgroup of every sandbox ("/dsec").
+	CgroupParent string
+	// StoppedRetention is how long a stopped sandbox's record stays
+	// readable after TTL or idle expiry.
+	StoppedRetention time.Duration
+	// ReapInterval is how often TTL and idle timeouts are checked.
+	ReapInterval time.Duration
+	// MaxUploadBytes bounds one file or tar upload.
+	MaxUploadBytes int64
+	// MaxSessions bounds the open sessions of one sandbox.
+	MaxSessions int
+}
+
+// Deps are the edge's collaborators.
+type Deps struct {
+	Backend sandbox.Backend
+	// BlobPath maps a layer digest to its EROFS file on this node.
+	BlobPath func(digest string) string
+	Cgroups  *cgroup.Info
+	Log      *slog.Logger
+	Metrics  *Metrics
+	// Runtime names the OCI runtime in use, for the node's info.
+	Runtime string
+}
+
+// Edge is one node's daemon.
+type Edge struct {
+	cfg     Config
+	deps    Deps
+	log     *slog.Logger
+	mounter *layer.Mounter
+	metrics *Metrics
+
+	mu        sync.RWMutex
+	sandboxes map[string]*sbx
+	creating  int // admissions in flight, counted against MaxSandboxes
+
+	stop chan struct{}
+	wg   sync.WaitGroup
+}
+
+var nodeNameRE = regexp.MustCompile(`^[a-z0-9]([a-z0-9]{0,30})$`)
+
+// New validates cfg and prepares the state directory. Call Start before use.
+func New(cfg Config, deps Deps) (*Edge, error) {
+	if !nodeNameRE.MatchString(cfg.Name) {
+		return nil, errdefs.Invalid("node name %q must be 1-31 lowercase letters or digits", cfg.Name)
+	}
+	if cfg.MaxSandboxes <= 0 {
+		cfg.MaxSandboxes = 4096
+	}
+	if cfg.CgroupParent == "" {
+		cfg.CgroupParent = "/dsec"
+	}
+	if cfg.StoppedRetention == 0 {
+		cfg.StoppedRetention = 10 * time.Minute
+	}
+	if cfg.ReapInterval == 0 {
+		cfg.ReapInterval = time.Second
+	}
+	if cfg.MaxUploadBytes == 0 {
+		cfg.MaxUploadBytes = 1 << 30
+	}
+	if cfg.MaxSessions == 0 {
+		cfg.MaxSessions = 64
+	}
+	if deps.Log == nil {
+		deps.Log = slog.Default()
+	}
+	if deps.Metrics == nil {
+		deps.Metrics = NewMetrics(nil)
+	}
+	for _, d := range []string{"sandboxes", "mnt"} {
+		if err := os.MkdirAll(filepath.Join(cfg.StateDir, d), 0o700); err != nil {
+			return nil, fmt.Errorf("creating state dir: %w", err)
+		}
+	}
+	e := &Edge{
+		cfg:       cfg,
+		deps:      deps,
+		log:       deps.Log.With("node", cfg.Name),
+		metrics:   deps.Metrics,
+		sandboxes: map[string]*sbx{},
+		stop:      make(chan struct{}),
+	}
+	e.mounter = layer.NewMounter(filepath.Join(cfg.StateDir, "mnt"), deps.BlobPath, e.log)
+	e.metrics.bind(e)
+	return e, nil
+}
+
+// Start recovers state left by a previous run, reaps leftovers and starts
+// the TTL/idle reaper.
+func (e *Edge) Start(ctx context.Context) error {
+	if e.deps.Cgroups != nil {
+		if err := e.deps.Cgroups.EnsureParent(e.cfg.CgroupParent); err != nil {
+			return fmt.Errorf("preparing cgroup parent %s: %w", e.cfg.CgroupParent, err)
+		}
+	}
+	if err := e.recover(ctx); err != nil {
+		return fmt.Errorf("recovering sandboxes: %w", err)
+	}
+	e.wg.Add(1)
+	go func() {
+		defer e.wg.Done()
+		e.reapLoop()
+	}()
+	return nil
+}
+
+// Close stops background work. Sandboxes keep running: a restarted edge
+// re-adopts them.
+func (e *Edge) Close() {
+	close(e.stop)
+	e.wg.Wait()
+	e.mu.Lock()
+	for _, s := range e.sandboxes {
+		s.closeSessions()
+	}
+	e.mu.Unlock()
+}
+
+// Name returns the node name.
+func (e *Edge) Name() string { return e.cfg.Name }
+
+func (e *Edge) sandboxDir(id string) string {
+	return filepath.Join(e.cfg.StateDir, "sandboxes", id)
+}
+
+var idEncoding = base32.NewEncoding("abcdefghijklmnopqrstuvwxyz234567").WithPadding(base32.NoPadding)
+
+func (e *Edge) newID() string {
+	var b [10]byte
+	_, _ = rand.Read(b[:])
+	return "sb-" + e.cfg.Name + "-" + idEncoding.EncodeToString(b[:])
+}
+
+// NodeOf returns the node encoded in a sandbox id.
+func NodeOf(id string) (string, bool) {
+	rest, ok := strings.CutPrefix(id, "sb-")
+	if !ok {
+		return "", false
+	}
+	i := strings.LastIndexByte(rest, '-')
+	if i <= 0 {
+		return "", false
+	}
+	return rest[:i], true
+}
+
+// get returns the sandbox or NotFound.
+func (e *Edge) get(id string) (*sbx, error) {
+	e.mu.RLock()
+	s := e.sandboxes[id]
+	e.mu.RUnlock()
+	if s == nil {
+		return nil, errdefs.NotFound("sandbox %s not found", id)
+	}
+	return s, nil
+}
+
+// begin admits one operation on a running sandbox: it fails with
+// failed_precondition unless the sandbox is running and not being stopped
+// or deleted, and counts the operation as in flight (the idle reaper does
+// not stop a sandbox while a command runs in it). Call the returned func
+// when the operation ends.
+func (e *Edge) begin(id string) (*sbx, func(), error) {
+	s, err := e.get(id)
+	if err != nil {
+		return nil, nil, err
+	}
+	s.mu.Lock()
+	state, reason, going := s.rec.Sandbox.State, s.rec.Sandbox.Error, s.going
+	if state == api.StateRunning && !going {
+		s.ops++
+	}
+	s.mu.Unlock()
+	if state != api.StateRunning || going {
+		msg := fmt.Sprintf("sandbox %s is %s", id, state)
+		switch {
+		case going:
+			msg = fmt.Sprintf("sandbox %s is being stopped or deleted", id)
+		case reason != "":
+			msg += " (" + reason + ")"
+		}
+		return nil, nil, errdefs.Precondition("%s", msg)
+	}
+	s.touch()
+	return s, func() {
+		s.touch()
+		s.mu.Lock()
+		s.ops--
+		s.mu.Unlock()
+	}, nil
+}
+
+// Get returns one sandbox.
+func (e *Edge) Get(ctx context.Context, id string) (*api.Sandbox, error) {
+	s, err := e.get(id)
+	if err != nil {
+		return nil, err
+	}
+	v := s.view()
+	return &v, nil
+}
+
+// ListFilter selects sandboxes.
+type ListFilter struct {
+	State  string
+	Labels map[string]string
+}
+
+// List returns the sandboxes matching f, sorted by id.
+func (e *Edge) List(ctx context.Context, f ListFilter) []api.Sandbox {
+	e.mu.RLock()
+	all := make([]*sbx, 0, len(e.sandboxes))
+	for _, s := range e.sandboxes {
+		all = append(all, s)
+	}
+	e.mu.RUnlock()
+	out := make([]api.Sandbox, 0, len(all))
+	for _, s := range all {
+		v := s.view()
+		if f.State != "" && v.State != f.State {
+			continue
+		}
+		if !sandbox.LabelsMatch(v.Labels, f.Labels) {
+			continue
+		}
+		out = append(out, v)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out
+}
+
+// Counts returns sandboxes by state.
+func (e *Edge) Counts() map[string]int {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	c := map[string]int{}
+	for _, s := range e.sandboxes {
+		s.mu.Lock()
+		c[s.rec.Sandbox.State]++
+		s.mu.Unlock()
+	}
+	return c
+}
+
+// Info describes the node for the apiserver.
+func (e *Edge) Info() api.Node {
+	n := api.Node{
+		Name:     e.cfg.Name,
+		Healthy:  true,
+		Backends: []string{e.deps.Backend.Name()},
+		Runtime:  e.deps.Runtime,
+		Capacity: api.Capacity{MaxSandboxes: e.cfg.MaxSandboxes},
+		Counts:   e.Counts(),
+	}
+	if e.deps.Cgroups != nil {
+		n.CgroupMode = e.deps.Cgroups.Mode.String()
+	}
+	return n
+}
+
+// LayerUsers returns how many sandboxes of this node use the layer digest.
+func (e *Edge) LayerUsers(digest string) int {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	n := 0
+	for _, s := range e.sandboxes {
+		s.mu.Lock()
+		for _, d := range s.rec.Digests {
+			if d == digest && holdsResources(s.rec.Sandbox.State) {
+				n++
+				break
+			}
+		}
+		s.mu.Unlock()
+	}
+	return n
+}
+
+// Keepalive extends a sandbox's lifetime to ttl seconds from now (the
+// spec's ttl when ttl is 0).
+func (e *Edge) Keepalive(ctx context.Context, id string, ttl int64) (*api.Sandbox, error) {
+	if ttl < 0 || ttl > e.cfg.Policy.MaxTTL {
+		return nil, errdefs.Invalid("ttl must be between 0 and %d seconds, got %d", e.cfg.Policy.MaxTTL, ttl)
+	}
+	s, done, err := e.begin(id)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	s.mu.Lock()
+	if ttl == 0 {
+		ttl = s.rec.Sandbox.Spec.TTL
+	}
+	exp := time.Now().Add(time.Duration(ttl) * time.Second).UTC()
+	s.rec.Sandbox.ExpiresAt = &exp
+	err = s.persistLocked()
+	v := s.viewLocked()
+	s.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	return &v, nil
+}
+
+// Stats returns a sandbox's resource use.
+func (e *Edge) Stats(ctx context.Context, id string) (*api.Stats, error) {
+	s, done, err := e.begin(id)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	var st api.Stats
+	if e.deps.Cgroups != nil {
+		cs, err := e.deps.Cgroups.Stats(s.rec.CgroupPath)
+		if err != nil {
+			return nil, fmt.Errorf("reading cgroup stats: %w", err)
+		}
+		st.CPUUsageNS, st.MemoryBytes, st.MemoryMaxBytes, st.Pids = cs.CPUUsageNS, cs.MemoryBytes, cs.MemoryLimitBytes, cs.Pids
+	}
+	st.DiskBytes = dirSize(filepath.Join(e.sandboxDir(id), "upper"))
+	return &st, nil
+}
+
+// dirSize sums the allocated bytes under dir without following symlinks.
+func dirSize(dir string) uint64 {
+	var n uint64
+	_ = filepath.WalkDir(dir, func(_ string, d os.DirEntry, err error) error {
+		if err != nil {
+			return nil
+		}
+		if info, err := d.Info(); err == nil && info.Mode().IsRegular() {
+			n += uint64(info.Size())
+		}
+		return nil
+	})
+	return n
+}
+
+// activity clock shared by sandboxes; unix nanos.
+type clock struct{ v atomic.Int64 }
+
+func (c *clock) set(t time.Time) { c.v.Store(t.UnixNano()) }
+func (c *clock) get() time.Time  { return time.Unix(0, c.v.Load()) }

@@ -1,0 +1,249 @@
+package edge
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/base64"
+	"fmt"
+	"io"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/files"
+	"github.com/dsecproject/dsec/internal/sandbox"
+)
+
+// Exec runs a one-shot command. With emit set, output is streamed as events
+// (the final status is returned, not emitted); otherwise it is collected
+// into the result, each stream capped at MaxOutputBytes.
+func (e *Edge) Exec(ctx context.Context, id string, req api.ExecRequest, emit func(api.ExecEvent) error) (*api.ExecResult, error) {
+	if err := sandbox.NormalizeExec(&req); err != nil {
+		return nil, err
+	}
+	s, done, err := e.begin(id)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	start := time.Now()
+	p, err := e.process(s, req.User, req.Cwd, req.Env)
+	if err != nil {
+		return nil, err
+	}
+	if req.Cmd != "" {
+		p.Args = []string{"/bin/sh", "-c", req.Cmd}
+	} else {
+		p.Args = req.Argv
+	}
+	switch {
+	case req.StdinB64 != "":
+		b, err := base64.StdEncoding.DecodeString(req.StdinB64)
+		if err != nil {
+			return nil, errdefs.Invalid("stdin_b64 is not valid base64: %v", err)
+		}
+		p.Stdin = bytes.NewReader(b)
+	case req.Stdin != "":
+		p.Stdin = strings.NewReader(req.Stdin)
+	}
+
+	var outBuf, errBuf *capBuffer
+	var sink *eventSink
+	var outW, errW *streamWriter
+	if emit != nil {
+		sink = &eventSink{emit: emit, remaining: req.MaxOutputBytes}
+		outW, errW = &streamWriter{sink: sink}, &streamWriter{sink: sink, stderr: true}
+		p.Stdout, p.Stderr = outW, errW
+	} else {
+		outBuf, errBuf = &capBuffer{max: req.MaxOutputBytes}, &capBuffer{max: req.MaxOutputBytes}
+		p.Stdout, p.Stderr = outBuf, errBuf
+	}
+	proc, err := e.deps.Backend.Exec(ctx, id, p)
+	if err != nil {
+		return nil, fmt.Errorf("starting command: %w", err)
+	}
+	code, timedOut, err := waitBounded(ctx, proc, time.Duration(req.Timeout)*time.Second)
+	if err != nil {
+		return nil, fmt.Errorf("waiting for command: %w", err)
+	}
+	res := &api.ExecResult{ExitCode: code, TimedOut: timedOut, DurationMS: time.Since(start).Milliseconds()}
+	if emit != nil {
+		outW.flush()
+		errW.flush()
+		res.Truncated = sink.truncated
+	} else {
+		ob, ot := outBuf.bytes()
+		eb, et := errBuf.bytes()
+		res.Stdout, res.StdoutB64 = textFields(ob)
+		res.Stderr, res.StderrB64 = textFields(eb)
+		res.Truncated = ot || et
+	}
+	e.metrics.execSeconds.Observe(time.Since(start).Seconds())
+	return res, nil
+}
+
+// waitBounded waits for proc, killing its tree when the timeout passes or
+// ctx ends (the caller went away).
+func waitBounded(ctx context.Context, proc sandbox.Proc, timeout time.Duration) (int, bool, error) {
+	type result struct {
+		code int
+		err  error
+	}
+	done := make(chan result, 1)
+	go func() {
+		c, err := proc.Wait()
+		done <- result{c, err}
+	}()
+	timer := time.NewTimer(timeout)
+	defer timer.Stop()
+	timedOut := false
+	select {
+	case r := <-done:
+		return r.code, false, r.err
+	case <-timer.C:
+		timedOut = true
+	case <-ctx.Done():
+	}
+	_ = proc.Kill()
+	r := <-done
+	if timedOut {
+		return 124, true, r.err
+	}
+	return r.code, false, r.err
+}
+
+// process builds the sandbox.Process for a request: user resolved against
+// the sandbox's own /etc/passwd, env = spec env + request env, cwd defaulting
+// to the spec's workdir.
+func (e *Edge) process(s *sbx, user, cwd string, env map[string]string) (sandbox.Process, error) {
+	s.mu.Lock()
+	spec := s.rec.Sandbox.Spec
+	s.mu.Unlock()
+	if user == "" {
+		user = spec.User
+	}
+	if cwd == "" {
+		cwd = spec.Workdir
+	}
+	root, err := e.root(s)
+	if err != nil {
+		return sandbox.Process{}, err
+	}
+	u, err := resolveUser(root, user)
+	if err != nil {
+		return sandbox.Process{}, err
+	}
+	merged := map[string]string{"HOME": u.home, "USER": u.name}
+	if u.name == "" {
+		delete(merged, "USER")
+	}
+	for k, v := range spec.Env {
+		merged[k] = v
+	}
+	for k, v := range env {
+		merged[k] = v
+	}
+	keys := make([]string, 0, len(merged))
+	for k := range merged {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	envList := make([]string, 0, len(keys))
+	for _, k := range keys {
+		envList = append(envList, k+"="+merged[k])
+	}
+	return sandbox.Process{Env: envList, Cwd: filepath.Clean(cwd), UID: u.uid, GID: u.gid}, nil
+}
+
+// root returns the sandbox's rootfs opened for confined file access.
+func (e *Edge) root(s *sbx) (*files.Root, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.root != nil {
+		return s.root, nil
+	}
+	r, err := files.Open(filepath.Join(s.dir, "rootfs"))
+	if err != nil {
+		return nil, fmt.Errorf("opening sandbox rootfs: %w", err)
+	}
+	s.root = r
+	return r, nil
+}
+
+type userInfo struct {
+	name     string
+	uid, gid uint32
+	home     string
+}
+
+// resolveUser maps NAME, UID, NAME:GROUP or UID:GID to ids using the
+// sandbox's own /etc/passwd and /etc/group, read through the confined root
+// (the files are the sandbox's and may be hostile: only parsed, bounded).
+func resolveUser(root *files.Root, spec string) (userInfo, error) {
+	userPart, groupPart, hasGroup := strings.Cut(spec, ":")
+	u := userInfo{home: "/"}
+	if n, err := strconv.ParseUint(userPart, 10, 32); err == nil {
+		u.uid, u.gid = uint32(n), uint32(n)
+		if ent, ok := lookupDB(root, "/etc/passwd", func(f []string) bool { return len(f) >= 3 && f[2] == userPart }); ok && len(ent) >= 6 {
+			u.name, u.home = ent[0], ent[5]
+			if g, err := strconv.ParseUint(ent[3], 10, 32); err == nil {
+				u.gid = uint32(g)
+			}
+		}
+	} else {
+		ent, ok := lookupDB(root, "/etc/passwd", func(f []string) bool { return f[0] == userPart })
+		if !ok || len(ent) < 6 {
+			return u, errdefs.Invalid("user %q does not exist in the sandbox's /etc/passwd", userPart)
+		}
+		uid, err1 := strconv.ParseUint(ent[2], 10, 32)
+		gid, err2 := strconv.ParseUint(ent[3], 10, 32)
+		if err1 != nil || err2 != nil {
+			return u, errdefs.Invalid("user %q has a malformed /etc/passwd entry", userPart)
+		}
+		u.name, u.uid, u.gid, u.home = userPart, uint32(uid), uint32(gid), ent[5]
+	}
+	if u.uid == 0 && u.name == "" {
+		u.name, u.home = "root", "/root"
+	}
+	if hasGroup {
+		if n, err := strconv.ParseUint(groupPart, 10, 32); err == nil {
+			u.gid = uint32(n)
+		} else {
+			ent, ok := lookupDB(root, "/etc/group", func(f []string) bool { return f[0] == groupPart })
+			if !ok || len(ent) < 3 {
+				return u, errdefs.Invalid("group %q does not exist in the sandbox's /etc/group", groupPart)
+			}
+			g, err := strconv.ParseUint(ent[2], 10, 32)
+			if err != nil {
+				return u, errdefs.Invalid("group %q has a malformed /etc/group entry", groupPart)
+			}
+			u.gid = uint32(g)
+		}
+	}
+	if u.home == "" {
+		u.home = "/"
+	}
+	return u, nil
+}
+
+// lookupDB scans a colon-separated database file inside the sandbox.
+func lookupDB(root *files.Root, path string, match func([]string) bool) ([]string, bool) {
+	rc, _, err := root.ReadFile(path)
+	if err != nil {
+		return nil, false
+	}
+	defer rc.Close()
+	sc := bufio.NewScanner(io.LimitReader(rc, 4<<20))
+	for sc.Scan() {
+		f := strings.Split(sc.Text(), ":")
+		if len(f) > 0 && match(f) {
+			return f, true
+		}
+	}
+	return nil, false
+}

@@ -1,0 +1,67 @@
+package edge
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Metrics are the edge's Prometheus metrics.
+type Metrics struct {
+	reg            prometheus.Registerer
+	createSeconds  prometheus.Histogram
+	execSeconds    prometheus.Histogram
+	createFailures *prometheus.CounterVec
+	reaped         *prometheus.CounterVec
+}
+
+// NewMetrics creates the edge's metrics and registers them on reg (nil:
+// not registered, for tests).
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
+		reg: reg,
+		createSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "dsec_sandbox_create_seconds",
+			Help:    "Time from admission to a sandbox ready for exec.",
+			Buckets: []float64{.005, .01, .015, .025, .05, .1, .25, .5, 1, 2.5, 5, 10},
+		}),
+		execSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "dsec_exec_seconds",
+			Help:    "Duration of exec calls and session runs, command time included.",
+			Buckets: []float64{.002, .005, .01, .025, .05, .1, .25, .5, 1, 5, 30, 120},
+		}),
+		createFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "dsec_sandbox_create_failures_total",
+			Help: "Sandbox creations that failed, by reason (API error code).",
+		}, []string{"reason"}),
+		reaped: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "dsec_sandbox_stopped_total",
+			Help: "Sandboxes stopped by the edge, by reason (ttl expired, idle timeout, init exited).",
+		}, []string{"reason"}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.createSeconds, m.execSeconds, m.createFailures, m.reaped)
+	}
+	return m
+}
+
+// bind registers the per-state gauge, which reads the edge on scrape.
+func (m *Metrics) bind(e *Edge) {
+	if m.reg == nil {
+		return
+	}
+	m.reg.MustRegister(&stateCollector{e: e, desc: prometheus.NewDesc(
+		"dsec_sandboxes", "Sandboxes on this node by state.", []string{"state", "backend"}, nil)})
+}
+
+type stateCollector struct {
+	e    *Edge
+	desc *prometheus.Desc
+}
+
+func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
+	counts := c.e.Counts()
+	for _, st := range []string{"creating", "running", "paused", "stopped", "failed"} {
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(counts[st]), st, c.e.deps.Backend.Name())
+	}
+}

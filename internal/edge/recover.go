@@ -1,0 +1,264 @@
+package edge
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/layer"
+)
+
+// holdsResources reports whether a sandbox in state holds node resources
+// (runtime, mounts, layer references).
+func holdsResources(state string) bool {
+	return state == api.StateCreating || state == api.StateRunning || state == api.StatePaused
+}
+
+// recover rebuilds the in-memory state from the state directory and the
+// runtime after a restart (or a crash), re-adopting live sandboxes, and
+// reaps everything that belongs to no sandbox: runtime containers, cgroups,
+// overlay and layer mounts, directories.
+func (e *Edge) recover(ctx context.Context) error {
+	dir := filepath.Join(e.cfg.StateDir, "sandboxes")
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	mounted, err := mountpoints(e.cfg.StateDir)
+	if err != nil {
+		return err
+	}
+	live := map[string]bool{}
+	refs := map[string]int{}
+	adopted, failed, reaped := 0, 0, 0
+	for _, ent := range ents {
+		id := ent.Name()
+		sdir := filepath.Join(dir, id)
+		rootfs := filepath.Join(sdir, "rootfs")
+		rec, err := readRecord(sdir)
+		if err != nil || !ent.IsDir() {
+			e.log.Warn("reaping sandbox dir without a valid record", "sandbox_id", id, "err", err)
+			e.reapDir(ctx, id, sdir, mounted[rootfs])
+			reaped++
+			continue
+		}
+		st := rec.Sandbox.State
+		switch {
+		case st == api.StateCreating:
+			e.log.Warn("reaping sandbox whose creation was interrupted", "sandbox_id", id)
+			e.reapDir(ctx, id, sdir, mounted[rootfs])
+			reaped++
+			continue
+		case holdsResources(st):
+			status, serr := e.deps.Backend.Status(ctx, id)
+			if serr == nil && status.Running && mounted[rootfs] {
+				live[id] = true
+				for _, d := range rec.Digests {
+					refs[d]++
+				}
+				adopted++
+				break
+			}
+			// The sandbox died while the edge was down: release what it
+			// held, keep its record as failed so the owner can see why.
+			e.log.Warn("sandbox did not survive the edge restart", "sandbox_id", id, "err", serr)
+			e.destroyRuntime(ctx, id, rec.CgroupPath)
+			if mounted[rootfs] {
+				_ = layer.UnmountOverlay(rootfs)
+			}
+			for _, d := range []string{"upper", "work", "rootfs", "bundle"} {
+				_ = os.RemoveAll(filepath.Join(sdir, d))
+			}
+			now := time.Now().UTC()
+			rec.Sandbox.State = api.StateFailed
+			rec.Sandbox.Error = "sandbox exited while the edge was down"
+			rec.StoppedAt = &now
+			if err := writeRecord(sdir, rec); err != nil {
+				e.log.Warn("persisting failed sandbox", "sandbox_id", id, "err", err)
+			}
+			failed++
+		}
+		s := &sbx{dir: sdir, rec: *rec}
+		s.touch()
+		e.mu.Lock()
+		e.sandboxes[id] = s
+		e.mu.Unlock()
+	}
+	if err := e.mounter.Recover(refs); err != nil {
+		return err
+	}
+	// Runtime state and cgroups that belong to no live sandbox.
+	ids, err := e.deps.Backend.List(ctx)
+	if err != nil {
+		return err
+	}
+	for _, id := range ids {
+		if !live[id] {
+			e.log.Warn("reaping orphan runtime container", "sandbox_id", id)
+			e.destroyRuntime(ctx, id, e.cfg.CgroupParent+"/"+id)
+			reaped++
+		}
+	}
+	if e.deps.Cgroups != nil {
+		kids, err := e.deps.Cgroups.Children(e.cfg.CgroupParent)
+		if err != nil {
+			return err
+		}
+		for _, k := range kids {
+			if !live[k] {
+				e.log.Warn("reaping orphan cgroup", "cgroup", e.cfg.CgroupParent+"/"+k)
+				if err := e.deps.Cgroups.Remove(e.cfg.CgroupParent + "/" + k); err != nil {
+					e.log.Warn("removing orphan cgroup", "cgroup", k, "err", err)
+				}
+				reaped++
+			}
+		}
+	}
+	// Mounts under the sandboxes dir that belong to no live sandbox.
+	if mounted, err = mountpoints(dir); err == nil {
+		for mp := range mounted {
+			id := strings.SplitN(strings.TrimPrefix(mp, dir+"/"), "/", 2)[0]
+			if !live[id] {
+				e.log.Warn("reaping orphan mount", "path", mp)
+				_ = layer.UnmountOverlay(mp)
+				reaped++
+			}
+		}
+	}
+	e.log.Info("recovery done", "adopted", adopted, "failed", failed, "reaped", reaped)
+	return nil
+}
+
+// reapDir undoes whatever a sandbox dir may hold and removes it.
+func (e *Edge) reapDir(ctx context.Context, id, sdir string, rootfsMounted bool) {
+	e.destroyRuntime(ctx, id, e.cfg.CgroupParent+"/"+id)
+	if rootfsMounted {
+		if err := layer.UnmountOverlay(filepath.Join(sdir, "rootfs")); err != nil {
+			e.log.Warn("unmounting orphan rootfs", "sandbox_id", id, "err", err)
+			return
+		}
+	}
+	if err := os.RemoveAll(sdir); err != nil && !errors.Is(err, os.ErrNotExist) {
+		e.log.Warn("removing orphan sandbox dir", "sandbox_id", id, "err", err)
+	}
+}
+
+// mountpoints returns the mount points at or below prefix.
+func mountpoints(prefix string) (map[string]bool, error) {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	out := map[string]bool{}
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) < 5 {
+			continue
+		}
+		mp := unescapeMount(fields[4])
+		if mp == prefix || strings.HasPrefix(mp, prefix+"/") {
+			out[mp] = true
+		}
+	}
+	return out, sc.Err()
+}
+
+// unescapeMount decodes the octal escapes (\040 etc.) of mountinfo paths.
+func unescapeMount(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(n))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+// reapLoop enforces TTL and idle timeouts and forgets stopped sandboxes
+// after their retention.
+func (e *Edge) reapLoop() {
+	t := time.NewTicker(e.cfg.ReapInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-e.stop:
+			return
+		case <-t.C:
+			e.reapOnce(time.Now())
+		}
+	}
+}
+
+func (e *Edge) reapOnce(now time.Time) {
+	e.mu.RLock()
+	all := make([]*sbx, 0, len(e.sandboxes))
+	for _, s := range e.sandboxes {
+		all = append(all, s)
+	}
+	e.mu.RUnlock()
+	sem := make(chan struct{}, 8)
+	for _, s := range all {
+		s.mu.Lock()
+		rec := s.rec
+		busy := s.going
+		inFlight := s.ops
+		s.mu.Unlock()
+		if busy {
+			continue
+		}
+		reason := ""
+		switch {
+		case rec.Sandbox.State == api.StateRunning && rec.Sandbox.ExpiresAt != nil && now.After(*rec.Sandbox.ExpiresAt):
+			reason = "ttl expired"
+		case rec.Sandbox.State == api.StateRunning && rec.Sandbox.Spec.IdleTimeout > 0 && inFlight == 0 &&
+			now.Sub(s.active.get()) > time.Duration(rec.Sandbox.Spec.IdleTimeout)*time.Second:
+			reason = "idle timeout"
+		case !holdsResources(rec.Sandbox.State) && rec.StoppedAt != nil && now.Sub(*rec.StoppedAt) > e.cfg.StoppedRetention:
+			e.forget(s)
+			continue
+		default:
+			continue
+		}
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem }()
+			e.stopSandbox(context.Background(), s, reason)
+		}()
+	}
+	for range cap(sem) {
+		sem <- struct{}{}
+	}
+}
+
+// forget removes a stopped sandbox's record.
+func (e *Edge) forget(s *sbx) {
+	s.life.Lock()
+	defer s.life.Unlock()
+	s.mu.Lock()
+	id := s.rec.Sandbox.ID
+	s.mu.Unlock()
+	if err := os.RemoveAll(s.dir); err != nil {
+		e.log.Warn("removing stopped sandbox", "sandbox_id", id, "err", err)
+		return
+	}
+	e.mu.Lock()
+	delete(e.sandboxes, id)
+	e.mu.Unlock()
+}

@@ -1,0 +1,440 @@
+package edge
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"path"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/proctree"
+	"github.com/dsecproject/dsec/internal/sandbox"
+)
+
+// A session is a long-lived shell inside the sandbox, fed commands on its
+// stdin by the edge. Each run is wrapped so the shell prints a marker with
+// a per-run random nonce and the exit status on both streams when the
+// command ends; the edge splits output at the markers. Commands run with
+// `command eval` in the shell itself, so cwd, variables and functions
+// persist and a syntax error does not end a POSIX shell, and with stdin
+// from /dev/null, so a command cannot swallow the next one.
+type session struct {
+	id    string
+	proc  sandbox.Proc
+	stdin *os.File
+	out   *markerCapture
+	err   *markerCapture
+
+	// exited is closed when the shell exits; code is its status after.
+	exited chan struct{}
+	code   int
+	// shellPid is the host pid of the shell, found at start.
+	shellPid int
+	// bash sessions survive a timeout (see bashSetup); others end.
+	bash bool
+
+	runMu sync.Mutex // one run at a time
+}
+
+// markerCapture collects one stream of a session and finds the end marker.
+type markerCapture struct {
+	mu        sync.Mutex
+	prefix    []byte // marker prefix of the current run; nil between runs
+	win       []byte // bytes not yet committed (may hold a partial marker)
+	buf       []byte
+	max       int64
+	truncated bool
+	done      bool
+	code      int
+	notify    chan struct{}
+}
+
+func newCapture() *markerCapture { return &markerCapture{notify: make(chan struct{}, 1)} }
+
+// maxWindow bounds the uncommitted bytes kept while looking for a marker.
+const maxWindow = 64 << 10
+
+func (c *markerCapture) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.prefix == nil || c.done {
+		// Output between runs (background jobs): not part of any result.
+		return len(p), nil
+	}
+	c.win = append(c.win, p...)
+	if i := bytes.Index(c.win, c.prefix); i >= 0 {
+		rest := c.win[i+len(c.prefix):]
+		if j := bytes.Index(rest, []byte("\x1e\n")); j >= 0 {
+			c.commit(c.win[:i])
+			c.code, _ = strconv.Atoi(string(rest[:j]))
+			c.done = true
+			c.win = nil
+			c.signal()
+			return len(p), nil
+		}
+		if len(c.win) > maxWindow {
+			c.commit(c.win[:i])
+			c.win = append([]byte(nil), c.win[i:]...)
+		}
+		return len(p), nil
+	}
+	if keep := len(c.prefix) - 1; len(c.win) > keep {
+		c.commit(c.win[:len(c.win)-keep])
+		c.win = append([]byte(nil), c.win[len(c.win)-keep:]...)
+	}
+	return len(p), nil
+}
+
+// commit appends to the result within the cap.
+// Preconditions: c.mu held.
+func (c *markerCapture) commit(b []byte) {
+	room := c.max - int64(len(c.buf))
+	if int64(len(b)) > room {
+		if room > 0 {
+			c.buf = append(c.buf, b[:room]...)
+		}
+		c.truncated = true
+		return
+	}
+	c.buf = append(c.buf, b...)
+}
+
+func (c *markerCapture) signal() {
+	select {
+	case c.notify <- struct{}{}:
+	default:
+	}
+}
+
+func (c *markerCapture) arm(prefix []byte, max int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.prefix, c.win, c.buf, c.max, c.truncated, c.done, c.code = prefix, nil, nil, max, false, false, 0
+	select {
+	case <-c.notify:
+	default:
+	}
+}
+
+func (c *markerCapture) result() (buf []byte, truncated, done bool, code int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	b := c.buf
+	if !c.done {
+		// The run did not finish: what is in the window is output too.
+		c.commit(c.win)
+		b = c.buf
+	}
+	c.prefix = nil
+	return b, c.truncated, c.done, c.code
+}
+
+func nonce() string {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// shellQuote quotes s for POSIX sh as one single-quoted word.
+func shellQuote(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+// bashSetup prepares a bash session so that a timed-out command can be
+// aborted without killing the shell: SIGUSR1 sets an abort flag, and a
+// DEBUG trap (with extdebug, inherited into functions by set -T) skips every
+// further command while it is set, except the session's own __dsec_ ones.
+// The edge sends SIGUSR1 and then kills the command's processes, so the
+// rest of the command line does not run and the shell stays usable.
+const bashSetup = `__dsec_abort=0
+trap '__dsec_abort=1' USR1
+shopt -s extdebug
+set -T
+trap '[[ $__dsec_abort = 0 || $BASH_COMMAND == __dsec_* ]]' DEBUG
+__dsec_end() { __dsec_abort=0; printf '\036DSEC:%s:%d\036\n' "$1" "$2"; printf '\036DSEC:%s:%d\036\n' "$1" "$2" >&2; }
+`
+
+// runScript wraps a command for the session's shell.
+func runScript(cmd, n string, bash bool) string {
+	if bash {
+		return "command eval " + shellQuote(cmd) + " </dev/null\n__dsec_end " + n + " $?\n"
+	}
+	return "command eval " + shellQuote(cmd) + " </dev/null\n" +
+		"__dsec_rc=$?\n" +
+		"printf '\\036DSEC:%s:%d\\036\\n' " + n + " \"$__dsec_rc\"\n" +
+		"printf '\\036DSEC:%s:%d\\036\\n' " + n + " \"$__dsec_rc\" >&2\n"
+}
+
+func markerPrefix(n string) []byte { return []byte("\x1eDSEC:" + n + ":") }
+
+// OpenSession starts a shell in the sandbox.
+func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionRequest) (*api.Session, error) {
+	s, done, err := e.begin(id)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	if req.Shell != "" {
+		if err := sandbox.ValidateAbsPath("shell", req.Shell); err != nil {
+			return nil, err
+		}
+	}
+	if req.Cwd != "" {
+		if err := sandbox.ValidateAbsPath("cwd", req.Cwd); err != nil {
+			return nil, err
+		}
+	}
+	if req.User != "" {
+		if err := sandbox.ValidateUser(req.User); err != nil {
+			return nil, err
+		}
+	}
+	if err := sandbox.ValidateEnv(req.Env, 1024); err != nil {
+		return nil, err
+	}
+	root, err := e.root(s)
+	if err != nil {
+		return nil, err
+	}
+	shell := req.Shell
+	if shell == "" {
+		shell = "/bin/sh"
+		if _, err := root.Stat("/bin/bash"); err == nil {
+			shell = "/bin/bash"
+		}
+	} else if _, err := root.Stat(shell); err != nil {
+		return nil, errdefs.Invalid("shell %s does not exist in the sandbox", shell)
+	}
+	s.mu.Lock()
+	if len(s.sessions) >= e.cfg.MaxSessions {
+		s.mu.Unlock()
+		return nil, errdefs.Exhausted("sandbox %s already has %d sessions", id, e.cfg.MaxSessions)
+	}
+	s.mu.Unlock()
+
+	p, err := e.process(s, req.User, req.Cwd, req.Env)
+	if err != nil {
+		return nil, err
+	}
+	p.Args = []string{shell}
+	r, w, err := os.Pipe()
+	if err != nil {
+		return nil, fmt.Errorf("creating session pipe: %w", err)
+	}
+	se := &session{id: "ss-" + nonce()[:16], stdin: w, out: newCapture(), err: newCapture(),
+		exited: make(chan struct{}), bash: strings.Contains(path.Base(shell), "bash")}
+	p.Stdin, p.Stdout, p.Stderr = r, se.out, se.err
+	proc, err := e.deps.Backend.Exec(ctx, id, p)
+	r.Close()
+	if err != nil {
+		w.Close()
+		return nil, fmt.Errorf("starting session shell: %w", err)
+	}
+	se.proc = proc
+	go func() {
+		se.code, _ = proc.Wait()
+		close(se.exited)
+		se.out.signal()
+		se.err.signal()
+	}()
+	// Learn the shell's pid (inside the sandbox, then on the host) so a
+	// timed-out command can be killed without killing the shell.
+	probe := "echo $$"
+	if se.bash {
+		if _, err := se.stdin.Write([]byte(bashSetup)); err != nil {
+			se.close()
+			return nil, fmt.Errorf("starting session shell: %w", err)
+		}
+	}
+	res, err := se.run(ctx, probe, 10*time.Second, 64)
+	if err == nil && res.ExitCode == 0 {
+		if nsPid, perr := strconv.Atoi(strings.TrimSpace(res.Stdout)); perr == nil {
+			se.shellPid, _ = proctree.FindByNSPid(proc.Pid(), nsPid)
+		}
+	}
+	if se.shellPid == 0 {
+		se.close()
+		msg := ""
+		if res != nil {
+			msg = strings.TrimSpace(res.Stderr)
+		}
+		return nil, fmt.Errorf("starting session shell %s: shell did not answer (%v) %s", shell, err, msg)
+	}
+	s.mu.Lock()
+	if s.sessions == nil {
+		s.sessions = map[string]*session{}
+	}
+	s.sessions[se.id] = se
+	s.mu.Unlock()
+	return &api.Session{SessionID: se.id}, nil
+}
+
+// RunInSession runs one command in a session's shell.
+func (e *Edge) RunInSession(ctx context.Context, id, sid string, req api.SessionRunRequest) (*api.ExecResult, error) {
+	if err := sandbox.NormalizeRun(&req); err != nil {
+		return nil, err
+	}
+	s, done, err := e.begin(id)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	s.mu.Lock()
+	se := s.sessions[sid]
+	s.mu.Unlock()
+	if se == nil {
+		return nil, errdefs.NotFound("session %s not found in sandbox %s", sid, id)
+	}
+	start := time.Now()
+	res, err := se.run(ctx, req.Command, time.Duration(req.Timeout)*time.Second, req.MaxOutputBytes)
+	if err != nil {
+		return nil, err
+	}
+	select {
+	case <-se.exited:
+		// The command ended the shell (exit, exec): the session is over.
+		s.mu.Lock()
+		delete(s.sessions, sid)
+		s.mu.Unlock()
+		se.close()
+	default:
+	}
+	e.metrics.execSeconds.Observe(time.Since(start).Seconds())
+	return res, nil
+}
+
+// CloseSession kills a session's shell and everything it started.
+func (e *Edge) CloseSession(ctx context.Context, id, sid string) error {
+	s, err := e.get(id)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	se := s.sessions[sid]
+	delete(s.sessions, sid)
+	s.mu.Unlock()
+	if se == nil {
+		return errdefs.NotFound("session %s not found in sandbox %s", sid, id)
+	}
+	se.close()
+	return nil
+}
+
+func (se *session) close() {
+	_ = se.stdin.Close()
+	_ = se.proc.Kill()
+	select {
+	case <-se.exited:
+	case <-time.After(5 * time.Second):
+	}
+}
+
+// run sends one command and waits for its markers.
+func (se *session) run(ctx context.Context, cmd string, timeout time.Duration, maxOut int64) (*api.ExecResult, error) {
+	se.runMu.Lock()
+	defer se.runMu.Unlock()
+	select {
+	case <-se.exited:
+		return nil, errdefs.Precondition("session %s has ended", se.id)
+	default:
+	}
+	start := time.Now()
+	n := nonce()
+	se.out.arm(markerPrefix(n), maxOut)
+	se.err.arm(markerPrefix(n), maxOut)
+	script := runScript(cmd, n, se.bash)
+	wrote := make(chan error, 1)
+	go func() {
+		_, err := se.stdin.Write([]byte(script))
+		wrote <- err
+	}()
+	timer := time.NewTimer(timeout)
+	defer timer.Stop()
+	timedOut := false
+	finished := func() bool {
+		_, _, d1, _ := se.peek(se.out)
+		_, _, d2, _ := se.peek(se.err)
+		return d1 && d2
+	}
+wait:
+	for !finished() {
+		select {
+		case <-se.out.notify:
+		case <-se.err.notify:
+		case <-se.exited:
+			// Give the pipes a moment to drain.
+			time.Sleep(20 * time.Millisecond)
+			break wait
+		case err := <-wrote:
+			if err != nil {
+				break wait
+			}
+			wrote = nil
+		case <-timer.C:
+			timedOut = true
+			break wait
+		case <-ctx.Done():
+			timedOut = true
+			break wait
+		}
+	}
+	if timedOut && se.shellPid != 0 && !se.bash {
+		// Other shells cannot abort the rest of a command line: the session
+		// ends rather than run what followed the timed-out command.
+		_ = se.stdin.Close()
+		proctree.Kill(se.shellPid, true)
+	}
+	if timedOut && se.shellPid != 0 && se.bash {
+		// Flag the abort, then kill what the command started but keep the
+		// shell: it skips the rest of the command, prints the markers and
+		// the session stays usable.
+		_ = unix.Kill(se.shellPid, unix.SIGUSR1)
+		proctree.Kill(se.shellPid, false)
+		grace := time.After(5 * time.Second)
+	drain:
+		for !finished() {
+			select {
+			case <-se.out.notify:
+			case <-se.err.notify:
+			case <-se.exited:
+				break drain
+			case <-grace:
+				break drain
+			}
+		}
+	}
+	ob, ot, od, code := se.out.result()
+	eb, et, ed, _ := se.err.result()
+	res := &api.ExecResult{ExitCode: code, Truncated: ot || et, DurationMS: time.Since(start).Milliseconds()}
+	res.Stdout, res.StdoutB64 = textFields(ob)
+	res.Stderr, res.StderrB64 = textFields(eb)
+	switch {
+	case timedOut:
+		res.TimedOut, res.ExitCode = true, 124
+	case !od || !ed:
+		// The shell exited during the command (exit, exec, killed).
+		res.ExitCode = -1
+		select {
+		case <-se.exited:
+			res.ExitCode = se.code
+		default:
+		}
+	}
+	return res, nil
+}
+
+func (se *session) peek(c *markerCapture) ([]byte, bool, bool, int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return nil, c.truncated, c.done, c.code
+}

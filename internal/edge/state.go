@@ -1,0 +1,125 @@
+package edge
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/files"
+)
+
+// recordVersion is bumped when record changes incompatibly.
+const recordVersion = 1
+
+// record is what the edge persists per sandbox (sandbox.json).
+type record struct {
+	Version    int         `json:"version"`
+	Sandbox    api.Sandbox `json:"sandbox"`
+	Digests    []string    `json:"digests"` // layer digests, bottom first
+	CgroupPath string      `json:"cgroup_path"`
+	// StoppedAt is when the sandbox stopped; its record is removed
+	// StoppedRetention later.
+	StoppedAt *time.Time `json:"stopped_at,omitempty"`
+}
+
+// sbx is one sandbox in memory.
+type sbx struct {
+	dir string
+	// active is the time of the last request (kept out of mu: every call
+	// touches it).
+	active clock
+
+	// life serialises the transitions that release the sandbox's
+	// resources (stop by the reaper, delete); it is held across them.
+	life sync.Mutex
+
+	mu       sync.Mutex
+	rec      record
+	root     *files.Root // opened lazily on the rootfs
+	sessions map[string]*session
+	// going is set while the sandbox is being stopped or deleted: new
+	// operations are refused.
+	going bool
+	// ops counts operations in flight (see Edge.begin).
+	ops int
+}
+
+func (s *sbx) touch() { s.active.set(time.Now()) }
+
+func (s *sbx) view() api.Sandbox {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.viewLocked()
+}
+
+func (s *sbx) viewLocked() api.Sandbox {
+	v := s.rec.Sandbox
+	if t := s.active.get(); !t.IsZero() && t.Unix() > 0 {
+		t = t.UTC()
+		v.LastActiveAt = &t
+	}
+	return v
+}
+
+// persistLocked writes the record atomically.
+// Preconditions: s.mu held.
+func (s *sbx) persistLocked() error {
+	return writeRecord(s.dir, &s.rec)
+}
+
+func writeRecord(dir string, rec *record) error {
+	rec.Version = recordVersion
+	data, err := json.Marshal(rec)
+	if err != nil {
+		return fmt.Errorf("encoding sandbox record: %w", err)
+	}
+	tmp := filepath.Join(dir, ".sandbox.json.tmp")
+	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return fmt.Errorf("writing sandbox record: %w", err)
+	}
+	_, err = f.Write(data)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp, filepath.Join(dir, "sandbox.json"))
+	}
+	if err != nil {
+		_ = os.Remove(tmp)
+		return fmt.Errorf("writing sandbox record: %w", err)
+	}
+	return nil
+}
+
+func readRecord(dir string) (*record, error) {
+	data, err := os.ReadFile(filepath.Join(dir, "sandbox.json"))
+	if err != nil {
+		return nil, err
+	}
+	var rec record
+	if err := json.Unmarshal(data, &rec); err != nil {
+		return nil, fmt.Errorf("decoding %s: %w", filepath.Join(dir, "sandbox.json"), err)
+	}
+	if rec.Version != recordVersion {
+		return nil, fmt.Errorf("sandbox record version %d, want %d", rec.Version, recordVersion)
+	}
+	return &rec, nil
+}
+
+func (s *sbx) closeSessions() {
+	s.mu.Lock()
+	ss := s.sessions
+	s.sessions = nil
+	s.mu.Unlock()
+	for _, se := range ss {
+		se.close()
+	}
+}

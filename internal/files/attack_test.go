@@ -1,0 +1,195 @@
+package files
+
+import (
+	"bytes"
+	"io"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+// plantLinks plants the symlinks a hostile sandbox would: to "/", to the
+// host's secret by absolute path, and relative ones climbing with "..".
+func plantLinks(t *testing.T, f *fixture) {
+	t.Helper()
+	f.symlink(t, "/", "/slash")
+	f.symlink(t, f.outside, "/abs")
+	f.symlink(t, f.secret, "/absfile")
+	f.symlink(t, "../outside", "/rel")
+	f.symlink(t, strings.Repeat("../", 20)+f.outside[1:], "/deeprel")
+	f.symlink(t, "../../outside/secret", "/dir/up")
+	f.symlink(t, "/proc/self/root"+f.secret, "/magic")
+}
+
+func TestSymlinksCannotReadOutside(t *testing.T) {
+	f := newFixture(t)
+	plantLinks(t, f)
+	for _, p := range []string{
+		"/absfile", "/abs/secret", "/rel/secret", "/deeprel/secret", "/dir/up",
+		"/slash" + f.secret, "/slash/../../.." + f.secret, "/../.." + f.secret, "/magic",
+		"/abs/dir/passwd", "/rel/dir/passwd",
+	} {
+		got, err := readAll(t, f.r, p)
+		if strings.Contains(got, secret) {
+			t.Fatalf("ReadFile(%q) read the host's secret", p)
+		}
+		if err == nil {
+			t.Fatalf("ReadFile(%q) = %q, want an error (nothing at the clamped path)", p, got)
+		}
+	}
+
+	// The same links resolve inside the root: "/abs" means root+outside.
+	f.write(t, f.secret, "decoy")
+	for _, p := range []string{"/abs/secret", "/absfile", "/deeprel/secret", "/slash" + f.secret} {
+		got, err := readAll(t, f.r, p)
+		if err != nil || got != "decoy" {
+			t.Fatalf("ReadFile(%q) = %q, %v; want the in-root decoy", p, got, err)
+		}
+	}
+
+	// Stat reports the link itself, and List does not descend it.
+	e, err := f.r.Stat("/absfile")
+	must(t, err)
+	if e.Type != "symlink" || e.LinkTarget != f.secret {
+		t.Fatalf("Stat(/absfile) = %+v", e)
+	}
+	es, err := f.r.List("/", 100)
+	must(t, err)
+	for _, e := range es {
+		if strings.Contains(e.Path, "passwd") {
+			t.Fatalf("List descended a symlink: %+v", e)
+		}
+	}
+	var buf bytes.Buffer
+	must(t, f.r.WriteTar("/", &buf))
+	if bytes.Contains(buf.Bytes(), []byte(secret)) {
+		t.Fatal("WriteTar archived the host's secret")
+	}
+}
+
+func TestSymlinksCannotWriteOutside(t *testing.T) {
+	f := newFixture(t)
+	plantLinks(t, f)
+	for _, p := range []string{
+		"/absfile", "/abs/secret", "/abs/new", "/rel/secret", "/rel/newdir/x", "/deeprel/secret",
+		"/dir/up", "/slash" + f.secret, "/magic", "/abs/dir/passwd",
+		"/../../outside/secret", "/..",
+	} {
+		// Success or failure are both fine; the fixture checks that
+		// nothing outside the root changed.
+		f.r.WriteFile(p, strings.NewReader("pwned"), 0644, 0)
+	}
+	// Writes through "/abs" landed at root+outside.
+	if b, err := os.ReadFile(f.host(f.secret)); err != nil || string(b) != "pwned" {
+		t.Fatalf("write through /abs went to %q, %v; want root+outside", b, err)
+	}
+	// A trailing symlink is replaced, not written through.
+	e, err := f.r.Stat("/absfile")
+	must(t, err)
+	if e.Type != "file" {
+		t.Fatalf("/absfile is %q after WriteFile, want a file replacing the link", e.Type)
+	}
+	_, err = f.r.WriteFile("/a\x00b", strings.NewReader("x"), 0644, 0)
+	wantClass(t, err, errdefs.ErrInvalid)
+}
+
+func TestSymlinksCannotRemoveOutside(t *testing.T) {
+	f := newFixture(t)
+	plantLinks(t, f)
+	f.write(t, "/tree/file", "x")
+	f.symlink(t, f.outside, "/tree/abs")
+	f.symlink(t, "../../outside", "/tree/sub/rel")
+	f.symlink(t, "/", "/tree/sub/slash")
+
+	for _, p := range []string{"/abs/secret", "/rel/secret", "/dir/up/x", "/slash" + f.secret, "/abs/dir"} {
+		if err := f.r.Remove(p, true); err == nil {
+			t.Fatalf("Remove(%q) succeeded; nothing is there inside the root", p)
+		}
+	}
+	must(t, f.r.Remove("/tree", true))
+	// Removing a link to "/" removes the link, not the root.
+	must(t, f.r.Remove("/slash", true))
+	must(t, f.r.Remove("/abs", true))
+	if _, err := os.Lstat(f.host("/rel")); err != nil {
+		t.Fatalf("unrelated link gone: %v", err)
+	}
+}
+
+func TestListThroughLinks(t *testing.T) {
+	f := newFixture(t)
+	plantLinks(t, f)
+	_, err := f.r.List("/abs", 1)
+	wantClass(t, err, errdefs.ErrNotFound)
+	_, err = f.r.List("/slash", 1)
+	must(t, err)
+	_, err = f.r.List("/a\x00", 1)
+	wantClass(t, err, errdefs.ErrInvalid)
+}
+
+// A FIFO would block an open forever; a device node opened by host root
+// would reach host hardware. ReadFile must refuse both without opening them.
+func TestReadFileRefusesFIFO(t *testing.T) {
+	f := newFixture(t)
+	must(t, unix.Mkfifo(f.host("/fifo"), 0666))
+	f.symlink(t, "/fifo", "/to-fifo")
+	done := make(chan error, 2)
+	go func() {
+		_, _, err := f.r.ReadFile("/fifo")
+		done <- err
+		_, _, err = f.r.ReadFile("/to-fifo")
+		done <- err
+	}()
+	for range 2 {
+		select {
+		case err := <-done:
+			wantClass(t, err, errdefs.ErrInvalid)
+		case <-time.After(5 * time.Second):
+			t.Fatal("ReadFile blocked on a FIFO")
+		}
+	}
+	// Archiving stores the FIFO as a header and does not open it either.
+	go func() { done <- f.r.WriteTar("/", io.Discard) }()
+	select {
+	case err := <-done:
+		must(t, err)
+	case <-time.After(5 * time.Second):
+		t.Fatal("WriteTar blocked on a FIFO")
+	}
+}
+
+func TestReadFileRefusesDevice(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: creates a device node")
+	}
+	f := newFixture(t)
+	// 1:5 is /dev/zero: harmless, and reading it would "succeed".
+	if err := unix.Mknod(f.host("/zero"), unix.S_IFCHR|0666, int(unix.Mkdev(1, 5))); err != nil {
+		t.Skipf("needs CAP_MKNOD: %v", err)
+	}
+	_, _, err := f.r.ReadFile("/zero")
+	wantClass(t, err, errdefs.ErrInvalid)
+	var buf bytes.Buffer
+	must(t, f.r.WriteTar("/", &buf))
+	if buf.Len() > 4096 {
+		t.Fatalf("archive of a device node is %d bytes: its content was read", buf.Len())
+	}
+}
+
+func TestDotDotInAPIPathsStaysInside(t *testing.T) {
+	f := newFixture(t)
+	_, err := f.r.WriteFile("/../../../outside/new", strings.NewReader("x"), 0644, 0)
+	must(t, err)
+	if _, err := os.Stat(f.host("/outside/new")); err != nil {
+		t.Fatalf("/../../../outside/new did not land at root/outside/new: %v", err)
+	}
+	_, err = f.r.ExtractTar("/../..", bytes.NewReader(mkTar(t, file("x", "y"))), TarOptions{})
+	must(t, err)
+	if _, err := os.Stat(f.host("/x")); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,500 @@
+package layer
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/store"
+)
+
+// catalogBucket holds ref string → JSON api.Layer.
+const catalogBucket = "layers"
+
+// Defaults for BuildOptions limits left at zero.
+const (
+	DefaultMaxBytes = 32 << 30
+	DefaultMaxFiles = 2_000_000
+)
+
+// Reproducibility knobs for mkfs.erofs 1.5. Without them two builds of the
+// same tree differ in the superblock UUID and build time. A fixed UUID is
+// harmless because file-backed mounts never look images up by UUID. The
+// build time is fixed through SOURCE_DATE_EPOCH, which 1.5 treats as a
+// clamp: mtimes newer than it are lowered to it. Clamping at 2100 fixes the
+// build time while keeping every real file's mtime (with nanoseconds), which
+// -T would have flattened — and flat mtimes make Python treat every .pyc as
+// stale.
+const (
+	imageUUID        = "6473656c-6179-6572-0000-000000000000"
+	defaultClampTime = 4102444800 // 2100-01-01T00:00:00Z
+)
+
+// unknownMTime replaces the mtimes a tar did not set (implicit parent
+// directories, the staging root), so that the same tar yields the same
+// digest. 1980-01-02 rather than 1970: zip (and so Python wheels) cannot
+// store dates before 1980, in any time zone.
+var unknownMTime = time.Date(1980, 1, 2, 0, 0, 0, 0, time.UTC)
+
+// BuildOptions tune BuildFromDir and BuildFromTar.
+type BuildOptions struct {
+	// Compress is "" (none, the default: fastest to build and to read),
+	// "lz4" or "lz4hc".
+	Compress string
+	// Replace lets a build re-point an existing ref; without it that is
+	// errdefs.ErrAlreadyExists. The previous blob stays until GC.
+	Replace bool
+	// MaxBytes and MaxFiles bound what a tar may extract to; zero means
+	// DefaultMaxBytes and DefaultMaxFiles.
+	MaxBytes int64
+	MaxFiles int
+	// SourceDateEpoch, if non-zero, clamps every mtime in the image to it
+	// (seconds since 1970, the reproducible-builds convention). Zero keeps
+	// mtimes as they are.
+	SourceDateEpoch int64
+}
+
+// Store is the control plane's layer store: EROFS blobs named by digest
+// under dir, and a catalog of refs in a store.Store. One Store owns dir; two
+// processes must not share it (NewStore clears dir/staging). Safe for
+// concurrent use.
+type Store struct {
+	dir string
+	st  store.Store
+	log *slog.Logger
+
+	// mu serialises publishing (blob rename + catalog write) against
+	// Delete and GC, so a blob is never removed between a build deciding
+	// to reuse it and the catalog naming it. mkfs runs outside it.
+	mu sync.Mutex
+}
+
+// NewStore opens the layer store rooted at dir, creating its directories,
+// and removes what interrupted builds left in dir/staging.
+func NewStore(dir string, st store.Store, log *slog.Logger) (*Store, error) {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	dir, err := filepath.Abs(dir)
+	if err != nil {
+		return nil, fmt.Errorf("opening layer store: %w", err)
+	}
+	s := &Store{dir: dir, st: st, log: log}
+	if err := os.MkdirAll(s.blobDir(), 0o755); err != nil {
+		return nil, fmt.Errorf("opening layer store: %w", err)
+	}
+	// Staging holds extracted trees with setuid files and device nodes
+	// before they are sealed into an image: nobody but root may enter.
+	if err := os.MkdirAll(s.stagingDir(), 0o700); err != nil {
+		return nil, fmt.Errorf("opening layer store: %w", err)
+	}
+	if err := os.Chmod(s.stagingDir(), 0o700); err != nil {
+		return nil, fmt.Errorf("opening layer store: %w", err)
+	}
+	left, err := os.ReadDir(s.stagingDir())
+	if err != nil {
+		return nil, fmt.Errorf("opening layer store: %w", err)
+	}
+	for _, e := range left {
+		if err := os.RemoveAll(filepath.Join(s.stagingDir(), e.Name())); err != nil {
+			return nil, fmt.Errorf("clearing stale staging: %w", err)
+		}
+	}
+	if len(left) > 0 {
+		log.Info("cleared interrupted layer builds", "count", len(left))
+	}
+	return s, nil
+}
+
+func (s *Store) blobDir() string    { return filepath.Join(s.dir, "blobs", "sha256") }
+func (s *Store) stagingDir() string { return filepath.Join(s.dir, "staging") }
+
+// BlobPath returns where the image with the given digest lives, or "" if
+// digest is not a sha256 digest (so a caller cannot be steered outside the
+// blob directory).
+func (s *Store) BlobPath(digest string) string {
+	if !IsDigest(digest) {
+		return ""
+	}
+	return filepath.Join(s.blobDir(), strings.TrimPrefix(digest, "sha256:")+".erofs")
+}
+
+// BuildFromDir seals the tree at dir into an EROFS image and registers it as
+// ref. Owners, modes, xattrs, device nodes and mtimes are kept as found.
+// Progress lines go to progress if it is not nil.
+func (s *Store) BuildFromDir(ctx context.Context, ref Ref, dir string, opts BuildOptions, progress io.Writer) (api.Layer, error) {
+	if err := checkBuild(ref, opts); err != nil {
+		return api.Layer{}, err
+	}
+	fi, err := os.Stat(dir)
+	if err != nil {
+		return api.Layer{}, errdefs.Invalid("building layer %s: %v", ref, err)
+	}
+	if !fi.IsDir() {
+		return api.Layer{}, errdefs.Invalid("building layer %s: %s is not a directory", ref, dir)
+	}
+	if err := s.checkFree(ref, opts); err != nil {
+		return api.Layer{}, err
+	}
+	var cl cleanups
+	defer cl.run()
+	return s.build(ctx, ref, dir, opts, progress, &cl)
+}
+
+func checkBuild(ref Ref, opts BuildOptions) error {
+	if _, err := ParseRef(ref.String()); err != nil {
+		return err
+	}
+	switch opts.Compress {
+	case "", "lz4", "lz4hc":
+	default:
+		return errdefs.Invalid("building layer %s: compression %q is not one of lz4, lz4hc", ref, opts.Compress)
+	}
+	if opts.MaxBytes < 0 || opts.MaxFiles < 0 || opts.SourceDateEpoch < 0 {
+		return errdefs.Invalid("building layer %s: negative limit", ref)
+	}
+	return nil
+}
+
+// checkFree fails early, before any expensive work, when ref is taken and
+// opts.Replace is not set. The catalog write at the end is what decides.
+func (s *Store) checkFree(ref Ref, opts BuildOptions) error {
+	if opts.Replace {
+		return nil
+	}
+	_, err := s.st.Get(catalogBucket, ref.String())
+	switch {
+	case err == nil:
+		return errdefs.AlreadyExists("layer %s already exists (rebuild with replace to re-point it)", ref)
+	case errors.Is(err, errdefs.ErrNotFound):
+		return nil
+	default:
+		return fmt.Errorf("reading layer catalog: %w", err)
+	}
+}
+
+// build runs mkfs.erofs on src, hashes the image and publishes it. Every
+// temporary file is pushed on cl.
+func (s *Store) build(ctx context.Context, ref Ref, src string, opts BuildOptions, progress io.Writer, cl *cleanups) (api.Layer, error) {
+	mkfs, err := exec.LookPath("mkfs.erofs")
+	if err != nil {
+		return api.Layer{}, errdefs.Unavailable("building layer %s: mkfs.erofs not found in PATH (install erofs-utils)", ref)
+	}
+	tmp, err := os.CreateTemp(s.stagingDir(), "image-*.erofs")
+	if err != nil {
+		return api.Layer{}, fmt.Errorf("building layer %s: %w", ref, err)
+	}
+	tmpPath := tmp.Name()
+	cl.push(func() { os.Remove(tmpPath) })
+	tmp.Close()
+
+	args := []string{"--quiet", "-U", imageUUID}
+	if opts.Compress != "" {
+		args = append(args, "-z"+opts.Compress)
+	}
+	args = append(args, tmpPath, src)
+	epoch := int64(defaultClampTime)
+	if opts.SourceDateEpoch != 0 {
+		epoch = opts.SourceDateEpoch
+	}
+	cmd := exec.CommandContext(ctx, mkfs, args...)
+	// A fixed environment: an inherited SOURCE_DATE_EPOCH or locale must
+	// not change the image.
+	cmd.Env = []string{"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C", fmt.Sprintf("SOURCE_DATE_EPOCH=%d", epoch)}
+	start := time.Now()
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		if ctx.Err() != nil {
+			return api.Layer{}, fmt.Errorf("building layer %s: %w", ref, ctx.Err())
+		}
+		return api.Layer{}, fmt.Errorf("building layer %s: running mkfs.erofs: %w: %s", ref, err, lastLines(out, 5))
+	}
+	mkfsTime := time.Since(start)
+
+	digest, size, err := hashFile(tmpPath)
+	if err != nil {
+		return api.Layer{}, fmt.Errorf("building layer %s: %w", ref, err)
+	}
+	printf(progress, "mkfs.erofs: %s, image %s\n", mkfsTime.Round(time.Millisecond), humanBytes(size))
+
+	l := api.Layer{Digest: digest, Ref: ref.String(), Kind: ref.Kind, SizeBytes: size, CreatedAt: time.Now().UTC()}
+	deduped, err := s.publish(tmpPath, l, opts.Replace)
+	if err != nil {
+		return api.Layer{}, err
+	}
+	note := ""
+	if deduped {
+		note = " (content already stored)"
+	}
+	printf(progress, "layer %s %s %s%s\n", l.Ref, l.Digest, humanBytes(l.SizeBytes), note)
+	s.log.Info("layer built", "ref", l.Ref, "digest", l.Digest, "size_bytes", l.SizeBytes,
+		"mkfs_ms", mkfsTime.Milliseconds(), "deduplicated", deduped)
+	return l, nil
+}
+
+// publish moves the image at tmpPath to its blob path (unless that content
+// is already stored) and then writes the catalog entry: the catalog never
+// names a blob that is not in place.
+func (s *Store) publish(tmpPath string, l api.Layer, replace bool) (deduped bool, err error) {
+	val, err := json.Marshal(l)
+	if err != nil {
+		return false, fmt.Errorf("encoding layer %s: %w", l.Ref, err)
+	}
+	blob := s.BlobPath(l.Digest)
+
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	created := false
+	switch _, err := os.Lstat(blob); {
+	case err == nil:
+		deduped = true
+	case errors.Is(err, fs.ErrNotExist):
+		if err := os.Chmod(tmpPath, 0o444); err != nil {
+			return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
+		}
+		if err := os.Rename(tmpPath, blob); err != nil {
+			return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
+		}
+		created = true
+		if err := syncDir(s.blobDir()); err != nil {
+			os.Remove(blob)
+			return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
+		}
+	default:
+		return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
+	}
+
+	if replace {
+		err = s.st.Put(catalogBucket, l.Ref, val)
+	} else {
+		err = s.st.Create(catalogBucket, l.Ref, val)
+	}
+	if err != nil {
+		if created {
+			// Nobody else can name a blob we created while we hold mu.
+			os.Remove(blob)
+		}
+		if errors.Is(err, errdefs.ErrAlreadyExists) {
+			return false, errdefs.AlreadyExists("layer %s already exists (rebuild with replace to re-point it)", l.Ref)
+		}
+		return false, fmt.Errorf("writing layer catalog: %w", err)
+	}
+	return deduped, nil
+}
+
+// Get returns the layer named by a ref or, for a digest, the first ref (in
+// key order) that points at it.
+func (s *Store) Get(refOrDigest string) (api.Layer, error) {
+	if !IsDigest(refOrDigest) {
+		return s.Resolve(refOrDigest)
+	}
+	all, err := s.List("")
+	if err != nil {
+		return api.Layer{}, err
+	}
+	for _, l := range all {
+		if l.Digest == refOrDigest {
+			return l, nil
+		}
+	}
+	return api.Layer{}, errdefs.NotFound("no layer ref points at %s", refOrDigest)
+}
+
+// Resolve returns the catalog entry of ref.
+func (s *Store) Resolve(ref string) (api.Layer, error) {
+	r, err := ParseRef(ref)
+	if err != nil {
+		return api.Layer{}, err
+	}
+	val, err := s.st.Get(catalogBucket, r.String())
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return api.Layer{}, errdefs.NotFound("layer %s not found", r)
+	}
+	if err != nil {
+		return api.Layer{}, fmt.Errorf("reading layer catalog: %w", err)
+	}
+	var l api.Layer
+	if err := json.Unmarshal(val, &l); err != nil {
+		return api.Layer{}, fmt.Errorf("decoding layer %s: %w", r, err)
+	}
+	return l, nil
+}
+
+// List returns the layers of one kind, or of every kind if kind is "", in
+// ref order.
+func (s *Store) List(kind string) ([]api.Layer, error) {
+	prefix := ""
+	if kind != "" {
+		if !validKind(kind) {
+			return nil, errdefs.Invalid("layer kind %q is not one of base, workspace, toolkit, snapshot", kind)
+		}
+		prefix = kind + "/"
+	}
+	kvs, err := s.st.List(catalogBucket, prefix)
+	if err != nil {
+		return nil, fmt.Errorf("listing layer catalog: %w", err)
+	}
+	out := make([]api.Layer, 0, len(kvs))
+	for _, kv := range kvs {
+		var l api.Layer
+		if err := json.Unmarshal(kv.Value, &l); err != nil {
+			return nil, fmt.Errorf("decoding layer %s: %w", kv.Key, err)
+		}
+		out = append(out, l)
+	}
+	return out, nil
+}
+
+// Delete removes ref from the catalog, and its blob when no other ref
+// points at the same digest. inUse (may be nil) reports whether sandboxes
+// use a digest; a layer in use is refused with errdefs.ErrPrecondition.
+// inUse is called with the store's publish lock held, so builds wait for it.
+func (s *Store) Delete(ref string, inUse func(digest string) bool) error {
+	r, err := ParseRef(ref)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	l, err := s.Resolve(r.String())
+	if err != nil {
+		return err
+	}
+	if inUse != nil && inUse(l.Digest) {
+		return errdefs.Precondition("layer %s (%s) is used by sandboxes; delete them first", r, l.Digest)
+	}
+	if err := s.st.Delete(catalogBucket, r.String()); err != nil {
+		return fmt.Errorf("deleting layer %s: %w", r, err)
+	}
+	shared, err := s.referenced(l.Digest)
+	if err != nil {
+		return fmt.Errorf("deleting layer %s: %w", r, err)
+	}
+	if shared {
+		s.log.Info("layer deleted", "ref", r.String(), "digest", l.Digest, "blob_kept", true)
+		return nil
+	}
+	if err := os.Remove(s.BlobPath(l.Digest)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("deleting layer %s: removing blob: %w", r, err)
+	}
+	s.log.Info("layer deleted", "ref", r.String(), "digest", l.Digest, "blob_kept", false)
+	return nil
+}
+
+// GC removes blobs that no ref points at and inUse (may be nil) does not
+// claim, and returns their digests.
+func (s *Store) GC(inUse func(digest string) bool) ([]string, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	all, err := s.List("")
+	if err != nil {
+		return nil, err
+	}
+	named := make(map[string]bool, len(all))
+	for _, l := range all {
+		named[l.Digest] = true
+	}
+	entries, err := os.ReadDir(s.blobDir())
+	if err != nil {
+		return nil, fmt.Errorf("collecting layer blobs: %w", err)
+	}
+	var removed []string
+	for _, e := range entries {
+		hex, ok := strings.CutSuffix(e.Name(), ".erofs")
+		digest := "sha256:" + hex
+		if !ok || !IsDigest(digest) || named[digest] || (inUse != nil && inUse(digest)) {
+			continue
+		}
+		if err := os.Remove(filepath.Join(s.blobDir(), e.Name())); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return removed, fmt.Errorf("collecting layer blobs: %w", err)
+		}
+		removed = append(removed, digest)
+	}
+	if len(removed) > 0 {
+		s.log.Info("layer blobs collected", "count", len(removed))
+	}
+	return removed, nil
+}
+
+// referenced reports whether any ref points at digest.
+func (s *Store) referenced(digest string) (bool, error) {
+	all, err := s.List("")
+	if err != nil {
+		return false, err
+	}
+	for _, l := range all {
+		if l.Digest == digest {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
+// hashFile returns the sha256 digest and size of the file at path, after
+// flushing it to disk: it is about to become a content-addressed blob.
+func hashFile(path string) (digest string, size int64, err error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", 0, fmt.Errorf("hashing image: %w", err)
+	}
+	defer f.Close()
+	h := sha256.New()
+	size, err = io.Copy(h, f)
+	if err != nil {
+		return "", 0, fmt.Errorf("hashing image: %w", err)
+	}
+	if err := f.Sync(); err != nil {
+		return "", 0, fmt.Errorf("syncing image: %w", err)
+	}
+	return "sha256:" + hex.EncodeToString(h.Sum(nil)), size, nil
+}
+
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}
+
+func printf(w io.Writer, format string, args ...any) {
+	if w != nil {
+		fmt.Fprintf(w, format, args...)
+	}
+}
+
+func humanBytes(n int64) string {
+	switch {
+	case n >= 1<<30:
+		return fmt.Sprintf("%.1f GiB", float64(n)/(1<<30))
+	case n >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
+	case n >= 1<<10:
+		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
+	}
+	return fmt.Sprintf("%d B", n)
+}
+
+// lastLines keeps the end of a tool's output for an error message.
+func lastLines(out []byte, n int) string {
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "; ")
+}

@@ -1,0 +1,95 @@
+// Package sandbox defines the Backend interface every sandbox runtime
+// implements (container today; gVisor and microVM later), the process and
+// limit types the edge hands to it, and pure validation of sandbox specs.
+// Implementations live in sibling packages (sandbox/container); a shared
+// conformance suite lives in sandbox/sandboxtest and a fake in sandbox/fake.
+// The edge is the only production caller.
+package sandbox
+
+import (
+	"context"
+	"io"
+)
+
+// Backend runs sandboxes on one node. The edge composes each sandbox's root
+// filesystem (overlay over read-only layers) before calling Create and
+// removes it after Destroy; the backend owns only what it creates itself
+// (runtime state, bundle, cgroup, namespaces).
+//
+// Implementations must be safe for concurrent use across different ids.
+// Calls for one id are serialised by the edge.
+type Backend interface {
+	// Name is the backend's name as used in the API ("container").
+	Name() string
+	// Create starts the sandbox described by cfg. When it returns nil the
+	// sandbox is ready for Exec. On error nothing created by the backend
+	// for cfg.ID is left behind.
+	Create(ctx context.Context, cfg Config) error
+	// Exec starts a process inside a running sandbox.
+	Exec(ctx context.Context, id string, p Process) (Proc, error)
+	// Destroy stops the sandbox and removes everything the backend created
+	// for it. Destroying an unknown id is not an error.
+	Destroy(ctx context.Context, id string) error
+	// Status reports the runtime's view of id (errdefs.ErrNotFound if it has none).
+	Status(ctx context.Context, id string) (Status, error)
+	// List returns the ids the backend has state for, including ones the
+	// edge may have forgotten (used for reaping after a crash).
+	List(ctx context.Context) ([]string, error)
+}
+
+// Status is the runtime's view of a sandbox.
+type Status struct {
+	Running bool
+	// Pid is the host pid of the sandbox's init, when running.
+	Pid int
+}
+
+// Config describes one sandbox to a backend.
+type Config struct {
+	ID string
+	// Dir is a private, empty directory the backend may use (bundle files).
+	Dir string
+	// Rootfs is the composed root filesystem (a mounted overlay).
+	Rootfs   string
+	Hostname string
+	// CgroupPath is the cgroup of the sandbox relative to the hierarchy
+	// roots, e.g. "/dsec/sb-node1-abc".
+	CgroupPath string
+	Limits     Limits
+}
+
+// Limits are the resource limits applied to the whole sandbox. Zero means
+// "no limit" for each field.
+type Limits struct {
+	CPU         float64 // cores (CFS quota); also scales cpu weight
+	MemoryBytes int64
+	Pids        int64
+	// BestEffort selects the best-effort QoS class (SCHED_IDLE-like weight).
+	BestEffort bool
+}
+
+// Process is a process to start inside a sandbox.
+type Process struct {
+	Args []string
+	Env  []string
+	Cwd  string
+	UID  uint32
+	GID  uint32
+	// AdditionalGIDs are supplementary groups.
+	AdditionalGIDs []uint32
+	Stdin          io.Reader
+	Stdout         io.Writer
+	Stderr         io.Writer
+}
+
+// Proc is a started process.
+type Proc interface {
+	// Wait waits for the process to exit and its output to be copied, and
+	// returns its exit code (128+signal when killed by a signal).
+	Wait() (int, error)
+	// Kill kills the process and every process it started that is still
+	// its descendant. Safe to call more than once and after exit.
+	Kill() error
+	// Pid is the host pid of the process, or 0 if not yet known.
+	Pid() int
+}

@@ -1,0 +1,121 @@
+package container
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/internal/proctree"
+	"github.com/dsecproject/dsec/internal/sandbox"
+)
+
+// Exec implements sandbox.Backend. The process profile (capabilities,
+// no_new_privs, rlimits, user) is passed to the runtime as a process.json
+// held in a memfd, so nothing is written to disk per exec.
+func (c *Container) Exec(ctx context.Context, id string, p sandbox.Process) (sandbox.Proc, error) {
+	if len(p.Args) == 0 {
+		return nil, errors.New("exec: empty argv")
+	}
+	env := p.Env
+	hasPath := false
+	for _, e := range env {
+		hasPath = hasPath || strings.HasPrefix(e, "PATH=")
+	}
+	if !hasPath {
+		env = append([]string{defaultPath}, env...)
+	}
+	cwd := p.Cwd
+	if cwd == "" {
+		cwd = "/"
+	}
+	proc := specs.Process{
+		Args:            p.Args,
+		Env:             env,
+		Cwd:             cwd,
+		User:            specs.User{UID: p.UID, GID: p.GID, AdditionalGids: p.AdditionalGIDs},
+		NoNewPrivileges: true,
+		Capabilities:    caps(p.UID),
+		Rlimits:         rlimits(),
+	}
+	data, err := json.Marshal(&proc)
+	if err != nil {
+		return nil, fmt.Errorf("encoding process spec: %w", err)
+	}
+	fd, err := unix.MemfdCreate("dsec-process", unix.MFD_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("creating memfd: %w", err)
+	}
+	mf := os.NewFile(uintptr(fd), "process.json")
+	defer mf.Close()
+	if _, err := mf.Write(data); err != nil {
+		return nil, fmt.Errorf("writing process spec: %w", err)
+	}
+	// The runtime is not bound to ctx: the caller owns the process's life
+	// through Kill, so that a cancelled request can still collect output.
+	cmd := exec.Command(c.runtime, "--root", c.cfg.StateRoot, "exec", "--process", "/proc/self/fd/3", id)
+	cmd.ExtraFiles = []*os.File{mf}
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = p.Stdin, p.Stdout, p.Stderr
+	// Own process group, so a signal to the edge's group never reaches it.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.WaitDelay = 2 * time.Second
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("starting %s exec: %w", c.flavor, err)
+	}
+	return &runtimeProc{cmd: cmd}, nil
+}
+
+// runtimeProc is a process started through the runtime's exec.
+type runtimeProc struct {
+	cmd      *exec.Cmd
+	killOnce sync.Once
+	mu       sync.Mutex
+	exited   bool
+}
+
+func (p *runtimeProc) Pid() int { return p.cmd.Process.Pid }
+
+func (p *runtimeProc) Wait() (int, error) {
+	err := p.cmd.Wait()
+	p.mu.Lock()
+	p.exited = true
+	p.mu.Unlock()
+	var ee *exec.ExitError
+	switch {
+	case err == nil:
+		return 0, nil
+	case errors.As(err, &ee):
+		if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+			return 128 + int(ws.Signal()), nil
+		}
+		return ee.ExitCode(), nil
+	case errors.Is(err, exec.ErrWaitDelay):
+		return p.cmd.ProcessState.ExitCode(), nil
+	}
+	return -1, err
+}
+
+// Kill stops and kills the whole tree under the runtime's exec process (its
+// helper inside the sandbox and everything the command started that is
+// still a descendant), then the runtime process itself. Processes are
+// stopped before any is killed, so none can be reparented to the sandbox's
+// init and escape between the walk and the kill.
+func (p *runtimeProc) Kill() error {
+	p.mu.Lock()
+	exited := p.exited
+	p.mu.Unlock()
+	if exited {
+		return nil
+	}
+	proctree.Kill(p.cmd.Process.Pid, true)
+	return nil
+}

@@ -1,0 +1,138 @@
+package container
+
+import (
+	"golang.org/x/sys/unix"
+
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+
+	"github.com/dsecproject/dsec/internal/sandbox"
+)
+
+// defaultCaps is the capability set of root inside a sandbox: what package
+// managers and build tools need, without the ones that reach the kernel or
+// the network stack (NET_RAW, NET_ADMIN, SYS_ADMIN, SYS_PTRACE, ...).
+var defaultCaps = []string{
+	"CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD",
+	"CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP",
+	"CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+}
+
+// maskedPaths hides kernel interfaces a sandbox has no business reading;
+// /proc/kpage* are there because reading them has crashed kernels
+// (DSEC-FACTS.md §7, incident 7).
+var maskedPaths = []string{
+	"/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys",
+	"/proc/latency_stats", "/proc/timer_list", "/proc/timer_stats",
+	"/proc/sched_debug", "/proc/scsi", "/proc/kpagecgroup", "/proc/kpageflags",
+	"/proc/kpagecount", "/proc/kallsyms", "/sys/firmware",
+	"/sys/devices/virtual/powercap", "/sys/kernel/debug", "/sys/kernel/tracing",
+}
+
+var readonlyPaths = []string{
+	"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
+}
+
+// initPath is where the host's init binary appears inside the sandbox. /dev
+// is a tmpfs set up by the runtime, so the bind mount leaves no trace in the
+// sandbox's writable layer.
+const initPath = "/dev/init"
+
+const defaultPath = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+func (c *Container) spec(cfg sandbox.Config) *specs.Spec {
+	ns := []specs.LinuxNamespace{
+		{Type: specs.PIDNamespace}, {Type: specs.IPCNamespace}, {Type: specs.UTSNamespace},
+		{Type: specs.MountNamespace}, {Type: specs.NetworkNamespace},
+	}
+	if c.cfg.CgroupNS {
+		ns = append(ns, specs.LinuxNamespace{Type: specs.CgroupNamespace})
+	}
+	return &specs.Spec{
+		Version:  ociVersion,
+		Hostname: cfg.Hostname,
+		Root:     &specs.Root{Path: cfg.Rootfs},
+		Process: &specs.Process{
+			Args:            []string{initPath, "-P"},
+			Env:             []string{defaultPath},
+			Cwd:             "/",
+			NoNewPrivileges: true,
+			Capabilities:    caps(0),
+			Rlimits:         rlimits(),
+		},
+		Mounts: []specs.Mount{
+			{Destination: "/proc", Type: "proc", Source: "proc", Options: []string{"nosuid", "noexec", "nodev"}},
+			{Destination: "/dev", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
+			{Destination: "/dev/pts", Type: "devpts", Source: "devpts", Options: []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"}},
+			{Destination: "/dev/shm", Type: "tmpfs", Source: "shm", Options: []string{"nosuid", "noexec", "nodev", "mode=1777", "size=65536k"}},
+			{Destination: "/dev/mqueue", Type: "mqueue", Source: "mqueue", Options: []string{"nosuid", "noexec", "nodev"}},
+			{Destination: "/sys", Type: "sysfs", Source: "sysfs", Options: []string{"nosuid", "noexec", "nodev", "ro"}},
+			{Destination: initPath, Type: "bind", Source: c.cfg.Init, Options: []string{"bind", "ro", "nosuid", "nodev"}},
+		},
+		Linux: &specs.Linux{
+			CgroupsPath:   cfg.CgroupPath,
+			Namespaces:    ns,
+			Resources:     resources(cfg.Limits),
+			MaskedPaths:   maskedPaths,
+			ReadonlyPaths: readonlyPaths,
+		},
+	}
+}
+
+// caps returns the capability sets for a process running as uid. A non-root
+// user keeps only the bounding set, as it would after a real login.
+func caps(uid uint32) *specs.LinuxCapabilities {
+	if uid != 0 {
+		return &specs.LinuxCapabilities{Bounding: defaultCaps}
+	}
+	return &specs.LinuxCapabilities{
+		Bounding: defaultCaps, Effective: defaultCaps, Permitted: defaultCaps,
+	}
+}
+
+// ociVersion is the runtime-spec version written into bundles: the oldest
+// that has every field we use, so that older runtimes (crun 1.8 rejects
+// "1.3.0") accept it.
+const ociVersion = "1.0.2"
+
+// maxNoFile is the open-files limit inside sandboxes.
+const maxNoFile = 65536
+
+func rlimits() []specs.POSIXRlimit {
+	// A sandbox cannot get more than the edge's own hard limit: the runtime
+	// sets rlimits without CAP_SYS_RESOURCE.
+	n := uint64(maxNoFile)
+	var cur unix.Rlimit
+	if unix.Getrlimit(unix.RLIMIT_NOFILE, &cur) == nil && cur.Max < n {
+		n = cur.Max
+	}
+	return []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Hard: n, Soft: n}}
+}
+
+func resources(l sandbox.Limits) *specs.LinuxResources {
+	r := &specs.LinuxResources{
+		Devices: []specs.LinuxDeviceCgroup{{Allow: false, Access: "rwm"}},
+	}
+	if l.MemoryBytes > 0 {
+		m := l.MemoryBytes
+		r.Memory = &specs.LinuxMemory{Limit: &m}
+	}
+	cpu := &specs.LinuxCPU{}
+	if l.CPU > 0 {
+		period := uint64(100000)
+		quota := int64(l.CPU * float64(period))
+		cpu.Period, cpu.Quota = &period, &quota
+	}
+	// Weight: LS sandboxes get the default share; BE ones the minimum, so
+	// they only run when LS work leaves the CPU idle.
+	shares := uint64(1024)
+	if l.BestEffort {
+		shares = 2
+	}
+	cpu.Shares = &shares
+	r.CPU = cpu
+	if l.Pids > 0 {
+		pids := l.Pids
+		r.Pids = &specs.LinuxPids{Limit: &pids}
+	}
+	return r
+}

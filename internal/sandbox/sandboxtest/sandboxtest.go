@@ -1,0 +1,225 @@
+// Package sandboxtest is the conformance suite every sandbox.Backend must
+// pass, plus fixtures for it (a busybox root filesystem). Backend packages
+// call Run from their tests.
+package sandboxtest
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/sandbox"
+)
+
+// BusyboxRootfs builds a minimal root filesystem from the host's static
+// busybox (Debian's busybox-static) in a temp dir, or skips the test.
+func BusyboxRootfs(t testing.TB) string {
+	t.Helper()
+	bb, err := exec.LookPath("busybox")
+	if err != nil {
+		t.Skip("needs busybox (apt-get install busybox-static)")
+	}
+	root := t.TempDir()
+	for _, d := range []string{"bin", "proc", "dev", "sys", "tmp", "etc", "root", "home/user"} {
+		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	data, err := os.ReadFile(bb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(root, "bin/busybox"), data, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, app := range []string{"sh", "cat", "echo", "sleep", "ls", "id", "ps", "pwd", "env", "true", "false", "yes", "head", "wc", "touch", "rm", "mkdir", "kill", "grep", "dd", "seq", "stat"} {
+		if err := os.Symlink("busybox", filepath.Join(root, "bin", app)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_ = os.WriteFile(filepath.Join(root, "etc/passwd"), []byte("root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:user:/home/user:/bin/sh\n"), 0o644)
+	_ = os.WriteFile(filepath.Join(root, "etc/group"), []byte("root:x:0:\nuser:x:1000:\n"), 0o644)
+	return root
+}
+
+// Env is what the suite needs from the backend's test.
+type Env struct {
+	Backend sandbox.Backend
+	// NewConfig returns a ready-to-create config for a fresh sandbox id
+	// (rootfs prepared, private dir created). The suite calls Destroy.
+	NewConfig func(t *testing.T, id string) sandbox.Config
+	// CgroupProcs, when set, lists host pids in a sandbox's cgroup, so the
+	// suite can check that Destroy leaves nothing running.
+	CgroupProcs func(cgroupPath string) ([]int, error)
+}
+
+type result struct {
+	code           int
+	stdout, stderr string
+}
+
+func run(t *testing.T, b sandbox.Backend, id string, p sandbox.Process) result {
+	t.Helper()
+	var out, errb bytes.Buffer
+	p.Stdout, p.Stderr = &out, &errb
+	pr, err := b.Exec(context.Background(), id, p)
+	if err != nil {
+		t.Fatalf("exec %v: %v", p.Args, err)
+	}
+	code, err := pr.Wait()
+	if err != nil {
+		t.Fatalf("wait %v: %v", p.Args, err)
+	}
+	return result{code, out.String(), errb.String()}
+}
+
+// Run runs the conformance suite.
+func Run(t *testing.T, e Env) {
+	b := e.Backend
+	ctx := context.Background()
+	id := fmt.Sprintf("conf-%d", time.Now().UnixNano()%1e9)
+	cfg := e.NewConfig(t, id)
+	if err := b.Create(ctx, cfg); err != nil {
+		t.Fatalf("create: %v", err)
+	}
+	destroyed := false
+	t.Cleanup(func() {
+		if !destroyed {
+			_ = b.Destroy(ctx, id)
+		}
+	})
+
+	t.Run("status", func(t *testing.T) {
+		st, err := b.Status(ctx, id)
+		if err != nil || !st.Running || st.Pid <= 0 {
+			t.Fatalf("status = %+v, %v; want running", st, err)
+		}
+		ids, err := b.List(ctx)
+		if err != nil || !slices.Contains(ids, id) {
+			t.Fatalf("list = %v, %v; want it to contain %s", ids, err, id)
+		}
+	})
+	t.Run("stdout-stderr-exit", func(t *testing.T) {
+		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "echo out; echo err >&2; exit 7"}})
+		if r.code != 7 || r.stdout != "out\n" || r.stderr != "err\n" {
+			t.Fatalf("got %+v", r)
+		}
+	})
+	t.Run("stdin-env-cwd", func(t *testing.T) {
+		r := run(t, b, id, sandbox.Process{
+			Args:  []string{"/bin/sh", "-c", `read x; echo "$x $FOO $(pwd)"`},
+			Env:   []string{"FOO=bar"},
+			Cwd:   "/tmp",
+			Stdin: strings.NewReader("hello\n"),
+		})
+		if r.code != 0 || r.stdout != "hello bar /tmp\n" {
+			t.Fatalf("got %+v", r)
+		}
+	})
+	t.Run("user", func(t *testing.T) {
+		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/id", "-u"}, UID: 1000, GID: 1000})
+		if strings.TrimSpace(r.stdout) != "1000" {
+			t.Fatalf("got %+v", r)
+		}
+	})
+	t.Run("isolated-pid-namespace", func(t *testing.T) {
+		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "cat /proc/1/cmdline | tr '\\0' ' '; ls /proc | grep -c '^[0-9]'"}})
+		if !strings.Contains(r.stdout, "/dev/init") && !strings.Contains(r.stdout, "init") {
+			t.Fatalf("pid1 is not the sandbox init: %q", r.stdout)
+		}
+	})
+	t.Run("kill-tree", func(t *testing.T) {
+		var out bytes.Buffer
+		pr, err := b.Exec(ctx, id, sandbox.Process{
+			Args:   []string{"/bin/sh", "-c", "sleep 1000 & sleep 1000 & echo started; wait"},
+			Stdout: &out, Stderr: &out,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(5 * time.Second)
+		for !strings.Contains(out.String(), "started") && time.Now().Before(deadline) {
+			time.Sleep(10 * time.Millisecond)
+		}
+		done := make(chan int, 1)
+		go func() { c, _ := pr.Wait(); done <- c }()
+		if err := pr.Kill(); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			t.Fatal("process did not exit after Kill")
+		}
+		// No sleep may survive inside the sandbox.
+		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "ps -o comm | grep -c '^sleep' || true"}})
+		if strings.TrimSpace(r.stdout) != "0" {
+			t.Fatalf("processes survived Kill: %q", r.stdout)
+		}
+		if err := pr.Kill(); err != nil {
+			t.Fatalf("second Kill: %v", err)
+		}
+	})
+	t.Run("exec-missing-binary", func(t *testing.T) {
+		var out bytes.Buffer
+		pr, err := b.Exec(ctx, id, sandbox.Process{Args: []string{"/nonexistent"}, Stdout: &out, Stderr: &out})
+		if err == nil {
+			code, _ := pr.Wait()
+			if code == 0 {
+				t.Fatalf("exec of a missing binary succeeded: %q", out.String())
+			}
+		}
+	})
+	t.Run("destroy", func(t *testing.T) {
+		if err := b.Destroy(ctx, id); err != nil {
+			t.Fatalf("destroy: %v", err)
+		}
+		destroyed = true
+		if _, err := b.Status(ctx, id); !errors.Is(err, errdefs.ErrNotFound) {
+			t.Fatalf("status after destroy: %v, want not found", err)
+		}
+		if err := b.Destroy(ctx, id); err != nil {
+			t.Fatalf("second destroy: %v", err)
+		}
+		ids, _ := b.List(ctx)
+		if slices.Contains(ids, id) {
+			t.Fatalf("list still has %s", id)
+		}
+		if e.CgroupProcs != nil {
+			if pids, _ := e.CgroupProcs(cfg.CgroupPath); len(pids) > 0 {
+				t.Fatalf("processes left in cgroup: %v", pids)
+			}
+		}
+	})
+	t.Run("exec-after-destroy", func(t *testing.T) {
+		var out bytes.Buffer
+		pr, err := b.Exec(ctx, id, sandbox.Process{Args: []string{"/bin/true"}, Stdout: &out, Stderr: &out})
+		if err == nil {
+			if code, _ := pr.Wait(); code == 0 {
+				t.Fatal("exec in a destroyed sandbox succeeded")
+			}
+		}
+	})
+	t.Run("pids-limit", func(t *testing.T) {
+		lid := id + "-pids"
+		lcfg := e.NewConfig(t, lid)
+		lcfg.Limits.Pids = 16
+		if err := b.Create(ctx, lcfg); err != nil {
+			t.Fatalf("create: %v", err)
+		}
+		defer b.Destroy(ctx, lid)
+		r := run(t, b, lid, sandbox.Process{Args: []string{"/bin/sh", "-c", "for i in $(seq 1 40); do sleep 2 & done; wait"}})
+		if !strings.Contains(r.stderr, "fork") {
+			t.Fatalf("pids limit 16 not enforced: forking 40 processes gave no error (stderr %q)", r.stderr)
+		}
+	})
+}

@@ -1,0 +1,127 @@
+package sandbox
+
+import (
+	"errors"
+	"math"
+	"testing"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+func TestNormalize(t *testing.T) {
+	p := DefaultPolicy()
+	tests := []struct {
+		name  string
+		spec  api.SandboxSpec
+		class error // nil: valid
+	}{
+		{"minimal", api.SandboxSpec{Base: "base/x:1"}, nil},
+		{"image alias", api.SandboxSpec{Image: "base/x:1"}, nil},
+		{"both base and image", api.SandboxSpec{Base: "base/x:1", Image: "base/y:1"}, errdefs.ErrInvalid},
+		{"no base", api.SandboxSpec{}, errdefs.ErrInvalid},
+		{"unknown backend", api.SandboxSpec{Base: "b", Backend: "vmware"}, errdefs.ErrInvalid},
+		{"negative cpu", api.SandboxSpec{Base: "b", CPU: -1}, errdefs.ErrInvalid},
+		{"NaN cpu", api.SandboxSpec{Base: "b", CPU: math.NaN()}, errdefs.ErrInvalid},
+		{"absurd cpu", api.SandboxSpec{Base: "b", CPU: 1e9}, errdefs.ErrInvalid},
+		{"tiny cpu", api.SandboxSpec{Base: "b", CPU: 0.001}, errdefs.ErrInvalid},
+		{"negative memory", api.SandboxSpec{Base: "b", MemoryMB: -5}, errdefs.ErrInvalid},
+		{"tiny memory", api.SandboxSpec{Base: "b", MemoryMB: 1}, errdefs.ErrInvalid},
+		{"absurd memory", api.SandboxSpec{Base: "b", MemoryMB: 1 << 40}, errdefs.ErrInvalid},
+		{"negative pids", api.SandboxSpec{Base: "b", Pids: -1}, errdefs.ErrInvalid},
+		{"tiny pids", api.SandboxSpec{Base: "b", Pids: 2}, errdefs.ErrInvalid},
+		{"negative ttl", api.SandboxSpec{Base: "b", TTL: -1}, errdefs.ErrInvalid},
+		{"absurd ttl", api.SandboxSpec{Base: "b", TTL: 1 << 40}, errdefs.ErrInvalid},
+		{"negative idle", api.SandboxSpec{Base: "b", IdleTimeout: -1}, errdefs.ErrInvalid},
+		{"disk not enforced", api.SandboxSpec{Base: "b", DiskMB: 10}, errdefs.ErrPrecondition},
+		{"network allow not supported", api.SandboxSpec{Base: "b", Network: &api.NetworkPolicy{Allow: []string{"pypi"}}}, errdefs.ErrPrecondition},
+		{"network deny only is fine", api.SandboxSpec{Base: "b", Network: &api.NetworkPolicy{Deny: []string{"npm"}}}, nil},
+		{"bad env name", api.SandboxSpec{Base: "b", Env: map[string]string{"A=B": "x"}}, errdefs.ErrInvalid},
+		{"NUL in env", api.SandboxSpec{Base: "b", Env: map[string]string{"A": "x\x00y"}}, errdefs.ErrInvalid},
+		{"bad label", api.SandboxSpec{Base: "b", Labels: map[string]string{"-x": "y"}}, errdefs.ErrInvalid},
+		{"bad label value", api.SandboxSpec{Base: "b", Labels: map[string]string{"x": "a b"}}, errdefs.ErrInvalid},
+		{"user name", api.SandboxSpec{Base: "b", User: "alice"}, nil},
+		{"user uid:gid", api.SandboxSpec{Base: "b", User: "1000:1000"}, nil},
+		{"bad user", api.SandboxSpec{Base: "b", User: "a b"}, errdefs.ErrInvalid},
+		{"relative workdir", api.SandboxSpec{Base: "b", Workdir: "repo"}, errdefs.ErrInvalid},
+		{"bad qos", api.SandboxSpec{Base: "b", QoS: "gold"}, errdefs.ErrInvalid},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			spec := tt.spec
+			err := Normalize(&spec, p)
+			if tt.class == nil {
+				if err != nil {
+					t.Fatalf("Normalize: %v", err)
+				}
+				return
+			}
+			if !errors.Is(err, tt.class) {
+				t.Fatalf("Normalize = %v, want class %v", err, tt.class)
+			}
+		})
+	}
+}
+
+func TestNormalizeDefaults(t *testing.T) {
+	s := api.SandboxSpec{Image: "base/x:1"}
+	if err := Normalize(&s, DefaultPolicy()); err != nil {
+		t.Fatal(err)
+	}
+	if s.Base != "base/x:1" || s.Image != "" || s.Backend != "container" || s.TTL != 3600 ||
+		s.Pids != 4096 || s.User != "root" || s.Workdir != "/" || s.QoS != "ls" {
+		t.Fatalf("defaults not applied: %+v", s)
+	}
+}
+
+func TestNormalizeExec(t *testing.T) {
+	tests := []struct {
+		name string
+		req  api.ExecRequest
+		ok   bool
+	}{
+		{"cmd", api.ExecRequest{Cmd: "true"}, true},
+		{"argv", api.ExecRequest{Argv: []string{"/bin/true"}}, true},
+		{"neither", api.ExecRequest{}, false},
+		{"both", api.ExecRequest{Cmd: "x", Argv: []string{"y"}}, false},
+		{"empty argv0", api.ExecRequest{Argv: []string{""}}, false},
+		{"NUL in cmd", api.ExecRequest{Cmd: "a\x00b"}, false},
+		{"NUL in argv", api.ExecRequest{Argv: []string{"a", "b\x00"}}, false},
+		{"relative cwd", api.ExecRequest{Cmd: "x", Cwd: "tmp"}, false},
+		{"negative timeout", api.ExecRequest{Cmd: "x", Timeout: -1}, false},
+		{"huge timeout", api.ExecRequest{Cmd: "x", Timeout: MaxExecTimeout + 1}, false},
+		{"huge output", api.ExecRequest{Cmd: "x", MaxOutputBytes: MaxMaxOutputBytes + 1}, false},
+		{"both stdins", api.ExecRequest{Cmd: "x", Stdin: "a", StdinB64: "YQ=="}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := tt.req
+			err := NormalizeExec(&r)
+			if (err == nil) != tt.ok {
+				t.Fatalf("NormalizeExec = %v, want ok=%v", err, tt.ok)
+			}
+			if err != nil && !errors.Is(err, errdefs.ErrInvalid) {
+				t.Fatalf("error class: %v", err)
+			}
+			if err == nil && (r.Timeout != DefaultExecTimeout || r.MaxOutputBytes != DefaultMaxOutputBytes) {
+				t.Fatalf("defaults not applied: %+v", r)
+			}
+		})
+	}
+}
+
+func TestSelectors(t *testing.T) {
+	sel, err := ParseSelector([]string{"job=a", "task=b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !LabelsMatch(map[string]string{"job": "a", "task": "b", "x": "y"}, sel) {
+		t.Fatal("superset should match")
+	}
+	if LabelsMatch(map[string]string{"job": "a"}, sel) {
+		t.Fatal("subset should not match")
+	}
+	if _, err := ParseSelector([]string{"novalue"}); err == nil {
+		t.Fatal("selector without = accepted")
+	}
+}

@@ -1,0 +1,127 @@
+package store
+
+import (
+	"bytes"
+	"sort"
+	"strings"
+	"sync"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+// memory is a Store held in process memory. It passes the same contract as
+// Bolt but keeps nothing across restarts: a fake for callers' tests, never a
+// production backend.
+type memory struct {
+	mu      sync.Mutex
+	buckets map[string]map[string][]byte
+}
+
+// NewMemory returns an empty in-memory Store for tests. Close is a no-op and
+// the store stays usable after it.
+func NewMemory() Store {
+	return &memory{buckets: make(map[string]map[string][]byte)}
+}
+
+// Get implements Store.
+func (m *memory) Get(bucket, key string) ([]byte, error) {
+	if err := checkName(bucket, key); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	v, ok := m.buckets[bucket][key]
+	if !ok {
+		return nil, errdefs.NotFound("%s/%s not found", bucket, key)
+	}
+	return bytes.Clone(v), nil
+}
+
+// Put implements Store.
+func (m *memory) Put(bucket, key string, val []byte) error {
+	if err := checkName(bucket, key); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.set(bucket, key, val)
+	return nil
+}
+
+// Create implements Store.
+func (m *memory) Create(bucket, key string, val []byte) error {
+	if err := checkName(bucket, key); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if _, ok := m.buckets[bucket][key]; ok {
+		return errdefs.AlreadyExists("%s/%s already exists", bucket, key)
+	}
+	m.set(bucket, key, val)
+	return nil
+}
+
+// Update implements Store. fn runs under the store's lock.
+func (m *memory) Update(bucket, key string, fn func(old []byte) ([]byte, error)) error {
+	if err := checkName(bucket, key); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	val, err := fn(bytes.Clone(m.buckets[bucket][key]))
+	if err != nil {
+		return err
+	}
+	if val == nil {
+		delete(m.buckets[bucket], key)
+		return nil
+	}
+	m.set(bucket, key, val)
+	return nil
+}
+
+// Delete implements Store.
+func (m *memory) Delete(bucket, key string) error {
+	if err := checkName(bucket, key); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	delete(m.buckets[bucket], key)
+	return nil
+}
+
+// List implements Store.
+func (m *memory) List(bucket, prefix string) ([]KV, error) {
+	if bucket == "" {
+		return nil, errdefs.Invalid("store: empty bucket name")
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var out []KV
+	for k, v := range m.buckets[bucket] {
+		if strings.HasPrefix(k, prefix) {
+			out = append(out, KV{Key: k, Value: bytes.Clone(v)})
+		}
+	}
+	// Go compares strings bytewise, which is bbolt's key order too.
+	sort.Slice(out, func(i, j int) bool { return out[i].Key < out[j].Key })
+	return out, nil
+}
+
+// Close implements Store.
+func (m *memory) Close() error { return nil }
+
+// set stores a copy of val; a nil val is stored as empty, so it reads back
+// as present.
+//
+// Preconditions: m.mu is held.
+func (m *memory) set(bucket, key string, val []byte) {
+	b, ok := m.buckets[bucket]
+	if !ok {
+		b = make(map[string][]byte)
+		m.buckets[bucket] = b
+	}
+	b[key] = append([]byte{}, val...)
+}

@@ -1,0 +1,53 @@
+// Package store keeps the control plane's durable state (IAM, layer catalog,
+// node registry) behind a narrow key/value interface: an embedded bbolt file
+// for `dsec up`, etcd for clusters. Values are opaque bytes (JSON by
+// convention); buckets are flat namespaces. Only control-plane packages
+// (iam, layer catalog, apiserver) import it; the edge keeps its own state on
+// local disk.
+package store
+
+import "github.com/dsecproject/dsec/internal/errdefs"
+
+// KV is one key and its value.
+type KV struct {
+	Key   string
+	Value []byte
+}
+
+// Store is the control plane's key/value store. Implementations are safe for
+// concurrent use. Missing keys yield errdefs.ErrNotFound; an empty bucket or
+// key name yields errdefs.ErrInvalid. Values handed in are copied, and values
+// handed out belong to the caller. Every implementation passes the contract
+// in package storetest.
+type Store interface {
+	// Get returns the value of key in bucket.
+	Get(bucket, key string) ([]byte, error)
+	// Put sets key to val, creating the bucket if needed.
+	Put(bucket, key string, val []byte) error
+	// Create sets key to val only if key is absent (errdefs.ErrAlreadyExists otherwise).
+	Create(bucket, key string, val []byte) error
+	// Update atomically replaces the value of key with fn(old); old is nil
+	// when absent. fn returning nil deletes the key; an error aborts and is
+	// returned unchanged. fn runs inside the store's transaction, so it must
+	// not call the Store, and it may run more than once (an etcd store
+	// retries on conflict), so it must have no side effects.
+	Update(bucket, key string, fn func(old []byte) ([]byte, error)) error
+	// Delete removes key; deleting an absent key is not an error.
+	Delete(bucket, key string) error
+	// List returns the pairs whose key starts with prefix, in key order.
+	List(bucket, prefix string) ([]KV, error)
+	// Close releases the store.
+	Close() error
+}
+
+// checkName rejects the names no backend can store: bbolt refuses empty keys
+// and buckets, and an etcd key built from them would be ambiguous.
+func checkName(bucket, key string) error {
+	if bucket == "" {
+		return errdefs.Invalid("store: empty bucket name")
+	}
+	if key == "" {
+		return errdefs.Invalid("store: empty key in bucket %q", bucket)
+	}
+	return nil
+}

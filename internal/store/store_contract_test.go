@@ -1,0 +1,29 @@
+package store_test
+
+import (
+	"fmt"
+	"path/filepath"
+	"testing"
+
+	"github.com/dsecproject/dsec/internal/store"
+	"github.com/dsecproject/dsec/internal/store/storetest"
+)
+
+func TestBoltContract(t *testing.T) {
+	dir := t.TempDir()
+	n := 0
+	storetest.Run(t, func() store.Store {
+		n++
+		b, err := store.OpenBolt(filepath.Join(dir, fmt.Sprintf("state-%d.db", n)))
+		if err != nil {
+			// open runs on a subtest's goroutine, where t.Fatal on the
+			// parent is not allowed; a panic still fails the test loudly.
+			panic(err)
+		}
+		return b
+	})
+}
+
+func TestMemoryContract(t *testing.T) {
+	storetest.Run(t, store.NewMemory)
+}

@@ -1,0 +1,304 @@
+// Package storetest is the contract every store.Store implementation must
+// pass. Implementations call Run from their own tests; nothing else imports it.
+package storetest
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/store"
+)
+
+// Run runs the contract against stores made by open. Each subtest gets a
+// fresh, empty store, closed when the subtest ends.
+func Run(t *testing.T, open func() store.Store) {
+	tests := []struct {
+		name string
+		fn   func(*testing.T, store.Store)
+	}{
+		{"GetPut", testGetPut},
+		{"EmptyValue", testEmptyValue},
+		{"InvalidNames", testInvalidNames},
+		{"Copies", testCopies},
+		{"Create", testCreate},
+		{"Update", testUpdate},
+		{"Delete", testDelete},
+		{"List", testList},
+		{"ConcurrentUpdate", testConcurrentUpdate},
+		{"ConcurrentCreate", testConcurrentCreate},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s := open()
+			t.Cleanup(func() {
+				if err := s.Close(); err != nil {
+					t.Errorf("Close: %v", err)
+				}
+			})
+			tc.fn(t, s)
+		})
+	}
+}
+
+func mustPut(t *testing.T, s store.Store, bucket, key, val string) {
+	t.Helper()
+	if err := s.Put(bucket, key, []byte(val)); err != nil {
+		t.Fatalf("Put(%s, %s): %v", bucket, key, err)
+	}
+}
+
+func wantValue(t *testing.T, s store.Store, bucket, key, want string) {
+	t.Helper()
+	got, err := s.Get(bucket, key)
+	if err != nil {
+		t.Fatalf("Get(%s, %s): %v", bucket, key, err)
+	}
+	if string(got) != want {
+		t.Fatalf("Get(%s, %s) = %q, want %q", bucket, key, got, want)
+	}
+}
+
+func wantNotFound(t *testing.T, s store.Store, bucket, key string) {
+	t.Helper()
+	if v, err := s.Get(bucket, key); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("Get(%s, %s) = %q, %v; want ErrNotFound", bucket, key, v, err)
+	}
+}
+
+func testGetPut(t *testing.T, s store.Store) {
+	wantNotFound(t, s, "b", "k") // bucket absent
+	mustPut(t, s, "b", "k", "v1")
+	wantValue(t, s, "b", "k", "v1")
+	wantNotFound(t, s, "b", "other") // bucket present, key absent
+	wantNotFound(t, s, "other", "k") // buckets are separate namespaces
+	mustPut(t, s, "b", "k", "v2")
+	wantValue(t, s, "b", "k", "v2")
+}
+
+func testEmptyValue(t *testing.T, s store.Store) {
+	// An empty value is present, and Update sees it as non-nil.
+	if err := s.Put("b", "k", nil); err != nil {
+		t.Fatalf("Put(nil): %v", err)
+	}
+	got, err := s.Get("b", "k")
+	if err != nil || got == nil || len(got) != 0 {
+		t.Fatalf("Get = %#v, %v; want empty non-nil value", got, err)
+	}
+	err = s.Update("b", "k", func(old []byte) ([]byte, error) {
+		if old == nil {
+			t.Error("Update saw an empty value as absent")
+		}
+		return old, nil
+	})
+	if err != nil {
+		t.Fatalf("Update: %v", err)
+	}
+}
+
+func testInvalidNames(t *testing.T, s store.Store) {
+	calls := map[string]func() error{
+		"Get empty bucket":    func() error { _, err := s.Get("", "k"); return err },
+		"Get empty key":       func() error { _, err := s.Get("b", ""); return err },
+		"Put empty key":       func() error { return s.Put("b", "", []byte("v")) },
+		"Create empty bucket": func() error { return s.Create("", "k", []byte("v")) },
+		"Update empty key": func() error {
+			return s.Update("b", "", func([]byte) ([]byte, error) { return []byte("v"), nil })
+		},
+		"Delete empty key":  func() error { return s.Delete("b", "") },
+		"List empty bucket": func() error { _, err := s.List("", ""); return err },
+	}
+	for name, call := range calls {
+		if err := call(); !errors.Is(err, errdefs.ErrInvalid) {
+			t.Errorf("%s: err = %v, want ErrInvalid", name, err)
+		}
+	}
+}
+
+func testCopies(t *testing.T, s store.Store) {
+	in := []byte("abc")
+	mustPut(t, s, "b", "k", string(in))
+	if err := s.Put("b", "k2", in); err != nil {
+		t.Fatal(err)
+	}
+	in[0] = 'X' // the store must have copied it
+	wantValue(t, s, "b", "k2", "abc")
+	out, err := s.Get("b", "k2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out[0] = 'Y' // and must hand out a copy
+	wantValue(t, s, "b", "k2", "abc")
+}
+
+func testCreate(t *testing.T, s store.Store) {
+	if err := s.Create("b", "k", []byte("first")); err != nil {
+		t.Fatalf("Create: %v", err)
+	}
+	if err := s.Create("b", "k", []byte("second")); !errors.Is(err, errdefs.ErrAlreadyExists) {
+		t.Fatalf("second Create: err = %v, want ErrAlreadyExists", err)
+	}
+	wantValue(t, s, "b", "k", "first")
+	if err := s.Delete("b", "k"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Create("b", "k", []byte("again")); err != nil {
+		t.Fatalf("Create after Delete: %v", err)
+	}
+	wantValue(t, s, "b", "k", "again")
+}
+
+func testUpdate(t *testing.T, s store.Store) {
+	// Absent: fn sees nil and its result is stored.
+	err := s.Update("b", "k", func(old []byte) ([]byte, error) {
+		if old != nil {
+			t.Errorf("old = %q, want nil for an absent key", old)
+		}
+		return []byte("v1"), nil
+	})
+	if err != nil {
+		t.Fatalf("Update (create): %v", err)
+	}
+	wantValue(t, s, "b", "k", "v1")
+
+	// Present: fn sees the old value.
+	err = s.Update("b", "k", func(old []byte) ([]byte, error) {
+		return append(old, "+v2"...), nil
+	})
+	if err != nil {
+		t.Fatalf("Update (modify): %v", err)
+	}
+	wantValue(t, s, "b", "k", "v1+v2")
+
+	// An error aborts, is returned as is, and leaves the value alone.
+	errAbort := errors.New("abort")
+	err = s.Update("b", "k", func([]byte) ([]byte, error) {
+		return []byte("lost"), errAbort
+	})
+	if !errors.Is(err, errAbort) {
+		t.Fatalf("Update (abort): err = %v, want %v", err, errAbort)
+	}
+	wantValue(t, s, "b", "k", "v1+v2")
+
+	// nil deletes.
+	if err := s.Update("b", "k", func([]byte) ([]byte, error) { return nil, nil }); err != nil {
+		t.Fatalf("Update (delete): %v", err)
+	}
+	wantNotFound(t, s, "b", "k")
+
+	// nil on an absent key is a no-op.
+	if err := s.Update("b", "absent", func([]byte) ([]byte, error) { return nil, nil }); err != nil {
+		t.Fatalf("Update (delete absent): %v", err)
+	}
+	wantNotFound(t, s, "b", "absent")
+}
+
+func testDelete(t *testing.T, s store.Store) {
+	if err := s.Delete("nobucket", "k"); err != nil {
+		t.Fatalf("Delete in absent bucket: %v", err)
+	}
+	mustPut(t, s, "b", "k", "v")
+	mustPut(t, s, "b", "keep", "v")
+	for i := 0; i < 2; i++ { // the second Delete is of an absent key
+		if err := s.Delete("b", "k"); err != nil {
+			t.Fatalf("Delete #%d: %v", i+1, err)
+		}
+	}
+	wantNotFound(t, s, "b", "k")
+	wantValue(t, s, "b", "keep", "v")
+}
+
+func testList(t *testing.T, s store.Store) {
+	if kvs, err := s.List("nobucket", ""); err != nil || len(kvs) != 0 {
+		t.Fatalf("List(absent bucket) = %v, %v; want empty", kvs, err)
+	}
+	// Inserted out of order; "a/" sorts before "a0" and "ab" bytewise.
+	for _, k := range []string{"b/2", "a/2", "ab", "a/10", "a/1", "a0", "b/1", "a"} {
+		mustPut(t, s, "b", k, "v:"+k)
+	}
+	mustPut(t, s, "other", "a/3", "x")
+	cases := []struct {
+		prefix string
+		want   []string
+	}{
+		{"", []string{"a", "a/1", "a/10", "a/2", "a0", "ab", "b/1", "b/2"}},
+		{"a/", []string{"a/1", "a/10", "a/2"}},
+		{"a/1", []string{"a/1", "a/10"}},
+		{"b/", []string{"b/1", "b/2"}},
+		{"c", nil},
+	}
+	for _, tc := range cases {
+		kvs, err := s.List("b", tc.prefix)
+		if err != nil {
+			t.Fatalf("List(%q): %v", tc.prefix, err)
+		}
+		var got []string
+		for _, kv := range kvs {
+			got = append(got, kv.Key)
+			if string(kv.Value) != "v:"+kv.Key {
+				t.Errorf("List(%q): %s = %q, want %q", tc.prefix, kv.Key, kv.Value, "v:"+kv.Key)
+			}
+		}
+		if fmt.Sprint(got) != fmt.Sprint(tc.want) {
+			t.Errorf("List(%q) keys = %v, want %v", tc.prefix, got, tc.want)
+		}
+	}
+}
+
+func testConcurrentUpdate(t *testing.T, s store.Store) {
+	const workers, perWorker = 16, 50
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range perWorker {
+				err := s.Update("b", "counter", func(old []byte) ([]byte, error) {
+					n := 0
+					if old != nil {
+						var err error
+						if n, err = strconv.Atoi(string(old)); err != nil {
+							return nil, err
+						}
+					}
+					return []byte(strconv.Itoa(n + 1)), nil
+				})
+				if err != nil {
+					t.Errorf("Update: %v", err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	wantValue(t, s, "b", "counter", strconv.Itoa(workers*perWorker))
+}
+
+func testConcurrentCreate(t *testing.T, s store.Store) {
+	const workers = 16
+	var wins, conflicts atomic.Int32
+	var wg sync.WaitGroup
+	for i := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			err := s.Create("b", "k", []byte(strconv.Itoa(i)))
+			switch {
+			case err == nil:
+				wins.Add(1)
+			case errors.Is(err, errdefs.ErrAlreadyExists):
+				conflicts.Add(1)
+			default:
+				t.Errorf("Create: %v", err)
+			}
+		}()
+	}
+	wg.Wait()
+	if wins.Load() != 1 || conflicts.Load() != workers-1 {
+		t.Fatalf("Create race: %d wins, %d conflicts; want 1 and %d", wins.Load(), conflicts.Load(), workers-1)
+	}
+}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs the host packages dsec needs, only if something is missing, and
+# downloads the Go modules. Debian 12 package names.
+set -euo pipefail
+export PATH=/usr/local/go/bin:$PATH
+
+need=()
+have() { command -v "$1" >/dev/null 2>&1; }
+have crun || need+=(crun)
+have runc || need+=(runc)
+have mkfs.erofs || need+=(erofs-utils)
+have catatonit || need+=(catatonit)
+# busybox-static: the demo and tests assemble small root filesystems from it.
+bb_kind=$(ldd "$(command -v busybox || echo /nonexistent)" 2>&1 || true)
+case "$bb_kind" in *"not a dynamic"*) ;; *) need+=(busybox-static) ;; esac
+have ip || need+=(iproute2)
+
+if [ ${#need[@]} -gt 0 ]; then
+	if [ "$(id -u)" != 0 ]; then
+		echo "deps: missing packages: ${need[*]} (run as root, or: sudo apt-get install ${need[*]})" >&2
+		exit 1
+	fi
+	echo "deps: installing ${need[*]}"
+	export DEBIAN_FRONTEND=noninteractive
+	apt-get update -qq
+	apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+go mod download
+echo "deps: ok (crun $(crun --version | head -1 | awk '{print $3}'), runc $(runc --version | head -1 | awk '{print $3}'), erofs-utils, catatonit, busybox-static)"

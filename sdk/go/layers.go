@@ -1,0 +1,73 @@
+package dsec
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+
+	"github.com/dsecproject/dsec/api"
+)
+
+// BuildLayer uploads a tar stream (plain or gzip) and has the server build it
+// into a layer named kind/name:tag. tarReader is closed when the request is
+// done if it is an io.Closer.
+func (c *Client) BuildLayer(ctx context.Context, kind, name, tag string, tarReader io.Reader) (*api.Layer, error) {
+	q := url.Values{"kind": {kind}, "name": {name}}
+	if tag != "" {
+		q.Set("tag", tag)
+	}
+	body, ctype := sniffTar(tarReader)
+	var l api.Layer
+	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/layers", query: q, body: body, contentType: ctype}, &l); err != nil {
+		return nil, err
+	}
+	return &l, nil
+}
+
+// ListLayers lists the catalog, optionally only one kind ("" = all).
+func (c *Client) ListLayers(ctx context.Context, kind string) ([]api.Layer, error) {
+	q := url.Values{}
+	if kind != "" {
+		q.Set("kind", kind)
+	}
+	var list api.LayerList
+	if err := c.call(ctx, request{method: http.MethodGet, path: "/v1/layers", query: q}, &list); err != nil {
+		return nil, err
+	}
+	return list.Layers, nil
+}
+
+// GetLayer looks a layer up by ref ("base/python:3.11") or digest
+// ("sha256:...").
+func (c *Client) GetLayer(ctx context.Context, refOrDigest string) (*api.Layer, error) {
+	var l api.Layer
+	if err := c.call(ctx, request{method: http.MethodGet, path: "/v1/layers/" + esc(refOrDigest)}, &l); err != nil {
+		return nil, err
+	}
+	return &l, nil
+}
+
+// DeleteLayer removes a ref from the catalog.
+func (c *Client) DeleteLayer(ctx context.Context, ref string) error {
+	return c.call(ctx, request{method: http.MethodDelete, path: "/v1/layers/" + esc(ref)}, nil)
+}
+
+// ListNodes returns the edges the apiserver knows.
+func (c *Client) ListNodes(ctx context.Context) ([]api.Node, error) {
+	var list api.NodeList
+	if err := c.call(ctx, request{method: http.MethodGet, path: "/v1/nodes"}, &list); err != nil {
+		return nil, err
+	}
+	return list.Nodes, nil
+}
+
+// Health checks GET /healthz (unauthenticated) and returns nil if the server
+// answers 2xx.
+func (c *Client) Health(ctx context.Context) error {
+	if err := c.call(ctx, request{method: http.MethodGet, path: "/healthz", accept: "*/*"}, nil); err != nil {
+		return fmt.Errorf("checking health of %s: %w", c.endpoint, err)
+	}
+	return nil
+}

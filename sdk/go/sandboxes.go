@@ -1,0 +1,142 @@
+package dsec
+
+import (
+	"context"
+	"maps"
+	"net/http"
+	"net/url"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+// CreateSandbox creates one sandbox (POST /v1/sandboxes).
+func (c *Client) CreateSandbox(ctx context.Context, spec api.SandboxSpec) (*api.Sandbox, error) {
+	var sb api.Sandbox
+	err := c.call(ctx, request{method: http.MethodPost, path: "/v1/sandboxes", jsonBody: spec}, &sb)
+	if err != nil {
+		return nil, err
+	}
+	return &sb, nil
+}
+
+// CreateSandboxes creates count sandboxes from one spec. Partial success is
+// normal: the failed items are in the result's Errors, not in err.
+func (c *Client) CreateSandboxes(ctx context.Context, count int, spec api.SandboxSpec) (*api.BatchResult, error) {
+	var res api.BatchResult
+	body := api.BatchCreateRequest{Count: count, Spec: spec}
+	err := c.call(ctx, request{method: http.MethodPost, path: "/v1/sandboxes:batch", jsonBody: body}, &res)
+	if err != nil {
+		return nil, err
+	}
+	return &res, nil
+}
+
+// GetSandbox returns one sandbox.
+func (c *Client) GetSandbox(ctx context.Context, id string) (*api.Sandbox, error) {
+	var sb api.Sandbox
+	if err := c.call(ctx, request{method: http.MethodGet, path: "/v1/sandboxes/" + esc(id)}, &sb); err != nil {
+		return nil, err
+	}
+	return &sb, nil
+}
+
+// ListOptions filters GET /v1/sandboxes. Empty fields do not filter.
+type ListOptions struct {
+	State     string
+	Labels    map[string]string // all must match
+	Limit     int               // page size; 0 = server default
+	PageToken string
+}
+
+// ListSandboxes returns one page; pass the result's NextPageToken back in
+// opts.PageToken for the next one, or use ListAllSandboxes.
+func (c *Client) ListSandboxes(ctx context.Context, opts ListOptions) (*api.SandboxList, error) {
+	q := url.Values{}
+	if opts.State != "" {
+		q.Set("state", opts.State)
+	}
+	for _, k := range slices.Sorted(maps.Keys(opts.Labels)) {
+		q.Add("label", k+"="+opts.Labels[k])
+	}
+	if opts.Limit > 0 {
+		q.Set("limit", strconv.Itoa(opts.Limit))
+	}
+	if opts.PageToken != "" {
+		q.Set("page_token", opts.PageToken)
+	}
+	var list api.SandboxList
+	if err := c.call(ctx, request{method: http.MethodGet, path: "/v1/sandboxes", query: q}, &list); err != nil {
+		return nil, err
+	}
+	return &list, nil
+}
+
+// ListAllSandboxes follows pagination from opts.PageToken to the last page.
+func (c *Client) ListAllSandboxes(ctx context.Context, opts ListOptions) ([]api.Sandbox, error) {
+	var all []api.Sandbox
+	seen := map[string]bool{}
+	for {
+		page, err := c.ListSandboxes(ctx, opts)
+		if err != nil {
+			return nil, err
+		}
+		all = append(all, page.Sandboxes...)
+		if page.NextPageToken == "" {
+			return all, nil
+		}
+		// A server handing out the same token twice would loop us forever.
+		if seen[page.NextPageToken] {
+			return nil, errdefs.Precondition("server repeated page token %q", page.NextPageToken)
+		}
+		seen[page.NextPageToken] = true
+		opts.PageToken = page.NextPageToken
+	}
+}
+
+// DeleteSandbox destroys a sandbox. The server answers 204 for unknown ids
+// too (delete is idempotent), so any error here is a real failure.
+func (c *Client) DeleteSandbox(ctx context.Context, id string) error {
+	return c.call(ctx, request{method: http.MethodDelete, path: "/v1/sandboxes/" + esc(id)}, nil)
+}
+
+// DeleteSandboxes destroys every sandbox carrying all of labels and returns
+// how many were deleted. Empty labels are refused client-side: they would
+// select every sandbox the caller can see.
+func (c *Client) DeleteSandboxes(ctx context.Context, labels map[string]string) (int, error) {
+	if len(labels) == 0 {
+		return 0, errdefs.Invalid("delete by labels needs at least one label")
+	}
+	var res api.DeleteResult
+	body := api.LabelsRequest{Labels: labels}
+	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/sandboxes:delete", jsonBody: body}, &res); err != nil {
+		return 0, err
+	}
+	return res.Deleted, nil
+}
+
+// Keepalive extends a sandbox's lifetime: it then expires ttl from now.
+// The API counts in whole seconds; ttl is rounded up.
+func (c *Client) Keepalive(ctx context.Context, id string, ttl time.Duration) error {
+	body := api.KeepaliveRequest{TTL: ceilSeconds(ttl)}
+	return c.call(ctx, request{method: http.MethodPost, path: "/v1/sandboxes/" + esc(id) + "/keepalive", jsonBody: body}, nil)
+}
+
+// Stats returns a sandbox's current resource use.
+func (c *Client) Stats(ctx context.Context, id string) (*api.Stats, error) {
+	var st api.Stats
+	if err := c.call(ctx, request{method: http.MethodGet, path: "/v1/sandboxes/" + esc(id) + "/stats"}, &st); err != nil {
+		return nil, err
+	}
+	return &st, nil
+}
+
+func ceilSeconds(d time.Duration) int64 {
+	if d <= 0 {
+		return 0
+	}
+	return int64((d + time.Second - 1) / time.Second)
+}

@@ -1,0 +1,228 @@
+package e2e
+
+import (
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+)
+
+// sandboxCgroupFile returns the path of a control file of sandbox id's
+// cgroup in the hierarchy holding ctrl: the v1 hierarchy of that controller
+// when there is one, else the cgroup2 tree. It skips the test when the
+// host has the controller nowhere.
+func sandboxCgroupFile(t *testing.T, ctrl, id, v1name, v2name string) (string, bool) {
+	t.Helper()
+	for _, m := range hostCgroupMounts() {
+		if !m.v2 && m.has(ctrl) {
+			return filepath.Join(m.root, "dsec", id, v1name), false
+		}
+	}
+	for _, m := range hostCgroupMounts() {
+		if m.v2 && m.has(ctrl) {
+			return filepath.Join(m.root, "dsec", id, v2name), true
+		}
+	}
+	t.Skipf("host has no %s cgroup controller in a v1 hierarchy or the cgroup2 tree", ctrl)
+	return "", false
+}
+
+func readTrim(t *testing.T, p string) string {
+	t.Helper()
+	b, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatalf("reading cgroup file: %v", err)
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// keyedValue returns the value of "key N" in a flat keyed cgroup file.
+func keyedValue(t *testing.T, p, key string) (uint64, bool) {
+	t.Helper()
+	b, err := os.ReadFile(p)
+	if err != nil {
+		return 0, false
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if k, v, ok := strings.Cut(line, " "); ok && k == key {
+			n, err := strconv.ParseUint(strings.TrimSpace(v), 10, 64)
+			return n, err == nil
+		}
+	}
+	return 0, false
+}
+
+func TestLimitsMemoryOOMStaysInside(t *testing.T) {
+	needDaemon(t)
+	sb := newSandbox(t, api.SandboxSpec{MemoryMB: 64})
+	neighbour := newSandbox(t, api.SandboxSpec{})
+	if r := sh(t, neighbour.ID, "echo before > /n"); r.ExitCode != 0 {
+		t.Fatalf("neighbour: %+v", r)
+	}
+
+	limitFile, v2 := sandboxCgroupFile(t, "memory", sb.ID, "memory.limit_in_bytes", "memory.max")
+	if got := readTrim(t, limitFile); got != strconv.Itoa(64<<20) {
+		t.Fatalf("%s = %s, want %d", limitFile, got, 64<<20)
+	}
+	st, err := client.Stats(ctx(t), sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.MemoryMaxBytes != 64<<20 {
+		t.Errorf("stats memory_limit_bytes = %d, want %d", st.MemoryMaxBytes, 64<<20)
+	}
+
+	// tail buffers its last 10 lines; /dev/zero has no newline, so it
+	// tries to hold all 300 MiB.
+	start := time.Now()
+	r := sh(t, sb.ID, "head -c 300m /dev/zero | tail > /dev/null")
+	t.Logf("memory hog: exit %d after %s, stderr %q", r.ExitCode, time.Since(start).Round(time.Millisecond), r.Stderr)
+	if r.ExitCode == 0 {
+		t.Fatalf("a 300 MiB hog in a 64 MiB sandbox succeeded: %+v", r)
+	}
+	if r.ExitCode != 137 {
+		t.Logf("hog exit code %d (137 expected for a SIGKILLed tail)", r.ExitCode)
+	}
+	// The kernel counts the OOM kill in the sandbox's own cgroup.
+	eventsFile := filepath.Join(filepath.Dir(limitFile), "memory.oom_control")
+	if v2 {
+		eventsFile = filepath.Join(filepath.Dir(limitFile), "memory.events")
+	}
+	if n, ok := keyedValue(t, eventsFile, "oom_kill"); ok && n == 0 {
+		t.Errorf("%s: oom_kill 0 after the hog", eventsFile)
+	} else if !ok {
+		t.Logf("%s has no oom_kill counter on this kernel", eventsFile)
+	}
+
+	// The sandbox, the daemon and the neighbour are fine.
+	if r := sh(t, sb.ID, "echo alive"); r.ExitCode != 0 || r.Stdout != "alive\n" {
+		t.Errorf("sandbox after OOM: %+v", r)
+	}
+	if got, err := client.GetSandbox(ctx(t), sb.ID); err != nil || got.State != api.StateRunning {
+		t.Errorf("sandbox state after OOM: %+v %v", got, err)
+	}
+	resp, err := http.Get("http://" + d.listen + "/healthz")
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("daemon /healthz after OOM: %v %v", resp, err)
+	}
+	resp.Body.Close()
+	// The neighbour has no limit: the same hog at 100 MiB completes.
+	r = sh(t, neighbour.ID, "cat /n; head -c 100m /dev/zero | tail | wc -c")
+	if r.ExitCode != 0 || r.Stdout != "before\n104857600\n" {
+		t.Errorf("neighbour after OOM: %+v", r)
+	}
+}
+
+func TestLimitsPids(t *testing.T) {
+	needDaemon(t)
+	sb := newSandbox(t, api.SandboxSpec{Pids: 32})
+	maxFile, _ := sandboxCgroupFile(t, "pids", sb.ID, "pids.max", "pids.max")
+	if got := readTrim(t, maxFile); got != "32" {
+		t.Fatalf("%s = %s, want 32", maxFile, got)
+	}
+	// Short sleeps, so that the pids come back on their own.
+	r := sh(t, sb.ID, `i=0; while [ $i -lt 64 ]; do sleep 2 & i=$((i+1)); done; echo spawned $i`)
+	t.Logf("fork loop: exit %d stdout %q stderr %q", r.ExitCode, r.Stdout, r.Stderr)
+	if r.Stdout == "spawned 64\n" && r.ExitCode == 0 {
+		t.Fatalf("64 processes forked under pids=32: %+v", r)
+	}
+	if !strings.Contains(r.Stderr, "can't fork") && !strings.Contains(r.Stderr, "Resource temporarily unavailable") {
+		t.Errorf("fork loop stderr %q, want EAGAIN (can't fork / Resource temporarily unavailable)", r.Stderr)
+	}
+	if n, ok := keyedValue(t, filepath.Join(filepath.Dir(maxFile), "pids.events"), "max"); ok && n == 0 {
+		t.Errorf("pids.events max = 0 after the fork loop")
+	}
+	// Once the sleeps are gone the sandbox answers again.
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		res, err := client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "echo alive"})
+		if err == nil && res.ExitCode == 0 && res.Stdout == "alive\n" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("sandbox does not answer after the fork loop: %+v %v", res, err)
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	if got, err := client.GetSandbox(ctx(t), sb.ID); err != nil || got.State != api.StateRunning {
+		t.Fatalf("state after fork loop: %+v %v", got, err)
+	}
+}
+
+func TestLimitsCPUQuota(t *testing.T) {
+	needDaemon(t)
+	sb := newSandbox(t, api.SandboxSpec{CPU: 0.5})
+	quotaFile, v2 := sandboxCgroupFile(t, "cpu", sb.ID, "cpu.cfs_quota_us", "cpu.max")
+	if v2 {
+		if got := readTrim(t, quotaFile); got != "50000 100000" {
+			t.Fatalf("%s = %q, want \"50000 100000\"", quotaFile, got)
+		}
+	} else {
+		if got := readTrim(t, quotaFile); got != "50000" {
+			t.Fatalf("%s = %s, want 50000", quotaFile, got)
+		}
+		period := filepath.Join(filepath.Dir(quotaFile), "cpu.cfs_period_us")
+		if got := readTrim(t, period); got != "100000" {
+			t.Fatalf("%s = %s, want 100000", period, got)
+		}
+	}
+	// A busy loop for 2 s of wall time gets about 1 s of CPU.
+	before, err := client.Stats(ctx(t), sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := sh(t, sb.ID, `timeout 2 sh -c 'while :; do :; done'; true`)
+	if r.ExitCode != 0 {
+		t.Fatalf("busy loop: %+v", r)
+	}
+	after, err := client.Stats(ctx(t), sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	used := time.Duration(after.CPUUsageNS - before.CPUUsageNS)
+	t.Logf("busy loop used %s of CPU in 2 s at cpu=0.5", used.Round(time.Millisecond))
+	if used > 1400*time.Millisecond || used < 300*time.Millisecond {
+		t.Errorf("busy loop used %s of CPU in 2 s, want about 1 s under a 0.5 CPU quota", used)
+	}
+}
+
+func TestSandboxStats(t *testing.T) {
+	needDaemon(t)
+	sb := newSandbox(t, api.SandboxSpec{})
+	if r := sh(t, sb.ID, "head -c 1000000 /dev/urandom > /blob; (sleep 30 &) ; true"); r.ExitCode != 0 {
+		t.Fatalf("exec: %+v", r)
+	}
+	st, err := client.Stats(ctx(t), sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("stats: %+v", st)
+	if st.MemoryBytes == 0 {
+		t.Errorf("memory_bytes = 0")
+	}
+	if st.Pids < 2 {
+		t.Errorf("pids = %d, want >= 2 (init and a sleep)", st.Pids)
+	}
+	if st.CPUUsageNS == 0 {
+		t.Errorf("cpu_usage_ns = 0 after an exec")
+	}
+	if st.DiskBytes < 1000000 {
+		t.Errorf("disk_bytes = %d after writing 1 MB", st.DiskBytes)
+	}
+	if st.MemoryMaxBytes != 0 {
+		t.Errorf("memory_limit_bytes = %d without a memory limit", st.MemoryMaxBytes)
+	}
+	// The raw wire names of the contract.
+	code, body := rawAPI(t, "GET", "/v1/sandboxes/"+sb.ID+"/stats", nil)
+	if code != 200 || !strings.Contains(string(body), `"memory_bytes"`) || !strings.Contains(string(body), `"pids"`) {
+		t.Errorf("GET stats: %d %s", code, body)
+	}
+	if code, _ := rawAPI(t, "GET", "/v1/sandboxes/sb-local-nosuchsandbox00/stats", nil); code != 404 {
+		t.Errorf("stats of unknown sandbox: %d, want 404", code)
+	}
+}
