@@ -99,8 +99,8 @@ func deleteUntilGone(id string) {
 
 // deadHint explains an exec that found the sandbox's container gone while
 // the API still says running: on a host where several dsec instances run,
-// another instance's startup reaps every /dsec child cgroup it does not own
-// (see TestRecoveryLeavesOtherInstancesAlone).
+// another instance's startup may reap cgroups it does not own (see
+// TestRecoveryLeavesOtherInstancesAlone).
 func deadHint(r *api.ExecResult) string {
 	if r == nil || !strings.Contains(r.Stderr, "is not running") {
 		return ""
@@ -371,8 +371,9 @@ func assertReleased(t *testing.T, id string) {
 	if m := hostMounts(filepath.Join(d.stateDir, "edge", "sandboxes", id, "rootfs")); len(m) > 0 {
 		t.Errorf("%s: rootfs still mounted: %v", id, m)
 	}
+	parent := daemonCgroupParent(t)
 	for _, root := range cgroupHierarchies() {
-		if _, err := os.Stat(filepath.Join(root, "dsec", id)); err == nil {
+		if _, err := os.Stat(filepath.Join(root, parent, id)); err == nil {
 			t.Errorf("%s: cgroup left in %s", id, root)
 		}
 	}

@@ -13,19 +13,20 @@ import (
 )
 
 // sandboxCgroupFile returns the path of a control file of sandbox id's
-// cgroup in the hierarchy holding ctrl: the v1 hierarchy of that controller
+// cgroup (the one its record names) in the hierarchy holding ctrl: the v1 hierarchy of that controller
 // when there is one, else the cgroup2 tree. It skips the test when the
 // host has the controller nowhere.
 func sandboxCgroupFile(t *testing.T, ctrl, id, v1name, v2name string) (string, bool) {
 	t.Helper()
+	rel := sandboxCgroupRel(t, id)
 	for _, m := range hostCgroupMounts() {
 		if !m.v2 && m.has(ctrl) {
-			return filepath.Join(m.root, "dsec", id, v1name), false
+			return filepath.Join(m.root, rel, v1name), false
 		}
 	}
 	for _, m := range hostCgroupMounts() {
 		if m.v2 && m.has(ctrl) {
-			return filepath.Join(m.root, "dsec", id, v2name), true
+			return filepath.Join(m.root, rel, v2name), true
 		}
 	}
 	t.Skipf("host has no %s cgroup controller in a v1 hierarchy or the cgroup2 tree", ctrl)

@@ -68,13 +68,69 @@ func cgroupHierarchies() []string {
 	return out
 }
 
+// sandboxCgroupRel returns a sandbox's cgroup path relative to the
+// hierarchy roots, as the edge recorded it in sandbox.json.
+func sandboxCgroupRel(t *testing.T, id string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(d.stateDir, "edge", "sandboxes", id, "sandbox.json"))
+	if err != nil {
+		t.Fatalf("reading the record of %s: %v", id, err)
+	}
+	var rec struct {
+		CgroupPath string `json:"cgroup_path"`
+	}
+	if err := json.Unmarshal(b, &rec); err != nil || !strings.HasPrefix(rec.CgroupPath, "/") {
+		t.Fatalf("record of %s: cgroup_path %q, %v", id, rec.CgroupPath, err)
+	}
+	return rec.CgroupPath
+}
+
+// cgroupParentCache is the daemon's sandbox cgroup parent; it depends only
+// on the state dir, so it survives restarts.
+var cgroupParentCache string
+
+// daemonCgroupParent returns the parent cgroup of the daemon's sandboxes
+// (/dsec, or a per-instance child of it), learnt from a sandbox record;
+// with no sandbox around it makes one to look.
+func daemonCgroupParent(t *testing.T) string {
+	t.Helper()
+	if cgroupParentCache != "" {
+		return cgroupParentCache
+	}
+	recs, _ := filepath.Glob(filepath.Join(d.stateDir, "edge", "sandboxes", "*", "sandbox.json"))
+	for _, r := range recs {
+		b, err := os.ReadFile(r)
+		var rec struct {
+			CgroupPath string `json:"cgroup_path"`
+		}
+		if err == nil && json.Unmarshal(b, &rec) == nil && strings.HasPrefix(rec.CgroupPath, "/dsec") {
+			cgroupParentCache = filepath.Dir(rec.CgroupPath)
+			return cgroupParentCache
+		}
+	}
+	sb, err := client.CreateSandbox(ctx(t), api.SandboxSpec{Base: baseRef})
+	if err != nil {
+		t.Fatalf("creating a sandbox to learn the cgroup parent: %v", err)
+	}
+	rel := sandboxCgroupRel(t, sb.ID)
+	if err := client.DeleteSandbox(ctx(t), sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	cgroupParentCache = filepath.Dir(rel)
+	return cgroupParentCache
+}
+
+// sharedCgroupParent reports whether the daemon's sandboxes share their
+// parent cgroup with other dsec instances (the plain /dsec layout).
+func sharedCgroupParent(t *testing.T) bool { return daemonCgroupParent(t) == "/dsec" }
+
 // nodeSnapshot is what the daemon holds on the host, read from the host.
 type nodeSnapshot struct {
 	dirs        []string            // <state>/edge/sandboxes/*
 	runtime     []string            // <state>/runtime/*/* (container ids)
 	overlays    []string            // mountpoints under <state>/edge/sandboxes/
 	layerMounts []string            // mountpoints under <state>/edge/mnt/
-	cgroups     map[string][]string // child of /dsec → hierarchies holding it
+	cgroups     map[string][]string // child of the cgroup parent → hierarchies holding it
 }
 
 func snapshotNode(t *testing.T) nodeSnapshot {
@@ -97,8 +153,9 @@ func snapshotNode(t *testing.T) nodeSnapshot {
 	s.overlays = hostMounts(filepath.Join(d.stateDir, "edge", "sandboxes") + "/")
 	s.layerMounts = hostMounts(filepath.Join(d.stateDir, "edge", "mnt") + "/")
 	s.cgroups = map[string][]string{}
+	parent := daemonCgroupParent(t)
 	for _, root := range cgroupHierarchies() {
-		kids, _ := os.ReadDir(filepath.Join(root, "dsec"))
+		kids, _ := os.ReadDir(filepath.Join(root, parent))
 		for _, k := range kids {
 			if k.IsDir() {
 				s.cgroups[k.Name()] = append(s.cgroups[k.Name()], root)
@@ -109,7 +166,8 @@ func snapshotNode(t *testing.T) nodeSnapshot {
 }
 
 // foreignDaemons returns the pids of other `dsec up` processes on the host.
-// They share the /dsec cgroup parent, so /dsec children may be theirs.
+// With the plain /dsec layout they share the cgroup parent, so its
+// children may be theirs.
 func foreignDaemons() []int {
 	mine := 0
 	if d.cmd != nil && d.cmd.Process != nil {
@@ -168,8 +226,8 @@ func logSize() int64 {
 // cgroup per running one, and layer mounts only for layers in use.
 // candidates are ids the test has reason to suspect (its own sandboxes,
 // interrupted creations); their cgroups are checked even when other dsec
-// daemons on the host share /dsec. It returns the running and the listed
-// ids.
+// daemons on the host share the cgroup parent. It returns the running and
+// the listed ids.
 func assertNodeConsistent(t *testing.T, candidates []string) (running, listed []string) {
 	t.Helper()
 	all, err := client.ListAllSandboxes(ctx(t), dsec.ListOptions{})
@@ -212,20 +270,20 @@ func assertNodeConsistent(t *testing.T, candidates []string) (running, listed []
 	for id := range check {
 		_, has := s.cgroups[id]
 		if want := slices.Contains(running, id); has != want {
-			t.Errorf("cgroup /dsec/%s present=%v (in %v), want %v", id, has, s.cgroups[id], want)
+			t.Errorf("cgroup %s/%s present=%v (in %v), want %v", daemonCgroupParent(t), id, has, s.cgroups[id], want)
 		}
 	}
-	if f := foreignDaemons(); len(f) == 0 {
+	if f := foreignDaemons(); len(f) == 0 || !sharedCgroupParent(t) {
 		var kids []string
 		for k := range s.cgroups {
 			kids = append(kids, k)
 		}
 		slices.Sort(kids)
 		if !slices.Equal(kids, running) {
-			t.Errorf("/dsec children %v, running sandboxes %v", kids, running)
+			t.Errorf("%s children %v, running sandboxes %v", daemonCgroupParent(t), kids, running)
 		}
 	} else {
-		t.Logf("other dsec daemons run on this host (pids %v): checked the cgroups of %d known ids only", f, len(check))
+		t.Logf("other dsec daemons share /dsec on this host (pids %v): checked the cgroups of %d known ids only", f, len(check))
 	}
 	return running, listed
 }
@@ -302,9 +360,9 @@ func runtimeName(t *testing.T) string {
 }
 
 // startStrayContainer runs a container with the daemon's runtime and
-// --root, in cgroup /dsec/<id>, as a crashed edge could have left it. It
-// returns the container's init pid.
-func startStrayContainer(t *testing.T, rt, id string) int {
+// --root, in cgroup <parent>/<id>, as a crashed edge could have left it.
+// It returns the container's init pid.
+func startStrayContainer(t *testing.T, rt, parent, id string) int {
 	t.Helper()
 	root := filepath.Join(d.stateDir, "runtime", rt)
 	bundle := t.TempDir()
@@ -331,7 +389,7 @@ func startStrayContainer(t *testing.T, rt, id string) int {
 	proc := cfg["process"].(map[string]any)
 	proc["terminal"] = false
 	proc["args"] = []string{"/bin/busybox", "sleep", "3600"}
-	cfg["linux"].(map[string]any)["cgroupsPath"] = "/dsec/" + id
+	cfg["linux"].(map[string]any)["cgroupsPath"] = parent + "/" + id
 	raw, _ = json.Marshal(cfg)
 	if err := os.WriteFile(filepath.Join(bundle, "config.json"), raw, 0o600); err != nil {
 		t.Fatal(err)
@@ -339,7 +397,7 @@ func startStrayContainer(t *testing.T, rt, id string) int {
 	t.Cleanup(func() {
 		_ = exec.Command(rt, "--root", root, "delete", "-f", id).Run()
 		for _, h := range cgroupHierarchies() {
-			_ = os.Remove(filepath.Join(h, "dsec", id))
+			_ = os.Remove(filepath.Join(h, parent, id))
 		}
 	})
 	// The container inherits the runtime's stdio: a pipe would keep
@@ -388,6 +446,7 @@ func TestRecoveryReapsOrphans(t *testing.T) {
 	)
 	live := newSandbox(t, api.SandboxSpec{})
 	sh(t, live.ID, "echo keep > /keep")
+	parent := daemonCgroupParent(t)
 	d.kill9()
 
 	// A sandbox dir whose record is garbage.
@@ -410,7 +469,7 @@ func TestRecoveryReapsOrphans(t *testing.T) {
 	var planted []string
 	for _, m := range hostCgroupMounts() {
 		if m.has("pids") || m.has("memory") || m.v2 {
-			p := filepath.Join(m.root, "dsec", cgroupID)
+			p := filepath.Join(m.root, parent, cgroupID)
 			if err := os.Mkdir(p, 0o755); err != nil {
 				t.Fatalf("planting cgroup: %v", err)
 			}
@@ -429,7 +488,7 @@ func TestRecoveryReapsOrphans(t *testing.T) {
 	strayPid := 0
 	rt := runtimeName(t)
 	if rt != "" {
-		strayPid = startStrayContainer(t, rt, strayID)
+		strayPid = startStrayContainer(t, rt, parent, strayID)
 	} else {
 		t.Log("no runtime state dir yet: skipping the stray container")
 	}
@@ -460,7 +519,7 @@ func TestRecoveryReapsOrphans(t *testing.T) {
 			t.Errorf("stray container's process %d still alive", strayPid)
 		}
 		for _, h := range cgroupHierarchies() {
-			if _, err := os.Stat(filepath.Join(h, "dsec", strayID)); err == nil {
+			if _, err := os.Stat(filepath.Join(h, parent, strayID)); err == nil {
 				t.Errorf("stray container's cgroup left in %s", h)
 			}
 		}
@@ -653,7 +712,8 @@ func TestLeakCreateDelete200(t *testing.T) {
 	}
 	// Leftover cgroups of this test's sandboxes in any hierarchy, by glob
 	// as an operator would look.
-	for _, pat := range []string{"/sys/fs/cgroup/*/dsec/sb-*", "/sys/fs/cgroup/unified/dsec/sb-*"} {
+	for _, pat := range []string{"/sys/fs/cgroup/*/dsec/sb-*", "/sys/fs/cgroup/*/dsec/*/sb-*",
+		"/sys/fs/cgroup/unified/dsec/sb-*", "/sys/fs/cgroup/unified/dsec/*/sb-*"} {
 		m, _ := filepath.Glob(pat)
 		for _, p := range m {
 			if slices.Contains(all, filepath.Base(p)) {
