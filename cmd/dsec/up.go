@@ -207,7 +207,8 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 		IAM: ident, Layers: layers, Edges: []apiserver.EdgeClient{ed}, Log: log,
 		Registry: reg, Gatherer: reg, Policy: policy, MaxLayerBytes: 64 << 30,
 	})
-	log.Info("edge ready", "node", c.nodeName, "runtime", rt, "state_dir", c.stateDir)
+	log.Info("edge ready", "node", c.nodeName, "runtime", rt, "state_dir", c.stateDir,
+		"cgroup_parent", cgroupParent(c.nodeName, c.stateDir))
 	return &node{layers: layers, edge: ed, server: srv, store: st, runtime: rt}, ident, nil
 }
 
@@ -248,6 +249,12 @@ func raiseNoFile(log *slog.Logger) {
 }
 
 func up(ctx context.Context, c upConfig, log *slog.Logger) error {
+	// Bind first: a taken port is reported before recovery touches anything.
+	ln, err := net.Listen("tcp", c.listen)
+	if err != nil {
+		return fmt.Errorf("listening on %s: %w", c.listen, err)
+	}
+	defer ln.Close()
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	n, ident, err := newNode(ctx, c, log, reg)
@@ -281,10 +288,6 @@ func up(ctx context.Context, c upConfig, log *slog.Logger) error {
 		}
 	}
 
-	ln, err := net.Listen("tcp", c.listen)
-	if err != nil {
-		return fmt.Errorf("listening on %s: %w", c.listen, err)
-	}
 	endpoint := "http://" + ln.Addr().String()
 	if key != "" {
 		cfgPath := c.configPath

@@ -51,31 +51,8 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 	var undo cleanup.Stack
 	defer undo.Run()
 
-	// Admission: count live sandboxes plus creations in flight.
-	e.mu.Lock()
-	if len(e.sandboxes)+e.creating >= e.cfg.MaxSandboxes {
-		e.mu.Unlock()
-		return nil, errdefs.Exhausted("node %s is full (%d sandboxes)", e.cfg.Name, e.cfg.MaxSandboxes)
-	}
-	e.creating++
-	e.mu.Unlock()
-	defer func() {
-		e.mu.Lock()
-		e.creating--
-		e.mu.Unlock()
-	}()
-
 	id := e.newID()
 	dir := e.sandboxDir(id)
-	if err := os.Mkdir(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("creating sandbox dir: %w", err)
-	}
-	undo.Add(func() { _ = os.RemoveAll(dir) })
-	for _, d := range []string{"upper", "work", "rootfs", "bundle"} {
-		if err := os.Mkdir(filepath.Join(dir, d), 0o755); err != nil {
-			return nil, fmt.Errorf("creating sandbox dir: %w", err)
-		}
-	}
 	now := time.Now().UTC()
 	exp := now.Add(time.Duration(spec.TTL) * time.Second)
 	rec := record{
@@ -85,6 +62,37 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 		},
 		Digests:    req.Digests,
 		CgroupPath: e.cfg.CgroupParent + "/" + id,
+	}
+	// Admission counts sandboxes holding resources, this one included from
+	// here on. It is visible as "creating" (and its layers as in use) while
+	// it is set up; a delete that arrives meanwhile waits on life.
+	s := &sbx{dir: dir, rec: rec}
+	s.touch()
+	s.life.Lock()
+	defer s.life.Unlock()
+	e.mu.Lock()
+	if e.live >= e.cfg.MaxSandboxes {
+		e.mu.Unlock()
+		return nil, errdefs.Exhausted("node %s is full (%d sandboxes)", e.cfg.Name, e.cfg.MaxSandboxes)
+	}
+	e.live++
+	e.sandboxes[id] = s
+	e.mu.Unlock()
+	undo.Add(func() {
+		e.mu.Lock()
+		e.live--
+		delete(e.sandboxes, id)
+		e.mu.Unlock()
+	})
+
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("creating sandbox dir: %w", err)
+	}
+	undo.Add(func() { _ = os.RemoveAll(dir) })
+	for _, d := range []string{"upper", "work", "rootfs", "bundle"} {
+		if err := os.Mkdir(filepath.Join(dir, d), 0o755); err != nil {
+			return nil, fmt.Errorf("creating sandbox dir: %w", err)
+		}
 	}
 	// The record goes first, marked creating: if the edge dies mid-create,
 	// recovery finds it and undoes everything below.
@@ -125,11 +133,9 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 	if err := writeRecord(dir, &rec); err != nil {
 		return nil, err
 	}
-	s := &sbx{dir: dir, rec: rec}
-	s.touch()
-	e.mu.Lock()
-	e.sandboxes[id] = s
-	e.mu.Unlock()
+	s.mu.Lock()
+	s.rec = rec
+	s.mu.Unlock()
 	undo.Release()
 	e.log.Info("sandbox created", "sandbox_id", id, "base", spec.Base, "layers", len(req.Digests))
 	v := s.view()
@@ -137,7 +143,8 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 }
 
 // destroyRuntime stops the sandbox's processes and removes its runtime
-// state and cgroup. Best effort: errors are logged, the reaper retries.
+// state and cgroup. Best effort: errors are logged; what is left is reaped
+// at the next start of the edge.
 func (e *Edge) destroyRuntime(ctx context.Context, id, cgroupPath string) {
 	if err := e.deps.Backend.Destroy(ctx, id); err != nil {
 		e.log.Warn("destroying sandbox runtime", "sandbox_id", id, "err", err)
@@ -207,6 +214,9 @@ func (e *Edge) teardown(ctx context.Context, s *sbx, remove bool) error {
 				e.log.Warn("releasing layer", "sandbox_id", id, "digest", d, "err", err)
 			}
 		}
+		e.mu.Lock()
+		e.live--
+		e.mu.Unlock()
 	}
 	if remove {
 		if err := os.RemoveAll(s.dir); err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -216,9 +226,10 @@ func (e *Edge) teardown(ctx context.Context, s *sbx, remove bool) error {
 	return nil
 }
 
-// stopSandbox ends a sandbox for a reason (ttl, idle timeout) but keeps
-// its record readable for StoppedRetention.
-func (e *Edge) stopSandbox(ctx context.Context, s *sbx, reason string) {
+// stopSandbox ends a sandbox for a reason (ttl, idle timeout: final state
+// stopped; its init died: failed) but keeps its record readable for
+// StoppedRetention.
+func (e *Edge) stopSandbox(ctx context.Context, s *sbx, final, reason string) {
 	s.life.Lock()
 	defer s.life.Unlock()
 	s.mu.Lock()
@@ -243,7 +254,7 @@ func (e *Edge) stopSandbox(ctx context.Context, s *sbx, reason string) {
 	}
 	now := time.Now().UTC()
 	s.mu.Lock()
-	s.rec.Sandbox.State = api.StateStopped
+	s.rec.Sandbox.State = final
 	s.rec.Sandbox.Error = reason
 	s.rec.StoppedAt = &now
 	if err := s.persistLocked(); err != nil {
@@ -252,7 +263,7 @@ func (e *Edge) stopSandbox(ctx context.Context, s *sbx, reason string) {
 	s.going = false
 	s.mu.Unlock()
 	e.metrics.reaped.WithLabelValues(reason).Inc()
-	e.log.Info("sandbox stopped", "sandbox_id", id, "reason", reason)
+	e.log.Info("sandbox stopped", "sandbox_id", id, "state", final, "reason", reason)
 }
 
 // DeleteByLabels deletes every sandbox whose labels contain sel.

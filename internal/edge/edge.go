@@ -73,7 +73,9 @@ type Edge struct {
 
 	mu        sync.RWMutex
 	sandboxes map[string]*sbx
-	creating  int // admissions in flight, counted against MaxSandboxes
+	// live counts sandboxes holding node resources (creating, running,
+	// paused): what admission checks against MaxSandboxes.
+	live int
 
 	stop chan struct{}
 	wg   sync.WaitGroup
@@ -364,7 +366,8 @@ func (e *Edge) Stats(ctx context.Context, id string) (*api.Stats, error) {
 	return &st, nil
 }
 
-// dirSize sums the allocated bytes under dir without following symlinks.
+// dirSize sums the sizes of the regular files under dir without following
+// symlinks.
 func dirSize(dir string) uint64 {
 	var n uint64
 	_ = filepath.WalkDir(dir, func(_ string, d os.DirEntry, err error) error {

@@ -42,7 +42,7 @@ func TestCapBuffer(t *testing.T) {
 
 func TestStreamWriterKeepsRunesWhole(t *testing.T) {
 	var got []api.ExecEvent
-	sink := &eventSink{remaining: 1 << 20, emit: func(ev api.ExecEvent) error { got = append(got, ev); return nil }}
+	sink := &eventSink{remaining: [2]int64{1 << 20, 1 << 20}, emit: func(ev api.ExecEvent) error { got = append(got, ev); return nil }}
 	w := &streamWriter{sink: sink}
 	s := "héllo wörld €"
 	b := []byte(s)
@@ -75,13 +75,16 @@ func TestStreamWriterKeepsRunesWhole(t *testing.T) {
 
 func TestEventSinkCap(t *testing.T) {
 	n := 0
-	sink := &eventSink{remaining: 10, emit: func(ev api.ExecEvent) error { n += len(ev.Stdout); return nil }}
+	sink := &eventSink{remaining: [2]int64{10, 10}, emit: func(ev api.ExecEvent) error { n += len(ev.Stdout) + len(ev.Stderr); return nil }}
 	w := &streamWriter{sink: sink}
+	ew := &streamWriter{sink: sink, stderr: true}
 	_, _ = w.Write([]byte(strings.Repeat("x", 8)))
+	_, _ = ew.Write([]byte(strings.Repeat("e", 6)))
 	_, _ = w.Write([]byte(strings.Repeat("x", 8)))
 	_, _ = w.Write([]byte("more"))
-	if n != 10 || !sink.truncated {
-		t.Fatalf("emitted %d bytes, truncated=%v; want 10, true", n, sink.truncated)
+	// Each stream has its own cap: 10 of stdout, all 6 of stderr.
+	if n != 16 || !sink.truncated {
+		t.Fatalf("emitted %d bytes, truncated=%v; want 16, true", n, sink.truncated)
 	}
 }
 

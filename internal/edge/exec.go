@@ -56,7 +56,7 @@ func (e *Edge) Exec(ctx context.Context, id string, req api.ExecRequest, emit fu
 	var sink *eventSink
 	var outW, errW *streamWriter
 	if emit != nil {
-		sink = &eventSink{emit: emit, remaining: req.MaxOutputBytes}
+		sink = &eventSink{emit: emit, remaining: [2]int64{req.MaxOutputBytes, req.MaxOutputBytes}}
 		outW, errW = &streamWriter{sink: sink}, &streamWriter{sink: sink, stderr: true}
 		p.Stdout, p.Stderr = outW, errW
 	} else {

@@ -63,11 +63,12 @@ type streamWriter struct {
 	carry  []byte
 }
 
-// eventSink serialises events from both streams and enforces the output cap.
+// eventSink serialises events from both streams and enforces the output
+// cap of each (remaining[0] stdout, [1] stderr).
 type eventSink struct {
 	mu        sync.Mutex
 	emit      func(api.ExecEvent) error
-	remaining int64
+	remaining [2]int64
 	truncated bool
 	err       error // first error from emit: the client went away
 }
@@ -106,15 +107,19 @@ func (s *eventSink) send(stderr bool, data []byte) {
 	if s.err != nil {
 		return
 	}
-	if s.remaining <= 0 {
+	i := 0
+	if stderr {
+		i = 1
+	}
+	if s.remaining[i] <= 0 {
 		s.truncated = true
 		return
 	}
-	if int64(len(data)) > s.remaining {
-		data = data[:s.remaining]
+	if int64(len(data)) > s.remaining[i] {
+		data = data[:s.remaining[i]]
 		s.truncated = true
 	}
-	s.remaining -= int64(len(data))
+	s.remaining[i] -= int64(len(data))
 	var ev api.ExecEvent
 	text, b64 := textFields(data)
 	switch {

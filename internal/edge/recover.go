@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/layer"
 )
 
@@ -88,6 +89,9 @@ func (e *Edge) recover(ctx context.Context) error {
 		s.touch()
 		e.mu.Lock()
 		e.sandboxes[id] = s
+		if holdsResources(rec.Sandbox.State) {
+			e.live++
+		}
 		e.mu.Unlock()
 	}
 	if err := e.mounter.Recover(refs); err != nil {
@@ -196,17 +200,22 @@ func unescapeMount(s string) string {
 func (e *Edge) reapLoop() {
 	t := time.NewTicker(e.cfg.ReapInterval)
 	defer t.Stop()
-	for {
+	for tick := 1; ; tick++ {
 		select {
 		case <-e.stop:
 			return
 		case <-t.C:
-			e.reapOnce(time.Now())
+			e.reapOnce(time.Now(), tick%livenessEvery == 0)
 		}
 	}
 }
 
-func (e *Edge) reapOnce(now time.Time) {
+// livenessEvery is how many reaper ticks pass between liveness checks of
+// every running sandbox's init (a state-file and /proc read each).
+const livenessEvery = 5
+
+// reapOnce stops what has expired or died and forgets old records.
+func (e *Edge) reapOnce(now time.Time, checkLiveness bool) {
 	e.mu.RLock()
 	all := make([]*sbx, 0, len(e.sandboxes))
 	for _, s := range e.sandboxes {
@@ -223,8 +232,10 @@ func (e *Edge) reapOnce(now time.Time) {
 		if busy {
 			continue
 		}
-		reason := ""
+		reason, final := "", api.StateStopped
 		switch {
+		case checkLiveness && rec.Sandbox.State == api.StateRunning && !e.initAlive(rec.Sandbox.ID):
+			reason, final = "sandbox init exited", api.StateFailed
 		case rec.Sandbox.State == api.StateRunning && rec.Sandbox.ExpiresAt != nil && now.After(*rec.Sandbox.ExpiresAt):
 			reason = "ttl expired"
 		case rec.Sandbox.State == api.StateRunning && rec.Sandbox.Spec.IdleTimeout > 0 && inFlight == 0 &&
@@ -239,12 +250,22 @@ func (e *Edge) reapOnce(now time.Time) {
 		sem <- struct{}{}
 		go func() {
 			defer func() { <-sem }()
-			e.stopSandbox(context.Background(), s, reason)
+			e.stopSandbox(context.Background(), s, final, reason)
 		}()
 	}
 	for range cap(sem) {
 		sem <- struct{}{}
 	}
+}
+
+// initAlive reports whether the backend still runs the sandbox. Errors
+// other than not-found count as alive: a failed probe must not kill it.
+func (e *Edge) initAlive(id string) bool {
+	st, err := e.deps.Backend.Status(context.Background(), id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return false
+	}
+	return err != nil || st.Running
 }
 
 // forget removes a stopped sandbox's record.

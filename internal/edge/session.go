@@ -393,6 +393,10 @@ wait:
 		// ends rather than run what followed the timed-out command.
 		_ = se.stdin.Close()
 		proctree.Kill(se.shellPid, true)
+		select {
+		case <-se.exited:
+		case <-time.After(5 * time.Second):
+		}
 	}
 	if timedOut && se.shellPid != 0 && se.bash {
 		// Flag the abort, then kill what the command started but keep the

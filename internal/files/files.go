@@ -210,8 +210,9 @@ func (r *Root) ReadFile(p string) (io.ReadCloser, api.FileEntry, error) {
 // readers see the old or the new content, never a mix. A trailing symlink at
 // p is replaced, not written through (rename semantics). With maxBytes > 0,
 // longer data is refused with Invalid and nothing is left behind; at most
-// maxBytes bytes ever reach the disk. mode's permission bits apply (0 means
-// 0644), regardless of umask. It returns the number of bytes written.
+// maxBytes bytes ever reach the disk. mode applies exactly (permission and
+// setuid/setgid/sticky bits; 0 gives 0000), regardless of umask. It returns
+// the number of bytes written.
 func (r *Root) WriteFile(p string, data io.Reader, mode os.FileMode, maxBytes int64) (int64, error) {
 	clean, err := CleanPath(p)
 	if err != nil {

@@ -2,7 +2,7 @@
 // implements (container today; gVisor and microVM later), the process and
 // limit types the edge hands to it, and pure validation of sandbox specs.
 // Implementations live in sibling packages (sandbox/container); a shared
-// conformance suite lives in sandbox/sandboxtest and a fake in sandbox/fake.
+// conformance suite lives in sandbox/sandboxtest.
 // The edge is the only production caller.
 package sandbox
 

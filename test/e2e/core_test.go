@@ -6,8 +6,11 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/dsecproject/dsec/api"
 )
@@ -80,5 +83,56 @@ func TestLayerDeleteInUseRefused(t *testing.T) {
 	_, e, code = cli("layer", "get", "toolkit/inuse:v1")
 	if code == 0 || !strings.Contains(e, "not_found") && !strings.Contains(e, "not found") {
 		t.Fatalf("get after delete: exit %d %q", code, e)
+	}
+}
+
+// initPid finds the host pid of a sandbox's init (/dev/init) by its cgroup.
+func initPid(t *testing.T, id string) int {
+	t.Helper()
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		cg, _ := os.ReadFile("/proc/" + e.Name() + "/cgroup")
+		cmd, _ := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+		if strings.Contains(string(cg), "/"+id+"\n") && strings.HasPrefix(string(cmd), "/dev/init") {
+			return pid
+		}
+	}
+	t.Fatalf("no init process found for %s", id)
+	return 0
+}
+
+func TestSandboxWhoseInitDiesIsMarkedFailed(t *testing.T) {
+	needDaemon(t)
+	sb := newSandbox(t, api.SandboxSpec{})
+	neighbour := newSandbox(t, api.SandboxSpec{})
+	if err := syscall.Kill(initPid(t, sb.ID), syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(15 * time.Second)
+	var got *api.Sandbox
+	for time.Now().Before(deadline) {
+		var err error
+		if got, err = client.GetSandbox(ctx(t), sb.ID); err != nil {
+			t.Fatal(err)
+		}
+		if got.State == api.StateFailed {
+			break
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if got.State != api.StateFailed || !strings.Contains(got.Error, "init exited") {
+		t.Fatalf("state %q (%q), want failed with a reason", got.State, got.Error)
+	}
+	_, err := client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "true"})
+	wantCode(t, err, "failed_precondition")
+	if n := len(hostMounts(sb.ID)); n != 0 {
+		t.Fatalf("failed sandbox keeps %d mounts", n)
+	}
+	if r := sh(t, neighbour.ID, "echo ok"); r.Stdout != "ok\n" {
+		t.Fatalf("neighbour: %+v", r)
 	}
 }

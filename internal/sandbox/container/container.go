@@ -14,11 +14,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
-	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/sandbox"
@@ -143,10 +143,17 @@ func (c *Container) Destroy(ctx context.Context, id string) error {
 	return nil
 }
 
-// Status implements sandbox.Backend.
+// Status implements sandbox.Backend. It reads the runtime's own state file
+// (crun: status, runc: state.json) and /proc instead of exec'ing the
+// runtime, so the edge can check every sandbox's liveness cheaply; it
+// falls back to `state` for a layout it does not know.
 func (c *Container) Status(ctx context.Context, id string) (sandbox.Status, error) {
-	if _, err := os.Stat(filepath.Join(c.cfg.StateRoot, id)); errors.Is(err, os.ErrNotExist) {
+	dir := filepath.Join(c.cfg.StateRoot, id)
+	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
 		return sandbox.Status{}, errdefs.NotFound("container %s does not exist", id)
+	}
+	if pid, start, ok := readStateFile(dir); ok {
+		return sandbox.Status{Running: alive(pid, start), Pid: pid}, nil
 	}
 	cmd := c.cmd(ctx, "state", id)
 	var stderr bytes.Buffer
@@ -162,8 +169,57 @@ func (c *Container) Status(ctx context.Context, id string) (sandbox.Status, erro
 	if err := json.Unmarshal(out, &st); err != nil {
 		return sandbox.Status{}, fmt.Errorf("decoding %s state: %w", c.flavor, err)
 	}
-	running := st.Status == specs.StateRunning && st.Pid > 0 && unix.Kill(st.Pid, 0) == nil
+	running := st.Status == specs.StateRunning && st.Pid > 0 && alive(st.Pid, 0)
 	return sandbox.Status{Running: running, Pid: st.Pid}, nil
+}
+
+// readStateFile reads the init pid and its start time (clock ticks after
+// boot, as in /proc/PID/stat) from crun's or runc's state file.
+func readStateFile(dir string) (pid int, start uint64, ok bool) {
+	if b, err := os.ReadFile(filepath.Join(dir, "status")); err == nil {
+		var st struct {
+			Pid   int    `json:"pid"`
+			Start uint64 `json:"process-start-time"`
+		}
+		if json.Unmarshal(b, &st) == nil && st.Pid > 0 {
+			return st.Pid, st.Start, true
+		}
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "state.json")); err == nil {
+		var st struct {
+			Pid   int    `json:"init_process_pid"`
+			Start uint64 `json:"init_process_start"`
+		}
+		if json.Unmarshal(b, &st) == nil && st.Pid > 0 {
+			return st.Pid, st.Start, true
+		}
+	}
+	return 0, 0, false
+}
+
+// alive reports whether pid runs and is not a zombie; with start non-zero,
+// also that it is the same process (pids are reused).
+func alive(pid int, start uint64) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return false
+	}
+	// Fields after the command name, which is in parentheses and may hold
+	// spaces: state is the first, starttime the 20th.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return false
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 20 || f[0] == "Z" || f[0] == "X" {
+		return false
+	}
+	if start != 0 {
+		if got, err := strconv.ParseUint(f[19], 10, 64); err != nil || got != start {
+			return false
+		}
+	}
+	return true
 }
 
 // List implements sandbox.Backend. Both crun and runc keep one directory
