@@ -3,6 +3,7 @@ package apiserver
 import (
 	"context"
 	"io"
+	"net/http"
 	"os"
 
 	"github.com/dsecproject/dsec/api"
@@ -52,6 +53,27 @@ func (s *Server) edgeOf(id string) (EdgeClient, error) {
 		return nil, errdefs.NotFound("sandbox %s not found (unknown node %s)", id, node)
 	}
 	return e, nil
+}
+
+// forward serves a per-sandbox call: it finds the edge that owns the
+// sandbox named in the path and writes fn's result as JSON with status, or
+// the error. A nil result with no error answers 204.
+func (s *Server) forward(w http.ResponseWriter, r *http.Request, status int, fn func(e EdgeClient, id string) (any, error)) {
+	id := r.PathValue("id")
+	e, err := s.edgeOf(id)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	v, err := fn(e, id)
+	switch {
+	case err != nil:
+		s.writeError(w, r, err)
+	case v == nil:
+		w.WriteHeader(http.StatusNoContent)
+	default:
+		writeJSON(w, status, v)
+	}
 }
 
 // inUse reports whether any edge has a sandbox using the layer digest.

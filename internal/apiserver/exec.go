@@ -83,18 +83,9 @@ func (s *Server) openSession(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	id := r.PathValue("id")
-	e, err := s.edgeOf(id)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	se, err := e.OpenSession(r.Context(), id, req)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	writeJSON(w, http.StatusCreated, se)
+	s.forward(w, r, http.StatusCreated, func(e EdgeClient, id string) (any, error) {
+		return e.OpenSession(r.Context(), id, req)
+	})
 }
 
 func (s *Server) runSession(w http.ResponseWriter, r *http.Request) {
@@ -103,30 +94,13 @@ func (s *Server) runSession(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	id := r.PathValue("id")
-	e, err := s.edgeOf(id)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	res, err := e.RunInSession(r.Context(), id, r.PathValue("sid"), req)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, res)
+	s.forward(w, r, http.StatusOK, func(e EdgeClient, id string) (any, error) {
+		return e.RunInSession(r.Context(), id, r.PathValue("sid"), req)
+	})
 }
 
 func (s *Server) closeSession(w http.ResponseWriter, r *http.Request) {
-	id := r.PathValue("id")
-	e, err := s.edgeOf(id)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	if err := e.CloseSession(r.Context(), id, r.PathValue("sid")); err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	w.WriteHeader(http.StatusNoContent)
+	s.forward(w, r, http.StatusNoContent, func(e EdgeClient, id string) (any, error) {
+		return nil, e.CloseSession(r.Context(), id, r.PathValue("sid"))
+	})
 }

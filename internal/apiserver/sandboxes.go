@@ -152,18 +152,9 @@ func (s *Server) batchCreate(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) getSandbox(w http.ResponseWriter, r *http.Request) {
-	id := r.PathValue("id")
-	e, err := s.edgeOf(id)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	sb, err := e.Get(r.Context(), id)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, sb)
+	s.forward(w, r, http.StatusOK, func(e EdgeClient, id string) (any, error) {
+		return e.Get(r.Context(), id)
+	})
 }
 
 // Pagination: results are ordered by id; the page token is the last id of
@@ -270,33 +261,15 @@ func (s *Server) keepalive(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	id := r.PathValue("id")
-	e, err := s.edgeOf(id)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	sb, err := e.Keepalive(r.Context(), id, req.TTL)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, sb)
+	s.forward(w, r, http.StatusOK, func(e EdgeClient, id string) (any, error) {
+		return e.Keepalive(r.Context(), id, req.TTL)
+	})
 }
 
 func (s *Server) stats(w http.ResponseWriter, r *http.Request) {
-	id := r.PathValue("id")
-	e, err := s.edgeOf(id)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	st, err := e.Stats(r.Context(), id)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, st)
+	s.forward(w, r, http.StatusOK, func(e EdgeClient, id string) (any, error) {
+		return e.Stats(r.Context(), id)
+	})
 }
 
 func (s *Server) listNodes(w http.ResponseWriter, r *http.Request) {

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/cleanup"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/store"
 )
@@ -150,8 +151,8 @@ func (s *Store) BuildFromDir(ctx context.Context, ref Ref, dir string, opts Buil
 	if err := s.checkFree(ref, opts); err != nil {
 		return api.Layer{}, err
 	}
-	var cl cleanups
-	defer cl.run()
+	var cl cleanup.Stack
+	defer cl.Run() // staging is temporary: undone on success too
 	return s.build(ctx, ref, dir, opts, progress, &cl)
 }
 
@@ -189,7 +190,7 @@ func (s *Store) checkFree(ref Ref, opts BuildOptions) error {
 
 // build runs mkfs.erofs on src, hashes the image and publishes it. Every
 // temporary file is pushed on cl.
-func (s *Store) build(ctx context.Context, ref Ref, src string, opts BuildOptions, progress io.Writer, cl *cleanups) (api.Layer, error) {
+func (s *Store) build(ctx context.Context, ref Ref, src string, opts BuildOptions, progress io.Writer, cl *cleanup.Stack) (api.Layer, error) {
 	mkfs, err := exec.LookPath("mkfs.erofs")
 	if err != nil {
 		return api.Layer{}, errdefs.Unavailable("building layer %s: mkfs.erofs not found in PATH (install erofs-utils)", ref)
@@ -199,7 +200,7 @@ func (s *Store) build(ctx context.Context, ref Ref, src string, opts BuildOption
 		return api.Layer{}, fmt.Errorf("building layer %s: %w", ref, err)
 	}
 	tmpPath := tmp.Name()
-	cl.push(func() { os.Remove(tmpPath) })
+	cl.Add(func() { os.Remove(tmpPath) })
 	tmp.Close()
 
 	args := []string{"--quiet", "-U", imageUUID}

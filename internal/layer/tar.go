@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/cleanup"
 	"github.com/dsecproject/dsec/internal/files"
 )
 
@@ -34,8 +35,8 @@ func (s *Store) BuildFromTar(ctx context.Context, ref Ref, r io.Reader, opts Bui
 	if opts.MaxFiles == 0 {
 		opts.MaxFiles = DefaultMaxFiles
 	}
-	var cl cleanups
-	defer cl.run()
+	var cl cleanup.Stack
+	defer cl.Run() // staging is temporary: undone on success too
 
 	// The staging dir becomes the image's root directory, so it gets a
 	// root directory's mode; the 0700 staging parent keeps others out.
@@ -43,7 +44,7 @@ func (s *Store) BuildFromTar(ctx context.Context, ref Ref, r io.Reader, opts Bui
 	if err != nil {
 		return api.Layer{}, fmt.Errorf("building layer %s: %w", ref, err)
 	}
-	cl.push(func() { os.RemoveAll(stage) })
+	cl.Add(func() { os.RemoveAll(stage) })
 	if err := os.Chmod(stage, 0o755); err != nil {
 		return api.Layer{}, fmt.Errorf("building layer %s: %w", ref, err)
 	}
