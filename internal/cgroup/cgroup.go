@@ -14,11 +14,9 @@
 package cgroup
 
 import (
-	"bufio"
 	"bytes"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"os"
 	"path"
@@ -28,6 +26,7 @@ import (
 	"strings"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/mountinfo"
 )
 
 // Mode is the cgroup layout of a host.
@@ -82,13 +81,8 @@ func Detect() (*Info, error) {
 
 // detect is Detect that also returns the mount table, which
 // PrepareForCrun needs to avoid mounting over something.
-func detect() (*Info, []mount, error) {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return nil, nil, fmt.Errorf("reading mountinfo: %w", err)
-	}
-	defer f.Close()
-	mounts, err := parseMountinfo(f)
+func detect() (*Info, []mountinfo.Entry, error) {
+	mounts, err := mountinfo.Read()
 	if err != nil {
 		return nil, nil, err
 	}
@@ -105,70 +99,6 @@ func detect() (*Info, []mount, error) {
 	return info, mounts, nil
 }
 
-// mount is one line of mountinfo, reduced to what this package needs.
-type mount struct {
-	Root       string // path of the mount's root within its filesystem
-	Mountpoint string
-	FSType     string
-	SuperOpts  []string // per-superblock options; for cgroup v1 these name the controllers
-}
-
-// parseMountinfo parses proc(5) mountinfo lines:
-//
-//	36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw,errors=continue
-//
-// The optional fields before "-" vary in number.
-func parseMountinfo(r io.Reader) ([]mount, error) {
-	var mounts []mount
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 0, 64*1024), 1024*1024)
-	for n := 1; sc.Scan(); n++ {
-		line := sc.Text()
-		if strings.TrimSpace(line) == "" {
-			continue
-		}
-		fields := strings.Fields(line)
-		sep := slices.Index(fields, "-")
-		if sep < 6 || len(fields) < sep+3 {
-			return nil, fmt.Errorf("parsing mountinfo line %d: malformed: %q", n, line)
-		}
-		var opts []string
-		if len(fields) > sep+3 {
-			opts = strings.Split(fields[sep+3], ",")
-		}
-		mounts = append(mounts, mount{
-			Root:       unescapeOctal(fields[3]),
-			Mountpoint: unescapeOctal(fields[4]),
-			FSType:     fields[sep+1],
-			SuperOpts:  opts,
-		})
-	}
-	if err := sc.Err(); err != nil {
-		return nil, fmt.Errorf("reading mountinfo: %w", err)
-	}
-	return mounts, nil
-}
-
-// unescapeOctal undoes the kernel's \ooo escaping of space, tab, newline
-// and backslash in mountinfo paths.
-func unescapeOctal(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+4 <= len(s) {
-			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
-}
-
 // v1Options are cgroup v1 mount options that are not controller names.
 var v1Options = map[string]bool{
 	"rw": true, "ro": true, "noprefix": true, "clone_children": true,
@@ -178,21 +108,21 @@ var v1Options = map[string]bool{
 
 // newInfo classifies the cgroup mounts of a mount table. When a hierarchy
 // is mounted more than once (bind mounts), the first mount wins.
-func newInfo(mounts []mount) (*Info, error) {
+func newInfo(mounts []mountinfo.Entry) (*Info, error) {
 	info := &Info{V1: map[string]string{}}
 	for _, m := range mounts {
 		switch m.FSType {
 		case "cgroup2":
 			if info.V2Root == "" {
-				info.V2Root = m.Mountpoint
+				info.V2Root = m.MountPoint
 			}
 		case "cgroup":
-			for _, o := range m.SuperOpts {
+			for _, o := range m.SuperOptionList() {
 				if v1Options[o] || strings.HasPrefix(o, "release_agent=") {
 					continue
 				}
 				if _, seen := info.V1[o]; !seen {
-					info.V1[o] = m.Mountpoint
+					info.V1[o] = m.MountPoint
 				}
 			}
 		}

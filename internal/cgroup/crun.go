@@ -60,7 +60,7 @@ func (i *Info) PrepareForCrun() ([]string, error) {
 	for _, c := range i.UnifiedControllers {
 		target := filepath.Join(base, c)
 		for _, m := range mounts {
-			if m.Mountpoint == target {
+			if m.MountPoint == target {
 				return actions, errdefs.Precondition("binding %s to cgroup v1: %s is already a mountpoint (%s); not mounting over it", c, target, m.FSType)
 			}
 		}

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/mountinfo"
 )
 
 func TestNewInfoFromFixtures(t *testing.T) {
@@ -75,9 +76,9 @@ func TestNewInfoFromFixtures(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer f.Close()
-			mounts, err := parseMountinfo(f)
+			mounts, err := mountinfo.Parse(f)
 			if err != nil {
-				t.Fatalf("parseMountinfo: %v", err)
+				t.Fatalf("mountinfo.Parse: %v", err)
 			}
 			info, err := newInfo(mounts)
 			if err != nil {
@@ -96,55 +97,23 @@ func TestNewInfoFromFixtures(t *testing.T) {
 	}
 }
 
-func TestParseMountinfo(t *testing.T) {
-	tests := []struct {
-		name    string
-		in      string
-		want    []mount
-		wantErr bool
-	}{
-		{
-			name: "optional fields and escaped space",
-			in:   `40 31 0:37 / /sys/fs/cgroup/my\040tree rw,relatime shared:9 master:2 - cgroup cgroup rw,xattr,name=systemd` + "\n",
-			want: []mount{{Root: "/", Mountpoint: "/sys/fs/cgroup/my tree", FSType: "cgroup", SuperOpts: []string{"rw", "xattr", "name=systemd"}}},
-		},
-		{
-			name: "cgroup namespace root",
-			in:   "41 31 0:38 /docker/abc /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n\n",
-			want: []mount{{Root: "/docker/abc", Mountpoint: "/sys/fs/cgroup", FSType: "cgroup2", SuperOpts: []string{"rw"}}},
-		},
-		{name: "no separator", in: "41 31 0:38 / /sys/fs/cgroup rw cgroup2 cgroup2 rw\n", wantErr: true},
-		{name: "separator too early", in: "41 31 0:38 / - cgroup2 cgroup2 rw\n", wantErr: true},
-		{name: "empty", in: "", want: nil},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			got, err := parseMountinfo(strings.NewReader(tt.in))
-			if (err != nil) != tt.wantErr {
-				t.Fatalf("err = %v, wantErr %v", err, tt.wantErr)
-			}
-			if !slices.EqualFunc(got, tt.want, func(a, b mount) bool {
-				return a.Root == b.Root && a.Mountpoint == b.Mountpoint && a.FSType == b.FSType && slices.Equal(a.SuperOpts, b.SuperOpts)
-			}) {
-				t.Errorf("got %+v\nwant %+v", got, tt.want)
-			}
-		})
-	}
-}
-
 func TestNewInfoEdgeCases(t *testing.T) {
 	t.Run("no cgroups", func(t *testing.T) {
-		_, err := newInfo([]mount{{Mountpoint: "/", FSType: "ext4"}})
+		_, err := newInfo([]mountinfo.Entry{
+			{MountPoint: "/", FSType: "ext4", SuperOptions: "rw"},
+			// A cgroup line without super options names no controller.
+			{MountPoint: "/sys/fs/cgroup/odd", FSType: "cgroup"},
+		})
 		if !errors.Is(err, errdefs.ErrPrecondition) {
 			t.Fatalf("err = %v, want precondition", err)
 		}
 	})
 	t.Run("first mount of a hierarchy wins", func(t *testing.T) {
-		info, err := newInfo([]mount{
-			{Mountpoint: "/sys/fs/cgroup/memory", FSType: "cgroup", SuperOpts: []string{"rw", "memory"}},
-			{Mountpoint: "/run/bind/memory", FSType: "cgroup", SuperOpts: []string{"rw", "memory"}},
-			{Mountpoint: "/sys/fs/cgroup/unified", FSType: "cgroup2", SuperOpts: []string{"rw"}},
-			{Mountpoint: "/elsewhere", FSType: "cgroup2", SuperOpts: []string{"rw"}},
+		info, err := newInfo([]mountinfo.Entry{
+			{MountPoint: "/sys/fs/cgroup/memory", FSType: "cgroup", SuperOptions: "rw,memory"},
+			{MountPoint: "/run/bind/memory", FSType: "cgroup", SuperOptions: "rw,memory"},
+			{MountPoint: "/sys/fs/cgroup/unified", FSType: "cgroup2", SuperOptions: "rw"},
+			{MountPoint: "/elsewhere", FSType: "cgroup2", SuperOptions: "rw"},
 		})
 		if err != nil {
 			t.Fatal(err)

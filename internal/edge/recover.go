@@ -1,18 +1,17 @@
 package edge
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"time"
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/mountinfo"
 )
 
 // holdsResources reports whether a sandbox in state holds node resources
@@ -155,44 +154,15 @@ func (e *Edge) reapDir(ctx context.Context, id, sdir string, rootfsMounted bool)
 
 // mountpoints returns the mount points at or below prefix.
 func mountpoints(prefix string) (map[string]bool, error) {
-	f, err := os.Open("/proc/self/mountinfo")
+	entries, err := mountinfo.Read()
 	if err != nil {
 		return nil, err
 	}
-	defer f.Close()
 	out := map[string]bool{}
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) < 5 {
-			continue
-		}
-		mp := unescapeMount(fields[4])
-		if mp == prefix || strings.HasPrefix(mp, prefix+"/") {
-			out[mp] = true
-		}
+	for _, m := range mountinfo.Under(entries, prefix) {
+		out[m.MountPoint] = true
 	}
-	return out, sc.Err()
-}
-
-// unescapeMount decodes the octal escapes (\040 etc.) of mountinfo paths.
-func unescapeMount(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
+	return out, nil
 }
 
 // reapLoop enforces TTL and idle timeouts and forgets stopped sandboxes

@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/mountinfo"
 	"github.com/dsecproject/dsec/internal/store"
 )
 
@@ -162,13 +163,13 @@ func readFile(t *testing.T, p string) string {
 
 func mountCount(t *testing.T, mp string) int {
 	t.Helper()
-	mounts, err := readMountinfo()
+	mounts, err := mountinfo.Read()
 	if err != nil {
 		t.Fatal(err)
 	}
 	n := 0
 	for _, m := range mounts {
-		if m.Mountpoint == mp {
+		if m.MountPoint == mp {
 			n++
 		}
 	}

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/mountinfo"
 )
 
 // erofsMountFlags: read-only, and nosuid/nodev so that nobody on the host
@@ -235,7 +236,7 @@ func (m *Mounter) InUse(digest string) bool {
 // mounted, and every other mount and directory under mntDir is unmounted and
 // removed. Call it before the first Acquire.
 func (m *Mounter) Recover(inUse map[string]int) error {
-	mounts, err := readMountinfo()
+	mounts, err := mountinfo.Read()
 	if err != nil {
 		return fmt.Errorf("recovering layer mounts: %w", err)
 	}
@@ -244,7 +245,7 @@ func (m *Mounter) Recover(inUse map[string]int) error {
 	var stray []string
 	adopted := make(map[string]bool)
 	for i := len(mounts) - 1; i >= 0; i-- {
-		mp := mounts[i].Mountpoint
+		mp := mounts[i].MountPoint
 		rel, ok := strings.CutPrefix(mp, m.dir+"/")
 		if !ok {
 			continue
