@@ -38,6 +38,9 @@ test: deps vet build
 bench: build
 	$(BIN) bench create --count 100 --concurrency 8 --state-dir $(STATE_DIR)
 	$(BIN) bench exec --count 200 --concurrency 1 --state-dir $(STATE_DIR)
+	$(BIN) bench pause --count 50 --concurrency 4
+	$(BIN) bench snapshot --count 5
+	$(BIN) bench fork --count 100
 
 clean:
 	rm -rf bin

@@ -73,6 +73,8 @@ type Sandbox struct {
 	Layers []string `json:"layers,omitempty"`
 	// Error explains a failed or stopped state.
 	Error string `json:"error,omitempty"`
+	// PausedAt is when the sandbox was paused (state paused only).
+	PausedAt *time.Time `json:"paused_at,omitempty"`
 }
 
 // BatchCreateRequest is the body of POST /v1/sandboxes:batch.
@@ -107,6 +109,24 @@ type LabelsRequest struct {
 // DeleteResult is returned by POST /v1/sandboxes:delete.
 type DeleteResult struct {
 	Deleted int `json:"deleted"`
+}
+
+// PauseResult is returned by POST /v1/sandboxes/{id}/pause: the paused
+// sandbox and what reclaiming its memory achieved.
+type PauseResult struct {
+	Sandbox           Sandbox `json:"sandbox"`
+	MemoryBeforeBytes uint64  `json:"memory_before_bytes"`
+	MemoryAfterBytes  uint64  `json:"memory_after_bytes"`
+	MemoryFreedBytes  uint64  `json:"memory_freed_bytes"`
+	// ReclaimMethod names the kernel interface used (memory.reclaim on
+	// cgroup v2, memory.force_empty on v1).
+	ReclaimMethod string `json:"reclaim_method,omitempty"`
+	DurationMS    int64  `json:"duration_ms"`
+}
+
+// CountResult is returned by pause and resume by labels.
+type CountResult struct {
+	Count int `json:"count"`
 }
 
 // KeepaliveRequest extends a sandbox's lifetime: it expires TTL seconds from now.
@@ -206,6 +226,83 @@ type TarResult struct {
 	Bytes int64 `json:"bytes"`
 }
 
+// Command log entry kinds.
+const (
+	LogExec          = "exec"
+	LogSessionOpen   = "session.open"
+	LogSessionRun    = "session.run"
+	LogSessionClose  = "session.close"
+	LogFilesRead     = "files.read"
+	LogFilesWrite    = "files.write"
+	LogFilesStat     = "files.stat"
+	LogFilesList     = "files.list"
+	LogFilesRemove   = "files.remove"
+	LogFilesTarOut   = "files.tar_out"
+	LogFilesTarIn    = "files.tar_in"
+	LogTruncatedKind = "log.truncated"
+)
+
+// LogEntry is one operation in a sandbox's command log
+// (GET /v1/sandboxes/{id}/log). Seq numbers start at 1, grow by one per
+// entry and are never reused; entries are in seq order, which is the order
+// the operations finished in.
+type LogEntry struct {
+	Seq  int64     `json:"seq"`
+	Time time.Time `json:"time"` // when the operation started
+	Kind string    `json:"kind"`
+	// Request and Result are bounded summaries: never file contents,
+	// stdin or environment values.
+	Request LogRequest `json:"request"`
+	Result  LogResult  `json:"result"`
+}
+
+// LogRequest summarises what an operation asked for. Long strings are cut
+// and end in "…[truncated]".
+type LogRequest struct {
+	Cmd        string   `json:"cmd,omitempty"`
+	Argv       []string `json:"argv,omitempty"`
+	Cwd        string   `json:"cwd,omitempty"`
+	User       string   `json:"user,omitempty"`
+	Timeout    int64    `json:"timeout,omitempty"`
+	StdinBytes int64    `json:"stdin_bytes,omitempty"`
+	Stream     bool     `json:"stream,omitempty"`
+	Shell      string   `json:"shell,omitempty"`
+	SessionID  string   `json:"session_id,omitempty"`
+	Command    string   `json:"command,omitempty"`
+	Path       string   `json:"path,omitempty"`
+	Mode       string   `json:"mode,omitempty"`
+	Recursive  bool     `json:"recursive,omitempty"`
+	Depth      int      `json:"depth,omitempty"`
+}
+
+// LogResult summarises how an operation ended: the error, or what it
+// produced. A log.truncated entry gives the dropped seq range instead.
+type LogResult struct {
+	ExitCode     *int         `json:"exit_code,omitempty"`
+	TimedOut     bool         `json:"timed_out,omitempty"`
+	Truncated    bool         `json:"truncated,omitempty"`
+	DurationMS   int64        `json:"duration_ms"`
+	StdoutHead   string       `json:"stdout_head,omitempty"`
+	StderrHead   string       `json:"stderr_head,omitempty"`
+	SessionID    string       `json:"session_id,omitempty"`
+	SessionEnded bool         `json:"session_ended,omitempty"`
+	Type         string       `json:"type,omitempty"`
+	Size         *int64       `json:"size,omitempty"`
+	Entries      *int         `json:"entries,omitempty"`
+	Files        *int         `json:"files,omitempty"`
+	Bytes        *int64       `json:"bytes,omitempty"`
+	FirstSeq     int64        `json:"first_seq,omitempty"`
+	LastSeq      int64        `json:"last_seq,omitempty"`
+	Error        *ErrorDetail `json:"error,omitempty"`
+}
+
+// LogPage is returned by GET /v1/sandboxes/{id}/log: the entries after
+// since_seq, and the since_seq that continues after them.
+type LogPage struct {
+	Entries []LogEntry `json:"entries"`
+	NextSeq int64      `json:"next_seq"`
+}
+
 // Layer is one EROFS layer in the catalog.
 type Layer struct {
 	Digest    string    `json:"digest"`
@@ -213,6 +310,38 @@ type Layer struct {
 	Kind      string    `json:"kind"`
 	SizeBytes int64     `json:"size_bytes"`
 	CreatedAt time.Time `json:"created_at"`
+	// Snapshot describes where a snapshot layer came from (kind snapshot).
+	Snapshot *SnapshotInfo `json:"snapshot,omitempty"`
+}
+
+// SnapshotInfo is the record of a pack_diff snapshot: the sandbox it was
+// taken from, the layers it sits on, and the scrub rules applied.
+type SnapshotInfo struct {
+	Sandbox string `json:"sandbox"`
+	// Layers are the digests below the snapshot, bottom first (base,
+	// workspace, toolkits, earlier snapshots). A sandbox started from the
+	// snapshot stacks the snapshot on top of them.
+	Layers  []string `json:"layers"`
+	Include []string `json:"include,omitempty"`
+	Exclude []string `json:"exclude,omitempty"`
+	// Spec is the spec of the source sandbox, reused for forks.
+	Spec SandboxSpec `json:"spec"`
+	// CreatedBy is the principal that took the snapshot.
+	CreatedBy string `json:"created_by,omitempty"`
+}
+
+// SnapshotRequest is the body of POST /v1/sandboxes/{id}/snapshot.
+type SnapshotRequest struct {
+	Ref     string   `json:"ref"`
+	Include []string `json:"include,omitempty"`
+	Exclude []string `json:"exclude,omitempty"`
+}
+
+// ForkRequest is the body of POST /v1/sandboxes/{id}/fork.
+type ForkRequest struct {
+	Count int `json:"count"`
+	// Labels are added to the forks' labels.
+	Labels map[string]string `json:"labels,omitempty"`
 }
 
 // LayerList is returned by GET /v1/layers.

@@ -52,13 +52,18 @@ type benchRow struct {
 	BasePerSec  float64 `json:"baseline_per_sec,omitempty"`
 	Baseline    string  `json:"baseline,omitempty"`
 	RatioP50    float64 `json:"ratio_p50,omitempty"`
+	// FreedBytesAvg is the memory a pause gave back, on average.
+	FreedBytesAvg float64 `json:"freed_bytes_avg,omitempty"`
 }
 
 func runBench(args []string) error {
 	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" {
-		fmt.Print("usage: dsec bench create|exec [flags]\n\n" +
+		fmt.Print("usage: dsec bench create|exec|pause [flags]\n\n" +
 			"  create  create → ready latency and throughput through the API, then delete\n" +
-			"  exec    exec round trip of `true` through the API\n\n" +
+			"  exec    exec round trip of `true` through the API\n" +
+			"  pause   pause (freeze + reclaim) and resume latency, memory freed per pause\n" +
+			"  snapshot  snapshot time for a 1 MiB and a 100 MiB diff\n" +
+			"  fork    fork --count sandboxes from one sandbox in one call\n\n" +
 			"Each prints the same measure for the bare OCI runtime (crun/runc run -d,\n" +
 			"exec, delete) on the same EROFS layer with an overlay, measured in the same run.\n" +
 			"Needs a running `dsec up` (DSEC_ENDPOINT/DSEC_API_KEY or its config file) and,\n" +
@@ -107,8 +112,14 @@ func runBench(args []string) error {
 		rows, err = benchCreate(ctx, c, o, ref, digest, rt)
 	case "exec":
 		rows, err = benchExec(ctx, c, o, ref, digest, rt)
+	case "pause":
+		rows, err = benchPause(ctx, c, o, ref)
+	case "snapshot":
+		rows, err = benchSnapshot(ctx, c, o, ref)
+	case "fork":
+		rows, err = benchFork(ctx, c, o, ref)
 	default:
-		return fmt.Errorf("bench: unknown subcommand %q (want create or exec)", sub)
+		return fmt.Errorf("bench: unknown subcommand %q (want create, exec, pause, snapshot or fork)", sub)
 	}
 	if err != nil {
 		return err
@@ -345,6 +356,131 @@ func benchExec(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, rt
 	return []benchRow{withBaseline(r, row("exec", o.count, o.concurrency, bd, bf, bw), rt+" exec")}, nil
 }
 
+// benchPause creates count sandboxes that each hold a 16 MiB file in page
+// cache plus a sleeping process, then pauses and resumes them all. There
+// is no baseline: the runtime's own pause only freezes.
+func benchPause(ctx context.Context, c *dsec.Client, o benchOpts, ref string) ([]benchRow, error) {
+	label := fmt.Sprintf("bench-pause-%d", time.Now().UnixNano())
+	fmt.Fprintf(os.Stderr, "dsec: creating %d sandboxes with 16 MiB of page cache each...\n", o.count)
+	res, err := c.CreateSandboxes(ctx, o.count, api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": label}})
+	if err != nil {
+		return nil, err
+	}
+	defer c.DeleteSandboxes(context.Background(), map[string]string{"bench": label})
+	if len(res.Errors) > 0 {
+		return nil, fmt.Errorf("creating: %d failed, first: %s", len(res.Errors), res.Errors[0].Error.Message)
+	}
+	ids := make([]string, len(res.Sandboxes))
+	for i, sb := range res.Sandboxes {
+		ids[i] = sb.ID
+	}
+	_, fails, _, ferr := runParallel(len(ids), o.concurrency, func(i int) error {
+		r, err := c.Exec(ctx, ids[i], api.ExecRequest{Cmd: "dd if=/dev/zero of=/tmp/cache bs=1M count=16 2>/dev/null; (sleep 100000 &)"})
+		if err == nil && r.ExitCode != 0 {
+			err = fmt.Errorf("exit %d: %s", r.ExitCode, r.Stderr)
+		}
+		return err
+	})
+	if fails > 0 {
+		return nil, fmt.Errorf("preparing sandboxes: %w", ferr)
+	}
+	var mu sync.Mutex
+	var freed float64
+	fmt.Fprintf(os.Stderr, "dsec: pausing...\n")
+	pd, pf, pw, perr := runParallel(len(ids), o.concurrency, func(i int) error {
+		r, err := c.Pause(ctx, ids[i])
+		if err == nil {
+			mu.Lock()
+			freed += float64(r.MemoryFreedBytes)
+			mu.Unlock()
+		}
+		return err
+	})
+	if perr != nil {
+		fmt.Fprintf(os.Stderr, "first pause failure: %v\n", perr)
+	}
+	fmt.Fprintf(os.Stderr, "dsec: resuming...\n")
+	rd, rf, rw, rerr := runParallel(len(ids), o.concurrency, func(i int) error {
+		_, err := c.Resume(ctx, ids[i])
+		return err
+	})
+	if rerr != nil {
+		fmt.Fprintf(os.Stderr, "first resume failure: %v\n", rerr)
+	}
+	pause := row("pause", len(ids), o.concurrency, pd, pf, pw)
+	if n := len(pd); n > 0 {
+		pause.FreedBytesAvg = freed / float64(n)
+	}
+	return []benchRow{pause, row("resume", len(ids), o.concurrency, rd, rf, rw)}, nil
+}
+
+// benchSnapshot measures pack_diff: a sandbox writes a diff of random data
+// (1 MiB, then 100 MiB), and each snapshot is timed --count times.
+func benchSnapshot(ctx context.Context, c *dsec.Client, o benchOpts, ref string) ([]benchRow, error) {
+	var rows []benchRow
+	for _, mib := range []int{1, 100} {
+		sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": "snapshot"}})
+		if err != nil {
+			return nil, err
+		}
+		r, err := c.Exec(ctx, sb.ID, api.ExecRequest{Cmd: fmt.Sprintf("head -c %d /dev/urandom > /root/diff", mib<<20), Timeout: 600})
+		if err == nil && r.ExitCode != 0 {
+			err = fmt.Errorf("writing the diff: exit %d: %s", r.ExitCode, r.Stderr)
+		}
+		if err != nil {
+			_ = c.DeleteSandbox(context.Background(), sb.ID)
+			return nil, err
+		}
+		fmt.Fprintf(os.Stderr, "dsec: snapshot of a %d MiB diff ×%d...\n", mib, o.count)
+		var refs []string
+		var mu sync.Mutex
+		durs, fails, wall, ferr := runParallel(o.count, 1, func(i int) error {
+			sref := fmt.Sprintf("snapshot/bench-%d:%d-%d", mib, time.Now().UnixNano(), i)
+			_, err := c.Snapshot(ctx, sb.ID, api.SnapshotRequest{Ref: sref})
+			if err == nil {
+				mu.Lock()
+				refs = append(refs, sref)
+				mu.Unlock()
+			}
+			return err
+		})
+		_ = c.DeleteSandbox(context.Background(), sb.ID)
+		for _, r := range refs {
+			_ = c.DeleteLayer(context.Background(), r)
+		}
+		if ferr != nil {
+			fmt.Fprintf(os.Stderr, "first snapshot failure: %v\n", ferr)
+		}
+		rows = append(rows, row(fmt.Sprintf("snapshot %d MiB", mib), o.count, 1, durs, fails, wall))
+	}
+	return rows, nil
+}
+
+// benchFork forks --count sandboxes from one sandbox in one call and
+// reports the call's time (one snapshot, then count creates).
+func benchFork(ctx context.Context, c *dsec.Client, o benchOpts, ref string) ([]benchRow, error) {
+	label := fmt.Sprintf("bench-fork-%d", time.Now().UnixNano())
+	sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": label}})
+	if err != nil {
+		return nil, err
+	}
+	defer c.DeleteSandboxes(context.Background(), map[string]string{"bench": label})
+	if _, err := c.Exec(ctx, sb.ID, api.ExecRequest{Cmd: "head -c 1048576 /dev/urandom > /root/state"}); err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(os.Stderr, "dsec: fork ×%d in one call...\n", o.count)
+	start := time.Now()
+	res, err := c.Fork(ctx, sb.ID, o.count, nil)
+	if err != nil {
+		return nil, err
+	}
+	wall := time.Since(start)
+	r := benchRow{Measure: fmt.Sprintf("fork of %d (one call)", o.count), Count: o.count, Concurrency: 1,
+		P50MS: float64(wall.Microseconds()) / 1000, P99MS: float64(wall.Microseconds()) / 1000,
+		PerSec: float64(len(res.Sandboxes)) / wall.Seconds(), Failures: len(res.Errors)}
+	return []benchRow{r}, nil
+}
+
 // baseline drives the OCI runtime directly: the layer blob mounted once,
 // an overlay and a minimal bundle per container, no dsec in the path.
 type baseline struct {
@@ -458,9 +594,20 @@ func printBench(rows []benchRow, asJSON bool) error {
 	tw := newTable()
 	fmt.Fprintln(tw, "MEASURE\tN\tCONC\tP50 ms\tP99 ms\tPER SEC\tFAIL\tBASELINE\tB P50 ms\tB P99 ms\tB PER SEC\tP50 RATIO")
 	for _, r := range rows {
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%.1f\t%.1f\t%.0f\t%d\t%s\t%.1f\t%.1f\t%.0f\t%.2fx\n",
-			r.Measure, r.Count, r.Concurrency, r.P50MS, r.P99MS, r.PerSec, r.Failures,
-			orDash(r.Baseline), r.BaseP50MS, r.BaseP99MS, r.BasePerSec, r.RatioP50)
+		base := "-\t-\t-\t-\t-"
+		if r.Baseline != "" {
+			base = fmt.Sprintf("%s\t%.1f\t%.1f\t%.0f\t%.2fx", r.Baseline, r.BaseP50MS, r.BaseP99MS, r.BasePerSec, r.RatioP50)
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%.1f\t%.1f\t%.0f\t%d\t%s\n",
+			r.Measure, r.Count, r.Concurrency, r.P50MS, r.P99MS, r.PerSec, r.Failures, base)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, r := range rows {
+		if r.FreedBytesAvg > 0 {
+			fmt.Printf("%s: memory freed per sandbox %.1f MiB on average\n", r.Measure, r.FreedBytesAvg/(1<<20))
+		}
+	}
+	return nil
 }

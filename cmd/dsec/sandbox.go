@@ -19,6 +19,11 @@ func runSandbox(ctx context.Context, args []string) error {
 		{"delete", "delete sandboxes by id or by label", sandboxDelete},
 		{"keepalive", "extend a sandbox's lifetime", sandboxKeepalive},
 		{"stats", "show a sandbox's resource use", sandboxStats},
+		{"log", "show a sandbox's command log", sandboxLog},
+		{"pause", "freeze sandboxes and reclaim their memory", sandboxPause},
+		{"resume", "thaw paused sandboxes", sandboxResume},
+		{"snapshot", "pack a sandbox's writable state into a snapshot layer", sandboxSnapshot},
+		{"fork", "start sandboxes from a sandbox's current state", sandboxFork},
 	}, args)
 }
 
@@ -299,4 +304,264 @@ func sandboxStats(ctx context.Context, args []string) error {
 	fmt.Fprintf(tw, "Pids:\t%d\n", st.Pids)
 	fmt.Fprintf(tw, "Disk:\t%s\n", humanBytes(int64(st.DiskBytes)))
 	return tw.Flush()
+}
+
+func sandboxPause(ctx context.Context, args []string) error {
+	return pauseOrResume(ctx, args, true)
+}
+
+func sandboxResume(ctx context.Context, args []string) error {
+	return pauseOrResume(ctx, args, false)
+}
+
+// pauseOrResume serves `sandbox pause` and `sandbox resume`, by id or by
+// label (a whole job at once).
+func pauseOrResume(ctx context.Context, args []string, pause bool) error {
+	verb, about := "resume", "Thaw paused sandboxes, by id or every one carrying all the given labels."
+	if pause {
+		verb, about = "pause", "Freeze sandboxes (cgroup freezer) and reclaim their memory, by id or\n"+
+			"every one carrying all the given labels. Any exec, session or files call\n"+
+			"on a paused sandbox resumes it; its TTL does not run while paused."
+	}
+	fs := newCmdFlags("sandbox "+verb, "ID... | --label k=v ...", about)
+	labels := kvFlag{}
+	fs.Var(labels, "label", verb+" sandboxes with label `k=v` (repeatable; all must match)")
+	asJSON := fs.Bool("json", false, "print the API responses as JSON")
+	ids, err := fs.parseN(args, 0, -1)
+	if err != nil {
+		return err
+	}
+	if (len(ids) == 0) == (len(labels) == 0) {
+		return fmt.Errorf("sandbox %s: give either ids or --label, not both or neither", verb)
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	if len(labels) > 0 {
+		var n int
+		if pause {
+			n, err = c.PauseSandboxes(ctx, labels)
+		} else {
+			n, err = c.ResumeSandboxes(ctx, labels)
+		}
+		if err != nil {
+			return err
+		}
+		fmt.Printf("%sd %d sandboxes\n", verb, n)
+		return nil
+	}
+	failed := 0
+	for _, id := range ids {
+		var out any
+		if pause {
+			var res *api.PauseResult
+			if res, err = c.Pause(ctx, id); err == nil {
+				out = res
+				if !*asJSON {
+					fmt.Printf("%s paused in %d ms, freed %s (%s -> %s)\n", id, res.DurationMS,
+						humanBytes(int64(res.MemoryFreedBytes)), humanBytes(int64(res.MemoryBeforeBytes)), humanBytes(int64(res.MemoryAfterBytes)))
+				}
+			}
+		} else {
+			var sb *api.Sandbox
+			if sb, err = c.Resume(ctx, id); err == nil {
+				out = sb
+				if !*asJSON {
+					fmt.Printf("%s %s\n", id, sb.State)
+				}
+			}
+		}
+		if err != nil {
+			if ctx.Err() != nil {
+				return err
+			}
+			fmt.Fprintf(os.Stderr, "dsec: %s: %v\n", id, err)
+			failed++
+			continue
+		}
+		if *asJSON {
+			if err := printJSON(out); err != nil {
+				return err
+			}
+		}
+	}
+	if failed > 0 {
+		return fmt.Errorf("%d of %d %ss failed", failed, len(ids), verb)
+	}
+	return nil
+}
+
+func sandboxSnapshot(ctx context.Context, args []string) error {
+	fs := newCmdFlags("sandbox snapshot", "ID --ref snapshot/NAME:TAG [--include PATH]... [--exclude PATH]...",
+		"Pack the sandbox's writable layer (what it changed on top of its layers)\n"+
+			"into a snapshot layer. Start sandboxes from it with\n"+
+			"`dsec sandbox create --snapshot REF`. --exclude scrubs paths (e.g.\n"+
+			"/root/.cache); --include keeps only the given paths.")
+	ref := fs.String("ref", "", "snapshot ref, snapshot/NAME:TAG (required)")
+	var include, exclude stringList
+	fs.Var(&include, "include", "keep only this `path` (repeatable)")
+	fs.Var(&exclude, "exclude", "leave out this `path` (repeatable)")
+	asJSON := fs.Bool("json", false, "print the layer as JSON")
+	pos, err := fs.parseN(args, 1, 1)
+	if err != nil {
+		return err
+	}
+	if *ref == "" {
+		return fmt.Errorf("sandbox snapshot: --ref is required")
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	l, err := c.Snapshot(ctx, pos[0], api.SnapshotRequest{Ref: *ref, Include: include, Exclude: exclude})
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return printJSON(l)
+	}
+	fmt.Printf("%s %s %s\n", l.Ref, l.Digest, humanBytes(l.SizeBytes))
+	return nil
+}
+
+func sandboxFork(ctx context.Context, args []string) error {
+	fs := newCmdFlags("sandbox fork", "ID --count N [--label k=v]...",
+		"Snapshot the sandbox's current state and start N sandboxes from it\n"+
+			"(same spec; labels added). Prints one id per line.")
+	count := fs.Int("count", 1, "how many sandboxes to start")
+	labels := kvFlag{}
+	fs.Var(labels, "label", "add label `k=v` to the forks (repeatable)")
+	asJSON := fs.Bool("json", false, "print the API response as JSON")
+	pos, err := fs.parseN(args, 1, 1)
+	if err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	res, err := c.Fork(ctx, pos[0], *count, labels)
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return printJSON(res)
+	}
+	for _, sb := range res.Sandboxes {
+		fmt.Println(sb.ID)
+	}
+	for _, e := range res.Errors {
+		fmt.Fprintf(os.Stderr, "dsec: fork %d: %s\n", e.Index, e.Error.Message)
+	}
+	if len(res.Errors) > 0 {
+		return fmt.Errorf("%d of %d forks failed", len(res.Errors), *count)
+	}
+	return nil
+}
+
+func sandboxLog(ctx context.Context, args []string) error {
+	fs := newCmdFlags("sandbox log", "[--since N] [--json] ID",
+		"Show a sandbox's command log: every exec, session and files operation,\n"+
+			"in order, with a summary of its request and result. Stopped and failed\n"+
+			"sandboxes keep theirs while their record is kept.")
+	since := fs.Int64("since", 0, "only entries with a seq greater than `N`")
+	asJSON := fs.Bool("json", false, "print the entries as a JSON array")
+	pos, err := fs.parseN(args, 1, 1)
+	if err != nil {
+		return err
+	}
+	if *since < 0 {
+		return fmt.Errorf("sandbox log: --since must not be negative")
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	entries, err := c.ReadAllLog(ctx, pos[0], *since)
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		if entries == nil {
+			entries = []api.LogEntry{}
+		}
+		return printJSON(entries)
+	}
+	tw := newTable()
+	fmt.Fprintln(tw, "SEQ\tTIME\tKIND\tREQUEST\tRESULT")
+	for _, e := range entries {
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\n", e.Seq, e.Time.Local().Format("15:04:05.000"), e.Kind,
+			orDash(oneLine(logRequestText(e))), orDash(oneLine(logResultText(e))))
+	}
+	return tw.Flush()
+}
+
+// logRequestText is the human summary of what a logged operation asked.
+func logRequestText(e api.LogEntry) string {
+	q := e.Request
+	switch {
+	case e.Kind == api.LogTruncatedKind:
+		return ""
+	case q.Cmd != "":
+		return q.Cmd
+	case len(q.Argv) > 0:
+		return strings.Join(q.Argv, " ")
+	case q.Command != "":
+		return q.SessionID + ": " + q.Command
+	case q.Path != "":
+		s := q.Path
+		if q.Mode != "" {
+			s += " mode " + q.Mode
+		}
+		if q.Recursive {
+			s += " (recursive)"
+		}
+		return s
+	case q.SessionID != "":
+		return q.SessionID
+	}
+	return q.Shell
+}
+
+// logResultText is the human summary of how a logged operation ended.
+func logResultText(e api.LogEntry) string {
+	r := e.Result
+	var parts []string
+	switch {
+	case e.Kind == api.LogTruncatedKind:
+		return fmt.Sprintf("entries %d..%d dropped (log bound)", r.FirstSeq, r.LastSeq)
+	case r.Error != nil:
+		parts = append(parts, r.Error.Code+": "+r.Error.Message)
+	case r.ExitCode != nil:
+		parts = append(parts, fmt.Sprintf("exit %d", *r.ExitCode))
+		if r.TimedOut {
+			parts = append(parts, "timed out")
+		}
+		if r.SessionEnded {
+			parts = append(parts, "session ended")
+		}
+	case r.SessionID != "":
+		parts = append(parts, r.SessionID)
+	case r.Entries != nil:
+		parts = append(parts, fmt.Sprintf("%d entries", *r.Entries))
+	case r.Files != nil:
+		parts = append(parts, fmt.Sprintf("%d files", *r.Files))
+	case r.Size != nil:
+		parts = append(parts, humanBytes(*r.Size))
+	case r.Bytes != nil:
+		parts = append(parts, humanBytes(*r.Bytes))
+	default:
+		parts = append(parts, "ok")
+	}
+	return strings.Join(append(parts, fmt.Sprintf("%dms", r.DurationMS)), ", ")
+}
+
+// oneLine keeps a table cell on one line and short.
+func oneLine(s string) string {
+	s = strings.Join(strings.Fields(s), " ")
+	if r := []rune(s); len(r) > 60 {
+		s = string(r[:59]) + "…"
+	}
+	return s
 }

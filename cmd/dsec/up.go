@@ -40,6 +40,8 @@ type upConfig struct {
 	runtime      string
 	nodeName     string
 	maxSandboxes int
+	maxPaused    time.Duration
+	snapLabels   kvFlag
 	configPath   string
 	logFormat    string
 	logLevel     string
@@ -56,6 +58,9 @@ func runUp(args []string) error {
 	f.StringVar(&c.runtime, "runtime", "auto", "OCI runtime: auto (crun, else runc), crun or runc")
 	f.StringVar(&c.nodeName, "node-name", "local", "this node's name (part of every sandbox id)")
 	f.IntVar(&c.maxSandboxes, "max-sandboxes", 4096, "admission limit of live sandboxes on this node")
+	f.DurationVar(&c.maxPaused, "max-paused", 0, "stop sandboxes paused longer than this (e.g. 24h; 0 = never)")
+	c.snapLabels = kvFlag{}
+	f.Var(c.snapLabels, "snapshot-label", "allow snapshots only of sandboxes with label `k=v` (repeatable; builder/runtime separation)")
 	f.StringVar(&c.configPath, "config", "", "client config file to write (default ~/.config/dsec/config.json or $DSEC_CONFIG)")
 	f.StringVar(&c.logFormat, "log-format", "text", "log format: text or json")
 	f.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
@@ -192,10 +197,11 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	ed, err := edge.New(edge.Config{
 		Name: c.nodeName, StateDir: filepath.Join(c.stateDir, "edge"),
 		MaxSandboxes: c.maxSandboxes, Policy: policy,
-		CgroupParent: cgroupParent(c.nodeName, c.stateDir),
+		CgroupParent: cgroupParent(c.nodeName, c.stateDir), MaxPaused: c.maxPaused,
+		SnapshotLabels: c.snapLabels,
 	}, edge.Deps{
 		Backend: backend, BlobPath: layers.BlobPath, Cgroups: cg, Log: log,
-		Metrics: edge.NewMetrics(reg), Runtime: rt,
+		Metrics: edge.NewMetrics(reg), Runtime: rt, Layers: layers,
 	})
 	if err != nil {
 		return fail(err)

@@ -25,6 +25,11 @@ type EdgeClient interface {
 	DeleteByLabels(ctx context.Context, sel map[string]string) (int, error)
 	Keepalive(ctx context.Context, id string, ttl int64) (*api.Sandbox, error)
 	Stats(ctx context.Context, id string) (*api.Stats, error)
+	Pause(ctx context.Context, id string) (*api.PauseResult, error)
+	Snapshot(ctx context.Context, id string, o edge.SnapshotOptions) (*api.Layer, error)
+	Resume(ctx context.Context, id string) (*api.Sandbox, error)
+	PauseByLabels(ctx context.Context, sel map[string]string) (int, error)
+	ResumeByLabels(ctx context.Context, sel map[string]string) (int, error)
 
 	Exec(ctx context.Context, id string, req api.ExecRequest, emit func(api.ExecEvent) error) (*api.ExecResult, error)
 	OpenSession(ctx context.Context, id string, req api.SessionRequest) (*api.Session, error)
@@ -38,6 +43,10 @@ type EdgeClient interface {
 	RemoveFile(ctx context.Context, id, path string, recursive bool) error
 	WriteTar(ctx context.Context, id, path string, w io.Writer) error
 	ExtractTar(ctx context.Context, id, path string, rd io.Reader) (api.TarResult, error)
+
+	// ReadLog returns the command log entries with seq > sinceSeq, at most
+	// limit; it serves stopped and failed sandboxes too.
+	ReadLog(ctx context.Context, id string, sinceSeq int64, limit int) (*api.LogPage, error)
 }
 
 var _ EdgeClient = (*edge.Edge)(nil)

@@ -6,7 +6,7 @@ import (
 	"net/http"
 	"sort"
 	"strconv"
-	"sync"
+	"strings"
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edge"
@@ -36,13 +36,41 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusCreated, sb)
 }
 
-// prepare validates a spec and resolves its layer refs to digests.
+// prepare validates a spec and resolves its layer refs to digests, bottom
+// first. A spec with a snapshot takes its layers from the snapshot's
+// record (base, workspace, toolkits and earlier snapshots) and stacks the
+// snapshot on top; base, workspace and toolkits may then be omitted, and
+// must match the snapshot's if given.
 func (s *Server) prepare(spec *api.SandboxSpec) ([]string, error) {
+	var snap *api.Layer
+	if spec.Snapshot != "" {
+		l, err := s.resolve(spec.Snapshot)
+		if err != nil {
+			return nil, err
+		}
+		if l.Kind != api.KindSnapshot || l.Snapshot == nil {
+			return nil, errdefs.Invalid("snapshot %s is a %s layer, want a snapshot", spec.Snapshot, l.Kind)
+		}
+		// Layer fields may be omitted (taken from the snapshot) but not
+		// contradict it: the snapshot's diff only makes sense on its stack.
+		from := l.Snapshot.Spec
+		base := spec.Base
+		if base == "" {
+			base = spec.Image
+		}
+		if base != "" && base != from.Base || spec.Workspace != "" && spec.Workspace != from.Workspace ||
+			len(spec.Toolkits) > 0 && strings.Join(spec.Toolkits, ",") != strings.Join(from.Toolkits, ",") {
+			return nil, errdefs.Invalid("snapshot %s was taken on base %s, workspace %q, toolkits %v; omit those fields or give the same",
+				spec.Snapshot, from.Base, from.Workspace, from.Toolkits)
+		}
+		spec.Base, spec.Image, spec.Workspace, spec.Toolkits = from.Base, "", from.Workspace, from.Toolkits
+		snap = &l
+	}
 	if err := sandbox.Normalize(spec, s.deps.Policy); err != nil {
 		return nil, err
 	}
-	if spec.Snapshot != "" {
-		return nil, errdefs.Precondition("starting from a snapshot is not supported by this release; omit snapshot")
+	if snap != nil {
+		return append(append([]string(nil), snap.Snapshot.Layers...), snap.Digest), nil
 	}
 	var digests []string
 	add := func(field, ref, kind string) error {
@@ -126,29 +154,7 @@ func (s *Server) batchCreate(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	res := api.BatchResult{Sandboxes: []api.Sandbox{}, Errors: []api.BatchError{}}
-	made := make([]*api.Sandbox, req.Count)
-	errs := make([]error, req.Count)
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, batchConcurrency)
-	for i := range req.Count {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer wg.Done()
-			defer func() { <-sem }()
-			made[i], errs[i] = s.place(r.Context(), spec, digests)
-		}()
-	}
-	wg.Wait()
-	for i := range req.Count {
-		if errs[i] != nil {
-			res.Errors = append(res.Errors, api.BatchError{Index: i, Error: api.ErrorDetail{Code: errdefs.Code(errs[i]), Message: errs[i].Error()}})
-			continue
-		}
-		res.Sandboxes = append(res.Sandboxes, *made[i])
-	}
-	writeJSON(w, http.StatusOK, res)
+	writeJSON(w, http.StatusOK, s.createMany(r, req.Count, spec, digests))
 }
 
 func (s *Server) getSandbox(w http.ResponseWriter, r *http.Request) {

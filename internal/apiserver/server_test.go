@@ -149,6 +149,17 @@ func (f *fakeEdge) WriteTar(ctx context.Context, id, path string, w io.Writer) e
 func (f *fakeEdge) ExtractTar(ctx context.Context, id, path string, rd io.Reader) (api.TarResult, error) {
 	return api.TarResult{}, nil
 }
+func (f *fakeEdge) ReadLog(ctx context.Context, id string, sinceSeq int64, limit int) (*api.LogPage, error) {
+	if _, err := f.Get(ctx, id); err != nil {
+		return nil, err
+	}
+	page := &api.LogPage{Entries: []api.LogEntry{}, NextSeq: sinceSeq}
+	for seq := sinceSeq + 1; seq <= 3 && len(page.Entries) < limit; seq++ {
+		page.Entries = append(page.Entries, api.LogEntry{Seq: seq, Kind: api.LogExec})
+		page.NextSeq = seq
+	}
+	return page, nil
+}
 
 type fixture struct {
 	srv     *httptest.Server
@@ -289,7 +300,10 @@ func TestBadInput(t *testing.T) {
 		{"POST", "/v1/sandboxes", `{"base":"base/py"}`, 400, "invalid_argument", ""},
 		{"POST", "/v1/sandboxes", `{"base":"base/py:1","cpu":-1}`, 400, "invalid_argument", "cpu"},
 		{"POST", "/v1/sandboxes", `{"base":"base/py:1","backend":"microvm"}`, 409, "failed_precondition", "microvm"},
-		{"POST", "/v1/sandboxes", `{"base":"base/py:1","snapshot":"snapshot/s:1"}`, 409, "failed_precondition", "snapshot"},
+		{"POST", "/v1/sandboxes", `{"base":"base/py:1","snapshot":"snapshot/s:1"}`, 404, "not_found", "snapshot/s:1"},
+		{"POST", "/v1/sandboxes", `{"snapshot":"toolkit/t:1"}`, 400, "invalid_argument", "snapshot"},
+		{"POST", "/v1/sandboxes/sb-n1-0001/fork", `{"count":0}`, 400, "invalid_argument", "count"},
+		{"POST", "/v1/sandboxes/sb-n1-0001/snapshot", `{}`, 400, "invalid_argument", "ref"},
 		{"POST", "/v1/sandboxes:batch", `{"count":0,"spec":{"base":"base/py:1"}}`, 400, "invalid_argument", "count"},
 		{"POST", "/v1/sandboxes:delete", `{"labels":{}}`, 400, "invalid_argument", "labels"},
 		{"GET", "/v1/sandboxes?limit=0", ``, 400, "invalid_argument", "limit"},
@@ -390,4 +404,25 @@ func TestExecStreamAndDownloadErrors(t *testing.T) {
 	// A tar of a missing path is a 404, not a broken stream.
 	resp, body = f.do(t, f.admin, "GET", "/v1/sandboxes/sb-n1-0001/files:tar?path=/nope", "")
 	wantError(t, resp, body, 404, "not_found")
+}
+
+func (f *fakeEdge) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
+	sb, err := f.Get(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	return &api.PauseResult{Sandbox: *sb}, nil
+}
+func (f *fakeEdge) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
+	return f.Get(ctx, id)
+}
+func (f *fakeEdge) PauseByLabels(ctx context.Context, sel map[string]string) (int, error) {
+	return len(f.List(ctx, edge.ListFilter{Labels: sel})), nil
+}
+func (f *fakeEdge) ResumeByLabels(ctx context.Context, sel map[string]string) (int, error) {
+	return len(f.List(ctx, edge.ListFilter{Labels: sel})), nil
+}
+
+func (f *fakeEdge) Snapshot(ctx context.Context, id string, o edge.SnapshotOptions) (*api.Layer, error) {
+	return nil, errdefs.Precondition("the fake edge takes no snapshots")
 }

@@ -203,6 +203,10 @@ func (e *Edge) teardown(ctx context.Context, s *sbx, remove bool) error {
 	}
 	s.mu.Unlock()
 	id := rec.Sandbox.ID
+	if rec.Sandbox.State == api.StatePaused && e.deps.Cgroups != nil {
+		// A kill stays pending on a task frozen by the v1 freezer.
+		_ = e.deps.Cgroups.Thaw(rec.CgroupPath)
+	}
 	if holdsResources(rec.Sandbox.State) {
 		e.destroyRuntime(ctx, id, rec.CgroupPath)
 		rootfs := filepath.Join(s.dir, "rootfs")

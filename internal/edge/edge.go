@@ -49,6 +49,13 @@ type Config struct {
 	MaxUploadBytes int64
 	// MaxSessions bounds the open sessions of one sandbox.
 	MaxSessions int
+	// CmdLog bounds each sandbox's command log (zero fields: defaults).
+	CmdLog CmdLogConfig
+	// MaxPaused stops a sandbox that stays paused longer (0: never).
+	MaxPaused time.Duration
+	// SnapshotLabels, when set, restricts snapshots to sandboxes carrying
+	// all these labels (builder sandboxes, say).
+	SnapshotLabels map[string]string
 }
 
 // Deps are the edge's collaborators.
@@ -61,6 +68,8 @@ type Deps struct {
 	Metrics  *Metrics
 	// Runtime names the OCI runtime in use, for the node's info.
 	Runtime string
+	// Layers builds snapshot layers (nil: snapshots unavailable).
+	Layers LayerBuilder
 }
 
 // Edge is one node's daemon.
@@ -200,23 +209,43 @@ func (e *Edge) get(id string) (*sbx, error) {
 	return s, nil
 }
 
-// begin admits one operation on a running sandbox: it fails with
-// failed_precondition unless the sandbox is running and not being stopped
-// or deleted, and counts the operation as in flight (the idle reaper does
-// not stop a sandbox while a command runs in it). Call the returned func
-// when the operation ends.
+// begin admits one operation on a running sandbox: a paused sandbox is
+// resumed first (transparently, as for exec, sessions and files); it fails
+// with failed_precondition unless the sandbox is then running and not
+// being stopped or deleted, and counts the operation as in flight (the
+// idle reaper does not stop a sandbox while a command runs in it). Call the
+// returned func when the operation ends.
 func (e *Edge) begin(id string) (*sbx, func(), error) {
+	return e.admit(id, true)
+}
+
+// beginNoWake is begin for calls that leave a paused sandbox paused
+// (keepalive, stats).
+func (e *Edge) beginNoWake(id string) (*sbx, func(), error) {
+	return e.admit(id, false)
+}
+
+func (e *Edge) admit(id string, wake bool) (*sbx, func(), error) {
 	s, err := e.get(id)
 	if err != nil {
 		return nil, nil, err
 	}
 	s.mu.Lock()
+	state := s.rec.Sandbox.State
+	s.mu.Unlock()
+	if state == api.StatePaused && wake {
+		if _, err := e.Resume(context.Background(), id); err != nil {
+			return nil, nil, err
+		}
+	}
+	s.mu.Lock()
 	state, reason, going := s.rec.Sandbox.State, s.rec.Sandbox.Error, s.going
-	if state == api.StateRunning && !going {
+	ok := (state == api.StateRunning || state == api.StatePaused && !wake) && !going
+	if ok {
 		s.ops++
 	}
 	s.mu.Unlock()
-	if state != api.StateRunning || going {
+	if !ok {
 		msg := fmt.Sprintf("sandbox %s is %s", id, state)
 		switch {
 		case going:
@@ -327,7 +356,7 @@ func (e *Edge) Keepalive(ctx context.Context, id string, ttl int64) (*api.Sandbo
 	if ttl < 0 || ttl > e.cfg.Policy.MaxTTL {
 		return nil, errdefs.Invalid("ttl must be between 0 and %d seconds, got %d", e.cfg.Policy.MaxTTL, ttl)
 	}
-	s, done, err := e.begin(id)
+	s, done, err := e.beginNoWake(id)
 	if err != nil {
 		return nil, err
 	}
@@ -349,7 +378,7 @@ func (e *Edge) Keepalive(ctx context.Context, id string, ttl int64) (*api.Sandbo
 
 // Stats returns a sandbox's resource use.
 func (e *Edge) Stats(ctx context.Context, id string) (*api.Stats, error) {
-	s, done, err := e.begin(id)
+	s, done, err := e.beginNoWake(id)
 	if err != nil {
 		return nil, err
 	}

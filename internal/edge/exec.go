@@ -21,8 +21,9 @@ import (
 
 // Exec runs a one-shot command. With emit set, output is streamed as events
 // (the final status is returned, not emitted); otherwise it is collected
-// into the result, each stream capped at MaxOutputBytes.
-func (e *Edge) Exec(ctx context.Context, id string, req api.ExecRequest, emit func(api.ExecEvent) error) (*api.ExecResult, error) {
+// into the result, each stream capped at MaxOutputBytes. The call goes in
+// the command log.
+func (e *Edge) Exec(ctx context.Context, id string, req api.ExecRequest, emit func(api.ExecEvent) error) (res *api.ExecResult, err error) {
 	if err := sandbox.NormalizeExec(&req); err != nil {
 		return nil, err
 	}
@@ -32,6 +33,10 @@ func (e *Edge) Exec(ctx context.Context, id string, req api.ExecRequest, emit fu
 	}
 	defer done()
 	start := time.Now()
+	var outHead, errHead *headWriter
+	defer func() {
+		e.record(s, api.LogExec, start, execRequestLog(req, emit != nil), execResultLog(res, outHead, errHead), err)
+	}()
 	p, err := e.process(s, req.User, req.Cwd, req.Env)
 	if err != nil {
 		return nil, err
@@ -63,6 +68,8 @@ func (e *Edge) Exec(ctx context.Context, id string, req api.ExecRequest, emit fu
 		outBuf, errBuf = &capBuffer{max: req.MaxOutputBytes}, &capBuffer{max: req.MaxOutputBytes}
 		p.Stdout, p.Stderr = outBuf, errBuf
 	}
+	outHead, errHead = &headWriter{w: p.Stdout}, &headWriter{w: p.Stderr}
+	p.Stdout, p.Stderr = outHead, errHead
 	proc, err := e.deps.Backend.Exec(ctx, id, p)
 	if err != nil {
 		return nil, fmt.Errorf("starting command: %w", err)
@@ -71,7 +78,7 @@ func (e *Edge) Exec(ctx context.Context, id string, req api.ExecRequest, emit fu
 	if err != nil {
 		return nil, fmt.Errorf("waiting for command: %w", err)
 	}
-	res := &api.ExecResult{ExitCode: code, TimedOut: timedOut, DurationMS: time.Since(start).Milliseconds()}
+	res = &api.ExecResult{ExitCode: code, TimedOut: timedOut, DurationMS: time.Since(start).Milliseconds()}
 	if emit != nil {
 		outW.flush()
 		errW.flush()

@@ -11,6 +11,9 @@ type Metrics struct {
 	execSeconds    prometheus.Histogram
 	createFailures *prometheus.CounterVec
 	reaped         *prometheus.CounterVec
+	pauseSeconds   prometheus.Histogram
+	resumeSeconds  prometheus.Histogram
+	pauseFreed     prometheus.Histogram
 }
 
 // NewMetrics creates the edge's metrics and registers them on reg (nil:
@@ -36,9 +39,25 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "dsec_sandbox_stopped_total",
 			Help: "Sandboxes stopped by the edge, by reason (ttl expired, idle timeout, init exited).",
 		}, []string{"reason"}),
+		pauseSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "dsec_sandbox_pause_seconds",
+			Help:    "Time to freeze a sandbox and reclaim its memory.",
+			Buckets: []float64{.001, .005, .01, .025, .05, .1, .25, .5, 1, 5},
+		}),
+		resumeSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "dsec_sandbox_resume_seconds",
+			Help:    "Time to thaw a paused sandbox.",
+			Buckets: []float64{.001, .005, .01, .025, .05, .1, .25, .5, 1},
+		}),
+		pauseFreed: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "dsec_sandbox_pause_freed_bytes",
+			Help:    "Memory given back by reclaim when a sandbox is paused.",
+			Buckets: prometheus.ExponentialBuckets(1<<20, 4, 8),
+		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.createSeconds, m.execSeconds, m.createFailures, m.reaped)
+		reg.MustRegister(m.createSeconds, m.execSeconds, m.createFailures, m.reaped,
+			m.pauseSeconds, m.resumeSeconds, m.pauseFreed)
 	}
 	return m
 }

@@ -208,6 +208,9 @@ func (e *Edge) reapOnce(now time.Time, checkLiveness bool) {
 			reason, final = "sandbox init exited", api.StateFailed
 		case rec.Sandbox.State == api.StateRunning && rec.Sandbox.ExpiresAt != nil && now.After(*rec.Sandbox.ExpiresAt):
 			reason = "ttl expired"
+		case rec.Sandbox.State == api.StatePaused && e.cfg.MaxPaused > 0 && rec.Sandbox.PausedAt != nil &&
+			now.Sub(*rec.Sandbox.PausedAt) > e.cfg.MaxPaused:
+			reason = "paused too long"
 		case rec.Sandbox.State == api.StateRunning && rec.Sandbox.Spec.IdleTimeout > 0 && inFlight == 0 &&
 			now.Sub(s.active.get()) > time.Duration(rec.Sandbox.Spec.IdleTimeout)*time.Second:
 			reason = "idle timeout"

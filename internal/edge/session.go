@@ -177,13 +177,22 @@ func runScript(cmd, n string, bash bool) string {
 
 func markerPrefix(n string) []byte { return []byte("\x1eDSEC:" + n + ":") }
 
-// OpenSession starts a shell in the sandbox.
-func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionRequest) (*api.Session, error) {
+// OpenSession starts a shell in the sandbox. The call goes in the command
+// log.
+func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionRequest) (out *api.Session, err error) {
 	s, done, err := e.begin(id)
 	if err != nil {
 		return nil, err
 	}
 	defer done()
+	start := time.Now()
+	defer func() {
+		var res api.LogResult
+		if out != nil {
+			res.SessionID = out.SessionID
+		}
+		e.record(s, api.LogSessionOpen, start, api.LogRequest{Shell: req.Shell, Cwd: req.Cwd, User: req.User}, res, err)
+	}()
 	if req.Shell != "" {
 		if err := sandbox.ValidateAbsPath("shell", req.Shell); err != nil {
 			return nil, err
@@ -279,8 +288,9 @@ func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionReques
 	return &api.Session{SessionID: se.id}, nil
 }
 
-// RunInSession runs one command in a session's shell.
-func (e *Edge) RunInSession(ctx context.Context, id, sid string, req api.SessionRunRequest) (*api.ExecResult, error) {
+// RunInSession runs one command in a session's shell. The call goes in the
+// command log.
+func (e *Edge) RunInSession(ctx context.Context, id, sid string, req api.SessionRunRequest) (res *api.ExecResult, err error) {
 	if err := sandbox.NormalizeRun(&req); err != nil {
 		return nil, err
 	}
@@ -289,14 +299,19 @@ func (e *Edge) RunInSession(ctx context.Context, id, sid string, req api.Session
 		return nil, err
 	}
 	defer done()
+	start := time.Now()
+	ended := false
+	defer func() {
+		e.record(s, api.LogSessionRun, start, api.LogRequest{SessionID: sid, Command: req.Command, Timeout: req.Timeout},
+			sessionRunLog(res, ended), err)
+	}()
 	s.mu.Lock()
 	se := s.sessions[sid]
 	s.mu.Unlock()
 	if se == nil {
 		return nil, errdefs.NotFound("session %s not found in sandbox %s", sid, id)
 	}
-	start := time.Now()
-	res, err := se.run(ctx, req.Command, time.Duration(req.Timeout)*time.Second, req.MaxOutputBytes)
+	res, err = se.run(ctx, req.Command, time.Duration(req.Timeout)*time.Second, req.MaxOutputBytes)
 	if err != nil {
 		return nil, err
 	}
@@ -307,13 +322,15 @@ func (e *Edge) RunInSession(ctx context.Context, id, sid string, req api.Session
 		delete(s.sessions, sid)
 		s.mu.Unlock()
 		se.close()
+		ended = true
 	default:
 	}
 	e.metrics.execSeconds.Observe(time.Since(start).Seconds())
 	return res, nil
 }
 
-// CloseSession kills a session's shell and everything it started.
+// CloseSession kills a session's shell and everything it started. A close
+// goes in the command log; closing an unknown session does not.
 func (e *Edge) CloseSession(ctx context.Context, id, sid string) error {
 	s, err := e.get(id)
 	if err != nil {
@@ -326,7 +343,9 @@ func (e *Edge) CloseSession(ctx context.Context, id, sid string) error {
 	if se == nil {
 		return errdefs.NotFound("session %s not found in sandbox %s", sid, id)
 	}
+	start := time.Now()
 	se.close()
+	e.record(s, api.LogSessionClose, start, api.LogRequest{SessionID: sid}, api.LogResult{}, nil)
 	return nil
 }
 

@@ -46,6 +46,12 @@ type sbx struct {
 	going bool
 	// ops counts operations in flight (see Edge.begin).
 	ops int
+
+	// logMu serialises the command log (cmdlog.go): a seq is assigned and
+	// its line appended under it, so seqs are gap-free in file order. It is
+	// never held together with mu.
+	logMu sync.Mutex
+	log   cmdLog
 }
 
 func (s *sbx) touch() { s.active.set(time.Now()) }

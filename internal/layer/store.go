@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"os"
 	"os/exec"
+	"path"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -67,6 +68,11 @@ type BuildOptions struct {
 	// (seconds since 1970, the reproducible-builds convention). Zero keeps
 	// mtimes as they are.
 	SourceDateEpoch int64
+	// Exclude lists paths of the tree (absolute, as seen from its root) to
+	// leave out, with everything below them.
+	Exclude []string
+	// Snapshot is recorded in the catalog entry of a snapshot layer.
+	Snapshot *api.SnapshotInfo
 }
 
 // Store is the control plane's layer store: EROFS blobs named by digest
@@ -168,6 +174,14 @@ func checkBuild(ref Ref, opts BuildOptions) error {
 	if opts.MaxBytes < 0 || opts.MaxFiles < 0 || opts.SourceDateEpoch < 0 {
 		return errdefs.Invalid("building layer %s: negative limit", ref)
 	}
+	for _, x := range opts.Exclude {
+		if !strings.HasPrefix(x, "/") || strings.ContainsRune(x, 0) || path.Clean(x) == "/" || len(x) > 4096 {
+			return errdefs.Invalid("building layer %s: exclude path %q must be an absolute path below /", ref, x)
+		}
+	}
+	if (ref.Kind == api.KindSnapshot) != (opts.Snapshot != nil) {
+		return errdefs.Invalid("building layer %s: snapshot layers are made from sandboxes (POST /v1/sandboxes/{id}/snapshot)", ref)
+	}
 	return nil
 }
 
@@ -207,6 +221,10 @@ func (s *Store) build(ctx context.Context, ref Ref, src string, opts BuildOption
 	if opts.Compress != "" {
 		args = append(args, "-z"+opts.Compress)
 	}
+	for _, x := range opts.Exclude {
+		// mkfs.erofs matches literal paths relative to the source root.
+		args = append(args, "--exclude-path="+strings.TrimPrefix(path.Clean(x), "/"))
+	}
 	args = append(args, tmpPath, src)
 	epoch := int64(defaultClampTime)
 	if opts.SourceDateEpoch != 0 {
@@ -232,7 +250,7 @@ func (s *Store) build(ctx context.Context, ref Ref, src string, opts BuildOption
 	}
 	printf(progress, "mkfs.erofs: %s, image %s\n", mkfsTime.Round(time.Millisecond), humanBytes(size))
 
-	l := api.Layer{Digest: digest, Ref: ref.String(), Kind: ref.Kind, SizeBytes: size, CreatedAt: time.Now().UTC()}
+	l := api.Layer{Digest: digest, Ref: ref.String(), Kind: ref.Kind, SizeBytes: size, CreatedAt: time.Now().UTC(), Snapshot: opts.Snapshot}
 	deduped, err := s.publish(tmpPath, l, opts.Replace)
 	if err != nil {
 		return api.Layer{}, err

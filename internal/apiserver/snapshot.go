@@ -1,0 +1,118 @@
+package apiserver
+
+import (
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edge"
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/iam"
+	"github.com/dsecproject/dsec/internal/sandbox"
+)
+
+// maxFork bounds one fork call.
+const maxFork = 1000
+
+func principalID(r *http.Request) string {
+	if p, ok := r.Context().Value(principalKey{}).(iam.Principal); ok {
+		return p.ID
+	}
+	return ""
+}
+
+func (s *Server) snapshot(w http.ResponseWriter, r *http.Request) {
+	var req api.SnapshotRequest
+	if err := decode(r, &req); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if req.Ref == "" {
+		s.writeError(w, r, errdefs.Invalid("ref is required (snapshot/NAME:TAG)"))
+		return
+	}
+	s.forward(w, r, http.StatusCreated, func(e EdgeClient, id string) (any, error) {
+		return e.Snapshot(r.Context(), id, edge.SnapshotOptions{Request: req, Principal: principalID(r)})
+	})
+}
+
+// fork snapshots a sandbox's current state and starts count sandboxes from
+// it, with the source's spec (labels merged with the request's).
+func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
+	var req api.ForkRequest
+	if err := decode(r, &req); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if req.Count < 1 || req.Count > maxFork {
+		s.writeError(w, r, errdefs.Invalid("count must be between 1 and %d, got %d", maxFork, req.Count))
+		return
+	}
+	for k, v := range req.Labels {
+		if err := sandbox.ValidateLabel(k, v); err != nil {
+			s.writeError(w, r, err)
+			return
+		}
+	}
+	id := r.PathValue("id")
+	e, err := s.edgeOf(id)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	// The fork's snapshot is an ordinary catalogued layer: forks keep it in
+	// use, and it can be forked from again or deleted once unused.
+	ref := fmt.Sprintf("snapshot/fork-%s:%d", strings.ToLower(strings.TrimPrefix(id, "sb-")), time.Now().UnixNano())
+	l, err := e.Snapshot(r.Context(), id, edge.SnapshotOptions{Request: api.SnapshotRequest{Ref: ref}, Principal: principalID(r)})
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	spec := l.Snapshot.Spec
+	spec.Snapshot = l.Ref
+	labels := map[string]string{}
+	for k, v := range spec.Labels {
+		labels[k] = v
+	}
+	for k, v := range req.Labels {
+		labels[k] = v
+	}
+	spec.Labels = labels
+	digests, err := s.prepare(&spec)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, s.createMany(r, req.Count, spec, digests))
+}
+
+// createMany places count sandboxes of one prepared spec, a few at a time,
+// and reports each outcome (partial success allowed).
+func (s *Server) createMany(r *http.Request, count int, spec api.SandboxSpec, digests []string) api.BatchResult {
+	res := api.BatchResult{Sandboxes: []api.Sandbox{}, Errors: []api.BatchError{}}
+	made := make([]*api.Sandbox, count)
+	errs := make([]error, count)
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, batchConcurrency)
+	for i := range count {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			made[i], errs[i] = s.place(r.Context(), spec, digests)
+		}()
+	}
+	wg.Wait()
+	for i := range count {
+		if errs[i] != nil {
+			res.Errors = append(res.Errors, api.BatchError{Index: i, Error: api.ErrorDetail{Code: errdefs.Code(errs[i]), Message: errs[i].Error()}})
+			continue
+		}
+		res.Sandboxes = append(res.Sandboxes, *made[i])
+	}
+	return res
+}
