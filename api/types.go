@@ -319,8 +319,8 @@ type Layer struct {
 type SnapshotInfo struct {
 	Sandbox string `json:"sandbox"`
 	// Layers are the digests below the snapshot, bottom first (base,
-	// workspace, toolkits, earlier snapshots). A sandbox started from the
-	// snapshot stacks the snapshot on top of them.
+	// workspace, toolkits, earlier snapshots unless it was flattened). A
+	// sandbox started from the snapshot stacks the snapshot on top of them.
 	Layers  []string `json:"layers"`
 	Include []string `json:"include,omitempty"`
 	Exclude []string `json:"exclude,omitempty"`
@@ -328,6 +328,10 @@ type SnapshotInfo struct {
 	Spec SandboxSpec `json:"spec"`
 	// CreatedBy is the principal that took the snapshot.
 	CreatedBy string `json:"created_by,omitempty"`
+	// Flattened is how many earlier snapshot layers were merged into this
+	// one (the stack reached the edge's snapshot depth); zero when the
+	// snapshot holds only its sandbox's changes.
+	Flattened int `json:"flattened,omitempty"`
 }
 
 // SnapshotRequest is the body of POST /v1/sandboxes/{id}/snapshot.

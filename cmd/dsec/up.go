@@ -42,6 +42,7 @@ type upConfig struct {
 	maxSandboxes int
 	maxPaused    time.Duration
 	snapLabels   kvFlag
+	snapDepth    int
 	configPath   string
 	logFormat    string
 	logLevel     string
@@ -61,11 +62,15 @@ func runUp(args []string) error {
 	f.DurationVar(&c.maxPaused, "max-paused", 0, "stop sandboxes paused longer than this (e.g. 24h; 0 = never)")
 	c.snapLabels = kvFlag{}
 	f.Var(c.snapLabels, "snapshot-label", "allow snapshots only of sandboxes with label `k=v` (repeatable; builder/runtime separation)")
+	f.IntVar(&c.snapDepth, "snapshot-depth", edge.DefaultSnapshotDepth, "snapshot layers that may stack under a sandbox; a deeper snapshot merges the chain into one layer")
 	f.StringVar(&c.configPath, "config", "", "client config file to write (default ~/.config/dsec/config.json or $DSEC_CONFIG)")
 	f.StringVar(&c.logFormat, "log-format", "text", "log format: text or json")
 	f.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	if _, err := f.parseN(args, 0, 0); err != nil {
 		return err
+	}
+	if c.snapDepth < 1 {
+		return fmt.Errorf("--snapshot-depth %d: want at least 1", c.snapDepth)
 	}
 	log, err := newLogger(c.logFormat, c.logLevel)
 	if err != nil {
@@ -198,7 +203,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 		Name: c.nodeName, StateDir: filepath.Join(c.stateDir, "edge"),
 		MaxSandboxes: c.maxSandboxes, Policy: policy,
 		CgroupParent: cgroupParent(c.nodeName, c.stateDir), MaxPaused: c.maxPaused,
-		SnapshotLabels: c.snapLabels,
+		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth,
 	}, edge.Deps{
 		Backend: backend, BlobPath: layers.BlobPath, Cgroups: cg, Log: log,
 		Metrics: edge.NewMetrics(reg), Runtime: rt, Layers: layers,

@@ -56,6 +56,10 @@ type Config struct {
 	// SnapshotLabels, when set, restricts snapshots to sandboxes carrying
 	// all these labels (builder sandboxes, say).
 	SnapshotLabels map[string]string
+	// MaxSnapshotDepth is how many snapshot layers may stack under one
+	// sandbox; a snapshot that would go deeper merges the chain into one
+	// layer (zero: DefaultSnapshotDepth).
+	MaxSnapshotDepth int
 }
 
 // Deps are the edge's collaborators.

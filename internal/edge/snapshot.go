@@ -4,10 +4,14 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/cleanup"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/sandbox"
@@ -23,6 +27,9 @@ type LayerBuilder interface {
 // and snapshots). Overlayfs takes up to 500; deep stacks cost lookups.
 const maxStack = 64
 
+// DefaultSnapshotDepth is Config.MaxSnapshotDepth when it is left at zero.
+const DefaultSnapshotDepth = 8
+
 // SnapshotOptions carry what the apiserver knows about a snapshot request.
 type SnapshotOptions struct {
 	Request api.SnapshotRequest
@@ -35,8 +42,16 @@ type SnapshotOptions struct {
 // (pack_diff). A running sandbox is frozen for the time of the pack and
 // thawed after; a paused one stays paused. Include keeps only the given
 // paths; exclude scrubs paths (e.g. /root/.cache, a builder's answers); both
-// are recorded with the snapshot. Files written through the files API while
-// the pack runs may or may not be in it.
+// apply to what the sandbox changed and are recorded with the snapshot.
+// Files written through the files API while the pack runs may or may not be
+// in it.
+//
+// A sandbox started from a snapshot stacks that snapshot's layers. When the
+// new snapshot would make the stack of snapshot layers deeper than
+// Config.MaxSnapshotDepth, the earlier snapshot layers and the sandbox's
+// changes are merged into one layer instead (layer.ApplyDiff), which then
+// sits right on base, workspace and toolkits; sandboxes started from it see
+// the same files as from the chain.
 func (e *Edge) Snapshot(ctx context.Context, id string, o SnapshotOptions) (*api.Layer, error) {
 	req := o.Request
 	ref, err := layer.ParseRef(req.Ref)
@@ -61,25 +76,42 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o SnapshotOptions) (*api
 	if sel := e.cfg.SnapshotLabels; len(sel) > 0 && !sandbox.LabelsMatch(rec.Sandbox.Labels, sel) {
 		return nil, errdefs.PermissionDenied("snapshots are restricted to sandboxes labelled %v on this node", sel)
 	}
-	if len(rec.Digests)+1 > maxStack {
-		return nil, errdefs.Precondition("sandbox %s already stacks %d layers; a snapshot would exceed %d (flattening is not supported yet)", id, len(rec.Digests), maxStack)
-	}
 	switch rec.Sandbox.State {
-	case api.StateRunning:
-		if e.deps.Cgroups != nil {
-			if err := e.deps.Cgroups.Freeze(ctx, rec.CgroupPath); err != nil {
-				return nil, fmt.Errorf("freezing for the snapshot: %w", err)
-			}
-			defer func() {
-				if err := e.deps.Cgroups.Thaw(rec.CgroupPath); err != nil {
-					e.log.Warn("thawing after snapshot", "sandbox_id", id, "err", err)
-				}
-			}()
-		}
-	case api.StatePaused:
+	case api.StateRunning, api.StatePaused:
 	default:
 		return nil, errdefs.Precondition("sandbox %s is %s; only a running or paused sandbox can be snapshotted", id, rec.Sandbox.State)
 	}
+	// The layers above base, workspace and toolkits are the snapshot
+	// layers the sandbox was started on.
+	spec := rec.Sandbox.Spec
+	n := 1 + len(spec.Toolkits)
+	if spec.Workspace != "" {
+		n++
+	}
+	if n > len(rec.Digests) {
+		return nil, fmt.Errorf("snapshotting %s: its spec names %d layers but it stacks %d", id, n, len(rec.Digests))
+	}
+	below, chain := rec.Digests[:n], rec.Digests[n:]
+	flatten := len(chain)+1 > e.snapshotDepth() || len(rec.Digests)+1 > maxStack
+	if n+1 > maxStack {
+		return nil, errdefs.Precondition("sandbox %s stacks %d base, workspace and toolkit layers; a snapshot would exceed %d", id, n, maxStack)
+	}
+
+	var cl cleanup.Stack
+	defer cl.Run()
+	var stage string
+	if flatten {
+		// The snapshot layers are immutable: merge them before freezing,
+		// so that the sandbox stops only for the copy of its own changes.
+		if stage, err = e.stageChain(ctx, chain, &cl); err != nil {
+			return nil, err
+		}
+	}
+	thaw, err := e.freeze(ctx, id, rec)
+	if err != nil {
+		return nil, err
+	}
+	defer thaw()
 	upper := filepath.Join(s.dir, "upper")
 	excludes := append([]string(nil), req.Exclude...)
 	if len(req.Include) > 0 {
@@ -94,11 +126,115 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o SnapshotOptions) (*api
 		Sandbox: id, Layers: rec.Digests, Include: req.Include, Exclude: req.Exclude,
 		Spec: rec.Sandbox.Spec, CreatedBy: o.Principal,
 	}
-	l, err := e.deps.Layers.BuildFromDir(ctx, ref, upper, layer.BuildOptions{Exclude: excludes, Snapshot: info}, nil)
+	src := upper
+	if flatten {
+		// The rules apply to the sandbox's changes only, as they do
+		// without flattening: an include must not drop what earlier
+		// snapshots added.
+		if err := layer.ApplyDiffExcluding(stage, upper, excludes); err != nil {
+			return nil, fmt.Errorf("flattening snapshot of %s: %w", id, err)
+		}
+		thaw() // the staged copy is all the pack needs from the sandbox
+		src, excludes = stage, nil
+		info.Layers, info.Flattened = append([]string(nil), below...), len(chain)
+	}
+	l, err := e.deps.Layers.BuildFromDir(ctx, ref, src, layer.BuildOptions{Exclude: excludes, Snapshot: info}, nil)
 	if err != nil {
 		return nil, err
 	}
 	e.log.Info("snapshot taken", "sandbox_id", id, "ref", l.Ref, "digest", l.Digest,
-		"size_bytes", l.SizeBytes, "ms", time.Since(start).Milliseconds())
+		"size_bytes", l.SizeBytes, "flattened", info.Flattened, "ms", time.Since(start).Milliseconds())
 	return &l, nil
+}
+
+func (e *Edge) snapshotDepth() int {
+	if e.cfg.MaxSnapshotDepth > 0 {
+		return e.cfg.MaxSnapshotDepth
+	}
+	return DefaultSnapshotDepth
+}
+
+// freeze freezes a running sandbox's cgroup and returns the function that
+// thaws it, which may be called more than once. A paused sandbox is frozen
+// already and stays so.
+func (e *Edge) freeze(ctx context.Context, id string, rec record) (thaw func(), err error) {
+	if rec.Sandbox.State != api.StateRunning || e.deps.Cgroups == nil {
+		return func() {}, nil
+	}
+	if err := e.deps.Cgroups.Freeze(ctx, rec.CgroupPath); err != nil {
+		return nil, fmt.Errorf("freezing for the snapshot: %w", err)
+	}
+	thawed := false
+	return func() {
+		if thawed {
+			return
+		}
+		thawed = true
+		if err := e.deps.Cgroups.Thaw(rec.CgroupPath); err != nil {
+			e.log.Warn("thawing after snapshot", "sandbox_id", id, "err", err)
+		}
+	}, nil
+}
+
+// stageChain merges the snapshot layers of chain (bottom first) into a new
+// directory under <state>/snapstage and returns it; cl removes it. The
+// layers are mounted already (the sandbox uses them); the reference taken
+// here keeps them mounted while they are read.
+func (e *Edge) stageChain(ctx context.Context, chain []string, cl *cleanup.Stack) (string, error) {
+	root := filepath.Join(e.cfg.StateDir, "snapstage")
+	// Staged trees hold setuid files and device nodes: root only.
+	if err := os.MkdirAll(root, 0o700); err != nil {
+		return "", fmt.Errorf("staging snapshot layers: %w", err)
+	}
+	e.clearStaleStages(root)
+	dir, err := os.MkdirTemp(root, strconv.Itoa(os.Getpid())+"-*")
+	if err != nil {
+		return "", fmt.Errorf("staging snapshot layers: %w", err)
+	}
+	cl.Add(func() {
+		if err := os.RemoveAll(dir); err != nil {
+			e.log.Warn("removing snapshot staging", "dir", dir, "err", err)
+		}
+	})
+	for _, d := range chain {
+		if err := ctx.Err(); err != nil {
+			return "", fmt.Errorf("staging snapshot layers: %w", err)
+		}
+		mp, err := e.mounter.Acquire(d)
+		if err != nil {
+			return "", fmt.Errorf("staging snapshot layers: %w", err)
+		}
+		err = layer.ApplyDiff(dir, mp)
+		if rerr := e.mounter.Release(d); rerr != nil {
+			e.log.Warn("releasing snapshot layer", "digest", d, "err", rerr)
+		}
+		if err != nil {
+			return "", fmt.Errorf("staging snapshot layers: %w", err)
+		}
+	}
+	return dir, nil
+}
+
+// clearStaleStages removes what flattenings of earlier daemons left in
+// root (a crash between staging and cleanup). Stages are named after the
+// pid of the daemon that made them: a state dir has one daemon at a time
+// (dsec.db is locked), so any other pid's stage is abandoned, while this
+// daemon's may belong to a snapshot of another sandbox running now.
+func (e *Edge) clearStaleStages(root string) {
+	ents, err := os.ReadDir(root)
+	if err != nil {
+		e.log.Warn("listing snapshot staging", "dir", root, "err", err)
+		return
+	}
+	mine := strconv.Itoa(os.Getpid()) + "-"
+	for _, ent := range ents {
+		if strings.HasPrefix(ent.Name(), mine) {
+			continue
+		}
+		if err := os.RemoveAll(filepath.Join(root, ent.Name())); err != nil {
+			e.log.Warn("removing stale snapshot staging", "dir", ent.Name(), "err", err)
+			continue
+		}
+		e.log.Info("removed stale snapshot staging", "dir", ent.Name())
+	}
 }
