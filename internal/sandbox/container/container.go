@@ -42,6 +42,8 @@ type Container struct {
 	cfg     Config
 	runtime string // resolved binary path
 	flavor  string // "crun" or "runc"
+	// seccomp is built once: every bundle carries the same profile.
+	seccomp *specs.LinuxSeccomp
 }
 
 var _ sandbox.Backend = (*Container)(nil)
@@ -67,7 +69,7 @@ func New(cfg Config) (*Container, error) {
 	if strings.Contains(filepath.Base(rt), "crun") {
 		flavor = "crun"
 	}
-	return &Container{cfg: cfg, runtime: rt, flavor: flavor}, nil
+	return &Container{cfg: cfg, runtime: rt, flavor: flavor, seccomp: seccompProfile()}, nil
 }
 
 // Name implements sandbox.Backend.

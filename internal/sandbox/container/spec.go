@@ -74,6 +74,7 @@ func (c *Container) spec(cfg sandbox.Config) *specs.Spec {
 			Resources:     resources(cfg.Limits),
 			MaskedPaths:   maskedPaths,
 			ReadonlyPaths: readonlyPaths,
+			Seccomp:       c.seccomp,
 		},
 	}
 }
