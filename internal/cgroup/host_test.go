@@ -359,3 +359,19 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+func TestPrefetchAdvisesFileMappings(t *testing.T) {
+	needRoot(t)
+	info, err := Detect()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Our own process has file mappings (the test binary, libc if any):
+	// prefetching them must be accepted by the kernel.
+	if got := prefetchPid(os.Getpid()); got == 0 {
+		t.Fatalf("prefetchPid(self) advised no ranges; mappings: %d", len(fileMappings(os.Getpid())))
+	}
+	if _, err := info.Prefetch("/dsec-no-such-cgroup"); err == nil {
+		t.Fatal("Prefetch of a missing cgroup succeeded")
+	}
+}

@@ -69,7 +69,8 @@ func (e *Edge) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
 	return res, nil
 }
 
-// Resume thaws a paused sandbox; its expiry moves later by the time it was
+// Resume prefetches a paused sandbox's file-backed memory (asynchronous
+// readahead) and thaws it; its expiry moves later by the time it was
 // paused. Resuming a running sandbox succeeds and does nothing.
 func (e *Edge) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
 	s, err := e.get(id)
@@ -89,6 +90,12 @@ func (e *Edge) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
 	case api.StatePaused:
 	default:
 		return nil, errdefs.Precondition("sandbox %s is %s; only a paused sandbox can be resumed", id, state)
+	}
+	// Start reading back the reclaimed file pages before the processes run
+	// again, so they do not fault their working set in one page at a time.
+	ranges, perr := e.deps.Cgroups.Prefetch(cg)
+	if perr != nil {
+		e.log.Debug("prefetching before resume", "sandbox_id", id, "err", perr)
 	}
 	if err := e.deps.Cgroups.Thaw(cg); err != nil {
 		return nil, err
@@ -110,7 +117,7 @@ func (e *Edge) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
 		e.log.Warn("persisting resumed sandbox", "sandbox_id", id, "err", err)
 	}
 	e.metrics.resumeSeconds.Observe(time.Since(start).Seconds())
-	e.log.Info("sandbox resumed", "sandbox_id", id, "ms", time.Since(start).Milliseconds())
+	e.log.Info("sandbox resumed", "sandbox_id", id, "prefetched_ranges", ranges, "ms", time.Since(start).Milliseconds())
 	return &v, nil
 }
 
