@@ -22,23 +22,23 @@ func (s *Server) resume(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) pauseByLabels(w http.ResponseWriter, r *http.Request) {
-	s.byLabels(w, r, EdgeClient.PauseByLabels)
+	s.byLabels(w, r, EdgeClient.PauseByLabels, func(n int) any { return api.CountResult{Count: n} })
 }
 
 func (s *Server) resumeByLabels(w http.ResponseWriter, r *http.Request) {
-	s.byLabels(w, r, EdgeClient.ResumeByLabels)
+	s.byLabels(w, r, EdgeClient.ResumeByLabels, func(n int) any { return api.CountResult{Count: n} })
 }
 
-// byLabels applies a by-labels edge call on every edge and answers the
-// total count. A whole preempted job is paused or resumed this way.
-func (s *Server) byLabels(w http.ResponseWriter, r *http.Request, fn func(EdgeClient, context.Context, map[string]string) (int, error)) {
+// byLabels applies a by-labels edge call (delete, pause, resume) on every
+// edge and answers result(total). A whole job is handled this way.
+func (s *Server) byLabels(w http.ResponseWriter, r *http.Request, fn func(EdgeClient, context.Context, map[string]string) (int, error), result func(int) any) {
 	var req api.LabelsRequest
 	if err := decode(r, &req); err != nil {
 		s.writeError(w, r, err)
 		return
 	}
 	if len(req.Labels) == 0 {
-		s.writeError(w, r, errdefs.Invalid("labels are required"))
+		s.writeError(w, r, errdefs.Invalid("labels are required (refusing to act on every sandbox)"))
 		return
 	}
 	for k, v := range req.Labels {
@@ -56,5 +56,5 @@ func (s *Server) byLabels(w http.ResponseWriter, r *http.Request, fn func(EdgeCl
 			return
 		}
 	}
-	writeJSON(w, http.StatusOK, api.CountResult{Count: total})
+	writeJSON(w, http.StatusOK, result(total))
 }

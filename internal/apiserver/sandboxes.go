@@ -234,31 +234,7 @@ func (s *Server) deleteSandbox(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) deleteByLabels(w http.ResponseWriter, r *http.Request) {
-	var req api.LabelsRequest
-	if err := decode(r, &req); err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	if len(req.Labels) == 0 {
-		s.writeError(w, r, errdefs.Invalid("labels are required (refusing to delete every sandbox)"))
-		return
-	}
-	for k, v := range req.Labels {
-		if err := sandbox.ValidateLabel(k, v); err != nil {
-			s.writeError(w, r, err)
-			return
-		}
-	}
-	total := 0
-	for _, e := range s.deps.Edges {
-		n, err := e.DeleteByLabels(r.Context(), req.Labels)
-		total += n
-		if err != nil {
-			s.writeError(w, r, err)
-			return
-		}
-	}
-	writeJSON(w, http.StatusOK, api.DeleteResult{Deleted: total})
+	s.byLabels(w, r, EdgeClient.DeleteByLabels, func(n int) any { return api.DeleteResult{Deleted: n} })
 }
 
 func (s *Server) keepalive(w http.ResponseWriter, r *http.Request) {
