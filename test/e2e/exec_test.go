@@ -171,9 +171,17 @@ func TestSessions(t *testing.T) {
 	if err := client.CloseSession(c, sb.ID, sid2); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(200 * time.Millisecond)
-	if r := sh(t, sb.ID, "ps -o comm | grep -c '^sleep' || true"); strings.TrimSpace(r.Stdout) != "0" {
-		t.Fatalf("closed session left processes: %q", r.Stdout)
+	// Killed processes are reaped by the sandbox's init a moment later.
+	left := ""
+	for i := 0; i < 50; i++ {
+		left = strings.TrimSpace(sh(t, sb.ID, "ps -o stat,comm | grep -v '^Z' | grep -c ' sleep$' || true").Stdout)
+		if left == "0" {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if left != "0" {
+		t.Fatalf("closed session left processes: %q", left)
 	}
 	_, err = client.SessionRun(c, sb.ID, sid2, api.SessionRunRequest{Command: "true"})
 	wantCode(t, err, "not_found")

@@ -1,0 +1,103 @@
+"""libdsec: the Python SDK of dsec, the sandbox platform for agentic RL.
+
+Async first (asyncio); ``libdsec.sync`` has a blocking facade. Standard
+library only. Typical use::
+
+    from libdsec import DSecClient, DSecContainerRunArgs
+
+    client = DSecClient()                  # DSEC_ENDPOINT / DSEC_API_KEY / config file
+    await client.open()
+    args = DSecContainerRunArgs(container_image="base/python:3.11",
+                                memory_limit_mb=4096, cpu_cores_limit=4,
+                                ttl_running_stop=300, labels={"job": "grpo-1"})
+    async with client.run_container(args, timeout=120) as sandbox:
+        result = await sandbox.run_shell("echo hello world")
+        print(result.exit_code, result.stdout)
+    await client.close()
+
+See docs/python-sdk.md in the dsec repository for the guide.
+"""
+
+from .client import BatchResult, DSecClient
+from .config import DEFAULT_ENDPOINT, Config, resolve_config
+from .errors import (
+    AlreadyExists,
+    BatchFailed,
+    CapacityExhausted,
+    ConfigError,
+    ConnectionFailed,
+    DeadlineExceeded,
+    DSecError,
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ProtocolError,
+    QuotaExceeded,
+    SandboxNotFound,
+    Unauthenticated,
+    Unavailable,
+    UnsafeArchive,
+)
+from .sandbox import Command, ExecStream, Sandbox, Session
+from .types import (
+    DSecContainerRunArgs,
+    ExecChunk,
+    ExecResult,
+    ExecStatus,
+    FileEntry,
+    Layer,
+    LogEntry,
+    LogPage,
+    Node,
+    PauseResult,
+    SandboxInfo,
+    Stats,
+    TarResult,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DSecClient",
+    "DSecContainerRunArgs",
+    "Sandbox",
+    "Session",
+    "ExecStream",
+    "Command",
+    "BatchResult",
+    "SandboxInfo",
+    "ExecResult",
+    "ExecChunk",
+    "ExecStatus",
+    "FileEntry",
+    "TarResult",
+    "PauseResult",
+    "Stats",
+    "Layer",
+    "LogEntry",
+    "LogPage",
+    "Node",
+    "Config",
+    "DEFAULT_ENDPOINT",
+    "resolve_config",
+    "DSecError",
+    "InvalidArgument",
+    "Unauthenticated",
+    "PermissionDenied",
+    "NotFound",
+    "SandboxNotFound",
+    "AlreadyExists",
+    "FailedPrecondition",
+    "QuotaExceeded",
+    "CapacityExhausted",
+    "Unavailable",
+    "InternalError",
+    "ConnectionFailed",
+    "DeadlineExceeded",
+    "ProtocolError",
+    "ConfigError",
+    "UnsafeArchive",
+    "BatchFailed",
+]

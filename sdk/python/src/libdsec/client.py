@@ -1,0 +1,505 @@
+"""DSecClient: the asyncio client of the dsec REST API (api/openapi.yaml).
+
+One client holds one bounded keep-alive connection pool to one endpoint and
+is meant to be shared by every coroutine of a process: an RL rollout worker
+typically drives hundreds of sandboxes through a single client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Generator, Mapping, Optional, Sequence
+from urllib.parse import quote, urlencode, urlsplit
+
+from . import _http
+from .config import resolve_config
+from .errors import (
+    BatchFailed,
+    ConnectionFailed,
+    DeadlineExceeded,
+    DSecError,
+    InvalidArgument,
+    ProtocolError,
+    error_from_code,
+    error_from_response,
+)
+from .sandbox import Sandbox
+from .types import DSecContainerRunArgs, Layer, Node, SandboxInfo
+
+__all__ = ["DSecClient", "BatchResult", "USER_AGENT"]
+
+#: Sent with every request.
+USER_AGENT = "libdsec-python/0.1"
+
+log = logging.getLogger("libdsec")
+
+_NO_BODY = object()
+
+# Statuses worth another try for an idempotent call: the server (or a proxy)
+# says "not now", not "no".
+_RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+def esc(segment: str) -> str:
+    """Escape one path segment; refs such as ``base/python:3.11`` become a
+    single segment (``base%2Fpython%3A3.11``)."""
+    return quote(segment, safe="")
+
+
+class _Deadline:
+    """The time left to one call, shared by its retries and body reads."""
+
+    def __init__(self, timeout: Optional[float], what: str) -> None:
+        if timeout is not None and (math.isinf(timeout) or timeout <= 0):
+            if timeout <= 0:
+                raise InvalidArgument(f"timeout must be positive, got {timeout}")
+            timeout = None
+        self.timeout = timeout
+        self.what = what
+        self.at = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        self.last_error: Optional[BaseException] = None
+
+    def remaining(self) -> Optional[float]:
+        if self.at is None:
+            return None
+        return self.at - asyncio.get_running_loop().time()
+
+    def expired(self) -> DeadlineExceeded:
+        msg = f"{self.what}: no answer within {self.timeout:g}s"
+        if self.last_error is not None:
+            msg += f" (last error: {self.last_error})"
+        return DeadlineExceeded(msg)
+
+    async def run(self, aw: Any) -> Any:
+        rem = self.remaining()
+        if rem is None:
+            return await aw
+        if rem <= 0:
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise self.expired()
+        try:
+            return await asyncio.wait_for(aw, rem)
+        except asyncio.TimeoutError as e:
+            if isinstance(e, DSecError):
+                raise
+            raise self.expired() from None
+
+
+@dataclass
+class BatchResult:
+    """The outcome of a batch create or a fork: partial success is normal.
+
+    ``errors`` holds ``(index, DSecError)`` pairs for the items that failed.
+    """
+
+    sandboxes: list[Sandbox] = field(default_factory=list)
+    errors: list[tuple[int, DSecError]] = field(default_factory=list)
+
+
+class _SandboxStart:
+    """What ``run_container`` returns: await it for a Sandbox, or use it as
+    ``async with`` to have the sandbox deleted when the block ends."""
+
+    def __init__(self, start: Any) -> None:
+        self._start = start
+        self._sandbox: Optional[Sandbox] = None
+
+    def __await__(self) -> Generator[Any, None, Sandbox]:
+        return self._start().__await__()
+
+    async def __aenter__(self) -> Sandbox:
+        self._sandbox = await self._start()
+        return self._sandbox
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._sandbox is not None:
+            await self._sandbox.__aexit__(exc_type, exc, tb)
+
+
+class DSecClient:
+    """Async client of a dsec apiserver (or ``dsec up``).
+
+    Args:
+        endpoint: Base URL, e.g. ``http://10.0.0.5:7070`` (``host:port`` is
+            taken as http). Default: ``DSEC_ENDPOINT``, the config file, then
+            ``http://127.0.0.1:7070``.
+        api_key: Bearer key. Default: ``DSEC_API_KEY``, then the config file.
+        timeout: Default time limit of one call in seconds, retries included.
+            Exec-like calls are bounded by the command's own timeout plus
+            ``exec_grace`` instead.
+        max_connections: Connections the client keeps open to the endpoint at
+            most; calls beyond it wait for a free one. Every in-flight call
+            holds a connection, a long exec for the whole command, so set this
+            to at least the number of commands you run at once.
+        max_retries: Further tries of an idempotent call after a connection
+            error or a 502/503/504, with jittered exponential backoff. Calls
+            that are not idempotent (exec, create, sessions, snapshot, fork)
+            are sent at most once; they are retried only when the connection
+            could not even be opened.
+        backoff_base, backoff_max: Backoff of the first retry and the cap, in
+            seconds; the n-th retry waits between half and all of
+            ``min(backoff_max, backoff_base * 2**n)``.
+        connect_timeout: Time limit of opening one connection.
+        exec_grace: Seconds added to a command's timeout to bound its call.
+
+    The client is bound to the event loop that uses it. ``await
+    client.close()`` (or ``async with DSecClient() as client``) releases its
+    connections.
+    """
+
+    def __init__(
+        self,
+        endpoint: Optional[str] = None,
+        api_key: Optional[str] = None,
+        *,
+        timeout: float = 120.0,
+        max_connections: int = 256,
+        max_retries: int = 3,
+        backoff_base: float = 0.1,
+        backoff_max: float = 5.0,
+        connect_timeout: float = 10.0,
+        exec_grace: float = 30.0,
+        user_agent: str = USER_AGENT,
+    ) -> None:
+        cfg = resolve_config(endpoint, api_key)
+        self.endpoint = cfg.endpoint
+        self._api_key = cfg.api_key
+        u = urlsplit(cfg.endpoint)
+        tls = u.scheme == "https"
+        self._prefix = u.path.rstrip("/")
+        assert u.hostname is not None  # normalize_endpoint checked it
+        self._pool = _http.Pool(
+            u.hostname,
+            u.port or (443 if tls else 80),
+            tls=tls,
+            max_connections=max_connections,
+            connect_timeout=connect_timeout,
+        )
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self.exec_grace = exec_grace
+        self.user_agent = user_agent
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"DSecClient(endpoint={self.endpoint!r})"
+
+    # -- lifecycle ------------------------------------------------------
+
+    async def open(self) -> "DSecClient":
+        """Check that the endpoint answers (``GET /healthz``).
+
+        Calling it is optional (calls open connections as they need them)
+        but surfaces a wrong endpoint early.
+        """
+        await self.health()
+        return self
+
+    async def close(self) -> None:
+        """Close the client's connections. Calls in flight finish first."""
+        self._closed = True
+        await self._pool.close()
+
+    async def __aenter__(self) -> "DSecClient":
+        return await self.open()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    @property
+    def max_connections(self) -> int:
+        """The connection bound of the pool."""
+        return self._pool.max_connections
+
+    # -- transport ------------------------------------------------------
+
+    def _target(self, path: str, query: Optional[Sequence[tuple[str, str]]]) -> str:
+        t = self._prefix + path
+        if query:
+            t += "?" + urlencode(list(query), quote_via=quote, safe="/")
+        return t
+
+    def _backoff(self, attempt: int) -> float:
+        d = min(self.backoff_max, self.backoff_base * (2**attempt))
+        return d / 2 + random.uniform(0, d / 2)
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        deadline: _Deadline,
+        query: Optional[Sequence[tuple[str, str]]] = None,
+        json_body: Any = _NO_BODY,
+        body: _http.Body = None,
+        content_type: Optional[str] = None,
+        accept: str = "application/json",
+        idempotent: Optional[bool] = None,
+    ) -> _http.Response:
+        """Send a request and return its 2xx answer with the body unread.
+
+        Any other status raises the exception for its error code. Retries
+        (see the class doc) happen here, within ``deadline``.
+        """
+        if self._closed:
+            raise ConnectionFailed("client is closed")
+        if idempotent is None:
+            idempotent = method in ("GET", "HEAD", "PUT", "DELETE")
+        if json_body is not _NO_BODY:
+            body = json.dumps(json_body, separators=(",", ":")).encode()
+            content_type = "application/json"
+        headers = [("User-Agent", self.user_agent), ("Accept", accept)]
+        if self._api_key:
+            headers.append(("Authorization", f"Bearer {self._api_key}"))
+        if content_type:
+            headers.append(("Content-Type", content_type))
+        target = self._target(path, query)
+        start_pos = body.tell() if body is not None and hasattr(body, "seek") else None
+        attempt = 0
+        while True:
+            if start_pos is not None:
+                body.seek(start_pos)  # type: ignore[union-attr]
+            try:
+                resp = await deadline.run(self._pool.send(method, target, headers, body))
+                if 200 <= resp.status < 300:
+                    return resp
+                raw = await deadline.run(_read_bounded(resp, 64 << 10))
+                err: DSecError = error_from_response(resp.status, raw, method=method, path=path)
+                retry = idempotent and resp.status in _RETRY_STATUSES
+            except _http.ConnectError as e:
+                err, retry = e, True  # nothing was sent
+            except ConnectionFailed as e:
+                err, retry = e, idempotent
+            if not retry or attempt >= self.max_retries:
+                raise err
+            deadline.last_error = err
+            delay = self._backoff(attempt)
+            rem = deadline.remaining()
+            if rem is not None and rem <= delay:
+                raise err
+            log.debug("retrying %s %s in %.2fs after: %s", method, path, delay, err)
+            attempt += 1
+            await asyncio.sleep(delay)
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        timeout: Optional[float] = None,
+        raw: bool = False,
+        **kw: Any,
+    ) -> Any:
+        """One call: send, read the whole answer, decode its JSON (or return
+        the bytes with ``raw``). An empty answer (204) decodes to None."""
+        deadline = _Deadline(self.timeout if timeout is None else timeout, f"{method} {path}")
+        resp = await self._send(method, path, deadline=deadline, **kw)
+        data = await deadline.run(resp.read())
+        if raw:
+            return data
+        if not data.strip():
+            return None
+        try:
+            return json.loads(data)
+        except ValueError as e:
+            raise ProtocolError(f"{method} {path}: answer is not JSON: {e}") from None
+
+    def _deadline(self, timeout: Optional[float], what: str) -> _Deadline:
+        return _Deadline(self.timeout if timeout is None else timeout, what)
+
+    # -- sandboxes ------------------------------------------------------
+
+    async def health(self) -> dict[str, Any]:
+        """``GET /healthz`` (no key needed): ``{"status": "ok", "node": ...}``."""
+        return await self._call("GET", "/healthz", accept="*/*") or {}
+
+    def run_container(self, args: DSecContainerRunArgs, *, timeout: Optional[float] = None) -> _SandboxStart:
+        """Create a sandbox and return it once it runs.
+
+        Use either form::
+
+            sandbox = await client.run_container(args, timeout=120)
+            async with client.run_container(args) as sandbox:  # deleted at the end
+                ...
+
+        ``timeout`` bounds the creation call (default: the client's). Create
+        is not idempotent, so it is not retried after the request was sent;
+        a create cut short by the timeout may still complete on the server,
+        where the sandbox then ends at its idle timeout or TTL. Labels make
+        such leftovers easy to delete in bulk (``client.delete(labels=...)``).
+        """
+
+        async def start() -> Sandbox:
+            doc = await self._call("POST", "/v1/sandboxes", json_body=args.to_spec(), timeout=timeout)
+            return Sandbox(self, SandboxInfo.from_json(doc))
+
+        return _SandboxStart(start)
+
+    async def create_batch(
+        self, args: DSecContainerRunArgs, count: int, *, timeout: Optional[float] = None
+    ) -> BatchResult:
+        """Create ``count`` sandboxes from one spec in one call. Partial
+        success is normal: the failed items are in the result's ``errors``."""
+        doc = await self._call(
+            "POST", "/v1/sandboxes:batch", json_body={"count": count, "spec": args.to_spec()}, timeout=timeout
+        )
+        return self._batch_result(doc, "/v1/sandboxes:batch")
+
+    async def run_containers(
+        self,
+        args: DSecContainerRunArgs,
+        count: int,
+        *,
+        timeout: Optional[float] = None,
+        allow_partial: bool = False,
+    ) -> list[Sandbox]:
+        """Create ``count`` sandboxes from one spec (one batch call).
+
+        All or nothing by default: if any item fails, the ones created are
+        deleted and :class:`BatchFailed` is raised (its ``errors`` say which
+        and why). With ``allow_partial`` the sandboxes that were created are
+        returned and the failures are only logged.
+        """
+        res = await self.create_batch(args, count, timeout=timeout)
+        return await self._settle(res, allow_partial, "batch create")
+
+    async def _settle(self, res: BatchResult, allow_partial: bool, what: str) -> list[Sandbox]:
+        if not res.errors:
+            return res.sandboxes
+        if allow_partial:
+            for i, e in res.errors:
+                log.warning("%s: item %d failed: %s", what, i, e)
+            return res.sandboxes
+        await asyncio.gather(*(sb.stop() for sb in res.sandboxes), return_exceptions=True)
+        first = res.errors[0][1]
+        raise BatchFailed(
+            f"{what}: {len(res.errors)} of {len(res.errors) + len(res.sandboxes)} failed; first: {first.message}",
+            code=first.code,
+            status=first.status,
+            errors=res.errors,
+        )
+
+    def _batch_result(self, doc: Any, path: str) -> BatchResult:
+        doc = doc or {}
+        res = BatchResult(sandboxes=[Sandbox(self, SandboxInfo.from_json(d)) for d in doc.get("sandboxes") or []])
+        for item in doc.get("errors") or []:
+            e = item.get("error") or {}
+            res.errors.append(
+                (int(item.get("index", -1)), error_from_code(str(e.get("code", "")), str(e.get("message", "")), path=path))
+            )
+        return res
+
+    def sandbox(self, sandbox_id: str) -> Sandbox:
+        """A handle on an existing sandbox, without asking the server."""
+        return Sandbox(self, SandboxInfo(id=sandbox_id))
+
+    async def get(self, sandbox_id: str) -> Sandbox:
+        """Fetch one sandbox (SandboxNotFound if there is none)."""
+        doc = await self._call("GET", f"/v1/sandboxes/{esc(sandbox_id)}")
+        return Sandbox(self, SandboxInfo.from_json(doc))
+
+    async def list(
+        self,
+        *,
+        labels: Optional[Mapping[str, str]] = None,
+        state: Optional[str] = None,
+        page_size: Optional[int] = None,
+    ) -> "list[Sandbox]":
+        """List the caller's sandboxes carrying all of ``labels`` (and in
+        ``state``, if given), following pagination to the end."""
+        out: list[Sandbox] = []
+        token = ""
+        seen: set[str] = set()
+        while True:
+            q: list[tuple[str, str]] = []
+            if state:
+                q.append(("state", state))
+            for k in sorted(labels or {}):
+                q.append(("label", f"{k}={labels[k]}"))  # type: ignore[index]
+            if page_size:
+                q.append(("limit", str(page_size)))
+            if token:
+                q.append(("page_token", token))
+            doc = await self._call("GET", "/v1/sandboxes", query=q) or {}
+            out.extend(Sandbox(self, SandboxInfo.from_json(d)) for d in doc.get("sandboxes") or [])
+            token = doc.get("next_page_token") or ""
+            if not token:
+                return out
+            if token in seen:  # a server repeating itself would loop us forever
+                raise ProtocolError(f"server repeated page token {token!r}")
+            seen.add(token)
+
+    async def delete(self, *, labels: Mapping[str, str]) -> int:
+        """Delete every sandbox carrying all of ``labels``; returns how many.
+
+        At least one label is required: none would select every sandbox.
+        """
+        if not labels:
+            raise InvalidArgument("delete by labels needs at least one label")
+        doc = await self._call("POST", "/v1/sandboxes:delete", json_body={"labels": dict(labels)}, idempotent=True)
+        return int((doc or {}).get("deleted", 0))
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        """Delete one sandbox. Idempotent: an unknown id is not an error."""
+        await self._call("DELETE", f"/v1/sandboxes/{esc(sandbox_id)}")
+
+    async def pause(self, *, labels: Mapping[str, str]) -> int:
+        """Pause every running sandbox carrying all of ``labels`` (e.g. a
+        preempted job); returns how many were paused."""
+        return await self._count_by_labels("/v1/sandboxes:pause", labels)
+
+    async def resume(self, *, labels: Mapping[str, str]) -> int:
+        """Resume every paused sandbox carrying all of ``labels``."""
+        return await self._count_by_labels("/v1/sandboxes:resume", labels)
+
+    async def _count_by_labels(self, path: str, labels: Mapping[str, str]) -> int:
+        if not labels:
+            raise InvalidArgument("at least one label is required")
+        doc = await self._call("POST", path, json_body={"labels": dict(labels)}, idempotent=True)
+        return int((doc or {}).get("count", 0))
+
+    # -- layers and nodes -----------------------------------------------
+
+    async def list_layers(self, kind: Optional[str] = None) -> "list[Layer]":
+        """List the layer catalog, optionally one kind (base, workspace,
+        toolkit, snapshot)."""
+        q = [("kind", kind)] if kind else None
+        doc = await self._call("GET", "/v1/layers", query=q) or {}
+        return [Layer.from_json(d) for d in doc.get("layers") or []]
+
+    async def get_layer(self, ref_or_digest: str) -> Layer:
+        """Look a layer up by ref (``base/python:3.11``) or digest."""
+        return Layer.from_json(await self._call("GET", f"/v1/layers/{esc(ref_or_digest)}"))
+
+    async def delete_layer(self, ref: str) -> None:
+        """Remove a ref from the catalog (FailedPrecondition while in use)."""
+        await self._call("DELETE", f"/v1/layers/{esc(ref)}")
+
+    async def nodes(self) -> "list[Node]":
+        """The edges the apiserver knows."""
+        doc = await self._call("GET", "/v1/nodes") or {}
+        return [Node.from_json(d) for d in doc.get("nodes") or []]
+
+
+async def _read_bounded(resp: _http.Response, limit: int) -> bytes:
+    """Read at most ``limit`` bytes of an (error) body, dropping the
+    connection if there is more."""
+    parts: list[bytes] = []
+    n = 0
+    while n < limit:
+        data = await resp.read_some()
+        if not data:
+            return b"".join(parts)
+        parts.append(data)
+        n += len(data)
+    resp.close()
+    return b"".join(parts)[:limit]
+
