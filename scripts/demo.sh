@@ -106,8 +106,22 @@ run "$DSEC" sandbox create --base base/demo:v1 --workspace workspace/demo-task:v
 run "$DSEC" sandbox list --label demo=batch
 run "$DSEC" sandbox delete --label demo=batch
 
+step "Preemption and branching: pause (memory reclaimed), transparent resume, snapshot, fork"
+run "$DSEC" sandbox pause "$SB"
+run "$DSEC" exec "$SB" -- /opt/grader/grade.sh    # resumes the sandbox first
+SNAP="snapshot/demo-fixed:$(date +%s)"
+run "$DSEC" sandbox snapshot "$SB" --ref "$SNAP" --exclude /root/.cache
+FORK=$(run "$DSEC" sandbox fork "$SB" --count 2 --label demo=fork | tail -1)
+echo "fork: $FORK"
+run "$DSEC" exec "$FORK" -- /opt/grader/grade.sh  # the fork starts with the fix applied
+run "$DSEC" sandbox delete --label demo=fork
+
+step "The command log records what the agent did"
+run "$DSEC" sandbox log "$SB" | tail -6
+
 step "Cleaning up the demo sandbox"
 run "$DSEC" sandbox delete "$SB"
+run "$DSEC" layer delete "$SNAP" >/dev/null
 
 cat <<TXT
 
