@@ -221,8 +221,10 @@ func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionReques
 		if _, err := root.Stat("/bin/bash"); err == nil {
 			shell = "/bin/bash"
 		}
-	} else if _, err := root.Stat(shell); err != nil {
-		return nil, errdefs.Invalid("shell %s does not exist in the sandbox", shell)
+	} else if !e.isPinnedShell(shell) {
+		if _, err := root.Stat(shell); err != nil {
+			return nil, errdefs.Invalid("shell %s does not exist in the sandbox", shell)
+		}
 	}
 	s.mu.Lock()
 	if len(s.sessions) >= e.cfg.MaxSessions {
@@ -286,6 +288,13 @@ func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionReques
 	s.sessions[se.id] = se
 	s.mu.Unlock()
 	return &api.Session{SessionID: se.id}, nil
+}
+
+// isPinnedShell reports whether shell is the backend's read-only shell,
+// which lives in the sandbox's /dev, not in its root filesystem.
+func (e *Edge) isPinnedShell(shell string) bool {
+	p, ok := e.deps.Backend.(sandbox.Pinner)
+	return ok && p.PinnedShell() != "" && shell == p.PinnedShell()
 }
 
 // RunInSession runs one command in a session's shell. The call goes in the

@@ -93,3 +93,12 @@ type Proc interface {
 	// Pid is the host pid of the process, or 0 if not yet known.
 	Pid() int
 }
+
+// Pinner is implemented by backends that give every sandbox a shell the
+// sandbox cannot modify (a read-only mount of a static shell): sessions and
+// graders use it so that a sandbox that overwrites its own /bin/sh or
+// /bin/bash cannot intercept the platform's commands.
+type Pinner interface {
+	// PinnedShell returns the shell's path inside the sandbox, or "".
+	PinnedShell() string
+}

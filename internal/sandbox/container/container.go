@@ -8,6 +8,7 @@ package container
 import (
 	"bytes"
 	"context"
+	"debug/elf"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -33,6 +34,10 @@ type Config struct {
 	StateRoot string
 	// Init is the host path of a static init binary (catatonit) used as pid1.
 	Init string
+	// Shell is the host path of a static busybox, bind-mounted read-only at
+	// PinnedShell in every sandbox ("" = look up busybox; none found = no
+	// pinned shell).
+	Shell string
 	// CgroupNS gives each sandbox its own cgroup namespace.
 	CgroupNS bool
 }
@@ -46,7 +51,10 @@ type Container struct {
 	seccomp *specs.LinuxSeccomp
 }
 
-var _ sandbox.Backend = (*Container)(nil)
+var (
+	_ sandbox.Backend = (*Container)(nil)
+	_ sandbox.Pinner  = (*Container)(nil)
+)
 
 // New checks the runtime and init binaries and returns the backend.
 func New(cfg Config) (*Container, error) {
@@ -62,6 +70,16 @@ func New(cfg Config) (*Container, error) {
 		return nil, fmt.Errorf("finding init binary %q (install catatonit): %w", cfg.Init, err)
 	}
 	cfg.Init = init
+	if cfg.Shell == "" {
+		cfg.Shell = "busybox"
+	}
+	// The pinned shell is optional: without a static busybox on the host,
+	// sandboxes simply have none.
+	if sh, err := exec.LookPath(cfg.Shell); err == nil && isStatic(sh) {
+		cfg.Shell = sh
+	} else {
+		cfg.Shell = ""
+	}
 	if err := os.MkdirAll(cfg.StateRoot, 0o700); err != nil {
 		return nil, fmt.Errorf("creating runtime state root: %w", err)
 	}
@@ -70,6 +88,31 @@ func New(cfg Config) (*Container, error) {
 		flavor = "crun"
 	}
 	return &Container{cfg: cfg, runtime: rt, flavor: flavor, seccomp: seccompProfile()}, nil
+}
+
+// isStatic reports whether the ELF file at path has no program interpreter
+// (a static binary runs in any rootfs).
+func isStatic(path string) bool {
+	f, err := elf.Open(path)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	for _, p := range f.Progs {
+		if p.Type == elf.PT_INTERP {
+			return false
+		}
+	}
+	return true
+}
+
+// PinnedShell returns the in-sandbox path of the read-only shell, or "" if
+// this backend has none.
+func (c *Container) PinnedShell() string {
+	if c.cfg.Shell == "" {
+		return ""
+	}
+	return PinnedShell
 }
 
 // Name implements sandbox.Backend.

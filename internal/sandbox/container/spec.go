@@ -37,6 +37,14 @@ var readonlyPaths = []string{
 // sandbox's writable layer.
 const initPath = "/dev/init"
 
+// PinnedShell is where the host's static busybox appears inside every
+// sandbox, read-only: a shell for sessions and grading that the sandbox
+// cannot replace, whatever it does to /bin/sh or /bin/bash. It is a mount
+// point directly in /dev (a tmpfs the runtime owns), so it can be neither
+// written, unlinked, renamed nor shadowed by renaming a parent directory;
+// busybox picks its applet from the name, "sh".
+const PinnedShell = "/dev/sh"
+
 const defaultPath = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 func (c *Container) spec(cfg sandbox.Config) *specs.Spec {
@@ -46,6 +54,18 @@ func (c *Container) spec(cfg sandbox.Config) *specs.Spec {
 	}
 	if c.cfg.CgroupNS {
 		ns = append(ns, specs.LinuxNamespace{Type: specs.CgroupNamespace})
+	}
+	mounts := []specs.Mount{
+		{Destination: "/proc", Type: "proc", Source: "proc", Options: []string{"nosuid", "noexec", "nodev"}},
+		{Destination: "/dev", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
+		{Destination: "/dev/pts", Type: "devpts", Source: "devpts", Options: []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"}},
+		{Destination: "/dev/shm", Type: "tmpfs", Source: "shm", Options: []string{"nosuid", "noexec", "nodev", "mode=1777", "size=65536k"}},
+		{Destination: "/dev/mqueue", Type: "mqueue", Source: "mqueue", Options: []string{"nosuid", "noexec", "nodev"}},
+		{Destination: "/sys", Type: "sysfs", Source: "sysfs", Options: []string{"nosuid", "noexec", "nodev", "ro"}},
+		{Destination: initPath, Type: "bind", Source: c.cfg.Init, Options: []string{"bind", "ro", "nosuid", "nodev"}},
+	}
+	if c.cfg.Shell != "" {
+		mounts = append(mounts, specs.Mount{Destination: PinnedShell, Type: "bind", Source: c.cfg.Shell, Options: []string{"bind", "ro", "nosuid", "nodev"}})
 	}
 	return &specs.Spec{
 		Version:  ociVersion,
@@ -59,15 +79,7 @@ func (c *Container) spec(cfg sandbox.Config) *specs.Spec {
 			Capabilities:    caps(0),
 			Rlimits:         rlimits(),
 		},
-		Mounts: []specs.Mount{
-			{Destination: "/proc", Type: "proc", Source: "proc", Options: []string{"nosuid", "noexec", "nodev"}},
-			{Destination: "/dev", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
-			{Destination: "/dev/pts", Type: "devpts", Source: "devpts", Options: []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"}},
-			{Destination: "/dev/shm", Type: "tmpfs", Source: "shm", Options: []string{"nosuid", "noexec", "nodev", "mode=1777", "size=65536k"}},
-			{Destination: "/dev/mqueue", Type: "mqueue", Source: "mqueue", Options: []string{"nosuid", "noexec", "nodev"}},
-			{Destination: "/sys", Type: "sysfs", Source: "sysfs", Options: []string{"nosuid", "noexec", "nodev", "ro"}},
-			{Destination: initPath, Type: "bind", Source: c.cfg.Init, Options: []string{"bind", "ro", "nosuid", "nodev"}},
-		},
+		Mounts: mounts,
 		Linux: &specs.Linux{
 			CgroupsPath:   cfg.CgroupPath,
 			Namespaces:    ns,
