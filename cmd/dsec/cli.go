@@ -208,6 +208,14 @@ func splitArgs(fs *flag.FlagSet, args []string) (flags, pos []string, dashed boo
 	return flags, pos, false
 }
 
+// printJSONList prints a list for --json; an empty one is [], never null.
+func printJSONList[T any](v []T) error {
+	if v == nil {
+		v = []T{}
+	}
+	return printJSON(v)
+}
+
 // printJSON writes v indented to stdout, for --json.
 func printJSON(v any) error {
 	enc := json.NewEncoder(os.Stdout)

@@ -123,10 +123,7 @@ func filesLs(ctx context.Context, args []string) error {
 		return err
 	}
 	if *asJSON {
-		if entries == nil {
-			entries = []api.FileEntry{}
-		}
-		return printJSON(entries)
+		return printJSONList(entries)
 	}
 	tw := newTable()
 	fmt.Fprintln(tw, "MODE\tSIZE\tMODIFIED\tPATH")

@@ -165,10 +165,7 @@ func layerList(ctx context.Context, args []string) error {
 		return err
 	}
 	if *asJSON {
-		if layers == nil {
-			layers = []api.Layer{}
-		}
-		return printJSON(layers)
+		return printJSONList(layers)
 	}
 	tw := newTable()
 	fmt.Fprintln(tw, "REF\tDIGEST\tSIZE\tAGE")
@@ -245,10 +242,7 @@ func runNodes(ctx context.Context, args []string) error {
 		return err
 	}
 	if *asJSON {
-		if nodes == nil {
-			nodes = []api.Node{}
-		}
-		return printJSON(nodes)
+		return printJSONList(nodes)
 	}
 	tw := newTable()
 	fmt.Fprintln(tw, "NAME\tSTATUS\tBACKENDS\tCPU\tMEMORY\tRUNNING\tSANDBOXES\tMAX")

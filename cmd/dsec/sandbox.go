@@ -132,10 +132,7 @@ func sandboxList(ctx context.Context, args []string) error {
 		return err
 	}
 	if *asJSON {
-		if all == nil {
-			all = []api.Sandbox{}
-		}
-		return printJSON(all)
+		return printJSONList(all)
 	}
 	tw := newTable()
 	fmt.Fprintln(tw, "ID\tSTATE\tBASE\tAGE\tLABELS")
@@ -483,10 +480,7 @@ func sandboxLog(ctx context.Context, args []string) error {
 		return err
 	}
 	if *asJSON {
-		if entries == nil {
-			entries = []api.LogEntry{}
-		}
-		return printJSON(entries)
+		return printJSONList(entries)
 	}
 	tw := newTable()
 	fmt.Fprintln(tw, "SEQ\tTIME\tKIND\tREQUEST\tRESULT")

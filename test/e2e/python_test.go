@@ -10,13 +10,15 @@ import (
 	"time"
 )
 
-// TestPythonSDK runs the libdsec (sdk/python) test suite, unit and
-// integration tests both, against this suite's daemon and layers.
-func TestPythonSDK(t *testing.T) {
+// pythonCmd builds a python3 (3.10 or later) command run from the
+// repository root against this suite's daemon, with libdsec on PYTHONPATH,
+// or skips the test. Call cancel when done.
+func pythonCmd(t *testing.T, timeout time.Duration, args ...string) (*exec.Cmd, context.CancelFunc) {
+	t.Helper()
 	needDaemon(t)
 	py, err := exec.LookPath("python3")
 	if err != nil {
-		t.Skip("needs python3 (3.10 or later): runs the libdsec tests")
+		t.Skip("needs python3 (3.10 or later)")
 	}
 	if out, err := exec.Command(py, "-c", "import sys; sys.exit(sys.version_info < (3, 10))").CombinedOutput(); err != nil {
 		t.Skipf("needs python3 3.10 or later for libdsec: %v %s", err, out)
@@ -26,9 +28,8 @@ func TestPythonSDK(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(c, py, "-m", "unittest", "discover", "-s", "sdk/python/tests", "-v")
+	c, cancel := context.WithTimeout(context.Background(), timeout)
+	cmd := exec.CommandContext(c, py, args...)
 	cmd.Dir = root
 	cmd.Env = append(os.Environ(),
 		"DSEC_ENDPOINT=http://"+d.listen,
@@ -36,6 +37,16 @@ func TestPythonSDK(t *testing.T) {
 		"DSEC_CONFIG="+d.cfgPath,
 		"PYTHONPATH="+filepath.Join(root, "sdk", "python", "src"),
 		"PYTHONDONTWRITEBYTECODE=1",
+	)
+	return cmd, cancel
+}
+
+// TestPythonSDK runs the libdsec (sdk/python) test suite, unit and
+// integration tests both, against this suite's daemon and layers.
+func TestPythonSDK(t *testing.T) {
+	cmd, cancel := pythonCmd(t, 4*time.Minute, "-m", "unittest", "discover", "-s", "sdk/python/tests", "-v")
+	defer cancel()
+	cmd.Env = append(cmd.Env,
 		"DSEC_TEST_BASE="+baseRef,
 		"DSEC_TEST_WORKSPACE="+workspaceRef,
 		"DSEC_TEST_TOOLKIT="+toolkitRef,

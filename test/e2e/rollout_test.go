@@ -2,11 +2,8 @@ package e2e
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"testing"
 	"time"
 )
@@ -15,30 +12,12 @@ import (
 // generated bug-fix tasks) with four tasks against this suite's daemon and
 // checks that every task earned reward 1.
 func TestRollout(t *testing.T) {
-	needDaemon(t)
-	py, err := exec.LookPath("python3")
-	if err != nil {
-		t.Skip("needs python3 (3.10 or later) to run examples/rollout")
-	}
 	if _, err := os.Stat("/usr/bin/python3.11"); err != nil {
 		t.Skip("needs /usr/bin/python3.11: examples/rollout/make_base.sh builds the base from it")
 	}
-	root, err := filepath.Abs(filepath.Join("..", ".."))
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(c, py, filepath.Join(root, "examples", "rollout", "rollout.py"),
+	cmd, cancel := pythonCmd(t, 90*time.Second, "examples/rollout/rollout.py",
 		"--tasks", "4", "--concurrency", "4", "--json", "--dsec-bin", d.bin)
-	cmd.Dir = root
-	cmd.Env = append(os.Environ(),
-		"DSEC_ENDPOINT=http://"+d.listen,
-		"DSEC_API_KEY="+d.key,
-		"DSEC_CONFIG="+d.cfgPath,
-		"PYTHONPATH="+filepath.Join(root, "sdk", "python", "src"),
-		"PYTHONDONTWRITEBYTECODE=1",
-	)
+	defer cancel()
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	start := time.Now()
