@@ -14,6 +14,7 @@ have catatonit || need+=(catatonit)
 bb_kind=$(ldd "$(command -v busybox || echo /nonexistent)" 2>&1 || true)
 case "$bb_kind" in *"not a dynamic"*) ;; *) need+=(busybox-static) ;; esac
 have ip || need+=(iproute2)
+have nft || need+=(nftables)
 
 if [ ${#need[@]} -gt 0 ]; then
 	if [ "$(id -u)" != 0 ]; then

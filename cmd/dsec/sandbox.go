@@ -24,6 +24,7 @@ func runSandbox(ctx context.Context, args []string) error {
 		{"resume", "thaw paused sandboxes", sandboxResume},
 		{"snapshot", "pack a sandbox's writable state into a snapshot layer", sandboxSnapshot},
 		{"fork", "start sandboxes from a sandbox's current state", sandboxFork},
+		{"network", "replace a sandbox's egress policy, live", sandboxNetwork},
 	}, args)
 }
 
@@ -183,6 +184,12 @@ func sandboxGet(ctx context.Context, args []string) error {
 	row("Toolkits", strings.Join(sb.Spec.Toolkits, ", "))
 	row("Snapshot", sb.Spec.Snapshot)
 	row("Labels", formatKV(sb.Labels))
+	if n := sb.Spec.Network; n != nil {
+		row("Network allow", strings.Join(n.Allow, ", "))
+		row("Network deny", strings.Join(n.Deny, ", "))
+	} else {
+		row("Network", "loopback only")
+	}
 	if !sb.CreatedAt.IsZero() {
 		row("Created", sb.CreatedAt.Local().Format(time.RFC3339))
 	}
@@ -248,6 +255,35 @@ func sandboxDelete(ctx context.Context, args []string) error {
 	if failed > 0 {
 		return fmt.Errorf("%d of %d deletes failed", failed, len(ids))
 	}
+	return nil
+}
+
+func sandboxNetwork(ctx context.Context, args []string) error {
+	fs := newCmdFlags("sandbox network", "ID [--allow RULE]... [--deny RULE]...",
+		"Replace a sandbox's egress policy, live: connections the new policy does\n"+
+			"not permit stop at once. No rules makes it loopback-only in effect.\n"+
+			"RULE: a preset (pypi, npm, github, ...), a domain (*.example.org) or an\n"+
+			"IPv4 prefix, each with optional :port[-port] and /tcp|/udp|/icmp.")
+	var allow, deny stringList
+	fs.Var(&allow, "allow", "egress allow `RULE` (repeatable)")
+	fs.Var(&deny, "deny", "egress deny `RULE` (repeatable)")
+	pos, err := fs.parseN(args, 1, 1)
+	if err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	sb, err := c.SetNetwork(ctx, pos[0], api.NetworkPolicy{Allow: allow, Deny: deny})
+	if err != nil {
+		return err
+	}
+	if sb.Spec.Network == nil {
+		fmt.Printf("%s: loopback only\n", sb.ID)
+		return nil
+	}
+	fmt.Printf("%s: allow [%s] deny [%s]\n", sb.ID, strings.Join(sb.Spec.Network.Allow, ", "), strings.Join(sb.Spec.Network.Deny, ", "))
 	return nil
 }
 

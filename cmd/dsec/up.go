@@ -4,11 +4,14 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -26,6 +29,7 @@ import (
 	"github.com/dsecproject/dsec/internal/edge"
 	"github.com/dsecproject/dsec/internal/iam"
 	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/netpolicy"
 	"github.com/dsecproject/dsec/internal/sandbox"
 	"github.com/dsecproject/dsec/internal/sandbox/container"
 	"github.com/dsecproject/dsec/internal/store"
@@ -46,6 +50,10 @@ type upConfig struct {
 	configPath   string
 	logFormat    string
 	logLevel     string
+	network      string
+	sandboxCIDR  string
+	dnsUpstream  string
+	netPresets   string
 }
 
 func runUp(args []string) error {
@@ -64,6 +72,10 @@ func runUp(args []string) error {
 	f.Var(c.snapLabels, "snapshot-label", "allow snapshots only of sandboxes with label `k=v` (repeatable; builder/runtime separation)")
 	f.IntVar(&c.snapDepth, "snapshot-depth", edge.DefaultSnapshotDepth, "snapshot layers that may stack under a sandbox; a deeper snapshot merges the chain into one layer")
 	f.StringVar(&c.configPath, "config", "", "client config file to write (default ~/.config/dsec/config.json or $DSEC_CONFIG)")
+	f.StringVar(&c.network, "network", "auto", "sandbox egress: auto (on where nft and nftables work), on, or off (every sandbox loopback-only)")
+	f.StringVar(&c.sandboxCIDR, "sandbox-cidr", netpolicy.DefaultPool.String(), "address pool of sandbox veths (a /30 each; two edges on one host need two pools)")
+	f.StringVar(&c.dnsUpstream, "dns-upstream", "", "DNS servers (host:port, comma-separated) the edge's DNS proxy asks for permitted names (default: the host's /etc/resolv.conf)")
+	f.StringVar(&c.netPresets, "net-presets", "", "JSON file of network presets {\"name\": {\"domains\": [...], \"ports\": [\"443/tcp\"]}}, added to (and overriding) the built-in pypi, npm, github, debian, goproxy")
 	f.StringVar(&c.logFormat, "log-format", "text", "log format: text or json")
 	f.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	if _, err := f.parseN(args, 0, 0); err != nil {
@@ -199,6 +211,10 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 		return fail(err)
 	}
 	policy := sandbox.DefaultPolicy()
+	netm, err := newNetwork(c, log)
+	if err != nil {
+		return fail(err)
+	}
 	ed, err := edge.New(edge.Config{
 		Name: c.nodeName, StateDir: filepath.Join(c.stateDir, "edge"),
 		MaxSandboxes: c.maxSandboxes, Policy: policy,
@@ -206,7 +222,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth,
 	}, edge.Deps{
 		Backend: backend, BlobPath: layers.BlobPath, Cgroups: cg, Log: log,
-		Metrics: edge.NewMetrics(reg), Runtime: rt, Layers: layers,
+		Metrics: edge.NewMetrics(reg), Runtime: rt, Layers: layers, Net: netm,
 	})
 	if err != nil {
 		return fail(err)
@@ -234,6 +250,73 @@ func cgroupParent(node, stateDir string) string {
 	}
 	sum := sha256.Sum256([]byte(abs))
 	return "/dsec/" + node + "-" + hex.EncodeToString(sum[:4])
+}
+
+// newNetwork sets up sandbox egress, or returns nil (loopback-only
+// sandboxes) when it is off or, in auto mode, unavailable.
+func newNetwork(c upConfig, log *slog.Logger) (*netpolicy.Manager, error) {
+	switch c.network {
+	case "off":
+		log.Info("sandbox networking off: every sandbox is loopback-only")
+		return nil, nil
+	case "auto", "on":
+	default:
+		return nil, fmt.Errorf("--network %q: want auto, on or off", c.network)
+	}
+	if _, err := exec.LookPath("nft"); err != nil {
+		if c.network == "on" {
+			return nil, errors.New("--network on: nft not found (apt-get install nftables)")
+		}
+		log.Warn("sandbox networking unavailable: nft not found (apt-get install nftables); sandboxes are loopback-only")
+		return nil, nil
+	}
+	pool, err := netip.ParsePrefix(c.sandboxCIDR)
+	if err != nil {
+		return nil, fmt.Errorf("--sandbox-cidr %q: %w", c.sandboxCIDR, err)
+	}
+	presets := netpolicy.DefaultPresets()
+	if c.netPresets != "" {
+		b, err := os.ReadFile(c.netPresets)
+		if err != nil {
+			return nil, fmt.Errorf("--net-presets: %w", err)
+		}
+		var extra map[string]netpolicy.Preset
+		if err := json.Unmarshal(b, &extra); err != nil {
+			return nil, fmt.Errorf("--net-presets %s: %w", c.netPresets, err)
+		}
+		maps.Copy(presets, extra)
+	}
+	var ups []string
+	if c.dnsUpstream != "" {
+		for _, u := range strings.Split(c.dnsUpstream, ",") {
+			u = strings.TrimSpace(u)
+			if _, _, err := net.SplitHostPort(u); err != nil {
+				u = net.JoinHostPort(u, "53")
+			}
+			ups = append(ups, u)
+		}
+	} else {
+		ups = netpolicy.UpstreamsFromResolvConf("/etc/resolv.conf")
+	}
+	m, err := netpolicy.New(netpolicy.Config{
+		Instance: instanceID(c.stateDir), Pool: pool, Upstreams: ups, Presets: presets, Log: log,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// instanceID tells this instance's host-wide objects (nftables table, veth
+// names) from another instance's: derived from the state dir, like the
+// cgroup parent.
+func instanceID(stateDir string) string {
+	abs, err := filepath.Abs(stateDir)
+	if err != nil {
+		abs = stateDir
+	}
+	sum := sha256.Sum256([]byte(abs))
+	return hex.EncodeToString(sum[:3])[:5]
 }
 
 // raiseNoFile lifts the soft open-files limit to the hard one: the edge

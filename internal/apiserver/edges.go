@@ -3,6 +3,7 @@ package apiserver
 import (
 	"context"
 	"io"
+	"net"
 	"net/http"
 	"os"
 
@@ -30,6 +31,10 @@ type EdgeClient interface {
 	Resume(ctx context.Context, id string) (*api.Sandbox, error)
 	PauseByLabels(ctx context.Context, sel map[string]string) (int, error)
 	ResumeByLabels(ctx context.Context, sel map[string]string) (int, error)
+	SetNetwork(ctx context.Context, id string, np api.NetworkPolicy) (*api.Sandbox, error)
+	// DialPort connects to a port on the sandbox's loopback; done is
+	// called once the connection is no longer used.
+	DialPort(ctx context.Context, id string, port int) (c net.Conn, done func(), err error)
 
 	Exec(ctx context.Context, id string, req api.ExecRequest, emit func(api.ExecEvent) error) (*api.ExecResult, error)
 	OpenSession(ctx context.Context, id string, req api.SessionRequest) (*api.Session, error)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -421,6 +422,14 @@ func (f *fakeEdge) PauseByLabels(ctx context.Context, sel map[string]string) (in
 }
 func (f *fakeEdge) ResumeByLabels(ctx context.Context, sel map[string]string) (int, error) {
 	return len(f.List(ctx, edge.ListFilter{Labels: sel})), nil
+}
+
+func (f *fakeEdge) SetNetwork(ctx context.Context, id string, np api.NetworkPolicy) (*api.Sandbox, error) {
+	return f.Get(ctx, id)
+}
+
+func (f *fakeEdge) DialPort(ctx context.Context, id string, port int) (net.Conn, func(), error) {
+	return nil, nil, errdefs.Unavailable("no ports in the fake edge")
 }
 
 func (f *fakeEdge) Snapshot(ctx context.Context, id string, o edge.SnapshotOptions) (*api.Layer, error) {

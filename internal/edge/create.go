@@ -48,6 +48,10 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 			return nil, errdefs.Invalid("bad layer digest %q", d)
 		}
 	}
+	netp, err := e.compileNetwork(spec.Network)
+	if err != nil {
+		return nil, err
+	}
 	var undo cleanup.Stack
 	defer undo.Run()
 
@@ -124,10 +128,26 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 			BestEffort: spec.QoS == "be",
 		},
 	}
+	if e.deps.Net != nil {
+		cfg.ResolvConf = filepath.Join(e.cfg.StateDir, "resolv.conf")
+	}
 	if err := e.deps.Backend.Create(ctx, cfg); err != nil {
 		return nil, fmt.Errorf("starting sandbox: %w", err)
 	}
 	undo.Add(func() { e.destroyRuntime(context.Background(), id, rec.CgroupPath) })
+
+	if !netp.Empty() {
+		pid, err := e.initPid(ctx, id)
+		if err != nil {
+			return nil, err
+		}
+		att, err := e.deps.Net.Apply(ctx, id, pid, nil, netp)
+		if err != nil {
+			return nil, err
+		}
+		undo.Add(func() { e.releaseNetwork(context.Background(), id, att) })
+		rec.Net = att
+	}
 
 	rec.Sandbox.State = api.StateRunning
 	if err := writeRecord(dir, &rec); err != nil {
@@ -209,6 +229,10 @@ func (e *Edge) teardown(ctx context.Context, s *sbx, remove bool) error {
 	}
 	if holdsResources(rec.Sandbox.State) {
 		e.destroyRuntime(ctx, id, rec.CgroupPath)
+		e.releaseNetwork(ctx, id, rec.Net)
+		s.mu.Lock()
+		s.rec.Net = nil
+		s.mu.Unlock()
 		rootfs := filepath.Join(s.dir, "rootfs")
 		if err := layer.UnmountOverlay(rootfs); err != nil {
 			return fmt.Errorf("unmounting sandbox rootfs: %w", err)

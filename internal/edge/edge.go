@@ -25,6 +25,7 @@ import (
 	"github.com/dsecproject/dsec/internal/cgroup"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/netpolicy"
 	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
@@ -74,6 +75,9 @@ type Deps struct {
 	Runtime string
 	// Layers builds snapshot layers (nil: snapshots unavailable).
 	Layers LayerBuilder
+	// Net runs sandbox networking (nil: every sandbox is loopback-only and
+	// allow rules are refused).
+	Net *netpolicy.Manager
 }
 
 // Edge is one node's daemon.
@@ -130,6 +134,15 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 			return nil, fmt.Errorf("creating state dir: %w", err)
 		}
 	}
+	if deps.Net != nil {
+		// Every sandbox resolves through the edge's DNS proxy; the file
+		// is bind-mounted read-only, so a later policy change needs no
+		// remount. Without a veth the address is simply unreachable.
+		rc := fmt.Sprintf("nameserver %s\noptions timeout:2 attempts:2\n", deps.Net.Nameserver())
+		if err := os.WriteFile(filepath.Join(cfg.StateDir, "resolv.conf"), []byte(rc), 0o644); err != nil {
+			return nil, fmt.Errorf("writing resolv.conf: %w", err)
+		}
+	}
 	e := &Edge{
 		cfg:       cfg,
 		deps:      deps,
@@ -154,6 +167,9 @@ func (e *Edge) Start(ctx context.Context) error {
 	if err := e.recover(ctx); err != nil {
 		return fmt.Errorf("recovering sandboxes: %w", err)
 	}
+	if err := e.restoreNetwork(ctx); err != nil {
+		return fmt.Errorf("recovering sandbox networks: %w", err)
+	}
 	e.wg.Add(1)
 	go func() {
 		defer e.wg.Done()
@@ -172,6 +188,9 @@ func (e *Edge) Close() {
 		s.closeSessions()
 	}
 	e.mu.Unlock()
+	if e.deps.Net != nil {
+		e.deps.Net.Close()
+	}
 }
 
 // Name returns the node name.

@@ -78,6 +78,7 @@ func (e *Edge) recover(ctx context.Context) error {
 			now := time.Now().UTC()
 			rec.Sandbox.State = api.StateFailed
 			rec.Sandbox.Error = "sandbox exited while the edge was down"
+			rec.Net = nil // its slot is freed by restoreNetwork
 			rec.StoppedAt = &now
 			if err := writeRecord(sdir, rec); err != nil {
 				e.log.Warn("persisting failed sandbox", "sandbox_id", id, "err", err)

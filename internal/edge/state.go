@@ -10,6 +10,7 @@ import (
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/files"
+	"github.com/dsecproject/dsec/internal/netpolicy"
 )
 
 // recordVersion is bumped when record changes incompatibly.
@@ -21,6 +22,8 @@ type record struct {
 	Sandbox    api.Sandbox `json:"sandbox"`
 	Digests    []string    `json:"digests"` // layer digests, bottom first
 	CgroupPath string      `json:"cgroup_path"`
+	// Net is the sandbox's veth slot, once its policy let something out.
+	Net *netpolicy.Attachment `json:"net,omitempty"`
 	// StoppedAt is when the sandbox stopped; its record is removed
 	// StoppedRetention later.
 	StoppedAt *time.Time `json:"stopped_at,omitempty"`
@@ -46,6 +49,9 @@ type sbx struct {
 	going bool
 	// ops counts operations in flight (see Edge.begin).
 	ops int
+
+	// netMu serialises network policy changes.
+	netMu sync.Mutex
 
 	// logMu serialises the command log (cmdlog.go): a seq is assigned and
 	// its line appended under it, so seqs are gap-free in file order. It is

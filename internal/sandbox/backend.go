@@ -56,6 +56,9 @@ type Config struct {
 	// roots, e.g. "/dsec/sb-node1-abc".
 	CgroupPath string
 	Limits     Limits
+	// ResolvConf, if set, is a host file shown read-only at
+	// /etc/resolv.conf.
+	ResolvConf string
 }
 
 // Limits are the resource limits applied to the whole sandbox. Zero means

@@ -107,10 +107,10 @@ func Normalize(spec *api.SandboxSpec, p Policy) error {
 	if spec.IdleTimeout < 0 || spec.IdleTimeout > p.MaxIdleTimout {
 		return errdefs.Invalid("idle_timeout must be between 0 and %d seconds, got %d", p.MaxIdleTimout, spec.IdleTimeout)
 	}
-	// Sandboxes are loopback-only; deny rules are satisfied by that, allow
-	// rules cannot be (yet), and silently dropping them would mislead.
-	if spec.Network != nil && len(spec.Network.Allow) > 0 {
-		return errdefs.Precondition("network allow rules are not supported by this release: sandboxes are loopback-only; omit network.allow")
+	// The rules themselves are the edge's to check: presets are node
+	// configuration.
+	if spec.Network != nil && len(spec.Network.Allow) == 0 && len(spec.Network.Deny) == 0 {
+		spec.Network = nil
 	}
 	if err := ValidateEnv(spec.Env, p.MaxEnv); err != nil {
 		return err

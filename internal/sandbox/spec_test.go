@@ -34,7 +34,7 @@ func TestNormalize(t *testing.T) {
 		{"absurd ttl", api.SandboxSpec{Base: "b", TTL: 1 << 40}, errdefs.ErrInvalid},
 		{"negative idle", api.SandboxSpec{Base: "b", IdleTimeout: -1}, errdefs.ErrInvalid},
 		{"disk not enforced", api.SandboxSpec{Base: "b", DiskMB: 10}, errdefs.ErrPrecondition},
-		{"network allow not supported", api.SandboxSpec{Base: "b", Network: &api.NetworkPolicy{Allow: []string{"pypi"}}}, errdefs.ErrPrecondition},
+		{"network allow is the edge's to check", api.SandboxSpec{Base: "b", Network: &api.NetworkPolicy{Allow: []string{"pypi"}}}, nil},
 		{"network deny only is fine", api.SandboxSpec{Base: "b", Network: &api.NetworkPolicy{Deny: []string{"npm"}}}, nil},
 		{"bad env name", api.SandboxSpec{Base: "b", Env: map[string]string{"A=B": "x"}}, errdefs.ErrInvalid},
 		{"NUL in env", api.SandboxSpec{Base: "b", Env: map[string]string{"A": "x\x00y"}}, errdefs.ErrInvalid},

@@ -140,3 +140,18 @@ func ceilSeconds(d time.Duration) int64 {
 	}
 	return int64((d + time.Second - 1) / time.Second)
 }
+
+// SetNetwork replaces a sandbox's egress policy, live.
+func (c *Client) SetNetwork(ctx context.Context, id string, policy api.NetworkPolicy) (*api.Sandbox, error) {
+	var sb api.Sandbox
+	if err := c.call(ctx, request{method: http.MethodPut, path: "/v1/sandboxes/" + esc(id) + "/network", jsonBody: policy}, &sb); err != nil {
+		return nil, err
+	}
+	return &sb, nil
+}
+
+// PortURL is the URL under which the API proxies HTTP to port of a sandbox
+// (requests need the API key, which is not passed on to the sandbox).
+func (c *Client) PortURL(id string, port int) string {
+	return c.endpoint + "/v1/sandboxes/" + esc(id) + "/ports/" + strconv.Itoa(port) + "/"
+}

@@ -71,7 +71,7 @@ func TestAuthRequiredOnEveryV1Route(t *testing.T) {
 	needDaemon(t)
 	sb := newSandbox(t, api.SandboxSpec{})
 	marker := "/tmp/unauth"
-	layersBefore, _, _ := cli("layer", "list")
+	layersBefore, _, _ := cli("layer", "list", "--json")
 
 	badAuth := map[string]string{
 		"no header":      wireAuthNone,
@@ -106,7 +106,7 @@ func TestAuthRequiredOnEveryV1Route(t *testing.T) {
 	if got, err := client.GetSandbox(ctx(t), sb.ID); err != nil || got.State != api.StateRunning {
 		t.Errorf("sandbox after unauthenticated calls: %+v, %v", got, err)
 	}
-	if after, _, _ := cli("layer", "list"); after != layersBefore {
+	if after, _, _ := cli("layer", "list", "--json"); after != layersBefore {
 		t.Errorf("layers changed:\nbefore %s\nafter %s", layersBefore, after)
 	}
 

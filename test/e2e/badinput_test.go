@@ -224,7 +224,8 @@ func TestBadInputErrorsAndNoLeftovers(t *testing.T) {
 		{"bad env name", "POST", sbs, spec(`,"env":{"A=B":"x"}`), 400, "invalid_argument", ""},
 		{"bad label", "POST", sbs, spec(`,"labels":{"bad key!":"x"}`), 400, "invalid_argument", ""},
 		// Not supported: refused, not silently ignored.
-		{"network allow", "POST", sbs, spec(`,"network":{"allow":["pypi"]}`), 409, "failed_precondition", "network"},
+		{"network unknown preset", "POST", sbs, spec(`,"network":{"allow":["nosuchpreset"]}`), 400, "invalid_argument", "nosuchpreset"},
+		{"network ipv6", "POST", sbs, spec(`,"network":{"allow":["::/0"]}`), 400, "invalid_argument", "IPv6"},
 		{"disk_mb", "POST", sbs, spec(`,"disk_mb":4096`), 409, "failed_precondition", "disk_mb"},
 		// Batch.
 		{"batch count 0", "POST", sbs + ":batch", []byte(`{"count":0,"spec":{"base":"` + baseRef + `"}}`), 400, "invalid_argument", "count"},

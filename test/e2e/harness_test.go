@@ -40,6 +40,7 @@ type daemon struct {
 	cfgPath  string
 	cmd      *exec.Cmd
 	logPath  string
+	extra    []string // more dsec up flags
 }
 
 var (
@@ -83,6 +84,7 @@ func run(m *testing.M) int {
 			d.dumpLog(os.Stderr)
 			d.stop()
 		}
+		netTeardown()
 		return 1
 	}
 	code := m.Run()
@@ -100,6 +102,7 @@ func run(m *testing.M) int {
 		cancel()
 	}
 	d.stop()
+	netTeardown()
 	return code
 }
 
@@ -118,6 +121,7 @@ func setup() error {
 		cfgPath:  filepath.Join(workDir, "config.json"),
 		logPath:  filepath.Join(workDir, "dsec.log"),
 	}
+	d.extra = netSetup()
 	if err := d.start(); err != nil {
 		return err
 	}
@@ -126,7 +130,10 @@ func setup() error {
 	if err != nil {
 		return err
 	}
-	return buildLayers()
+	if err := buildLayers(); err != nil {
+		return err
+	}
+	return buildProbeLayer()
 }
 
 // buildLayers builds the shared base/workspace/toolkit set through the CLI.
@@ -180,6 +187,7 @@ func (d *daemon) start() error {
 	defer logf.Close()
 	d.cmd = exec.Command(d.bin, "up", "--listen", d.listen, "--state-dir", d.stateDir,
 		"--api-key", d.key, "--config", d.cfgPath, "--log-level", "debug")
+	d.cmd.Args = append(d.cmd.Args, d.extra...)
 	d.cmd.Stdout, d.cmd.Stderr = logf, logf
 	// Own process group: the test can kill -9 it without touching itself.
 	d.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}

@@ -50,7 +50,11 @@ func TestPythonSDK(t *testing.T) {
 		"DSEC_TEST_BASE="+baseRef,
 		"DSEC_TEST_WORKSPACE="+workspaceRef,
 		"DSEC_TEST_TOOLKIT="+toolkitRef,
+		"DSEC_TEST_LISTING=1",
 	)
+	if netw.skip == "" {
+		cmd.Env = append(cmd.Env, "DSEC_TEST_PYPI_URL=http://"+pypiName+"/", "DSEC_TEST_NPM_URL=http://"+npmName+"/")
+	}
 	start := time.Now()
 	out, err := cmd.CombinedOutput()
 	if err != nil {

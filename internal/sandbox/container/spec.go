@@ -64,6 +64,9 @@ func (c *Container) spec(cfg sandbox.Config) *specs.Spec {
 		{Destination: "/sys", Type: "sysfs", Source: "sysfs", Options: []string{"nosuid", "noexec", "nodev", "ro"}},
 		{Destination: initPath, Type: "bind", Source: c.cfg.Init, Options: []string{"bind", "ro", "nosuid", "nodev"}},
 	}
+	if cfg.ResolvConf != "" {
+		mounts = append(mounts, specs.Mount{Destination: "/etc/resolv.conf", Type: "bind", Source: cfg.ResolvConf, Options: []string{"bind", "ro", "nosuid", "nodev", "noexec"}})
+	}
 	if c.cfg.Shell != "" {
 		mounts = append(mounts, specs.Mount{Destination: PinnedShell, Type: "bind", Source: c.cfg.Shell, Options: []string{"bind", "ro", "nosuid", "nodev"}})
 	}

@@ -28,6 +28,9 @@ API_KEY = os.environ.get("DSEC_API_KEY", "")
 BASE = os.environ.get("DSEC_TEST_BASE") or "base/e2e:v1"
 WORKSPACE = os.environ.get("DSEC_TEST_WORKSPACE", "")
 TOOLKIT = os.environ.get("DSEC_TEST_TOOLKIT", "")
+LISTING = os.environ.get("DSEC_TEST_LISTING", "") == "1"
+PYPI_URL = os.environ.get("DSEC_TEST_PYPI_URL", "")
+NPM_URL = os.environ.get("DSEC_TEST_NPM_URL", "")
 RUN = {"libdsec-test": uuid.uuid4().hex[:12]}
 
 skip = unittest.skipUnless(ENDPOINT and API_KEY, "integration tests need DSEC_ENDPOINT and DSEC_API_KEY")
@@ -61,43 +64,54 @@ class IntegrationTest(unittest.IsolatedAsyncioTestCase):
     async def asyncTearDown(self) -> None:
         await self.client.close()
 
+    @unittest.skipUnless(LISTING, "needs DSEC_TEST_LISTING=1 (layers workspace/t1:v1 and toolkit/harness:v1, as the Go e2e suite builds them)")
     async def test_listing(self):
-        # DSec's listing, as it runs on this release: the base is the e2e
-        # suite's, and network_rules has no allow (True) entry.
-        client = DSecClient()  # DSEC_ENDPOINT / DSEC_API_KEY / ~/.config/dsec/config.json
+        # DSec's listing verbatim, but for the image name (the e2e base).
+        client = DSecClient()                      # DSEC_ENDPOINT / DSEC_API_KEY / ~/.config/dsec/config.json
         await client.open()
-        a = DSecContainerRunArgs(
-            container_image=BASE,
-            workspace=WORKSPACE or None,
-            toolkits=[TOOLKIT] if TOOLKIT else [],
-            memory_limit_mb=4096,
-            cpu_cores_limit=4,
-            ttl_running_stop=300,  # idle timeout
-            network_rules={"npm": False},
-            init_user="root",
-            labels={"job": "grpo-1", **RUN},
-        )
-        sandbox = await client.run_container(a, timeout=120)
+        args = DSecContainerRunArgs(container_image=BASE, workspace="workspace/t1:v1",
+                                    toolkits=["toolkit/harness:v1"], memory_limit_mb=4096, cpu_cores_limit=4,
+                                    ttl_running_stop=300, network_rules={"npm": False, "pypi": True},
+                                    init_user="root", labels={"job": "grpo-1"})
+        sandbox = await client.run_container(args, timeout=120)
+        result = await sandbox.run_shell("echo hello world")    # .exit_code .stdout .stderr .timed_out
         try:
-            result = await sandbox.run_shell("echo hello world")
             self.assertEqual((result.exit_code, result.stdout, result.stderr, result.timed_out), (0, "hello world\n", "", False))
             spec = sandbox.info.spec
             self.assertEqual((spec.get("memory_mb"), spec.get("cpu"), spec.get("idle_timeout"), spec.get("user")), (4096, 4, 300, "root"))
-            self.assertEqual(spec.get("network"), {"deny": ["npm"]})
-            if WORKSPACE and TOOLKIT:
-                self.assertEqual((await sandbox.run_shell("cat /repo/a.txt")).stdout, "toolkit\n")
+            self.assertEqual(spec.get("network"), {"allow": ["pypi"], "deny": ["npm"]})
+            self.assertEqual((await sandbox.run_shell("cat /repo/a.txt")).stdout, "workspace\n")
+            if PYPI_URL:
+                # pypi: True lets the sandbox reach the (test) index by name;
+                # npm: False keeps the other one out.
+                r = await sandbox.exec(["/opt/netprobe", "get", PYPI_URL])
+                self.assertEqual((r.exit_code, r.stdout), (0, "200 hello from pypi"))
+                r = await sandbox.exec(["/opt/netprobe", "get", NPM_URL])
+                self.assertNotEqual(r.exit_code, 0, r.stdout)
         finally:
             await sandbox.stop()
             await client.close()
         with self.assertRaises(libdsec.SandboxNotFound):
             await self.client.get(sandbox.id)  # deleted sandboxes are gone
 
-    async def test_network_allow_is_refused_clearly(self):
-        with self.assertRaises(libdsec.FailedPrecondition) as cm:
-            await self.client.run_container(args(network_rules={"npm": False, "pypi": True}))
-        e = cm.exception
-        self.assertEqual((e.code, e.status), ("failed_precondition", 409))
-        self.assertIn("network allow", e.message)
+    @unittest.skipUnless(LISTING and PYPI_URL, "needs the e2e suite's network (DSEC_TEST_PYPI_URL)")
+    async def test_network_rules_change_live(self):
+        probe = ["/opt/netprobe", "get"]
+        async with self.client.run_container(args(toolkits=["toolkit/harness:v1"], network_rules={"pypi": True})) as sb:
+            self.assertEqual((await sb.exec(probe + [PYPI_URL])).exit_code, 0)
+            self.assertNotEqual((await sb.exec(probe + [NPM_URL])).exit_code, 0)
+            info = await sb.set_network_rules({"npm": True, "pypi": False})
+            self.assertEqual(info.spec.get("network"), {"allow": ["npm"], "deny": ["pypi"]})
+            self.assertEqual((await sb.exec(probe + [NPM_URL])).stdout, "200 hello from npm")
+            self.assertNotEqual((await sb.exec(probe + [PYPI_URL])).exit_code, 0)
+            info = await sb.set_network()
+            self.assertIsNone(info.spec.get("network"))
+            self.assertNotEqual((await sb.exec(probe + [NPM_URL])).exit_code, 0)
+
+    async def test_bad_network_rule_is_refused_clearly(self):
+        with self.assertRaises(libdsec.InvalidArgument) as cm:
+            await self.client.run_container(args(network_rules={"nosuchpreset": True}))
+        self.assertIn("nosuchpreset", cm.exception.message)
         self.assertEqual(await self.client.list(labels={**RUN, "never": "made"}), [])
 
     async def test_exec_forms(self):

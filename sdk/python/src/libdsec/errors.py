@@ -124,9 +124,8 @@ class AlreadyExists(DSecError):
 
 class FailedPrecondition(DSecError):
     """The object is in the wrong state for the call, or the call uses a
-    feature this server release does not provide (409). For example, a
-    ``network_rules`` entry set to True (an allow rule) on a release without
-    network allowlists."""
+    feature this server or node does not provide (409). For example, an
+    allow rule on a node whose sandbox networking is off."""
 
     default_code = "failed_precondition"
 

@@ -146,6 +146,33 @@ class Sandbox:
         self.info = SandboxInfo.from_json(doc)
         return self.info
 
+    async def set_network(self, allow: "list[str] | None" = None, deny: "list[str] | None" = None) -> SandboxInfo:
+        """Replace the sandbox's egress policy, live: connections the new
+        policy does not permit stop at once. ``set_network()`` makes the
+        sandbox loopback-only again."""
+        body: dict[str, Any] = {}
+        if allow:
+            body["allow"] = list(allow)
+        if deny:
+            body["deny"] = list(deny)
+        doc = await self._client._call("PUT", self._path("/network"), json_body=body, idempotent=True)
+        self.info = SandboxInfo.from_json(doc)
+        return self.info
+
+    async def set_network_rules(self, rules: "dict[str, bool]") -> SandboxInfo:
+        """``set_network`` in ``network_rules`` form: names set True are
+        allowed, names set False denied."""
+        for name, ok in rules.items():
+            if not isinstance(ok, bool):
+                raise TypeError(f"network_rules[{name!r}] must be True or False, got {ok!r}")
+        return await self.set_network([n for n, ok in rules.items() if ok], [n for n, ok in rules.items() if not ok])
+
+    def port_url(self, port: int) -> str:
+        """The URL under which the API proxies HTTP to ``port`` on the
+        sandbox's loopback. Requests need the API key (sent as
+        ``Authorization: Bearer``), which is not passed on to the sandbox."""
+        return f"{self._client.endpoint}{self._path(f'/ports/{int(port)}/')}"
+
     async def stats(self) -> Stats:
         """Current resource use (CPU time, memory, pids, disk)."""
         return Stats.from_json(await self._client._call("GET", self._path("/stats")))

@@ -60,9 +60,11 @@ class DSecContainerRunArgs:
     lifetime, which is ``ttl`` (0 = the platform default, 3600 s).
 
     Zero, None and empty values are left out of the spec, so the server's
-    defaults apply. Note that this server release rejects any allow rule
-    (a ``network_rules`` entry set to True) with FailedPrecondition: network
-    allowlists are not implemented yet, and sandboxes are loopback-only.
+    defaults apply. ``network_rules`` keys are what the API's allow and deny
+    lists take: a preset configured on the edge (``pypi``, ``npm``,
+    ``github``, ...), a domain (``files.example.org``, ``*.example.org``) or
+    an IPv4 prefix with optional port and protocol (``10.1.2.0/24:443/tcp``).
+    A sandbox without allow rules is loopback-only.
     """
 
     container_image: Optional[str] = None

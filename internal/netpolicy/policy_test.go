@@ -1,0 +1,164 @@
+package netpolicy
+
+import (
+	"errors"
+	"net/netip"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+func TestCompile(t *testing.T) {
+	presets := map[string]Preset{
+		"pypi": {Domains: []string{"pypi.org", "files.pythonhosted.org"}, Ports: []string{"443/tcp", "80"}},
+		"any":  {Domains: []string{"*.example.com"}},
+	}
+	pfx := netip.MustParsePrefix
+	tests := []struct {
+		in      string
+		entries []Entry
+		names   []NameRule
+		err     bool
+	}{
+		{in: "10.1.2.0/24:443/tcp", entries: []Entry{{pfx("10.1.2.0/24"), Ports{ProtoTCP, 443, 443}}}},
+		{in: "10.1.2.3", entries: []Entry{{pfx("10.1.2.3/32"), AllPorts}}},
+		{in: "10.1.2.3:53", entries: []Entry{{pfx("10.1.2.3/32"), Ports{ProtoTCP, 53, 53}}, {pfx("10.1.2.3/32"), Ports{ProtoUDP, 53, 53}}}},
+		{in: "10.0.0.0/8/udp", entries: []Entry{{pfx("10.0.0.0/8"), Ports{ProtoUDP, 0, 65535}}}},
+		{in: "0.0.0.0/0:8000-8100/tcp", entries: []Entry{{pfx("0.0.0.0/0"), Ports{ProtoTCP, 8000, 8100}}}},
+		{in: "1.2.3.4/icmp", entries: []Entry{{pfx("1.2.3.4/32"), Ports{ProtoICMP, 0, 65535}}}},
+		{in: "Example.COM.", names: []NameRule{{"example.com", AllPorts}}},
+		{in: "*.example.com:443/tcp", names: []NameRule{{"*.example.com", Ports{ProtoTCP, 443, 443}}}},
+		{in: "123.example.com", names: []NameRule{{"123.example.com", AllPorts}}},
+		{in: "pypi", names: []NameRule{
+			{"pypi.org", Ports{ProtoTCP, 443, 443}}, {"pypi.org", Ports{ProtoTCP, 80, 80}},
+			{"files.pythonhosted.org", Ports{ProtoTCP, 443, 443}}, {"files.pythonhosted.org", Ports{ProtoTCP, 80, 80}},
+		}},
+		{in: "nosuchpreset", err: true},
+		{in: "", err: true},
+		{in: "10.1.2.3/24", err: true}, // host bits
+		{in: "10.1.2.300", err: true},
+		{in: "::1", err: true},
+		{in: "[::1]:80", err: true},
+		{in: "10.1.2.3:0", err: true},
+		{in: "10.1.2.3:70000", err: true},
+		{in: "10.1.2.3:90-80", err: true},
+		{in: "1.2.3.4:80/icmp", err: true},
+		{in: "exa_mple.com", err: true},
+		{in: "a.*.com", err: true},
+		{in: "-bad.com", err: true},
+		{in: "10.1.2.3/sctp", err: true},
+		{in: strings.Repeat("a", 300) + ".com", err: true},
+	}
+	for _, tc := range tests {
+		p, err := Compile([]string{tc.in}, nil, presets)
+		if tc.err {
+			if err == nil || !errors.Is(err, errdefs.ErrInvalid) {
+				t.Errorf("%q: got %v, want an invalid-argument error", tc.in, err)
+			}
+			continue
+		}
+		if err != nil {
+			t.Errorf("%q: %v", tc.in, err)
+			continue
+		}
+		if !equal(p.Allow, tc.entries) || !equal(p.Names, tc.names) {
+			t.Errorf("%q: got %+v %+v, want %+v %+v", tc.in, p.Allow, p.Names, tc.entries, tc.names)
+		}
+	}
+	if _, err := Compile(make([]string, MaxRules+1), nil, presets); err == nil {
+		t.Error("too many rules accepted")
+	}
+}
+
+func equal[T comparable](a, b []T) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+func TestMatch(t *testing.T) {
+	p, err := Compile([]string{"pypi.org:443/tcp", "*.example.com", "pypi.org:80/tcp"}, []string{"evil.example.com"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]int{
+		"pypi.org": 2, "PYPI.org.": 2, "x.pypi.org": 0, "example.com": 0, "a.example.com": 1,
+		"a.b.example.com": 1, "evil.example.com": 0, "notexample.com": 0, "pypi.org.evil.net": 0,
+	} {
+		ports, ok := p.Match(name)
+		if len(ports) != want || ok != (want > 0) {
+			t.Errorf("Match(%q) = %v %v, want %d port sets", name, ports, ok, want)
+		}
+	}
+}
+
+func TestLayout(t *testing.T) {
+	l := layout{instance: "ab12f", pool: netip.MustParsePrefix("10.200.0.0/16")}
+	if got := l.dnsAddr().String(); got != "10.200.0.1" {
+		t.Errorf("dns %s", got)
+	}
+	h, s := l.slotAddrs(1)
+	if h.String() != "10.200.0.5" || s.String() != "10.200.0.6" {
+		t.Errorf("slot 1: %s %s", h, s)
+	}
+	h, s = l.slotAddrs(l.slots())
+	if h.String() != "10.200.255.253" || s.String() != "10.200.255.254" {
+		t.Errorf("last slot: %s %s", h, s)
+	}
+	if n := len(l.hostIf(l.slots())); n > 15 {
+		t.Errorf("interface name %q is %d bytes", l.hostIf(l.slots()), n)
+	}
+	for e, want := range map[string]bool{
+		"10.200.3.0/24": true, "169.254.169.254/32": true, "0.0.0.0/0": false, "10.0.0.0/8": false, "8.8.8.8/32": false,
+	} {
+		if got := l.isProtected(Entry{Prefix: netip.MustParsePrefix(e)}); got != want {
+			t.Errorf("isProtected(%s) = %v", e, got)
+		}
+	}
+}
+
+func TestCheckPool(t *testing.T) {
+	for s, ok := range map[string]bool{
+		"10.200.0.0/16": true, "192.168.64.0/20": true, "100.64.0.0/12": true,
+		"8.8.0.0/16": false, "10.0.0.0/8": false, "10.1.1.0/30": false,
+	} {
+		if err := CheckPool(netip.MustParsePrefix(s)); (err == nil) != ok {
+			t.Errorf("CheckPool(%s) = %v", s, err)
+		}
+	}
+}
+
+// TestScriptsParse has nft check (without applying) every script shape.
+func TestScriptsParse(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: nft -c talks to the kernel")
+	}
+	if _, err := exec.LookPath("nft"); err != nil {
+		t.Skip("needs nft (apt-get install nftables)")
+	}
+	l := layout{instance: "fffff", pool: netip.MustParsePrefix("10.239.0.0/16")}
+	p, err := Compile([]string{"10.1.2.0/24:443/tcp", "8.8.8.8", "169.254.169.254:80/tcp", "1.1.1.1/icmp", "x.example.com"},
+		[]string{"10.1.2.7"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	dyn := []dynEntry{{netip.MustParseAddr("93.184.216.34"), AllPorts, now.Add(time.Minute)}}
+	script := l.baseScript() + l.slotScript(7, p, dyn, now) + l.dynScript(7, dyn, now) +
+		refreshScript(l.dynScript(7, dyn, now)) + l.removeScript(7) + "delete table inet " + l.table() + "\n"
+	cmd := exec.Command("nft", "-c", "-f", "-")
+	cmd.Stdin = strings.NewReader(script)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("nft -c: %v\n%s\nscript:\n%s", err, out, script)
+	}
+}
