@@ -247,6 +247,8 @@ var implemented = map[string][]string{
 	"/v1/sandboxes/{id}/files:tar":           {"get", "put"},
 	"/v1/layers":                             {"get", "post"},
 	"/v1/layers/{ref}":                       {"delete", "get"},
+	"/v1/images:import":                      {"post"},
+	"/v1/images:pull":                        {"post"},
 	"/v1/nodes":                              {"get"},
 }
 
@@ -429,6 +431,7 @@ var wireTypes = []any{
 	SessionRunRequest{}, FileEntry{}, FileList{}, TarResult{}, LogEntry{}, LogRequest{},
 	LogResult{}, LogPage{}, Layer{}, LayerList{}, PauseResult{}, CountResult{},
 	SnapshotInfo{}, SnapshotRequest{}, ForkRequest{},
+	ImageConfig{}, ImageResult{}, ImagePullRequest{}, ImageEvent{},
 	Node{}, Capacity{}, NodeList{}, ErrorDetail{}, ErrorBody{},
 }
 

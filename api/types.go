@@ -141,6 +141,11 @@ type Stats struct {
 	MemoryMaxBytes uint64 `json:"memory_limit_bytes,omitempty"`
 	Pids           uint64 `json:"pids"`
 	DiskBytes      uint64 `json:"disk_bytes"`
+	// DiskLimitBytes, Inodes and InodeLimit are set for sandboxes with
+	// disk_mb (their writable layer is a filesystem of its own).
+	DiskLimitBytes uint64 `json:"disk_limit_bytes,omitempty"`
+	Inodes         uint64 `json:"inodes,omitempty"`
+	InodeLimit     uint64 `json:"inode_limit,omitempty"`
 }
 
 // ExecRequest is the body of POST /v1/sandboxes/{id}/exec. Exactly one of
@@ -312,6 +317,9 @@ type Layer struct {
 	CreatedAt time.Time `json:"created_at"`
 	// Snapshot describes where a snapshot layer came from (kind snapshot).
 	Snapshot *SnapshotInfo `json:"snapshot,omitempty"`
+	// Image is the configuration of the image a base layer was imported
+	// from; sandboxes on the base take their defaults from it.
+	Image *ImageConfig `json:"image,omitempty"`
 }
 
 // SnapshotInfo is the record of a pack_diff snapshot: the sandbox it was
@@ -385,4 +393,69 @@ type ErrorDetail struct {
 // ErrorBody wraps ErrorDetail as API.md specifies.
 type ErrorBody struct {
 	Error ErrorDetail `json:"error"`
+}
+
+// ImageConfig is the part of an OCI image's configuration dsec keeps with a
+// base layer imported from the image. A sandbox created on that base gets
+// Env under its spec's env, and WorkingDir and User when its spec leaves
+// workdir and user empty. Entrypoint, Cmd and Labels are recorded only.
+type ImageConfig struct {
+	Env        []string          `json:"env,omitempty"`
+	WorkingDir string            `json:"workdir,omitempty"`
+	User       string            `json:"user,omitempty"`
+	Entrypoint []string          `json:"entrypoint,omitempty"`
+	Cmd        []string          `json:"cmd,omitempty"`
+	Labels     map[string]string `json:"labels,omitempty"`
+}
+
+// ImageResult is the answer of POST /v1/images:import and :pull: the
+// layers built (base first, then the workspace of a split import) and what
+// was read from the image.
+type ImageResult struct {
+	Layers []Layer `json:"layers"`
+	// Digest is the image manifest's digest; empty for a `docker save`
+	// archive, which has no manifest blob.
+	Digest   string      `json:"digest,omitempty"`
+	Platform string      `json:"platform"`
+	Config   ImageConfig `json:"config"`
+	// ImageLayers is how many layers the image has; Split how many of them
+	// went into the base (the rest made the workspace), 0 when not split.
+	ImageLayers int `json:"image_layers"`
+	Split       int `json:"split,omitempty"`
+	// Files and Bytes count the entries and regular-file bytes unpacked.
+	Files      int   `json:"files"`
+	Bytes      int64 `json:"bytes"`
+	DurationMS int64 `json:"duration_ms"`
+}
+
+// ImagePullRequest is the body of POST /v1/images:pull.
+type ImagePullRequest struct {
+	// Image is REGISTRY/REPO[:TAG][@DIGEST]; a name without a registry is
+	// Docker Hub's.
+	Image string `json:"image"`
+	// Ref names the base layer to build, base/NAME:TAG.
+	Ref string `json:"ref"`
+	// Workspace and Split import the image as two layers: image layers
+	// [0, Split) become the base, the rest the workspace
+	// (workspace/NAME:TAG) as an overlay diff over it.
+	Workspace string `json:"workspace,omitempty"`
+	Split     int    `json:"split,omitempty"`
+	// Platform is os/arch[/variant] to pick from a multi-arch index;
+	// linux/amd64 when empty.
+	Platform string `json:"platform,omitempty"`
+	// Insecure talks plain HTTP to the registry.
+	Insecure bool `json:"insecure,omitempty"`
+	// Username and Password are sent where the registry asks for
+	// credentials.
+	Username string `json:"username,omitempty"`
+	Password string `json:"password,omitempty"`
+}
+
+// ImageEvent is one NDJSON line of an image import or pull streamed with
+// Accept: application/x-ndjson: a progress message, or the final result,
+// or an error (which ends the stream too).
+type ImageEvent struct {
+	Progress string       `json:"progress,omitempty"`
+	Result   *ImageResult `json:"result,omitempty"`
+	Error    *ErrorDetail `json:"error,omitempty"`
 }

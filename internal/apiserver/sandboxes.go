@@ -66,6 +66,7 @@ func (s *Server) prepare(spec *api.SandboxSpec) ([]string, error) {
 		spec.Base, spec.Image, spec.Workspace, spec.Toolkits = from.Base, "", from.Workspace, from.Toolkits
 		snap = &l
 	}
+	s.applyImageDefaults(spec) // before Normalize fills user and workdir
 	if err := sandbox.Normalize(spec, s.deps.Policy); err != nil {
 		return nil, err
 	}

@@ -110,6 +110,8 @@ func (s *Server) routes() {
 	s.handle("GET /v1/layers", iam.LayerRead, s.listLayers)
 	s.handle("GET /v1/layers/{ref...}", iam.LayerRead, s.getLayer)
 	s.handle("DELETE /v1/layers/{ref...}", iam.LayerWrite, s.deleteLayer)
+	s.handle("POST /v1/images:import", iam.LayerWrite, s.importImage)
+	s.handle("POST /v1/images:pull", iam.LayerWrite, s.pullImage)
 
 	s.handle("GET /v1/nodes", iam.SandboxRead, s.listNodes)
 	// Anything else under /v1 is a JSON 404, not the mux's text page.

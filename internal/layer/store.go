@@ -73,6 +73,10 @@ type BuildOptions struct {
 	Exclude []string
 	// Snapshot is recorded in the catalog entry of a snapshot layer.
 	Snapshot *api.SnapshotInfo
+	// Image is recorded in the catalog entry of a base layer imported
+	// from a container image (internal/image); sandboxes on the base take
+	// their env, workdir and user defaults from it.
+	Image *api.ImageConfig
 }
 
 // Store is the control plane's layer store: EROFS blobs named by digest
@@ -130,6 +134,15 @@ func NewStore(dir string, st store.Store, log *slog.Logger) (*Store, error) {
 func (s *Store) blobDir() string    { return filepath.Join(s.dir, "blobs", "sha256") }
 func (s *Store) stagingDir() string { return filepath.Join(s.dir, "staging") }
 
+// StagingDir is the root-only directory (0700) where builds keep their
+// temporary files; NewStore empties it, so whatever an interrupted build
+// leaves there is removed at the next start. Importers stage there too.
+func (s *Store) StagingDir() string { return s.stagingDir() }
+
+// Dir is the store's root directory. Importers may keep caches in
+// subdirectories of their own (the image importer's "image-cache").
+func (s *Store) Dir() string { return s.dir }
+
 // BlobPath returns where the image with the given digest lives, or "" if
 // digest is not a sha256 digest (so a caller cannot be steered outside the
 // blob directory).
@@ -181,6 +194,9 @@ func checkBuild(ref Ref, opts BuildOptions) error {
 	}
 	if (ref.Kind == api.KindSnapshot) != (opts.Snapshot != nil) {
 		return errdefs.Invalid("building layer %s: snapshot layers are made from sandboxes (POST /v1/sandboxes/{id}/snapshot)", ref)
+	}
+	if opts.Image != nil && ref.Kind != api.KindBase {
+		return errdefs.Invalid("building layer %s: only base layers carry an image configuration", ref)
 	}
 	return nil
 }
@@ -250,7 +266,7 @@ func (s *Store) build(ctx context.Context, ref Ref, src string, opts BuildOption
 	}
 	printf(progress, "mkfs.erofs: %s, image %s\n", mkfsTime.Round(time.Millisecond), humanBytes(size))
 
-	l := api.Layer{Digest: digest, Ref: ref.String(), Kind: ref.Kind, SizeBytes: size, CreatedAt: time.Now().UTC(), Snapshot: opts.Snapshot}
+	l := api.Layer{Digest: digest, Ref: ref.String(), Kind: ref.Kind, SizeBytes: size, CreatedAt: time.Now().UTC(), Snapshot: opts.Snapshot, Image: opts.Image}
 	deduped, err := s.publish(tmpPath, l, opts.Replace)
 	if err != nil {
 		return api.Layer{}, err

@@ -1,0 +1,173 @@
+package image
+
+import (
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+// splitLayers is four layers: two base layers, then two whose changes
+// exercise every kind of diff an upper directory holds.
+func splitLayers(t *testing.T) [][]byte {
+	t.Helper()
+	etc := dir("etc/")
+	etc.hdr.Mode = 0o750
+	return [][]byte{
+		layerTar(t,
+			dir("./"),
+			etc,
+			file("etc/hostname", "base"),
+			file("etc/gone", "deleted by layer 2"),
+			file("etc/keep", "v1"),
+			dir("opq/"),
+			file("opq/old", "hidden by layer 2"),
+			dir("opq/sub/"),
+			file("opq/sub/deep", "hidden by layer 2"),
+			dir("usr/"), dir("usr/bin/"),
+			file("usr/bin/tool", "tool"),
+			symlink("bin", "usr/bin"),
+			dir("lib/"),
+			file("lib/x", "deleted with lib"),
+			file("replaced-file", "becomes a directory"),
+			dir("replaced-dir/"),
+			file("replaced-dir/inner", "goes with its directory"),
+			dir("hard/"),
+			file("hard/target", "linked from above"),
+		),
+		layerTar(t, file("etc/keep", "v2")),
+		layerTar(t,
+			whiteoutEntry("etc/.wh.gone"),
+			whiteoutEntry(".wh.lib"),
+			file("opq/.wh..wh..opq", ""),
+			file("opq/new", "new"),
+			file("bin/via-link", "through the base's symlink"),
+			hardlink("hard/link", "hard/target"),
+			dir("replaced-file/"),
+			file("replaced-file/inner", "inner"),
+			file("replaced-dir", "a file now"),
+			dir("newdir/"),
+			file("newdir/file", "deleted by layer 3"),
+			file("etc/hostname", "upper"),
+		),
+		layerTar(t,
+			dir("lib/"),
+			file("lib/y", "lib is back, without x"),
+			whiteoutEntry("newdir/.wh.file"),
+			whiteoutEntry(".wh.replaced-file"),
+			whiteoutEntry("etc/.wh.keep"),
+		),
+	}
+}
+
+func TestUnpackSplitIsAnOverlayDiff(t *testing.T) {
+	needRoot(t, "sets trusted.overlay.opaque")
+	layers := splitLayers(t)
+
+	flat := filepath.Join(t.TempDir(), "flat")
+	must(t, os.Mkdir(flat, 0o755))
+	img := buildImage(t, "amd64", true, layers...)
+	p := ociLayout(t, filepath.Join(t.TempDir(), "image.tar"), img)
+	_, err := Unpack(t.Context(), p, flat, Options{})
+	must(t, err)
+
+	f := newFixture(t)
+	res, err := Unpack(t.Context(), p, f.dest, Options{SplitAt: 2, UpperDir: f.upper})
+	must(t, err)
+	if len(res.Layers) != 4 {
+		t.Fatalf("layers = %d, want 4", len(res.Layers))
+	}
+	f.checkOutside(t)
+
+	// The base holds the first two layers only.
+	if got := readFile(t, f.path("etc/keep")); got != "v2" {
+		t.Errorf("base etc/keep = %q", got)
+	}
+	if got := readFile(t, f.path("etc/gone")); got != "deleted by layer 2" {
+		t.Errorf("base etc/gone = %q", got)
+	}
+
+	// The upper holds the changes, in overlayfs's own representation.
+	up := func(s string) string { return filepath.Join(f.upper, s) }
+	for _, wh := range []string{"etc/gone", "etc/keep", "replaced-file"} {
+		var st unix.Stat_t
+		if err := unix.Lstat(up(wh), &st); err != nil || !isWhiteout(&st) {
+			t.Errorf("upper %s is not a whiteout: mode %o rdev %d, %v", wh, st.Mode, st.Rdev, err)
+		}
+	}
+	for _, opaque := range []string{"opq", "lib"} {
+		if v, _ := getXattr(up(opaque), opaqueXattr); string(v) != "y" {
+			t.Errorf("upper %s is not opaque (%q)", opaque, v)
+		}
+	}
+	if v, _ := getXattr(up("etc"), opaqueXattr); v != nil {
+		t.Errorf("upper etc is opaque; it should merge with the base's")
+	}
+	if _, err := os.Lstat(up("lib/x")); !os.IsNotExist(err) {
+		t.Errorf("upper lib/x exists: %v", err)
+	}
+	if _, err := os.Lstat(up("newdir/file")); !os.IsNotExist(err) {
+		t.Errorf("upper newdir/file should be gone without a whiteout (the base never had it): %v", err)
+	}
+	if got := readFile(t, up("usr/bin/via-link")); got != "through the base's symlink" {
+		t.Errorf("write through the base's bin symlink: %q", got)
+	}
+	if _, err := os.Lstat(up("bin")); !os.IsNotExist(err) {
+		t.Errorf("upper has bin, shadowing the base's symlink: %v", err)
+	}
+	if got := readFile(t, up("hard/link")); got != "linked from above" {
+		t.Errorf("hard link to a base file: %q", got)
+	}
+	// Directories copied up keep the base's metadata, as overlayfs does.
+	var be, ue unix.Stat_t
+	must(t, unix.Lstat(f.path("etc"), &be))
+	must(t, unix.Lstat(up("etc"), &ue))
+	if be.Mode != ue.Mode || be.Uid != ue.Uid || be.Mtim != ue.Mtim {
+		t.Errorf("copied-up etc: mode %o mtime %v, base has %o %v", ue.Mode, ue.Mtim, be.Mode, be.Mtim)
+	}
+
+	// The proof: the kernel's overlay of upper on base shows exactly the
+	// flat unpack of all four layers.
+	mnt := t.TempDir()
+	if err := unix.Mount("overlay", mnt, "overlay", unix.MS_RDONLY, "lowerdir="+f.upper+":"+f.dest); err != nil {
+		t.Skipf("overlayfs mount unavailable (%v): upper checked by hand only", err)
+	}
+	defer unix.Unmount(mnt, unix.MNT_DETACH)
+	want, got := describeTree(t, flat, true), describeTree(t, mnt, true)
+	if !slices.Equal(want, got) {
+		t.Errorf("overlay differs from the flat unpack:\nflat:\n  %s\noverlay:\n  %s",
+			strings.Join(want, "\n  "), strings.Join(got, "\n  "))
+	}
+}
+
+// An upper layer's symlink trick must not escape either: resolution in
+// the merged view is clamped just like in a plain tree.
+func TestUnpackSplitHostile(t *testing.T) {
+	needRoot(t, "sets trusted.overlay.opaque")
+	f := newFixture(t)
+	img := buildImage(t, "amd64", true,
+		layerTar(t, symlink("host", f.outside), symlink("up", "../../../..")),
+		layerTar(t,
+			file("host/secret", "pwned"),
+			file("up/"+strings.TrimPrefix(f.secret, "/"), "pwned"),
+			whiteoutEntry("host/.wh.etc"),
+			hardlink("l", "host/secret"),
+			file("host/.wh..wh..opq", "")),
+	)
+	p := ociLayout(t, filepath.Join(t.TempDir(), "image.tar"), img)
+	_, err := Unpack(t.Context(), p, f.dest, Options{SplitAt: 1, UpperDir: f.upper})
+	must(t, err)
+	inside := filepath.Join(f.upper, f.secret)
+	if got := readFile(t, inside); got != "pwned" {
+		t.Errorf("write through the base's host link should land at %s in the upper: %q", inside, got)
+	}
+	f.checkOutside(t)
+
+	_, err = Unpack(t.Context(), p, t.TempDir(), Options{SplitAt: 1, UpperDir: f.upper})
+	wantClass(t, err, errdefs.ErrPrecondition) // upper not empty any more
+}
