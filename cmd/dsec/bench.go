@@ -36,6 +36,8 @@ type benchOpts struct {
 	base        string
 	jsonOut     bool
 	noBaseline  bool
+	diskMB      int64
+	allow       stringList
 }
 
 // benchRow is one measure of the report.
@@ -82,6 +84,8 @@ func runBench(args []string) error {
 	f.StringVar(&o.base, "base", "", "base layer ref to use (default: build base/bench:busybox from the host's busybox)")
 	f.BoolVar(&o.jsonOut, "json", false, "print JSON instead of a table")
 	f.BoolVar(&o.noBaseline, "no-baseline", false, "skip the bare-runtime baseline")
+	f.Int64Var(&o.diskMB, "disk-mb", 0, "create: give each sandbox a disk of this many MiB (disk_mb)")
+	f.Var(&o.allow, "allow", "create: egress allow rule for each sandbox (repeatable; gives it a veth)")
 	if _, err := f.parseN(args[1:], 0, 0); err != nil {
 		return err
 	}
@@ -265,7 +269,11 @@ func benchCreate(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, 
 	ids := make([]string, o.count)
 	fmt.Fprintf(os.Stderr, "dsec: creating %d sandboxes, %d at a time...\n", o.count, o.concurrency)
 	durs, fails, wall, ferr := runParallel(o.count, o.concurrency, func(i int) error {
-		sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": label}})
+		spec := api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": label}, DiskMB: o.diskMB}
+		if len(o.allow) > 0 {
+			spec.Network = &api.NetworkPolicy{Allow: o.allow}
+		}
+		sb, err := c.CreateSandbox(ctx, spec)
 		if err == nil {
 			ids[i] = sb.ID
 		}
@@ -274,7 +282,14 @@ func benchCreate(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, 
 	if ferr != nil {
 		fmt.Fprintf(os.Stderr, "first create failure: %v\n", ferr)
 	}
-	create := row("create", o.count, o.concurrency, durs, fails, wall)
+	what := "create"
+	if o.diskMB > 0 {
+		what += fmt.Sprintf(" disk_mb=%d", o.diskMB)
+	}
+	if len(o.allow) > 0 {
+		what += " allow=" + strings.Join(o.allow, ",")
+	}
+	create := row(what, o.count, o.concurrency, durs, fails, wall)
 	fmt.Fprintf(os.Stderr, "dsec: deleting...\n")
 	ddurs, dfails, dwall, _ := runParallel(o.count, o.concurrency, func(i int) error {
 		if ids[i] == "" {

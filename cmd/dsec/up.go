@@ -19,6 +19,7 @@ import (
 	"strings"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -54,6 +55,7 @@ type upConfig struct {
 	sandboxCIDR  string
 	dnsUpstream  string
 	netPresets   string
+	diskQuota    string
 }
 
 func runUp(args []string) error {
@@ -76,6 +78,7 @@ func runUp(args []string) error {
 	f.StringVar(&c.sandboxCIDR, "sandbox-cidr", netpolicy.DefaultPool.String(), "address pool of sandbox veths (a /30 each; two edges on one host need two pools)")
 	f.StringVar(&c.dnsUpstream, "dns-upstream", "", "DNS servers (host:port, comma-separated) the edge's DNS proxy asks for permitted names (default: the host's /etc/resolv.conf)")
 	f.StringVar(&c.netPresets, "net-presets", "", "JSON file of network presets {\"name\": {\"domains\": [...], \"ports\": [\"443/tcp\"]}}, added to (and overriding) the built-in pypi, npm, github, debian, goproxy")
+	f.StringVar(&c.diskQuota, "disk-quota", "auto", "how disk_mb is enforced: loop (a sparse ext4 disk per sandbox that asks for one), off (disk_mb refused), auto (loop where mkfs.ext4 and loop devices exist)")
 	f.StringVar(&c.logFormat, "log-format", "text", "log format: text or json")
 	f.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	if _, err := f.parseN(args, 0, 0); err != nil {
@@ -174,6 +177,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 		return nil, nil, errors.New("dsec up needs root: it mounts EROFS layers and overlayfs and runs OCI containers")
 	}
 	raiseNoFile(log)
+	logCoreScheduling(log)
 	if err := os.MkdirAll(c.stateDir, 0o700); err != nil {
 		return nil, nil, fmt.Errorf("creating state dir: %w", err)
 	}
@@ -215,11 +219,15 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	if err != nil {
 		return fail(err)
 	}
+	disk, err := diskQuotaMode(c.diskQuota, log)
+	if err != nil {
+		return fail(err)
+	}
 	ed, err := edge.New(edge.Config{
 		Name: c.nodeName, StateDir: filepath.Join(c.stateDir, "edge"),
 		MaxSandboxes: c.maxSandboxes, Policy: policy,
 		CgroupParent: cgroupParent(c.nodeName, c.stateDir), MaxPaused: c.maxPaused,
-		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth,
+		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth, DiskQuota: disk,
 	}, edge.Deps{
 		Backend: backend, BlobPath: layers.BlobPath, Cgroups: cg, Log: log,
 		Metrics: edge.NewMetrics(reg), Runtime: rt, Layers: layers, Net: netm,
@@ -307,6 +315,30 @@ func newNetwork(c upConfig, log *slog.Logger) (*netpolicy.Manager, error) {
 	return m, nil
 }
 
+// diskQuotaMode resolves --disk-quota.
+func diskQuotaMode(want string, log *slog.Logger) (string, error) {
+	_, mkfsErr := exec.LookPath("mkfs.ext4")
+	_, loopErr := os.Stat("/dev/loop-control")
+	switch want {
+	case "off":
+		return edge.DiskOff, nil
+	case "loop", "auto":
+		if mkfsErr == nil && loopErr == nil {
+			return edge.DiskLoop, nil
+		}
+		why := "mkfs.ext4 not found (apt-get install e2fsprogs)"
+		if loopErr != nil {
+			why = "no /dev/loop-control (modprobe loop)"
+		}
+		if want == "loop" {
+			return "", fmt.Errorf("--disk-quota loop: %s", why)
+		}
+		log.Warn("disk_mb unavailable: "+why+"; sandboxes asking for it are refused", "disk_quota", "off")
+		return edge.DiskOff, nil
+	}
+	return "", fmt.Errorf("--disk-quota %q: want auto, loop or off", want)
+}
+
 // instanceID tells this instance's host-wide objects (nftables table, veth
 // names) from another instance's: derived from the state dir, like the
 // cgroup parent.
@@ -317,6 +349,20 @@ func instanceID(stateDir string) string {
 	}
 	sum := sha256.Sum256([]byte(abs))
 	return hex.EncodeToString(sum[:3])[:5]
+}
+
+// logCoreScheduling says whether LS sandboxes could get core scheduling
+// (SMT siblings never shared with another sandbox). dsec does not apply it
+// yet; on a kernel without CONFIG_SCHED_CORE there is nothing to apply.
+func logCoreScheduling(log *slog.Logger) {
+	var cookie uint64
+	// PR_SCHED_CORE_GET on ourselves: EINVAL when the kernel lacks it.
+	err := unix.Prctl(unix.PR_SCHED_CORE, unix.PR_SCHED_CORE_GET, 0, 0 /* PIDTYPE_PID */, uintptr(unsafe.Pointer(&cookie)))
+	if err != nil {
+		log.Info("core scheduling unavailable on this kernel (CONFIG_SCHED_CORE); qos ls sandboxes may share SMT siblings with be ones", "err", err)
+		return
+	}
+	log.Info("core scheduling available but not applied by this release")
 }
 
 // raiseNoFile lifts the soft open-files limit to the hard one: the edge

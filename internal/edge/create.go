@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/cgroup"
 	"github.com/dsecproject/dsec/internal/cleanup"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/layer"
@@ -52,6 +53,9 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 	if err != nil {
 		return nil, err
 	}
+	if err := e.checkDisk(spec.DiskMB); err != nil {
+		return nil, err
+	}
 	var undo cleanup.Stack
 	defer undo.Run()
 
@@ -66,6 +70,7 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 		},
 		Digests:    req.Digests,
 		CgroupPath: e.cfg.CgroupParent + "/" + id,
+		Disk:       spec.DiskMB > 0,
 	}
 	// Admission counts sandboxes holding resources, this one included from
 	// here on. It is visible as "creating" (and its layers as in use) while
@@ -93,7 +98,7 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 		return nil, fmt.Errorf("creating sandbox dir: %w", err)
 	}
 	undo.Add(func() { _ = os.RemoveAll(dir) })
-	for _, d := range []string{"upper", "work", "rootfs", "bundle"} {
+	for _, d := range []string{"rootfs", "bundle"} {
 		if err := os.Mkdir(filepath.Join(dir, d), 0o755); err != nil {
 			return nil, fmt.Errorf("creating sandbox dir: %w", err)
 		}
@@ -102,6 +107,21 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 	// recovery finds it and undoes everything below.
 	if err := writeRecord(dir, &rec); err != nil {
 		return nil, err
+	}
+	upper, work := layerDirs(dir, rec.Disk)
+	if rec.Disk {
+		if err := os.Mkdir(filepath.Join(dir, "vol"), 0o755); err != nil {
+			return nil, fmt.Errorf("creating sandbox dir: %w", err)
+		}
+		if err := createDisk(dir, spec.DiskMB); err != nil {
+			return nil, err
+		}
+		undo.Add(func() { _ = removeDisk(dir) })
+	}
+	for _, d := range []string{upper, work} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			return nil, fmt.Errorf("creating sandbox dir: %w", err)
+		}
 	}
 
 	lowers := make([]string, len(req.Digests))
@@ -115,7 +135,7 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 		lowers[len(req.Digests)-1-i] = mp
 	}
 	rootfs := filepath.Join(dir, "rootfs")
-	if err := layer.MountOverlay(lowers, filepath.Join(dir, "upper"), filepath.Join(dir, "work"), rootfs); err != nil {
+	if err := layer.MountOverlay(lowers, upper, work, rootfs); err != nil {
 		return nil, fmt.Errorf("mounting overlay: %w", err)
 	}
 	undo.Add(func() { _ = layer.UnmountOverlay(rootfs) })
@@ -135,6 +155,16 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 		return nil, fmt.Errorf("starting sandbox: %w", err)
 	}
 	undo.Add(func() { e.destroyRuntime(context.Background(), id, rec.CgroupPath) })
+	if spec.QoS == "be" && e.deps.Cgroups != nil {
+		// Best effort: CPU shares 2 (set by the backend) and an idle
+		// group, so LS sandboxes always win the CPU.
+		if err := e.deps.Cgroups.SetIdle(rec.CgroupPath); err != nil {
+			if !errors.Is(err, cgroup.ErrNoIdle) {
+				return nil, err
+			}
+			e.log.Debug("best-effort sandbox without cpu.idle", "sandbox_id", id, "err", err)
+		}
+	}
 
 	if !netp.Empty() {
 		pid, err := e.initPid(ctx, id)
@@ -237,6 +267,11 @@ func (e *Edge) teardown(ctx context.Context, s *sbx, remove bool) error {
 		if err := layer.UnmountOverlay(rootfs); err != nil {
 			return fmt.Errorf("unmounting sandbox rootfs: %w", err)
 		}
+		if rec.Disk {
+			if err := removeDisk(s.dir); err != nil {
+				return err
+			}
+		}
 		for _, d := range rec.Digests {
 			if err := e.mounter.Release(d); err != nil {
 				e.log.Warn("releasing layer", "sandbox_id", id, "digest", d, "err", err)
@@ -277,7 +312,7 @@ func (e *Edge) stopSandbox(ctx context.Context, s *sbx, final, reason string) {
 	}
 	// The writable layer goes with the runtime: a stopped sandbox cannot be
 	// restarted, so keeping it would only leak disk.
-	for _, d := range []string{"upper", "work", "rootfs", "bundle"} {
+	for _, d := range []string{"upper", "work", "rootfs", "bundle", "vol", "disk.img"} {
 		_ = os.RemoveAll(filepath.Join(s.dir, d))
 	}
 	now := time.Now().UTC()

@@ -26,6 +26,7 @@ import (
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/netpolicy"
+	"github.com/dsecproject/dsec/internal/quota"
 	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
@@ -57,6 +58,9 @@ type Config struct {
 	// SnapshotLabels, when set, restricts snapshots to sandboxes carrying
 	// all these labels (builder sandboxes, say).
 	SnapshotLabels map[string]string
+	// DiskQuota is how disk_mb is enforced: DiskLoop (a disk per
+	// sandbox) or DiskOff (disk_mb refused).
+	DiskQuota string
 	// MaxSnapshotDepth is how many snapshot layers may stack under one
 	// sandbox; a snapshot that would go deeper merges the chain into one
 	// layer (zero: DefaultSnapshotDepth).
@@ -414,7 +418,18 @@ func (e *Edge) Stats(ctx context.Context, id string) (*api.Stats, error) {
 		}
 		st.CPUUsageNS, st.MemoryBytes, st.MemoryMaxBytes, st.Pids = cs.CPUUsageNS, cs.MemoryBytes, cs.MemoryLimitBytes, cs.Pids
 	}
-	st.DiskBytes = dirSize(filepath.Join(e.sandboxDir(id), "upper"))
+	s.mu.Lock()
+	disk := s.rec.Disk
+	s.mu.Unlock()
+	if disk {
+		u, err := quota.DiskUsage(filepath.Join(s.dir, "vol"))
+		if err != nil {
+			return nil, err
+		}
+		st.DiskBytes, st.DiskLimitBytes, st.Inodes, st.InodeLimit = u.Bytes, u.ByteLimit, u.Inodes, u.InodeLimit
+	} else {
+		st.DiskBytes = dirSize(s.upperDir())
+	}
 	return &st, nil
 }
 

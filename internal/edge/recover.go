@@ -72,7 +72,10 @@ func (e *Edge) recover(ctx context.Context) error {
 			if mounted[rootfs] {
 				_ = layer.UnmountOverlay(rootfs)
 			}
-			for _, d := range []string{"upper", "work", "rootfs", "bundle"} {
+			if err := removeDisk(sdir); err != nil {
+				e.log.Warn("removing the disk of a dead sandbox", "sandbox_id", id, "err", err)
+			}
+			for _, d := range []string{"upper", "work", "rootfs", "bundle", "vol"} {
 				_ = os.RemoveAll(filepath.Join(sdir, d))
 			}
 			now := time.Now().UTC()
@@ -147,6 +150,10 @@ func (e *Edge) reapDir(ctx context.Context, id, sdir string, rootfsMounted bool)
 			e.log.Warn("unmounting orphan rootfs", "sandbox_id", id, "err", err)
 			return
 		}
+	}
+	if err := removeDisk(sdir); err != nil {
+		e.log.Warn("removing orphan sandbox disk", "sandbox_id", id, "err", err)
+		return
 	}
 	if err := os.RemoveAll(sdir); err != nil && !errors.Is(err, os.ErrNotExist) {
 		e.log.Warn("removing orphan sandbox dir", "sandbox_id", id, "err", err)

@@ -112,7 +112,7 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o SnapshotOptions) (*api
 		return nil, err
 	}
 	defer thaw()
-	upper := filepath.Join(s.dir, "upper")
+	upper := s.upperDir()
 	excludes := append([]string(nil), req.Exclude...)
 	if len(req.Include) > 0 {
 		more, err := layer.ExcludesForInclude(upper, req.Include)

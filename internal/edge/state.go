@@ -22,6 +22,9 @@ type record struct {
 	Sandbox    api.Sandbox `json:"sandbox"`
 	Digests    []string    `json:"digests"` // layer digests, bottom first
 	CgroupPath string      `json:"cgroup_path"`
+	// Disk is set when the writable layer is on the sandbox's own disk
+	// (disk_mb > 0; see disk.go).
+	Disk bool `json:"disk,omitempty"`
 	// Net is the sandbox's veth slot, once its policy let something out.
 	Net *netpolicy.Attachment `json:"net,omitempty"`
 	// StoppedAt is when the sandbox stopped; its record is removed

@@ -21,7 +21,11 @@ type Policy struct {
 	MaxEnv        int
 	MaxLabels     int
 	MaxIdleTimout int64
+	MaxDiskMB     int64
 }
+
+// MinDiskMB is the smallest writable-layer limit a spec may ask for.
+const MinDiskMB = 16
 
 // DefaultPolicy is the policy of `dsec up` unless flags change it.
 func DefaultPolicy() Policy {
@@ -36,6 +40,7 @@ func DefaultPolicy() Policy {
 		MaxEnv:        1024,
 		MaxLabels:     64,
 		MaxIdleTimout: 7 * 24 * 3600,
+		MaxDiskMB:     1 << 20, // 1 TiB
 	}
 }
 
@@ -95,8 +100,11 @@ func Normalize(spec *api.SandboxSpec, p Policy) error {
 	if spec.DiskMB < 0 {
 		return errdefs.Invalid("disk_mb must not be negative, got %d", spec.DiskMB)
 	}
-	if spec.DiskMB > 0 {
-		return errdefs.Precondition("disk_mb is not enforced by this release; omit it (the writable layer is bounded by the node's data disk)")
+	if spec.DiskMB > p.MaxDiskMB {
+		return errdefs.Invalid("disk_mb must be at most %d, got %d", p.MaxDiskMB, spec.DiskMB)
+	}
+	if spec.DiskMB > 0 && spec.DiskMB < MinDiskMB {
+		return errdefs.Invalid("disk_mb must be at least %d, got %d", MinDiskMB, spec.DiskMB)
 	}
 	if spec.TTL < 0 || spec.TTL > p.MaxTTL {
 		return errdefs.Invalid("ttl must be between 0 and %d seconds, got %d", p.MaxTTL, spec.TTL)

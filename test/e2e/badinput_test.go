@@ -226,7 +226,8 @@ func TestBadInputErrorsAndNoLeftovers(t *testing.T) {
 		// Not supported: refused, not silently ignored.
 		{"network unknown preset", "POST", sbs, spec(`,"network":{"allow":["nosuchpreset"]}`), 400, "invalid_argument", "nosuchpreset"},
 		{"network ipv6", "POST", sbs, spec(`,"network":{"allow":["::/0"]}`), 400, "invalid_argument", "IPv6"},
-		{"disk_mb", "POST", sbs, spec(`,"disk_mb":4096`), 409, "failed_precondition", "disk_mb"},
+		{"disk_mb too small", "POST", sbs, spec(`,"disk_mb":8`), 400, "invalid_argument", "disk_mb"},
+		{"disk_mb too big", "POST", sbs, spec(`,"disk_mb":2000000`), 400, "invalid_argument", "disk_mb"},
 		// Batch.
 		{"batch count 0", "POST", sbs + ":batch", []byte(`{"count":0,"spec":{"base":"` + baseRef + `"}}`), 400, "invalid_argument", "count"},
 		{"batch count negative", "POST", sbs + ":batch", []byte(`{"count":-4,"spec":{"base":"` + baseRef + `"}}`), 400, "invalid_argument", "count"},

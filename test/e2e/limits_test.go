@@ -227,3 +227,49 @@ func TestSandboxStats(t *testing.T) {
 		t.Errorf("stats of unknown sandbox: %d, want 404", code)
 	}
 }
+
+func TestQoSBestEffortYieldsToLatencySensitive(t *testing.T) {
+	needDaemon(t)
+	ls := newSandbox(t, api.SandboxSpec{QoS: "ls"})
+	be := newSandbox(t, api.SandboxSpec{QoS: "be"})
+	for _, c := range []struct {
+		id, idle, shares string
+	}{{ls.ID, "0", "1024"}, {be.ID, "1", "3"}} { // an idle group's shares read 3 (WEIGHT_IDLEPRIO)
+		idle, _ := sandboxCgroupFile(t, "cpu", c.id, "cpu.idle", "cpu.idle")
+		if got := readTrim(t, idle); got != c.idle {
+			t.Fatalf("%s = %s, want %s", idle, got, c.idle)
+		}
+		shares, v2 := sandboxCgroupFile(t, "cpu", c.id, "cpu.shares", "cpu.weight")
+		if !v2 {
+			if got := readTrim(t, shares); got != c.shares {
+				t.Fatalf("%s = %s, want %s", shares, got, c.shares)
+			}
+		}
+	}
+	// Both spin on CPU 0 for 2 s: the best-effort one gets what the
+	// latency-sensitive one leaves, which is almost nothing.
+	cpu := func(id string) uint64 {
+		st, err := client.Stats(ctx(t), id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.CPUUsageNS
+	}
+	l0, b0 := cpu(ls.ID), cpu(be.ID)
+	spin := `taskset -c 0 timeout 2 sh -c 'while :; do :; done'; true`
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_, _ = client.Exec(ctx(t), be.ID, api.ExecRequest{Cmd: spin})
+	}()
+	time.Sleep(100 * time.Millisecond) // let the best-effort one start first
+	sh(t, ls.ID, spin)
+	// While the latency-sensitive loop ran, the best-effort one (started
+	// first) got next to nothing; it runs its own 2 s afterwards.
+	l, b := cpu(ls.ID)-l0, cpu(be.ID)-b0
+	<-done
+	t.Logf("CPU while both spun on one core: ls %d ms, be %d ms; be after ls ended: %d ms", l/1e6, b/1e6, (cpu(be.ID)-b0-b)/1e6)
+	if l < 1500e6 || b*10 > l {
+		t.Fatalf("best effort was not starved by latency sensitive: ls %d ms, be %d ms", l/1e6, b/1e6)
+	}
+}

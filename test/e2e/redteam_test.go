@@ -1,0 +1,207 @@
+package e2e
+
+// Attack cases of issue 5 not covered elsewhere; each runs inside a real
+// sandbox as root and checks containment and the absence of collateral
+// damage (a neighbour's files and processes, the host, the daemon). The
+// full list of cases and where each lives is in docs/operating.md
+// ("Attack suite").
+
+import (
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+)
+
+// bystander is a neighbour sandbox with a file and a process, and a check
+// that both are intact and that the daemon still answers quickly.
+type bystander struct{ id string }
+
+func newBystander(t *testing.T) bystander {
+	t.Helper()
+	sb := newSandbox(t, api.SandboxSpec{})
+	sh(t, sb.ID, "echo intact > /root/marker; sleep 100000 >/dev/null 2>&1 &")
+	return bystander{sb.ID}
+}
+
+func (b bystander) check(t *testing.T) {
+	t.Helper()
+	start := time.Now()
+	resp, err := http.Get("http://" + d.listen + "/healthz")
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("COLLATERAL: daemon /healthz: %v %v", resp, err)
+	}
+	resp.Body.Close()
+	if el := time.Since(start); el > 2*time.Second {
+		t.Errorf("COLLATERAL: /healthz took %v", el)
+	}
+	r := sh(t, b.id, "cat /root/marker; ps -o comm,args | grep -q '^sleep *sleep 100000' && echo sleeping")
+	if r.Stdout != "intact\nsleeping\n" {
+		t.Fatalf("COLLATERAL: neighbour sandbox: %q %q", r.Stdout, r.Stderr)
+	}
+}
+
+// TestRedteamYesFlood: `yes` without end, through exec and through a
+// session (DSEC-FACTS.md §7: tens of GB of output). The caller gets a
+// capped, truncated result at the timeout; the daemon's memory stays
+// bounded; the session survives.
+func TestRedteamYesFlood(t *testing.T) {
+	needDaemon(t)
+	by := newBystander(t)
+	sb := newSandbox(t, api.SandboxSpec{})
+	rssBefore := daemonRSS(t)
+	start := time.Now()
+	res, err := client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "yes", Timeout: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !res.TimedOut || !res.Truncated || len(res.Stdout) != 1<<20 {
+		t.Fatalf("exec yes: timed_out=%v truncated=%v stdout=%d bytes", res.TimedOut, res.Truncated, len(res.Stdout))
+	}
+	t.Logf("exec yes: %d bytes returned after %v (truncated)", len(res.Stdout), time.Since(start).Round(time.Millisecond))
+	// The same to /dev/stdout explicitly, and to stderr, streamed.
+	n := 0
+	_, err = client.ExecStream(ctx(t), sb.ID, api.ExecRequest{Cmd: "yes > /dev/stdout & yes >&2", Timeout: 2},
+		func(ev api.ExecEvent) error { n += len(ev.Stdout) + len(ev.Stderr); return nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n > 3<<20 {
+		t.Fatalf("streamed yes delivered %d bytes, more than the caps", n)
+	}
+	sid, err := client.CreateSession(ctx(t), sb.ID, api.SessionRequest{Shell: "/bin/bash"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sres, err := client.SessionRun(ctx(t), sb.ID, sid, api.SessionRunRequest{Command: "export KEEP=1; yes", Timeout: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !sres.TimedOut || !sres.Truncated {
+		t.Fatalf("session yes: %+v", sres.ExitCode)
+	}
+	sres, err = client.SessionRun(ctx(t), sb.ID, sid, api.SessionRunRequest{Command: "echo $KEEP"})
+	if err != nil || sres.Stdout != "1\n" {
+		t.Fatalf("session after the flood: %v %+v", err, sres)
+	}
+	if r := sh(t, sb.ID, "ps -o comm | grep -c '^yes$' "); strings.TrimSpace(r.Stdout) != "0" {
+		t.Fatalf("yes processes left running: %s", r.Stdout)
+	}
+	if grow := daemonRSS(t) - rssBefore; grow > 200<<20 {
+		t.Errorf("daemon RSS grew by %d MiB during the floods", grow>>20)
+	}
+	by.check(t)
+}
+
+// daemonRSS is the daemon's resident memory in bytes.
+func daemonRSS(t *testing.T) int64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/" + itoa(d.cmd.Process.Pid) + "/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) >= 2 && f[0] == "VmRSS:" {
+			return int64(atoi(f[1])) << 10
+		}
+	}
+	return 0
+}
+
+func itoa(n int) string { return strconv.Itoa(n) }
+
+// TestRedteamKillPid1: root inside tries to kill the sandbox's init.
+// SIGKILL to a namespace's init from inside is ignored by the kernel;
+// SIGTERM ends the sandbox, which is then reported failed, with nothing
+// left on the host.
+func TestRedteamKillPid1(t *testing.T) {
+	needDaemon(t)
+	by := newBystander(t)
+	sb := newSandbox(t, api.SandboxSpec{})
+	r := sh(t, sb.ID, "kill -9 1; sleep 0.2; echo still here")
+	if r.Stdout != "still here\n" {
+		t.Fatalf("after kill -9 1: %+v", r)
+	}
+	_, _ = client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "kill -TERM 1; sleep 5"})
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		got, err := client.GetSandbox(ctx(t), sb.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.State == api.StateFailed {
+			t.Logf("after kill -TERM 1: %s (%s)", got.State, got.Error)
+			break
+		}
+		if got.State == api.StateRunning {
+			if res, err := client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "echo up"}); err == nil && res.Stdout == "up\n" && time.Now().After(deadline) {
+				t.Logf("init ignored SIGTERM; the sandbox keeps running")
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("sandbox neither failed nor answering: %+v", got)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	by.check(t)
+}
+
+// TestRedteamCannotSeeThePlatform: the agent-log incident (an agent read
+// the platform's logs for answers) and forged calls to an in-sandbox agent.
+// Nothing of the platform lives in a sandbox: no agent process, no edge
+// files, no host processes, no API on its loopback.
+func TestRedteamCannotSeeThePlatform(t *testing.T) {
+	needDaemon(t)
+	sb := newSandbox(t, api.SandboxSpec{})
+	sh(t, sb.ID, "echo the-answer-is-42 > /tmp/graded")
+	r := sh(t, sb.ID, `ps -o pid,comm | tail -n +2 | awk '{print $2}' | sort | uniq | tr '\n' ' '; echo;
+		find / -xdev \( -name 'cmdlog.jsonl' -o -name 'sandbox.json' -o -name 'dsec.db' -o -name 'admin.key' \) 2>/dev/null | head;
+		grep -l dsec /proc/*/cmdline 2>/dev/null | head; cat /proc/1/cmdline | tr '\0' ' '; echo;
+		nc -w 1 127.0.0.1 `+strings.Split(d.listen, ":")[1]+` </dev/null && echo API-REACHABLE`)
+	out := r.Stdout
+	for _, bad := range []string{"cmdlog.jsonl", "sandbox.json", "dsec.db", "admin.key", "API-REACHABLE", "dsec up", "crun", "runc"} {
+		if strings.Contains(out, bad) {
+			t.Fatalf("CONTAINMENT FAILURE: the sandbox sees %q:\n%s", bad, out)
+		}
+	}
+	if !strings.Contains(out, "/dev/init") {
+		t.Fatalf("pid 1 is not the sandbox's own init:\n%s", out)
+	}
+	// The command log exists, outside the sandbox.
+	page, err := client.ReadLog(ctx(t), sb.ID, 0, 10)
+	if err != nil || len(page.Entries) == 0 {
+		t.Fatalf("command log: %v %+v", err, page)
+	}
+}
+
+// TestRedteamForkBomb: a real fork bomb under the default pids limit stays
+// inside; the sandbox recovers once it is killed.
+func TestRedteamForkBomb(t *testing.T) {
+	needDaemon(t)
+	by := newBystander(t)
+	sb := newSandbox(t, api.SandboxSpec{Pids: 256})
+	res, err := client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "b(){ b|b& }; b", Timeout: 5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("fork bomb: exit %d timed_out %v", res.ExitCode, res.TimedOut)
+	by.check(t)
+	// Kill what is left and check the sandbox answers again.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, _ = client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "kill -9 -1", Timeout: 5})
+		r, err := client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "echo alive", Timeout: 5})
+		if err == nil && r.Stdout == "alive\n" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("sandbox does not recover after the fork bomb: %v %+v", err, r)
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+}
