@@ -8,7 +8,7 @@ BIN := bin/dsec
 STATE_DIR ?= /var/lib/dsec
 LISTEN ?= 127.0.0.1:7070
 
-.PHONY: all build deps run demo test test-unit vet bench clean
+.PHONY: all build deps deps-test run demo test test-unit vet bench clean
 
 all: build
 
@@ -16,6 +16,9 @@ all: build
 # binary is missing, so a prepared machine never touches the network.
 deps:
 	@./scripts/deps.sh
+
+deps-test:
+	@./scripts/deps.sh --test
 
 build:
 	$(GO) build -o $(BIN) ./cmd/dsec
@@ -32,7 +35,7 @@ test-unit:
 	$(GO) test -count=1 ./internal/... ./sdk/... ./api/... ./cmd/...
 
 # Everything, including the end-to-end tests against a real `dsec up`.
-test: deps vet build
+test: deps-test vet build
 	$(GO) test -count=1 -timeout 30m ./...
 
 bench: build

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the host packages dsec needs, only if something is missing, and
-# downloads the Go modules. Debian 12 package names.
+# downloads the Go modules. Debian 12 package names. With --test, also the
+# tools only the tests use.
 set -euo pipefail
 export PATH=/usr/local/go/bin:$PATH
 
@@ -15,6 +16,13 @@ bb_kind=$(ldd "$(command -v busybox || echo /nonexistent)" 2>&1 || true)
 case "$bb_kind" in *"not a dynamic"*) ;; *) need+=(busybox-static) ;; esac
 have ip || need+=(iproute2)
 have nft || need+=(nftables)
+have mkfs.ext4 || need+=(e2fsprogs)
+if [ "${1:-}" = --test ]; then
+	# A real OCI registry for the pull tests; skopeo writes the archives
+	# other tools produce.
+	[ -x /usr/bin/docker-registry ] || need+=(docker-registry)
+	have skopeo || need+=(skopeo)
+fi
 
 if [ ${#need[@]} -gt 0 ]; then
 	if [ "$(id -u)" != 0 ]; then
