@@ -56,6 +56,9 @@ type SandboxSpec struct {
 	Workdir     string            `json:"workdir,omitempty"`
 	Labels      map[string]string `json:"labels,omitempty"`
 	QoS         string            `json:"qos,omitempty"`
+	// UserNS runs the sandbox in a user namespace: root inside is an
+	// unprivileged uid on the host.
+	UserNS bool `json:"userns,omitempty"`
 }
 
 // Sandbox is the API's view of one sandbox.

@@ -52,6 +52,7 @@ func sandboxCreate(ctx context.Context, args []string) error {
 	fs.StringVar(&spec.User, "user", "", "default user for commands")
 	fs.StringVar(&spec.Workdir, "workdir", "", "default working directory")
 	fs.StringVar(&spec.QoS, "qos", "", "ls (latency-sensitive) | be (best-effort)")
+	fs.BoolVar(&spec.UserNS, "userns", false, "run in a user namespace (root inside is unprivileged on the host)")
 	fs.Var(&allow, "allow", "egress allow rule: preset, CIDR or CIDR:port/proto (repeatable)")
 	fs.Var(&deny, "deny", "egress deny rule (repeatable)")
 	count := fs.Int("count", 1, "number of sandboxes to create")

@@ -56,6 +56,9 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 	if err := e.checkDisk(spec.DiskMB); err != nil {
 		return nil, err
 	}
+	if err := e.checkUserNS(spec.UserNS); err != nil {
+		return nil, err
+	}
 	var undo cleanup.Stack
 	defer undo.Run()
 
@@ -71,6 +74,7 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 		Digests:    req.Digests,
 		CgroupPath: e.cfg.CgroupParent + "/" + id,
 		Disk:       spec.DiskMB > 0,
+		UserNS:     spec.UserNS,
 	}
 	// Admission counts sandboxes holding resources, this one included from
 	// here on. It is visible as "creating" (and its layers as in use) while
@@ -98,6 +102,11 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 		return nil, fmt.Errorf("creating sandbox dir: %w", err)
 	}
 	undo.Add(func() { _ = os.RemoveAll(dir) })
+	if rec.UserNS {
+		if err := groupSearchable(dir, e.cfg.UserNSBase); err != nil {
+			return nil, err
+		}
+	}
 	for _, d := range []string{"rootfs", "bundle"} {
 		if err := os.Mkdir(filepath.Join(dir, d), 0o755); err != nil {
 			return nil, fmt.Errorf("creating sandbox dir: %w", err)
@@ -123,6 +132,13 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 			return nil, fmt.Errorf("creating sandbox dir: %w", err)
 		}
 	}
+	if rec.UserNS {
+		// The upper's root is the sandbox's "/": its root must own it.
+		base := int(e.cfg.UserNSBase)
+		if err := os.Chown(upper, base, base); err != nil {
+			return nil, fmt.Errorf("creating sandbox dir: %w", err)
+		}
+	}
 
 	lowers := make([]string, len(req.Digests))
 	for i, d := range req.Digests {
@@ -133,6 +149,12 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 		undo.Add(func() { _ = e.mounter.Release(d) })
 		// Overlay wants the topmost lower first.
 		lowers[len(req.Digests)-1-i] = mp
+	}
+	if rec.UserNS {
+		undo.Add(func() { _ = unmountLowers(dir) })
+		if lowers, err = e.idmapLowers(dir, lowers); err != nil {
+			return nil, err
+		}
 	}
 	rootfs := filepath.Join(dir, "rootfs")
 	if err := layer.MountOverlay(lowers, upper, work, rootfs); err != nil {
@@ -150,6 +172,9 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 	}
 	if e.deps.Net != nil {
 		cfg.ResolvConf = filepath.Join(e.cfg.StateDir, "resolv.conf")
+	}
+	if rec.UserNS {
+		cfg.UserNS = e.sandboxIDMap()
 	}
 	if err := e.deps.Backend.Create(ctx, cfg); err != nil {
 		return nil, fmt.Errorf("starting sandbox: %w", err)
@@ -267,6 +292,9 @@ func (e *Edge) teardown(ctx context.Context, s *sbx, remove bool) error {
 		if err := layer.UnmountOverlay(rootfs); err != nil {
 			return fmt.Errorf("unmounting sandbox rootfs: %w", err)
 		}
+		if err := unmountLowers(s.dir); err != nil {
+			return err
+		}
 		if rec.Disk {
 			if err := removeDisk(s.dir); err != nil {
 				return err
@@ -312,7 +340,7 @@ func (e *Edge) stopSandbox(ctx context.Context, s *sbx, final, reason string) {
 	}
 	// The writable layer goes with the runtime: a stopped sandbox cannot be
 	// restarted, so keeping it would only leak disk.
-	for _, d := range []string{"upper", "work", "rootfs", "bundle", "vol", "disk.img"} {
+	for _, d := range []string{"upper", "work", "rootfs", "bundle", "vol", "disk.img", "lower"} {
 		_ = os.RemoveAll(filepath.Join(s.dir, d))
 	}
 	now := time.Now().UTC()

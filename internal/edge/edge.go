@@ -58,6 +58,9 @@ type Config struct {
 	// SnapshotLabels, when set, restricts snapshots to sandboxes carrying
 	// all these labels (builder sandboxes, say).
 	SnapshotLabels map[string]string
+	// UserNSBase is the first host ID of user-namespace sandboxes
+	// (userns.go); 0 refuses spec.userns.
+	UserNSBase uint32
 	// DiskQuota is how disk_mb is enforced: DiskLoop (a disk per
 	// sandbox) or DiskOff (disk_mb refused).
 	DiskQuota string
@@ -97,6 +100,13 @@ type Edge struct {
 	// live counts sandboxes holding node resources (creating, running,
 	// paused): what admission checks against MaxSandboxes.
 	live int
+
+	// idmap is the user namespace idmapped layer mounts use, made on the
+	// first user-namespace sandbox.
+	idmapMu sync.Mutex
+	idmap   *os.File
+	// usernsBroken says why user-namespace sandboxes cannot run here.
+	usernsBroken error
 
 	stop chan struct{}
 	wg   sync.WaitGroup
@@ -156,6 +166,12 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 		stop:      make(chan struct{}),
 	}
 	e.mounter = layer.NewMounter(filepath.Join(cfg.StateDir, "mnt"), deps.BlobPath, e.log)
+	if cfg.UserNSBase != 0 {
+		if err := prepareUserNSDirs(cfg.StateDir, cfg.UserNSBase); err != nil {
+			e.usernsBroken = err
+			e.log.Warn("user-namespace sandboxes unavailable", "err", err)
+		}
+	}
 	e.metrics.bind(e)
 	return e, nil
 }

@@ -178,6 +178,10 @@ func (e *Edge) root(s *sbx) (*files.Root, error) {
 	if err != nil {
 		return nil, fmt.Errorf("opening sandbox rootfs: %w", err)
 	}
+	if s.rec.UserNS {
+		base := int(e.cfg.UserNSBase)
+		r.SetOwner(files.Owner{UID: base, GID: base})
+	}
 	s.root = r
 	return r, nil
 }

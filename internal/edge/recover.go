@@ -72,10 +72,13 @@ func (e *Edge) recover(ctx context.Context) error {
 			if mounted[rootfs] {
 				_ = layer.UnmountOverlay(rootfs)
 			}
+			if err := unmountLowers(sdir); err != nil {
+				e.log.Warn("unmounting the layers of a dead sandbox", "sandbox_id", id, "err", err)
+			}
 			if err := removeDisk(sdir); err != nil {
 				e.log.Warn("removing the disk of a dead sandbox", "sandbox_id", id, "err", err)
 			}
-			for _, d := range []string{"upper", "work", "rootfs", "bundle", "vol"} {
+			for _, d := range []string{"upper", "work", "rootfs", "bundle", "vol", "lower"} {
 				_ = os.RemoveAll(filepath.Join(sdir, d))
 			}
 			now := time.Now().UTC()
@@ -150,6 +153,10 @@ func (e *Edge) reapDir(ctx context.Context, id, sdir string, rootfsMounted bool)
 			e.log.Warn("unmounting orphan rootfs", "sandbox_id", id, "err", err)
 			return
 		}
+	}
+	if err := unmountLowers(sdir); err != nil {
+		e.log.Warn("unmounting orphan idmapped layers", "sandbox_id", id, "err", err)
+		return
 	}
 	if err := removeDisk(sdir); err != nil {
 		e.log.Warn("removing orphan sandbox disk", "sandbox_id", id, "err", err)

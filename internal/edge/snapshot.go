@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -137,6 +138,24 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o SnapshotOptions) (*api
 		thaw() // the staged copy is all the pack needs from the sandbox
 		src, excludes = stage, nil
 		info.Layers, info.Flattened = append([]string(nil), below...), len(chain)
+		if rec.UserNS {
+			if err := unshiftTree(stage, e.userNSMap()); err != nil {
+				return nil, fmt.Errorf("snapshotting %s: %w", id, err)
+			}
+		}
+	} else if rec.UserNS {
+		// The upper holds host IDs; the layer must hold the sandbox's.
+		if stage, err = e.newStage(&cl); err != nil {
+			return nil, err
+		}
+		if out, err := exec.CommandContext(ctx, "cp", "-a", upper+"/.", stage).CombinedOutput(); err != nil {
+			return nil, fmt.Errorf("copying the changes of %s: %v: %s", id, err, strings.TrimSpace(string(out)))
+		}
+		thaw()
+		if err := unshiftTree(stage, e.userNSMap()); err != nil {
+			return nil, fmt.Errorf("snapshotting %s: %w", id, err)
+		}
+		src = stage
 	}
 	l, err := e.deps.Layers.BuildFromDir(ctx, ref, src, layer.BuildOptions{Exclude: excludes, Snapshot: info}, nil)
 	if err != nil {
@@ -176,11 +195,9 @@ func (e *Edge) freeze(ctx context.Context, id string, rec record) (thaw func(), 
 	}, nil
 }
 
-// stageChain merges the snapshot layers of chain (bottom first) into a new
-// directory under <state>/snapstage and returns it; cl removes it. The
-// layers are mounted already (the sandbox uses them); the reference taken
-// here keeps them mounted while they are read.
-func (e *Edge) stageChain(ctx context.Context, chain []string, cl *cleanup.Stack) (string, error) {
+// newStage makes an empty staging directory under <state>/snapstage; cl
+// removes it.
+func (e *Edge) newStage(cl *cleanup.Stack) (string, error) {
 	root := filepath.Join(e.cfg.StateDir, "snapstage")
 	// Staged trees hold setuid files and device nodes: root only.
 	if err := os.MkdirAll(root, 0o700); err != nil {
@@ -196,6 +213,18 @@ func (e *Edge) stageChain(ctx context.Context, chain []string, cl *cleanup.Stack
 			e.log.Warn("removing snapshot staging", "dir", dir, "err", err)
 		}
 	})
+	return dir, nil
+}
+
+// stageChain merges the snapshot layers of chain (bottom first) into a new
+// directory under <state>/snapstage and returns it; cl removes it. The
+// layers are mounted already (the sandbox uses them); the reference taken
+// here keeps them mounted while they are read.
+func (e *Edge) stageChain(ctx context.Context, chain []string, cl *cleanup.Stack) (string, error) {
+	dir, err := e.newStage(cl)
+	if err != nil {
+		return "", err
+	}
 	for _, d := range chain {
 		if err := ctx.Err(); err != nil {
 			return "", fmt.Errorf("staging snapshot layers: %w", err)

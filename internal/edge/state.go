@@ -25,6 +25,8 @@ type record struct {
 	// Disk is set when the writable layer is on the sandbox's own disk
 	// (disk_mb > 0; see disk.go).
 	Disk bool `json:"disk,omitempty"`
+	// UserNS is set for a sandbox in a user namespace (userns.go).
+	UserNS bool `json:"userns,omitempty"`
 	// Net is the sandbox's veth slot, once its policy let something out.
 	Net *netpolicy.Attachment `json:"net,omitempty"`
 	// StoppedAt is when the sandbox stopped; its record is removed

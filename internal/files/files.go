@@ -60,6 +60,28 @@ type Root struct {
 	maxDirEntries  int
 	maxNesting     int
 	removeBatch    int // names unlinked per directory read in recursive removal
+
+	// owner, when set, owns what this Root creates (files, directories,
+	// tar entries without PreserveOwner): a user-namespace sandbox's root.
+	owner *Owner
+}
+
+// Owner is a host uid and gid.
+type Owner struct{ UID, GID int }
+
+// SetOwner makes o the owner of everything r creates from now on, instead
+// of the caller (root). A sandbox in a user namespace sees files owned by
+// host root as nobody's, and its root could not change them.
+func (r *Root) SetOwner(o Owner) { r.owner = &o }
+
+// chownNew gives name in dirfd (just created) to the root's owner, if any;
+// AT_SYMLINK_NOFOLLOW so that a name swapped for a symlink in between
+// changes only the link.
+func (r *Root) chownNew(dirfd int, name string) error {
+	if r.owner == nil {
+		return nil
+	}
+	return unix.Fchownat(dirfd, name, r.owner.UID, r.owner.GID, unix.AT_SYMLINK_NOFOLLOW)
 }
 
 // Open opens the directory at the host path as a sandbox root.
@@ -265,6 +287,12 @@ func (r *Root) WriteFile(p string, data io.Reader, mode os.FileMode, maxBytes in
 			return 0, errdefs.Invalid("writing %s: content exceeds limit of %d bytes", clean, maxBytes)
 		}
 	}
+	if r.owner != nil {
+		// Before the chmod: chown clears setuid and setgid bits.
+		if err := f.Chown(r.owner.UID, r.owner.GID); err != nil {
+			return n, opErr("writing", clean, err)
+		}
+	}
 	// The mode is applied as given, special bits included: the caller is
 	// the API's authenticated principal, who could chmod inside the sandbox
 	// anyway. fchmod (not the umask of create) makes it exact.
@@ -318,9 +346,13 @@ func (r *Root) mkdirAll(rel string) (int, error) {
 		prefix := strings.Join(comps[:i+1], "/")
 		next, err := openat2(r.fd, prefix, unix.O_PATH|unix.O_DIRECTORY, 0, inRoot)
 		if err == unix.ENOENT {
-			if err := unix.Mkdirat(cur, c, 0755); err != nil && err != unix.EEXIST {
+			merr := unix.Mkdirat(cur, c, 0755)
+			if merr == nil {
+				merr = r.chownNew(cur, c)
+			}
+			if merr != nil && merr != unix.EEXIST {
 				unix.Close(cur)
-				return -1, err
+				return -1, merr
 			}
 			next, err = openat2(r.fd, prefix, unix.O_PATH|unix.O_DIRECTORY, 0, inRoot)
 		}

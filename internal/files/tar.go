@@ -26,6 +26,9 @@ type TarOptions struct {
 	MaxFiles      int   // entries allowed (0 = unlimited)
 	PreserveOwner bool  // chown entries to the tar's uid/gid (used when building layers as root)
 	AllowDevices  bool  // create char/block devices and fifos (layer builds); otherwise such entries are refused with Invalid
+	// Owner, without PreserveOwner, owns every entry created (Root.SetOwner
+	// sets it for the root's own extractions).
+	Owner *Owner
 }
 
 // Mode bits ExtractTar applies. PreserveOwner marks the archive as trusted
@@ -320,6 +323,9 @@ func (r *Root) ExtractTar(p string, rd io.Reader, opts TarOptions) (api.TarResul
 	clean, err := CleanPath(p)
 	if err != nil {
 		return res, err
+	}
+	if !opts.PreserveOwner && opts.Owner == nil {
+		opts.Owner = r.owner
 	}
 	dest, err := r.mkdirAll(relPath(clean))
 	if err == unix.ENOTDIR {
@@ -644,6 +650,10 @@ func (x *extractor) meta(fd int, isLink bool, hdr *tar.Header) error {
 		if err := unix.Fchownat(fd, "", hdr.Uid, hdr.Gid, unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW); err != nil {
 			return err
 		}
+	} else if o := x.opts.Owner; o != nil {
+		if err := unix.Fchownat(fd, "", o.UID, o.GID, unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			return err
+		}
 	}
 	if !isLink {
 		mode := uint32(hdr.Mode) & keptModeBits
@@ -694,9 +704,13 @@ func (x *extractor) mkdirAll(dir string) (int, error) {
 	for _, c := range strings.Split(dir, "/") {
 		next, err := openat2(cur, c, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0, noSymlinks)
 		if err == unix.ENOENT {
-			if err := unix.Mkdirat(cur, c, 0755); err != nil && err != unix.EEXIST {
+			merr := unix.Mkdirat(cur, c, 0755)
+			if merr == nil && !x.opts.PreserveOwner && x.opts.Owner != nil {
+				merr = unix.Fchownat(cur, c, x.opts.Owner.UID, x.opts.Owner.GID, unix.AT_SYMLINK_NOFOLLOW)
+			}
+			if merr != nil && merr != unix.EEXIST {
 				unix.Close(cur)
-				return -1, err
+				return -1, merr
 			}
 			next, err = openat2(cur, c, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0, noSymlinks)
 		}

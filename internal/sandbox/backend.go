@@ -59,6 +59,17 @@ type Config struct {
 	// ResolvConf, if set, is a host file shown read-only at
 	// /etc/resolv.conf.
 	ResolvConf string
+	// UserNS, if set, runs the sandbox in a new user namespace in which IDs
+	// 0..Size-1 are host IDs HostID.. (uids and gids alike). The rootfs
+	// must already show files with those host IDs (idmapped lowers, an
+	// upper owned by HostID).
+	UserNS *IDMap
+}
+
+// IDMap is a contiguous ID mapping (see Config.UserNS).
+type IDMap struct {
+	HostID uint32
+	Size   uint32
 }
 
 // Limits are the resource limits applied to the whole sandbox. Zero means

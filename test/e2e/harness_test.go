@@ -78,6 +78,12 @@ func run(m *testing.M) int {
 		return 1
 	}
 	defer os.RemoveAll(workDir)
+	// MkdirTemp makes it 0700; user-namespace sandboxes need to pass
+	// through it (as they pass through /var/lib).
+	if err := os.Chmod(workDir, 0o711); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
 	if err := setup(); err != nil {
 		fmt.Fprintln(os.Stderr, "e2e setup:", err)
 		if d != nil {
@@ -235,6 +241,18 @@ func (d *daemon) stop() {
 
 func (d *daemon) dumpLog(w *os.File) {
 	b, _ := os.ReadFile(d.logPath)
+	// Warnings and errors from the whole run first: the tail is mostly
+	// the final clean-up.
+	var bad []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.Contains(line, "level=WARN") || strings.Contains(line, "level=ERROR") || strings.HasPrefix(line, "dsec:") {
+			bad = append(bad, line)
+		}
+	}
+	if len(bad) > 60 {
+		bad = bad[len(bad)-60:]
+	}
+	fmt.Fprintf(w, "---- dsec up log: warnings and errors ----\n%s\n", strings.Join(bad, "\n"))
 	if len(b) > 20000 {
 		b = b[len(b)-20000:]
 	}

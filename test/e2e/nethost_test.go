@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -21,25 +22,34 @@ import (
 )
 
 // The network tests' outside world, all on this machine: a network
-// namespace "dsec-e2e-net" joined to the host by a veth (host side
-// 10.251.77.1/24) whose side holds 10.251.77.2 ("pypi.e2e.test") and
-// 10.251.77.3 ("npm.e2e.test"), with HTTP servers on port 80 of both, a
-// line-counting TCP server on 10.251.77.3:9000 and a datagram counter on
-// 10.251.77.3:9001; a DNS server on 127.0.0.1 that knows those two names and
+// namespace "dsec-e2e-<pid>" joined to the host by a veth (host side
+// 10.251.N.1/24) whose side holds 10.251.N.2 ("pypi.e2e.test") and
+// 10.251.N.3 ("npm.e2e.test"), with HTTP servers on port 80 of both, a
+// line-counting TCP server on 10.251.N.3:9000 and a datagram counter on
+// 10.251.N.3:9001; a DNS server on 127.0.0.1 that knows those two names and
 // records every name it is asked; and an HTTP server on the host itself
 // (all addresses), which sandboxes must never reach. dsec up is told to use
 // that DNS server upstream and presets "pypi"/"npm" that name the hosts.
+//
+// N, the names and the daemon's sandbox pool (10.N.0.0/16) derive from the
+// test process's pid, so that two runs of the suite on one machine (a
+// developer's and a helper's) do not take each other's world down.
+var (
+	netN      = 100 + os.Getpid()%90
+	netNS     = fmt.Sprintf("dsec-e2e-%d", os.Getpid())
+	netHostIf = fmt.Sprintf("dxe%d", os.Getpid())
+	netPool   = fmt.Sprintf("10.%d.0.0/16", netN)
+	netSubnet = fmt.Sprintf("10.251.%d", netN)
+	hostAddr  = netSubnet + ".1"
+	pypiAddr  = netSubnet + ".2"
+	npmAddr   = netSubnet + ".3"
+)
+
 const (
-	netNS     = "dsec-e2e-net"
-	netHostIf = "dxe2e0"
-	netPool   = "10.201.0.0/16"
-	hostAddr  = "10.251.77.1"
-	pypiAddr  = "10.251.77.2"
-	npmAddr   = "10.251.77.3"
-	pypiName  = "pypi.e2e.test"
-	npmName   = "npm.e2e.test"
-	probeRef  = "toolkit/netprobe:v1"
-	probe     = "/opt/netprobe"
+	pypiName = "pypi.e2e.test"
+	npmName  = "npm.e2e.test"
+	probeRef = "toolkit/netprobe:v1"
+	probe    = "/opt/netprobe"
 )
 
 var netw struct {
@@ -90,8 +100,15 @@ func run1(name string, args ...string) error {
 }
 
 func buildNetWorld() error {
-	// Leftovers of an interrupted run.
-	_ = exec.Command("ip", "netns", "del", netNS).Run()
+	// Leftovers of interrupted runs: worlds whose test process is gone.
+	old, _ := filepath.Glob("/run/netns/dsec-e2e-*")
+	for _, p := range old {
+		pid := strings.TrimPrefix(filepath.Base(p), "dsec-e2e-")
+		if _, err := os.Stat("/proc/" + pid); err != nil || pid == strconv.Itoa(os.Getpid()) {
+			_ = exec.Command("ip", "netns", "del", filepath.Base(p)).Run()
+			_ = exec.Command("ip", "link", "del", "dxe"+pid).Run()
+		}
+	}
 	_ = exec.Command("ip", "link", "del", netHostIf).Run()
 	for _, c := range [][]string{
 		{"netns", "add", netNS},
@@ -216,7 +233,7 @@ func netTeardown() {
 		sum := sha256.Sum256([]byte(abs))
 		inst := hex.EncodeToString(sum[:3])[:5]
 		_ = exec.Command("nft", "delete", "table", "inet", "dsec_"+inst).Run()
-		_ = exec.Command("ip", "addr", "del", "10.201.0.1/32", "dev", "lo").Run()
+		_ = exec.Command("ip", "addr", "del", fmt.Sprintf("10.%d.0.1/32", netN), "dev", "lo").Run()
 	}
 }
 

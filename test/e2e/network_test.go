@@ -115,7 +115,7 @@ func TestNetworkPresetThroughDNSProxy(t *testing.T) {
 
 func TestNetworkCIDRRulesAndDeny(t *testing.T) {
 	needNet(t)
-	sb := netSandbox(t, []string{"10.251.77.0/24:80/tcp", npmAddr + ":9001/udp"}, []string{npmAddr + ":80/tcp"})
+	sb := netSandbox(t, []string{netSubnet + ".0/24:80/tcp", npmAddr + ":9001/udp"}, []string{npmAddr + ":80/tcp"})
 	mustReach(t, sb.ID, "hello from pypi", "get", "http://"+pypiAddr+"/")
 	mustNotReach(t, sb.ID, "get", "http://"+npmAddr+"/") // deny wins
 	before := netw.datagrams.Load()
@@ -205,7 +205,7 @@ func TestNetworkRawSocketsAndInterfaceChanges(t *testing.T) {
 		t.Fatalf("CONTAINMENT FAILURE: raw/packet sockets: %s", out)
 	}
 	for _, cmd := range []string{
-		"ip addr add 10.251.77.9/24 dev eth0", "ip link set eth0 down", "ip route add 10.0.0.0/8 dev eth0",
+		"ip addr add " + netSubnet + ".9/24 dev eth0", "ip link set eth0 down", "ip route add 10.0.0.0/8 dev eth0",
 		"ip link add x type dummy", "echo 0 > /proc/sys/net/ipv4/conf/all/rp_filter",
 	} {
 		if res := sh(t, sb.ID, cmd); res.ExitCode == 0 {

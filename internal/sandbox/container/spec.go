@@ -55,6 +55,12 @@ func (c *Container) spec(cfg sandbox.Config) *specs.Spec {
 	if c.cfg.CgroupNS {
 		ns = append(ns, specs.LinuxNamespace{Type: specs.CgroupNamespace})
 	}
+	var uidMap, gidMap []specs.LinuxIDMapping
+	if m := cfg.UserNS; m != nil {
+		ns = append(ns, specs.LinuxNamespace{Type: specs.UserNamespace})
+		uidMap = []specs.LinuxIDMapping{{ContainerID: 0, HostID: m.HostID, Size: m.Size}}
+		gidMap = uidMap
+	}
 	mounts := []specs.Mount{
 		{Destination: "/proc", Type: "proc", Source: "proc", Options: []string{"nosuid", "noexec", "nodev"}},
 		{Destination: "/dev", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
@@ -86,6 +92,8 @@ func (c *Container) spec(cfg sandbox.Config) *specs.Spec {
 		Linux: &specs.Linux{
 			CgroupsPath:   cfg.CgroupPath,
 			Namespaces:    ns,
+			UIDMappings:   uidMap,
+			GIDMappings:   gidMap,
 			Resources:     resources(cfg.Limits),
 			MaskedPaths:   maskedPaths,
 			ReadonlyPaths: readonlyPaths,

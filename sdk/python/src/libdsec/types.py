@@ -52,6 +52,7 @@ class DSecContainerRunArgs:
     ``env`` ``workdir``       ``env`` ``workdir``
     ``labels`` ``qos``        ``labels`` ``qos``
     ``backend``               ``backend``
+    ``userns``                ``userns`` (root inside unprivileged on the host)
     ========================  ==========================================
 
     ``ttl_running_stop`` is the *idle* timeout: the sandbox is stopped after
@@ -83,12 +84,15 @@ class DSecContainerRunArgs:
     pids_limit: int = 0
     qos: Optional[str] = None
     backend: Optional[str] = None
+    userns: bool = False
 
     def to_spec(self) -> dict[str, Any]:
         """Return the REST ``SandboxSpec`` (a JSON-ready dict)."""
         spec: dict[str, Any] = {}
         if self.backend:
             spec["backend"] = self.backend
+        if self.userns:
+            spec["userns"] = True
         if self.container_image:
             spec["base"] = self.container_image
         if self.workspace:

@@ -1,0 +1,203 @@
+package edge
+
+import (
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/sandbox"
+)
+
+// User-namespace mode (spec.userns): the sandbox runs in a user namespace
+// in which IDs 0..UserNSSize-1 are host IDs Config.UserNSBase.., so root
+// inside is an unprivileged uid on the host, holding no capability over
+// anything outside its namespaces.
+//
+// Its root filesystem must show files with those host IDs:
+//   - each read-only layer is seen through an idmapped mount of the node's
+//     shared EROFS mount (<dir>/lower/<i>), so a file owned by k in the
+//     image appears owned by base+k; the images are unchanged;
+//   - the upper dir is owned by base, and what the sandbox writes lands on
+//     disk with host IDs (base+k): overlayfs cannot use an idmapped upper
+//     when it is mounted from the host namespace (it creates its work
+//     dirs as host root, which the mapping cannot represent);
+//   - the files API chowns what it creates to base;
+//   - a snapshot copies the upper and shifts its IDs back (base+k → k)
+//     before packing, so snapshot layers look like any other layer.
+//
+// All user-namespace sandboxes of a node share the one range: they are
+// kept apart by their other namespaces and by the state directory (0700,
+// host root), not by distinct IDs.
+
+// UserNSSize is how many IDs a user-namespace sandbox has.
+const UserNSSize = 65536
+
+// The OCI runtime sets up a user-namespace sandbox's mounts as the
+// sandbox's root, so that uid must be able to reach the rootfs: every
+// directory above it must be searchable by it. The edge makes its own
+// directories (the state dir, sandboxes/, each sandbox's dir) root-owned
+// with group base and mode 0710: searchable by that group only, listable by
+// nobody but root. Directories above the state dir must be searchable by
+// others (as /var/lib is); if one is not, user-namespace sandboxes are
+// refused with the reason.
+
+// prepareUserNSDirs opens the edge's directories to the mapped group, or
+// returns why user-namespace sandboxes cannot work under this state dir.
+func prepareUserNSDirs(stateDir string, base uint32) error {
+	abs, err := filepath.Abs(stateDir)
+	if err != nil {
+		return err
+	}
+	for _, d := range []string{filepath.Dir(abs), abs, filepath.Join(abs, "sandboxes")} {
+		if err := groupSearchable(d, base); err != nil {
+			return err
+		}
+	}
+	for p := filepath.Dir(filepath.Dir(abs)); ; p = filepath.Dir(p) {
+		var st unix.Stat_t
+		if err := unix.Stat(p, &st); err != nil {
+			return err
+		}
+		if st.Mode&0o001 == 0 {
+			return fmt.Errorf("%s is not searchable by other users (mode %o), so a sandbox's root cannot reach its rootfs below it; chmod o+x it or move the state dir", p, st.Mode&0o777)
+		}
+		if p == "/" {
+			return nil
+		}
+	}
+}
+
+// groupSearchable makes the root-owned directory d mode 0710 with group gid.
+func groupSearchable(d string, gid uint32) error {
+	if err := os.Chown(d, 0, int(gid)); err != nil {
+		return fmt.Errorf("opening %s to user-namespace sandboxes: %w", d, err)
+	}
+	if err := os.Chmod(d, 0o710); err != nil {
+		return fmt.Errorf("opening %s to user-namespace sandboxes: %w", d, err)
+	}
+	return nil
+}
+
+func (e *Edge) userNSMap() layer.IDMap {
+	return layer.IDMap{HostID: e.cfg.UserNSBase, Size: UserNSSize}
+}
+
+// checkUserNS refuses userns on a node without it.
+func (e *Edge) checkUserNS(want bool) error {
+	if !want {
+		return nil
+	}
+	if e.cfg.UserNSBase == 0 {
+		return errdefs.Precondition("node %s does not run user-namespace sandboxes (dsec up --userns-base 0); omit userns", e.cfg.Name)
+	}
+	if e.usernsBroken != nil {
+		return errdefs.Precondition("node %s cannot run user-namespace sandboxes: %v", e.cfg.Name, e.usernsBroken)
+	}
+	return nil
+}
+
+// idmapNS returns the node's id-mapping namespace, creating it once.
+func (e *Edge) idmapNS() (*os.File, error) {
+	e.idmapMu.Lock()
+	defer e.idmapMu.Unlock()
+	if e.idmap != nil {
+		return e.idmap, nil
+	}
+	f, err := layer.NewIDMapNS(e.userNSMap())
+	if err != nil {
+		return nil, err
+	}
+	e.idmap = f
+	return f, nil
+}
+
+// idmapLowers mounts idmapped views of the layer mounts mps at
+// <dir>/lower/<i> and returns their paths.
+func (e *Edge) idmapLowers(dir string, mps []string) ([]string, error) {
+	ns, err := e.idmapNS()
+	if err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(filepath.Join(dir, "lower"), 0o700); err != nil {
+		return nil, fmt.Errorf("creating sandbox dir: %w", err)
+	}
+	out := make([]string, len(mps))
+	for i, mp := range mps {
+		p := filepath.Join(dir, "lower", strconv.Itoa(i))
+		if err := os.Mkdir(p, 0o755); err != nil {
+			return out, fmt.Errorf("creating sandbox dir: %w", err)
+		}
+		if err := layer.IDMapMount(mp, p, ns); err != nil {
+			return out, err
+		}
+		out[i] = p
+	}
+	return out, nil
+}
+
+// unmountLowers unmounts whatever is mounted under <dir>/lower.
+func unmountLowers(dir string) error {
+	ents, err := os.ReadDir(filepath.Join(dir, "lower"))
+	if err != nil {
+		if os.IsNotExist(err) {
+			return nil
+		}
+		return err
+	}
+	for _, ent := range ents {
+		if err := layer.UnmountOverlay(filepath.Join(dir, "lower", ent.Name())); err != nil {
+			return fmt.Errorf("unmounting idmapped layer: %w", err)
+		}
+	}
+	return nil
+}
+
+// sandboxIDMap is the backend's view of the mapping.
+func (e *Edge) sandboxIDMap() *sandbox.IDMap {
+	m := e.userNSMap()
+	return &sandbox.IDMap{HostID: m.HostID, Size: m.Size}
+}
+
+// unshiftTree rewrites the owners of every entry under root from the
+// sandbox's host IDs back to the IDs inside it (base+k → k). IDs outside
+// the range (layers staged from snapshots, which are unshifted already)
+// are left alone.
+func unshiftTree(root string, m layer.IDMap) error {
+	return filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		var st unix.Stat_t
+		if err := unix.Lstat(p, &st); err != nil {
+			return err
+		}
+		uid, gid := st.Uid, st.Gid
+		if m.Contains(uid) {
+			uid -= m.HostID
+		}
+		if m.Contains(gid) {
+			gid -= m.HostID
+		}
+		if uid == st.Uid && gid == st.Gid {
+			return nil
+		}
+		// lchown clears setuid/setgid bits and file capabilities: put
+		// the mode back (not the capabilities: a snapshot of a userns
+		// sandbox does not keep security.capability).
+		if err := unix.Lchown(p, int(uid), int(gid)); err != nil {
+			return fmt.Errorf("shifting owner of %s: %w", p, err)
+		}
+		if st.Mode&unix.S_IFMT != unix.S_IFLNK && st.Mode&(unix.S_ISUID|unix.S_ISGID) != 0 {
+			if err := unix.Chmod(p, st.Mode&0o7777); err != nil {
+				return fmt.Errorf("restoring mode of %s: %w", p, err)
+			}
+		}
+		return nil
+	})
+}

@@ -1,0 +1,71 @@
+package layer
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// IDMap is a contiguous user and group ID mapping: IDs 0..Size-1 inside a
+// sandbox are HostID..HostID+Size-1 on the host.
+type IDMap struct {
+	HostID uint32
+	Size   uint32
+}
+
+// Contains reports whether the host ID id is inside the mapping.
+func (m IDMap) Contains(id uint32) bool { return id >= m.HostID && id-m.HostID < m.Size }
+
+// NewIDMapNS returns an open user namespace file with mapping m (uids and
+// gids alike), for idmapped mounts. The namespace is made by a short-lived
+// child (a process is the only way to create one with a mapping written by
+// a privileged parent); the open file keeps it alive after the child is
+// gone.
+func NewIDMapNS(m IDMap) (*os.File, error) {
+	sleep, err := exec.LookPath("sleep")
+	if err != nil {
+		return nil, fmt.Errorf("creating id-mapping namespace: %w", err)
+	}
+	cmd := exec.Command(sleep, "60")
+	ids := []syscall.SysProcIDMap{{ContainerID: 0, HostID: int(m.HostID), Size: int(m.Size)}}
+	cmd.SysProcAttr = &syscall.SysProcAttr{
+		Cloneflags: syscall.CLONE_NEWUSER, UidMappings: ids, GidMappings: ids,
+		GidMappingsEnableSetgroups: false, Pdeathsig: syscall.SIGKILL,
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("creating id-mapping namespace: %w", err)
+	}
+	defer func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	}()
+	// The maps are written before Start returns (the child waits for them
+	// before it execs), so the namespace is complete here.
+	f, err := os.Open(fmt.Sprintf("/proc/%d/ns/user", cmd.Process.Pid))
+	if err != nil {
+		return nil, fmt.Errorf("creating id-mapping namespace: %w", err)
+	}
+	return f, nil
+}
+
+// IDMapMount mounts an idmapped view of the directory src at dst (an
+// existing directory): a file owned by ID k on disk appears owned by the
+// namespace's host ID for k. src's own mount is left as it is.
+func IDMapMount(src, dst string, userns *os.File) error {
+	tfd, err := unix.OpenTree(unix.AT_FDCWD, src, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC)
+	if err != nil {
+		return fmt.Errorf("cloning mount %s: %w", src, err)
+	}
+	defer unix.Close(tfd)
+	attr := unix.MountAttr{Attr_set: unix.MOUNT_ATTR_IDMAP, Userns_fd: uint64(userns.Fd())}
+	if err := unix.MountSetattr(tfd, "", unix.AT_EMPTY_PATH, &attr); err != nil {
+		return fmt.Errorf("idmapping mount of %s (needs a filesystem that supports idmapped mounts): %w", src, err)
+	}
+	if err := unix.MoveMount(tfd, "", unix.AT_FDCWD, dst, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return fmt.Errorf("attaching idmapped mount at %s: %w", dst, err)
+	}
+	return nil
+}
