@@ -60,12 +60,16 @@ type benchRow struct {
 
 func runBench(args []string) error {
 	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" {
-		fmt.Print("usage: dsec bench create|exec|pause [flags]\n\n" +
+		fmt.Print("usage: dsec bench create|exec|pause|snapshot|fork|envsetup|density [flags]\n\n" +
 			"  create  create → ready latency and throughput through the API, then delete\n" +
 			"  exec    exec round trip of `true` through the API\n" +
 			"  pause   pause (freeze + reclaim) and resume latency, memory freed per pause\n" +
 			"  snapshot  snapshot time for a 1 MiB and a 100 MiB diff\n" +
-			"  fork    fork --count sandboxes from one sandbox in one call\n\n" +
+			"  fork    fork --count sandboxes from one sandbox in one call\n" +
+			"  envsetup  N sandboxes on base+workspace+toolkit layers running a tool-call\n" +
+			"            sequence, against tar.gz extraction per sandbox (DSec §8 E2)\n" +
+			"  density   fill the node with idle sandboxes: memory, tasks, daemon RSS/fds\n" +
+			"            per sandbox, exec latency at density, teardown rate, leak check\n\n" +
 			"Each prints the same measure for the bare OCI runtime (crun/runc run -d,\n" +
 			"exec, delete) on the same EROFS layer with an overlay, measured in the same run.\n" +
 			"Needs a running `dsec up` (DSEC_ENDPOINT/DSEC_API_KEY or its config file) and,\n" +
@@ -74,6 +78,12 @@ func runBench(args []string) error {
 			return errors.New("bench: missing subcommand")
 		}
 		return errHelpShown
+	}
+	switch args[0] {
+	case "envsetup":
+		return runBenchEnv(args[1:])
+	case "density":
+		return runBenchDensity(args[1:])
 	}
 	sub := args[0]
 	var o benchOpts
@@ -123,7 +133,7 @@ func runBench(args []string) error {
 	case "fork":
 		rows, err = benchFork(ctx, c, o, ref)
 	default:
-		return fmt.Errorf("bench: unknown subcommand %q (want create, exec, pause, snapshot or fork)", sub)
+		return fmt.Errorf("bench: unknown subcommand %q (want create, exec, pause, snapshot, fork, envsetup or density)", sub)
 	}
 	if err != nil {
 		return err
