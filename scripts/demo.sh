@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The demo behind `make run`: starts `dsec up` (unless one already answers),
 # builds a small base/workspace/toolkit layer set from the host's busybox and
-# bash, and walks through a sandbox's life with the CLI, saying what it does.
+# bash, bootstraps a Debian base (python3, git) once, and walks through a
+# sandbox's life on it with the CLI, saying what it does. Without network to
+# the Debian mirror it falls back to the busybox base.
 set -euo pipefail
 DSEC=${DSEC:-bin/dsec}
 STATE_DIR=${STATE_DIR:-/var/lib/dsec}
 LISTEN=${LISTEN:-127.0.0.1:7070}
+DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+DEBIAN_REF=base/debian:12
 DSEC=$(cd "$(dirname "$DSEC")" && pwd)/$(basename "$DSEC")
 export DSEC_ENDPOINT="http://$LISTEN"
 
@@ -36,6 +40,8 @@ unset DSEC_API_KEY
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# Ctrl-C stops the demo (dsec itself cleans up what it was doing).
+trap 'echo; echo "demo: interrupted" >&2; exit 130' INT
 
 step "Assembling a base root filesystem from the host's busybox and bash"
 base="$work/base"
@@ -74,12 +80,36 @@ step "Building three EROFS layers (content-addressed; rebuilding the same conten
 run "$DSEC" layer build --kind base --name demo --tag v1 "$base" 2>/dev/null || run "$DSEC" layer get base/demo:v1
 run "$DSEC" layer build --kind workspace --name demo-task --tag v1 "$work/ws" 2>/dev/null || run "$DSEC" layer get workspace/demo-task:v1
 run "$DSEC" layer build --kind toolkit --name grader --tag v1 "$work/tk" 2>/dev/null || run "$DSEC" layer get toolkit/grader:v1
+
+step "A real Debian base: $DEBIAN_REF, bookworm with python3 and git via debootstrap"
+# Built once (about 40 MB from the mirror, a minute or two); the layer then
+# lives in $STATE_DIR and later runs skip this.
+if "$DSEC" layer get "$DEBIAN_REF" >/dev/null 2>&1; then
+	echo "$DEBIAN_REF is in the catalog already (built by an earlier run); skipping the bootstrap"
+	BASE=$DEBIAN_REF
+elif run "$DSEC" image bootstrap --suite bookworm --ref "$DEBIAN_REF" --packages python3,git --mirror "$DEBIAN_MIRROR"; then
+	BASE=$DEBIAN_REF
+else
+	echo "demo: could not bootstrap $DEBIAN_REF from $DEBIAN_MIRROR (no network?);" \
+		"going on with the busybox base base/demo:v1 instead" >&2
+	BASE=base/demo:v1
+fi
 run "$DSEC" layer list
 
-step "Creating a sandbox: base + workspace + toolkit, 256 MiB, 1 CPU, 64 pids, ttl 10 min"
-SB=$(run "$DSEC" sandbox create --base base/demo:v1 --workspace workspace/demo-task:v1 \
+step "Creating a sandbox: $BASE + workspace + toolkit, 256 MiB, 1 CPU, 64 pids, ttl 10 min"
+SB=$(run "$DSEC" sandbox create --base "$BASE" --workspace workspace/demo-task:v1 \
 	--toolkit toolkit/grader:v1 --memory-mb 256 --cpu 1 --pids 64 --ttl 600 --label demo=run | tail -1)
 echo "sandbox: $SB"
+
+if [ "$BASE" = "$DEBIAN_REF" ]; then
+	step "Real Debian tools in the sandbox: bash, python3, apt, git"
+	run "$DSEC" exec "$SB" -- bash -c 'echo "bash $BASH_VERSION on Debian $(cat /etc/debian_version)"'
+	run "$DSEC" exec "$SB" -- python3 -c 'import json, platform, sqlite3; print(json.dumps({"python": platform.python_version(), "sqlite": sqlite3.sqlite_version}))'
+	run "$DSEC" exec "$SB" --cmd 'apt-cache policy git | head -3'
+	run "$DSEC" exec "$SB" -- git --version
+	# The agent tracks its work with git: commit the task as given.
+	run "$DSEC" exec "$SB" --cmd 'cd /repo && git init -q && git add -A && git -c user.name=agent -c user.email=agent@sandbox commit -qm "task as given" && git log --oneline'
+fi
 
 step "Running the grader: the task's bug makes it fail"
 run "$DSEC" exec "$SB" -- /opt/grader/grade.sh || echo "(exit $?, as expected)"
@@ -93,6 +123,9 @@ step "It writes the fix through the files API and re-runs the grader"
 printf '#!/bin/sh\n# add A B: prints A+B\necho $(( $1 + $2 ))\n' | run "$DSEC" files put --mode 0755 "$SB" /repo/add.sh -
 run "$DSEC" session run "$SB" "$SID" '/opt/grader/grade.sh'
 run "$DSEC" session close "$SB" "$SID"
+if [ "$BASE" = "$DEBIAN_REF" ]; then
+	run "$DSEC" exec "$SB" -- git -C /repo diff
+fi
 
 step "Files: list the repo, and the layers underneath stay untouched"
 run "$DSEC" files ls "$SB" /repo
@@ -102,7 +135,7 @@ run "$DSEC" exec --timeout 1 "$SB" --cmd 'sleep 100 & sleep 100; echo never' || 
 run "$DSEC" exec --max-output-bytes 64 "$SB" --cmd 'head -c 100000 /dev/zero | tr "\\0" x'; echo
 
 step "Batch: 8 more sandboxes from the same layers, listed by label, then deleted by label"
-run "$DSEC" sandbox create --base base/demo:v1 --workspace workspace/demo-task:v1 --count 8 --label demo=batch >/dev/null
+run "$DSEC" sandbox create --base "$BASE" --workspace workspace/demo-task:v1 --count 8 --label demo=batch >/dev/null
 run "$DSEC" sandbox list --label demo=batch
 run "$DSEC" sandbox delete --label demo=batch
 
@@ -126,7 +159,7 @@ run "$DSEC" layer delete "$SNAP" >/dev/null
 cat <<TXT
 
 dsec keeps running on $LISTEN (state: $STATE_DIR, log: $STATE_DIR/dsec.log).
-Try:   $DSEC sandbox create --base base/demo:v1   then   $DSEC exec ID -- bash -c 'echo hi'
+Try:   $DSEC sandbox create --base $BASE   then   $DSEC exec ID -- bash -c 'echo hi'
 Bench: $DSEC bench create --state-dir $STATE_DIR ; $DSEC bench exec --state-dir $STATE_DIR
 Stop:  pkill -f 'dsec up'   (sandboxes keep running and are re-adopted on the next start)
 TXT

@@ -33,7 +33,7 @@ var clientCommands = map[string]struct {
 	"session": {"open, use and close persistent shells", runSession},
 	"files":   {"read, write and list files in a sandbox", runFiles},
 	"layer":   {"build, list and delete layers", runLayer},
-	"image":   {"import and pull container images as layers", runImage},
+	"image":   {"import, pull and bootstrap container images as layers", runImage},
 	"nodes":   {"list the edges of the cluster", runNodes},
 	"health":  {"check that the API endpoint answers", runHealth},
 }

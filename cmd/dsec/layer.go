@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	dsec "github.com/dsecproject/dsec/sdk/go"
 )
 
 var layerKinds = []string{api.KindBase, api.KindWorkspace, api.KindToolkit, api.KindSnapshot}
@@ -47,28 +48,42 @@ func layerBuild(ctx context.Context, args []string) error {
 	if *tag == "" {
 		return fmt.Errorf("layer build: --tag is required")
 	}
-	src := pos[0]
-	fi, err := os.Stat(src)
-	if err != nil {
-		return err
-	}
-	if !fi.IsDir() && !fi.Mode().IsRegular() {
-		return fmt.Errorf("%s is neither a directory nor a tar file", src)
-	}
 	c, err := newClient()
 	if err != nil {
 		return err
 	}
+	layer, _, err := uploadLayer(ctx, c, *kind, *name, *tag, pos[0])
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return printJSON(layer)
+	}
+	fmt.Printf("%s %s %s\n", layer.Ref, layer.Digest, humanBytes(layer.SizeBytes))
+	return nil
+}
 
+// uploadLayer has the server build kind/name:tag from src, a directory
+// (tarred on the fly) or a .tar/.tar.gz file (sent as is), with upload
+// progress on stderr. The stats describe the tar made from a directory
+// and are zero for a file. `layer build` and `image bootstrap` share it.
+func uploadLayer(ctx context.Context, c *dsec.Client, kind, name, tag, src string) (*api.Layer, tarStats, error) {
+	var st tarStats
+	fi, err := os.Stat(src)
+	if err != nil {
+		return nil, st, err
+	}
+	if !fi.IsDir() && !fi.Mode().IsRegular() {
+		return nil, st, fmt.Errorf("%s is neither a directory nor a tar file", src)
+	}
 	sent := &countingReader{}
 	stopProgress := showProgress(sent)
 	var layer *api.Layer
 	send := func(body io.Reader) error {
 		var err error
-		layer, err = c.BuildLayer(ctx, *kind, *name, *tag, body)
+		layer, err = c.BuildLayer(ctx, kind, name, tag, body)
 		return err
 	}
-	var st tarStats
 	if fi.IsDir() {
 		st, err = streamDirTar(src, sent, send)
 	} else {
@@ -80,16 +95,12 @@ func layerBuild(ctx context.Context, args []string) error {
 	}
 	stopProgress()
 	if err != nil {
-		return err
+		return nil, st, err
 	}
 	if st.Skipped > 0 {
 		fmt.Fprintf(os.Stderr, "dsec: skipped %d sockets\n", st.Skipped)
 	}
-	if *asJSON {
-		return printJSON(layer)
-	}
-	fmt.Printf("%s %s %s\n", layer.Ref, layer.Digest, humanBytes(layer.SizeBytes))
-	return nil
+	return layer, st, nil
 }
 
 // countingReader counts the bytes read through it; Close reaches the
