@@ -44,6 +44,7 @@ bench: build
 	$(BIN) bench pause --count 50 --concurrency 4
 	$(BIN) bench snapshot --count 5
 	$(BIN) bench fork --count 100
+	$(BIN) bench pool --count 50
 	$(BIN) bench envsetup --count 20 --concurrency 4 --state-dir $(STATE_DIR)
 	$(BIN) bench density --count 1000 --concurrency 16 --state-dir $(STATE_DIR)
 

@@ -250,6 +250,7 @@ var implemented = map[string][]string{
 	"/v1/images:import":                      {"post"},
 	"/v1/images:pull":                        {"post"},
 	"/v1/nodes":                              {"get"},
+	"/v1/fncall":                             {"post"},
 }
 
 var httpMethods = map[string]bool{
@@ -431,7 +432,7 @@ var wireTypes = []any{
 	SessionRunRequest{}, FileEntry{}, FileList{}, TarResult{}, LogEntry{}, LogRequest{},
 	LogResult{}, LogPage{}, Layer{}, LayerList{}, PauseResult{}, CountResult{},
 	SnapshotInfo{}, SnapshotRequest{}, ForkRequest{},
-	ImageConfig{}, ImageResult{}, ImagePullRequest{}, ImageEvent{},
+	ImageConfig{}, ImageResult{}, ImagePullRequest{}, ImageEvent{}, FnCallRequest{}, FnCallResult{},
 	Node{}, Capacity{}, NodeList{}, ErrorDetail{}, ErrorBody{},
 }
 

@@ -179,6 +179,33 @@ type ExecResult struct {
 	DurationMS int64  `json:"duration_ms"`
 }
 
+// FnCallRequest is the body of POST /v1/fncall: a short stateless job run
+// in a fresh sandbox. Files (base64) are written under /work, the command
+// runs there, and FetchFiles (paths relative to /work) come back.
+type FnCallRequest struct {
+	Base       string            `json:"base"`
+	Cmd        string            `json:"cmd,omitempty"`
+	Argv       []string          `json:"argv,omitempty"`
+	Files      map[string]string `json:"files,omitempty"`
+	Stdin      string            `json:"stdin,omitempty"`
+	Timeout    int64             `json:"timeout,omitempty"`
+	MemoryMB   int64             `json:"memory_mb,omitempty"`
+	FetchFiles []string          `json:"fetch_files,omitempty"`
+}
+
+// FnCallResult is the answer of POST /v1/fncall.
+type FnCallResult struct {
+	ExitCode   int               `json:"exit_code"`
+	Stdout     string            `json:"stdout"`
+	Stderr     string            `json:"stderr"`
+	TimedOut   bool              `json:"timed_out"`
+	Truncated  bool              `json:"truncated"`
+	DurationMS int64             `json:"duration_ms"`
+	Files      map[string]string `json:"files,omitempty"`
+	// Missing lists fetch_files that did not exist when the command ended.
+	Missing []string `json:"missing,omitempty"`
+}
+
 // ExecEvent is one NDJSON line of a streaming exec: exactly one of the output
 // fields, or the final status (ExitCode non-nil), or an error.
 type ExecEvent struct {

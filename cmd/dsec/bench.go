@@ -38,6 +38,7 @@ type benchOpts struct {
 	noBaseline  bool
 	diskMB      int64
 	allow       stringList
+	poolGap     time.Duration
 }
 
 // benchRow is one measure of the report.
@@ -66,6 +67,7 @@ func runBench(args []string) error {
 			"  pause   pause (freeze + reclaim) and resume latency, memory freed per pause\n" +
 			"  snapshot  snapshot time for a 1 MiB and a 100 MiB diff\n" +
 			"  fork    fork --count sandboxes from one sandbox in one call\n" +
+			"  pool    creates served from a warm pool and fncall round trips\n" +
 			"  envsetup  N sandboxes on base+workspace+toolkit layers running a tool-call\n" +
 			"            sequence, against tar.gz extraction per sandbox (DSec §8 E2)\n" +
 			"  density   fill the node with idle sandboxes: memory, tasks, daemon RSS/fds\n" +
@@ -95,6 +97,7 @@ func runBench(args []string) error {
 	f.BoolVar(&o.jsonOut, "json", false, "print JSON instead of a table")
 	f.BoolVar(&o.noBaseline, "no-baseline", false, "skip the bare-runtime baseline")
 	f.Int64Var(&o.diskMB, "disk-mb", 0, "create: give each sandbox a disk of this many MiB (disk_mb)")
+	f.DurationVar(&o.poolGap, "pool-gap", 100*time.Millisecond, "pool: pause between measured creates (lets the pool refill)")
 	f.Var(&o.allow, "allow", "create: egress allow rule for each sandbox (repeatable; gives it a veth)")
 	if _, err := f.parseN(args[1:], 0, 0); err != nil {
 		return err
@@ -132,8 +135,10 @@ func runBench(args []string) error {
 		rows, err = benchSnapshot(ctx, c, o, ref)
 	case "fork":
 		rows, err = benchFork(ctx, c, o, ref)
+	case "pool":
+		rows, err = benchPool(ctx, c, o, ref)
 	default:
-		return fmt.Errorf("bench: unknown subcommand %q (want create, exec, pause, snapshot, fork, envsetup or density)", sub)
+		return fmt.Errorf("bench: unknown subcommand %q (want create, exec, pause, snapshot, fork, pool, envsetup or density)", sub)
 	}
 	if err != nil {
 		return err

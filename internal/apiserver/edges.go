@@ -32,6 +32,7 @@ type EdgeClient interface {
 	PauseByLabels(ctx context.Context, sel map[string]string) (int, error)
 	ResumeByLabels(ctx context.Context, sel map[string]string) (int, error)
 	SetNetwork(ctx context.Context, id string, np api.NetworkPolicy) (*api.Sandbox, error)
+	FnCall(ctx context.Context, req api.FnCallRequest, cr edge.CreateRequest) (*api.FnCallResult, error)
 	// DialPort connects to a port on the sandbox's loopback; done is
 	// called once the connection is no longer used.
 	DialPort(ctx context.Context, id string, port int) (c net.Conn, done func(), err error)

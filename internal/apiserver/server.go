@@ -93,6 +93,7 @@ func (s *Server) routes() {
 	s.handle("POST /v1/sandboxes/{id}/snapshot", iam.LayerWrite, s.snapshot)
 	s.handle("POST /v1/sandboxes/{id}/fork", iam.SandboxCreate, s.fork)
 	s.handle("PUT /v1/sandboxes/{id}/network", iam.SandboxWrite, s.setNetwork)
+	s.handle("POST /v1/fncall", iam.SandboxCreate, s.fncall)
 	s.handle("/v1/sandboxes/{id}/ports/{port}/{path...}", iam.SandboxWrite, s.proxyPort)
 	s.handle("POST /v1/sandboxes/{id}/exec", iam.SandboxWrite, s.exec)
 	s.handle("POST /v1/sandboxes/{id}/sessions", iam.SandboxWrite, s.openSession)

@@ -428,6 +428,10 @@ func (f *fakeEdge) SetNetwork(ctx context.Context, id string, np api.NetworkPoli
 	return f.Get(ctx, id)
 }
 
+func (f *fakeEdge) FnCall(ctx context.Context, req api.FnCallRequest, cr edge.CreateRequest) (*api.FnCallResult, error) {
+	return nil, errdefs.Unavailable("no fncall in the fake edge")
+}
+
 func (f *fakeEdge) DialPort(ctx context.Context, id string, port int) (net.Conn, func(), error) {
 	return nil, nil, errdefs.Unavailable("no ports in the fake edge")
 }

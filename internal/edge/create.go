@@ -37,6 +37,36 @@ func (e *Edge) Create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 }
 
 func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, error) {
+	if e.cfg.PoolMax <= 0 {
+		s, err := e.createSbx(ctx, req, false)
+		if err != nil {
+			return nil, err
+		}
+		v := s.view()
+		return &v, nil
+	}
+	spec := req.Spec
+	if err := sandbox.Normalize(&spec, e.cfg.Policy); err != nil {
+		return nil, err
+	}
+	e.pool.note(keyOf(spec, req.Digests), req, time.Now())
+	if v := e.claim(spec, req); v != nil {
+		return v, nil
+	}
+	e.metrics.poolClaims.WithLabelValues("miss").Inc()
+	s, err := e.createSbx(ctx, req, false)
+	if errdefs.Code(err) == "resource_exhausted" && e.evictPooled() {
+		s, err = e.createSbx(ctx, req, false)
+	}
+	if err != nil {
+		return nil, err
+	}
+	v := s.view()
+	return &v, nil
+}
+
+// createSbx does the work of a create; pooled makes a pool sandbox.
+func (e *Edge) createSbx(ctx context.Context, req CreateRequest, pooled bool) (*sbx, error) {
 	spec := req.Spec
 	if err := sandbox.Normalize(&spec, e.cfg.Policy); err != nil {
 		return nil, err
@@ -75,11 +105,12 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 		CgroupPath: e.cfg.CgroupParent + "/" + id,
 		Disk:       spec.DiskMB > 0,
 		UserNS:     spec.UserNS,
+		Pooled:     pooled,
 	}
 	// Admission counts sandboxes holding resources, this one included from
 	// here on. It is visible as "creating" (and its layers as in use) while
 	// it is set up; a delete that arrives meanwhile waits on life.
-	s := &sbx{dir: dir, rec: rec}
+	s := &sbx{dir: dir, rec: rec, pooled: pooled}
 	s.touch()
 	s.life.Lock()
 	defer s.life.Unlock()
@@ -212,9 +243,8 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 	s.rec = rec
 	s.mu.Unlock()
 	undo.Release()
-	e.log.Info("sandbox created", "sandbox_id", id, "base", spec.Base, "layers", len(req.Digests))
-	v := s.view()
-	return &v, nil
+	e.log.Info("sandbox created", "sandbox_id", id, "base", spec.Base, "layers", len(req.Digests), "for_pool", pooled)
+	return s, nil
 }
 
 // destroyRuntime stops the sandbox's processes and removes its runtime
@@ -241,6 +271,20 @@ func (e *Edge) Delete(ctx context.Context, id string) error {
 	if s == nil {
 		return nil
 	}
+	s.mu.Lock()
+	pooled := s.pooled
+	s.mu.Unlock()
+	if pooled {
+		return nil // not handed out: not the caller's
+	}
+	return e.remove(ctx, s)
+}
+
+// remove deletes the sandbox s with everything it holds.
+func (e *Edge) remove(ctx context.Context, s *sbx) error {
+	s.mu.Lock()
+	id := s.rec.Sandbox.ID
+	s.mu.Unlock()
 	s.life.Lock()
 	defer s.life.Unlock()
 	e.mu.RLock()

@@ -64,6 +64,8 @@ type Config struct {
 	// DiskQuota is how disk_mb is enforced: DiskLoop (a disk per
 	// sandbox) or DiskOff (disk_mb refused).
 	DiskQuota string
+	// PoolMax caps each warm pool (pool.go); 0 turns pools off.
+	PoolMax int
 	// MaxSnapshotDepth is how many snapshot layers may stack under one
 	// sandbox; a snapshot that would go deeper merges the chain into one
 	// layer (zero: DefaultSnapshotDepth).
@@ -103,6 +105,10 @@ type Edge struct {
 
 	// idmap is the user namespace idmapped layer mounts use, made on the
 	// first user-namespace sandbox.
+	pool *pool
+	// deleteSem bounds background deletes (fncall sandboxes).
+	deleteSem chan struct{}
+
 	idmapMu sync.Mutex
 	idmap   *os.File
 	// usernsBroken says why user-namespace sandboxes cannot run here.
@@ -164,6 +170,8 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 		metrics:   deps.Metrics,
 		sandboxes: map[string]*sbx{},
 		stop:      make(chan struct{}),
+		pool:      newPool(),
+		deleteSem: make(chan struct{}, 4),
 	}
 	e.mounter = layer.NewMounter(filepath.Join(cfg.StateDir, "mnt"), deps.BlobPath, e.log)
 	if cfg.UserNSBase != 0 {
@@ -195,14 +203,24 @@ func (e *Edge) Start(ctx context.Context) error {
 		defer e.wg.Done()
 		e.reapLoop()
 	}()
+	if e.cfg.PoolMax > 0 {
+		e.wg.Add(1)
+		go func() {
+			defer e.wg.Done()
+			e.poolLoop()
+		}()
+	}
 	return nil
 }
 
-// Close stops background work. Sandboxes keep running: a restarted edge
+// Close stops background work and deletes pool sandboxes. Sandboxes handed
+// out keep running: a restarted edge
 // re-adopts them.
 func (e *Edge) Close() {
 	close(e.stop)
 	e.wg.Wait()
+	// Pool sandboxes are nobody's: they do not outlive the edge.
+	e.drainAll()
 	e.mu.Lock()
 	for _, s := range e.sandboxes {
 		s.closeSessions()
@@ -241,15 +259,21 @@ func NodeOf(id string) (string, bool) {
 	return rest[:i], true
 }
 
-// get returns the sandbox or NotFound.
+// get returns the sandbox or NotFound (also for a pooled one: it is not
+// anybody's yet).
 func (e *Edge) get(id string) (*sbx, error) {
 	e.mu.RLock()
 	s := e.sandboxes[id]
 	e.mu.RUnlock()
-	if s == nil {
-		return nil, errdefs.NotFound("sandbox %s not found", id)
+	if s != nil {
+		s.mu.Lock()
+		pooled := s.pooled
+		s.mu.Unlock()
+		if !pooled {
+			return s, nil
+		}
 	}
-	return s, nil
+	return nil, errdefs.NotFound("sandbox %s not found", id)
 }
 
 // begin admits one operation on a running sandbox: a paused sandbox is
@@ -333,6 +357,12 @@ func (e *Edge) List(ctx context.Context, f ListFilter) []api.Sandbox {
 	e.mu.RUnlock()
 	out := make([]api.Sandbox, 0, len(all))
 	for _, s := range all {
+		s.mu.Lock()
+		pooled := s.pooled
+		s.mu.Unlock()
+		if pooled {
+			continue
+		}
 		v := s.view()
 		if f.State != "" && v.State != f.State {
 			continue
@@ -353,7 +383,11 @@ func (e *Edge) Counts() map[string]int {
 	c := map[string]int{}
 	for _, s := range e.sandboxes {
 		s.mu.Lock()
-		c[s.rec.Sandbox.State]++
+		if s.pooled {
+			c["pooled"]++
+		} else {
+			c[s.rec.Sandbox.State]++
+		}
 		s.mu.Unlock()
 	}
 	return c
@@ -383,7 +417,7 @@ func (e *Edge) LayerUsers(digest string) int {
 	for _, s := range e.sandboxes {
 		s.mu.Lock()
 		for _, d := range s.rec.Digests {
-			if d == digest && holdsResources(s.rec.Sandbox.State) {
+			if d == digest && holdsResources(s.rec.Sandbox.State) && !s.pooled {
 				n++
 				break
 			}

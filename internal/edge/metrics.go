@@ -14,6 +14,7 @@ type Metrics struct {
 	pauseSeconds   prometheus.Histogram
 	resumeSeconds  prometheus.Histogram
 	pauseFreed     prometheus.Histogram
+	poolClaims     *prometheus.CounterVec
 }
 
 // NewMetrics creates the edge's metrics and registers them on reg (nil:
@@ -49,6 +50,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help:    "Time to thaw a paused sandbox.",
 			Buckets: []float64{.001, .005, .01, .025, .05, .1, .25, .5, 1},
 		}),
+		poolClaims: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "dsec_pool_claims_total",
+			Help: "Creates served from a warm pool (hit) or not (miss), when pools are on.",
+		}, []string{"result"}),
 		pauseFreed: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "dsec_sandbox_pause_freed_bytes",
 			Help:    "Memory given back by reclaim when a sandbox is paused.",
@@ -57,7 +62,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.createSeconds, m.execSeconds, m.createFailures, m.reaped,
-			m.pauseSeconds, m.resumeSeconds, m.pauseFreed)
+			m.pauseSeconds, m.resumeSeconds, m.pauseFreed, m.poolClaims)
 	}
 	return m
 }

@@ -50,7 +50,7 @@ func (e *Edge) recover(ctx context.Context) error {
 		}
 		st := rec.Sandbox.State
 		switch {
-		case st == api.StateCreating:
+		case st == api.StateCreating || rec.Pooled:
 			e.log.Warn("reaping sandbox whose creation was interrupted", "sandbox_id", id)
 			e.reapDir(ctx, id, sdir, mounted[rootfs])
 			reaped++
@@ -215,6 +215,14 @@ func (e *Edge) reapOnce(now time.Time, checkLiveness bool) {
 		inFlight := s.ops
 		s.mu.Unlock()
 		if busy {
+			continue
+		}
+		if s.isPooled() {
+			// No TTL or idle timeout in a pool; a dead one is dropped.
+			if checkLiveness && !e.initAlive(rec.Sandbox.ID) {
+				e.pool.drop(s)
+				e.deletePooled(s)
+			}
 			continue
 		}
 		reason, final := "", api.StateStopped

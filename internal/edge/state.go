@@ -25,6 +25,8 @@ type record struct {
 	// Disk is set when the writable layer is on the sandbox's own disk
 	// (disk_mb > 0; see disk.go).
 	Disk bool `json:"disk,omitempty"`
+	// Pooled is set while the sandbox waits in a warm pool (pool.go).
+	Pooled bool `json:"pooled,omitempty"`
 	// UserNS is set for a sandbox in a user namespace (userns.go).
 	UserNS bool `json:"userns,omitempty"`
 	// Net is the sandbox's veth slot, once its policy let something out.
@@ -52,6 +54,9 @@ type sbx struct {
 	// going is set while the sandbox is being stopped or deleted: new
 	// operations are refused.
 	going bool
+	// pooled is set while the sandbox waits in a warm pool: it is then
+	// invisible to the API.
+	pooled bool
 	// ops counts operations in flight (see Edge.begin).
 	ops int
 

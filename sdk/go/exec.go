@@ -112,3 +112,12 @@ func OutputBytes(text, b64 string) []byte {
 	}
 	return []byte(text)
 }
+
+// FnCall runs a short stateless job in a fresh sandbox (POST /v1/fncall).
+func (c *Client) FnCall(ctx context.Context, req api.FnCallRequest) (*api.FnCallResult, error) {
+	var res api.FnCallResult
+	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/fncall", jsonBody: req}, &res); err != nil {
+		return nil, err
+	}
+	return &res, nil
+}

@@ -127,7 +127,9 @@ func setup() error {
 		cfgPath:  filepath.Join(workDir, "config.json"),
 		logPath:  filepath.Join(workDir, "dsec.log"),
 	}
-	d.extra = netSetup()
+	// No warm pools by default: they keep sandboxes the leftover checks
+	// would count. The pool tests restart the daemon with them.
+	d.extra = append(netSetup(), "--warm-pool-max", "0")
 	if err := d.start(); err != nil {
 		return err
 	}

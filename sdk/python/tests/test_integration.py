@@ -108,6 +108,12 @@ class IntegrationTest(unittest.IsolatedAsyncioTestCase):
             self.assertIsNone(info.spec.get("network"))
             self.assertNotEqual((await sb.exec(probe + [NPM_URL])).exit_code, 0)
 
+    async def test_fncall(self):
+        r = await self.client.fncall(BASE, "cat in.txt; echo x > out.txt", files={"in.txt": b"hello\n"}, fetch_files=["out.txt", "nope"])
+        self.assertEqual((r["exit_code"], r["stdout"], r["files"], r["missing"]), (0, "hello\n", {"out.txt": b"x\n"}, ["nope"]))
+        with self.assertRaises(libdsec.InvalidArgument):
+            await self.client.fncall(BASE, "true", files={"/etc/passwd": b""})
+
     async def test_bad_network_rule_is_refused_clearly(self):
         with self.assertRaises(libdsec.InvalidArgument) as cm:
             await self.client.run_container(args(network_rules={"nosuchpreset": True}))

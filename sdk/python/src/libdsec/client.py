@@ -8,6 +8,7 @@ typically drives hundreds of sandboxes through a single client.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import math
@@ -405,6 +406,44 @@ class DSecClient:
         """Fetch one sandbox (SandboxNotFound if there is none)."""
         doc = await self._call("GET", f"/v1/sandboxes/{esc(sandbox_id)}")
         return Sandbox(self, SandboxInfo.from_json(doc))
+
+    async def fncall(
+        self,
+        base: str,
+        cmd: Optional[str] = None,
+        *,
+        argv: Optional[Sequence[str]] = None,
+        files: Optional[Mapping[str, bytes]] = None,
+        stdin: str = "",
+        timeout: int = 0,
+        memory_mb: int = 0,
+        fetch_files: Sequence[str] = (),
+    ) -> "dict[str, Any]":
+        """Run a short stateless job in a fresh sandbox (``POST /v1/fncall``):
+        ``files`` are written under ``/work``, the command runs there, and
+        ``fetch_files`` come back. Returns the result as a dict
+        (``exit_code``, ``stdout``, ``stderr``, ``timed_out``,
+        ``duration_ms``, ``files`` decoded to bytes, ``missing``)."""
+        if (cmd is None) == (argv is None):
+            raise TypeError("give exactly one of cmd and argv")
+        body: dict[str, Any] = {"base": base}
+        if cmd is not None:
+            body["cmd"] = cmd
+        else:
+            body["argv"] = list(argv or [])
+        if files:
+            body["files"] = {k: base64.b64encode(v).decode() for k, v in files.items()}
+        if stdin:
+            body["stdin"] = stdin
+        if timeout:
+            body["timeout"] = int(timeout)
+        if memory_mb:
+            body["memory_mb"] = int(memory_mb)
+        if fetch_files:
+            body["fetch_files"] = list(fetch_files)
+        doc = await self._call("POST", "/v1/fncall", json_body=body, timeout=(timeout or 60) + 60)
+        doc["files"] = {k: base64.b64decode(v) for k, v in (doc.get("files") or {}).items()}
+        return doc
 
     async def list(
         self,

@@ -1,0 +1,147 @@
+package edge
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"errors"
+	"io"
+	"path"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+// FnCall limits.
+const (
+	FnCallWorkdir       = "/work"
+	MaxFnCallFiles      = 256
+	MaxFnCallFetchBytes = 16 << 20
+)
+
+// CheckFnCall validates a FnCall request (pure: the apiserver calls it
+// before resolving the base).
+func CheckFnCall(req *api.FnCallRequest) error {
+	if req.Base == "" {
+		return errdefs.Invalid("base is required")
+	}
+	if (req.Cmd == "") == (len(req.Argv) == 0) {
+		return errdefs.Invalid("give exactly one of cmd and argv")
+	}
+	if len(req.Files) > MaxFnCallFiles || len(req.FetchFiles) > MaxFnCallFiles {
+		return errdefs.Invalid("at most %d files and %d fetch_files", MaxFnCallFiles, MaxFnCallFiles)
+	}
+	for name := range req.Files {
+		if err := checkRelName("files", name); err != nil {
+			return err
+		}
+	}
+	for _, name := range req.FetchFiles {
+		if err := checkRelName("fetch_files", name); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// checkRelName accepts a relative path that stays below the work dir
+// (the files layer confines it to the sandbox anyway; this keeps calls
+// from writing outside /work by mistake).
+func checkRelName(field, name string) error {
+	if name == "" || strings.HasPrefix(name, "/") || path.Clean(name) != name || name == "." || strings.HasPrefix(name, "../") || name == ".." {
+		return errdefs.Invalid("%s: %q must be a clean relative path below %s", field, name, FnCallWorkdir)
+	}
+	return nil
+}
+
+// FnCall runs req in a fresh sandbox (from the warm pool when one is
+// ready) and deletes it afterwards, so nothing of one call is seen by the
+// next. cr is the sandbox to create, its spec derived from req.
+func (e *Edge) FnCall(ctx context.Context, req api.FnCallRequest, cr CreateRequest) (*api.FnCallResult, error) {
+	if err := CheckFnCall(&req); err != nil {
+		return nil, err
+	}
+	files := map[string][]byte{}
+	for name, b64 := range req.Files {
+		b, err := base64.StdEncoding.DecodeString(b64)
+		if err != nil {
+			return nil, errdefs.Invalid("files[%q]: not base64: %v", name, err)
+		}
+		files[name] = b
+	}
+	start := time.Now()
+	sb, err := e.Create(ctx, cr)
+	if err != nil {
+		return nil, err
+	}
+	// The delete runs after the answer: the caller does not wait for it.
+	defer e.deleteLater(sb.ID)
+
+	names := make([]string, 0, len(files))
+	for n := range files {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		if _, err := e.WriteFile(ctx, sb.ID, path.Join(FnCallWorkdir, n), bytes.NewReader(files[n]), 0o644); err != nil {
+			return nil, err
+		}
+	}
+	if len(names) == 0 {
+		// The work dir, for the command to run in: an empty archive
+		// creates it.
+		if _, err := e.ExtractTar(ctx, sb.ID, FnCallWorkdir, bytes.NewReader(make([]byte, 1024))); err != nil {
+			return nil, err
+		}
+	}
+	res, err := e.Exec(ctx, sb.ID, api.ExecRequest{Cmd: req.Cmd, Argv: req.Argv, Stdin: req.Stdin, Timeout: req.Timeout, Cwd: FnCallWorkdir}, nil)
+	if err != nil {
+		return nil, err
+	}
+	out := &api.FnCallResult{ExitCode: res.ExitCode, Stdout: res.Stdout, Stderr: res.Stderr,
+		TimedOut: res.TimedOut, Truncated: res.Truncated}
+	budget := int64(MaxFnCallFetchBytes)
+	for _, n := range req.FetchFiles {
+		rc, fe, err := e.ReadFile(ctx, sb.ID, path.Join(FnCallWorkdir, n))
+		if errors.Is(err, errdefs.ErrNotFound) {
+			out.Missing = append(out.Missing, n)
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		if fe.Size > budget {
+			rc.Close()
+			return nil, errdefs.Invalid("fetch_files: more than %d bytes in all", MaxFnCallFetchBytes)
+		}
+		b, err := io.ReadAll(io.LimitReader(rc, budget+1))
+		rc.Close()
+		if err != nil {
+			return nil, err
+		}
+		budget -= int64(len(b))
+		if out.Files == nil {
+			out.Files = map[string]string{}
+		}
+		out.Files[n] = base64.StdEncoding.EncodeToString(b)
+	}
+	out.DurationMS = time.Since(start).Milliseconds()
+	return out, nil
+}
+
+// deleteLater deletes a sandbox in the background, a bounded number at a
+// time (a burst of calls queues its deletes rather than running them all).
+func (e *Edge) deleteLater(id string) {
+	e.wg.Add(1)
+	go func() {
+		defer e.wg.Done()
+		e.deleteSem <- struct{}{}
+		defer func() { <-e.deleteSem }()
+		if err := e.Delete(context.Background(), id); err != nil {
+			e.log.Warn("deleting fncall sandbox", "sandbox_id", id, "err", err)
+		}
+	}()
+}

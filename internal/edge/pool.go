@@ -1,0 +1,326 @@
+package edge
+
+import (
+	"context"
+	"encoding/json"
+	"sync"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/sandbox"
+)
+
+// Warm pools. A create is served from a pool when one holds a ready
+// sandbox of the same environment class: the same layers and the same
+// container-level settings (backend, cpu, memory, pids, disk, qos, userns,
+// network policy). What only matters per call (labels, env, user, workdir,
+// ttl, idle timeout) is applied when the sandbox is handed out, so a pool
+// sandbox is never one somebody used: it was created for the pool, nothing
+// ran in it, and it is invisible (not listed, not addressable) until
+// claimed.
+//
+// Pools size themselves by demand: a class's target is the number of
+// creates it saw in the last DemandWindow divided by DemandDivisor (about
+// ten seconds' worth), capped at Config.PoolMax; classes without a create
+// for PoolIdle are drained. One background worker refills them one
+// sandbox at a time, so that refills never compete with callers for more
+// than one create's worth of CPU. A pooled sandbox counts against
+// MaxSandboxes; a create that finds the node full evicts one.
+
+// Pool tuning.
+const (
+	DemandWindow  = 30 * time.Second
+	DemandDivisor = 3
+	PoolIdle      = 5 * time.Minute
+)
+
+type poolKey string
+
+// keyOf is the environment class of a normalized spec on its layers.
+func keyOf(spec api.SandboxSpec, digests []string) poolKey {
+	class := struct {
+		Digests []string
+		Backend string
+		CPU     float64
+		Memory  int64
+		Pids    int64
+		Disk    int64
+		QoS     string
+		UserNS  bool
+		Network *api.NetworkPolicy
+	}{digests, spec.Backend, spec.CPU, spec.MemoryMB, spec.Pids, spec.DiskMB, spec.QoS, spec.UserNS, spec.Network}
+	b, _ := json.Marshal(class)
+	return poolKey(b)
+}
+
+type pool struct {
+	mu sync.Mutex
+	// ready are claimable sandboxes, oldest first.
+	ready map[poolKey][]*sbx
+	// seen are the recent creates of each class; template a create to
+	// refill it with.
+	seen     map[poolKey][]time.Time
+	template map[poolKey]CreateRequest
+	kick     chan struct{}
+}
+
+func newPool() *pool {
+	return &pool{
+		ready: map[poolKey][]*sbx{}, seen: map[poolKey][]time.Time{},
+		template: map[poolKey]CreateRequest{}, kick: make(chan struct{}, 1),
+	}
+}
+
+// note records a create of class k at now.
+func (p *pool) note(k poolKey, req CreateRequest, now time.Time) {
+	p.mu.Lock()
+	p.seen[k] = append(trimBefore(p.seen[k], now.Add(-PoolIdle)), now)
+	p.template[k] = req
+	p.mu.Unlock()
+	select {
+	case p.kick <- struct{}{}:
+	default:
+	}
+}
+
+func trimBefore(ts []time.Time, t time.Time) []time.Time {
+	i := 0
+	for i < len(ts) && ts[i].Before(t) {
+		i++
+	}
+	return ts[i:]
+}
+
+// target is how many ready sandboxes class k should have.
+// Preconditions: p.mu held.
+func (p *pool) targetLocked(k poolKey, now time.Time, max int) int {
+	n := 0
+	for _, t := range p.seen[k] {
+		if now.Sub(t) <= DemandWindow {
+			n++
+		}
+	}
+	return min(max, (n+DemandDivisor-1)/DemandDivisor)
+}
+
+// take pops a ready sandbox of class k, or nil.
+func (p *pool) take(k poolKey) *sbx {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	list := p.ready[k]
+	if len(list) == 0 {
+		return nil
+	}
+	s := list[0]
+	p.ready[k] = list[1:]
+	return s
+}
+
+// claim hands out a pooled sandbox of req's class, or returns nil. spec is
+// req.Spec normalized.
+func (e *Edge) claim(spec api.SandboxSpec, req CreateRequest) *api.Sandbox {
+	k := keyOf(spec, req.Digests)
+	for {
+		s := e.pool.take(k)
+		if s == nil {
+			return nil
+		}
+		s.life.Lock()
+		s.mu.Lock()
+		ok := s.pooled && !s.going && s.rec.Sandbox.State == api.StateRunning
+		if ok {
+			now := time.Now().UTC()
+			exp := now.Add(time.Duration(spec.TTL) * time.Second)
+			s.rec.Sandbox.Spec = spec
+			s.rec.Sandbox.Labels = spec.Labels
+			s.rec.Sandbox.CreatedAt, s.rec.Sandbox.ExpiresAt = now, &exp
+			s.rec.Pooled = false
+			if err := s.persistLocked(); err != nil {
+				e.log.Warn("claiming pooled sandbox", "sandbox_id", s.rec.Sandbox.ID, "err", err)
+				ok = false
+			} else {
+				s.pooled = false
+			}
+		}
+		v := s.viewLocked()
+		s.mu.Unlock()
+		s.life.Unlock()
+		if !ok {
+			continue // died or being removed: try the next one
+		}
+		s.touch()
+		e.metrics.poolClaims.WithLabelValues("hit").Inc()
+		e.log.Info("sandbox created", "sandbox_id", v.ID, "base", spec.Base, "pooled", true)
+		return &v
+	}
+}
+
+// poolLoop refills pools and drains idle ones until the edge stops.
+func (e *Edge) poolLoop() {
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-e.stop:
+			return
+		case <-tick.C:
+		case <-e.pool.kick:
+		}
+		for e.refillOne() {
+			select {
+			case <-e.stop:
+				return
+			default:
+			}
+		}
+		e.drainIdle()
+	}
+}
+
+// refillOne creates one pooled sandbox for the class furthest below its
+// target and reports whether it did.
+func (e *Edge) refillOne() bool {
+	now := time.Now()
+	e.pool.mu.Lock()
+	var best poolKey
+	gap := 0
+	for k := range e.pool.seen {
+		if g := e.pool.targetLocked(k, now, e.cfg.PoolMax) - len(e.pool.ready[k]); g > gap {
+			best, gap = k, g
+		}
+	}
+	req := e.pool.template[best]
+	e.pool.mu.Unlock()
+	if gap == 0 {
+		return false
+	}
+	// Never fill the node with pool sandboxes: keep a quarter free.
+	e.mu.RLock()
+	full := e.live >= e.cfg.MaxSandboxes*3/4
+	e.mu.RUnlock()
+	if full {
+		return false
+	}
+	req.Spec.Labels, req.Spec.Env = nil, nil
+	s, err := e.createPooled(context.Background(), req)
+	if err != nil {
+		e.log.Warn("refilling warm pool", "base", req.Spec.Base, "err", err)
+		return false
+	}
+	e.pool.mu.Lock()
+	e.pool.ready[best] = append(e.pool.ready[best], s)
+	e.pool.mu.Unlock()
+	return true
+}
+
+// drainIdle deletes the pooled sandboxes of classes nobody asked for in
+// PoolIdle, and those above their class's current target after that.
+func (e *Edge) drainIdle() {
+	now := time.Now()
+	var drop []*sbx
+	e.pool.mu.Lock()
+	for k, list := range e.pool.ready {
+		seen := trimBefore(e.pool.seen[k], now.Add(-PoolIdle))
+		e.pool.seen[k] = seen
+		if len(seen) == 0 {
+			drop = append(drop, list...)
+			delete(e.pool.ready, k)
+			delete(e.pool.seen, k)
+			delete(e.pool.template, k)
+		}
+	}
+	e.pool.mu.Unlock()
+	for _, s := range drop {
+		e.deletePooled(s)
+	}
+}
+
+// evictPooled deletes one pooled sandbox (the oldest of the largest pool)
+// to make room for a create, and reports whether there was one.
+func (e *Edge) evictPooled() bool {
+	e.pool.mu.Lock()
+	var best poolKey
+	n := 0
+	for k, list := range e.pool.ready {
+		if len(list) > n {
+			best, n = k, len(list)
+		}
+	}
+	var s *sbx
+	if n > 0 {
+		s = e.pool.ready[best][0]
+		e.pool.ready[best] = e.pool.ready[best][1:]
+	}
+	e.pool.mu.Unlock()
+	if s == nil {
+		return false
+	}
+	e.deletePooled(s)
+	return true
+}
+
+func (e *Edge) deletePooled(s *sbx) {
+	s.mu.Lock()
+	id := s.rec.Sandbox.ID
+	s.mu.Unlock()
+	if err := e.remove(context.Background(), s); err != nil {
+		e.log.Warn("deleting pooled sandbox", "sandbox_id", id, "err", err)
+	}
+}
+
+// PoolSizes returns the ready sandboxes per base ref (for metrics and
+// tests).
+func (e *Edge) PoolSizes() map[string]int {
+	e.pool.mu.Lock()
+	defer e.pool.mu.Unlock()
+	out := map[string]int{}
+	for k, list := range e.pool.ready {
+		out[e.pool.template[k].Spec.Base] += len(list)
+	}
+	return out
+}
+
+// createPooled creates a sandbox for the pool: like create, but invisible
+// until claimed.
+func (e *Edge) createPooled(ctx context.Context, req CreateRequest) (*sbx, error) {
+	spec := req.Spec
+	if err := sandbox.Normalize(&spec, e.cfg.Policy); err != nil {
+		return nil, err
+	}
+	req.Spec = spec
+	return e.createSbx(ctx, req, true)
+}
+
+// drop removes s from the ready lists, if it is there.
+func (p *pool) drop(s *sbx) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for k, list := range p.ready {
+		for i, x := range list {
+			if x == s {
+				p.ready[k] = append(list[:i:i], list[i+1:]...)
+				return
+			}
+		}
+	}
+}
+
+func (s *sbx) isPooled() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.pooled
+}
+
+// drainAll deletes every pooled sandbox (at shutdown).
+func (e *Edge) drainAll() {
+	e.pool.mu.Lock()
+	var all []*sbx
+	for k, list := range e.pool.ready {
+		all = append(all, list...)
+		delete(e.pool.ready, k)
+	}
+	e.pool.mu.Unlock()
+	for _, s := range all {
+		e.deletePooled(s)
+	}
+}
