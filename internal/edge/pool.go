@@ -20,8 +20,9 @@ import (
 // claimed.
 //
 // Pools size themselves by demand: a class's target is the number of
-// creates it saw in the last DemandWindow divided by DemandDivisor (about
-// ten seconds' worth), capped at Config.PoolMax; classes without a create
+// creates it saw in the last DemandWindow divided by DemandDivisor, rounded
+// down (about ten seconds' worth; a class asked for fewer than three times
+// gets none), capped at Config.PoolMax; classes without a create
 // for PoolIdle are drained. One background worker refills them one
 // sandbox at a time, so that refills never compete with callers for more
 // than one create's worth of CPU. A pooled sandbox counts against
@@ -100,7 +101,8 @@ func (p *pool) targetLocked(k poolKey, now time.Time, max int) int {
 			n++
 		}
 	}
-	return min(max, (n+DemandDivisor-1)/DemandDivisor)
+	// Rounded down: a class asked for once or twice gets no pool.
+	return min(max, n/DemandDivisor)
 }
 
 // take pops a ready sandbox of class k, or nil.
