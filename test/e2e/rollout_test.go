@@ -12,6 +12,7 @@ import (
 // generated bug-fix tasks) with four tasks against this suite's daemon and
 // checks that every task earned reward 1.
 func TestRollout(t *testing.T) {
+	needDaemon(t) // before d.bin below: d is nil when the suite skips
 	if _, err := os.Stat("/usr/bin/python3.11"); err != nil {
 		t.Skip("needs /usr/bin/python3.11: examples/rollout/make_base.sh builds the base from it")
 	}
