@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/mountinfo"
 	dsec "github.com/dsecproject/dsec/sdk/go"
 )
 
@@ -156,35 +157,16 @@ func parseMetrics(text string) map[string]float64 {
 	return m
 }
 
-// unescapeMountinfo undoes mountinfo's octal escapes (\040 for a space).
-func unescapeMountinfo(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
-}
-
 // countMounts counts the mounts of a mountinfo text under dir, and those
 // of them with a path element in ids (a sandbox's rootfs, disk, ...).
-func countMounts(mountinfo, dir string, ids map[string]bool) (total, ours int) {
+func countMounts(text, dir string, ids map[string]bool) (total, ours int) {
 	prefix := strings.TrimSuffix(dir, "/") + "/"
-	for _, line := range strings.Split(mountinfo, "\n") {
+	for _, line := range strings.Split(text, "\n") {
 		f := strings.Fields(line)
 		if len(f) < 5 {
 			continue
 		}
-		mp := unescapeMountinfo(f[4])
+		mp := mountinfo.Unescape(f[4])
 		if !strings.HasPrefix(mp, prefix) {
 			continue
 		}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"github.com/dsecproject/dsec/internal/mountinfo"
 	"strings"
 	"testing"
 )
@@ -78,8 +79,8 @@ func TestUnescapeMountinfo(t *testing.T) {
 		`/end\04`:   `/end\04`,
 		`/back\\`:   `/back\\`,
 	} {
-		if got := unescapeMountinfo(in); got != want {
-			t.Errorf("unescapeMountinfo(%q) = %q, want %q", in, got, want)
+		if got := mountinfo.Unescape(in); got != want {
+			t.Errorf("mountinfo.Unescape(%q) = %q, want %q", in, got, want)
 		}
 	}
 }

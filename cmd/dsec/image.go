@@ -16,7 +16,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -24,6 +23,7 @@ import (
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/mountinfo"
 	dsec "github.com/dsecproject/dsec/sdk/go"
 )
 
@@ -624,33 +624,13 @@ func mountsUnder(dir string) ([]string, error) {
 		if len(f) < 5 {
 			continue
 		}
-		p := unescapeMountPath(f[4])
+		p := mountinfo.Unescape(f[4])
 		if p == dir || strings.HasPrefix(p, dir+"/") {
 			out = append(out, p)
 		}
 	}
 	slices.SortFunc(out, func(a, b string) int { return len(b) - len(a) })
 	return out, nil
-}
-
-// unescapeMountPath undoes the octal escapes (\040 for a space) of
-// /proc/self/mountinfo.
-func unescapeMountPath(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+4 <= len(s) {
-			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // unmountUnder detaches every mount at or below dir and checks that none

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"github.com/dsecproject/dsec/internal/mountinfo"
 	"os"
 	"path/filepath"
 	"slices"
@@ -173,8 +174,8 @@ func TestUnescapeMountPath(t *testing.T) {
 		`/tmp/back\134slash`: `/tmp/back\slash`,
 		`/tmp/short\04`:      `/tmp/short\04`,
 	} {
-		if got := unescapeMountPath(in); got != want {
-			t.Errorf("unescapeMountPath(%q) = %q, want %q", in, got, want)
+		if got := mountinfo.Unescape(in); got != want {
+			t.Errorf("mountinfo.Unescape(%q) = %q, want %q", in, got, want)
 		}
 	}
 }
