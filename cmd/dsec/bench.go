@@ -39,6 +39,7 @@ type benchOpts struct {
 	diskMB      int64
 	allow       stringList
 	poolGap     time.Duration
+	userns      bool
 }
 
 // benchRow is one measure of the report.
@@ -98,6 +99,7 @@ func runBench(args []string) error {
 	f.BoolVar(&o.noBaseline, "no-baseline", false, "skip the bare-runtime baseline")
 	f.Int64Var(&o.diskMB, "disk-mb", 0, "create: give each sandbox a disk of this many MiB (disk_mb)")
 	f.DurationVar(&o.poolGap, "pool-gap", 100*time.Millisecond, "pool: pause between measured creates (lets the pool refill)")
+	f.BoolVar(&o.userns, "userns", false, "create: user-namespace sandboxes")
 	f.Var(&o.allow, "allow", "create: egress allow rule for each sandbox (repeatable; gives it a veth)")
 	if _, err := f.parseN(args[1:], 0, 0); err != nil {
 		return err
@@ -284,7 +286,7 @@ func benchCreate(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, 
 	ids := make([]string, o.count)
 	fmt.Fprintf(os.Stderr, "dsec: creating %d sandboxes, %d at a time...\n", o.count, o.concurrency)
 	durs, fails, wall, ferr := runParallel(o.count, o.concurrency, func(i int) error {
-		spec := api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": label}, DiskMB: o.diskMB}
+		spec := api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": label}, DiskMB: o.diskMB, UserNS: o.userns}
 		if len(o.allow) > 0 {
 			spec.Network = &api.NetworkPolicy{Allow: o.allow}
 		}
@@ -303,6 +305,9 @@ func benchCreate(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, 
 	}
 	if len(o.allow) > 0 {
 		what += " allow=" + strings.Join(o.allow, ",")
+	}
+	if o.userns {
+		what += " userns"
 	}
 	create := row(what, o.count, o.concurrency, durs, fails, wall)
 	fmt.Fprintf(os.Stderr, "dsec: deleting...\n")
