@@ -1,10 +1,7 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"encoding/base64"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -22,6 +19,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/image"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/mountinfo"
 	dsec "github.com/dsecproject/dsec/sdk/go"
@@ -183,9 +181,9 @@ func printImageResult(res *api.ImageResult, asJSON bool, took time.Duration) err
 }
 
 // dockerCredentials returns the credentials a docker config.json holds for
-// the registry of image, or none. path "" means $DOCKER_CONFIG/config.json
+// the registry of imageRef, or none. path "" means $DOCKER_CONFIG/config.json
 // or ~/.docker/config.json, and is no error when missing.
-func dockerCredentials(path, image string) (user, pass string, err error) {
+func dockerCredentials(path, imageRef string) (user, pass string, err error) {
 	explicit := path != ""
 	if !explicit {
 		dir := os.Getenv("DOCKER_CONFIG")
@@ -198,55 +196,14 @@ func dockerCredentials(path, image string) (user, pass string, err error) {
 		}
 		path = filepath.Join(dir, "config.json")
 	}
-	b, err := os.ReadFile(path)
+	if _, err := os.Stat(path); !explicit && errors.Is(err, fs.ErrNotExist) {
+		return "", "", nil
+	}
+	ref, err := image.ParseReference(imageRef)
 	if err != nil {
-		if !explicit && errors.Is(err, fs.ErrNotExist) {
-			return "", "", nil
-		}
-		return "", "", fmt.Errorf("reading docker config: %w", err)
+		return "", "", err
 	}
-	var cfg struct {
-		Auths map[string]struct {
-			Auth     string `json:"auth"`
-			Username string `json:"username"`
-			Password string `json:"password"`
-		} `json:"auths"`
-	}
-	if err := json.NewDecoder(bytes.NewReader(b)).Decode(&cfg); err != nil {
-		return "", "", fmt.Errorf("parsing docker config %s: %w", path, err)
-	}
-	registry := imageRegistry(image)
-	for key, a := range cfg.Auths {
-		host := strings.TrimPrefix(strings.TrimPrefix(key, "https://"), "http://")
-		host, _, _ = strings.Cut(host, "/")
-		if host != registry && !(registry == "docker.io" && host == "index.docker.io") {
-			continue
-		}
-		if a.Auth == "" {
-			return a.Username, a.Password, nil
-		}
-		raw, err := base64.StdEncoding.DecodeString(a.Auth)
-		if err != nil {
-			return "", "", fmt.Errorf("docker config %s: auth for %s is not base64", path, key)
-		}
-		u, p, ok := strings.Cut(string(raw), ":")
-		if !ok {
-			return "", "", fmt.Errorf("docker config %s: auth for %s is not user:password", path, key)
-		}
-		return u, p, nil
-	}
-	return "", "", nil
-}
-
-// imageRegistry is the registry host of an image reference, the way
-// Docker reads it: the first component if it has a dot or a port or is
-// localhost, else Docker Hub.
-func imageRegistry(image string) string {
-	first, _, ok := strings.Cut(image, "/")
-	if ok && (strings.ContainsAny(first, ".:") || first == "localhost") {
-		return first
-	}
-	return "docker.io"
+	return image.DockerConfigAuth(path, ref.Registry)
 }
 
 // bootstrapConfig is what `image bootstrap` was asked to do. parseBootstrap

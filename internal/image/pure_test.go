@@ -133,15 +133,15 @@ func TestDockerConfigAuth(t *testing.T) {
 		{"unknown.example", "", ""},
 	}
 	for _, tc := range tests {
-		u, pw, err := dockerConfigAuth(p, tc.registry)
+		u, pw, err := DockerConfigAuth(p, tc.registry)
 		if err != nil || u != tc.user || pw != tc.pass {
-			t.Errorf("dockerConfigAuth(%s) = %q %q %v, want %q %q", tc.registry, u, pw, err, tc.user, tc.pass)
+			t.Errorf("DockerConfigAuth(%s) = %q %q %v, want %q %q", tc.registry, u, pw, err, tc.user, tc.pass)
 		}
 	}
-	if _, _, err := dockerConfigAuth(p, "bad.example"); !isInvalid(err) {
+	if _, _, err := DockerConfigAuth(p, "bad.example"); !isInvalid(err) {
 		t.Errorf("bad base64: %v", err)
 	}
-	if _, _, err := dockerConfigAuth(filepath.Join(t.TempDir(), "missing.json"), "x"); err == nil {
+	if _, _, err := DockerConfigAuth(filepath.Join(t.TempDir(), "missing.json"), "x"); err == nil {
 		t.Error("a missing config file was not reported")
 	}
 }

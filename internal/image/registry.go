@@ -156,7 +156,7 @@ func newRegistry(r Reference, opts PullOptions) (*registry, error) {
 		reg.attempts = 4
 	}
 	if reg.user == "" && opts.DockerConfig != "" {
-		u, p, err := dockerConfigAuth(opts.DockerConfig, r.Registry)
+		u, p, err := DockerConfigAuth(opts.DockerConfig, r.Registry)
 		if err != nil {
 			return nil, err
 		}
@@ -425,10 +425,11 @@ func statusErr(resp *http.Response, what string) error {
 	return errdefs.Invalid("%s", msg)
 }
 
-// dockerConfigAuth returns the credentials a docker config.json holds for
-// registry in its "auths" map, whose keys may be bare hosts or URLs
-// ("https://index.docker.io/v1/" for Docker Hub). None is not an error.
-func dockerConfigAuth(path, registry string) (user, pass string, err error) {
+// DockerConfigAuth returns the credentials a docker config.json holds for
+// registry (a Reference's Registry) in its "auths" map, whose keys may be
+// bare hosts or URLs ("https://index.docker.io/v1/" for Docker Hub). None
+// is not an error.
+func DockerConfigAuth(path, registry string) (user, pass string, err error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return "", "", fmt.Errorf("reading docker config: %w", err)
