@@ -359,8 +359,11 @@ func (e *Edge) CloseSession(ctx context.Context, id, sid string) error {
 }
 
 func (se *session) close() {
-	_ = se.stdin.Close()
+	// Kill before closing stdin: on EOF the shell exits at once, its
+	// background jobs are reparented to the sandbox's init and the tree
+	// walk no longer finds them.
 	_ = se.proc.Kill()
+	_ = se.stdin.Close()
 	select {
 	case <-se.exited:
 	case <-time.After(5 * time.Second):
@@ -419,8 +422,8 @@ wait:
 	if timedOut && se.shellPid != 0 && !se.bash {
 		// Other shells cannot abort the rest of a command line: the session
 		// ends rather than run what followed the timed-out command.
-		_ = se.stdin.Close()
 		proctree.Kill(se.shellPid, true)
+		_ = se.stdin.Close()
 		select {
 		case <-se.exited:
 		case <-time.After(5 * time.Second):
