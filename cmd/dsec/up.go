@@ -58,6 +58,7 @@ type upConfig struct {
 	diskQuota    string
 	usernsBase   uint
 	poolMax      int
+	dynMods      bool
 }
 
 func runUp(args []string) error {
@@ -82,6 +83,7 @@ func runUp(args []string) error {
 	f.StringVar(&c.netPresets, "net-presets", "", "JSON file of network presets {\"name\": {\"domains\": [...], \"ports\": [\"443/tcp\"]}}, added to (and overriding) the built-in pypi, npm, github, debian, goproxy")
 	f.StringVar(&c.diskQuota, "disk-quota", "auto", "how disk_mb is enforced: loop (a sparse ext4 disk per sandbox that asks for one), off (disk_mb refused), auto (loop where mkfs.ext4 and loop devices exist)")
 	f.IntVar(&c.poolMax, "warm-pool-max", 8, "most ready sandboxes kept per environment class for fast creates and fncall (pools follow demand; 0 = no pools)")
+	f.BoolVar(&c.dynMods, "cgroup-favordynmods", true, "remount the cgroup tree with favordynmods so that moving a sandbox's processes into its cgroup does not wait for an RCU grace period (the setting outlives dsec; false leaves the host's mount as it is)")
 	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of user-namespace sandboxes (spec userns: true), which get 65536 ids from it; 0 refuses userns")
 	f.StringVar(&c.logFormat, "log-format", "text", "log format: text or json")
 	f.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
@@ -196,6 +198,14 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 		return nil, nil, fmt.Errorf("probing cgroups: %w", err)
 	}
 	log.Info("cgroups", "mode", cg.Mode.String(), "v2_controllers", strings.Join(cg.UnifiedControllers, ","))
+	if c.dynMods {
+		switch changed, err := cg.FavorDynMods(); {
+		case err != nil:
+			log.Warn("could not turn on cgroup favordynmods; creates and execs wait for RCU grace periods", "err", err)
+		case changed:
+			log.Info("remounted the cgroup tree with favordynmods (cgroup migrations no longer wait for RCU; it stays after dsec exits)")
+		}
+	}
 	rt, err := chooseRuntime(c.runtime, cg, log)
 	if err != nil {
 		return nil, nil, err

@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/mountinfo"
 )
 
 func needRoot(t *testing.T) {
@@ -373,5 +374,41 @@ func TestPrefetchAdvisesFileMappings(t *testing.T) {
 	}
 	if _, err := info.Prefetch("/dsec-no-such-cgroup"); err == nil {
 		t.Fatal("Prefetch of a missing cgroup succeeded")
+	}
+}
+
+func TestFavorDynModsHost(t *testing.T) {
+	needRoot(t)
+	info, err := Detect()
+	if err != nil {
+		t.Fatal(err)
+	}
+	options := func() (string, []string) {
+		mounts, err := mountinfo.Read()
+		if err != nil {
+			t.Fatal(err)
+		}
+		target, opts, ok := dynModsTarget(info, mounts)
+		if !ok {
+			t.Fatalf("no cgroup mount to remount on a %v host", info.Mode)
+		}
+		return target, opts
+	}
+	_, before := options()
+	changed, err := info.FavorDynMods()
+	if err != nil {
+		t.Fatalf("FavorDynMods: %v", err)
+	}
+	target, after := options()
+	if !slices.Contains(after, "favordynmods") {
+		t.Fatalf("after FavorDynMods (changed=%v) %s has options %v", changed, target, after)
+	}
+	for _, o := range before {
+		if !slices.Contains(after, o) {
+			t.Errorf("remount lost option %s: before %v, after %v", o, before, after)
+		}
+	}
+	if changed, err := info.FavorDynMods(); err != nil || changed {
+		t.Fatalf("second FavorDynMods: changed=%v err=%v", changed, err)
 	}
 }
