@@ -20,8 +20,9 @@ deps:
 deps-test:
 	@./scripts/deps.sh --test
 
+# cgo stays on: the exec helper (internal/sandbox/container/nsexec) is C.
 build:
-	$(GO) build -o $(BIN) ./cmd/dsec
+	CGO_ENABLED=1 $(GO) build -o $(BIN) ./cmd/dsec
 
 run: deps build
 	@STATE_DIR=$(STATE_DIR) LISTEN=$(LISTEN) DSEC=$(BIN) ./scripts/demo.sh

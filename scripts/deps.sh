@@ -17,6 +17,10 @@ case "$bb_kind" in *"not a dynamic"*) ;; *) need+=(busybox-static) ;; esac
 have ip || need+=(iproute2)
 have nft || need+=(nftables)
 have mkfs.ext4 || need+=(e2fsprogs)
+# gcc and libc headers: the exec helper is C, built by cgo; without a C
+# compiler go build turns cgo off and exec falls back to the runtime's.
+have gcc || need+=(gcc)
+[ -e /usr/include/linux/seccomp.h ] && [ -e /usr/include/stdio.h ] || need+=(libc6-dev linux-libc-dev)
 if [ "${1:-}" = --test ]; then
 	# A real OCI registry for the pull tests; skopeo writes the archives
 	# other tools produce.

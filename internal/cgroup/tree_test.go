@@ -84,3 +84,33 @@ func TestChildrenUnion(t *testing.T) {
 		t.Errorf("Children(/absent) = %v, %v; want none", got, err)
 	}
 }
+
+func TestProcsFiles(t *testing.T) {
+	hybrid := &Info{Mode: Hybrid, V2Root: "/sys/fs/cgroup/unified", V1: map[string]string{
+		"cpu": "/sys/fs/cgroup/cpu,cpuacct", "cpuacct": "/sys/fs/cgroup/cpu,cpuacct",
+		"memory": "/sys/fs/cgroup/memory", "name=systemd": "/sys/fs/cgroup/systemd",
+	}}
+	got, err := hybrid.procsFiles([]byte("4:memory:/dsec/n/sb\n3:cpu,cpuacct:/dsec/n/sb\n2:net_cls:/\n1:name=systemd:/dsec/n/sb\n0::/dsec/n/sb\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{
+		"/sys/fs/cgroup/memory/dsec/n/sb/cgroup.procs",
+		"/sys/fs/cgroup/cpu,cpuacct/dsec/n/sb/cgroup.procs",
+		"/sys/fs/cgroup/systemd/dsec/n/sb/cgroup.procs",
+		"/sys/fs/cgroup/unified/dsec/n/sb/cgroup.procs",
+	}
+	if !slices.Equal(got, want) {
+		t.Errorf("hybrid: got %q\nwant %q", got, want)
+	}
+	v2 := &Info{Mode: V2, V2Root: "/sys/fs/cgroup"}
+	got, err = v2.procsFiles([]byte("0::/dsec/n/sb\n"))
+	if err != nil || !slices.Equal(got, []string{"/sys/fs/cgroup/dsec/n/sb/cgroup.procs"}) {
+		t.Errorf("v2: got %q %v", got, err)
+	}
+	for _, bad := range []string{"0::/dsec/../../etc\n", "0::relative\n", "", "5:net_cls:/x\n"} {
+		if got, err := v2.procsFiles([]byte(bad)); err == nil {
+			t.Errorf("%q: got %q, want an error", bad, got)
+		}
+	}
+}

@@ -2,7 +2,8 @@
 // with the runtime-spec Go types) run by crun, or runc where crun cannot
 // run. pid1 is catatonit bind-mounted read-only from the host at /dev/init;
 // no dsec process runs inside a sandbox. The edge enters a sandbox for exec
-// and sessions through the runtime's own exec.
+// and sessions through its exec helper (package nsexec), or the runtime's
+// own exec in builds without cgo.
 package container
 
 import (
@@ -20,9 +21,12 @@ import (
 	"time"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
+	"golang.org/x/sys/unix"
 
+	"github.com/dsecproject/dsec/internal/cgroup"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/sandbox"
+	"github.com/dsecproject/dsec/internal/sandbox/container/nsexec"
 )
 
 // Config configures the backend.
@@ -40,6 +44,12 @@ type Config struct {
 	Shell string
 	// CgroupNS gives each sandbox its own cgroup namespace.
 	CgroupNS bool
+	// Cgroups is the host's cgroup layout. With it, and a build with cgo,
+	// commands enter sandboxes through the exec helper (package nsexec)
+	// instead of the runtime's exec.
+	Cgroups *cgroup.Info
+	// RuntimeExec forces the runtime's exec even where the helper works.
+	RuntimeExec bool
 }
 
 // Container runs sandboxes as OCI containers.
@@ -49,6 +59,9 @@ type Container struct {
 	flavor  string // "crun" or "runc"
 	// seccomp is built once: every bundle carries the same profile.
 	seccomp *specs.LinuxSeccomp
+	// filter is the profile compiled for the exec helper; nil when
+	// commands go through the runtime's exec.
+	filter []unix.SockFilter
 }
 
 var (
@@ -87,7 +100,22 @@ func New(cfg Config) (*Container, error) {
 	if strings.Contains(filepath.Base(rt), "crun") {
 		flavor = "crun"
 	}
-	return &Container{cfg: cfg, runtime: rt, flavor: flavor, seccomp: seccompProfile()}, nil
+	c := &Container{cfg: cfg, runtime: rt, flavor: flavor, seccomp: seccompProfile()}
+	if nsexec.Available && cfg.Cgroups != nil && !cfg.RuntimeExec {
+		if c.filter, err = seccompBPF(); err != nil {
+			return nil, err
+		}
+	}
+	return c, nil
+}
+
+// ExecPath says how commands enter sandboxes: "helper" (package nsexec) or
+// the runtime's name.
+func (c *Container) ExecPath() string {
+	if c.filter != nil {
+		return "helper"
+	}
+	return c.flavor
 }
 
 // isStatic reports whether the ELF file at path has no program interpreter

@@ -6,11 +6,13 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/dsecproject/dsec/internal/cgroup"
 	"github.com/dsecproject/dsec/internal/sandbox"
+	"github.com/dsecproject/dsec/internal/sandbox/container/nsexec"
 	"github.com/dsecproject/dsec/internal/sandbox/sandboxtest"
 )
 
-func newTestBackend(t *testing.T, runtime string) *Container {
+func newTestBackend(t *testing.T, runtime string, helper bool) *Container {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: runs OCI containers")
@@ -21,15 +23,29 @@ func newTestBackend(t *testing.T, runtime string) *Container {
 	if _, err := exec.LookPath("catatonit"); err != nil {
 		t.Skip("needs catatonit (apt-get install catatonit)")
 	}
-	c, err := New(Config{Runtime: runtime, StateRoot: t.TempDir()})
+	cfg := Config{Runtime: runtime, StateRoot: t.TempDir()}
+	if helper {
+		if !nsexec.Available {
+			t.Skip("needs a build with cgo: the exec helper is C")
+		}
+		cg, err := cgroup.Detect()
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.Cgroups = cg
+	}
+	c, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if want := map[bool]string{true: "helper", false: c.flavor}[helper]; c.ExecPath() != want {
+		t.Fatalf("exec path %s, want %s", c.ExecPath(), want)
 	}
 	return c
 }
 
-func conformance(t *testing.T, runtime string) {
-	c := newTestBackend(t, runtime)
+func conformance(t *testing.T, runtime string, helper bool) {
+	c := newTestBackend(t, runtime, helper)
 	sandboxtest.Run(t, sandboxtest.Env{
 		Backend: c,
 		NewConfig: func(t *testing.T, id string) sandbox.Config {
@@ -43,7 +59,11 @@ func conformance(t *testing.T, runtime string) {
 	})
 }
 
-func TestConformanceRunc(t *testing.T) { conformance(t, "runc") }
+func TestConformanceRunc(t *testing.T) { conformance(t, "runc", false) }
+
+// TestConformanceRuncHelper runs the suite with commands entering through
+// the exec helper instead of `runc exec`.
+func TestConformanceRuncHelper(t *testing.T) { conformance(t, "runc", true) }
 
 func TestConformanceCrun(t *testing.T) {
 	// crun refuses hybrid cgroups while the v2 tree holds a controller; the
@@ -53,5 +73,5 @@ func TestConformanceCrun(t *testing.T) {
 			t.Skip("crun cannot run on this hybrid host until cgroup.PrepareForCrun has run (v2 tree has controllers)")
 		}
 	}
-	conformance(t, "crun")
+	conformance(t, "crun", false)
 }

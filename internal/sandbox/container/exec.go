@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -15,8 +17,10 @@ import (
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
 
+	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/proctree"
 	"github.com/dsecproject/dsec/internal/sandbox"
+	"github.com/dsecproject/dsec/internal/sandbox/container/nsexec"
 )
 
 // Exec implements sandbox.Backend. The process profile (capabilities,
@@ -37,6 +41,9 @@ func (c *Container) Exec(ctx context.Context, id string, p sandbox.Process) (san
 	cwd := p.Cwd
 	if cwd == "" {
 		cwd = "/"
+	}
+	if c.filter != nil {
+		return c.execHelper(id, p, env, cwd)
 	}
 	proc := specs.Process{
 		Args:            p.Args,
@@ -74,7 +81,64 @@ func (c *Container) Exec(ctx context.Context, id string, p sandbox.Process) (san
 	return &runtimeProc{cmd: cmd}, nil
 }
 
-// runtimeProc is a process started through the runtime's exec.
+// execHelper starts p through the exec helper: the sandbox's init is found
+// from the runtime's state file and pinned with a pidfd (so a recycled pid
+// cannot send the command elsewhere), its cgroups from /proc.
+func (c *Container) execHelper(id string, p sandbox.Process, env []string, cwd string) (sandbox.Proc, error) {
+	pid, start, ok := readStateFile(filepath.Join(c.cfg.StateRoot, id))
+	if !ok {
+		return nil, errdefs.NotFound("container %s does not exist", id)
+	}
+	pidfd, err := unix.PidfdOpen(pid, 0)
+	if err != nil || !alive(pid, start) {
+		if err == nil {
+			unix.Close(pidfd)
+		}
+		return nil, errdefs.Precondition("container %s is not running", id)
+	}
+	pf := os.NewFile(uintptr(pidfd), "pidfd")
+	defer pf.Close()
+	procs, err := c.cfg.Cgroups.ProcsFilesOf(pid)
+	if err != nil {
+		return nil, err
+	}
+	flags := uint32(unix.CLONE_NEWNS | unix.CLONE_NEWPID | unix.CLONE_NEWNET | unix.CLONE_NEWIPC | unix.CLONE_NEWUTS)
+	for _, ns := range []struct {
+		name string
+		flag uint32
+	}{{"cgroup", unix.CLONE_NEWCGROUP}, {"user", unix.CLONE_NEWUSER}} {
+		if !sameNamespace(pid, ns.name) {
+			flags |= ns.flag
+		}
+	}
+	capSet := capMask(defaultCaps)
+	var nofile uint64
+	if rl := rlimits(); len(rl) > 0 {
+		nofile = rl[0].Hard
+	}
+	cmd, err := nsexec.Start(nsexec.Config{
+		Pidfd: pf, NSFlags: flags, CgroupProcs: procs,
+		UID: p.UID, GID: p.GID, Groups: p.AdditionalGIDs,
+		Caps: capSet, Bounding: capSet, NoFile: nofile, Cwd: cwd, Filter: c.filter,
+	}, p.Args, env, p.Stdin, p.Stdout, p.Stderr)
+	if err != nil {
+		return nil, err
+	}
+	return &runtimeProc{cmd: cmd}, nil
+}
+
+// sameNamespace reports whether pid is in the edge's own namespace of the
+// given kind (joining one's own user namespace is an error).
+func sameNamespace(pid int, kind string) bool {
+	var a, b unix.Stat_t
+	if unix.Stat("/proc/"+strconv.Itoa(pid)+"/ns/"+kind, &a) != nil || unix.Stat("/proc/self/ns/"+kind, &b) != nil {
+		return false
+	}
+	return a.Ino == b.Ino && a.Dev == b.Dev
+}
+
+// runtimeProc is a process started through the runtime's exec or the exec
+// helper.
 type runtimeProc struct {
 	cmd      *exec.Cmd
 	killOnce sync.Once

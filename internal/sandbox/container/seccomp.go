@@ -56,6 +56,8 @@ const (
 	ioctlFSSetXattr   = 0x401C5820 // _IOW('X', 32, struct fsxattr)
 )
 
+var dangerousIoctls = []uint32{ioctlXFSSwapExt, ioctlFSSetFlags, ioctlFSSetFlags32, ioctlFSSetXattr}
+
 func seccompProfile() *specs.LinuxSeccomp {
 	eperm := uint(unix.EPERM)
 	enosys := uint(unix.ENOSYS)
@@ -77,9 +79,9 @@ func seccompProfile() *specs.LinuxSeccomp {
 	// The kernel keeps only the low 32 bits of an ioctl request, so the
 	// comparison must too: with OpEqualTo a request with junk in the high
 	// bits would pass the filter and still reach the ioctl.
-	for _, req := range []uint64{ioctlXFSSwapExt, ioctlFSSetFlags, ioctlFSSetFlags32, ioctlFSSetXattr} {
+	for _, req := range dangerousIoctls {
 		rules = append(rules, specs.LinuxSyscall{Names: []string{"ioctl"}, Action: specs.ActErrno, ErrnoRet: &eperm,
-			Args: []specs.LinuxSeccompArg{{Index: 1, Value: 0xFFFFFFFF, ValueTwo: req, Op: specs.OpMaskedEqual}}})
+			Args: []specs.LinuxSeccompArg{{Index: 1, Value: 0xFFFFFFFF, ValueTwo: uint64(req), Op: specs.OpMaskedEqual}}})
 	}
 	return &specs.LinuxSeccomp{
 		DefaultAction: specs.ActAllow,

@@ -17,6 +17,29 @@ var defaultCaps = []string{
 	"CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
 }
 
+// capNumbers maps the capability names of defaultCaps to their numbers.
+var capNumbers = map[string]uint{
+	"CAP_CHOWN": unix.CAP_CHOWN, "CAP_DAC_OVERRIDE": unix.CAP_DAC_OVERRIDE, "CAP_FSETID": unix.CAP_FSETID,
+	"CAP_FOWNER": unix.CAP_FOWNER, "CAP_MKNOD": unix.CAP_MKNOD, "CAP_SETGID": unix.CAP_SETGID,
+	"CAP_SETUID": unix.CAP_SETUID, "CAP_SETFCAP": unix.CAP_SETFCAP, "CAP_SETPCAP": unix.CAP_SETPCAP,
+	"CAP_NET_BIND_SERVICE": unix.CAP_NET_BIND_SERVICE, "CAP_SYS_CHROOT": unix.CAP_SYS_CHROOT,
+	"CAP_KILL": unix.CAP_KILL, "CAP_AUDIT_WRITE": unix.CAP_AUDIT_WRITE,
+}
+
+// capMask returns the bit mask of named capabilities; a name it does not
+// know panics (a test covers defaultCaps).
+func capMask(names []string) uint64 {
+	var m uint64
+	for _, n := range names {
+		bit, ok := capNumbers[n]
+		if !ok {
+			panic("unknown capability " + n)
+		}
+		m |= 1 << bit
+	}
+	return m
+}
+
 // maskedPaths hides kernel interfaces a sandbox has no business reading;
 // /proc/kpage* are there because reading them has crashed kernels
 // (DSEC-FACTS.md §7, incident 7).

@@ -169,6 +169,43 @@ func Run(t *testing.T, e Env) {
 			t.Fatalf("second Kill: %v", err)
 		}
 	})
+	t.Run("exec-no-more-privilege-than-init", func(t *testing.T) {
+		// A command gets at most what the sandbox's init has: the same
+		// bounding set and cgroups, no_new_privs and a seccomp filter.
+		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c",
+			"grep -E '^(CapBnd|CapEff|NoNewPrivs|Seccomp):' /proc/self/status; echo ==; grep -E '^(CapBnd|CapEff):' /proc/1/status; echo ==; cat /proc/self/cgroup; echo ==; cat /proc/1/cgroup"}})
+		parts := strings.Split(r.stdout, "==\n")
+		if r.code != 0 || len(parts) != 4 {
+			t.Fatalf("got %+v", r)
+		}
+		self, initCaps := parts[0], parts[1]
+		for _, line := range strings.Split(strings.TrimSpace(initCaps), "\n") {
+			if !strings.Contains(self, line+"\n") {
+				t.Errorf("exec'd process as root lacks init's %q:\n%s", line, self)
+			}
+		}
+		if !strings.Contains(self, "NoNewPrivs:\t1") || !strings.Contains(self, "Seccomp:\t2") {
+			t.Errorf("exec'd process status:\n%s", self)
+		}
+		if parts[2] != parts[3] {
+			t.Errorf("exec'd process cgroups differ from init's:\n%s\nvs\n%s", parts[2], parts[3])
+		}
+	})
+	t.Run("cwd-cannot-leave-the-root", func(t *testing.T) {
+		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "pwd; test -e /dev/init && echo sandbox-root"}, Cwd: "/../../.."})
+		if r.code != 0 || r.stdout != "/\nsandbox-root\n" {
+			t.Fatalf("got %+v", r)
+		}
+	})
+	t.Run("exec-missing-cwd", func(t *testing.T) {
+		var out bytes.Buffer
+		pr, err := b.Exec(ctx, id, sandbox.Process{Args: []string{"/bin/true"}, Cwd: "/no/such/dir", Stdout: &out, Stderr: &out})
+		if err == nil {
+			if code, _ := pr.Wait(); code == 0 {
+				t.Fatalf("exec in a missing directory succeeded: %q", out.String())
+			}
+		}
+	})
 	t.Run("exec-missing-binary", func(t *testing.T) {
 		var out bytes.Buffer
 		pr, err := b.Exec(ctx, id, sandbox.Process{Args: []string{"/nonexistent"}, Stdout: &out, Stderr: &out})

@@ -1,0 +1,163 @@
+package nsexec
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+// Config is what the helper applies before exec'ing the command.
+type Config struct {
+	// Pidfd refers to the sandbox's init; the helper joins its namespaces.
+	Pidfd *os.File
+	// NSFlags are the CLONE_NEW* namespaces to join (CLONE_NEWUSER only
+	// when the sandbox has a user namespace of its own).
+	NSFlags uint32
+	// CgroupProcs are the host paths of the sandbox's cgroup.procs files,
+	// one per hierarchy, joined before the namespaces.
+	CgroupProcs []string
+	UID, GID    uint32
+	Groups      []uint32
+	// Caps is root's effective and permitted set; Bounding the bounding
+	// set of any user.
+	Caps, Bounding uint64
+	// NoFile is the open-files limit, soft and hard (0 = inherit).
+	NoFile uint64
+	Cwd    string
+	// Filter is the seccomp program, installed last before exec.
+	Filter []unix.SockFilter
+}
+
+// encode writes the config in the layout read_config in nsexec.c parses.
+func (c *Config) encode() ([]byte, error) {
+	if len(c.Groups) > 256 || len(c.CgroupProcs) > 64 {
+		return nil, fmt.Errorf("%d groups, %d cgroups: too many", len(c.Groups), len(c.CgroupProcs))
+	}
+	if len(c.Filter) == 0 || len(c.Filter) > 4096 {
+		return nil, fmt.Errorf("seccomp filter of %d instructions", len(c.Filter))
+	}
+	var b bytes.Buffer
+	le := binary.LittleEndian
+	u32 := func(v uint32) { b.Write(le.AppendUint32(nil, v)) }
+	u64 := func(v uint64) { b.Write(le.AppendUint64(nil, v)) }
+	str := func(s string) error {
+		if len(s) > 4096 || strings.IndexByte(s, 0) >= 0 {
+			return fmt.Errorf("invalid path %q", s)
+		}
+		u32(uint32(len(s)))
+		b.WriteString(s)
+		return nil
+	}
+	b.WriteString("DSX1")
+	u32(c.UID)
+	u32(c.GID)
+	u32(uint32(len(c.Groups)))
+	for _, g := range c.Groups {
+		u32(g)
+	}
+	u32(c.NSFlags)
+	u64(c.Caps)
+	u64(c.Bounding)
+	u64(c.NoFile)
+	if err := str(c.Cwd); err != nil {
+		return nil, err
+	}
+	u32(uint32(len(c.CgroupProcs)))
+	for _, p := range c.CgroupProcs {
+		if err := str(p); err != nil {
+			return nil, err
+		}
+	}
+	u32(uint32(len(c.Filter)))
+	for _, f := range c.Filter {
+		b.Write(le.AppendUint16(nil, f.Code))
+		b.WriteByte(f.Jt)
+		b.WriteByte(f.Jf)
+		u32(f.K)
+	}
+	return b.Bytes(), nil
+}
+
+// setupTimeout bounds the wait for the helper to reach exec. Joining a
+// frozen cgroup, for one, would freeze the helper.
+const setupTimeout = 10 * time.Second
+
+// Start starts argv (searched in env's PATH inside the sandbox) with env
+// and the given stdio through the helper, and returns once the command has
+// been exec'd or setup failed. The returned Cmd's process is the helper,
+// which exits with the command's status (128+signal when it was killed).
+// A command that does not exist is not an error here: like a shell, the
+// helper prints why on the command's stderr and exits 127 (126 when it
+// exists but cannot be executed). A working directory that cannot be
+// entered is errdefs.Invalid.
+func Start(cfg Config, argv, env []string, stdin io.Reader, stdout, stderr io.Writer) (*exec.Cmd, error) {
+	if !Available {
+		return nil, errors.New("this dsec was built without cgo: no exec helper")
+	}
+	if len(argv) == 0 {
+		return nil, errors.New("exec: empty argv")
+	}
+	data, err := cfg.encode()
+	if err != nil {
+		return nil, fmt.Errorf("encoding exec config: %w", err)
+	}
+	fd, err := unix.MemfdCreate("dsec-nsexec", unix.MFD_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("creating memfd: %w", err)
+	}
+	mf := os.NewFile(uintptr(fd), "nsexec-config")
+	defer mf.Close()
+	if _, err := mf.Write(data); err != nil {
+		return nil, fmt.Errorf("writing exec config: %w", err)
+	}
+	errR, errW, err := os.Pipe()
+	if err != nil {
+		return nil, fmt.Errorf("creating error pipe: %w", err)
+	}
+	defer errR.Close()
+	cmd := &exec.Cmd{
+		Path:        "/proc/self/exe",
+		Args:        append([]string{"dsec-nsexec"}, argv...),
+		Env:         env,
+		Stdin:       stdin,
+		Stdout:      stdout,
+		Stderr:      stderr,
+		ExtraFiles:  []*os.File{cfg.Pidfd, mf, errW},
+		SysProcAttr: &syscall.SysProcAttr{Setpgid: true},
+		WaitDelay:   2 * time.Second,
+	}
+	if cmd.Env == nil {
+		cmd.Env = []string{}
+	}
+	err = cmd.Start()
+	errW.Close()
+	if err != nil {
+		return nil, fmt.Errorf("starting exec helper: %w", err)
+	}
+	_ = errR.SetReadDeadline(time.Now().Add(setupTimeout))
+	msg, rerr := io.ReadAll(io.LimitReader(errR, 4096))
+	if rerr == nil && len(msg) == 0 {
+		return cmd, nil
+	}
+	_ = cmd.Process.Kill()
+	_ = cmd.Wait()
+	if rerr != nil {
+		return nil, fmt.Errorf("exec helper did not reach exec within %v: %w", setupTimeout, rerr)
+	}
+	kind, text, _ := strings.Cut(string(msg), ":")
+	if kind == "cwd" {
+		return nil, errdefs.Invalid("%s", text)
+	}
+	return nil, fmt.Errorf("exec helper: %s", text)
+}
