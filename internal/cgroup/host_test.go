@@ -412,3 +412,39 @@ func TestFavorDynModsHost(t *testing.T) {
 		t.Fatalf("second FavorDynMods: changed=%v err=%v", changed, err)
 	}
 }
+
+func TestRemoveParentHost(t *testing.T) {
+	needRoot(t)
+	info, err := Detect()
+	if err != nil {
+		t.Fatal(err)
+	}
+	parent := fmt.Sprintf("/dsec-test-rm-%d", rand.IntN(1e9))
+	if err := info.EnsureParent(parent + "/inst"); err != nil {
+		t.Fatal(err)
+	}
+	defer info.RemoveParent(parent)
+	// A child cgroup keeps the parent.
+	child := filepath.Join(info.roots()[0], parent, "inst", "sb")
+	if err := os.Mkdir(child, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if gone, err := info.RemoveParent(parent + "/inst"); err != nil || gone {
+		t.Fatalf("RemoveParent with a child: gone=%v err=%v, want kept", gone, err)
+	}
+	if err := os.Remove(child); err != nil {
+		t.Fatal(err)
+	}
+	if gone, err := info.RemoveParent(parent + "/inst"); err != nil || !gone {
+		t.Fatalf("RemoveParent: gone=%v err=%v", gone, err)
+	}
+	if info.exists(parent + "/inst") {
+		t.Fatal("parent still exists")
+	}
+	if gone, err := info.RemoveParent(parent + "/inst"); err != nil || !gone {
+		t.Fatalf("RemoveParent again: gone=%v err=%v", gone, err)
+	}
+	if _, err := info.RemoveParent("../x"); err == nil {
+		t.Fatal("RemoveParent accepted a relative path")
+	}
+}

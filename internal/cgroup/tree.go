@@ -315,3 +315,26 @@ func killProcs(dir string) error {
 	}
 	return nil
 }
+
+// RemoveParent removes the cgroup rel from every hierarchy where it is
+// empty (no child cgroups, no processes) and reports whether it is gone
+// everywhere. The edge calls it when it stops with no sandbox left, so an
+// instance that never starts again leaves no cgroup behind; a non-empty
+// parent stays for the next start to recover.
+func (i *Info) RemoveParent(rel string) (bool, error) {
+	if err := checkRel(rel); err != nil {
+		return false, err
+	}
+	gone := true
+	for _, root := range i.roots() {
+		err := os.Remove(filepath.Join(root, rel))
+		switch {
+		case err == nil, errors.Is(err, fs.ErrNotExist):
+		case errors.Is(err, unix.EBUSY), errors.Is(err, unix.ENOTEMPTY):
+			gone = false
+		default:
+			return false, fmt.Errorf("removing cgroup %s: %w", filepath.Join(root, rel), err)
+		}
+	}
+	return gone, nil
+}

@@ -225,9 +225,19 @@ func (e *Edge) Close() {
 	for _, s := range e.sandboxes {
 		s.closeSessions()
 	}
+	left := len(e.sandboxes)
 	e.mu.Unlock()
 	if e.deps.Net != nil {
 		e.deps.Net.Close()
+	}
+	// With nothing left to recover, the instance's parent cgroup goes too:
+	// a state dir that is never started again leaves no cgroup behind.
+	if left == 0 && e.deps.Cgroups != nil {
+		if gone, err := e.deps.Cgroups.RemoveParent(e.cfg.CgroupParent); err != nil {
+			e.log.Warn("removing the instance's cgroup", "cgroup", e.cfg.CgroupParent, "err", err)
+		} else if gone {
+			e.log.Info("removed the instance's cgroup (no sandbox left)", "cgroup", e.cfg.CgroupParent)
+		}
 	}
 }
 
