@@ -33,6 +33,9 @@ const (
 	DemandWindow  = 30 * time.Second
 	DemandDivisor = 3
 	PoolIdle      = 5 * time.Minute
+	// RefillDelay is how long a refill waits after a create: the caller
+	// who just got a sandbox usually execs in it at once.
+	RefillDelay = 20 * time.Millisecond
 )
 
 type poolKey string
@@ -137,7 +140,7 @@ func (e *Edge) claim(spec api.SandboxSpec, req CreateRequest) *api.Sandbox {
 			s.rec.Sandbox.Labels = spec.Labels
 			s.rec.Sandbox.CreatedAt, s.rec.Sandbox.ExpiresAt = now, &exp
 			s.rec.Pooled = false
-			if err := s.persistLocked(); err != nil {
+			if err := s.persistClaimLocked(); err != nil {
 				e.log.Warn("claiming pooled sandbox", "sandbox_id", s.rec.Sandbox.ID, "err", err)
 				ok = false
 			} else {
@@ -167,6 +170,13 @@ func (e *Edge) poolLoop() {
 			return
 		case <-tick.C:
 		case <-e.pool.kick:
+			// Let the request that claimed (and usually execs right
+			// away) have the CPU before a refill competes for it.
+			select {
+			case <-e.stop:
+				return
+			case <-time.After(RefillDelay):
+			}
 		}
 		for e.refillOne() {
 			select {
