@@ -129,6 +129,7 @@ func newLogger(format, level string) (*slog.Logger, error) {
 type node struct {
 	layers  *layer.Store
 	edge    *edge.Edge
+	backend *container.Container
 	server  *apiserver.Server
 	store   store.Store
 	runtime string
@@ -136,6 +137,7 @@ type node struct {
 
 func (n *node) Close() {
 	n.edge.Close()
+	n.backend.Close()
 	_ = n.store.Close()
 }
 
@@ -238,7 +240,15 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	if err != nil {
 		return fail(err)
 	}
+	fail = func(err error) (*node, *iam.IAM, error) {
+		backend.Close()
+		_ = st.Close()
+		return nil, nil, err
+	}
 	log.Info("exec path", "via", backend.ExecPath())
+	if pinned, err := backend.Pinned(); !pinned {
+		log.Warn("runtime binary not pinned read-only; the runtime clones itself on every call (~3-5 ms)", "err", err)
+	}
 	policy := sandbox.DefaultPolicy()
 	netm, err := newNetwork(c, log)
 	if err != nil {
@@ -270,7 +280,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	})
 	log.Info("edge ready", "node", c.nodeName, "runtime", rt, "state_dir", c.stateDir,
 		"cgroup_parent", cgroupParent(c.nodeName, c.stateDir))
-	return &node{layers: layers, edge: ed, server: srv, store: st, runtime: rt}, ident, nil
+	return &node{layers: layers, edge: ed, backend: backend, server: srv, store: st, runtime: rt}, ident, nil
 }
 
 // cgroupParent names this instance's parent cgroup. It is unique per state

@@ -144,8 +144,10 @@ func (e *Edge) createSbx(ctx context.Context, req CreateRequest, pooled bool) (*
 		}
 	}
 	// The record goes first, marked creating: if the edge dies mid-create,
-	// recovery finds it and undoes everything below.
-	if err := writeRecord(dir, &rec); err != nil {
+	// recovery finds it and undoes everything below. No fsync: a daemon
+	// crash keeps it (page cache), and after a host crash a directory
+	// whose record is missing or torn is reaped all the same.
+	if err := writeRecordSync(dir, &rec, false); err != nil {
 		return nil, err
 	}
 	upper, work := layerDirs(dir, rec.Disk)

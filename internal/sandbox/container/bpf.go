@@ -1,6 +1,8 @@
 package container
 
 import (
+	"encoding/base64"
+	"encoding/binary"
 	"fmt"
 	"runtime"
 
@@ -130,4 +132,16 @@ func seccompBPF() ([]unix.SockFilter, error) {
 	p.load(offNr)
 	p.ret(unix.SECCOMP_RET_ALLOW)
 	return p, nil
+}
+
+// encodeFilter returns the program as base64 of its raw struct sock_filter
+// array (little-endian), the form crun's run.oci.seccomp_bpf_data takes.
+func encodeFilter(prog []unix.SockFilter) string {
+	b := make([]byte, 0, 8*len(prog))
+	for _, f := range prog {
+		b = binary.LittleEndian.AppendUint16(b, f.Code)
+		b = append(b, f.Jt, f.Jf)
+		b = binary.LittleEndian.AppendUint32(b, f.K)
+	}
+	return base64.StdEncoding.EncodeToString(b)
 }

@@ -50,6 +50,9 @@ type Config struct {
 	Cgroups *cgroup.Info
 	// RuntimeExec forces the runtime's exec even where the helper works.
 	RuntimeExec bool
+	// NoPin runs the runtime from where it is installed, letting it clone
+	// itself on every call (see pin.go).
+	NoPin bool
 }
 
 // Container runs sandboxes as OCI containers.
@@ -61,7 +64,32 @@ type Container struct {
 	seccomp *specs.LinuxSeccomp
 	// filter is the profile compiled for the exec helper; nil when
 	// commands go through the runtime's exec.
-	filter []unix.SockFilter
+	filter    []unix.SockFilter
+	filterB64 string
+	// pinned: runtime is a read-only bind mount of the binary (pin.go);
+	// pinErr says why not.
+	pinned bool
+	pinErr error
+}
+
+// Pinned reports whether the runtime runs from a read-only bind mount
+// (skipping its per-call self-clone), and if not, why.
+func (c *Container) Pinned() (bool, error) { return c.pinned, c.pinErr }
+
+// Close unmounts the pinned runtime binary.
+func (c *Container) Close() {
+	if c.pinned {
+		unpinRuntime(c.runtime)
+	}
+}
+
+// command builds an exec.Cmd of the runtime.
+func (c *Container) command(ctx context.Context, args ...string) *exec.Cmd {
+	cmd := exec.CommandContext(ctx, c.runtime, args...)
+	if c.pinned {
+		cmd.Env = append(os.Environ(), clonedBinaryEnv)
+	}
+	return cmd
 }
 
 var (
@@ -101,10 +129,18 @@ func New(cfg Config) (*Container, error) {
 		flavor = "crun"
 	}
 	c := &Container{cfg: cfg, runtime: rt, flavor: flavor, seccomp: seccompProfile()}
+	if os.Geteuid() == 0 && !cfg.NoPin {
+		if pinned, err := pinRuntime(rt, pinnedPath(cfg.StateRoot)); err == nil {
+			c.runtime, c.pinned = pinned, true
+		} else {
+			c.pinErr = err
+		}
+	}
 	if nsexec.Available && cfg.Cgroups != nil && !cfg.RuntimeExec {
 		if c.filter, err = seccompBPF(); err != nil {
 			return nil, err
 		}
+		c.filterB64 = encodeFilter(c.filter)
 	}
 	return c, nil
 }
@@ -151,7 +187,7 @@ func (c *Container) Runtime() string { return c.flavor }
 
 func (c *Container) cmd(ctx context.Context, args ...string) *exec.Cmd {
 	full := append([]string{"--root", c.cfg.StateRoot}, args...)
-	cmd := exec.CommandContext(ctx, c.runtime, full...)
+	cmd := c.command(ctx, full...)
 	cmd.WaitDelay = 5 * time.Second
 	return cmd
 }
@@ -184,7 +220,7 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 	// /dev/null (a pipe would stay open for the sandbox's lifetime) and
 	// reports errors through a log file instead.
 	logPath := filepath.Join(cfg.Dir, "runtime.log")
-	cmd := exec.CommandContext(ctx, c.runtime, "--root", c.cfg.StateRoot, "--log", logPath,
+	cmd := c.command(ctx, "--root", c.cfg.StateRoot, "--log", logPath,
 		"run", "-d", "--bundle", cfg.Dir, cfg.ID)
 	if err := cmd.Run(); err != nil {
 		msg, _ := os.ReadFile(logPath)

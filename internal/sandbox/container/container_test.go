@@ -38,6 +38,10 @@ func newTestBackend(t *testing.T, runtime string, helper bool) *Container {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(c.Close)
+	if pinned, err := c.Pinned(); !pinned {
+		t.Fatalf("runtime binary not pinned: %v", err)
+	}
 	if want := map[bool]string{true: "helper", false: c.flavor}[helper]; c.ExecPath() != want {
 		t.Fatalf("exec path %s, want %s", c.ExecPath(), want)
 	}

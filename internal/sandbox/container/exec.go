@@ -69,7 +69,7 @@ func (c *Container) Exec(ctx context.Context, id string, p sandbox.Process) (san
 	}
 	// The runtime is not bound to ctx: the caller owns the process's life
 	// through Kill, so that a cancelled request can still collect output.
-	cmd := exec.Command(c.runtime, "--root", c.cfg.StateRoot, "exec", "--process", "/proc/self/fd/3", id)
+	cmd := c.command(context.Background(), "--root", c.cfg.StateRoot, "exec", "--process", "/proc/self/fd/3", id)
 	cmd.ExtraFiles = []*os.File{mf}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = p.Stdin, p.Stdout, p.Stderr
 	// Own process group, so a signal to the edge's group never reaches it.

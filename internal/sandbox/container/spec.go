@@ -99,10 +99,18 @@ func (c *Container) spec(cfg sandbox.Config) *specs.Spec {
 	if c.cfg.Shell != "" {
 		mounts = append(mounts, specs.Mount{Destination: PinnedShell, Type: "bind", Source: c.cfg.Shell, Options: []string{"bind", "ro", "nosuid", "nodev"}})
 	}
+	var annotations map[string]string
+	if c.flavor == "crun" && c.filter != nil {
+		// crun loads this program as is instead of compiling the profile
+		// with libseccomp on every create: the same filter as exec'd
+		// commands get.
+		annotations = map[string]string{"run.oci.seccomp_bpf_data": c.filterB64}
+	}
 	return &specs.Spec{
-		Version:  ociVersion,
-		Hostname: cfg.Hostname,
-		Root:     &specs.Root{Path: cfg.Rootfs},
+		Version:     ociVersion,
+		Annotations: annotations,
+		Hostname:    cfg.Hostname,
+		Root:        &specs.Root{Path: cfg.Rootfs},
 		Process: &specs.Process{
 			Args:            []string{initPath, "-P"},
 			Env:             []string{defaultPath},

@@ -191,6 +191,18 @@ func Run(t *testing.T, e Env) {
 			t.Errorf("exec'd process cgroups differ from init's:\n%s\nvs\n%s", parts[2], parts[3])
 		}
 	})
+	t.Run("own-network-namespace-loopback-up", func(t *testing.T) {
+		// IFF_UP|IFF_LOOPBACK = 0x9; only lo exists.
+		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "cat /sys/class/net/lo/flags; ls /sys/class/net; readlink /proc/self/ns/net; readlink /proc/1/ns/net"}})
+		f := strings.Fields(r.stdout)
+		if r.code != 0 || len(f) != 4 || f[0] != "0x9" || f[1] != "lo" || f[2] != f[3] {
+			t.Fatalf("got %+v", r)
+		}
+		self, _ := os.Readlink("/proc/self/ns/net")
+		if f[2] == self {
+			t.Fatalf("sandbox shares the host's network namespace %s", self)
+		}
+	})
 	t.Run("cwd-cannot-leave-the-root", func(t *testing.T) {
 		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "pwd; test -e /dev/init && echo sandbox-root"}, Cwd: "/../../.."})
 		if r.code != 0 || r.stdout != "/\nsandbox-root\n" {
