@@ -62,3 +62,19 @@ func (i *Info) procsFiles(procCgroup []byte) ([]string, error) {
 	}
 	return out, nil
 }
+
+// RelOf returns the cgroup process pid is in, relative to the hierarchy
+// roots (the path runtimes are given as cgroupsPath), read from the first
+// mounted hierarchy in /proc/PID/cgroup.
+func (i *Info) RelOf(pid int) (string, error) {
+	files, err := i.ProcsFilesOf(pid)
+	if err != nil {
+		return "", err
+	}
+	for _, root := range i.roots() {
+		if rel, ok := strings.CutPrefix(files[0], root+"/"); ok {
+			return "/" + strings.TrimSuffix(rel, "/cgroup.procs"), nil
+		}
+	}
+	return "", fmt.Errorf("cgroup file %s is under no known hierarchy", files[0])
+}

@@ -50,9 +50,10 @@ type Config struct {
 	Cgroups *cgroup.Info
 	// RuntimeExec forces the runtime's exec even where the helper works.
 	RuntimeExec bool
-	// NoPin runs the runtime from where it is installed, letting it clone
-	// itself on every call (see pin.go).
-	NoPin bool
+	// PinPath is where to bind-mount the runtime binary read-only (a file
+	// path outside StateRoot); "" runs the runtime from where it is
+	// installed, letting it clone itself on every call (see pin.go).
+	PinPath string
 }
 
 // Container runs sandboxes as OCI containers.
@@ -129,8 +130,8 @@ func New(cfg Config) (*Container, error) {
 		flavor = "crun"
 	}
 	c := &Container{cfg: cfg, runtime: rt, flavor: flavor, seccomp: seccompProfile()}
-	if os.Geteuid() == 0 && !cfg.NoPin {
-		if pinned, err := pinRuntime(rt, pinnedPath(cfg.StateRoot)); err == nil {
+	if os.Geteuid() == 0 && cfg.PinPath != "" {
+		if pinned, err := pinRuntime(rt, cfg.PinPath); err == nil {
 			c.runtime, c.pinned = pinned, true
 		} else {
 			c.pinErr = err
@@ -235,10 +236,22 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 	return nil
 }
 
-// Destroy implements sandbox.Backend.
+// Destroy implements sandbox.Backend. With the host's cgroup layout known
+// (Config.Cgroups), the backend does what `<runtime> delete -f` does
+// without running it: SIGKILL to the sandbox's init through a pidfd (the
+// kernel then kills everything in its pid namespace), wait for it to die,
+// remove the sandbox's cgroups (killing any straggler) and the runtime's
+// state directory. That saves a runtime process per delete, which bounds
+// teardown rate on a small node. Without the layout, it runs the runtime.
 func (c *Container) Destroy(ctx context.Context, id string) error {
-	if _, err := os.Stat(filepath.Join(c.cfg.StateRoot, id)); errors.Is(err, os.ErrNotExist) {
+	dir := filepath.Join(c.cfg.StateRoot, id)
+	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
 		return nil
+	}
+	if c.cfg.Cgroups != nil {
+		if done, err := c.destroyDirect(ctx, dir); done || err != nil {
+			return err
+		}
 	}
 	err := c.run(ctx, "delete", "-f", id)
 	if err != nil && strings.Contains(err.Error(), "does not exist") {
@@ -248,8 +261,65 @@ func (c *Container) Destroy(ctx context.Context, id string) error {
 		return fmt.Errorf("deleting container: %w", err)
 	}
 	// runc keeps nothing after delete; crun may leave an empty dir on error paths.
-	_ = os.RemoveAll(filepath.Join(c.cfg.StateRoot, id))
+	_ = os.RemoveAll(dir)
 	return nil
+}
+
+// destroyDirect is Destroy without the runtime. It reports false (and
+// does nothing) when the state file does not say which process is init,
+// so the caller falls back to the runtime.
+func (c *Container) destroyDirect(ctx context.Context, dir string) (bool, error) {
+	pid, start, ok := readStateFile(dir)
+	if !ok {
+		return false, nil
+	}
+	if alive(pid, start) {
+		rel, relErr := c.cfg.Cgroups.RelOf(pid)
+		pidfd, err := unix.PidfdOpen(pid, 0)
+		if err == nil && alive(pid, start) {
+			err = unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
+			if err == nil {
+				err = waitPidfd(ctx, pidfd)
+			}
+		}
+		if pidfd >= 0 {
+			unix.Close(pidfd)
+		}
+		if err != nil && !errors.Is(err, unix.ESRCH) {
+			return true, fmt.Errorf("killing sandbox init %d: %w", pid, err)
+		}
+		if relErr == nil && rel != "/" {
+			if err := c.cfg.Cgroups.Remove(rel); err != nil {
+				return true, fmt.Errorf("removing sandbox cgroup: %w", err)
+			}
+		}
+	}
+	if err := os.RemoveAll(dir); err != nil {
+		return true, fmt.Errorf("removing runtime state: %w", err)
+	}
+	return true, nil
+}
+
+// waitPidfd waits until the process behind pidfd has exited (the pidfd
+// turns readable), for at most 10 s or until ctx ends.
+func waitPidfd(ctx context.Context, pidfd int) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
+		n, err := unix.Poll(fds, 100)
+		if err != nil && !errors.Is(err, unix.EINTR) {
+			return err
+		}
+		if n > 0 {
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if time.Now().After(deadline) {
+			return errors.New("still alive 10 s after SIGKILL")
+		}
+	}
 }
 
 // Status implements sandbox.Backend. It reads the runtime's own state file

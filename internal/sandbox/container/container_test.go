@@ -1,12 +1,14 @@
 package container
 
 import (
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"testing"
 
 	"github.com/dsecproject/dsec/internal/cgroup"
+	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/sandbox"
 	"github.com/dsecproject/dsec/internal/sandbox/container/nsexec"
 	"github.com/dsecproject/dsec/internal/sandbox/sandboxtest"
@@ -23,7 +25,7 @@ func newTestBackend(t *testing.T, runtime string, helper bool) *Container {
 	if _, err := exec.LookPath("catatonit"); err != nil {
 		t.Skip("needs catatonit (apt-get install catatonit)")
 	}
-	cfg := Config{Runtime: runtime, StateRoot: t.TempDir()}
+	cfg := Config{Runtime: runtime, StateRoot: t.TempDir(), PinPath: filepath.Join(t.TempDir(), runtime)}
 	if helper {
 		if !nsexec.Available {
 			t.Skip("needs a build with cgo: the exec helper is C")
@@ -50,8 +52,24 @@ func newTestBackend(t *testing.T, runtime string, helper bool) *Container {
 
 func conformance(t *testing.T, runtime string, helper bool) {
 	c := newTestBackend(t, runtime, helper)
+	var procs func(string) ([]int, error)
+	if c.cfg.Cgroups != nil {
+		// Destroy runs without the runtime here: nothing may be left in
+		// the sandbox's cgroup, and the cgroup itself must be gone.
+		procs = func(rel string) ([]int, error) {
+			pids, err := c.cfg.Cgroups.Procs(rel)
+			if err == nil {
+				return pids, nil
+			}
+			if !errors.Is(err, errdefs.ErrNotFound) {
+				return nil, err
+			}
+			return nil, nil
+		}
+	}
 	sandboxtest.Run(t, sandboxtest.Env{
-		Backend: c,
+		CgroupProcs: procs,
+		Backend:     c,
 		NewConfig: func(t *testing.T, id string) sandbox.Config {
 			dir := t.TempDir()
 			return sandbox.Config{

@@ -19,7 +19,7 @@ import (
 // _LIBCONTAINER_CLONED_BINARY=1 and the binary they run from is on a
 // read-only mount, which is the same protection (a write through
 // /proc/PID/exe gets EROFS). So the backend does the bind mount once: the
-// runtime is run from <state root>.bin, a read-only bind mount of the
+// runtime is run from Config.PinPath, a read-only bind mount of the
 // installed binary made at start (and remade at every start, so an
 // upgraded runtime is picked up), unmounted by Close.
 
@@ -30,6 +30,9 @@ func pinRuntime(bin, target string) (string, error) {
 	// A mount left by a previous run (killed before Close) may pin an
 	// older binary: replace it.
 	for unix.Unmount(target, unix.MNT_DETACH) == nil {
+	}
+	if err := os.MkdirAll(filepath.Dir(target), 0o700); err != nil {
+		return "", fmt.Errorf("creating %s: %w", filepath.Dir(target), err)
 	}
 	f, err := os.OpenFile(target, os.O_CREATE|os.O_RDONLY, 0o500)
 	if err != nil {
@@ -58,6 +61,3 @@ func unpinRuntime(target string) {
 	}
 	os.Remove(target)
 }
-
-// pinnedPath is where the backend pins its runtime binary.
-func pinnedPath(stateRoot string) string { return filepath.Clean(stateRoot) + ".bin" }

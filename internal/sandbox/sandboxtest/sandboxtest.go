@@ -229,6 +229,10 @@ func Run(t *testing.T, e Env) {
 		}
 	})
 	t.Run("destroy", func(t *testing.T) {
+		// Processes reparented to init must die with the sandbox too.
+		if r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "sleep 1000 >/dev/null 2>&1 & sleep 1000 >/dev/null 2>&1 & echo ok"}}); r.stdout != "ok\n" {
+			t.Fatalf("starting background processes: %+v", r)
+		}
 		if err := b.Destroy(ctx, id); err != nil {
 			t.Fatalf("destroy: %v", err)
 		}
