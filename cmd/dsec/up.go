@@ -233,6 +233,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	backend, err := container.New(container.Config{
 		Runtime:     rt,
 		StateRoot:   filepath.Join(c.stateDir, "runtime", rt),
+		PinPath:     filepath.Join(c.stateDir, "bin", rt),
 		CgroupNS:    cg.Mode == cgroup.V2,
 		Cgroups:     cg,
 		RuntimeExec: c.runtimeExec,
