@@ -58,15 +58,11 @@ func (c *Container) Exec(ctx context.Context, id string, p sandbox.Process) (san
 	if err != nil {
 		return nil, fmt.Errorf("encoding process spec: %w", err)
 	}
-	fd, err := unix.MemfdCreate("dsec-process", unix.MFD_CLOEXEC)
+	mf, err := nsexec.Memfd("process.json", data)
 	if err != nil {
-		return nil, fmt.Errorf("creating memfd: %w", err)
+		return nil, fmt.Errorf("passing process spec: %w", err)
 	}
-	mf := os.NewFile(uintptr(fd), "process.json")
 	defer mf.Close()
-	if _, err := mf.Write(data); err != nil {
-		return nil, fmt.Errorf("writing process spec: %w", err)
-	}
 	// The runtime is not bound to ctx: the caller owns the process's life
 	// through Kill, so that a cancelled request can still collect output.
 	cmd := c.command(context.Background(), "--root", c.cfg.StateRoot, "exec", "--process", "/proc/self/fd/3", id)

@@ -89,6 +89,21 @@ func (c *Config) encode() ([]byte, error) {
 	return b.Bytes(), nil
 }
 
+// Memfd returns a close-on-exec memory file holding data, for passing
+// configuration to a child as an extra file (nothing touches the disk).
+func Memfd(name string, data []byte) (*os.File, error) {
+	fd, err := unix.MemfdCreate("dsec-"+name, unix.MFD_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("creating memfd: %w", err)
+	}
+	f := os.NewFile(uintptr(fd), name)
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("writing memfd: %w", err)
+	}
+	return f, nil
+}
+
 // setupTimeout bounds the wait for the helper to reach exec. Joining a
 // frozen cgroup, for one, would freeze the helper.
 const setupTimeout = 10 * time.Second
@@ -112,15 +127,11 @@ func Start(cfg Config, argv, env []string, stdin io.Reader, stdout, stderr io.Wr
 	if err != nil {
 		return nil, fmt.Errorf("encoding exec config: %w", err)
 	}
-	fd, err := unix.MemfdCreate("dsec-nsexec", unix.MFD_CLOEXEC)
+	mf, err := Memfd("nsexec-config", data)
 	if err != nil {
-		return nil, fmt.Errorf("creating memfd: %w", err)
+		return nil, fmt.Errorf("passing exec config: %w", err)
 	}
-	mf := os.NewFile(uintptr(fd), "nsexec-config")
 	defer mf.Close()
-	if _, err := mf.Write(data); err != nil {
-		return nil, fmt.Errorf("writing exec config: %w", err)
-	}
 	errR, errW, err := os.Pipe()
 	if err != nil {
 		return nil, fmt.Errorf("creating error pipe: %w", err)
