@@ -127,7 +127,7 @@ func (s *Server) runImageJob(ctx context.Context, j *imageJob, unpack unpackFunc
 		return nil, errdefs.Invalid("split %d leaves nothing for the workspace: the image has %d layers (split must be 1 to %d)",
 			j.split, len(res.Layers), len(res.Layers)-1)
 	}
-	cfg := imageConfig(res.Config)
+	cfg := res.Config
 	out := &api.ImageResult{
 		Digest: res.Digest, Platform: res.Platform, Config: cfg, ImageLayers: len(res.Layers),
 		Files: res.Files, Bytes: res.Bytes,
@@ -153,11 +153,6 @@ func (s *Server) runImageJob(ctx context.Context, j *imageJob, unpack unpackFunc
 	s.log.Info("image imported", "ref", j.base.String(), "image_digest", res.Digest, "image_layers", len(res.Layers),
 		"split", j.split, "files", res.Files, "bytes", res.Bytes, "duration_ms", out.DurationMS)
 	return out, nil
-}
-
-func imageConfig(c image.Config) api.ImageConfig {
-	return api.ImageConfig{Env: c.Env, WorkingDir: c.WorkingDir, User: c.User,
-		Entrypoint: c.Entrypoint, Cmd: c.Cmd, Labels: c.Labels}
 }
 
 // maxArchiveBytes bounds an uploaded archive: twice what may be extracted

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
@@ -28,15 +29,9 @@ var acceptManifests = strings.Join([]string{mediaOCIIndex, mediaOCIManifest, med
 // long history are the largest documents seen in practice.
 const maxManifestBytes = 8 << 20
 
-// Config is the part of an image's configuration a sandbox runs with.
-type Config struct {
-	Env        []string          `json:"env,omitempty"`
-	WorkingDir string            `json:"workdir,omitempty"`
-	User       string            `json:"user,omitempty"`
-	Entrypoint []string          `json:"entrypoint,omitempty"`
-	Cmd        []string          `json:"cmd,omitempty"`
-	Labels     map[string]string `json:"labels,omitempty"`
-}
+// Config is the part of an image's configuration a sandbox runs with: the
+// API's type, so what Unpack reads is what the catalog and API keep.
+type Config = api.ImageConfig
 
 // Layer describes one layer of an unpacked image.
 type Layer struct {
