@@ -190,13 +190,22 @@ func (e *Edge) createSbx(ctx context.Context, req CreateRequest, pooled bool) (*
 		}
 	}
 	rootfs := filepath.Join(dir, "rootfs")
-	if err := layer.MountOverlay(lowers, upper, work, rootfs); err != nil {
-		return nil, fmt.Errorf("mounting overlay: %w", err)
+	mnt, err := e.detachedRootfs(lowers, upper, work)
+	if err != nil {
+		return nil, err
 	}
-	undo.Add(func() { _ = layer.UnmountOverlay(rootfs) })
+	if mnt != nil {
+		defer mnt.Close()
+		rec.PrivateRootfs = true
+	} else {
+		if err := layer.MountOverlay(lowers, upper, work, rootfs); err != nil {
+			return nil, fmt.Errorf("mounting overlay: %w", err)
+		}
+		undo.Add(func() { _ = layer.UnmountOverlay(rootfs) })
+	}
 
 	cfg := sandbox.Config{
-		ID: id, Dir: filepath.Join(dir, "bundle"), Rootfs: rootfs, Hostname: "sandbox",
+		ID: id, Dir: filepath.Join(dir, "bundle"), Rootfs: rootfs, RootfsMount: mnt, Hostname: "sandbox",
 		CgroupPath: rec.CgroupPath,
 		Limits: sandbox.Limits{
 			CPU: spec.CPU, MemoryBytes: spec.MemoryMB << 20, Pids: spec.Pids,
@@ -247,6 +256,33 @@ func (e *Edge) createSbx(ctx context.Context, req CreateRequest, pooled bool) (*
 	undo.Release()
 	e.log.Info("sandbox created", "sandbox_id", id, "base", spec.Base, "layers", len(req.Digests), "for_pool", pooled)
 	return s, nil
+}
+
+// detachedRootfs builds the sandbox's overlay as a detached mount when the
+// backend can attach it inside the sandbox's own mount namespace. It
+// returns nil (and no error) when the backend or the kernel cannot; the
+// caller then mounts the overlay on the host.
+//
+// Why: a mount on the host is one more line in the host's mount table for
+// every sandbox, and every create copies that table (a new mount
+// namespace) and the runtime reads it (mountinfo) several times, so create
+// time grew with the number of live sandboxes.
+func (e *Edge) detachedRootfs(lowers []string, upper, work string) (*os.File, error) {
+	b, ok := e.deps.Backend.(sandbox.DetachedRootfs)
+	if !ok || !b.TakesDetachedRootfs() || e.noDetached.Load() {
+		return nil, nil
+	}
+	mnt, err := layer.DetachedOverlay(lowers, upper, work)
+	if errors.Is(err, layer.ErrNoDetachedMount) {
+		if !e.noDetached.Swap(true) {
+			e.log.Info("sandbox rootfs mounts stay on the host", "reason", err)
+		}
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("mounting overlay: %w", err)
+	}
+	return mnt, nil
 }
 
 // destroyRuntime stops the sandbox's processes and removes its runtime
@@ -334,9 +370,12 @@ func (e *Edge) teardown(ctx context.Context, s *sbx, remove bool) error {
 		s.mu.Lock()
 		s.rec.Net = nil
 		s.mu.Unlock()
-		rootfs := filepath.Join(s.dir, "rootfs")
-		if err := layer.UnmountOverlay(rootfs); err != nil {
-			return fmt.Errorf("unmounting sandbox rootfs: %w", err)
+		// A private rootfs went with the sandbox's mount namespace.
+		if !rec.PrivateRootfs {
+			rootfs := filepath.Join(s.dir, "rootfs")
+			if err := layer.UnmountOverlay(rootfs); err != nil {
+				return fmt.Errorf("unmounting sandbox rootfs: %w", err)
+			}
 		}
 		if err := unmountLowers(s.dir); err != nil {
 			return err

@@ -96,6 +96,9 @@ type Edge struct {
 	log     *slog.Logger
 	mounter *layer.Mounter
 	metrics *Metrics
+	// noDetached is set once the kernel refused a detached overlay: every
+	// rootfs is then mounted on the host (see detachedRootfs).
+	noDetached atomic.Bool
 
 	mu        sync.RWMutex
 	sandboxes map[string]*sbx

@@ -174,7 +174,13 @@ func (e *Edge) root(s *sbx) (*files.Root, error) {
 	if s.root != nil {
 		return s.root, nil
 	}
-	r, err := files.Open(filepath.Join(s.dir, "rootfs"))
+	var r *files.Root
+	var err error
+	if s.rec.PrivateRootfs {
+		r, err = e.openPrivateRoot(s.rec.Sandbox.ID)
+	} else {
+		r, err = files.Open(filepath.Join(s.dir, "rootfs"))
+	}
 	if err != nil {
 		return nil, fmt.Errorf("opening sandbox rootfs: %w", err)
 	}
@@ -183,6 +189,33 @@ func (e *Edge) root(s *sbx) (*files.Root, error) {
 		r.SetOwner(files.Owner{UID: base, GID: base})
 	}
 	s.root = r
+	return r, nil
+}
+
+// openPrivateRoot opens the root of a sandbox whose overlay is mounted only
+// in its own mount namespace, through its init's /proc/PID/root. Lookups
+// from it stay on the overlay (files resolves with RESOLVE_NO_XDEV), so
+// the sandbox's /proc, /sys and /dev are out of reach, as they are from
+// a host-side mount. The pid is checked again after the open, so a pid
+// reused by another process in between is refused, not opened.
+func (e *Edge) openPrivateRoot(id string) (*files.Root, error) {
+	ctx := context.Background()
+	st, err := e.deps.Backend.Status(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	if !st.Running || st.Pid <= 0 {
+		return nil, errdefs.Precondition("sandbox %s is not running", id)
+	}
+	r, err := files.Open("/proc/" + strconv.Itoa(st.Pid) + "/root")
+	if err != nil {
+		return nil, err
+	}
+	again, err := e.deps.Backend.Status(ctx, id)
+	if err != nil || !again.Running || again.Pid != st.Pid {
+		r.Close()
+		return nil, errdefs.Precondition("sandbox %s stopped while its root was being opened", id)
+	}
 	return r, nil
 }
 

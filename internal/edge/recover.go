@@ -57,7 +57,7 @@ func (e *Edge) recover(ctx context.Context) error {
 			continue
 		case holdsResources(st):
 			status, serr := e.deps.Backend.Status(ctx, id)
-			if serr == nil && status.Running && mounted[rootfs] {
+			if serr == nil && status.Running && (mounted[rootfs] || rec.PrivateRootfs) {
 				live[id] = true
 				for _, d := range rec.Digests {
 					refs[d]++

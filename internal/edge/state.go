@@ -29,6 +29,11 @@ type record struct {
 	Pooled bool `json:"pooled,omitempty"`
 	// UserNS is set for a sandbox in a user namespace (userns.go).
 	UserNS bool `json:"userns,omitempty"`
+	// PrivateRootfs is set when the overlay is mounted only inside the
+	// sandbox's mount namespace (sandbox.Config.RootfsMount), not on the
+	// host at <dir>/rootfs: it goes away with the sandbox's processes, and
+	// the files API reaches it through /proc/<init>/root.
+	PrivateRootfs bool `json:"private_rootfs,omitempty"`
 	// Net is the sandbox's veth slot, once its policy let something out.
 	Net *netpolicy.Attachment `json:"net,omitempty"`
 	// StoppedAt is when the sandbox stopped; its record is removed

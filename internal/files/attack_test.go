@@ -1,9 +1,13 @@
 package files
 
 import (
+	"archive/tar"
 	"bytes"
+	"errors"
+	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -191,5 +195,130 @@ func TestDotDotInAPIPathsStaysInside(t *testing.T) {
 	must(t, err)
 	if _, err := os.Stat(f.host("/x")); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestMountsInsideTheRootAreNotEntered: a sandbox's root opened in its own
+// mount namespace (/proc/PID/root) has the kernel's and the platform's
+// mounts below it (/proc, /dev, a host file bound over /etc/resolv.conf).
+// Here a child process in a mount namespace of its own binds the outside
+// directory into the root, once as a directory and once over a file, and
+// the root is opened through the child's /proc/PID/root, as the edge does.
+// No operation may read, write, list, archive, remove or replace through
+// either mount. The kernel itself refuses an rmdir of a mount point only
+// in the caller's own namespace, so this is the case that matters.
+func TestMountsInsideTheRootAreNotEntered(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: makes bind mounts in a mount namespace")
+	}
+	f := newFixture(t)
+	must(t, os.Mkdir(f.host("/mnt"), 0o755))
+	f.write(t, "/etc/resolv.conf", "sandbox's own")
+	plantLinks(t, f)
+	f.symlink(t, "/mnt/secret", "/tomount")
+	f.before = f.snapshotOutside(t)
+
+	child := exec.Command("unshare", "-m", "--propagation", "private", "sh", "-c",
+		`mount --bind "$1" "$2" && mount --bind "$3" "$4" && echo ready && exec sleep 120`, "sh",
+		f.outside, f.host("/mnt"), f.secret, f.host("/etc/resolv.conf"))
+	out, err := child.StdoutPipe()
+	must(t, err)
+	child.Stderr = os.Stderr
+	if err := child.Start(); err != nil {
+		t.Skipf("needs unshare(1): %v", err)
+	}
+	t.Cleanup(func() { _ = child.Process.Kill(); _ = child.Wait() })
+	line := make([]byte, 6)
+	if _, err := io.ReadFull(out, line); err != nil || string(line) != "ready\n" {
+		t.Fatalf("child mount namespace not ready: %q %v", line, err)
+	}
+	r, err := Open(fmt.Sprintf("/proc/%d/root%s", child.Process.Pid, f.root))
+	must(t, err)
+	defer r.Close()
+	mountsLeft := func(when string) {
+		t.Helper()
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", child.Process.Pid))
+		must(t, err)
+		for _, p := range []string{f.host("/mnt"), f.host("/etc/resolv.conf")} {
+			if !bytes.Contains(b, []byte(" "+p+" ")) {
+				t.Fatalf("%s: the mount at %s is gone from the sandbox's namespace", when, p)
+			}
+		}
+	}
+	mountsLeft("before")
+
+	for _, p := range []string{"/mnt/secret", "/etc/resolv.conf", "/tomount", "/mnt/dir/passwd", "/slash/mnt/secret"} {
+		if rc, _, err := r.ReadFile(p); err == nil {
+			b, _ := io.ReadAll(rc)
+			rc.Close()
+			t.Errorf("read %s through a mount: %q", p, b)
+		} else if !errors.Is(err, errdefs.ErrInvalid) {
+			t.Errorf("read %s: %v, want invalid_argument", p, err)
+		}
+	}
+	if _, err := r.Stat("/mnt/secret"); err == nil {
+		t.Error("stat /mnt/secret through a mount succeeded")
+	}
+	for _, p := range []string{"/mnt/new", "/mnt/secret", "/etc/resolv.conf", "/mnt/dir/x", "/slash/mnt/x", "/mnt"} {
+		if _, err := r.WriteFile(p, strings.NewReader("pwned"), 0o644, 1<<20); err == nil {
+			t.Errorf("write %s through or over a mount succeeded", p)
+		}
+	}
+	for _, p := range []string{"/mnt/dir", "/mnt/secret", "/mnt", "/etc/resolv.conf", "/etc"} {
+		for _, recursive := range []bool{false, true} {
+			if err := r.Remove(p, recursive); err == nil {
+				t.Errorf("remove %s (recursive %v) through or of a mount succeeded", p, recursive)
+			}
+		}
+	}
+	mountsLeft("after writes and removes")
+	for _, name := range []string{"mnt", "etc/resolv.conf"} {
+		var tb bytes.Buffer
+		tw := tar.NewWriter(&tb)
+		must(t, tw.WriteHeader(&tar.Header{Name: name, Typeflag: tar.TypeReg, Mode: 0o644, Size: 5}))
+		_, _ = tw.Write([]byte("pwned"))
+		must(t, tw.Close())
+		if _, err := r.ExtractTar("/", &tb, TarOptions{}); err == nil {
+			t.Errorf("tar entry %s over a mount point extracted", name)
+		}
+	}
+	mountsLeft("after tar in")
+	if err := r.Remove("/tomount", false); err != nil {
+		t.Errorf("removing the link itself: %v", err)
+	}
+	ents, err := r.List("/", 3)
+	must(t, err)
+	var sawMnt bool
+	for _, e := range ents {
+		if e.Path == "/mnt" {
+			sawMnt = true
+		}
+		if strings.HasPrefix(e.Path, "/mnt/") {
+			t.Errorf("list entered the mount: %s", e.Path)
+		}
+	}
+	if !sawMnt {
+		t.Error("list does not name the mount point /mnt")
+	}
+	if _, err := r.List("/mnt", 1); err == nil {
+		t.Error("list /mnt entered the mount")
+	}
+	var tb bytes.Buffer
+	must(t, r.WriteTar("/", &tb))
+	for tr := tar.NewReader(&tb); ; {
+		h, err := tr.Next()
+		if err != nil {
+			break
+		}
+		if (strings.HasPrefix(h.Name, "mnt/") && h.Name != "mnt/") || h.Name == "etc/resolv.conf" {
+			t.Errorf("tar of / holds %s, below or at a mount", h.Name)
+		}
+	}
+	if err := r.WriteTar("/mnt", io.Discard); err == nil {
+		t.Error("tar of /mnt entered the mount")
+	}
+	f.checkOutside(t)
+	if _, err := os.Stat(f.host("/mnt")); err != nil {
+		t.Errorf("the mount point itself was removed: %v", err)
 	}
 }

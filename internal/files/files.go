@@ -267,7 +267,7 @@ func (r *Root) WriteFile(p string, data io.Reader, mode os.FileMode, maxBytes in
 	defer func() {
 		f.Close()
 		if !committed {
-			unix.Unlinkat(dirfd, tmp, 0)
+			unlinkat(dirfd, tmp, 0)
 		}
 	}()
 
@@ -301,6 +301,9 @@ func (r *Root) WriteFile(p string, data io.Reader, mode os.FileMode, maxBytes in
 	}
 	// renameat fails with EISDIR if a directory appeared at the target since
 	// the check above, so the refusal holds under races too.
+	if err := notMountPoint(dirfd, base); err != nil {
+		return n, opErr("writing", clean, err)
+	}
 	if err := unix.Renameat(dirfd, tmp, dirfd, base); err != nil {
 		return n, opErr("writing", clean, err)
 	}
@@ -439,8 +442,8 @@ func (r *Root) list(dirfd int, dirPath string, depth, level int, out *[]api.File
 		// with O_NOFOLLOW refuses it, and we simply do not descend.
 		fd, err := openat2(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0, noSymlinks)
 		if err != nil {
-			if err == unix.ENOENT || err == unix.ELOOP || err == unix.ENOTDIR {
-				continue
+			if err == unix.ENOENT || err == unix.ELOOP || err == unix.ENOTDIR || err == unix.EXDEV {
+				continue // EXDEV: a mount point, listed but not entered
 			}
 			return opErr("listing", child, err)
 		}
@@ -476,7 +479,7 @@ func (r *Root) Remove(p string, recursive bool) error {
 		return opErr("removing", clean, err)
 	}
 	if !isDir(&st) {
-		err := unix.Unlinkat(dirfd, base, 0)
+		err := unlinkat(dirfd, base, 0)
 		if err == nil {
 			return nil
 		}
@@ -484,7 +487,7 @@ func (r *Root) Remove(p string, recursive bool) error {
 			return opErr("removing", clean, err)
 		}
 	}
-	err = unix.Unlinkat(dirfd, base, unix.AT_REMOVEDIR)
+	err = unlinkat(dirfd, base, unix.AT_REMOVEDIR)
 	if err == unix.ENOTEMPTY || err == unix.EEXIST {
 		if !recursive {
 			return errdefs.Precondition("removing %s: directory not empty", clean)
@@ -507,7 +510,7 @@ func (r *Root) removeAll(parent int, name, apiPath string, level int) error {
 		return errdefs.Invalid("removing %s: tree nested deeper than %d levels", apiPath, r.maxNesting)
 	}
 	fd, err := openat2(parent, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0,
-		noSymlinks|unix.RESOLVE_NO_XDEV)
+		noSymlinks)
 	switch err {
 	case nil:
 	case unix.ENOENT:
@@ -515,7 +518,7 @@ func (r *Root) removeAll(parent int, name, apiPath string, level int) error {
 	case unix.ELOOP, unix.ENOTDIR:
 		// Swapped for a symlink or file since we looked: remove the name,
 		// never what it points to.
-		if err := unix.Unlinkat(parent, name, 0); err != nil && err != unix.ENOENT {
+		if err := unlinkat(parent, name, 0); err != nil && err != unix.ENOENT {
 			return opErr("removing", apiPath, err)
 		}
 		return nil
@@ -533,7 +536,7 @@ func (r *Root) removeAll(parent int, name, apiPath string, level int) error {
 		}
 		for _, n := range names {
 			child := path.Join(apiPath, n)
-			err := unix.Unlinkat(fd, n, 0)
+			err := unlinkat(fd, n, 0)
 			switch err {
 			case nil, unix.ENOENT:
 			case unix.EISDIR:
@@ -554,9 +557,9 @@ func (r *Root) removeAll(parent int, name, apiPath string, level int) error {
 func removeName(parent int, name, apiPath string) error {
 	var err error
 	for range 8 {
-		err = unix.Unlinkat(parent, name, unix.AT_REMOVEDIR)
+		err = unlinkat(parent, name, unix.AT_REMOVEDIR)
 		if err == unix.ENOTDIR {
-			err = unix.Unlinkat(parent, name, 0)
+			err = unlinkat(parent, name, 0)
 		}
 		switch err {
 		case nil, unix.ENOENT:

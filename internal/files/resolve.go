@@ -16,15 +16,22 @@ import (
 // Resolution modes. Every lookup that takes more than one component goes
 // through openat2 with one of these; single components are handled by the
 // *at syscalls, none of which follow a trailing symlink the way we call them.
+//
+// Both stay on the root's mount (RESOLVE_NO_XDEV, EXDEV otherwise): a
+// sandbox's root may be opened inside its own mount namespace
+// (/proc/PID/root), where /proc, /sys, /dev and bind mounts of host files
+// sit below it. Those are the kernel's and the platform's, not the
+// sandbox's files, and host root must not write to them on a client's
+// behalf. Walks list such a mount point but do not descend into it.
 const (
 	// inRoot is how API paths are resolved: symlinks are followed, but "/"
 	// and ".." are clamped to the root, so whatever the sandbox planted, the
 	// walk cannot leave it.
-	inRoot = unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_MAGICLINKS
+	inRoot = unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV
 	// noSymlinks is how tar entries and descents are resolved: any symlink
 	// on the way is refused (ELOOP), so an archive cannot write through a
 	// link it just planted and a walk never leaves the tree it started in.
-	noSymlinks = unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS
+	noSymlinks = unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV
 )
 
 // openat2 retries the transient failures: EAGAIN is what RESOLVE_IN_ROOT
@@ -43,6 +50,34 @@ func openat2(dirfd int, rel string, flags int, mode uint32, resolve uint64) (int
 		return fd, err
 	}
 	return -1, unix.EAGAIN
+}
+
+// unlinkat is unix.Unlinkat for a name in the sandbox, refused with EXDEV
+// when something is mounted on the name. The kernel refuses that itself
+// (EBUSY) only for mounts of the caller's own mount namespace, and the
+// sandbox's /dev, /proc, /sys and bind-mounted files are mounts of the
+// sandbox's namespace: from the edge, rmdir("dev") would succeed and
+// detach the sandbox's /dev. Mount points inside a sandbox are fixed when
+// it starts (nothing in it may mount), so checking first is not racy.
+func unlinkat(dirfd int, name string, flags int) error {
+	if err := notMountPoint(dirfd, name); err != nil {
+		return err
+	}
+	return unix.Unlinkat(dirfd, name, flags)
+}
+
+// notMountPoint returns EXDEV if name in dirfd has something mounted on it
+// (reaching it crosses a mount); any other outcome is left to the caller's
+// own operation to report.
+func notMountPoint(dirfd int, name string) error {
+	fd, err := openat2(dirfd, name, unix.O_PATH|unix.O_NOFOLLOW, 0, noSymlinks)
+	if err == unix.EXDEV {
+		return err
+	}
+	if err == nil {
+		unix.Close(fd)
+	}
+	return nil
 }
 
 // relPath turns a cleaned API path into a path relative to the root fd.

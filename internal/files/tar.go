@@ -170,8 +170,8 @@ func (t *tarWriter) dir(dirfd int, prefix, apiPath string, level int) error {
 			}
 			fd, err := openat2(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0, noSymlinks)
 			if err != nil {
-				if raced(err) {
-					continue
+				if raced(err) || err == unix.EXDEV {
+					continue // EXDEV: a mount point, archived empty
 				}
 				return opErr("archiving", child, err)
 			}
@@ -194,8 +194,8 @@ func (t *tarWriter) dir(dirfd int, prefix, apiPath string, level int) error {
 			}
 			f, fst, err := openRegular(dirfd, name, unix.O_NOFOLLOW, noSymlinks, child)
 			if err != nil {
-				if raced(err) || err == errNotRegular || err == unix.EISDIR {
-					continue
+				if raced(err) || err == errNotRegular || err == unix.EISDIR || err == unix.EXDEV {
+					continue // EXDEV: a file bind-mounted over, not the sandbox's
 				}
 				return opErr("archiving", child, err)
 			}
@@ -586,7 +586,7 @@ func (x *extractor) regular(parent int, base string, hdr *tar.Header, tr io.Read
 		err = x.meta(fd, false, hdr)
 	}
 	if err != nil {
-		unix.Unlinkat(parent, base, 0)
+		unlinkat(parent, base, 0)
 		var pe *fs.PathError
 		if errors.As(err, &pe) {
 			return 0, x.fail(hdr, pe.Err)
@@ -738,9 +738,9 @@ func (x *extractor) clear(parent int, base string, wantDir bool) (isDir bool, er
 		if wantDir {
 			return true, nil
 		}
-		return false, unix.Unlinkat(parent, base, unix.AT_REMOVEDIR)
+		return false, unlinkat(parent, base, unix.AT_REMOVEDIR)
 	}
-	return false, unix.Unlinkat(parent, base, 0)
+	return false, unlinkat(parent, base, 0)
 }
 
 // fail wraps a syscall error met while creating an entry. Errors the

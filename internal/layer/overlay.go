@@ -68,12 +68,58 @@ func MountOverlay(lowers []string, upper, work, target string) error {
 var errNoNewMountAPI = errors.New("new mount API unavailable")
 
 func mountOverlayNew(lowers []string, upper, work, target string) error {
-	fd, err := unix.Fsopen("overlay", unix.FSOPEN_CLOEXEC)
-	if errors.Is(err, unix.ENOSYS) {
-		return errNoNewMountAPI
+	mfd, err := newOverlayMount(lowers, upper, work)
+	if err != nil {
+		return err
+	}
+	defer mfd.Close()
+	if err := unix.MoveMount(int(mfd.Fd()), "", unix.AT_FDCWD, target, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return fmt.Errorf("move_mount: %w", err)
+	}
+	return nil
+}
+
+// DetachedOverlay builds the overlay MountOverlay would mount, but leaves
+// it detached: the returned file is a mount that belongs to no mount
+// namespace until someone attaches it with move_mount(2). A sandbox backend
+// attaches it inside the sandbox's own mount namespace, so the host's mount
+// table does not grow with every sandbox (every new mount namespace copies
+// that table, and every read of mountinfo prints it). The mount goes away
+// when the last namespace using it does and the file is closed.
+//
+// ErrNoDetachedMount means this kernel cannot (no fsopen or "lowerdir+",
+// before 6.8); MountOverlay still works there.
+func DetachedOverlay(lowers []string, upper, work string) (*os.File, error) {
+	if len(lowers) == 0 {
+		return nil, errdefs.Invalid("mounting overlay: no lower layers")
+	}
+	for _, p := range append(append([]string(nil), lowers...), upper, work) {
+		if !filepath.IsAbs(p) {
+			return nil, errdefs.Invalid("mounting overlay: path %q is not absolute", p)
+		}
+	}
+	f, err := newOverlayMount(lowers, upper, work)
+	if errors.Is(err, errNoNewMountAPI) {
+		return nil, ErrNoDetachedMount
 	}
 	if err != nil {
-		return fmt.Errorf("fsopen overlay: %w", err)
+		return nil, fmt.Errorf("mounting overlay: %w", err)
+	}
+	return f, nil
+}
+
+// ErrNoDetachedMount is DetachedOverlay's answer on kernels before 6.8.
+var ErrNoDetachedMount = errors.New("this kernel cannot build a detached overlay mount (needs fsopen with lowerdir+, Linux 6.8)")
+
+// newOverlayMount configures an overlay superblock with the new mount API
+// and returns it as a detached mount.
+func newOverlayMount(lowers []string, upper, work string) (*os.File, error) {
+	fd, err := unix.Fsopen("overlay", unix.FSOPEN_CLOEXEC)
+	if errors.Is(err, unix.ENOSYS) {
+		return nil, errNoNewMountAPI
+	}
+	if err != nil {
+		return nil, fmt.Errorf("fsopen overlay: %w", err)
 	}
 	defer unix.Close(fd)
 
@@ -82,29 +128,25 @@ func mountOverlayNew(lowers []string, upper, work, target string) error {
 			msg := fsLog(fd)
 			if i == 0 && errors.Is(err, unix.EINVAL) && strings.Contains(msg, "Unknown parameter") {
 				// The key itself is unknown: a kernel before 6.8.
-				return errNoNewMountAPI
+				return nil, errNoNewMountAPI
 			}
-			return withLog(fmt.Errorf("lowerdir+ %s: %w", l, err), msg)
+			return nil, withLog(fmt.Errorf("lowerdir+ %s: %w", l, err), msg)
 		}
 	}
 	config := [][2]string{{"upperdir", upper}, {"workdir", work}}
 	for _, kv := range append(config, overlayOptions...) {
 		if err := unix.FsconfigSetString(fd, kv[0], kv[1]); err != nil {
-			return fsError(fd, kv[0]+"="+kv[1], err)
+			return nil, fsError(fd, kv[0]+"="+kv[1], err)
 		}
 	}
 	if err := unix.FsconfigCreate(fd); err != nil {
-		return fsError(fd, "creating superblock", err)
+		return nil, fsError(fd, "creating superblock", err)
 	}
 	mfd, err := unix.Fsmount(fd, unix.FSMOUNT_CLOEXEC, 0)
 	if err != nil {
-		return fsError(fd, "fsmount", err)
+		return nil, fsError(fd, "fsmount", err)
 	}
-	defer unix.Close(mfd)
-	if err := unix.MoveMount(mfd, "", unix.AT_FDCWD, target, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
-		return fmt.Errorf("move_mount: %w", err)
-	}
-	return nil
+	return os.NewFile(uintptr(mfd), "overlay"), nil
 }
 
 // fsLog drains the messages the kernel queued on a filesystem context.

@@ -9,6 +9,7 @@ package sandbox
 import (
 	"context"
 	"io"
+	"os"
 )
 
 // Backend runs sandboxes on one node. The edge composes each sandbox's root
@@ -49,9 +50,17 @@ type Config struct {
 	ID string
 	// Dir is a private, empty directory the backend may use (bundle files).
 	Dir string
-	// Rootfs is the composed root filesystem (a mounted overlay).
-	Rootfs   string
-	Hostname string
+	// Rootfs is the composed root filesystem: a mounted overlay, or with
+	// RootfsMount an empty directory to attach it at.
+	Rootfs string
+	// RootfsMount, if set, is the rootfs as a detached mount (see
+	// layer.DetachedOverlay), which the backend attaches at Rootfs only
+	// inside the sandbox's own mount namespace, so the host's mount table
+	// does not grow with sandboxes. The sandbox's mounts then hold the
+	// overlay; it goes away with them. Only backends that implement
+	// DetachedRootfs get one; the caller closes it after Create.
+	RootfsMount *os.File
+	Hostname    string
 	// CgroupPath is the cgroup of the sandbox relative to the hierarchy
 	// roots, e.g. "/dsec/sb-node1-abc".
 	CgroupPath string
@@ -115,4 +124,10 @@ type Proc interface {
 type Pinner interface {
 	// PinnedShell returns the shell's path inside the sandbox, or "".
 	PinnedShell() string
+}
+
+// DetachedRootfs is implemented by backends that can take the rootfs as a
+// detached mount (Config.RootfsMount).
+type DetachedRootfs interface {
+	TakesDetachedRootfs() bool
 }

@@ -129,7 +129,7 @@ func TestSandboxWhoseInitDiesIsMarkedFailed(t *testing.T) {
 	}
 	_, err := client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "true"})
 	wantCode(t, err, "failed_precondition")
-	if n := len(hostMounts(sb.ID)); n != 0 {
+	if n := len(anyMounts(sb.ID)); n != 0 {
 		t.Fatalf("failed sandbox keeps %d mounts", n)
 	}
 	if r := sh(t, neighbour.ID, "echo ok"); r.Stdout != "ok\n" {

@@ -758,8 +758,55 @@ ln -s ../../../../../../../../../../../../%[1]s /relsecret
 			t.Errorf("GET %s returned the HOST's /etc/hostname", p)
 		}
 	}
-	if r := call("GET", fsURL(sb.ID, ":list", "/proc"), nil); r.Status != 200 || !bytes.Contains(r.Body, []byte(`"entries":[]`)) {
-		t.Errorf("list /proc from the host side: %d %.300s, want an empty directory", r.Status, r.Body)
+	// The rootfs is mounted only in the sandbox's own mount namespace and
+	// reached through its init's /proc/PID/root, below which sit the
+	// sandbox's /proc, /sys and /dev and the platform's read-only bind
+	// mounts. The files API stays on the overlay: every path through a
+	// mount point is refused (400, "crosses a mount point"), a listing
+	// names the mount point but does not enter it, a tar skips it.
+	if b, _ := os.ReadFile("/proc/self/mountinfo"); bytes.Contains(b, []byte(" "+rootfs+" ")) {
+		t.Errorf("the sandbox's rootfs %s is mounted on the host", rootfs)
+	}
+	if r := call("GET", fsURL(sb.ID, ":list", "/proc"), nil); r.Status == 200 && !bytes.Contains(r.Body, []byte(`"entries":[]`)) {
+		t.Errorf("list /proc: %d %.300s, want a refusal", r.Status, r.Body)
+	}
+	for _, p := range []string{"/proc/1/environ", "/proc/self/mounts", "/proc/1/status", "/sys/kernel/uevent_seqnum", "/dev/sh", "/dev/init", "/dev/pts/ptmx", "/dev/shm"} {
+		if r := call("GET", fsURL(sb.ID, "", p), nil); r.Status == 200 {
+			t.Errorf("GET %s: 200 with %.200q", p, r.Body)
+		}
+		call("GET", fsURL(sb.ID, ":stat", p), nil)
+	}
+	shellBefore := sh(t, sb.ID, "/dev/sh -c 'echo pinned-ok'").Stdout
+	for _, p := range []string{"/proc/sysrq-trigger", "/proc/sys/kernel/hostname", "/proc/1/oom_score_adj", "/sys/kernel/uevent_helper", "/dev/sh", "/dev/init", "/dev/shm/from-api", "/dev/x"} {
+		if r := call("PUT", fsURL(sb.ID, "", p), []byte("pwned")); r.Status == 200 {
+			t.Errorf("PUT %s: 200", p)
+		}
+	}
+	for _, p := range []string{"/dev", "/proc/1", "/sys"} {
+		if r := call("DELETE", fsURL(sb.ID, "", p, "recursive", "true"), nil); r.Status == 204 {
+			t.Errorf("DELETE %s: 204", p)
+		}
+	}
+	if r := sh(t, sb.ID, "/dev/sh -c 'echo pinned-ok'; ls /dev/shm; cat /proc/1/oom_score_adj"); r.Stdout != shellBefore+"0\n" {
+		t.Errorf("after writes at the sandbox's mounts: %+v (pinned shell said %q)", r, shellBefore)
+	}
+	if r := call("GET", fsURL(sb.ID, ":list", "/", "depth", "2"), nil); r.Status != 200 || !bytes.Contains(r.Body, []byte(`"/proc"`)) || bytes.Contains(r.Body, []byte(`"/proc/1"`)) {
+		t.Errorf("list / depth 2: %d %.300s, want /proc listed and not entered", r.Status, r.Body)
+	}
+	if r := call("GET", fsURL(sb.ID, ":tar", "/"), nil); r.Status != 200 {
+		t.Errorf("tar /: %d %.200s", r.Status, r.Body)
+	} else {
+		for tr := tar.NewReader(bytes.NewReader(r.Body)); ; {
+			h, err := tr.Next()
+			if err != nil {
+				break
+			}
+			for _, m := range []string{"proc/", "sys/", "dev/"} {
+				if strings.HasPrefix(h.Name, m) && h.Name != m {
+					t.Errorf("tar / holds %s, below the mount point /%s", h.Name, m)
+				}
+			}
+		}
 	}
 
 	// Writes through the traps land in the sandbox, never on the host.

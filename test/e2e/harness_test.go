@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -334,6 +335,69 @@ func wantCode(t *testing.T, err error, code string) {
 }
 
 // hostMounts returns mount points that contain substr.
+// anyMounts is hostMounts over every mount namespace on the host (each
+// read once): the mounts whose mount point or superblock options contain
+// substr, such as an overlay whose upperdir is in a sandbox's dir. A
+// sandbox's rootfs is mounted only in its own namespace, so leak checks
+// look everywhere. Each entry is "MOUNTPOINT FSTYPE OPTIONS", once per
+// distinct entry.
+func anyMounts(substr string) []string {
+	seen := map[string]bool{}
+	var out []string
+	procs, _ := filepath.Glob("/proc/[0-9]*/ns/mnt")
+	nss := map[string]bool{}
+	for _, p := range procs {
+		ns, err := os.Readlink(p)
+		if err != nil || nss[ns] {
+			continue
+		}
+		nss[ns] = true
+		b, err := os.ReadFile(filepath.Join(filepath.Dir(filepath.Dir(p)), "mountinfo"))
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			pre, post, ok := strings.Cut(line, " - ")
+			f := strings.Fields(pre)
+			if !ok || len(f) < 5 || !strings.Contains(line, substr) {
+				continue
+			}
+			pf := strings.Fields(post)
+			if len(pf) < 3 || !(strings.Contains(f[4], substr) || strings.Contains(pf[2], substr)) {
+				continue
+			}
+			key := f[4] + " " + pf[0] + " " + pf[2]
+			if !seen[key] {
+				seen[key] = true
+				out = append(out, key)
+			}
+		}
+	}
+	return out
+}
+
+// sandboxOverlays returns the rootfs path (<sandboxes>/<id>/rootfs) of every
+// sandbox that has an overlay mounted in any mount namespace (its upperdir
+// is in the sandbox's dir), once each, sorted.
+func sandboxOverlays() []string {
+	dir := filepath.Join(d.stateDir, "edge", "sandboxes") + "/"
+	ids := map[string]bool{}
+	for _, m := range anyMounts("upperdir=" + dir) {
+		for _, o := range strings.Split(m, ",") {
+			if rest, ok := strings.CutPrefix(o, "upperdir="+dir); ok {
+				id, _, _ := strings.Cut(rest, "/")
+				ids[id] = true
+			}
+		}
+	}
+	var out []string
+	for id := range ids {
+		out = append(out, filepath.Join(dir, id, "rootfs"))
+	}
+	slices.Sort(out)
+	return out
+}
+
 func hostMounts(substr string) []string {
 	b, _ := os.ReadFile("/proc/self/mountinfo")
 	var out []string

@@ -172,7 +172,7 @@ func TestPauseByLabelsAndAcrossRestart(t *testing.T) {
 	if err := client.DeleteSandbox(ctx(t), b.ID); err != nil {
 		t.Fatal(err)
 	}
-	if m := hostMounts(b.ID); len(m) != 0 {
+	if m := anyMounts(b.ID); len(m) != 0 {
 		t.Fatalf("deleted paused sandbox left mounts %v", m)
 	}
 	// Pausing what is not running is refused clearly.

@@ -128,7 +128,8 @@ func sharedCgroupParent(t *testing.T) bool { return daemonCgroupParent(t) == "/d
 type nodeSnapshot struct {
 	dirs        []string            // <state>/edge/sandboxes/*
 	runtime     []string            // <state>/runtime/*/* (container ids)
-	overlays    []string            // mountpoints under <state>/edge/sandboxes/
+	overlays    []string            // rootfs of each sandbox with an overlay in any mount namespace
+	hostRootfs  []string            // rootfs mountpoints on the host (there should be none)
 	layerMounts []string            // mountpoints under <state>/edge/mnt/
 	cgroups     map[string][]string // child of the cgroup parent → hierarchies holding it
 }
@@ -150,7 +151,13 @@ func snapshotNode(t *testing.T) nodeSnapshot {
 		}
 	}
 	slices.Sort(s.runtime)
-	s.overlays = hostMounts(filepath.Join(d.stateDir, "edge", "sandboxes") + "/")
+	s.overlays = sandboxOverlays()
+	// A rootfs lives in its sandbox's mount namespace, never on the host.
+	for _, m := range hostMounts(filepath.Join(d.stateDir, "edge", "sandboxes") + "/") {
+		if strings.HasSuffix(m, "/rootfs") {
+			s.hostRootfs = append(s.hostRootfs, m)
+		}
+	}
 	s.layerMounts = hostMounts(filepath.Join(d.stateDir, "edge", "mnt") + "/")
 	s.cgroups = map[string][]string{}
 	parent := daemonCgroupParent(t)
@@ -255,7 +262,10 @@ func assertNodeConsistent(t *testing.T, candidates []string) (running, listed []
 		wantOverlays = append(wantOverlays, filepath.Join(d.stateDir, "edge", "sandboxes", id, "rootfs"))
 	}
 	if got := slices.Sorted(slices.Values(s.overlays)); !slices.Equal(got, wantOverlays) {
-		t.Errorf("mounts under the sandboxes dir %v, want the rootfs of each running sandbox %v", got, wantOverlays)
+		t.Errorf("overlays of sandboxes %v, want the rootfs of each running sandbox %v", got, wantOverlays)
+	}
+	if len(s.hostRootfs) > 0 {
+		t.Errorf("rootfs mounted on the host: %v", s.hostRootfs)
 	}
 	if !slices.Equal(s.runtime, running) {
 		t.Errorf("runtime state dirs %v, running sandboxes %v", s.runtime, running)

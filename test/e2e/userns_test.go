@@ -84,7 +84,7 @@ func TestUserNamespaceSandbox(t *testing.T) {
 	if err := client.DeleteSandbox(ctx(t), sb.ID); err != nil {
 		t.Fatal(err)
 	}
-	if m := hostMounts(sb.ID); len(m) > 0 {
+	if m := anyMounts(sb.ID); len(m) > 0 {
 		t.Fatalf("mounts left: %v", m)
 	}
 }

@@ -94,8 +94,9 @@ func (c *Container) command(ctx context.Context, args ...string) *exec.Cmd {
 }
 
 var (
-	_ sandbox.Backend = (*Container)(nil)
-	_ sandbox.Pinner  = (*Container)(nil)
+	_ sandbox.Backend        = (*Container)(nil)
+	_ sandbox.Pinner         = (*Container)(nil)
+	_ sandbox.DetachedRootfs = (*Container)(nil)
 )
 
 // New checks the runtime and init binaries and returns the backend.
@@ -180,6 +181,13 @@ func (c *Container) PinnedShell() string {
 	return PinnedShell
 }
 
+// TakesDetachedRootfs implements sandbox.DetachedRootfs: the runtime is
+// started in a private mount namespace in which the rootfs is attached
+// (nsexec.RunInMountNS), which needs the C launcher and root.
+func (c *Container) TakesDetachedRootfs() bool {
+	return nsexec.Available && os.Geteuid() == 0
+}
+
 // Name implements sandbox.Backend.
 func (c *Container) Name() string { return "container" }
 
@@ -209,6 +217,9 @@ func (c *Container) run(ctx context.Context, args ...string) error {
 
 // Create implements sandbox.Backend.
 func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
+	if cfg.RootfsMount != nil && !c.TakesDetachedRootfs() {
+		return errdefs.Precondition("this backend cannot attach a detached rootfs (needs root and a build with cgo)")
+	}
 	spec := c.spec(cfg)
 	data, err := json.Marshal(spec)
 	if err != nil {
@@ -221,9 +232,17 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 	// /dev/null (a pipe would stay open for the sandbox's lifetime) and
 	// reports errors through a log file instead.
 	logPath := filepath.Join(cfg.Dir, "runtime.log")
-	cmd := c.command(ctx, "--root", c.cfg.StateRoot, "--log", logPath,
-		"run", "-d", "--bundle", cfg.Dir, cfg.ID)
-	if err := cmd.Run(); err != nil {
+	args := []string{"--root", c.cfg.StateRoot, "--log", logPath, "run", "-d", "--bundle", cfg.Dir, cfg.ID}
+	if cfg.RootfsMount != nil {
+		env := os.Environ()
+		if c.pinned {
+			env = append(env, clonedBinaryEnv)
+		}
+		err = nsexec.RunInMountNS(ctx, cfg.RootfsMount, cfg.Rootfs, env, append([]string{c.runtime}, args...))
+	} else {
+		err = c.command(ctx, args...).Run()
+	}
+	if err != nil {
 		msg, _ := os.ReadFile(logPath)
 		if len(msg) > 2000 {
 			msg = msg[len(msg)-2000:]

@@ -9,6 +9,7 @@ import (
 
 	"github.com/dsecproject/dsec/internal/cgroup"
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/sandbox"
 	"github.com/dsecproject/dsec/internal/sandbox/container/nsexec"
 	"github.com/dsecproject/dsec/internal/sandbox/sandboxtest"
@@ -51,6 +52,13 @@ func newTestBackend(t *testing.T, runtime string, helper bool) *Container {
 }
 
 func conformance(t *testing.T, runtime string, helper bool) {
+	conformanceRootfs(t, runtime, helper, false)
+}
+
+// conformanceRootfs runs the suite; with detached, every sandbox's rootfs
+// is an overlay handed over as a detached mount (sandbox.Config.RootfsMount)
+// instead of a directory on the host.
+func conformanceRootfs(t *testing.T, runtime string, helper, detached bool) {
 	c := newTestBackend(t, runtime, helper)
 	var procs func(string) ([]int, error)
 	if c.cfg.Cgroups != nil {
@@ -72,11 +80,15 @@ func conformance(t *testing.T, runtime string, helper bool) {
 		Backend:     c,
 		NewConfig: func(t *testing.T, id string) sandbox.Config {
 			dir := t.TempDir()
-			return sandbox.Config{
+			cfg := sandbox.Config{
 				ID: id, Dir: dir, Rootfs: sandboxtest.BusyboxRootfs(t),
 				Hostname: id, CgroupPath: filepath.Join("/dsec-test", id),
 				Limits: sandbox.Limits{MemoryBytes: 256 << 20, Pids: 256, CPU: 1},
 			}
+			if detached {
+				cfg.RootfsMount, cfg.Rootfs = detachedRootfs(t, cfg.Rootfs)
+			}
+			return cfg
 		},
 	})
 }
@@ -96,4 +108,35 @@ func TestConformanceCrun(t *testing.T) {
 		}
 	}
 	conformance(t, "crun", false)
+}
+
+// TestConformanceDetachedRootfs runs the suite with the rootfs attached
+// only inside each sandbox's mount namespace (the edge's default).
+func TestConformanceDetachedRootfs(t *testing.T) {
+	if !nsexec.Available {
+		t.Skip("needs a build with cgo: the rootfs launcher is C")
+	}
+	conformanceRootfs(t, "runc", true, true)
+}
+
+// detachedRootfs builds an overlay of lower as a detached mount and an
+// empty directory to attach it at.
+func detachedRootfs(t *testing.T, lower string) (*os.File, string) {
+	t.Helper()
+	d := t.TempDir()
+	upper, work, target := filepath.Join(d, "upper"), filepath.Join(d, "work"), filepath.Join(d, "rootfs")
+	for _, p := range []string{upper, work, target} {
+		if err := os.Mkdir(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mnt, err := layer.DetachedOverlay([]string{lower}, upper, work)
+	if errors.Is(err, layer.ErrNoDetachedMount) {
+		t.Skip(err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { mnt.Close() })
+	return mnt, target
 }

@@ -108,6 +108,29 @@ func Run(t *testing.T, e Env) {
 			t.Fatalf("list = %v, %v; want it to contain %s", ids, err, id)
 		}
 	})
+	if cfg.RootfsMount != nil {
+		// A detached rootfs is attached only in the sandbox's own mount
+		// namespace: the host's table must not show it, the sandbox must
+		// see its files, and writes must land in the overlay's upper.
+		t.Run("detached-rootfs-stays-off-the-host", func(t *testing.T) {
+			mi, err := os.ReadFile("/proc/self/mountinfo")
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, line := range strings.Split(string(mi), "\n") {
+				if f := strings.Fields(line); len(f) > 4 && f[4] == cfg.Rootfs {
+					t.Fatalf("rootfs is mounted on the host: %s", line)
+				}
+			}
+			if ents, _ := os.ReadDir(cfg.Rootfs); len(ents) != 0 {
+				t.Fatalf("host's %s is not empty: %d entries", cfg.Rootfs, len(ents))
+			}
+			r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "echo hi > /tmp/detached && cat /etc/passwd | head -1"}})
+			if r.code != 0 || !strings.HasPrefix(r.stdout, "root:") {
+				t.Fatalf("sandbox does not see its rootfs: %+v", r)
+			}
+		})
+	}
 	t.Run("stdout-stderr-exit", func(t *testing.T) {
 		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "echo out; echo err >&2; exit 7"}})
 		if r.code != 7 || r.stdout != "out\n" || r.stderr != "err\n" {

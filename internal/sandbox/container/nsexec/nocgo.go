@@ -2,6 +2,17 @@
 
 package nsexec
 
+import (
+	"context"
+	"errors"
+	"os"
+)
+
 // Available reports whether this build has the helper: a build without
 // cgo has no constructor to run, so callers fall back to the runtime.
 const Available = false
+
+// RunInMountNS needs the C launcher; callers check Available first.
+func RunInMountNS(ctx context.Context, mount *os.File, target string, env []string, argv []string) error {
+	return errors.New("this dsec was built without cgo: no rootfs launcher")
+}
