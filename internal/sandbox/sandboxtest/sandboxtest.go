@@ -131,6 +131,23 @@ func Run(t *testing.T, e Env) {
 			}
 		})
 	}
+	t.Run("masked-directories-empty-and-read-only", func(t *testing.T) {
+		// Whichever of these this kernel has must look empty and take no
+		// writes, however the backend masks them.
+		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", `n=0
+for d in /proc/acpi /proc/asound /proc/scsi /sys/firmware /sys/kernel/debug /sys/kernel/tracing /sys/devices/virtual/powercap; do
+  [ -d "$d" ] || continue
+  n=$((n+1))
+  [ -z "$(ls -A "$d")" ] || echo "$d not empty"
+  mkdir "$d/x" 2>/dev/null && echo "$d writable"
+  touch "$d/y" 2>/dev/null && echo "$d writable"
+done
+echo "checked $n"`}})
+		if r.code != 0 || !strings.HasPrefix(r.stdout, "checked ") || strings.Contains(r.stdout, "not empty") || strings.Contains(r.stdout, "writable") {
+			t.Fatalf("masked directories: %+v", r)
+		}
+		t.Log(strings.TrimSpace(r.stdout))
+	})
 	t.Run("stdout-stderr-exit", func(t *testing.T) {
 		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "echo out; echo err >&2; exit 7"}})
 		if r.code != 7 || r.stdout != "out\n" || r.stderr != "err\n" {
