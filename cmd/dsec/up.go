@@ -234,6 +234,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 		Runtime:     rt,
 		StateRoot:   filepath.Join(c.stateDir, "runtime", rt),
 		PinPath:     filepath.Join(c.stateDir, "bin", rt),
+		MaskDir:     filepath.Join(c.stateDir, "mask"),
 		CgroupNS:    cg.Mode == cgroup.V2,
 		Cgroups:     cg,
 		RuntimeExec: c.runtimeExec,

@@ -51,6 +51,11 @@ type Config struct {
 	Cgroups *cgroup.Info
 	// RuntimeExec forces the runtime's exec even where the helper works.
 	RuntimeExec bool
+	// MaskDir, if set, is an empty directory (the backend creates it,
+	// mode 0555) bind-mounted read-only over the masked directories that
+	// exist on this kernel (/proc/acpi, /sys/firmware, ...), instead of
+	// letting the runtime mount a fresh tmpfs on each (see maskMounts).
+	MaskDir string
 	// MaxParallel bounds the runtime starts (creates) in flight at once,
 	// and separately the destroys; 0 means 2 per CPU, at least 4. Past a
 	// few per core, more only add contention (cgroup_mutex, CPU): in a
@@ -70,6 +75,10 @@ type Container struct {
 	flavor  string // "crun" or "runc"
 	// seccomp is built once: every bundle carries the same profile.
 	seccomp *specs.LinuxSeccomp
+	// masked are the paths the runtime masks; maskMounts the bind mounts
+	// of Config.MaskDir that mask the others (directories).
+	masked     []string
+	maskMounts []specs.Mount
 	// filter is the profile compiled for the exec helper; nil when
 	// commands go through the runtime's exec.
 	filter    []unix.SockFilter
@@ -143,8 +152,14 @@ func New(cfg Config) (*Container, error) {
 	if cfg.MaxParallel <= 0 {
 		cfg.MaxParallel = max(4, 2*runtime.NumCPU())
 	}
-	c := &Container{cfg: cfg, runtime: rt, flavor: flavor, seccomp: seccompProfile(),
+	c := &Container{cfg: cfg, runtime: rt, flavor: flavor, seccomp: seccompProfile(), masked: maskedPaths,
 		creating: make(chan struct{}, cfg.MaxParallel), destroying: make(chan struct{}, cfg.MaxParallel)}
+	if cfg.MaskDir != "" {
+		if err := emptyDir(cfg.MaskDir); err != nil {
+			return nil, err
+		}
+		c.maskMounts, c.masked = maskMounts(cfg.MaskDir, maskedPaths, flavor)
+	}
 	if os.Geteuid() == 0 && cfg.PinPath != "" {
 		if pinned, err := pinRuntime(rt, cfg.PinPath); err == nil {
 			c.runtime, c.pinned = pinned, true

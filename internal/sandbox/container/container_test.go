@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"testing"
 
 	"github.com/dsecproject/dsec/internal/cgroup"
@@ -26,7 +27,7 @@ func newTestBackend(t *testing.T, runtime string, helper bool) *Container {
 	if _, err := exec.LookPath("catatonit"); err != nil {
 		t.Skip("needs catatonit (apt-get install catatonit)")
 	}
-	cfg := Config{Runtime: runtime, StateRoot: t.TempDir(), PinPath: filepath.Join(t.TempDir(), runtime)}
+	cfg := Config{Runtime: runtime, StateRoot: t.TempDir(), PinPath: filepath.Join(t.TempDir(), runtime), MaskDir: filepath.Join(t.TempDir(), "mask")}
 	if helper {
 		if !nsexec.Available {
 			t.Skip("needs a build with cgo: the exec helper is C")
@@ -139,4 +140,47 @@ func detachedRootfs(t *testing.T, lower string) (*os.File, string) {
 	}
 	t.Cleanup(func() { mnt.Close() })
 	return mnt, target
+}
+
+func TestMaskMounts(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "file")
+	if err := os.WriteFile(file, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	missing := filepath.Join(dir, "missing")
+	masked := []string{dir, file, missing, "/proc/sys"}
+	mounts, rest := maskMounts("/mask", masked, "crun")
+	if len(mounts) != 2 || mounts[0].Destination != dir || mounts[1].Destination != "/proc/sys" {
+		t.Fatalf("crun: mounts %+v", mounts)
+	}
+	for _, m := range mounts {
+		if m.Source != "/mask" || m.Type != "bind" || !slices.Contains(m.Options, "ro") {
+			t.Errorf("mask mount %+v: want a read-only bind of /mask", m)
+		}
+	}
+	if !slices.Equal(rest, []string{file, missing}) {
+		t.Errorf("crun: left to the runtime %v", rest)
+	}
+	// runc refuses mounts inside /proc: those stay with the runtime.
+	mounts, rest = maskMounts("/mask", masked, "runc")
+	if len(mounts) != 1 || mounts[0].Destination != dir || !slices.Equal(rest, []string{file, missing, "/proc/sys"}) {
+		t.Errorf("runc: mounts %+v, rest %v", mounts, rest)
+	}
+
+	// The mask dir must be empty: one with entries would show in every
+	// sandbox.
+	md := filepath.Join(t.TempDir(), "mask")
+	if err := emptyDir(md); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := os.Stat(md); err != nil || st.Mode().Perm() != 0o555 {
+		t.Fatalf("mask dir %v %v, want mode 0555", st, err)
+	}
+	if err := os.WriteFile(filepath.Join(md, "planted"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := emptyDir(md); err == nil {
+		t.Error("a mask dir with an entry was accepted")
+	}
 }

@@ -41,7 +41,7 @@ func BusyboxRootfs(t testing.TB) string {
 	if err := os.WriteFile(filepath.Join(root, "bin/busybox"), data, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	for _, app := range []string{"sh", "cat", "echo", "sleep", "ls", "id", "ps", "pwd", "env", "true", "false", "yes", "head", "wc", "touch", "rm", "mkdir", "kill", "grep", "dd", "seq", "stat"} {
+	for _, app := range []string{"sh", "cat", "echo", "sleep", "ls", "id", "ps", "pwd", "env", "true", "false", "yes", "head", "wc", "touch", "rm", "mkdir", "kill", "grep", "dd", "seq", "stat", "mount", "umount"} {
 		if err := os.Symlink("busybox", filepath.Join(root, "bin", app)); err != nil {
 			t.Fatal(err)
 		}
@@ -141,9 +141,11 @@ for d in /proc/acpi /proc/asound /proc/scsi /sys/firmware /sys/kernel/debug /sys
   [ -z "$(ls -A "$d")" ] || echo "$d not empty"
   mkdir "$d/x" 2>/dev/null && echo "$d writable"
   touch "$d/y" 2>/dev/null && echo "$d writable"
+  mount -o remount,rw "$d" 2>/dev/null && touch "$d/z" 2>/dev/null && echo "$d writable after remount"
+  umount "$d" 2>/dev/null && echo "$d unmasked"
 done
 echo "checked $n"`}})
-		if r.code != 0 || !strings.HasPrefix(r.stdout, "checked ") || strings.Contains(r.stdout, "not empty") || strings.Contains(r.stdout, "writable") {
+		if r.code != 0 || !strings.HasPrefix(r.stdout, "checked ") || strings.Contains(r.stdout, "not empty") || strings.Contains(r.stdout, "writable") || strings.Contains(r.stdout, "unmasked") {
 			t.Fatalf("masked directories: %+v", r)
 		}
 		t.Log(strings.TrimSpace(r.stdout))
