@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"github.com/dsecproject/dsec/api"
@@ -447,16 +448,36 @@ func (e *Edge) DeleteByLabels(ctx context.Context, sel map[string]string) (int, 
 	if len(sel) == 0 {
 		return 0, errdefs.Invalid("labels are required (refusing to delete every sandbox)")
 	}
+	// Several at a time: one delete mostly waits (for init to die, for
+	// the kernel's cgroup_mutex), and the backend bounds its own work.
+	ids := make(chan string)
+	var mu sync.Mutex
+	var wg sync.WaitGroup
 	n := 0
 	var firstErr error
-	for _, v := range e.List(ctx, ListFilter{Labels: sel}) {
-		if err := e.Delete(ctx, v.ID); err != nil {
-			if firstErr == nil {
-				firstErr = err
+	for range deleteParallel {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for id := range ids {
+				err := e.Delete(ctx, id)
+				mu.Lock()
+				if err == nil {
+					n++
+				} else if firstErr == nil {
+					firstErr = err
+				}
+				mu.Unlock()
 			}
-			continue
-		}
-		n++
+		}()
 	}
+	for _, v := range e.List(ctx, ListFilter{Labels: sel}) {
+		ids <- v.ID
+	}
+	close(ids)
+	wg.Wait()
 	return n, firstErr
 }
+
+// deleteParallel is how many deletes DeleteByLabels runs at once.
+const deleteParallel = 8
