@@ -84,6 +84,12 @@ func densityProject(n, made int, perTasks, perKiB float64, probe int, l hostLimi
 	return nil
 }
 
+// memFloorKiB is the MemAvailable below which a fill stops: 10% of what
+// was available when it began, at least 1 GiB.
+func memFloorKiB(availKiB int64) int64 {
+	return max(availKiB/10, 1<<20)
+}
+
 // memInfo is the part of /proc/meminfo the bench reads, in KiB.
 type memInfo struct {
 	AvailKiB, SlabKiB, SUnreclaimKiB int64
@@ -207,7 +213,10 @@ type hostSample struct {
 
 // densityResult is one side's figures.
 type densityResult struct {
-	Sandboxes           int      `json:"sandboxes"`
+	Sandboxes int `json:"sandboxes"`
+	// StoppedLowMemory: the fill stopped short of --count at the
+	// MemAvailable floor; Sandboxes is what it reached.
+	StoppedLowMemory    bool     `json:"stopped_low_memory,omitempty"`
 	MemAvailKiBPer      float64  `json:"mem_available_kib_per_sandbox"`
 	SlabKiBPer          float64  `json:"slab_kib_per_sandbox"`
 	SUnreclaimKiBPer    float64  `json:"sunreclaim_kib_per_sandbox"`
@@ -553,12 +562,39 @@ func (d *densityRun) runDsec(ctx context.Context, ref string) ([]benchRow, densi
 	fillCtx, cancelFill := context.WithCancel(ctx)
 	defer cancelFill()
 	var done atomic.Int64
+	// The projection after the probe can be too hopeful (memory per
+	// sandbox grows with density), so the fill also watches MemAvailable
+	// and stops at the floor, measuring the density it reached instead of
+	// letting the host run out of memory.
+	floor := memFloorKiB(before.mem.AvailKiB)
+	var lowMem atomic.Int64
+	stopWatch := make(chan struct{})
+	defer close(stopWatch)
+	go func() {
+		for {
+			select {
+			case <-stopWatch:
+				return
+			case <-time.After(250 * time.Millisecond):
+			}
+			if m, err := readMeminfo(); err == nil && m.AvailKiB < floor {
+				lowMem.Store(m.AvailKiB)
+				cancelFill()
+				return
+			}
+		}
+	}()
+	var canceled atomic.Int64 // creates not made because the fill stopped
 	create := func(off int) func(int) error {
 		return func(i int) error {
 			if err := fillCtx.Err(); err != nil {
+				canceled.Add(1)
 				return err
 			}
 			sb, err := d.c.CreateSandbox(fillCtx, api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": label}})
+			if err != nil && fillCtx.Err() != nil {
+				canceled.Add(1)
+			}
 			if err != nil {
 				if errors.Is(err, dsec.ErrExhausted) || errors.Is(err, dsec.ErrQuota) {
 					mu.Lock()
@@ -602,6 +638,13 @@ func (d *densityRun) runDsec(ctx context.Context, ref string) ([]benchRow, densi
 		}
 	}
 	made := len(d.ids)
+	if low := lowMem.Load(); low > 0 && ctx.Err() == nil {
+		fmt.Fprintf(os.Stderr, "dsec: stopped the fill at %d of %d sandboxes: MemAvailable %s fell below the floor of %s; measuring at %d\n",
+			made, n, humanBytes(low<<10), humanBytes(floor<<10), made)
+		res.StoppedLowMemory = true
+		n, ferr = made, nil
+		fails = max(0, fails-int(canceled.Load()))
+	}
 	if refused != nil {
 		return nil, res, fmt.Errorf("the node refused a create after %d sandboxes (%d live before; its --max-sandboxes is %d, kernel.pid_max %d): %w",
 			made, d.lim.Live, d.lim.MaxSandboxes, d.lim.PidMax, refused)

@@ -166,3 +166,15 @@ func TestLiveSandboxes(t *testing.T) {
 		t.Fatalf("liveSandboxes = %d, want 6", n)
 	}
 }
+
+func TestMemFloor(t *testing.T) {
+	for _, c := range []struct{ avail, want int64 }{
+		{24 << 20, 24 << 20 / 10}, // a tenth of 24 GiB
+		{4 << 20, 1 << 20},        // at least 1 GiB
+		{0, 1 << 20},
+	} {
+		if got := memFloorKiB(c.avail); got != c.want {
+			t.Errorf("memFloorKiB(%d) = %d, want %d", c.avail, got, c.want)
+		}
+	}
+}
