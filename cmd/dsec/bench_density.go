@@ -712,6 +712,16 @@ func (d *densityRun) runDsec(ctx context.Context, ref string) ([]benchRow, densi
 		fmt.Fprintf(os.Stderr, "first delete failure: %v\n", derr)
 	}
 	rows = append(rows, row("delete (teardown)", made, o.concurrency, dd, df, dw))
+	if res.StoppedLowMemory {
+		// Creates that were in flight when the fill stopped had their
+		// answer cut off, but the node may have finished them: those are
+		// the bench's too, and a delete by label waits for them.
+		if n, err := d.c.DeleteSandboxes(context.Background(), map[string]string{"bench": label}); err != nil {
+			fmt.Fprintf(os.Stderr, "deleting creates cut off by the stop: %v\n", err)
+		} else if n > 0 {
+			fmt.Fprintf(os.Stderr, "dsec: deleted %d more whose create was cut off when the fill stopped\n", n)
+		}
+	}
 	_ = settle(context.Background())
 	end := d.sample(context.Background())
 	res.ResidualMemKiB = before.mem.AvailKiB - end.mem.AvailKiB
