@@ -177,6 +177,9 @@ func TestMaskMounts(t *testing.T) {
 	if st, err := os.Stat(md); err != nil || st.Mode().Perm() != 0o555 {
 		t.Fatalf("mask dir %v %v, want mode 0555", st, err)
 	}
+	if err := os.Chmod(md, 0o755); err != nil { // 0555 stops a non-root test user
+		t.Fatal(err)
+	}
 	if err := os.WriteFile(filepath.Join(md, "planted"), nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
