@@ -569,7 +569,8 @@ func (d *densityRun) runDsec(ctx context.Context, ref string) ([]benchRow, densi
 	floor := memFloorKiB(before.mem.AvailKiB)
 	var lowMem atomic.Int64
 	stopWatch := make(chan struct{})
-	defer close(stopWatch)
+	watchStopped := sync.OnceFunc(func() { close(stopWatch) })
+	defer watchStopped()
 	go func() {
 		for {
 			select {
@@ -632,13 +633,14 @@ func (d *densityRun) runDsec(ctx context.Context, ref string) ([]benchRow, densi
 		}
 	}
 	stopProgress()
+	watchStopped()
 	for _, id := range ids {
 		if id != "" {
 			d.ids[id] = true
 		}
 	}
 	made := len(d.ids)
-	if low := lowMem.Load(); low > 0 && ctx.Err() == nil {
+	if low := lowMem.Load(); low > 0 && made < n && ctx.Err() == nil {
 		fmt.Fprintf(os.Stderr, "dsec: stopped the fill at %d of %d sandboxes: MemAvailable %s fell below the floor of %s; measuring at %d\n",
 			made, n, humanBytes(low<<10), humanBytes(floor<<10), made)
 		res.StoppedLowMemory = true

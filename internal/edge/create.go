@@ -472,10 +472,16 @@ func (e *Edge) DeleteByLabels(ctx context.Context, sel map[string]string) (int, 
 		}()
 	}
 	for _, v := range e.List(ctx, ListFilter{Labels: sel}) {
+		if ctx.Err() != nil {
+			break
+		}
 		ids <- v.ID
 	}
 	close(ids)
 	wg.Wait()
+	if firstErr == nil && ctx.Err() != nil {
+		firstErr = ctx.Err()
+	}
 	return n, firstErr
 }
 

@@ -13,6 +13,8 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/files"
@@ -196,25 +198,40 @@ func (e *Edge) root(s *sbx) (*files.Root, error) {
 // in its own mount namespace, through its init's /proc/PID/root. Lookups
 // from it stay on the overlay (files resolves with RESOLVE_NO_XDEV), so
 // the sandbox's /proc, /sys and /dev are out of reach, as they are from
-// a host-side mount. The pid is checked again after the open, so a pid
-// reused by another process in between is refused, not opened.
+// a host-side mount.
+//
+// A pid can be reused once its process is gone, so the open is fenced: a
+// pidfd is taken first and the runtime's view (with the init's start time)
+// is read again, so the pidfd is the init's; the pidfd must still be alive
+// after the open, so the pid was not reused in between; and the root must
+// be an overlay (without a start time to check, a reused pid's root would
+// be the host's "/").
 func (e *Edge) openPrivateRoot(id string) (*files.Root, error) {
 	ctx := context.Background()
+	gone := errdefs.Precondition("sandbox %s is not running", id)
 	st, err := e.deps.Backend.Status(ctx, id)
 	if err != nil {
 		return nil, err
 	}
 	if !st.Running || st.Pid <= 0 {
-		return nil, errdefs.Precondition("sandbox %s is not running", id)
+		return nil, gone
+	}
+	pidfd, err := unix.PidfdOpen(st.Pid, 0)
+	if err != nil {
+		return nil, gone
+	}
+	defer unix.Close(pidfd)
+	if again, err := e.deps.Backend.Status(ctx, id); err != nil || !again.Running || again.Pid != st.Pid {
+		return nil, gone
 	}
 	r, err := files.Open("/proc/" + strconv.Itoa(st.Pid) + "/root")
 	if err != nil {
 		return nil, err
 	}
-	again, err := e.deps.Backend.Status(ctx, id)
-	if err != nil || !again.Running || again.Pid != st.Pid {
+	fs, serr := r.Statfs()
+	if unix.PidfdSendSignal(pidfd, 0, nil, 0) != nil || serr != nil || fs.Type != unix.OVERLAYFS_SUPER_MAGIC {
 		r.Close()
-		return nil, errdefs.Precondition("sandbox %s stopped while its root was being opened", id)
+		return nil, gone
 	}
 	return r, nil
 }

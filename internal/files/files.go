@@ -114,6 +114,13 @@ func Open(path string) (*Root, error) {
 // Path returns the host path the root was opened at.
 func (r *Root) Path() string { return r.path }
 
+// Statfs describes the filesystem the root is on.
+func (r *Root) Statfs() (unix.Statfs_t, error) {
+	var st unix.Statfs_t
+	err := unix.Fstatfs(r.fd, &st)
+	return st, err
+}
+
 // Close releases the root's fd.
 func (r *Root) Close() error {
 	if r.fd < 0 {

@@ -301,17 +301,16 @@ func (c *Container) Destroy(ctx context.Context, id string) error {
 	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
-	release, err := acquire(ctx, c.destroying)
-	if err != nil {
-		return fmt.Errorf("deleting container: %w", err)
-	}
+	// A destroy waits for its slot whatever its context says: giving up
+	// here would leave the sandbox's processes running.
+	release, _ := acquire(context.Background(), c.destroying)
 	defer release()
 	if c.cfg.Cgroups != nil {
 		if done, err := c.destroyDirect(ctx, dir); done || err != nil {
 			return err
 		}
 	}
-	err = c.run(ctx, "delete", "-f", id)
+	err := c.run(ctx, "delete", "-f", id)
 	if err != nil && strings.Contains(err.Error(), "does not exist") {
 		err = nil
 	}
@@ -323,12 +322,18 @@ func (c *Container) Destroy(ctx context.Context, id string) error {
 	return nil
 }
 
-// acquire takes a token of sem, waiting at most until ctx ends, and
-// returns its release.
+// acquire takes a token of sem, waiting for one at most until ctx ends,
+// and returns its release. A free token is taken even if ctx has ended.
 func acquire(ctx context.Context, sem chan struct{}) (func(), error) {
+	release := func() { <-sem }
 	select {
 	case sem <- struct{}{}:
-		return func() { <-sem }, nil
+		return release, nil
+	default:
+	}
+	select {
+	case sem <- struct{}{}:
+		return release, nil
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	}
