@@ -27,6 +27,7 @@ import (
 	"os"
 	"path"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -64,6 +65,11 @@ type Root struct {
 	// owner, when set, owns what this Root creates (files, directories,
 	// tar entries without PreserveOwner): a user-namespace sandbox's root.
 	owner *Owner
+
+	// refMu guards refs (operations in flight) and closing (see Close).
+	refMu   sync.Mutex
+	refs    int
+	closing bool
 }
 
 // Owner is a host uid and gid.
@@ -117,12 +123,55 @@ func (r *Root) Path() string { return r.path }
 // Statfs describes the filesystem the root is on.
 func (r *Root) Statfs() (unix.Statfs_t, error) {
 	var st unix.Statfs_t
+	if err := r.hold(); err != nil {
+		return st, err
+	}
+	defer r.release()
 	err := unix.Fstatfs(r.fd, &st)
 	return st, err
 }
 
-// Close releases the root's fd.
+// Close releases the root's fd once no operation uses it any more, and
+// refuses new operations at once. An operation in flight (a long tar, say)
+// keeps the fd open until it ends: closing it under the operation would
+// let it run on whatever the kernel gives the fd number to next, another
+// sandbox's root included.
 func (r *Root) Close() error {
+	r.refMu.Lock()
+	defer r.refMu.Unlock()
+	if r.closing {
+		return nil
+	}
+	r.closing = true
+	if r.refs > 0 {
+		return nil // the last release closes it
+	}
+	return r.closeFD()
+}
+
+// hold marks an operation in flight on r, or fails if r is closed; the
+// operation calls release when it no longer uses r.fd.
+func (r *Root) hold() error {
+	r.refMu.Lock()
+	defer r.refMu.Unlock()
+	if r.closing {
+		return errdefs.Precondition("the sandbox's root is closed: the sandbox is being stopped or deleted")
+	}
+	r.refs++
+	return nil
+}
+
+func (r *Root) release() {
+	r.refMu.Lock()
+	defer r.refMu.Unlock()
+	r.refs--
+	if r.refs == 0 && r.closing {
+		_ = r.closeFD()
+	}
+}
+
+// closeFD closes r.fd. Preconditions: r.refMu held, no operation in flight.
+func (r *Root) closeFD() error {
 	if r.fd < 0 {
 		return nil
 	}
@@ -163,6 +212,10 @@ func (r *Root) resolveParent(clean string) (dirfd int, base string, err error) {
 
 // Stat describes p without following a trailing symlink.
 func (r *Root) Stat(p string) (api.FileEntry, error) {
+	if err := r.hold(); err != nil {
+		return api.FileEntry{}, err
+	}
+	defer r.release()
 	clean, err := CleanPath(p)
 	if err != nil {
 		return api.FileEntry{}, err
@@ -218,6 +271,10 @@ func fileEntry(apiPath string, st *unix.Stat_t, target string) api.FileEntry {
 // inside the root (as a read inside the sandbox would). It refuses
 // directories and anything that is not a regular file with Invalid.
 func (r *Root) ReadFile(p string) (io.ReadCloser, api.FileEntry, error) {
+	if err := r.hold(); err != nil {
+		return nil, api.FileEntry{}, err
+	}
+	defer r.release()
 	clean, err := CleanPath(p)
 	if err != nil {
 		return nil, api.FileEntry{}, err
@@ -243,6 +300,10 @@ func (r *Root) ReadFile(p string) (io.ReadCloser, api.FileEntry, error) {
 // setuid/setgid/sticky bits; 0 gives 0000), regardless of umask. It returns
 // the number of bytes written.
 func (r *Root) WriteFile(p string, data io.Reader, mode os.FileMode, maxBytes int64) (int64, error) {
+	if err := r.hold(); err != nil {
+		return 0, err
+	}
+	defer r.release()
 	clean, err := CleanPath(p)
 	if err != nil {
 		return 0, err
@@ -380,6 +441,10 @@ func (r *Root) mkdirAll(rel string) (int, error) {
 // pre-order with names sorted. It never follows a symlink while descending.
 // Entries carry absolute sandbox paths. More than the entry limit is Invalid.
 func (r *Root) List(p string, depth int) ([]api.FileEntry, error) {
+	if err := r.hold(); err != nil {
+		return nil, err
+	}
+	defer r.release()
 	clean, err := CleanPath(p)
 	if err != nil {
 		return nil, err
@@ -469,6 +534,10 @@ func (r *Root) list(dirfd int, dirPath string, depth, level int, out *[]api.File
 // only real directories on the same mount, so it cannot follow a symlink or
 // a mount out of the tree.
 func (r *Root) Remove(p string, recursive bool) error {
+	if err := r.hold(); err != nil {
+		return err
+	}
+	defer r.release()
 	clean, err := CleanPath(p)
 	if err != nil {
 		return err

@@ -1,6 +1,7 @@
 package files
 
 import (
+	"bytes"
 	"errors"
 	"io"
 	"io/fs"
@@ -10,6 +11,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
@@ -317,5 +320,53 @@ func TestRemoveLargeDirectory(t *testing.T) {
 	must(t, f.r.Remove("/big", true))
 	if _, err := os.Lstat(f.host("/big")); !os.IsNotExist(err) {
 		t.Fatalf("big still there: %v", err)
+	}
+}
+
+// TestCloseWaitsForOperationsInFlight: Close while an operation holds the
+// root must not close the fd under it (the number could be reused for
+// another sandbox's root before the operation's next lookup); it refuses
+// new operations at once and closes when the last one ends.
+func TestCloseWaitsForOperationsInFlight(t *testing.T) {
+	f := newFixture(t)
+	f.write(t, "/a", "x")
+	r := f.r
+	if err := r.hold(); err != nil { // an operation in flight
+		t.Fatal(err)
+	}
+	fd := r.fd
+	if err := r.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0); err != nil || r.fd != fd {
+		t.Fatalf("root fd closed under an operation in flight: %v", err)
+	}
+	// The held fd still resolves inside the root.
+	if pfd, err := openat2(fd, "a", unix.O_PATH, 0, inRoot); err != nil {
+		t.Fatalf("lookup through the held root: %v", err)
+	} else {
+		unix.Close(pfd)
+	}
+	if _, err := r.Stat("/a"); !errors.Is(err, errdefs.ErrPrecondition) {
+		t.Errorf("Stat after Close: %v, want failed_precondition", err)
+	}
+	var buf bytes.Buffer
+	if err := r.WriteTar("/", &buf); !errors.Is(err, errdefs.ErrPrecondition) {
+		t.Errorf("WriteTar after Close: %v, want failed_precondition", err)
+	}
+	r.release()
+	if r.fd != -1 {
+		t.Errorf("fd %d still open after the last operation ended", r.fd)
+	}
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0); err == nil {
+		// The number may have been reused by now by something else in
+		// this process; only say so if it still names our directory.
+		var a, b unix.Stat_t
+		if unix.Fstat(fd, &a) == nil && unix.Stat(f.root, &b) == nil && a.Ino == b.Ino && a.Dev == b.Dev {
+			t.Error("root fd still open after the last release")
+		}
+	}
+	if err := r.Close(); err != nil {
+		t.Errorf("second Close: %v", err)
 	}
 }

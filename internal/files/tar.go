@@ -48,6 +48,10 @@ const (
 // within the tree are stored once; devices and FIFOs are stored as headers,
 // never opened; sockets are skipped. Mode, owner and mtime are kept.
 func (r *Root) WriteTar(p string, w io.Writer) error {
+	if err := r.hold(); err != nil {
+		return err
+	}
+	defer r.release()
 	clean, err := CleanPath(p)
 	if err != nil {
 		return err
@@ -319,6 +323,10 @@ func cleanEntryName(name string) (string, error) {
 // stream has no marker and is refused likewise; an empty archive is 1024
 // zero bytes.
 func (r *Root) ExtractTar(p string, rd io.Reader, opts TarOptions) (api.TarResult, error) {
+	if err := r.hold(); err != nil {
+		return api.TarResult{}, err
+	}
+	defer r.release()
 	var res api.TarResult
 	clean, err := CleanPath(p)
 	if err != nil {
