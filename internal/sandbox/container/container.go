@@ -267,14 +267,26 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 		return fmt.Errorf("starting container: %w", err)
 	}
 	defer release()
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("starting container: %w", err)
+	}
+	// Once started, the runtime is not killed when ctx ends: killed
+	// halfway, it can leave the sandbox's init running with no state file
+	// to find it by. It finishes (within runtimeTimeout), then the sandbox
+	// is destroyed if the caller has gone.
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), runtimeTimeout)
+	defer cancel()
 	if cfg.RootfsMount != nil {
 		env := os.Environ()
 		if c.pinned {
 			env = append(env, clonedBinaryEnv)
 		}
-		err = nsexec.RunInMountNS(ctx, cfg.RootfsMount, cfg.Rootfs, env, append([]string{c.runtime}, args...))
+		err = nsexec.RunInMountNS(rctx, cfg.RootfsMount, cfg.Rootfs, env, append([]string{c.runtime}, args...))
 	} else {
-		err = c.command(ctx, args...).Run()
+		err = c.command(rctx, args...).Run()
+	}
+	if err == nil && ctx.Err() != nil {
+		err = ctx.Err()
 	}
 	if err != nil {
 		msg, _ := os.ReadFile(logPath)
@@ -282,12 +294,18 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 			msg = msg[len(msg)-2000:]
 		}
 		err = fmt.Errorf("%s run: %w: %s", c.flavor, err, strings.TrimSpace(string(msg)))
-		// The runtime may have left state (or a cgroup) behind on failure.
+		// The runtime may have left state, a process or a cgroup behind.
 		_ = c.Destroy(context.Background(), cfg.ID)
+		if c.cfg.Cgroups != nil && cfg.CgroupPath != "" {
+			_ = c.cfg.Cgroups.Remove(cfg.CgroupPath)
+		}
 		return fmt.Errorf("starting container: %w", err)
 	}
 	return nil
 }
+
+// runtimeTimeout bounds one `run -d` of the runtime.
+const runtimeTimeout = 2 * time.Minute
 
 // Destroy implements sandbox.Backend. With the host's cgroup layout known
 // (Config.Cgroups), the backend does what `<runtime> delete -f` does

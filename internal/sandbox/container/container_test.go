@@ -1,12 +1,15 @@
 package container
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/dsecproject/dsec/internal/cgroup"
 	"github.com/dsecproject/dsec/internal/errdefs"
@@ -186,4 +189,38 @@ func TestMaskMounts(t *testing.T) {
 	if err := emptyDir(md); err == nil {
 		t.Error("a mask dir with an entry was accepted")
 	}
+}
+
+// TestCreateCancelledLeavesNothing: a create whose context ends while the
+// runtime runs either succeeds or leaves nothing behind: no process in the
+// sandbox's cgroup, no cgroup, no runtime state. Killing the runtime
+// halfway used to leave the sandbox's init running, found by nothing.
+func TestCreateCancelledLeavesNothing(t *testing.T) {
+	c := newTestBackend(t, "runc", true)
+	rootfs := sandboxtest.BusyboxRootfs(t)
+	var made, cancelled int
+	for i := range 16 {
+		id := fmt.Sprintf("cancel-%d-%d", os.Getpid(), i)
+		cg := filepath.Join("/dsec-test", id)
+		cfg := sandbox.Config{ID: id, Dir: t.TempDir(), Rootfs: rootfs, Hostname: id, CgroupPath: cg,
+			Limits: sandbox.Limits{MemoryBytes: 64 << 20, Pids: 64}}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(i*3)*time.Millisecond)
+		createErr := c.Create(ctx, cfg)
+		cancel()
+		if createErr == nil {
+			made++
+			if err := c.Destroy(context.Background(), id); err != nil {
+				t.Fatal(err)
+			}
+		} else {
+			cancelled++
+		}
+		if pids, err := c.cfg.Cgroups.Procs(cg); err == nil || !errors.Is(err, errdefs.ErrNotFound) {
+			t.Errorf("%s (create: %v): cgroup still there, processes %v (%v)", id, createErr, pids, err)
+		}
+		if _, err := os.Stat(filepath.Join(c.cfg.StateRoot, id)); err == nil {
+			t.Errorf("%s: runtime state left", id)
+		}
+	}
+	t.Logf("%d created, %d refused or rolled back", made, cancelled)
 }
