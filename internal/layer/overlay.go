@@ -44,13 +44,8 @@ var overlayOptions = [][2]string{
 // is limited by mount(2)'s single 4 KiB option page. On kernels without
 // fsopen or "lowerdir+" (before 6.8) it falls back to mount(2).
 func MountOverlay(lowers []string, upper, work, target string) error {
-	if len(lowers) == 0 {
-		return errdefs.Invalid("mounting overlay: no lower layers")
-	}
-	for _, p := range append(append([]string(nil), lowers...), upper, work, target) {
-		if !filepath.IsAbs(p) {
-			return errdefs.Invalid("mounting overlay: path %q is not absolute", p)
-		}
+	if err := checkOverlayPaths(lowers, upper, work, target); err != nil {
+		return err
 	}
 	if fi, err := os.Stat(target); err != nil || !fi.IsDir() {
 		return errdefs.Invalid("mounting overlay: target %s is not a directory", target)
@@ -66,6 +61,20 @@ func MountOverlay(lowers []string, upper, work, target string) error {
 }
 
 var errNoNewMountAPI = errors.New("new mount API unavailable")
+
+// checkOverlayPaths refuses an overlay without lowers or with a relative
+// path among lowers and others.
+func checkOverlayPaths(lowers []string, others ...string) error {
+	if len(lowers) == 0 {
+		return errdefs.Invalid("mounting overlay: no lower layers")
+	}
+	for _, p := range append(append([]string(nil), lowers...), others...) {
+		if !filepath.IsAbs(p) {
+			return errdefs.Invalid("mounting overlay: path %q is not absolute", p)
+		}
+	}
+	return nil
+}
 
 func mountOverlayNew(lowers []string, upper, work, target string) error {
 	mfd, err := newOverlayMount(lowers, upper, work)
@@ -90,13 +99,8 @@ func mountOverlayNew(lowers []string, upper, work, target string) error {
 // ErrNoDetachedMount means this kernel cannot (no fsopen or "lowerdir+",
 // before 6.8); MountOverlay still works there.
 func DetachedOverlay(lowers []string, upper, work string) (*os.File, error) {
-	if len(lowers) == 0 {
-		return nil, errdefs.Invalid("mounting overlay: no lower layers")
-	}
-	for _, p := range append(append([]string(nil), lowers...), upper, work) {
-		if !filepath.IsAbs(p) {
-			return nil, errdefs.Invalid("mounting overlay: path %q is not absolute", p)
-		}
+	if err := checkOverlayPaths(lowers, upper, work); err != nil {
+		return nil, err
 	}
 	f, err := newOverlayMount(lowers, upper, work)
 	if errors.Is(err, errNoNewMountAPI) {

@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"strings"
@@ -23,28 +22,22 @@ func RunInMountNS(ctx context.Context, mount *os.File, target string, env []stri
 	if len(argv) == 0 {
 		return errors.New("RunInMountNS: no command")
 	}
-	r, w, err := os.Pipe()
-	if err != nil {
-		return fmt.Errorf("creating error pipe: %w", err)
-	}
-	defer r.Close()
 	cmd := &exec.Cmd{
 		Path:       "/proc/self/exe",
 		Args:       append([]string{"dsec-mntns", target}, argv...),
 		Env:        env,
-		ExtraFiles: []*os.File{mount, w},
+		ExtraFiles: []*os.File{mount},
 		WaitDelay:  5 * time.Second,
 	}
-	err = cmd.Start()
-	w.Close()
+	stop := func() bool { return false }
+	defer func() { stop() }()
+	// No read timeout: the runtime's own run is bounded by ctx.
+	msg, _, err := startHelper(cmd, 0, func() {
+		stop = context.AfterFunc(ctx, func() { _ = cmd.Process.Kill() })
+	})
 	if err != nil {
 		return fmt.Errorf("starting the rootfs launcher: %w", err)
 	}
-	stop := context.AfterFunc(ctx, func() { _ = cmd.Process.Kill() })
-	defer stop()
-	// EOF once the helper has exec'd the runtime (the pipe is
-	// close-on-exec) or exited.
-	msg, _ := io.ReadAll(io.LimitReader(r, 4096))
 	werr := cmd.Wait()
 	if len(msg) > 0 {
 		return fmt.Errorf("rootfs launcher: %s", strings.TrimSpace(string(msg)))
