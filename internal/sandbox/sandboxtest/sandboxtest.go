@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -182,7 +183,7 @@ echo "checked $n"`}})
 		}
 	})
 	t.Run("kill-tree", func(t *testing.T) {
-		var out bytes.Buffer
+		var out syncBuffer
 		pr, err := b.Exec(ctx, id, sandbox.Process{
 			Args:   []string{"/bin/sh", "-c", "sleep 1000 & sleep 1000 & echo started; wait"},
 			Stdout: &out, Stderr: &out,
@@ -319,4 +320,23 @@ echo "checked $n"`}})
 			t.Fatalf("pids limit 16 not enforced: forking 40 processes gave no error (stderr %q)", r.stderr)
 		}
 	})
+}
+
+// syncBuffer is a bytes.Buffer safe to read while a process's output is
+// being copied into it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
 }
