@@ -58,6 +58,7 @@ type upConfig struct {
 	diskQuota    string
 	usernsBase   uint
 	poolMax      int
+	cgroupPool   int
 	dynMods      bool
 	runtimeExec  bool
 }
@@ -84,6 +85,7 @@ func runUp(args []string) error {
 	f.StringVar(&c.netPresets, "net-presets", "", "JSON file of network presets {\"name\": {\"domains\": [...], \"ports\": [\"443/tcp\"]}}, added to (and overriding) the built-in pypi, npm, github, debian, goproxy")
 	f.StringVar(&c.diskQuota, "disk-quota", "auto", "how disk_mb is enforced: loop (a sparse ext4 disk per sandbox that asks for one), off (disk_mb refused), auto (loop where mkfs.ext4 and loop devices exist)")
 	f.IntVar(&c.poolMax, "warm-pool-max", 8, "most ready sandboxes kept per environment class for fast creates and fncall (pools follow demand; 0 = no pools)")
+	f.IntVar(&c.cgroupPool, "cgroup-pool", 1024, "most emptied sandbox cgroups kept for reuse by the next sandboxes (creating and removing a cgroup costs more than resetting one; 0 = a new cgroup per sandbox)")
 	f.BoolVar(&c.dynMods, "cgroup-favordynmods", true, "remount the cgroup tree with favordynmods so that moving a sandbox's processes into its cgroup does not wait for an RCU grace period (the setting outlives dsec; false leaves the host's mount as it is)")
 	f.BoolVar(&c.runtimeExec, "runtime-exec", false, "enter sandboxes for exec and sessions through the OCI runtime's exec (~9 ms each) instead of dsec's own exec helper (~1 ms); builds without cgo always do")
 	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of user-namespace sandboxes (spec userns: true), which get 65536 ids from it; 0 refuses userns")
@@ -97,6 +99,9 @@ func runUp(args []string) error {
 	}
 	if c.usernsBase != 0 && c.usernsBase < 1<<16 {
 		return fmt.Errorf("--userns-base %d: must be 65536 or more, clear of the host's own users", c.usernsBase)
+	}
+	if c.cgroupPool < 0 {
+		return fmt.Errorf("--cgroup-pool %d: want 0 or more", c.cgroupPool)
 	}
 	if c.snapDepth < 1 {
 		return fmt.Errorf("--snapshot-depth %d: want at least 1", c.snapDepth)
@@ -237,6 +242,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 		MaskDir:     filepath.Join(c.stateDir, "mask"),
 		CgroupNS:    cg.Mode == cgroup.V2,
 		Cgroups:     cg,
+		KeepCgroups: c.cgroupPool > 0,
 		RuntimeExec: c.runtimeExec,
 	})
 	if err != nil {
@@ -265,7 +271,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 		MaxSandboxes: c.maxSandboxes, Policy: policy,
 		CgroupParent: cgroupParent(c.nodeName, c.stateDir), MaxPaused: c.maxPaused,
 		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth, DiskQuota: disk,
-		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax,
+		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax, CgroupPool: c.cgroupPool,
 	}, edge.Deps{
 		Backend: backend, BlobPath: layers.BlobPath, Cgroups: cg, Log: log,
 		Metrics: edge.NewMetrics(reg), Runtime: rt, Layers: layers, Net: netm,

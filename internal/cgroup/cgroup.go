@@ -1,14 +1,16 @@
 // Package cgroup owns the host's control groups as dsec sees them: probing
 // the host's cgroup layout (v1, hybrid or v2, read from mountinfo rather
 // than guessed from paths), preparing a hybrid host so that crun accepts it,
-// creating the parent cgroup sandboxes live under, and reading stats of,
-// freezing and removing a sandbox's cgroup.
+// creating the parent cgroup sandboxes live under, recycling sandbox
+// cgroups (Slots), and reading stats of, freezing and removing a
+// sandbox's cgroup.
 //
 // The OCI runtime (crun or runc) creates each sandbox's own cgroup and
-// writes its limits from the OCI spec; this package never writes limits.
+// writes its limits from the OCI spec; this package only sets limits back
+// to the kernel's defaults when it takes a cgroup back for reuse.
 //
 // Importers: the edge (host preparation at startup, reaping leftovers,
-// stats) and the container backend (stats, freeze, removal once the runtime
+// stats, cgroup slots) and the container backend (stats, freeze, removal once the runtime
 // is gone). Other dsec packages should not read or write cgroupfs
 // themselves.
 package cgroup

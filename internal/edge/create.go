@@ -102,15 +102,15 @@ func (e *Edge) createSbx(ctx context.Context, req CreateRequest, pooled bool) (*
 			ID: id, Node: e.cfg.Name, Backend: spec.Backend, State: api.StateCreating,
 			Spec: spec, CreatedAt: now, ExpiresAt: &exp, Labels: spec.Labels, Layers: req.Digests,
 		},
-		Digests:    req.Digests,
-		CgroupPath: e.cfg.CgroupParent + "/" + id,
-		Disk:       spec.DiskMB > 0,
-		UserNS:     spec.UserNS,
-		Pooled:     pooled,
+		Digests: req.Digests,
+		Disk:    spec.DiskMB > 0,
+		UserNS:  spec.UserNS,
+		Pooled:  pooled,
 	}
 	// Admission counts sandboxes holding resources, this one included from
 	// here on. It is visible as "creating" (and its layers as in use) while
 	// it is set up; a delete that arrives meanwhile waits on life.
+	rec.CgroupPath, rec.CgroupCPUBase = e.cgroupFor(id)
 	s := &sbx{dir: dir, rec: rec, pooled: pooled}
 	s.touch()
 	s.life.Lock()
@@ -219,10 +219,12 @@ func (e *Edge) createSbx(ctx context.Context, req CreateRequest, pooled bool) (*
 	if rec.UserNS {
 		cfg.UserNS = e.sandboxIDMap()
 	}
+	// Registered before the create: a failed one may have made the
+	// cgroup, which the backend leaves to us.
+	undo.Add(func() { e.destroyRuntime(context.Background(), id, rec.CgroupPath) })
 	if err := e.deps.Backend.Create(ctx, cfg); err != nil {
 		return nil, fmt.Errorf("starting sandbox: %w", err)
 	}
-	undo.Add(func() { e.destroyRuntime(context.Background(), id, rec.CgroupPath) })
 	if spec.QoS == "be" && e.deps.Cgroups != nil {
 		// Best effort: CPU shares 2 (set by the backend) and an idle
 		// group, so LS sandboxes always win the CPU.
@@ -286,17 +288,35 @@ func (e *Edge) detachedRootfs(lowers []string, upper, work string) (*os.File, er
 	return mnt, nil
 }
 
+// cgroupFor picks the cgroup of a new sandbox: a recycled slot, or one
+// named after the sandbox when slots are off. cpuBase is the CPU time the
+// cgroup counted before (see record.CgroupCPUBase).
+func (e *Edge) cgroupFor(id string) (rel string, cpuBase uint64) {
+	if e.slots != nil {
+		return e.slots.Get()
+	}
+	return e.cfg.CgroupParent + "/" + id, 0
+}
+
 // destroyRuntime stops the sandbox's processes and removes its runtime
-// state and cgroup. Best effort: errors are logged; what is left is reaped
-// at the next start of the edge.
+// state, then releases its cgroup: back to the slots for the next sandbox,
+// or removed. Best effort: errors are logged; what is left is reaped at
+// the next start of the edge.
 func (e *Edge) destroyRuntime(ctx context.Context, id, cgroupPath string) {
 	if err := e.deps.Backend.Destroy(ctx, id); err != nil {
 		e.log.Warn("destroying sandbox runtime", "sandbox_id", id, "err", err)
 	}
-	if e.deps.Cgroups != nil && cgroupPath != "" {
-		if err := e.deps.Cgroups.Remove(cgroupPath); err != nil {
-			e.log.Warn("removing sandbox cgroup", "sandbox_id", id, "err", err)
-		}
+	if e.deps.Cgroups == nil || cgroupPath == "" {
+		return
+	}
+	var err error
+	if e.slots != nil {
+		err = e.slots.Put(cgroupPath)
+	} else {
+		err = e.deps.Cgroups.Remove(cgroupPath)
+	}
+	if err != nil {
+		e.log.Warn("releasing sandbox cgroup", "sandbox_id", id, "cgroup", cgroupPath, "err", err)
 	}
 }
 

@@ -42,6 +42,10 @@ type Config struct {
 	Policy sandbox.Policy
 	// CgroupParent is the parent cgroup of every sandbox ("/dsec").
 	CgroupParent string
+	// CgroupPool is how many emptied sandbox cgroups are kept for reuse
+	// (cgroup.Slots); 0 creates and removes one per sandbox. It needs a
+	// backend that leaves cgroups to the edge (container.KeepCgroups).
+	CgroupPool int
 	// StoppedRetention is how long a stopped sandbox's record stays
 	// readable after TTL or idle expiry.
 	StoppedRetention time.Duration
@@ -99,6 +103,8 @@ type Edge struct {
 	// noDetached is set once the kernel refused a detached overlay: every
 	// rootfs is then mounted on the host (see detachedRootfs).
 	noDetached atomic.Bool
+	// slots recycles sandbox cgroups (nil: one new cgroup per sandbox).
+	slots *cgroup.Slots
 
 	mu        sync.RWMutex
 	sandboxes map[string]*sbx
@@ -177,6 +183,13 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 		deleteSem: make(chan struct{}, 4),
 	}
 	e.mounter = layer.NewMounter(filepath.Join(cfg.StateDir, "mnt"), deps.BlobPath, e.log)
+	if deps.Cgroups != nil && cfg.CgroupPool > 0 {
+		slots, err := deps.Cgroups.NewSlots(cfg.CgroupParent, cfg.CgroupPool)
+		if err != nil {
+			return nil, err
+		}
+		e.slots = slots
+	}
 	if cfg.UserNSBase != 0 {
 		if err := prepareUserNSDirs(cfg.StateDir, cfg.UserNSBase); err != nil {
 			e.usernsBroken = err
@@ -232,6 +245,12 @@ func (e *Edge) Close() {
 	e.mu.Unlock()
 	if e.deps.Net != nil {
 		e.deps.Net.Close()
+	}
+	// Free cgroup slots are nobody's either.
+	if e.slots != nil {
+		if err := e.slots.Drain(); err != nil {
+			e.log.Warn("removing free sandbox cgroups", "err", err)
+		}
 	}
 	// With nothing left to recover, the instance's parent cgroup goes too:
 	// a state dir that is never started again leaves no cgroup behind.
@@ -479,6 +498,8 @@ func (e *Edge) Stats(ctx context.Context, id string) (*api.Stats, error) {
 		if err != nil {
 			return nil, fmt.Errorf("reading cgroup stats: %w", err)
 		}
+		// A reused cgroup counted its earlier sandboxes' CPU time too.
+		cs.CPUUsageNS -= min(cs.CPUUsageNS, s.rec.CgroupCPUBase)
 		st.CPUUsageNS, st.MemoryBytes, st.MemoryMaxBytes, st.Pids = cs.CPUUsageNS, cs.MemoryBytes, cs.MemoryLimitBytes, cs.Pids
 	}
 	s.mu.Lock()

@@ -35,6 +35,7 @@ func (e *Edge) recover(ctx context.Context) error {
 		return err
 	}
 	live := map[string]bool{}
+	liveCgroups := map[string]bool{} // cgroup paths of live sandboxes
 	refs := map[string]int{}
 	adopted, failed, reaped := 0, 0, 0
 	for _, ent := range ents {
@@ -56,9 +57,13 @@ func (e *Edge) recover(ctx context.Context) error {
 			reaped++
 			continue
 		case holdsResources(st):
+			if e.slots != nil {
+				e.slots.Claim(rec.CgroupPath)
+			}
 			status, serr := e.deps.Backend.Status(ctx, id)
 			if serr == nil && status.Running && (mounted[rootfs] || rec.PrivateRootfs) {
 				live[id] = true
+				liveCgroups[rec.CgroupPath] = true
 				for _, d := range rec.Digests {
 					refs[d]++
 				}
@@ -120,13 +125,25 @@ func (e *Edge) recover(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
+		// Free cgroup slots of the last run are removed too: which
+		// were free was never written down, and the next creates make
+		// new ones.
 		for _, k := range kids {
-			if !live[k] {
-				e.log.Warn("reaping orphan cgroup", "cgroup", e.cfg.CgroupParent+"/"+k)
-				if err := e.deps.Cgroups.Remove(e.cfg.CgroupParent + "/" + k); err != nil {
-					e.log.Warn("removing orphan cgroup", "cgroup", k, "err", err)
-				}
+			if e.slots != nil {
+				e.slots.Seen(k)
+			}
+			rel := e.cfg.CgroupParent + "/" + k
+			if liveCgroups[rel] {
+				continue
+			}
+			if e.slots != nil && e.slots.Owns(rel) {
+				e.log.Debug("removing cgroup slot of no live sandbox", "cgroup", rel)
+			} else {
+				e.log.Warn("reaping orphan cgroup", "cgroup", rel)
 				reaped++
+			}
+			if err := e.deps.Cgroups.Remove(rel); err != nil {
+				e.log.Warn("removing orphan cgroup", "cgroup", rel, "err", err)
 			}
 		}
 	}
@@ -252,7 +269,19 @@ func (e *Edge) reapOnce(now time.Time, checkLiveness bool) {
 	for range cap(sem) {
 		sem <- struct{}{}
 	}
+	if e.slots != nil {
+		e.slots.Trim(slotsKeep, slotsTrimPerTick, slotsIdle)
+	}
 }
+
+// Free cgroup slots beyond slotsKeep are removed, slotsTrimPerTick per
+// reaper tick, once no create took one for slotsIdle: a burst's slots
+// serve the next burst, and a quiet node gives their kernel memory back.
+const (
+	slotsKeep        = 32
+	slotsTrimPerTick = 32
+	slotsIdle        = 30 * time.Second
+)
 
 // initAlive reports whether the backend still runs the sandbox. Errors
 // other than not-found count as alive: a failed probe must not kill it.

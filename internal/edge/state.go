@@ -22,6 +22,10 @@ type record struct {
 	Sandbox    api.Sandbox `json:"sandbox"`
 	Digests    []string    `json:"digests"` // layer digests, bottom first
 	CgroupPath string      `json:"cgroup_path"`
+	// CgroupCPUBase is the CPU time (ns) the cgroup had counted before
+	// this sandbox got it: a recycled cgroup's counter cannot be reset on
+	// cgroup v2, so stats subtract it.
+	CgroupCPUBase uint64 `json:"cgroup_cpu_base,omitempty"`
 	// Disk is set when the writable layer is on the sandbox's own disk
 	// (disk_mb > 0; see disk.go).
 	Disk bool `json:"disk,omitempty"`

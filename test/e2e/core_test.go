@@ -86,9 +86,11 @@ func TestLayerDeleteInUseRefused(t *testing.T) {
 	}
 }
 
-// initPid finds the host pid of a sandbox's init (/dev/init) by its cgroup.
+// initPid finds the host pid of a sandbox's init (/dev/init) by the
+// cgroup its record names.
 func initPid(t *testing.T, id string) int {
 	t.Helper()
+	rel := sandboxCgroupRel(t, id)
 	ents, _ := os.ReadDir("/proc")
 	for _, e := range ents {
 		pid, err := strconv.Atoi(e.Name())
@@ -97,7 +99,7 @@ func initPid(t *testing.T, id string) int {
 		}
 		cg, _ := os.ReadFile("/proc/" + e.Name() + "/cgroup")
 		cmd, _ := os.ReadFile("/proc/" + e.Name() + "/cmdline")
-		if strings.Contains(string(cg), "/"+id+"\n") && strings.HasPrefix(string(cmd), "/dev/init") {
+		if strings.Contains(string(cg), ":"+rel+"\n") && strings.HasPrefix(string(cmd), "/dev/init") {
 			return pid
 		}
 	}

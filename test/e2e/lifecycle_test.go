@@ -361,17 +361,19 @@ func TestSandboxDeleteByLabels(t *testing.T) {
 	}
 }
 
-// assertReleased checks that a sandbox holds no node resources: no mount
-// under its dir, no cgroup in any hierarchy, no runtime state.
+// assertReleased checks that a stopped sandbox holds no node resources:
+// no mount under its dir, no process in the cgroup its record names (the
+// edge keeps emptied cgroups for reuse, so it may still exist), no
+// runtime state.
 func assertReleased(t *testing.T, id string) {
 	t.Helper()
 	if m := anyMounts(filepath.Join(d.stateDir, "edge", "sandboxes", id) + "/"); len(m) > 0 {
 		t.Errorf("%s: mounts left (in some mount namespace): %v", id, m)
 	}
-	parent := daemonCgroupParent(t)
+	rel := sandboxCgroupRel(t, id)
 	for _, root := range cgroupHierarchies() {
-		if _, err := os.Stat(filepath.Join(root, parent, id)); err == nil {
-			t.Errorf("%s: cgroup left in %s", id, root)
+		if procs := cgroupProcs(filepath.Join(root, rel)); len(procs) > 0 {
+			t.Errorf("%s: processes %v left in its cgroup %s", id, procs, filepath.Join(root, rel))
 		}
 	}
 	rt, _ := filepath.Glob(filepath.Join(d.stateDir, "runtime", "*", id))

@@ -78,6 +78,14 @@ func TestLimitsMemoryOOMStaysInside(t *testing.T) {
 		t.Errorf("stats memory_limit_bytes = %d, want %d", st.MemoryMaxBytes, 64<<20)
 	}
 
+	// The kernel counts the OOM kill in the sandbox's own cgroup, which
+	// may have counted kills of an earlier sandbox that had it.
+	eventsFile := filepath.Join(filepath.Dir(limitFile), "memory.oom_control")
+	if v2 {
+		eventsFile = filepath.Join(filepath.Dir(limitFile), "memory.events")
+	}
+	killsBefore, _ := keyedValue(t, eventsFile, "oom_kill")
+
 	// tail buffers its last 10 lines; /dev/zero has no newline, so it
 	// tries to hold all 300 MiB.
 	start := time.Now()
@@ -89,13 +97,8 @@ func TestLimitsMemoryOOMStaysInside(t *testing.T) {
 	if r.ExitCode != 137 {
 		t.Logf("hog exit code %d (137 expected for a SIGKILLed tail)", r.ExitCode)
 	}
-	// The kernel counts the OOM kill in the sandbox's own cgroup.
-	eventsFile := filepath.Join(filepath.Dir(limitFile), "memory.oom_control")
-	if v2 {
-		eventsFile = filepath.Join(filepath.Dir(limitFile), "memory.events")
-	}
-	if n, ok := keyedValue(t, eventsFile, "oom_kill"); ok && n == 0 {
-		t.Errorf("%s: oom_kill 0 after the hog", eventsFile)
+	if n, ok := keyedValue(t, eventsFile, "oom_kill"); ok && n == killsBefore {
+		t.Errorf("%s: oom_kill still %d after the hog", eventsFile, n)
 	} else if !ok {
 		t.Logf("%s has no oom_kill counter on this kernel", eventsFile)
 	}
@@ -271,5 +274,104 @@ func TestQoSBestEffortYieldsToLatencySensitive(t *testing.T) {
 	t.Logf("CPU while both spun on one core: ls %d ms, be %d ms; be after ls ended: %d ms", l/1e6, b/1e6, (cpu(be.ID)-b0-b)/1e6)
 	if l < 1500e6 || b*10 > l {
 		t.Fatalf("best effort was not starved by latency sensitive: ls %d ms, be %d ms", l/1e6, b/1e6)
+	}
+}
+
+// TestReusedCgroupStartsClean: the edge hands a deleted sandbox's emptied
+// cgroup to the next sandbox. Nothing of the first may show in the second:
+// not its limits (memory, CPU quota, pids, best-effort weight and
+// cpu.idle), not its CPU time, not its processes.
+func TestReusedCgroupStartsClean(t *testing.T) {
+	needDaemon(t)
+	a := newSandbox(t, api.SandboxSpec{MemoryMB: 64, CPU: 0.5, Pids: 64, QoS: "be"})
+	relA := sandboxCgroupRel(t, a.ID)
+	if r := sh(t, a.ID, "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done; sleep 600 & echo spun"); r.Stdout != "spun\n" {
+		t.Fatalf("a: %+v", r)
+	}
+	stA, err := client.Stats(ctx(t), a.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if stA.CPUUsageNS < 100e6 {
+		t.Fatalf("a used %d ns of CPU, want at least 100 ms to tell it from b's", stA.CPUUsageNS)
+	}
+	limited := map[string]string{}
+	for _, f := range [][4]string{
+		{"memory", "memory.limit_in_bytes", "memory.max"},
+		{"cpu", "cpu.cfs_quota_us", "cpu.max"},
+		{"cpu", "cpu.shares", "cpu.weight"},
+		{"pids", "pids.max", "pids.max"},
+	} {
+		p, _ := sandboxCgroupFile(t, f[0], a.ID, f[1], f[2])
+		limited[p] = readTrim(t, p)
+	}
+	if err := client.DeleteSandbox(ctx(t), a.ID); err != nil {
+		t.Fatal(err)
+	}
+
+	b := newSandbox(t, api.SandboxSpec{})
+	relB := sandboxCgroupRel(t, b.ID)
+	if relB != relA {
+		t.Fatalf("b got cgroup %s, not a's emptied %s: reuse is off or not last-in first-out", relB, relA)
+	}
+	for p, was := range limited {
+		now := readTrim(t, p)
+		t.Logf("%s: %s under a, %s under b", filepath.Base(p), was, now)
+		if now == was {
+			t.Errorf("%s still %s, a's setting", p, now)
+		}
+	}
+	for _, f := range [][4]string{
+		{"memory", "memory.limit_in_bytes", "memory.max", "unlimited"},
+		{"cpu", "cpu.cfs_quota_us", "cpu.max", "unlimited"},
+		{"cpu", "cpu.shares", "cpu.weight", "default"},
+		{"cpu", "cpu.idle", "cpu.idle", "0"},
+		{"pids", "pids.max", "pids.max", "4096"}, // the policy's default
+	} {
+		p, v2 := sandboxCgroupFile(t, f[0], b.ID, f[1], f[2])
+		got, err := os.ReadFile(p)
+		if os.IsNotExist(err) && f[1] == "cpu.idle" {
+			continue // kernel before 5.15
+		}
+		v := strings.TrimSpace(string(got))
+		var ok bool
+		switch f[3] {
+		case "unlimited":
+			n, perr := strconv.ParseUint(v, 10, 64)
+			ok = v == "-1" || v == "max" || strings.HasPrefix(v, "max ") || (perr == nil && n >= 1<<62)
+		case "default":
+			ok = (!v2 && v == "1024") || (v2 && v == "100")
+		default:
+			ok = v == f[3]
+		}
+		if !ok {
+			t.Errorf("b's %s = %q, want %s", p, v, f[3])
+		}
+	}
+	stB, err := client.Stats(ctx(t), b.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("cpu: a %d ns, b %d ns; memory: a %d, b %d bytes", stA.CPUUsageNS, stB.CPUUsageNS, stA.MemoryBytes, stB.MemoryBytes)
+	if stB.CPUUsageNS >= stA.CPUUsageNS/2 {
+		t.Errorf("b's cpu usage %d ns counts a's %d", stB.CPUUsageNS, stA.CPUUsageNS)
+	}
+	if stB.MemoryMaxBytes != 0 {
+		t.Errorf("b's memory limit %d, want none", stB.MemoryMaxBytes)
+	}
+	if stB.MemoryBytes > 16<<20 {
+		t.Errorf("b's memory %d bytes right after creation: a's charges left?", stB.MemoryBytes)
+	}
+	// b's processes are its init and what it runs: a's sleep is gone.
+	if r := sh(t, b.ID, "ps -o comm | grep -c '^sleep' || true"); r.Stdout != "0\n" {
+		t.Errorf("sleep processes in b: %+v", r)
+	}
+	for _, root := range cgroupHierarchies() {
+		for _, pid := range cgroupProcs(filepath.Join(root, relB)) {
+			comm, _ := os.ReadFile("/proc/" + pid + "/comm")
+			if strings.TrimSpace(string(comm)) == "sleep" {
+				t.Errorf("a's sleep (pid %s) is in b's cgroup %s", pid, filepath.Join(root, relB))
+			}
+		}
 	}
 }

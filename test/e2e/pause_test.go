@@ -19,6 +19,21 @@ func upperFile(t *testing.T, id, path string) string {
 	return string(b)
 }
 
+// counterValue reads the counter the pause test's loop writes to
+// /tmp/count. The loop's `echo > file` truncates before it writes, so an
+// empty read means "caught in between": read again.
+func counterValue(t *testing.T, id string) int {
+	t.Helper()
+	for range 50 {
+		if n, err := strconv.Atoi(strings.TrimSpace(upperFile(t, id, "tmp/count"))); err == nil {
+			return n
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatalf("%s: /tmp/count holds no number for 500 ms", id)
+	return 0
+}
+
 func waitState(t *testing.T, id, state string, within time.Duration) *api.Sandbox {
 	t.Helper()
 	deadline := time.Now().Add(within)
@@ -93,9 +108,9 @@ func TestPauseResumeKeepsEverything(t *testing.T) {
 		if got := waitState(t, sb.ID, api.StateRunning, 0); got.State != api.StateRunning || got.PausedAt != nil {
 			t.Fatalf("cycle %d: state after resume %s", cycle, got.State)
 		}
-		n1, _ := strconv.Atoi(strings.TrimSpace(upperFile(t, sb.ID, "tmp/count")))
+		n1 := counterValue(t, sb.ID)
 		time.Sleep(400 * time.Millisecond)
-		n2, _ := strconv.Atoi(strings.TrimSpace(upperFile(t, sb.ID, "tmp/count")))
+		n2 := counterValue(t, sb.ID)
 		if n2 <= n1 {
 			t.Fatalf("cycle %d: counter stuck after resume: %d -> %d", cycle, n1, n2)
 		}

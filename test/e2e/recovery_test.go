@@ -172,6 +172,13 @@ func snapshotNode(t *testing.T) nodeSnapshot {
 	return s
 }
 
+// cgroupProcs returns the pids in a cgroup directory's cgroup.procs
+// (none when it does not exist).
+func cgroupProcs(dir string) []string {
+	b, _ := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+	return strings.Fields(string(b))
+}
+
 // foreignDaemons returns the pids of other `dsec up` processes on the host.
 // With the plain /dsec layout they share the cgroup parent, so its
 // children may be theirs.
@@ -273,27 +280,41 @@ func assertNodeConsistent(t *testing.T, candidates []string) (running, listed []
 	if len(s.layerMounts) != len(digests) {
 		t.Errorf("layer mounts %v, want one per layer in use (%d)", s.layerMounts, len(digests))
 	}
-	check := map[string]bool{}
-	for _, id := range append(slices.Clone(candidates), listed...) {
-		check[id] = true
+	// Each running sandbox has the cgroup its record names, in every
+	// hierarchy; no two share one. No cgroup is named after a sandbox that
+	// is not running.
+	parent := daemonCgroupParent(t)
+	owner := map[string]string{} // cgroup name → running sandbox
+	for _, id := range running {
+		name := filepath.Base(sandboxCgroupRel(t, id))
+		if other, dup := owner[name]; dup {
+			t.Errorf("sandboxes %s and %s share cgroup %s", other, id, name)
+		}
+		owner[name] = id
+		if len(s.cgroups[name]) != len(cgroupHierarchies()) {
+			t.Errorf("running %s: cgroup %s/%s in %v, want every hierarchy", id, parent, name, s.cgroups[name])
+		}
 	}
-	for id := range check {
-		_, has := s.cgroups[id]
-		if want := slices.Contains(running, id); has != want {
-			t.Errorf("cgroup %s/%s present=%v (in %v), want %v", daemonCgroupParent(t), id, has, s.cgroups[id], want)
+	for _, id := range append(slices.Clone(candidates), listed...) {
+		if _, has := s.cgroups[id]; has && !slices.Contains(running, id) {
+			t.Errorf("cgroup %s/%s of a sandbox that is not running (in %v)", parent, id, s.cgroups[id])
 		}
 	}
 	if f := foreignDaemons(); len(f) == 0 || !sharedCgroupParent(t) {
-		var kids []string
-		for k := range s.cgroups {
-			kids = append(kids, k)
-		}
-		slices.Sort(kids)
-		if !slices.Equal(kids, running) {
-			t.Errorf("%s children %v, running sandboxes %v", daemonCgroupParent(t), kids, running)
+		// The other children are emptied cgroups kept for reuse: no
+		// process in any hierarchy.
+		for name, roots := range s.cgroups {
+			if owner[name] != "" {
+				continue
+			}
+			for _, root := range roots {
+				if procs := cgroupProcs(filepath.Join(root, parent, name)); len(procs) > 0 {
+					t.Errorf("cgroup %s/%s belongs to no running sandbox but holds processes %v", root, name, procs)
+				}
+			}
 		}
 	} else {
-		t.Logf("other dsec daemons share /dsec on this host (pids %v): checked the cgroups of %d known ids only", f, len(check))
+		t.Logf("other dsec daemons share /dsec on this host (pids %v): checked the cgroups of running sandboxes only", f)
 	}
 	return running, listed
 }

@@ -49,6 +49,11 @@ type Config struct {
 	// commands enter sandboxes through the exec helper (package nsexec)
 	// instead of the runtime's exec.
 	Cgroups *cgroup.Info
+	// KeepCgroups leaves a sandbox's cgroup to the caller: Destroy and a
+	// failed Create stop its processes but do not remove the cgroup
+	// (the edge recycles it, cgroup.Slots). The runtime's own delete,
+	// the fallback when dsec cannot find init, removes it all the same.
+	KeepCgroups bool
 	// RuntimeExec forces the runtime's exec even where the helper works.
 	RuntimeExec bool
 	// MaskDir, if set, is an empty directory (the backend creates it,
@@ -296,7 +301,7 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 		err = fmt.Errorf("%s run: %w: %s", c.flavor, err, strings.TrimSpace(string(msg)))
 		// The runtime may have left state, a process or a cgroup behind.
 		_ = c.Destroy(context.Background(), cfg.ID)
-		if c.cfg.Cgroups != nil && cfg.CgroupPath != "" {
+		if c.cfg.Cgroups != nil && cfg.CgroupPath != "" && !c.cfg.KeepCgroups {
 			_ = c.cfg.Cgroups.Remove(cfg.CgroupPath)
 		}
 		return fmt.Errorf("starting container: %w", err)
@@ -311,8 +316,8 @@ const runtimeTimeout = 2 * time.Minute
 // (Config.Cgroups), the backend does what `<runtime> delete -f` does
 // without running it: SIGKILL to the sandbox's init through a pidfd (the
 // kernel then kills everything in its pid namespace), wait for it to die,
-// remove the sandbox's cgroups (killing any straggler) and the runtime's
-// state directory. That saves a runtime process per delete, which bounds
+// remove the sandbox's cgroups (killing any straggler; with KeepCgroups
+// that is the caller's) and the runtime's state directory. That saves a runtime process per delete, which bounds
 // teardown rate on a small node. Without the layout, it runs the runtime.
 func (c *Container) Destroy(ctx context.Context, id string) error {
 	dir := filepath.Join(c.cfg.StateRoot, id)
@@ -366,7 +371,10 @@ func (c *Container) destroyDirect(ctx context.Context, dir string) (bool, error)
 		return false, nil
 	}
 	if alive(pid, start) {
-		rel, relErr := c.cfg.Cgroups.RelOf(pid)
+		rel, relErr := "/", error(nil)
+		if !c.cfg.KeepCgroups {
+			rel, relErr = c.cfg.Cgroups.RelOf(pid)
+		}
 		pidfd, err := unix.PidfdOpen(pid, 0)
 		if err == nil && alive(pid, start) {
 			err = unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
