@@ -138,11 +138,18 @@ type node struct {
 	server  *apiserver.Server
 	store   store.Store
 	runtime string
+	// runDir is <state>/runtime, on a tmpfs when runDirTmpfs (rundir.go).
+	runDir      string
+	runDirTmpfs bool
+	log         *slog.Logger
 }
 
 func (n *node) Close() {
 	n.edge.Close()
 	n.backend.Close()
+	if n.runDirTmpfs {
+		unmountRunDir(n.runDir, filepath.Join(n.runDir, n.runtime), n.log)
+	}
 	_ = n.store.Close()
 }
 
@@ -235,9 +242,21 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	if err != nil {
 		return fail(fmt.Errorf("opening layer store: %w", err))
 	}
+	runDir := filepath.Join(c.stateDir, "runtime")
+	runDirTmpfs, err := mountRunDir(runDir, runDirSize(c.maxSandboxes), log)
+	if err != nil {
+		return fail(err)
+	}
+	if runDirTmpfs {
+		fail = func(err error) (*node, *iam.IAM, error) {
+			unmountRunDir(runDir, filepath.Join(runDir, rt), log)
+			_ = st.Close()
+			return nil, nil, err
+		}
+	}
 	backend, err := container.New(container.Config{
 		Runtime:     rt,
-		StateRoot:   filepath.Join(c.stateDir, "runtime", rt),
+		StateRoot:   filepath.Join(runDir, rt),
 		PinPath:     filepath.Join(c.stateDir, "bin", rt),
 		MaskDir:     filepath.Join(c.stateDir, "mask"),
 		CgroupNS:    cg.Mode == cgroup.V2,
@@ -250,6 +269,9 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	}
 	fail = func(err error) (*node, *iam.IAM, error) {
 		backend.Close()
+		if runDirTmpfs {
+			unmountRunDir(runDir, filepath.Join(runDir, rt), log)
+		}
 		_ = st.Close()
 		return nil, nil, err
 	}
@@ -272,6 +294,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 		CgroupParent: cgroupParent(c.nodeName, c.stateDir), MaxPaused: c.maxPaused,
 		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth, DiskQuota: disk,
 		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax, CgroupPool: c.cgroupPool,
+		BundleDir: filepath.Join(runDir, "bundles"),
 	}, edge.Deps{
 		Backend: backend, BlobPath: layers.BlobPath, Cgroups: cg, Log: log,
 		Metrics: edge.NewMetrics(reg), Runtime: rt, Layers: layers, Net: netm,
@@ -288,7 +311,8 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	})
 	log.Info("edge ready", "node", c.nodeName, "runtime", rt, "state_dir", c.stateDir,
 		"cgroup_parent", cgroupParent(c.nodeName, c.stateDir))
-	return &node{layers: layers, edge: ed, backend: backend, server: srv, store: st, runtime: rt}, ident, nil
+	return &node{layers: layers, edge: ed, backend: backend, server: srv, store: st, runtime: rt,
+		runDir: runDir, runDirTmpfs: runDirTmpfs, log: log}, ident, nil
 }
 
 // cgroupParent names this instance's parent cgroup. It is unique per state

@@ -139,11 +139,14 @@ func (e *Edge) createSbx(ctx context.Context, req CreateRequest, pooled bool) (*
 			return nil, err
 		}
 	}
-	for _, d := range []string{"rootfs", "bundle"} {
-		if err := os.Mkdir(filepath.Join(dir, d), 0o755); err != nil {
-			return nil, fmt.Errorf("creating sandbox dir: %w", err)
-		}
+	if err := os.Mkdir(filepath.Join(dir, "rootfs"), 0o755); err != nil {
+		return nil, fmt.Errorf("creating sandbox dir: %w", err)
 	}
+	bundle := e.bundleDir(id)
+	if err := os.Mkdir(bundle, 0o700); err != nil {
+		return nil, fmt.Errorf("creating sandbox bundle dir: %w", err)
+	}
+	defer os.RemoveAll(bundle) // the runtime keeps its own copy of the config
 	// The record goes first, marked creating: if the edge dies mid-create,
 	// recovery finds it and undoes everything below. No fsync: a daemon
 	// crash keeps it (page cache), and after a host crash a directory
@@ -206,7 +209,7 @@ func (e *Edge) createSbx(ctx context.Context, req CreateRequest, pooled bool) (*
 	}
 
 	cfg := sandbox.Config{
-		ID: id, Dir: filepath.Join(dir, "bundle"), Rootfs: rootfs, RootfsMount: mnt, Hostname: "sandbox",
+		ID: id, Dir: bundle, Rootfs: rootfs, RootfsMount: mnt, Hostname: "sandbox",
 		CgroupPath: rec.CgroupPath,
 		Limits: sandbox.Limits{
 			CPU: spec.CPU, MemoryBytes: spec.MemoryMB << 20, Pids: spec.Pids,
@@ -286,6 +289,15 @@ func (e *Edge) detachedRootfs(lowers []string, upper, work string) (*os.File, er
 		return nil, fmt.Errorf("mounting overlay: %w", err)
 	}
 	return mnt, nil
+}
+
+// bundleDir is where sandbox id's OCI bundle is written while the backend
+// starts it.
+func (e *Edge) bundleDir(id string) string {
+	if e.cfg.BundleDir == "" {
+		return filepath.Join(e.sandboxDir(id), "bundle")
+	}
+	return filepath.Join(e.cfg.BundleDir, id)
 }
 
 // cgroupFor picks the cgroup of a new sandbox: a recycled slot, or one

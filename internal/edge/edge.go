@@ -42,6 +42,11 @@ type Config struct {
 	Policy sandbox.Policy
 	// CgroupParent is the parent cgroup of every sandbox ("/dsec").
 	CgroupParent string
+	// BundleDir holds each sandbox's OCI bundle (<BundleDir>/<id>) while
+	// the backend starts it; "" puts it in the sandbox's dir. Either way
+	// it is removed once the sandbox runs: the runtime keeps its own copy
+	// of the config.
+	BundleDir string
 	// CgroupPool is how many emptied sandbox cgroups are kept for reuse
 	// (cgroup.Slots); 0 creates and removes one per sandbox. It needs a
 	// backend that leaves cgroups to the edge (container.KeepCgroups).
@@ -158,8 +163,11 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 	if deps.Metrics == nil {
 		deps.Metrics = NewMetrics(nil)
 	}
-	for _, d := range []string{"sandboxes", "mnt"} {
-		if err := os.MkdirAll(filepath.Join(cfg.StateDir, d), 0o700); err != nil {
+	for _, d := range []string{filepath.Join(cfg.StateDir, "sandboxes"), filepath.Join(cfg.StateDir, "mnt"), cfg.BundleDir} {
+		if d == "" {
+			continue
+		}
+		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, fmt.Errorf("creating state dir: %w", err)
 		}
 	}

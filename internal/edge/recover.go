@@ -147,6 +147,13 @@ func (e *Edge) recover(ctx context.Context) error {
 			}
 		}
 	}
+	// Bundles are needed only while a create runs.
+	if e.cfg.BundleDir != "" {
+		left, _ := os.ReadDir(e.cfg.BundleDir)
+		for _, b := range left {
+			_ = os.RemoveAll(filepath.Join(e.cfg.BundleDir, b.Name()))
+		}
+	}
 	// Mounts under the sandboxes dir that belong to no live sandbox.
 	if mounted, err = mountpoints(dir); err == nil {
 		for mp := range mounted {

@@ -127,7 +127,7 @@ func sharedCgroupParent(t *testing.T) bool { return daemonCgroupParent(t) == "/d
 // nodeSnapshot is what the daemon holds on the host, read from the host.
 type nodeSnapshot struct {
 	dirs        []string            // <state>/edge/sandboxes/*
-	runtime     []string            // <state>/runtime/*/* (container ids)
+	runtime     []string            // <state>/runtime/<crun|runc>/* (container ids)
 	overlays    []string            // rootfs of each sandbox with an overlay in any mount namespace
 	hostRootfs  []string            // rootfs mountpoints on the host (there should be none)
 	layerMounts []string            // mountpoints under <state>/edge/mnt/
@@ -144,7 +144,7 @@ func snapshotNode(t *testing.T) nodeSnapshot {
 	for _, e := range ents {
 		s.dirs = append(s.dirs, e.Name())
 	}
-	rts, _ := filepath.Glob(filepath.Join(d.stateDir, "runtime", "*", "*"))
+	rts, _ := filepath.Glob(filepath.Join(d.stateDir, "runtime", runtimeName(t), "*"))
 	for _, p := range rts {
 		if st, err := os.Stat(p); err == nil && st.IsDir() {
 			s.runtime = append(s.runtime, filepath.Base(p))
