@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -202,8 +203,8 @@ type hostSample struct {
 	metrics     map[string]float64 // the daemon's /metrics; nil for the baseline
 	mounts      int
 	ourMounts   int
-	cgroups     int
-	ourCgroups  int
+	cgroups     int   // child cgroups of the parent, summed over hierarchies
+	busyCgroups int   // those holding processes
 	cgroupPids  int64 // pids.current of the daemon's parent cgroup, -1 if unknown
 	cgroupMem   int64 // memory charged to the parent cgroup in bytes, -1 if unknown
 	ownSockets  int   // this process's sockets: each is a connection the daemon holds too
@@ -216,21 +217,25 @@ type densityResult struct {
 	Sandboxes int `json:"sandboxes"`
 	// StoppedLowMemory: the fill stopped short of --count at the
 	// MemAvailable floor; Sandboxes is what it reached.
-	StoppedLowMemory    bool     `json:"stopped_low_memory,omitempty"`
-	MemAvailKiBPer      float64  `json:"mem_available_kib_per_sandbox"`
-	SlabKiBPer          float64  `json:"slab_kib_per_sandbox"`
-	SUnreclaimKiBPer    float64  `json:"sunreclaim_kib_per_sandbox"`
-	HostTasksPer        float64  `json:"host_tasks_per_sandbox"`
-	CgroupPidsPer       float64  `json:"cgroup_pids_per_sandbox,omitempty"`
-	CgroupMemKiBPer     float64  `json:"cgroup_memory_kib_per_sandbox,omitempty"`
-	DaemonRSSBeforeMiB  float64  `json:"daemon_rss_before_mib,omitempty"`
-	DaemonRSSAfterMiB   float64  `json:"daemon_rss_after_mib,omitempty"`
-	DaemonRSSKiBPer     float64  `json:"daemon_rss_kib_per_sandbox,omitempty"`
-	DaemonFDsBefore     int      `json:"daemon_fds_before,omitempty"`
-	DaemonFDsAfter      int      `json:"daemon_fds_after,omitempty"`
-	DaemonGoroutines    []int    `json:"daemon_goroutines_before_after,omitempty"`
-	DaemonThreads       []int    `json:"daemon_threads_before_after,omitempty"`
-	ResidualMemKiB      int64    `json:"mem_not_returned_kib,omitempty"`
+	StoppedLowMemory   bool    `json:"stopped_low_memory,omitempty"`
+	MemAvailKiBPer     float64 `json:"mem_available_kib_per_sandbox"`
+	SlabKiBPer         float64 `json:"slab_kib_per_sandbox"`
+	SUnreclaimKiBPer   float64 `json:"sunreclaim_kib_per_sandbox"`
+	HostTasksPer       float64 `json:"host_tasks_per_sandbox"`
+	CgroupPidsPer      float64 `json:"cgroup_pids_per_sandbox,omitempty"`
+	CgroupMemKiBPer    float64 `json:"cgroup_memory_kib_per_sandbox,omitempty"`
+	DaemonRSSBeforeMiB float64 `json:"daemon_rss_before_mib,omitempty"`
+	DaemonRSSAfterMiB  float64 `json:"daemon_rss_after_mib,omitempty"`
+	DaemonRSSKiBPer    float64 `json:"daemon_rss_kib_per_sandbox,omitempty"`
+	DaemonFDsBefore    int     `json:"daemon_fds_before,omitempty"`
+	DaemonFDsAfter     int     `json:"daemon_fds_after,omitempty"`
+	DaemonGoroutines   []int   `json:"daemon_goroutines_before_after,omitempty"`
+	DaemonThreads      []int   `json:"daemon_threads_before_after,omitempty"`
+	ResidualMemKiB     int64   `json:"mem_not_returned_kib,omitempty"`
+	// CgroupsKept is how many more (empty) child cgroups the parent has
+	// after the teardown than before, summed over hierarchies: the
+	// edge's free slots (--cgroup-pool), part of ResidualMemKiB.
+	CgroupsKept         int      `json:"cgroups_kept_for_reuse,omitempty"`
 	TornDown            bool     `json:"torn_down"`
 	Leaks               []string `json:"leaks,omitempty"`
 	PidMax              int      `json:"pid_max,omitempty"`
@@ -401,7 +406,7 @@ func (d *densityRun) sample(ctx context.Context) hostSample {
 		s.mounts, s.ourMounts = countMounts(string(mi), abs, d.ids)
 	}
 	parent := cgroupParent(d.node.Name, d.o.stateDir)
-	s.cgroups, s.ourCgroups = countCgroups(parent, d.ids)
+	s.cgroups, s.busyCgroups = countCgroups(parent)
 	s.cgroupPids = cgroupValue(parent, "pids.current")
 	s.cgroupMem = cgroupValue(parent, "memory.usage_in_bytes", "memory.current")
 	if nodes, err := d.c.ListNodes(ctx); err == nil && len(nodes) > 0 {
@@ -449,8 +454,9 @@ func cgroupParentDirs(parent string) []string {
 }
 
 // countCgroups counts the children of the parent cgroup over every
-// hierarchy, and those named by one of ids.
-func countCgroups(parent string, ids map[string]bool) (total, ours int) {
+// hierarchy, and those holding processes. The edge keeps emptied cgroups
+// of deleted sandboxes for reuse, so only a busy one is a leak.
+func countCgroups(parent string) (total, busy int) {
 	for _, d := range cgroupParentDirs(parent) {
 		ents, _ := os.ReadDir(d)
 		for _, e := range ents {
@@ -458,12 +464,12 @@ func countCgroups(parent string, ids map[string]bool) (total, ours int) {
 				continue
 			}
 			total++
-			if ids[e.Name()] {
-				ours++
+			if b, _ := os.ReadFile(filepath.Join(d, e.Name(), "cgroup.procs")); len(bytes.TrimSpace(b)) > 0 {
+				busy++
 			}
 		}
 	}
-	return total, ours
+	return total, busy
 }
 
 // cgroupValue reads the first of files found in the parent cgroup's
@@ -728,6 +734,7 @@ func (d *densityRun) runDsec(ctx context.Context, ref string) ([]benchRow, densi
 	end := d.sample(context.Background())
 	res.ResidualMemKiB = before.mem.AvailKiB - end.mem.AvailKiB
 	res.Leaks = leaks(before, end)
+	res.CgroupsKept = max(0, end.cgroups-before.cgroups)
 	if left, err := d.c.ListAllSandboxes(context.Background(), dsec.ListOptions{Labels: map[string]string{"bench": label}}); err == nil && len(left) > 0 {
 		res.Leaks = append(res.Leaks, fmt.Sprintf("%d sandboxes still listed", len(left)))
 	}
@@ -771,11 +778,8 @@ func leaks(before, end hostSample) []string {
 	if end.mounts > before.mounts {
 		out = append(out, fmt.Sprintf("mounts under the state dir %d, %d before", end.mounts, before.mounts))
 	}
-	if end.ourCgroups > 0 {
-		out = append(out, fmt.Sprintf("%d cgroups of deleted sandboxes", end.ourCgroups))
-	}
-	if end.cgroups > before.cgroups {
-		out = append(out, fmt.Sprintf("cgroups under the parent %d, %d before", end.cgroups, before.cgroups))
+	if end.busyCgroups > before.busyCgroups {
+		out = append(out, fmt.Sprintf("cgroups under the parent holding processes %d, %d before", end.busyCgroups, before.busyCgroups))
 	}
 	if before.metrics != nil && end.metrics != nil {
 		// Net of the connections this client holds open to the daemon.
@@ -905,6 +909,7 @@ func densityLines(rep densityReport, rt string) []string {
 	}
 	if d.TornDown || (bl != nil && bl.TornDown) {
 		fmt.Fprintf(tw, "memory not back after teardown (total)\t%s\t%s\n", kib(float64(d.ResidualMemKiB)), base(func(r *densityResult) string { return kib(float64(r.ResidualMemKiB)) }))
+		fmt.Fprintf(tw, "empty cgroups kept for reuse (all hierarchies)\t%d\t-\n", d.CgroupsKept)
 	}
 	_ = tw.Flush()
 	lines := strings.Split(strings.TrimSuffix(sb.String(), "\n"), "\n")
@@ -912,7 +917,7 @@ func densityLines(rep densityReport, rt string) []string {
 	case !d.TornDown:
 		lines = append(lines, "leak check: skipped (sandboxes kept or not all deleted)")
 	case len(d.Leaks) == 0:
-		lines = append(lines, "leak check: ok (sandbox count, mounts under the state dir and cgroups back to where they were)")
+		lines = append(lines, "leak check: ok (sandbox count, mounts under the state dir and cgroups holding processes back to where they were)")
 	default:
 		lines = append(lines, "leak check: FAILED: "+strings.Join(d.Leaks, "; "))
 	}

@@ -266,7 +266,10 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 	// /dev/null (a pipe would stay open for the sandbox's lifetime) and
 	// reports errors through a log file instead.
 	logPath := filepath.Join(cfg.Dir, "runtime.log")
-	args := []string{"--root", c.cfg.StateRoot, "--log", logPath, "run", "-d", "--bundle", cfg.Dir, cfg.ID}
+	// --no-new-keyring: no session keyring per sandbox. The seccomp
+	// profile refuses keyctl, add_key and request_key inside, and
+	// commands exec'd by the helper already share the edge's.
+	args := []string{"--root", c.cfg.StateRoot, "--log", logPath, "run", "-d", "--no-new-keyring", "--bundle", cfg.Dir, cfg.ID}
 	release, err := acquire(ctx, c.creating)
 	if err != nil {
 		return fmt.Errorf("starting container: %w", err)
