@@ -46,9 +46,12 @@ type Slots struct {
 	// inUse holds the slots handed out (Get, Claim) and not yet put back:
 	// a second Put of the same slot, which could hand one cgroup to two
 	// sandboxes, is ignored.
-	inUse   map[string]bool
-	next    uint64
-	lastGet time.Time
+	inUse map[string]bool
+	// resetting counts Puts between the check against max and the
+	// append, so that concurrent Puts do not keep more than max.
+	resetting int
+	next      uint64
+	lastGet   time.Time
 }
 
 // slotPrefix starts every slot's name.
@@ -150,17 +153,24 @@ func (s *Slots) Put(rel string) error {
 		return nil
 	}
 	delete(s.inUse, rel)
-	full := len(s.free) >= s.max
+	full := len(s.free)+s.resetting >= s.max
+	if !full {
+		s.resetting++
+	}
 	s.mu.Unlock()
 	if full {
 		return s.info.Remove(rel)
 	}
-	if err := s.info.resetSlot(rel); err != nil {
+	err := s.info.resetSlot(rel)
+	s.mu.Lock()
+	s.resetting--
+	if err == nil {
+		s.free = append(s.free, rel)
+	}
+	s.mu.Unlock()
+	if err != nil {
 		return s.info.Remove(rel)
 	}
-	s.mu.Lock()
-	s.free = append(s.free, rel)
-	s.mu.Unlock()
 	return nil
 }
 

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -284,5 +285,36 @@ func TestSlotsRecycle(t *testing.T) {
 	}
 	if err := slots.Drain(); err != nil || slots.Free() != 0 || info.exists(three[1]) {
 		t.Errorf("Drain: %v, left %v", err, slots.FreeSlots())
+	}
+
+	// Puts at once keep no more than max either.
+	var many []string
+	for range 16 {
+		r, _ := slots.Get()
+		mkslot(r)
+		many = append(many, r)
+	}
+	var wg sync.WaitGroup
+	for _, r := range many {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := slots.Put(r); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	if n := slots.Free(); n != 2 {
+		t.Errorf("%d free slots after 16 Puts at once, want max 2", n)
+	}
+	kept := 0
+	for _, r := range many {
+		if info.exists(r) {
+			kept++
+		}
+	}
+	if kept != 2 {
+		t.Errorf("%d of the 16 slots exist after the Puts, want 2", kept)
 	}
 }
