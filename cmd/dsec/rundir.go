@@ -30,9 +30,10 @@ func runDirSize(maxSandboxes int) int64 {
 	return max(256<<20, int64(maxSandboxes)*64<<10)
 }
 
-// mountRunDir makes dir a tmpfs unless it is one already or holds files
-// (state of sandboxes from an earlier run, which must stay where the
-// runtime finds them). It reports whether dir is on tmpfs.
+// mountRunDir mounts a tmpfs at dir unless dir is on a tmpfs already or
+// holds files (state of sandboxes from an earlier run, which must stay
+// where the runtime finds them). It reports whether a tmpfs is mounted at
+// dir itself, which unmountRunDir may then unmount.
 func mountRunDir(dir string, size int64, log *slog.Logger) (bool, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return false, fmt.Errorf("creating %s: %w", dir, err)
@@ -42,7 +43,9 @@ func mountRunDir(dir string, size int64, log *slog.Logger) (bool, error) {
 		return false, fmt.Errorf("statfs %s: %w", dir, err)
 	}
 	if st.Type == unix.TMPFS_MAGIC {
-		return true, nil // left mounted by a run that stopped with sandboxes alive
+		// Left mounted by a run that stopped with sandboxes alive, or
+		// the whole state dir is on a tmpfs (nothing to mount then).
+		return isMountPoint(dir), nil
 	}
 	if holdsFiles(dir) {
 		log.Info("runtime state stays on disk: sandboxes of an earlier dsec keep theirs there; a start that finds it empty moves it to a tmpfs", "dir", dir)
@@ -71,6 +74,16 @@ func unmountRunDir(dir, runtimeRoot string, log *slog.Logger) {
 	if err := unix.Unmount(dir, unix.MNT_DETACH); err != nil {
 		log.Warn("unmounting the runtime state tmpfs", "dir", dir, "err", err)
 	}
+}
+
+// isMountPoint reports whether dir is the root of a mount (its device
+// differs from its parent's).
+func isMountPoint(dir string) bool {
+	var a, b unix.Stat_t
+	if unix.Stat(dir, &a) != nil || unix.Stat(filepath.Dir(dir), &b) != nil {
+		return false
+	}
+	return a.Dev != b.Dev
 }
 
 // holdsFiles reports whether the tree at dir has anything but directories.

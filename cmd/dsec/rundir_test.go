@@ -96,4 +96,19 @@ func TestRunDir(t *testing.T) {
 	if on, err := mountRunDir(dir, 64<<20, log); err != nil || !on || !isTmpfs(t, dir) {
 		t.Fatalf("mountRunDir over empty dirs: %v %v", on, err)
 	}
+	unmountRunDir(dir, root, log)
+
+	// A state dir on a tmpfs already: nothing mounted, nothing to unmount.
+	shm := filepath.Join(base, "shm")
+	if err := os.Mkdir(shm, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("tmpfs", shm, "tmpfs", 0, "size=16m"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(shm, unix.MNT_DETACH) })
+	inner := filepath.Join(shm, "runtime")
+	if on, err := mountRunDir(inner, 64<<20, log); err != nil || on || mountsAt(t, inner) != 0 {
+		t.Fatalf("mountRunDir in a tmpfs state dir: %v %v, %d mounts", on, err, mountsAt(t, inner))
+	}
 }

@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"path"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -30,8 +31,8 @@ import (
 // hierarchy, no child cgroup, and every limit and setting dsec or the
 // runtime may have written set back to the kernel's default. Memory still
 // charged to it (page cache of the layers the sandbox read, slab) is
-// reclaimed down to slotReclaimAbove. Anything short of that and the slot
-// is removed instead.
+// reclaimed down to slotReclaimAbove. Anything short of that (memory that
+// does not come back included) and the slot is removed instead.
 //
 // Slots are named s-N below the parent. A sandbox's record stores the
 // path it got, so nothing derives a sandbox's cgroup from its id.
@@ -43,10 +44,13 @@ type Slots struct {
 
 	mu   sync.Mutex
 	free []string // LIFO: the most recently emptied slot is reused first
-	// inUse holds the slots handed out (Get, Claim) and not yet put back:
-	// a second Put of the same slot, which could hand one cgroup to two
-	// sandboxes, is ignored.
-	inUse map[string]bool
+	// owner maps each slot handed out (Get, Claim) and not yet put back
+	// to the sandbox holding it. Only that sandbox's Put is taken: a
+	// second Put (a teardown retried after it released the slot, a dead
+	// sandbox's record still naming a slot given to another since) could
+	// otherwise reset or kill the slot's new sandbox, or hand one cgroup
+	// to two sandboxes.
+	owner map[string]string
 	// resetting counts Puts between the check against max and the
 	// append, so that concurrent Puts do not keep more than max.
 	resetting int
@@ -64,19 +68,28 @@ func (i *Info) NewSlots(parent string, max int) (*Slots, error) {
 	if err := checkRel(parent); err != nil {
 		return nil, err
 	}
-	return &Slots{info: i, parent: parent, max: max, next: 1, inUse: map[string]bool{}}, nil
+	return &Slots{info: i, parent: parent, max: max, next: 1, owner: map[string]string{}}, nil
 }
 
-// Claim marks rel, the cgroup of a sandbox found at recovery, as handed
-// out, so that its Put is taken.
-func (s *Slots) Claim(rel string) {
+// Claim marks rel, the cgroup a record found at recovery names, as held
+// by sandbox id, so that id's Put is taken. It reports false when another
+// sandbox holds rel already (claim the live sandboxes first) or rel is
+// free (put back by another record naming it).
+func (s *Slots) Claim(rel, id string) bool {
 	if !s.Owns(rel) {
-		return
+		return true
 	}
 	s.Seen(path.Base(rel))
 	s.mu.Lock()
-	s.inUse[rel] = true
-	s.mu.Unlock()
+	defer s.mu.Unlock()
+	if o, held := s.owner[rel]; held && o != id {
+		return false
+	}
+	if slices.Contains(s.free, rel) {
+		return false
+	}
+	s.owner[rel] = id
+	return true
 }
 
 // Seen records an existing child cgroup name of the parent, so that Get
@@ -100,11 +113,11 @@ func slotNumber(name string) (uint64, bool) {
 	return n, err == nil && strconv.FormatUint(n, 10) == num
 }
 
-// Get returns the cgroup path for a new sandbox: an emptied slot when there
-// is one, else a new name for the runtime to create. cpuBase is the CPU
-// time the slot has already counted (cgroup v2's cpu.stat cannot be
+// Get returns the cgroup path for new sandbox id: an emptied slot when
+// there is one, else a new name for the runtime to create. cpuBase is the
+// CPU time the slot has already counted (cgroup v2's cpu.stat cannot be
 // reset): the sandbox's own use is the counter minus cpuBase.
-func (s *Slots) Get() (rel string, cpuBase uint64) {
+func (s *Slots) Get(id string) (rel string, cpuBase uint64) {
 	s.mu.Lock()
 	s.lastGet = time.Now()
 	if n := len(s.free); n > 0 {
@@ -116,16 +129,16 @@ func (s *Slots) Get() (rel string, cpuBase uint64) {
 			// It vanished or cannot be read: a fresh slot instead, the
 			// old one removed (it is nobody's now).
 			_ = s.info.Remove(rel)
-			return s.Get()
+			return s.Get(id)
 		}
 		s.mu.Lock()
-		s.inUse[rel] = true
+		s.owner[rel] = id
 		s.mu.Unlock()
 		return rel, base
 	}
 	rel = path.Join(s.parent, slotPrefix+strconv.FormatUint(s.next, 10))
 	s.next++
-	s.inUse[rel] = true
+	s.owner[rel] = id
 	s.mu.Unlock()
 	return rel, 0
 }
@@ -141,18 +154,18 @@ func (s *Slots) Owns(rel string) bool {
 // Put takes rel back once its sandbox's processes are gone. It resets the
 // slot for the next sandbox, or removes it (killing anything left) when
 // the slot is not provably empty, a reset fails, or max slots are free
-// already. A path that is not a slot is removed; a slot not handed out
-// (put back already) is left alone.
-func (s *Slots) Put(rel string) error {
+// already. A path that is not a slot is removed; a slot sandbox id does
+// not hold (put back already, perhaps handed to another) is left alone.
+func (s *Slots) Put(rel, id string) error {
 	if !s.Owns(rel) {
 		return s.info.Remove(rel)
 	}
 	s.mu.Lock()
-	if !s.inUse[rel] {
+	if o, held := s.owner[rel]; !held || o != id {
 		s.mu.Unlock()
 		return nil
 	}
-	delete(s.inUse, rel)
+	delete(s.owner, rel)
 	full := len(s.free)+s.resetting >= s.max
 	if !full {
 		s.resetting++
@@ -277,31 +290,44 @@ const slotReclaimAbove = 4 << 20
 // there is more than slotReclaimAbove: on v1 by lowering its limit to
 // that (the kernel reclaims until under it, stopping at the first pass
 // that frees nothing, EBUSY), on v2 through memory.reclaim. The limit
-// is set back by slotDefaults.
+// is set back by slotDefaults. A slot still above slotReclaimAbove after
+// that is not reusable: its next sandbox would start with the last one's
+// memory counted against its limit.
 func (i *Info) shrinkSlot(rel string) error {
+	file, shrink := "", func(dir string, usage uint64) error { return nil }
 	if root, ok := i.V1["memory"]; ok {
-		dir := filepath.Join(root, rel)
-		usage, err := readUint(filepath.Join(dir, "memory.usage_in_bytes"))
-		if err != nil || usage <= slotReclaimAbove {
+		file = filepath.Join(root, rel, "memory.usage_in_bytes")
+		shrink = func(dir string, _ uint64) error {
+			err := writeFile(filepath.Join(dir, "memory.limit_in_bytes"), strconv.Itoa(slotReclaimAbove))
+			if errors.Is(err, syscall.EBUSY) {
+				return nil
+			}
 			return err
 		}
-		err = writeFile(filepath.Join(dir, "memory.limit_in_bytes"), strconv.Itoa(slotReclaimAbove))
-		if err != nil && !errors.Is(err, syscall.EBUSY) {
+	} else if i.V2Root != "" {
+		file = filepath.Join(i.V2Root, rel, "memory.current")
+		shrink = func(dir string, usage uint64) error {
+			err := writeFile(filepath.Join(dir, "memory.reclaim"), strconv.FormatUint(usage-slotReclaimAbove, 10))
+			if errors.Is(err, syscall.EAGAIN) {
+				return nil
+			}
 			return err
 		}
+	} else {
 		return nil
 	}
-	if i.V2Root == "" {
-		return nil
-	}
-	dir := filepath.Join(i.V2Root, rel)
-	usage, err := readUint(filepath.Join(dir, "memory.current"))
+	usage, err := readUint(file)
 	if err != nil || usage <= slotReclaimAbove {
 		return err
 	}
-	err = writeFile(filepath.Join(dir, "memory.reclaim"), strconv.FormatUint(usage-slotReclaimAbove, 10))
-	if err != nil && !errors.Is(err, syscall.EAGAIN) {
+	if err := shrink(filepath.Dir(file), usage); err != nil {
 		return err
+	}
+	if usage, err = readUint(file); err != nil {
+		return err
+	}
+	if usage > slotReclaimAbove {
+		return fmt.Errorf("%d bytes still charged after reclaim", usage)
 	}
 	return nil
 }

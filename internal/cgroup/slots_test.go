@@ -14,7 +14,7 @@ import (
 )
 
 func TestSlotNames(t *testing.T) {
-	s := &Slots{parent: "/dsec/x", next: 1, inUse: map[string]bool{}}
+	s := &Slots{parent: "/dsec/x", next: 1, owner: map[string]string{}}
 	for _, c := range []struct {
 		rel  string
 		owns bool
@@ -36,7 +36,7 @@ func TestSlotNames(t *testing.T) {
 	s.Seen("s-7")
 	s.Seen("sb-local-s-99")
 	s.Seen("s-0099")
-	if rel, base := s.Get(); rel != "/dsec/x/s-42" || base != 0 {
+	if rel, base := s.Get("sb-a"); rel != "/dsec/x/s-42" || base != 0 {
 		t.Errorf("Get after Seen(s-41) = %q %d, want /dsec/x/s-42 0", rel, base)
 	}
 }
@@ -147,7 +147,7 @@ func TestSlotsRecycle(t *testing.T) {
 		return set
 	}
 
-	rel, base := slots.Get()
+	rel, base := slots.Get("sb-a")
 	if rel != parent+"/s-1" || base != 0 {
 		t.Fatalf("first Get = %q %d, want %s/s-1 0", rel, base, parent)
 	}
@@ -172,7 +172,7 @@ func TestSlotsRecycle(t *testing.T) {
 		}
 	}
 
-	if err := slots.Put(rel); err != nil {
+	if err := slots.Put(rel, "sb-a"); err != nil {
 		t.Fatalf("Put(%s): %v", rel, err)
 	}
 	if got := slots.FreeSlots(); !slices.Equal(got, []string{rel}) {
@@ -198,15 +198,19 @@ func TestSlotsRecycle(t *testing.T) {
 	}
 
 	// A second Put of the same slot must not list it twice: two
-	// sandboxes would share one cgroup.
-	if err := slots.Put(rel); err != nil {
+	// sandboxes would share one cgroup. Nor may a record found at
+	// recovery claim a free slot.
+	if err := slots.Put(rel, "sb-a"); err != nil {
 		t.Fatal(err)
 	}
 	if got := slots.FreeSlots(); len(got) != 1 {
 		t.Fatalf("free slots %v after a second Put, want one", got)
 	}
+	if slots.Claim(rel, "sb-dead") {
+		t.Errorf("Claim of a free slot succeeded")
+	}
 
-	got, base := slots.Get()
+	got, base := slots.Get("sb-b")
 	if got != rel {
 		t.Fatalf("Get = %q, want the free slot %s", got, rel)
 	}
@@ -214,9 +218,26 @@ func TestSlotsRecycle(t *testing.T) {
 		t.Errorf("cpu base %d of a reused slot, want at least the %d ns used in it", base, used)
 	}
 
-	// A slot with a process left is removed, the process killed.
+	// The slot is sb-b's now: a late Put by its last sandbox (a teardown
+	// retried) or a claim by another record must not touch it.
 	sleeper := startIn(t, procs, "sleep", "600")
-	if err := slots.Put(rel); err != nil {
+	if err := slots.Put(rel, "sb-a"); err != nil {
+		t.Fatal(err)
+	}
+	if slots.Claim(rel, "sb-dead") {
+		t.Errorf("Claim of a slot sb-b holds succeeded")
+	}
+	select {
+	case <-sleeper.done:
+		t.Fatalf("a Put by the slot's last sandbox killed its new one's process")
+	case <-time.After(50 * time.Millisecond):
+	}
+	if !slots.Claim(rel, "sb-b") {
+		t.Errorf("Claim by the holder refused")
+	}
+
+	// A slot with a process left is removed, the process killed.
+	if err := slots.Put(rel, "sb-b"); err != nil {
 		t.Fatalf("Put of a busy slot: %v", err)
 	}
 	if sig := sleeper.waitSignal(t); sig != syscall.SIGKILL {
@@ -233,10 +254,10 @@ func TestSlotsRecycle(t *testing.T) {
 
 	// A slot with a child cgroup (which a sandbox could only have made
 	// by mounting cgroup2) is removed too.
-	rel, _ = slots.Get()
+	rel, _ = slots.Get("sb-c")
 	mkslot(rel)
 	mkslot(rel + "/nested")
-	if err := slots.Put(rel); err != nil {
+	if err := slots.Put(rel, "sb-c"); err != nil {
 		t.Fatal(err)
 	}
 	if info.V2Root != "" && slots.Free() != 0 {
@@ -244,15 +265,15 @@ func TestSlotsRecycle(t *testing.T) {
 	}
 
 	// A slot the runtime never created is not kept.
-	rel, _ = slots.Get()
-	if err := slots.Put(rel); err != nil || slots.Free() != 0 {
+	rel, _ = slots.Get("sb-d")
+	if err := slots.Put(rel, "sb-d"); err != nil || slots.Free() != 0 {
 		t.Errorf("Put of a never-created slot: %v, free %v", err, slots.FreeSlots())
 	}
 
 	// A cgroup named after a sandbox (an older record) is removed.
 	old := parent + "/sb-local-old"
 	mkslot(old)
-	if err := slots.Put(old); err != nil || info.exists(old) {
+	if err := slots.Put(old, "sb-local-old"); err != nil || info.exists(old) {
 		t.Errorf("Put(%s) = %v, exists %v; want it removed", old, err, info.exists(old))
 	}
 
@@ -260,12 +281,12 @@ func TestSlotsRecycle(t *testing.T) {
 	_ = slots.Drain()
 	var three []string
 	for range 3 {
-		r, _ := slots.Get()
+		r, _ := slots.Get(fmt.Sprint("sb-three-", len(three)))
 		mkslot(r)
 		three = append(three, r)
 	}
-	for _, r := range three {
-		if err := slots.Put(r); err != nil {
+	for i, r := range three {
+		if err := slots.Put(r, fmt.Sprint("sb-three-", i)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -290,16 +311,16 @@ func TestSlotsRecycle(t *testing.T) {
 	// Puts at once keep no more than max either.
 	var many []string
 	for range 16 {
-		r, _ := slots.Get()
+		r, _ := slots.Get(fmt.Sprint("sb-many-", len(many)))
 		mkslot(r)
 		many = append(many, r)
 	}
 	var wg sync.WaitGroup
-	for _, r := range many {
+	for i, r := range many {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := slots.Put(r); err != nil {
+			if err := slots.Put(r, fmt.Sprint("sb-many-", i)); err != nil {
 				t.Error(err)
 			}
 		}()

@@ -110,7 +110,6 @@ func (e *Edge) createSbx(ctx context.Context, req CreateRequest, pooled bool) (*
 	// Admission counts sandboxes holding resources, this one included from
 	// here on. It is visible as "creating" (and its layers as in use) while
 	// it is set up; a delete that arrives meanwhile waits on life.
-	rec.CgroupPath, rec.CgroupCPUBase = e.cgroupFor(id)
 	s := &sbx{dir: dir, rec: rec, pooled: pooled}
 	s.touch()
 	s.life.Lock()
@@ -129,6 +128,12 @@ func (e *Edge) createSbx(ctx context.Context, req CreateRequest, pooled bool) (*
 		delete(e.sandboxes, id)
 		e.mu.Unlock()
 	})
+	rec.CgroupPath, rec.CgroupCPUBase = e.cgroupFor(id)
+	s.mu.Lock()
+	s.rec.CgroupPath, s.rec.CgroupCPUBase = rec.CgroupPath, rec.CgroupCPUBase
+	s.mu.Unlock()
+	// Runs last: after the runtime below is destroyed.
+	undo.Add(func() { e.releaseCgroup(id, rec.CgroupPath) })
 
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("creating sandbox dir: %w", err)
@@ -222,9 +227,9 @@ func (e *Edge) createSbx(ctx context.Context, req CreateRequest, pooled bool) (*
 	if rec.UserNS {
 		cfg.UserNS = e.sandboxIDMap()
 	}
-	// Registered before the create: a failed one may have made the
-	// cgroup, which the backend leaves to us.
-	undo.Add(func() { e.destroyRuntime(context.Background(), id, rec.CgroupPath) })
+	// Registered before the create: a failed one may have left state or
+	// processes (its cgroup is released by the undo above).
+	undo.Add(func() { e.destroyRuntime(context.Background(), id, "") })
 	if err := e.deps.Backend.Create(ctx, cfg); err != nil {
 		return nil, fmt.Errorf("starting sandbox: %w", err)
 	}
@@ -309,31 +314,38 @@ func (e *Edge) bundleDir(id string) string {
 // cgroup counted before (see record.CgroupCPUBase).
 func (e *Edge) cgroupFor(id string) (rel string, cpuBase uint64) {
 	if e.slots != nil {
-		return e.slots.Get()
+		return e.slots.Get(id)
 	}
 	return e.cfg.CgroupParent + "/" + id, 0
 }
 
-// destroyRuntime stops the sandbox's processes and removes its runtime
-// state, then releases its cgroup: back to the slots for the next sandbox,
-// or removed. Best effort: errors are logged; what is left is reaped at
-// the next start of the edge.
-func (e *Edge) destroyRuntime(ctx context.Context, id, cgroupPath string) {
-	if err := e.deps.Backend.Destroy(ctx, id); err != nil {
-		e.log.Warn("destroying sandbox runtime", "sandbox_id", id, "err", err)
-	}
+// releaseCgroup gives sandbox id's cgroup back to the slots (only if id
+// still holds it), or removes it when slots are off. The sandbox's
+// processes must be gone. Best effort: errors are logged.
+func (e *Edge) releaseCgroup(id, cgroupPath string) {
 	if e.deps.Cgroups == nil || cgroupPath == "" {
 		return
 	}
 	var err error
 	if e.slots != nil {
-		err = e.slots.Put(cgroupPath)
+		err = e.slots.Put(cgroupPath, id)
 	} else {
 		err = e.deps.Cgroups.Remove(cgroupPath)
 	}
 	if err != nil {
 		e.log.Warn("releasing sandbox cgroup", "sandbox_id", id, "cgroup", cgroupPath, "err", err)
 	}
+}
+
+// destroyRuntime stops the sandbox's processes and removes its runtime
+// state, then releases its cgroup (releaseCgroup; "" keeps it). Best
+// effort: errors are logged; what is left is reaped at the next start of
+// the edge.
+func (e *Edge) destroyRuntime(ctx context.Context, id, cgroupPath string) {
+	if err := e.deps.Backend.Destroy(ctx, id); err != nil {
+		e.log.Warn("destroying sandbox runtime", "sandbox_id", id, "err", err)
+	}
+	e.releaseCgroup(id, cgroupPath)
 }
 
 // Delete removes a sandbox and everything it holds. Deleting an unknown
@@ -406,6 +418,10 @@ func (e *Edge) teardown(ctx context.Context, s *sbx, remove bool) error {
 		e.releaseNetwork(ctx, id, rec.Net)
 		s.mu.Lock()
 		s.rec.Net = nil
+		// The cgroup may serve another sandbox from now on: should a step
+		// below fail, nothing of this one (stats, pause, a retried
+		// teardown) may touch it.
+		s.rec.CgroupPath = ""
 		s.mu.Unlock()
 		// A private rootfs went with the sandbox's mount namespace.
 		if !rec.PrivateRootfs {

@@ -36,6 +36,28 @@ func (e *Edge) recover(ctx context.Context) error {
 	}
 	live := map[string]bool{}
 	liveCgroups := map[string]bool{} // cgroup paths of live sandboxes
+	// Which sandboxes survived, first: a dead one's record may name a
+	// cgroup slot a live one holds now (the edge died after its teardown
+	// released the slot, before its record said so), and releasing the
+	// dead one's cgroup must not touch the live one's.
+	statusErr := map[string]error{}
+	for _, ent := range ents {
+		id := ent.Name()
+		rec, err := readRecord(filepath.Join(dir, id))
+		if err != nil || !ent.IsDir() || rec.Sandbox.State == api.StateCreating || rec.Pooled || !holdsResources(rec.Sandbox.State) {
+			continue
+		}
+		status, serr := e.deps.Backend.Status(ctx, id)
+		if serr != nil || !status.Running || !(mounted[filepath.Join(dir, id, "rootfs")] || rec.PrivateRootfs) {
+			statusErr[id] = serr
+			continue
+		}
+		live[id] = true
+		liveCgroups[rec.CgroupPath] = true
+		if e.slots != nil && !e.slots.Claim(rec.CgroupPath, id) {
+			e.log.Warn("two live sandboxes name one cgroup", "sandbox_id", id, "cgroup", rec.CgroupPath)
+		}
+	}
 	refs := map[string]int{}
 	adopted, failed, reaped := 0, 0, 0
 	for _, ent := range ents {
@@ -57,13 +79,7 @@ func (e *Edge) recover(ctx context.Context) error {
 			reaped++
 			continue
 		case holdsResources(st):
-			if e.slots != nil {
-				e.slots.Claim(rec.CgroupPath)
-			}
-			status, serr := e.deps.Backend.Status(ctx, id)
-			if serr == nil && status.Running && (mounted[rootfs] || rec.PrivateRootfs) {
-				live[id] = true
-				liveCgroups[rec.CgroupPath] = true
+			if live[id] {
 				for _, d := range rec.Digests {
 					refs[d]++
 				}
@@ -72,8 +88,12 @@ func (e *Edge) recover(ctx context.Context) error {
 			}
 			// The sandbox died while the edge was down: release what it
 			// held, keep its record as failed so the owner can see why.
-			e.log.Warn("sandbox did not survive the edge restart", "sandbox_id", id, "err", serr)
-			e.destroyRuntime(ctx, id, rec.CgroupPath)
+			e.log.Warn("sandbox did not survive the edge restart", "sandbox_id", id, "err", statusErr[id])
+			cg := rec.CgroupPath
+			if liveCgroups[cg] || (e.slots != nil && !e.slots.Claim(cg, id)) {
+				cg = "" // a live sandbox's now, or released already
+			}
+			e.destroyRuntime(ctx, id, cg)
 			if mounted[rootfs] {
 				_ = layer.UnmountOverlay(rootfs)
 			}
@@ -90,6 +110,7 @@ func (e *Edge) recover(ctx context.Context) error {
 			rec.Sandbox.State = api.StateFailed
 			rec.Sandbox.Error = "sandbox exited while the edge was down"
 			rec.Net = nil // its slot is freed by restoreNetwork
+			rec.CgroupPath = ""
 			rec.StoppedAt = &now
 			if err := writeRecord(sdir, rec); err != nil {
 				e.log.Warn("persisting failed sandbox", "sandbox_id", id, "err", err)

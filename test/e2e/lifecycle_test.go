@@ -362,15 +362,17 @@ func TestSandboxDeleteByLabels(t *testing.T) {
 }
 
 // assertReleased checks that a stopped sandbox holds no node resources:
-// no mount under its dir, no process in the cgroup its record names (the
-// edge keeps emptied cgroups for reuse, so it may still exist), no
-// runtime state.
-func assertReleased(t *testing.T, id string) {
+// no mount under its dir, no process in rel, the cgroup its record named
+// while it ran (the edge keeps emptied cgroups for reuse, so it may still
+// exist; the stopped record names none), no runtime state.
+func assertReleased(t *testing.T, id, rel string) {
 	t.Helper()
 	if m := anyMounts(filepath.Join(d.stateDir, "edge", "sandboxes", id) + "/"); len(m) > 0 {
 		t.Errorf("%s: mounts left (in some mount namespace): %v", id, m)
 	}
-	rel := sandboxCgroupRel(t, id)
+	if b, err := os.ReadFile(filepath.Join(d.stateDir, "edge", "sandboxes", id, "sandbox.json")); err == nil && strings.Contains(string(b), `"cgroup_path":"/`) {
+		t.Errorf("%s: the stopped record still names a cgroup", id)
+	}
 	for _, root := range cgroupHierarchies() {
 		if procs := cgroupProcs(filepath.Join(root, rel)); len(procs) > 0 {
 			t.Errorf("%s: processes %v left in its cgroup %s", id, procs, filepath.Join(root, rel))
@@ -386,6 +388,7 @@ func TestSandboxTTLStops(t *testing.T) {
 	needDaemon(t)
 	lbl := testLabel(t)
 	sb := newSandbox(t, api.SandboxSpec{TTL: 2, Labels: map[string]string{"suite": lbl}})
+	rel := sandboxCgroupRel(t, sb.ID)
 	if r := sh(t, sb.ID, "echo up"); r.Stdout != "up\n" {
 		t.Fatalf("exec: %+v", r)
 	}
@@ -407,7 +410,7 @@ func TestSandboxTTLStops(t *testing.T) {
 	if errors.As(err, &e) && e.Status != http.StatusConflict {
 		t.Errorf("exec on stopped: HTTP %d, want 409", e.Status)
 	}
-	assertReleased(t, sb.ID)
+	assertReleased(t, sb.ID, rel)
 	// The state filter sees it as stopped.
 	for st, want := range map[string]int{api.StateStopped: 1, api.StateRunning: 0} {
 		l, err := client.ListSandboxes(ctx(t), dsec.ListOptions{State: st, Labels: map[string]string{"suite": lbl}})
@@ -431,6 +434,7 @@ func TestSandboxTTLStops(t *testing.T) {
 func TestSandboxIdleTimeoutStops(t *testing.T) {
 	needDaemon(t)
 	sb := newSandbox(t, api.SandboxSpec{IdleTimeout: 2})
+	rel := sandboxCgroupRel(t, sb.ID)
 	// GET does not count as activity, so polling does not keep it alive.
 	got := waitSandboxState(t, sb.ID, api.StateStopped, 6*time.Second)
 	if el := time.Since(sb.CreatedAt); el < 2*time.Second {
@@ -441,7 +445,7 @@ func TestSandboxIdleTimeoutStops(t *testing.T) {
 	}
 	_, err := client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "true"})
 	wantCode(t, err, "failed_precondition")
-	assertReleased(t, sb.ID)
+	assertReleased(t, sb.ID, rel)
 
 	// Activity keeps an idle sandbox alive past its timeout.
 	busy := newSandbox(t, api.SandboxSpec{IdleTimeout: 2})

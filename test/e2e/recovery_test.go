@@ -325,6 +325,7 @@ func TestRecoveryKill9KeepsSandboxes(t *testing.T) {
 	lbl := testLabel(t)
 	labels := map[string]string{"suite": lbl}
 	withTTL := newSandbox(t, api.SandboxSpec{TTL: 8, Labels: labels})
+	withTTLCgroup := sandboxCgroupRel(t, withTTL.ID)
 	b := newSandbox(t, api.SandboxSpec{Labels: labels})
 	c := newSandbox(t, api.SandboxSpec{Labels: labels})
 	if err := client.WriteFile(ctx(t), withTTL.ID, "/data/hello.txt", strings.NewReader("persisted\n"), 0o644); err != nil {
@@ -370,7 +371,7 @@ func TestRecoveryKill9KeepsSandboxes(t *testing.T) {
 	if !strings.Contains(got.Error, "ttl") {
 		t.Errorf("error = %q, want ttl", got.Error)
 	}
-	assertReleased(t, withTTL.ID)
+	assertReleased(t, withTTL.ID, withTTLCgroup)
 	for _, sb := range []*api.Sandbox{b, c} {
 		if r := sh(t, sb.ID, "echo ok"); r.Stdout != "ok\n" {
 			t.Errorf("%s after the ttl stop of another: %+v", sb.ID, r)
