@@ -205,6 +205,7 @@ type hostSample struct {
 	ourMounts   int
 	cgroups     int   // child cgroups of the parent, summed over hierarchies
 	busyCgroups int   // those holding processes
+	hierarchies int   // the parent cgroup's directories (one per hierarchy)
 	cgroupPids  int64 // pids.current of the daemon's parent cgroup, -1 if unknown
 	cgroupMem   int64 // memory charged to the parent cgroup in bytes, -1 if unknown
 	ownSockets  int   // this process's sockets: each is a connection the daemon holds too
@@ -407,6 +408,7 @@ func (d *densityRun) sample(ctx context.Context) hostSample {
 	}
 	parent := cgroupParent(d.node.Name, d.o.stateDir)
 	s.cgroups, s.busyCgroups = countCgroups(parent)
+	s.hierarchies = len(cgroupParentDirs(parent))
 	s.cgroupPids = cgroupValue(parent, "pids.current")
 	s.cgroupMem = cgroupValue(parent, "memory.usage_in_bytes", "memory.current")
 	if nodes, err := d.c.ListNodes(ctx); err == nil && len(nodes) > 0 {
@@ -781,6 +783,14 @@ func leaks(before, end hostSample) []string {
 	if end.busyCgroups > before.busyCgroups {
 		out = append(out, fmt.Sprintf("cgroups under the parent holding processes %d, %d before", end.busyCgroups, before.busyCgroups))
 	}
+	// Empty ones are the edge's free slots, in every hierarchy, plus at
+	// most one the reaper is removing; more is a leak (a slot the edge
+	// lost track of).
+	if free, ok := end.metrics["dsec_cgroup_slots_free"]; ok && end.hierarchies > 0 {
+		if idle := end.cgroups - end.busyCgroups; idle > (int(free)+1)*end.hierarchies {
+			out = append(out, fmt.Sprintf("%d empty cgroups under the parent over %d hierarchies, but the edge keeps %.0f free slots", idle, end.hierarchies, free))
+		}
+	}
 	if before.metrics != nil && end.metrics != nil {
 		// Net of the connections this client holds open to the daemon.
 		fb := before.metrics["process_open_fds"] - float64(before.ownSockets)
@@ -917,7 +927,7 @@ func densityLines(rep densityReport, rt string) []string {
 	case !d.TornDown:
 		lines = append(lines, "leak check: skipped (sandboxes kept or not all deleted)")
 	case len(d.Leaks) == 0:
-		lines = append(lines, "leak check: ok (sandbox count, mounts under the state dir and cgroups holding processes back to where they were)")
+		lines = append(lines, "leak check: ok (sandbox count, mounts under the state dir and cgroups holding processes back to where they were; empty cgroups no more than the edge's free slots)")
 	default:
 		lines = append(lines, "leak check: FAILED: "+strings.Join(d.Leaks, "; "))
 	}

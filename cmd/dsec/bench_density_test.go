@@ -152,11 +152,17 @@ func TestLeaks(t *testing.T) {
 	if l := leaks(before, end); len(l) != 4 {
 		t.Fatalf("want 4 leaks, got %v", l)
 	}
-	// Empty cgroups kept for reuse are not a leak.
+	// Empty cgroups kept for reuse are not a leak; more than the edge's
+	// free slots in every hierarchy are.
 	end = before
-	end.cgroups = 200
+	end.cgroups, end.hierarchies = 200, 10
+	end.metrics = map[string]float64{"process_open_fds": 30, "dsec_cgroup_slots_free": 20}
 	if l := leaks(before, end); len(l) != 0 {
 		t.Fatalf("empty cgroups counted as a leak: %v", l)
+	}
+	end.metrics["dsec_cgroup_slots_free"] = 18
+	if l := leaks(before, end); len(l) != 1 {
+		t.Fatalf("empty cgroups beyond the free slots: %v, want one leak", l)
 	}
 	// The client's own idle connections hold daemon fds: not a leak.
 	end = before

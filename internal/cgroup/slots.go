@@ -205,20 +205,23 @@ func (s *Slots) FreeSlots() []string {
 // when no Get came for idle: free slots cost kernel memory, so a pool a
 // burst left behind shrinks back once creates stop. It returns how many
 // it removed.
+// Slots are taken off the list one at a time, as each is removed, so at
+// most one is neither free nor gone (bench density counts on that).
 func (s *Slots) Trim(keep, n int, idle time.Duration) int {
-	s.mu.Lock()
-	if len(s.free) <= keep || time.Since(s.lastGet) < idle {
+	removed := 0
+	for removed < n {
+		s.mu.Lock()
+		if len(s.free) <= keep || time.Since(s.lastGet) < idle {
+			s.mu.Unlock()
+			break
+		}
+		rel := s.free[0]
+		s.free = s.free[1:]
 		s.mu.Unlock()
-		return 0
-	}
-	k := min(n, len(s.free)-keep)
-	victims := append([]string(nil), s.free[:k]...)
-	s.free = append(s.free[:0], s.free[k:]...)
-	s.mu.Unlock()
-	for _, rel := range victims {
 		_ = s.info.Remove(rel)
+		removed++
 	}
-	return k
+	return removed
 }
 
 // Drain removes every free slot.

@@ -74,6 +74,15 @@ func (m *Metrics) bind(e *Edge) {
 	}
 	m.reg.MustRegister(&stateCollector{e: e, desc: prometheus.NewDesc(
 		"dsec_sandboxes", "Sandboxes on this node by state.", []string{"state", "backend"}, nil)})
+	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "dsec_cgroup_slots_free",
+		Help: "Emptied sandbox cgroups kept for the next sandboxes (--cgroup-pool).",
+	}, func() float64 {
+		if e.slots == nil {
+			return 0
+		}
+		return float64(e.slots.Free())
+	}))
 }
 
 type stateCollector struct {
