@@ -172,6 +172,16 @@ func snapshotNode(t *testing.T) nodeSnapshot {
 	return s
 }
 
+// freeCgroupSlots reads the edge's free cgroup slots from /metrics.
+func freeCgroupSlots(t *testing.T) int {
+	t.Helper()
+	free, ok := metricValue(string(wireCallAuth(t, "GET", "/metrics", nil, wireAuthNone).Body), "dsec_cgroup_slots_free")
+	if !ok {
+		t.Fatalf("no dsec_cgroup_slots_free in /metrics")
+	}
+	return int(free)
+}
+
 // cgroupProcs returns the pids in a cgroup directory's cgroup.procs
 // (none when it does not exist).
 func cgroupProcs(dir string) []string {
@@ -248,7 +258,9 @@ func assertNodeConsistent(t *testing.T, candidates []string) (running, listed []
 	if err != nil {
 		t.Fatalf("list: %v", err)
 	}
+	freeBefore := freeCgroupSlots(t)
 	s := snapshotNode(t)
+	freeAfter := freeCgroupSlots(t)
 	digests := map[string]bool{}
 	for _, sb := range all {
 		listed = append(listed, sb.ID)
@@ -302,16 +314,24 @@ func assertNodeConsistent(t *testing.T, candidates []string) (running, listed []
 	}
 	if f := foreignDaemons(); len(f) == 0 || !sharedCgroupParent(t) {
 		// The other children are emptied cgroups kept for reuse: no
-		// process in any hierarchy.
+		// process in any hierarchy, and no more of them than the edge
+		// says it keeps (plus one the reaper may be removing).
+		spare := 0
 		for name, roots := range s.cgroups {
 			if owner[name] != "" {
 				continue
 			}
+			spare++
 			for _, root := range roots {
 				if procs := cgroupProcs(filepath.Join(root, parent, name)); len(procs) > 0 {
 					t.Errorf("cgroup %s/%s belongs to no running sandbox but holds processes %v", root, name, procs)
 				}
 			}
+		}
+		// Read before and after the snapshot: a delete finishing or the
+		// reaper trimming meanwhile moves the count one way or the other.
+		if free := max(freeBefore, freeAfter); spare > free+1 {
+			t.Errorf("%d cgroups under %s belong to no running sandbox, but the edge keeps %d free: the rest are lost", spare, parent, free)
 		}
 	} else {
 		t.Logf("other dsec daemons share /dsec on this host (pids %v): checked the cgroups of running sandboxes only", f)
