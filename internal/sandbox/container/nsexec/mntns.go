@@ -2,45 +2,85 @@
 
 package nsexec
 
+/*
+#include <stdlib.h>
+int dsec_spawn_mntns(int mntfd, const char *target, const char *path, char *const argv[], char *const envp[], int errfd);
+*/
+import "C"
+
 import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
+	"runtime"
 	"strings"
-	"time"
+	"syscall"
+	"unsafe"
 )
 
 // RunInMountNS runs argv (argv[0] is a path) to completion in a new mount
 // namespace, a copy of the caller's in which mount (a detached mount, as
-// from layer.DetachedOverlay) is attached at target first (mntns.c). The
-// copy is a slave of the caller's: the attachment never shows on the host.
-// A setup failure is returned with the helper's message; a failure of
-// argv itself as the *exec.ExitError of its run.
+// from layer.DetachedOverlay) is attached at target first (mntns.c: a
+// vfork'd child of the caller does that and execs argv). The copy is a
+// slave of the caller's: the attachment never shows on the host. Its
+// stdio is /dev/null. A setup failure is returned with the step that
+// failed; a failure of argv itself as an *exec.ExitError. When ctx ends,
+// argv is killed.
 func RunInMountNS(ctx context.Context, mount *os.File, target string, env []string, argv []string) error {
 	if len(argv) == 0 {
 		return errors.New("RunInMountNS: no command")
 	}
-	cmd := &exec.Cmd{
-		Path:       "/proc/self/exe",
-		Args:       append([]string{"dsec-mntns", target}, argv...),
-		Env:        env,
-		ExtraFiles: []*os.File{mount},
-		WaitDelay:  5 * time.Second,
+	r, w, err := os.Pipe()
+	if err != nil {
+		return fmt.Errorf("starting the rootfs launcher: creating error pipe: %w", err)
 	}
-	stop := func() bool { return false }
-	defer func() { stop() }()
-	// No read timeout: the runtime's own run is bounded by ctx.
-	msg, _, err := startHelper(cmd, 0, func() {
-		stop = context.AfterFunc(ctx, func() { _ = cmd.Process.Kill() })
-	})
+	defer r.Close()
+	cargv, freeArgv := cStrings(argv)
+	defer freeArgv()
+	cenv, freeEnv := cStrings(env)
+	defer freeEnv()
+	ctarget := C.CString(target)
+	defer C.free(unsafe.Pointer(ctarget))
+	pid := C.dsec_spawn_mntns(C.int(mount.Fd()), ctarget, cargv[0], &cargv[0], &cenv[0], C.int(w.Fd()))
+	runtime.KeepAlive(mount)
+	w.Close()
+	if pid < 0 {
+		return fmt.Errorf("starting the rootfs launcher: %w", syscall.Errno(-pid))
+	}
+	proc, err := os.FindProcess(int(pid))
 	if err != nil {
 		return fmt.Errorf("starting the rootfs launcher: %w", err)
 	}
-	werr := cmd.Wait()
+	stop := context.AfterFunc(ctx, func() { _ = proc.Kill() })
+	defer stop()
+	// No read timeout: the runtime's own run is bounded by ctx.
+	msg, _ := io.ReadAll(io.LimitReader(r, 4096))
+	st, werr := proc.Wait()
 	if len(msg) > 0 {
 		return fmt.Errorf("rootfs launcher: %s", strings.TrimSpace(string(msg)))
 	}
-	return werr
+	if werr != nil {
+		return werr
+	}
+	if !st.Success() {
+		return &exec.ExitError{ProcessState: st}
+	}
+	return nil
+}
+
+// cStrings returns strs as a NULL-terminated array of C strings, and the
+// function that frees them.
+func cStrings(strs []string) ([]*C.char, func()) {
+	out := make([]*C.char, len(strs)+1)
+	for i, s := range strs {
+		out[i] = C.CString(s)
+	}
+	return out, func() {
+		for _, p := range out[:len(strs)] {
+			C.free(unsafe.Pointer(p))
+		}
+	}
 }
