@@ -194,7 +194,7 @@ func (s *Slots) Free() int {
 	return len(s.free)
 }
 
-// FreeSlots returns the free slots' paths (for recovery and tests).
+// FreeSlots returns the free slots' paths, most recently freed last.
 func (s *Slots) FreeSlots() []string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -204,9 +204,9 @@ func (s *Slots) FreeSlots() []string {
 // Trim removes up to n of the longest-free slots beyond keep, but only
 // when no Get came for idle: free slots cost kernel memory, so a pool a
 // burst left behind shrinks back once creates stop. It returns how many
-// it removed.
-// Slots are taken off the list one at a time, as each is removed, so at
-// most one is neither free nor gone (bench density counts on that).
+// it removed. Slots are taken off the list one at a time, as each is
+// removed, so at most one is neither free nor gone (bench density counts
+// on that).
 func (s *Slots) Trim(keep, n int, idle time.Duration) int {
 	removed := 0
 	for removed < n {
@@ -297,7 +297,8 @@ const slotReclaimAbove = 4 << 20
 // that is not reusable: its next sandbox would start with the last one's
 // memory counted against its limit.
 func (i *Info) shrinkSlot(rel string) error {
-	file, shrink := "", func(dir string, usage uint64) error { return nil }
+	var file string
+	var shrink func(dir string, usage uint64) error
 	if root, ok := i.V1["memory"]; ok {
 		file = filepath.Join(root, rel, "memory.usage_in_bytes")
 		shrink = func(dir string, _ uint64) error {

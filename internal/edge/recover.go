@@ -41,9 +41,15 @@ func (e *Edge) recover(ctx context.Context) error {
 	// released the slot, before its record said so), and releasing the
 	// dead one's cgroup must not touch the live one's.
 	statusErr := map[string]error{}
+	type readRec struct {
+		rec *record
+		err error
+	}
+	recs := make(map[string]readRec, len(ents))
 	for _, ent := range ents {
 		id := ent.Name()
 		rec, err := readRecord(filepath.Join(dir, id))
+		recs[id] = readRec{rec, err}
 		if err != nil || !ent.IsDir() || rec.Sandbox.State == api.StateCreating || rec.Pooled || !holdsResources(rec.Sandbox.State) {
 			continue
 		}
@@ -64,7 +70,7 @@ func (e *Edge) recover(ctx context.Context) error {
 		id := ent.Name()
 		sdir := filepath.Join(dir, id)
 		rootfs := filepath.Join(sdir, "rootfs")
-		rec, err := readRecord(sdir)
+		rec, err := recs[id].rec, recs[id].err
 		if err != nil || !ent.IsDir() {
 			e.log.Warn("reaping sandbox dir without a valid record", "sandbox_id", id, "err", err)
 			e.reapDir(ctx, id, sdir, mounted[rootfs])

@@ -374,9 +374,11 @@ func (c *Container) destroyDirect(ctx context.Context, dir string) (bool, error)
 		return false, nil
 	}
 	if alive(pid, start) {
-		rel, relErr := "/", error(nil)
+		rel := "" // the cgroup to remove once init is dead
 		if !c.cfg.KeepCgroups {
-			rel, relErr = c.cfg.Cgroups.RelOf(pid)
+			if r, err := c.cfg.Cgroups.RelOf(pid); err == nil && r != "/" {
+				rel = r
+			}
 		}
 		pidfd, err := unix.PidfdOpen(pid, 0)
 		if err == nil && alive(pid, start) {
@@ -391,7 +393,7 @@ func (c *Container) destroyDirect(ctx context.Context, dir string) (bool, error)
 		if err != nil && !errors.Is(err, unix.ESRCH) {
 			return true, fmt.Errorf("killing sandbox init %d: %w", pid, err)
 		}
-		if relErr == nil && rel != "/" {
+		if rel != "" {
 			if err := c.cfg.Cgroups.Remove(rel); err != nil {
 				return true, fmt.Errorf("removing sandbox cgroup: %w", err)
 			}

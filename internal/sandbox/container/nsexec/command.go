@@ -132,6 +132,13 @@ func Start(cfg Config, argv, env []string, stdin io.Reader, stdout, stderr io.Wr
 		return nil, fmt.Errorf("passing exec config: %w", err)
 	}
 	defer mf.Close()
+	// The helper writes a setup failure to this pipe; it is close-on-exec
+	// there, so a successful exec of the command reads as EOF.
+	errR, errW, err := os.Pipe()
+	if err != nil {
+		return nil, fmt.Errorf("creating error pipe: %w", err)
+	}
+	defer errR.Close()
 	cmd := &exec.Cmd{
 		Path:        "/proc/self/exe",
 		Args:        append([]string{"dsec-nsexec"}, argv...),
@@ -139,17 +146,20 @@ func Start(cfg Config, argv, env []string, stdin io.Reader, stdout, stderr io.Wr
 		Stdin:       stdin,
 		Stdout:      stdout,
 		Stderr:      stderr,
-		ExtraFiles:  []*os.File{cfg.Pidfd, mf},
+		ExtraFiles:  []*os.File{cfg.Pidfd, mf, errW},
 		SysProcAttr: &syscall.SysProcAttr{Setpgid: true},
 		WaitDelay:   2 * time.Second,
 	}
 	if cmd.Env == nil {
 		cmd.Env = []string{}
 	}
-	msg, rerr, err := startHelper(cmd, setupTimeout, nil)
+	err = cmd.Start()
+	errW.Close()
 	if err != nil {
 		return nil, fmt.Errorf("starting exec helper: %w", err)
 	}
+	_ = errR.SetReadDeadline(time.Now().Add(setupTimeout))
+	msg, rerr := io.ReadAll(io.LimitReader(errR, 4096))
 	if rerr == nil && len(msg) == 0 {
 		return cmd, nil
 	}
@@ -163,33 +173,4 @@ func Start(cfg Config, argv, env []string, stdin io.Reader, stdout, stderr io.Wr
 		return nil, errdefs.Invalid("%s", text)
 	}
 	return nil, fmt.Errorf("exec helper: %s", text)
-}
-
-// startHelper starts cmd, the dsec binary re-executed as one of its C
-// helpers, with the write end of an error pipe as its last extra file
-// (the helper makes it close-on-exec), and reads what the helper wrote
-// there: nothing (EOF) once it has exec'd its command or exited quietly,
-// its message if setup failed. With timeout > 0 the read gives up after
-// it, with readErr set; err is set only if cmd did not start. started, if
-// not nil, runs once cmd has started, before the read.
-func startHelper(cmd *exec.Cmd, timeout time.Duration, started func()) (msg []byte, readErr, err error) {
-	r, w, err := os.Pipe()
-	if err != nil {
-		return nil, nil, fmt.Errorf("creating error pipe: %w", err)
-	}
-	defer r.Close()
-	cmd.ExtraFiles = append(cmd.ExtraFiles, w)
-	err = cmd.Start()
-	w.Close()
-	if err != nil {
-		return nil, nil, err
-	}
-	if started != nil {
-		started()
-	}
-	if timeout > 0 {
-		_ = r.SetReadDeadline(time.Now().Add(timeout))
-	}
-	msg, readErr = io.ReadAll(io.LimitReader(r, 4096))
-	return msg, readErr, nil
 }
