@@ -1,5 +1,6 @@
 // Package container is the default sandbox backend: an OCI bundle (built
-// with the runtime-spec Go types) run by crun, or runc where crun cannot
+// with the runtime-spec Go types) started by dsec's own launcher
+// (native.go, nsexec/launch.c) or run by crun, or runc where crun cannot
 // run. pid1 is catatonit bind-mounted read-only from the host at /dev/init;
 // no dsec process runs inside a sandbox. The edge enters a sandbox for exec
 // and sessions through its exec helper (package nsexec), or the runtime's
@@ -67,6 +68,10 @@ type Config struct {
 	// burst of 600 creates at concurrency 64 on 2 cores, 8 at a time gave
 	// the same throughput as unbounded and half its p99 (see issue 7).
 	MaxParallel int
+	// Native starts sandboxes with dsec's own launcher (native.go) instead
+	// of the runtime's run, where it can (root, cgo, Cgroups, MaskDir, the
+	// exec helper); sandboxes in a user namespace still use the runtime.
+	Native bool
 	// PinPath is where to bind-mount the runtime binary read-only (a file
 	// path outside StateRoot); "" runs the runtime from where it is
 	// installed, letting it clone itself on every call (see pin.go).
@@ -95,6 +100,14 @@ type Container struct {
 	// pinErr says why not.
 	pinned bool
 	pinErr error
+	// native: sandboxes start through the own launcher (native.go), with
+	// nativeMasks (binds of MaskDir) and nativeMasked (files, bound over
+	// with /dev/null) instead of maskMounts and masked; nativeWhy says why
+	// not when it is off.
+	native       bool
+	nativeWhy    string
+	nativeMasks  []specs.Mount
+	nativeMasked []string
 }
 
 // Pinned reports whether the runtime runs from a read-only bind mount
@@ -178,6 +191,9 @@ func New(cfg Config) (*Container, error) {
 		}
 		c.filterB64 = encodeFilter(c.filter)
 	}
+	if c.native, c.nativeWhy = nativeLauncher(cfg, c.filter != nil); c.native {
+		c.nativeMasks, c.nativeMasked = maskMounts(cfg.MaskDir, maskedPaths, "dsec")
+	}
 	return c, nil
 }
 
@@ -253,6 +269,9 @@ func (c *Container) run(ctx context.Context, args ...string) error {
 func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 	if cfg.RootfsMount != nil && !c.TakesDetachedRootfs() {
 		return errdefs.Precondition("this backend cannot attach a detached rootfs (needs root and a build with cgo)")
+	}
+	if c.launchable(cfg) {
+		return c.launch(ctx, cfg)
 	}
 	spec := c.spec(cfg)
 	data, err := json.Marshal(spec)
@@ -385,6 +404,12 @@ func (c *Container) destroyDirect(ctx context.Context, dir string) (bool, error)
 			err = unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
 			if err == nil {
 				err = waitPidfd(ctx, pidfd)
+			}
+			if err == nil {
+				// The own launcher's inits are the edge's children:
+				// reap. Others are not (ECHILD).
+				var info unix.Siginfo
+				_ = unix.Waitid(unix.P_PIDFD, pidfd, &info, unix.WEXITED|unix.WNOHANG, nil)
 			}
 		}
 		if pidfd >= 0 {

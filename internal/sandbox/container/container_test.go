@@ -21,6 +21,13 @@ import (
 
 func newTestBackend(t *testing.T, runtime string, helper bool) *Container {
 	t.Helper()
+	return newTestBackendWith(t, runtime, helper, false)
+}
+
+// newTestBackendWith is newTestBackend that, with native, starts
+// sandboxes through dsec's own launcher (which needs the helper).
+func newTestBackendWith(t *testing.T, runtime string, helper, native bool) *Container {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: runs OCI containers")
 	}
@@ -30,7 +37,7 @@ func newTestBackend(t *testing.T, runtime string, helper bool) *Container {
 	if _, err := exec.LookPath("catatonit"); err != nil {
 		t.Skip("needs catatonit (apt-get install catatonit)")
 	}
-	cfg := Config{Runtime: runtime, StateRoot: t.TempDir(), PinPath: filepath.Join(t.TempDir(), runtime), MaskDir: filepath.Join(t.TempDir(), "mask")}
+	cfg := Config{Runtime: runtime, StateRoot: t.TempDir(), PinPath: filepath.Join(t.TempDir(), runtime), MaskDir: filepath.Join(t.TempDir(), "mask"), Native: native}
 	if helper {
 		if !nsexec.Available {
 			t.Skip("needs a build with cgo: the exec helper is C")
@@ -52,18 +59,21 @@ func newTestBackend(t *testing.T, runtime string, helper bool) *Container {
 	if want := map[bool]string{true: "helper", false: c.flavor}[helper]; c.ExecPath() != want {
 		t.Fatalf("exec path %s, want %s", c.ExecPath(), want)
 	}
+	if native && c.Launcher() != "dsec" {
+		t.Fatalf("own launcher off: %s", c.nativeWhy)
+	}
 	return c
 }
 
 func conformance(t *testing.T, runtime string, helper bool) {
-	conformanceRootfs(t, runtime, helper, false)
+	conformanceRootfs(t, runtime, helper, false, false)
 }
 
 // conformanceRootfs runs the suite; with detached, every sandbox's rootfs
 // is an overlay handed over as a detached mount (sandbox.Config.RootfsMount)
 // instead of a directory on the host.
-func conformanceRootfs(t *testing.T, runtime string, helper, detached bool) {
-	c := newTestBackend(t, runtime, helper)
+func conformanceRootfs(t *testing.T, runtime string, helper, detached, native bool) {
+	c := newTestBackendWith(t, runtime, helper, native)
 	var procs func(string) ([]int, error)
 	if c.cfg.Cgroups != nil {
 		// Destroy runs without the runtime here: nothing may be left in
@@ -120,7 +130,17 @@ func TestConformanceDetachedRootfs(t *testing.T) {
 	if !nsexec.Available {
 		t.Skip("needs a build with cgo: the rootfs launcher is C")
 	}
-	conformanceRootfs(t, "runc", true, true)
+	conformanceRootfs(t, "runc", true, true, false)
+}
+
+// TestConformanceNative runs the suite with sandboxes started by dsec's
+// own launcher, on a rootfs mounted on the host and on a detached one.
+func TestConformanceNative(t *testing.T) {
+	if !nsexec.Available {
+		t.Skip("needs a build with cgo: the launcher is C")
+	}
+	t.Run("host-rootfs", func(t *testing.T) { conformanceRootfs(t, "runc", true, false, true) })
+	t.Run("detached-rootfs", func(t *testing.T) { conformanceRootfs(t, "runc", true, true, true) })
 }
 
 // detachedRootfs builds an overlay of lower as a detached mount and an

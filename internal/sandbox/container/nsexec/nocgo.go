@@ -16,3 +16,8 @@ const Available = false
 func RunInMountNS(ctx context.Context, mount *os.File, target string, env []string, argv []string) error {
 	return errors.New("this dsec was built without cgo: no rootfs launcher")
 }
+
+// Launch needs the C launcher; callers check Available first.
+func Launch(cfg LaunchConfig) (int, error) {
+	return 0, errors.New("this dsec was built without cgo: no sandbox launcher")
+}

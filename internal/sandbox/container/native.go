@@ -1,0 +1,247 @@
+package container
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/internal/cgroup"
+	"github.com/dsecproject/dsec/internal/sandbox"
+	"github.com/dsecproject/dsec/internal/sandbox/container/nsexec"
+)
+
+// dsec's own launcher starts a sandbox's init from the edge, with the
+// mounts, namespaces, cgroups, capabilities, rlimits and seccomp filter of
+// the OCI spec the runtime would get (spec.go), without a runtime process
+// (nsexec/launch.c). Everything after the start already bypasses the
+// runtime: exec (the exec helper), destroy, status and list read the state
+// file, which the launcher writes in crun's format.
+//
+// Why: in a burst of creates crun was ~70% of the node's CPU, much of it
+// its own start (exec, dynamic loading of ten libraries, JSON parsing,
+// its forks and sync pipes) rather than the kernel work the sandbox needs.
+//
+// Differences from the runtime's result, all deliberate:
+//   - Device nodes in /dev are bind mounts of the host's, and /dev itself
+//     and the rootfs are nodev: a node root inside makes with mknod opens
+//     nothing, whatever the device cgroup says (v1 hierarchies still get
+//     the allow-list, cgroup.MakeSandbox; cgroup v2 needs no BPF device
+//     program for it).
+//   - Every masked directory, /proc ones included, is a bind of the empty
+//     mask dir (runc refuses mounts in /proc; crun would use a tmpfs).
+//   - Sandboxes in a user namespace still go through the runtime.
+
+// nativeLauncher reports whether this backend can start sandboxes itself.
+func nativeLauncher(cfg Config, filter bool) (bool, string) {
+	switch {
+	case !cfg.Native:
+		return false, "not asked for"
+	case !nsexec.Available:
+		return false, "a build without cgo"
+	case os.Geteuid() != 0:
+		return false, "not root"
+	case cfg.Cgroups == nil:
+		return false, "the host's cgroup layout is unknown"
+	case cfg.MaskDir == "":
+		return false, "no mask dir"
+	case !filter:
+		return false, "commands go through the runtime's exec"
+	}
+	return true, ""
+}
+
+// Launcher names what starts sandboxes: "dsec" (own launcher) or the
+// runtime's flavour.
+func (c *Container) Launcher() string {
+	if c.native {
+		return "dsec"
+	}
+	return c.flavor
+}
+
+// LauncherWhy is Launcher and, when it is not "dsec", why not.
+func (c *Container) LauncherWhy() (string, string) { return c.Launcher(), c.nativeWhy }
+
+// launchable reports whether cfg can go through the own launcher.
+func (c *Container) launchable(cfg sandbox.Config) bool {
+	return c.native && cfg.UserNS == nil
+}
+
+// deviceNodes are bind-mounted from the host's /dev into every sandbox's.
+var deviceNodes = []string{"null", "zero", "full", "random", "urandom", "tty"}
+
+// devSymlinks are the standard links in a sandbox's /dev.
+var devSymlinks = [][2]string{
+	{"/dev/ptmx", "pts/ptmx"}, {"/dev/fd", "/proc/self/fd"},
+	{"/dev/stdin", "/proc/self/fd/0"}, {"/dev/stdout", "/proc/self/fd/1"}, {"/dev/stderr", "/proc/self/fd/2"},
+}
+
+// mountAttrs maps OCI mount options to MOUNT_ATTR_* bits; the rest are
+// filesystem parameters.
+var mountAttrs = map[string]uint32{
+	"ro": unix.MOUNT_ATTR_RDONLY, "nosuid": unix.MOUNT_ATTR_NOSUID, "nodev": unix.MOUNT_ATTR_NODEV,
+	"noexec": unix.MOUNT_ATTR_NOEXEC, "strictatime": unix.MOUNT_ATTR_STRICTATIME,
+	"relatime": unix.MOUNT_ATTR_RELATIME, "noatime": unix.MOUNT_ATTR_NOATIME,
+}
+
+// launchMounts translates the spec's mounts into the launcher's mount
+// program, adding /dev's nodes and links and the masks.
+func (c *Container) launchMounts(spec *specs.Spec) ([]nsexec.Mount, error) {
+	var out []nsexec.Mount
+	for _, m := range spec.Mounts {
+		var attr uint32
+		var params []string
+		for _, o := range m.Options {
+			if a, ok := mountAttrs[o]; ok {
+				attr |= a
+			} else if o != "bind" && o != "rbind" {
+				params = append(params, o)
+			}
+		}
+		if m.Type == "bind" {
+			st, err := os.Stat(m.Source)
+			if err != nil {
+				return nil, fmt.Errorf("bind mount source: %w", err)
+			}
+			kind := byte(nsexec.MountBindFile)
+			if st.IsDir() {
+				kind = nsexec.MountBindDir
+			}
+			out = append(out, nsexec.Mount{Kind: kind, Target: m.Destination, Arg1: m.Source, Attr: attr})
+			continue
+		}
+		if m.Destination == "/dev" {
+			attr |= unix.MOUNT_ATTR_NODEV
+		}
+		out = append(out, nsexec.Mount{Kind: nsexec.MountFS, Target: m.Destination, Arg1: m.Type,
+			Arg2: strings.Join(params, ","), Attr: attr})
+		if m.Destination == "/dev" {
+			for _, d := range deviceNodes {
+				out = append(out, nsexec.Mount{Kind: nsexec.MountBindFile, Target: "/dev/" + d, Arg1: "/dev/" + d,
+					Attr: unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NOEXEC})
+			}
+			for _, l := range devSymlinks {
+				out = append(out, nsexec.Mount{Kind: nsexec.MountSymlink, Target: l[0], Arg1: l[1]})
+			}
+		}
+	}
+	for _, m := range c.nativeMasks {
+		out = append(out, nsexec.Mount{Kind: nsexec.MountMask, Target: m.Destination, Arg1: m.Source,
+			Attr: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC})
+	}
+	for _, p := range c.nativeMasked {
+		out = append(out, nsexec.Mount{Kind: nsexec.MountMask, Target: p, Arg1: "/dev/null",
+			Attr: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NOEXEC})
+	}
+	for _, p := range spec.Linux.ReadonlyPaths {
+		out = append(out, nsexec.Mount{Kind: nsexec.MountReadOnly, Target: p,
+			Attr: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC})
+	}
+	return out, nil
+}
+
+// launch is Create through the own launcher.
+func (c *Container) launch(ctx context.Context, cfg sandbox.Config) (err error) {
+	spec := c.spec(cfg)
+	mounts, err := c.launchMounts(spec)
+	if err != nil {
+		return fmt.Errorf("starting sandbox: %w", err)
+	}
+	limits := cgroup.Limits{MemoryBytes: cfg.Limits.MemoryBytes, Pids: cfg.Limits.Pids, LowWeight: cfg.Limits.BestEffort}
+	if cfg.Limits.CPU > 0 {
+		limits.CPUQuotaUs = int64(cfg.Limits.CPU * 100000)
+	}
+	release, err := acquire(ctx, c.creating)
+	if err != nil {
+		return fmt.Errorf("starting sandbox: %w", err)
+	}
+	defer release()
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("starting sandbox: %w", err)
+	}
+	procs, err := c.cfg.Cgroups.MakeSandbox(cfg.CgroupPath, limits)
+	if err != nil {
+		return fmt.Errorf("starting sandbox: %w", err)
+	}
+	pid := 0
+	defer func() {
+		if err == nil {
+			return
+		}
+		if pid > 0 {
+			_ = unix.Kill(pid, unix.SIGKILL)
+			var ws unix.WaitStatus
+			_, _ = unix.Wait4(pid, &ws, 0, nil)
+		}
+		_ = os.RemoveAll(filepath.Join(c.cfg.StateRoot, cfg.ID))
+		if !c.cfg.KeepCgroups {
+			_ = c.cfg.Cgroups.Remove(cfg.CgroupPath)
+		}
+		err = fmt.Errorf("starting sandbox: %w", err)
+	}()
+	var nofile uint64
+	if r := spec.Process.Rlimits; len(r) > 0 {
+		nofile = r[0].Hard
+	}
+	pid, err = nsexec.Launch(nsexec.LaunchConfig{
+		RootfsMount: cfg.RootfsMount, Rootfs: cfg.Rootfs, Mounts: mounts,
+		Hostname: cfg.Hostname, CgroupProcs: procs, CgroupNS: c.cfg.CgroupNS,
+		Caps: capMask(defaultCaps), NoFile: nofile, Filter: c.filter,
+		Argv: spec.Process.Args, Env: spec.Process.Env,
+	})
+	if err != nil {
+		return err
+	}
+	start, err := startTime(pid)
+	if err != nil {
+		return err
+	}
+	if err := writeState(filepath.Join(c.cfg.StateRoot, cfg.ID), pid, start); err != nil {
+		return err
+	}
+	return ctx.Err()
+}
+
+// writeState records init in dir/status, in crun's format (readStateFile).
+func writeState(dir string, pid int, start uint64) error {
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return fmt.Errorf("creating sandbox state: %w", err)
+	}
+	b, err := json.Marshal(struct {
+		Pid      int    `json:"pid"`
+		Start    uint64 `json:"process-start-time"`
+		Launcher string `json:"launcher"`
+	}{pid, start, "dsec"})
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "status"), b, 0o600); err != nil {
+		return fmt.Errorf("writing sandbox state: %w", err)
+	}
+	return nil
+}
+
+// startTime reads a process's start time (clock ticks after boot).
+func startTime(pid int) (uint64, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, err
+	}
+	i := strings.LastIndexByte(string(b), ')')
+	if i < 0 {
+		return 0, errors.New("unreadable /proc/PID/stat")
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 20 {
+		return 0, errors.New("short /proc/PID/stat")
+	}
+	return strconv.ParseUint(f[19], 10, 64)
+}

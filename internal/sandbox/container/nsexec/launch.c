@@ -1,0 +1,435 @@
+// The sandbox launcher: starts a sandbox's init directly from the edge,
+// without an OCI runtime process (launch.go has the Go half).
+//
+// The edge calls dsec_launch, which clones a child that shares the edge's
+// memory until it execs (CLONE_VM|CLONE_VFORK) and is created in new pid,
+// mount, ipc, uts and network namespaces: it is pid 1 of its sandbox. The
+// child only makes system calls, on a stack of its own: no allocation, no
+// stdio, no locks. All signals stay blocked from before the clone until
+// just before the exec, and every handled signal is set back to its
+// default in the child, so no Go signal handler can run in it.
+//
+// Steps in the child:
+//   1. a new session, umask 022, stdio to /dev/null; join the sandbox's cgroups (write "0" to each
+//      cgroup.procs fd the edge opened); optionally a new cgroup namespace.
+//   2. make every mount private; attach the rootfs (a detached mount, or
+//      a recursive bind of the rootfs directory) at its host path; make
+//      it nodev.
+//   3. run the mount program (see struct op): new filesystems (fsopen/
+//      fsmount), bind mounts (open_tree), read-only rebinds and symlinks.
+//      Every target is resolved with openat2(RESOLVE_IN_ROOT): a symlink in
+//      the rootfs (an image or a previous sandbox may plant any) resolves
+//      inside the rootfs, never on the host. Mounts go onto the resolved
+//      fd (move_mount), so no path is walked twice.
+//   4. bring up lo; set the hostname; pivot_root into the rootfs and
+//      detach the old root.
+//   5. open-files limit; drop the bounding set and trim capabilities;
+//      no_new_privs; mark every fd close-on-exec; install the seccomp
+//      filter; restore the signal mask; execve init.
+// A failure writes "step: errno N" into the caller's error buffer (shared
+// memory) and exits 125; the caller reaps the child.
+
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/mount.h>
+#include <linux/openat2.h>
+#include <linux/seccomp.h>
+#include <net/if.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "launch.h"
+
+#ifndef CLOSE_RANGE_CLOEXEC
+#define CLOSE_RANGE_CLOEXEC (1U << 2)
+#endif
+
+// report writes "what: errno N" (or "what: detail") into l->err, with no
+// library call that could allocate or lock.
+static void put(char *buf, size_t *n, size_t cap, const char *s) {
+	for (; *s && *n < cap - 1; s++)
+		buf[(*n)++] = *s;
+	buf[*n] = 0;
+}
+
+static void put_num(char *buf, size_t *n, size_t cap, unsigned v) {
+	char d[12];
+	int k = 0;
+	do {
+		d[k++] = (char)('0' + v % 10);
+		v /= 10;
+	} while (v && k < (int)sizeof d);
+	while (k > 0 && *n < cap - 1)
+		buf[(*n)++] = d[--k];
+	buf[*n] = 0;
+}
+
+static void fail(struct dsec_launch *l, const char *what, const char *arg, int err) {
+	size_t n = 0, cap = sizeof l->err;
+	put(l->err, &n, cap, what);
+	if (arg) {
+		put(l->err, &n, cap, " ");
+		put(l->err, &n, cap, arg);
+	}
+	put(l->err, &n, cap, ": errno ");
+	put_num(l->err, &n, cap, err < 0 ? 0 : (unsigned)err);
+	l->err_errno = err;
+	_exit(125);
+}
+
+static int openat2_in_root(int rootfd, const char *path, int flags) {
+	struct open_how how;
+	memset(&how, 0, sizeof how);
+	how.flags = O_PATH | O_CLOEXEC | flags;
+	how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS;
+	return (int)syscall(SYS_openat2, rootfd, path, &how, sizeof how);
+}
+
+#define MAX_TARGET 256
+#define MAX_DEPTH 16
+
+// ensure returns an O_PATH fd of path inside the rootfs, creating it (a
+// directory when dir, else an empty file) and its missing parents. Paths
+// resolve inside the rootfs whatever symlinks it holds. A name that exists
+// but does not resolve (a dangling symlink) is replaced: it is the
+// sandbox's own tree, and the mount that follows covers it anyway.
+static int ensure(int rootfd, const char *path, int dir, int depth) {
+	int fd = openat2_in_root(rootfd, path, dir ? O_DIRECTORY : 0);
+	if (fd >= 0 || errno != ENOENT || depth > MAX_DEPTH)
+		return fd;
+	char buf[MAX_TARGET];
+	size_t len = strlen(path);
+	if (len >= sizeof buf) {
+		errno = ENAMETOOLONG;
+		return -1;
+	}
+	memcpy(buf, path, len + 1);
+	while (len > 1 && buf[len - 1] == '/')
+		buf[--len] = 0;
+	char *slash = strrchr(buf, '/');
+	if (!slash || slash[1] == 0) {
+		errno = EINVAL;
+		return -1;
+	}
+	*slash = 0;
+	const char *name = slash + 1;
+	if (strcmp(name, ".") == 0 || strcmp(name, "..") == 0) {
+		errno = EINVAL;
+		return -1;
+	}
+	int pfd = ensure(rootfd, buf[0] ? buf : "/", 1, depth + 1);
+	if (pfd < 0)
+		return -1;
+	for (int attempt = 0; attempt < 2; attempt++) {
+		int r;
+		if (dir) {
+			r = mkdirat(pfd, name, 0755);
+		} else {
+			r = openat(pfd, name, O_CREAT | O_EXCL | O_WRONLY | O_NOFOLLOW | O_CLOEXEC, 0644);
+			if (r >= 0)
+				close(r);
+		}
+		if (r >= 0 || errno != EEXIST || attempt > 0)
+			break;
+		struct stat st;
+		if (fstatat(pfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0 || !S_ISLNK(st.st_mode))
+			break;
+		if (unlinkat(pfd, name, 0) < 0)
+			break;
+	}
+	fd = openat(pfd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC | (dir ? O_DIRECTORY : 0));
+	int saved = errno;
+	close(pfd);
+	errno = saved;
+	return fd;
+}
+
+static int mount_setattr_fd(int fd, unsigned attr) {
+	if (!attr)
+		return 0;
+	struct mount_attr a;
+	memset(&a, 0, sizeof a);
+	a.attr_set = attr;
+	if (attr & MOUNT_ATTR__ATIME)
+		a.attr_clr = MOUNT_ATTR__ATIME;
+	return (int)syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH, &a, sizeof a);
+}
+
+static int move_onto(int mfd, int target) {
+	return (int)syscall(SYS_move_mount, mfd, "", target, "", MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH);
+}
+
+// new_fs creates a filesystem of type with the comma-separated parameters
+// params ("key=value" or a flag) and mounts it onto target.
+static void new_fs(struct dsec_launch *l, const struct dsec_op *op, int target) {
+	int fs = (int)syscall(SYS_fsopen, op->arg1, FSOPEN_CLOEXEC);
+	if (fs < 0)
+		fail(l, "fsopen", op->arg1, errno);
+	char buf[256];
+	size_t len = strlen(op->arg2);
+	if (len >= sizeof buf)
+		fail(l, "mount options too long for", op->target, E2BIG);
+	memcpy(buf, op->arg2, len + 1);
+	char *p = buf;
+	while (p && *p) {
+		char *next = strchr(p, ',');
+		if (next)
+			*next++ = 0;
+		char *eq = strchr(p, '=');
+		int r;
+		if (eq) {
+			*eq = 0;
+			r = (int)syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING, p, eq + 1, 0);
+		} else {
+			r = (int)syscall(SYS_fsconfig, fs, FSCONFIG_SET_FLAG, p, NULL, 0);
+		}
+		if (r < 0)
+			fail(l, "mount option", p, errno);
+		p = next;
+	}
+	if (syscall(SYS_fsconfig, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
+		fail(l, "creating filesystem for", op->target, errno);
+	int mfd = (int)syscall(SYS_fsmount, fs, FSMOUNT_CLOEXEC, op->attr);
+	if (mfd < 0)
+		fail(l, "fsmount", op->target, errno);
+	if (move_onto(mfd, target) < 0)
+		fail(l, "mounting", op->target, errno);
+	close(mfd);
+	close(fs);
+}
+
+// bind clones the tree at (dirfd, path) and mounts it onto target with attr.
+static void bind_tree(struct dsec_launch *l, const struct dsec_op *op, int dirfd, const char *path, int target) {
+	int flags = OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | (path[0] ? 0 : AT_EMPTY_PATH);
+	int t = (int)syscall(SYS_open_tree, dirfd, path, flags);
+	if (t < 0)
+		fail(l, "open_tree", path[0] ? path : op->target, errno);
+	if (mount_setattr_fd(t, op->attr) < 0)
+		fail(l, "setting mount flags of", op->target, errno);
+	if (move_onto(t, target) < 0)
+		fail(l, "mounting", op->target, errno);
+	close(t);
+}
+
+static void symlink_op(struct dsec_launch *l, int rootfd, const struct dsec_op *op) {
+	char buf[MAX_TARGET];
+	size_t len = strlen(op->target);
+	if (len >= sizeof buf)
+		fail(l, "path too long", op->target, ENAMETOOLONG);
+	memcpy(buf, op->target, len + 1);
+	char *slash = strrchr(buf, '/');
+	if (!slash)
+		fail(l, "symlink", op->target, EINVAL);
+	*slash = 0;
+	int pfd = ensure(rootfd, buf[0] ? buf : "/", 1, 0);
+	if (pfd < 0)
+		fail(l, "creating parent of", op->target, errno);
+	if (symlinkat(op->arg1, pfd, slash + 1) < 0 && errno != EEXIST)
+		fail(l, "symlink", op->target, errno);
+	close(pfd);
+}
+
+static void run_op(struct dsec_launch *l, int rootfd, const struct dsec_op *op) {
+	int target;
+	switch (op->kind) {
+	case 'F':
+	case 'D':
+		target = ensure(rootfd, op->target, 1, 0);
+		break;
+	case 'f':
+		target = ensure(rootfd, op->target, 0, 0);
+		break;
+	case 'M':
+	case 'R':
+		target = openat2_in_root(rootfd, op->target, 0);
+		if (target < 0 && errno == ENOENT)
+			return; // optional: this kernel has no such path
+		break;
+	case 'L':
+		symlink_op(l, rootfd, op);
+		return;
+	default:
+		fail(l, "unknown mount op", op->target, EINVAL);
+	}
+	if (target < 0)
+		fail(l, "creating mount point", op->target, errno);
+	switch (op->kind) {
+	case 'F':
+		new_fs(l, op, target);
+		break;
+	case 'D':
+	case 'f':
+	case 'M':
+		bind_tree(l, op, AT_FDCWD, op->arg1, target);
+		break;
+	case 'R':
+		bind_tree(l, op, target, "", target);
+		break;
+	}
+	close(target);
+}
+
+static void loopback_up(struct dsec_launch *l) {
+	int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	if (s < 0)
+		fail(l, "socket for lo", NULL, errno);
+	struct ifreq ifr;
+	memset(&ifr, 0, sizeof ifr);
+	memcpy(ifr.ifr_name, "lo", 3);
+	if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0)
+		fail(l, "reading lo flags", NULL, errno);
+	ifr.ifr_flags |= IFF_UP;
+	if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0)
+		fail(l, "bringing up lo", NULL, errno);
+	close(s);
+}
+
+static void drop_caps(struct dsec_launch *l) {
+	for (int cap = 0; cap <= l->last_cap; cap++) {
+		if (cap < 64 && (l->caps & (1ULL << cap)))
+			continue;
+		if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno != EINVAL)
+			fail(l, "dropping capability from the bounding set", NULL, errno);
+	}
+	struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+	struct __user_cap_data_struct data[2];
+	memset(data, 0, sizeof data);
+	data[0].effective = data[0].permitted = (uint32_t)l->caps;
+	data[1].effective = data[1].permitted = (uint32_t)(l->caps >> 32);
+	if (syscall(SYS_capset, &hdr, data) < 0)
+		fail(l, "capset", NULL, errno);
+	if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL)
+		fail(l, "clearing ambient capabilities", NULL, errno);
+}
+
+static int child(void *arg) {
+	struct dsec_launch *l = arg;
+	for (int sig = 1; sig < NSIG; sig++) {
+		struct sigaction cur;
+		if (sig == SIGKILL || sig == SIGSTOP || sigaction(sig, NULL, &cur) < 0)
+			continue;
+		if (cur.sa_handler != SIG_DFL && cur.sa_handler != SIG_IGN) {
+			struct sigaction dfl;
+			memset(&dfl, 0, sizeof dfl);
+			dfl.sa_handler = SIG_DFL;
+			sigaction(sig, &dfl, NULL);
+		}
+	}
+	// A session of its own, as a runtime gives init: in the edge's, a
+	// Ctrl-C on the terminal that started dsec would reach every sandbox.
+	if (setsid() < 0)
+		fail(l, "setsid", NULL, errno);
+	umask(022);
+	int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+	if (null < 0)
+		fail(l, "opening /dev/null", NULL, errno);
+	for (int fd = 0; fd < 3; fd++)
+		if (dup2(null, fd) < 0)
+			fail(l, "redirecting stdio", NULL, errno);
+	for (int i = 0; i < l->ncgroups; i++)
+		if (write(l->cgroup_fds[i], "0", 1) < 0)
+			fail(l, "joining cgroup", NULL, errno);
+	if (l->cgroupns && unshare(CLONE_NEWCGROUP) < 0)
+		fail(l, "unshare(CLONE_NEWCGROUP)", NULL, errno);
+
+	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+		fail(l, "making mounts private", NULL, errno);
+	// A rootfs that is only a directory (or a mount with others under
+	// it) becomes a mount of its own: a recursive bind onto itself.
+	int rootmnt = l->rootfs_mnt;
+	if (rootmnt < 0) {
+		rootmnt = (int)syscall(SYS_open_tree, AT_FDCWD, l->rootfs, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
+		if (rootmnt < 0)
+			fail(l, "binding the rootfs", NULL, errno);
+	}
+	if (syscall(SYS_move_mount, rootmnt, "", AT_FDCWD, l->rootfs, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+		fail(l, "attaching the rootfs", NULL, errno);
+	int rootfd = open(l->rootfs, O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (rootfd < 0)
+		fail(l, "opening the rootfs", NULL, errno);
+	// No device node in the rootfs works: root inside may mknod any.
+	if (mount_setattr_fd(rootfd, MOUNT_ATTR_NODEV) < 0)
+		fail(l, "making the rootfs nodev", NULL, errno);
+	for (int i = 0; i < l->nops; i++)
+		run_op(l, rootfd, &l->ops[i]);
+
+	loopback_up(l);
+	if (l->hostname[0] && sethostname(l->hostname, strlen(l->hostname)) < 0)
+		fail(l, "sethostname", NULL, errno);
+	if (fchdir(rootfd) < 0)
+		fail(l, "entering the rootfs", NULL, errno);
+	if (syscall(SYS_pivot_root, ".", ".") < 0)
+		fail(l, "pivot_root", NULL, errno);
+	if (umount2(".", MNT_DETACH) < 0)
+		fail(l, "detaching the old root", NULL, errno);
+	if (chdir("/") < 0)
+		fail(l, "chdir /", NULL, errno);
+	close(rootfd);
+
+	struct rlimit rl = {.rlim_cur = l->nofile, .rlim_max = l->nofile};
+	if (l->nofile && setrlimit(RLIMIT_NOFILE, &rl) < 0)
+		fail(l, "setting the open-files limit", NULL, errno);
+	drop_caps(l);
+	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+		fail(l, "no_new_privs", NULL, errno);
+	if (syscall(SYS_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC) < 0)
+		fail(l, "close_range", NULL, errno);
+	if (l->nfilter) {
+		struct sock_fprog prog = {.len = l->nfilter, .filter = (struct sock_filter *)l->filter};
+		if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) < 0)
+			fail(l, "installing the seccomp filter", NULL, errno);
+	}
+	sigprocmask(SIG_SETMASK, &l->oldmask, NULL);
+	execve(l->argv[0], l->argv, l->envp);
+	fail(l, "exec of", l->argv[0], errno);
+	return 0;
+}
+
+#define STACK_SIZE (256 << 10)
+
+int dsec_launch(struct dsec_launch *l) {
+	l->err[0] = 0;
+	void *stack = mmap(NULL, STACK_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+	if (stack == MAP_FAILED)
+		return -errno;
+	sigset_t all;
+	sigfillset(&all);
+	pthread_sigmask(SIG_SETMASK, &all, &l->oldmask);
+	int flags = CLONE_VM | CLONE_VFORK | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET | SIGCHLD;
+	pid_t pid = clone(child, (char *)stack + STACK_SIZE, flags, l);
+	int err = errno;
+	pthread_sigmask(SIG_SETMASK, &l->oldmask, NULL);
+	munmap(stack, STACK_SIZE);
+	if (pid < 0)
+		return -err;
+	// The child has exec'd or exited. An exit (a failed step, or a signal
+	// before the exec) is reaped here.
+	siginfo_t si;
+	memset(&si, 0, sizeof si);
+	if (l->err[0] || (waitid(P_PID, pid, &si, WEXITED | WNOHANG | WNOWAIT) == 0 && si.si_pid == pid)) {
+		if (!l->err[0]) {
+			size_t n = 0;
+			put(l->err, &n, sizeof l->err, "launcher died before exec: status ");
+			put_num(l->err, &n, sizeof l->err, (unsigned)si.si_status);
+		}
+		waitpid(pid, NULL, 0);
+		return 0;
+	}
+	return pid;
+}

@@ -1,0 +1,148 @@
+//go:build linux && cgo
+
+package nsexec
+
+/*
+#include <stdlib.h>
+#include "launch.h"
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+var lastCap = sync.OnceValue(func() int {
+	b, err := os.ReadFile("/proc/sys/kernel/cap_last_cap")
+	if err != nil {
+		return 40
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		return 40
+	}
+	return n
+})
+
+// Launch starts the sandbox's init in new pid, mount, ipc, uts and network
+// namespaces (launch.c) and returns its pid once it has exec'd Argv. The
+// caller is its parent and must reap it once it has died. On error nothing
+// of it is left running.
+func Launch(cfg LaunchConfig) (int, error) {
+	if len(cfg.Argv) == 0 {
+		return 0, errors.New("sandbox launcher: no init command")
+	}
+	var fds []*os.File
+	defer func() {
+		for _, f := range fds {
+			f.Close()
+		}
+	}()
+	for _, p := range cfg.CgroupProcs {
+		f, err := os.OpenFile(p, os.O_WRONLY, 0)
+		if err != nil {
+			return 0, fmt.Errorf("sandbox launcher: opening %s: %w", p, err)
+		}
+		fds = append(fds, f)
+	}
+
+	var a cAlloc
+	defer a.free()
+	l := (*C.struct_dsec_launch)(a.alloc(C.sizeof_struct_dsec_launch))
+	l.rootfs_mnt = -1
+	if cfg.RootfsMount != nil {
+		l.rootfs_mnt = C.int(cfg.RootfsMount.Fd())
+	}
+	l.rootfs = a.str(cfg.Rootfs)
+	l.hostname = a.str(cfg.Hostname)
+	if n := len(cfg.Mounts); n > 0 {
+		ops := unsafe.Slice((*C.struct_dsec_op)(a.alloc(C.size_t(n)*C.sizeof_struct_dsec_op)), n)
+		for i, m := range cfg.Mounts {
+			ops[i].kind = C.int(m.Kind)
+			ops[i].target = a.str(m.Target)
+			ops[i].arg1 = a.str(m.Arg1)
+			ops[i].arg2 = a.str(m.Arg2)
+			ops[i].attr = C.uint(m.Attr)
+		}
+		l.ops, l.nops = &ops[0], C.int(n)
+	}
+	if n := len(fds); n > 0 {
+		cfds := unsafe.Slice((*C.int)(a.alloc(C.size_t(n)*C.sizeof_int)), n)
+		for i, f := range fds {
+			cfds[i] = C.int(f.Fd())
+		}
+		l.cgroup_fds, l.ncgroups = &cfds[0], C.int(n)
+	}
+	if cfg.CgroupNS {
+		l.cgroupns = 1
+	}
+	l.caps = C.uint64_t(cfg.Caps)
+	l.last_cap = C.int(lastCap())
+	l.nofile = C.uint64_t(cfg.NoFile)
+	if n := len(cfg.Filter); n > 0 {
+		if n > 0xffff {
+			return 0, errors.New("sandbox launcher: seccomp filter too long")
+		}
+		size := C.size_t(n) * C.size_t(unsafe.Sizeof(cfg.Filter[0]))
+		p := a.alloc(size)
+		copy(unsafe.Slice((*unix.SockFilter)(p), n), cfg.Filter)
+		l.filter, l.nfilter = p, C.ushort(n)
+	}
+	l.argv = a.strs(cfg.Argv)
+	l.envp = a.strs(cfg.Env)
+
+	pid := C.dsec_launch(l)
+	runtime.KeepAlive(cfg.RootfsMount)
+	runtime.KeepAlive(fds)
+	if pid < 0 {
+		return 0, fmt.Errorf("sandbox launcher: clone: %w", syscall.Errno(-pid))
+	}
+	if pid == 0 {
+		msg := C.GoString(&l.err[0])
+		return 0, &LaunchError{Step: msg, Errno: syscall.Errno(l.err_errno)}
+	}
+	return int(pid), nil
+}
+
+// cAlloc is C memory freed in one go: the launcher's child reads it after
+// the Go side has handed it over, so none of it may be Go memory.
+type cAlloc []unsafe.Pointer
+
+func (a *cAlloc) alloc(n C.size_t) unsafe.Pointer {
+	p := C.calloc(1, n)
+	if p == nil {
+		panic("sandbox launcher: out of memory")
+	}
+	*a = append(*a, p)
+	return p
+}
+
+func (a *cAlloc) str(s string) *C.char {
+	p := C.CString(s)
+	*a = append(*a, unsafe.Pointer(p))
+	return p
+}
+
+func (a *cAlloc) strs(ss []string) **C.char {
+	arr := unsafe.Slice((**C.char)(a.alloc(C.size_t(len(ss)+1)*C.size_t(unsafe.Sizeof((*C.char)(nil))))), len(ss)+1)
+	for i, s := range ss {
+		arr[i] = a.str(s)
+	}
+	return &arr[0]
+}
+
+func (a *cAlloc) free() {
+	for _, p := range *a {
+		C.free(p)
+	}
+}

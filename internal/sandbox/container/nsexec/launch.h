@@ -1,0 +1,49 @@
+// Shared between launch.c and launch.go: what the edge hands the sandbox
+// launcher.
+#ifndef DSEC_LAUNCH_H
+#define DSEC_LAUNCH_H
+
+#include <signal.h>
+#include <stdint.h>
+
+// dsec_op is one step of the mount program, run in order inside the
+// rootfs. kind:
+//   'F' new filesystem of type arg1 with parameters arg2 ("k=v,flag")
+//       on directory target (created if missing)
+//   'D' bind mount of host directory arg1 onto directory target
+//   'f' bind mount of host file arg1 onto file target (created empty)
+//   'M' bind mount of host path arg1 onto target, only if target exists
+//       (masking a kernel file or directory)
+//   'R' read-only rebind of target onto itself, only if it exists
+//   'L' symlink target -> arg1
+// attr is the MOUNT_ATTR_* set of the new mount.
+struct dsec_op {
+	int kind;
+	const char *target, *arg1, *arg2;
+	unsigned attr;
+};
+
+struct dsec_launch {
+	int rootfs_mnt;     // detached rootfs mount, or -1 (already mounted)
+	const char *rootfs; // host path of the rootfs mount point
+	const struct dsec_op *ops;
+	int nops;
+	const char *hostname;
+	const int *cgroup_fds; // cgroup.procs of each hierarchy, O_WRONLY
+	int ncgroups;
+	int cgroupns;
+	uint64_t caps; // effective = permitted = bounding
+	int last_cap;
+	uint64_t nofile;
+	const void *filter; // struct sock_filter[nfilter]
+	unsigned short nfilter;
+	char *const *argv;
+	char *const *envp;
+	sigset_t oldmask;
+	int err_errno;
+	char err[512];
+};
+
+int dsec_launch(struct dsec_launch *l);
+
+#endif
