@@ -287,6 +287,9 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	switch launcher, why := backend.LauncherWhy(); {
 	case launcher == "dsec":
 		log.Info("sandbox launcher", "via", launcher)
+		if err := backend.SharedSysfsErr(); err != nil {
+			log.Warn("no shared sysfs: every sandbox mounts a sysfs of its own (one more superblock each)", "err", err)
+		}
 	case c.launcher == "dsec":
 		return fail(fmt.Errorf("--launcher dsec: dsec's launcher cannot run here: %s", why))
 	default:

@@ -108,14 +108,22 @@ type Container struct {
 	nativeWhy    string
 	nativeMasks  []specs.Mount
 	nativeMasked []string
+	// sysfs is the sysfs every sandbox of the launcher gets a clone of
+	// (sharedSysfs); nil: a sysfs each.
+	sysfs    *os.File
+	sysfsErr error
 }
 
 // Pinned reports whether the runtime runs from a read-only bind mount
 // (skipping its per-call self-clone), and if not, why.
 func (c *Container) Pinned() (bool, error) { return c.pinned, c.pinErr }
 
-// Close unmounts the pinned runtime binary.
+// Close unmounts the pinned runtime binary and lets go of the shared
+// sysfs (sandboxes keep their clones).
 func (c *Container) Close() {
+	if c.sysfs != nil {
+		c.sysfs.Close()
+	}
 	if c.pinned {
 		unpinRuntime(c.runtime)
 	}
@@ -193,6 +201,9 @@ func New(cfg Config) (*Container, error) {
 	}
 	if c.native, c.nativeWhy = nativeLauncher(cfg, c.filter != nil); c.native {
 		c.nativeMasks, c.nativeMasked = maskMounts(cfg.MaskDir, maskedPaths, "dsec")
+		// Without it a sysfs per sandbox still works; it costs a
+		// superblock each.
+		c.sysfs, c.sysfsErr = sharedSysfs()
 	}
 	return c, nil
 }

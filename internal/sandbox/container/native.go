@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 
@@ -37,6 +38,18 @@ import (
 //     program for it).
 //   - Every masked directory, /proc ones included, is a bind of the empty
 //     mask dir (runc refuses mounts in /proc; crun would use a tmpfs).
+//   - /dev/shm is a directory of the /dev tmpfs (rebound nosuid, nodev,
+//     noexec), not a tmpfs of its own; /dev/mqueue is not mounted (POSIX
+//     message queues need no mount: mq_open is a system call); /sys is a
+//     read-only clone of one sysfs the backend made once, in a network
+//     namespace of its own holding only a down lo (sharedSysfs), so
+//     /sys/class/net does not show the sandbox's interfaces (ip and
+//     /proc/net do). Each of the three was a superblock per sandbox, and
+//     the kernel keeps per-superblock state in every memory cgroup:
+//     the cost per sandbox grows with the number of sandboxes (see
+//     maskMounts). A sandbox now has 6: overlay, proc and devpts, the
+//     /dev tmpfs, and the proc and mqueue the kernel makes for every pid
+//     and ipc namespace.
 //   - Sandboxes in a user namespace still go through the runtime.
 
 // nativeLauncher reports whether this backend can start sandboxes itself.
@@ -70,6 +83,10 @@ func (c *Container) Launcher() string {
 // LauncherWhy is Launcher and, when it is not "dsec", why not.
 func (c *Container) LauncherWhy() (string, string) { return c.Launcher(), c.nativeWhy }
 
+// SharedSysfsErr says why sandboxes of the launcher each get a sysfs of
+// their own instead of a clone of a shared one (nil: they do not).
+func (c *Container) SharedSysfsErr() error { return c.sysfsErr }
+
 // launchable reports whether cfg can go through the own launcher.
 func (c *Container) launchable(cfg sandbox.Config) bool {
 	return c.native && cfg.UserNS == nil
@@ -93,10 +110,25 @@ var mountAttrs = map[string]uint32{
 }
 
 // launchMounts translates the spec's mounts into the launcher's mount
-// program, adding /dev's nodes and links and the masks.
+// program, adding /dev's nodes and links and the masks, with the
+// differences listed at the top of this file.
 func (c *Container) launchMounts(spec *specs.Spec) ([]nsexec.Mount, error) {
 	var out []nsexec.Mount
 	for _, m := range spec.Mounts {
+		switch {
+		case m.Type == "bind" && m.Source == c.cfg.MaskDir:
+			continue // the runtime's masks; c.nativeMasks below
+		case m.Destination == "/dev/mqueue":
+			continue
+		case m.Destination == "/dev/shm":
+			out = append(out, nsexec.Mount{Kind: nsexec.MountDir, Target: m.Destination, Arg1: "1777",
+				Attr: unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC})
+			continue
+		case m.Destination == "/sys" && c.sysfs != nil:
+			out = append(out, nsexec.Mount{Kind: nsexec.MountTree, Target: m.Destination, Arg1: strconv.Itoa(int(c.sysfs.Fd())),
+				Attr: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC})
+			continue
+		}
 		var attr uint32
 		var params []string
 		for _, o := range m.Options {
@@ -208,6 +240,45 @@ func (c *Container) launch(ctx context.Context, cfg sandbox.Config) (err error) 
 		return err
 	}
 	return ctx.Err()
+}
+
+// sharedSysfs makes a read-only sysfs as a detached mount, from a thread
+// moved into a new network namespace (sysfs shows the mounter's network
+// namespace in /sys/class/net): every sandbox gets a clone of it instead
+// of a sysfs superblock of its own. The thread is never unlocked, so Go
+// ends it with the goroutine; the mount keeps the namespace alive.
+func sharedSysfs() (*os.File, error) {
+	type result struct {
+		f   *os.File
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		runtime.LockOSThread()
+		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+			ch <- result{nil, fmt.Errorf("unshare(CLONE_NEWNET): %w", err)}
+			return
+		}
+		fd, err := unix.Fsopen("sysfs", unix.FSOPEN_CLOEXEC)
+		if err != nil {
+			ch <- result{nil, fmt.Errorf("fsopen sysfs: %w", err)}
+			return
+		}
+		defer unix.Close(fd)
+		if err := unix.FsconfigCreate(fd); err != nil {
+			ch <- result{nil, fmt.Errorf("creating sysfs: %w", err)}
+			return
+		}
+		attr := unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC
+		mfd, err := unix.Fsmount(fd, unix.FSMOUNT_CLOEXEC, attr)
+		if err != nil {
+			ch <- result{nil, fmt.Errorf("fsmount sysfs: %w", err)}
+			return
+		}
+		ch <- result{os.NewFile(uintptr(mfd), "sysfs"), nil}
+	}()
+	r := <-ch
+	return r.f, r.err
 }
 
 // writeState records init in dir/status, in crun's format (readStateFile).

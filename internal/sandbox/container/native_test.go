@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -213,5 +214,52 @@ func TestNativeFailureLeavesNothing(t *testing.T) {
 	}
 	if pids, err := c.cfg.Cgroups.Procs(cfg.CgroupPath); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Errorf("cgroup left (processes %v, %v)", pids, err)
+	}
+}
+
+// TestNativeSuperblocks: a sandbox of the launcher has one tmpfs (/dev,
+// with /dev/shm in it), no mqueue mount, and the shared sysfs, which two
+// sandboxes see as the same superblock; /dev/shm still takes writes and
+// runs nothing.
+func TestNativeSuperblocks(t *testing.T) {
+	c := newNativeBackend(t)
+	if err := c.SharedSysfsErr(); err != nil {
+		t.Fatalf("no shared sysfs: %v", err)
+	}
+	sysDev := map[string]bool{}
+	for i := range 2 {
+		cfg, err := nativeSandbox(t, c, sandboxtest.BusyboxRootfs(t), func(cfg *sandbox.Config) { cfg.ID += fmt.Sprint(i) })
+		if err != nil {
+			t.Fatal(err)
+		}
+		code, out := sh(t, c, cfg.ID, "cat /proc/self/mountinfo")
+		if code != 0 {
+			t.Fatal(out)
+		}
+		types := map[string][]string{} // fstype -> "dev mountpoint"
+		for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+			f := strings.Fields(line)
+			sep := slices.Index(f, "-")
+			if sep < 0 || sep+1 >= len(f) {
+				t.Fatalf("mountinfo line %q", line)
+			}
+			types[f[sep+1]] = append(types[f[sep+1]], f[2]+" "+f[4])
+		}
+		if len(types["tmpfs"]) != 2 || len(types["mqueue"]) != 0 || len(types["sysfs"]) != 1 {
+			t.Errorf("tmpfs %v (want /dev and its /dev/shm rebind), mqueue %v, sysfs %v", types["tmpfs"], types["mqueue"], types["sysfs"])
+		}
+		if tm := types["tmpfs"]; len(tm) == 2 && strings.Fields(tm[0])[0] != strings.Fields(tm[1])[0] {
+			t.Errorf("/dev/shm is a tmpfs of its own: %v", tm)
+		}
+		if s := types["sysfs"]; len(s) == 1 {
+			sysDev[strings.Fields(s[0])[0]] = true
+		}
+		_, out = sh(t, c, cfg.ID, `stat -c %a /dev/shm; echo x > /dev/shm/f; cat /dev/shm/f; cp /bin/busybox /dev/shm/bb; chmod +x /dev/shm/bb; /dev/shm/bb true && echo RAN`)
+		if !strings.HasPrefix(out, "1777\nx\n") || strings.Contains(out, "RAN") {
+			t.Errorf("/dev/shm (%d): %s", code, out)
+		}
+	}
+	if len(sysDev) != 1 {
+		t.Errorf("sandboxes' sysfs superblocks %v, want one shared", sysDev)
 	}
 }

@@ -245,6 +245,31 @@ static void symlink_op(struct dsec_launch *l, int rootfd, const struct dsec_op *
 	close(pfd);
 }
 
+// chmod_dir sets the mode (octal, arg1) of directory target.
+static void chmod_dir(struct dsec_launch *l, const struct dsec_op *op, int target) {
+	unsigned mode = 0;
+	for (const char *p = op->arg1; *p; p++) {
+		if (*p < '0' || *p > '7')
+			fail(l, "bad mode for", op->target, EINVAL);
+		mode = mode * 8 + (unsigned)(*p - '0');
+	}
+	int fd = openat(target, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (fd < 0 || fchmod(fd, mode & 07777) < 0)
+		fail(l, "chmod", op->target, errno);
+	close(fd);
+}
+
+// parse_fd reads the decimal fd number in arg1.
+static int parse_fd(struct dsec_launch *l, const struct dsec_op *op) {
+	int fd = 0;
+	for (const char *p = op->arg1; *p; p++) {
+		if (*p < '0' || *p > '9' || fd > 1 << 20)
+			fail(l, "bad fd for", op->target, EINVAL);
+		fd = fd * 10 + (*p - '0');
+	}
+	return fd;
+}
+
 static void run_op(struct dsec_launch *l, int rootfd, const struct dsec_op *op) {
 	int target;
 	switch (op->kind) {
@@ -264,6 +289,14 @@ static void run_op(struct dsec_launch *l, int rootfd, const struct dsec_op *op) 
 	case 'L':
 		symlink_op(l, rootfd, op);
 		return;
+	case 'P':
+		target = ensure(rootfd, op->target, 1, 0);
+		if (target >= 0)
+			chmod_dir(l, op, target);
+		break;
+	case 'T':
+		target = ensure(rootfd, op->target, 1, 0);
+		break;
 	default:
 		fail(l, "unknown mount op", op->target, EINVAL);
 	}
@@ -279,7 +312,11 @@ static void run_op(struct dsec_launch *l, int rootfd, const struct dsec_op *op) 
 		bind_tree(l, op, AT_FDCWD, op->arg1, target);
 		break;
 	case 'R':
+	case 'P':
 		bind_tree(l, op, target, "", target);
+		break;
+	case 'T':
+		bind_tree(l, op, parse_fd(l, op), "", target);
 		break;
 	}
 	close(target);

@@ -16,6 +16,11 @@
 //       (masking a kernel file or directory)
 //   'R' read-only rebind of target onto itself, only if it exists
 //   'L' symlink target -> arg1
+//   'P' directory target (created if missing) set to mode arg1 (octal)
+//       and rebound onto itself: a mount point with its own flags that
+//       adds no filesystem
+//   'T' clone of the mount tree open at fd arg1 (decimal) onto directory
+//       target
 // attr is the MOUNT_ATTR_* set of the new mount.
 struct dsec_op {
 	int kind;

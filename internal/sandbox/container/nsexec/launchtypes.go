@@ -25,6 +25,8 @@ const (
 	MountMask     = 'M' // bind of host path Arg1, only over an existing target
 	MountReadOnly = 'R' // read-only rebind of an existing target
 	MountSymlink  = 'L' // symlink Target -> Arg1
+	MountDir      = 'P' // directory of mode Arg1 (octal), rebound onto itself
+	MountTree     = 'T' // clone of the mount open at fd Arg1 (decimal)
 )
 
 // LaunchConfig describes a sandbox's init to Launch.
