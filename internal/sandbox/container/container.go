@@ -416,12 +416,7 @@ func (c *Container) destroyDirect(ctx context.Context, dir string) (bool, error)
 			if err == nil {
 				err = waitPidfd(ctx, pidfd)
 			}
-			if err == nil {
-				// The own launcher's inits are the edge's children:
-				// reap. Others are not (ECHILD).
-				var info unix.Siginfo
-				_ = unix.Waitid(unix.P_PIDFD, pidfd, &info, unix.WEXITED|unix.WNOHANG, nil)
-			}
+
 		}
 		if pidfd >= 0 {
 			unix.Close(pidfd)

@@ -144,8 +144,12 @@ func (c *Container) launchMounts(spec *specs.Spec) ([]nsexec.Mount, error) {
 				return nil, fmt.Errorf("bind mount source: %w", err)
 			}
 			kind := byte(nsexec.MountBindFile)
-			if st.IsDir() {
+			switch {
+			case st.IsDir():
 				kind = nsexec.MountBindDir
+			case m.Destination == "/etc/resolv.conf":
+				// Often a symlink in images (to systemd's stub).
+				kind = nsexec.MountBindFileFollow
 			}
 			out = append(out, nsexec.Mount{Kind: kind, Target: m.Destination, Arg1: m.Source, Attr: attr})
 			continue
@@ -170,10 +174,16 @@ func (c *Container) launchMounts(spec *specs.Spec) ([]nsexec.Mount, error) {
 			Attr: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC})
 	}
 	for _, p := range c.nativeMasked {
+		if _, err := os.Lstat(p); err != nil {
+			continue // not on this kernel
+		}
 		out = append(out, nsexec.Mount{Kind: nsexec.MountMask, Target: p, Arg1: "/dev/null",
 			Attr: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NOEXEC})
 	}
 	for _, p := range spec.Linux.ReadonlyPaths {
+		if _, err := os.Lstat(p); err != nil {
+			continue // not on this kernel
+		}
 		out = append(out, nsexec.Mount{Kind: nsexec.MountReadOnly, Target: p,
 			Attr: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC})
 	}
@@ -203,15 +213,17 @@ func (c *Container) launch(ctx context.Context, cfg sandbox.Config) (err error) 
 	if err != nil {
 		return fmt.Errorf("starting sandbox: %w", err)
 	}
-	pid := 0
+	pidfd := -1
 	defer func() {
+		if pidfd >= 0 {
+			if err != nil {
+				_ = unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
+				_ = waitPidfd(context.Background(), pidfd)
+			}
+			unix.Close(pidfd)
+		}
 		if err == nil {
 			return
-		}
-		if pid > 0 {
-			_ = unix.Kill(pid, unix.SIGKILL)
-			var ws unix.WaitStatus
-			_, _ = unix.Wait4(pid, &ws, 0, nil)
 		}
 		_ = os.RemoveAll(filepath.Join(c.cfg.StateRoot, cfg.ID))
 		if !c.cfg.KeepCgroups {
@@ -223,7 +235,7 @@ func (c *Container) launch(ctx context.Context, cfg sandbox.Config) (err error) 
 	if r := spec.Process.Rlimits; len(r) > 0 {
 		nofile = r[0].Hard
 	}
-	pid, err = nsexec.Launch(nsexec.LaunchConfig{
+	pid, err := nsexec.Launch(nsexec.LaunchConfig{
 		RootfsMount: cfg.RootfsMount, Rootfs: cfg.Rootfs, Mounts: mounts,
 		Hostname: cfg.Hostname, CgroupProcs: procs, CgroupNS: c.cfg.CgroupNS,
 		Caps: capMask(defaultCaps), NoFile: nofile, Filter: c.filter,
@@ -232,9 +244,15 @@ func (c *Container) launch(ctx context.Context, cfg sandbox.Config) (err error) 
 	if err != nil {
 		return err
 	}
+	if pidfd, err = unix.PidfdOpen(pid, 0); err != nil {
+		return fmt.Errorf("sandbox init %d: %w", pid, err)
+	}
 	start, err := startTime(pid)
 	if err != nil {
 		return err
+	}
+	if !alive(pid, start) {
+		return fmt.Errorf("sandbox init %d died as it started", pid)
 	}
 	if err := writeState(filepath.Join(c.cfg.StateRoot, cfg.ID), pid, start); err != nil {
 		return err

@@ -10,6 +10,9 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/mountinfo"
@@ -96,6 +99,11 @@ func TestNativeInitAndCgroup(t *testing.T) {
 	if len(f) < 4 || f[3] != fmt.Sprint(st.Pid) {
 		t.Errorf("init is not the leader of a session of its own: %s", stat)
 	}
+	// Not the edge's child: the host's reaper has it, as after `crun run
+	// -d`; a child of the edge dying on its own would stay a zombie.
+	if len(f) < 2 || f[1] == fmt.Sprint(os.Getpid()) {
+		t.Errorf("init's parent is the edge: %s", stat)
+	}
 	rel, err := c.cfg.Cgroups.RelOf(st.Pid)
 	if err != nil || rel != cfg.CgroupPath {
 		t.Fatalf("init in cgroup %q (%v), want %s", rel, err, cfg.CgroupPath)
@@ -103,6 +111,23 @@ func TestNativeInitAndCgroup(t *testing.T) {
 	if code, out := sh(t, c, cfg.ID, "hostname; echo $$; cat /sys/fs/cgroup/pids.max /sys/fs/cgroup/pids/pids.max 2>/dev/null; ls /dev"); code != 0 ||
 		!strings.HasPrefix(out, "native\n") {
 		t.Errorf("in the sandbox (%d): %s", code, out)
+	}
+	// Masks and read-only paths hold (a writable /proc/sys would reach
+	// host-wide settings; hostname is per uts namespace, safe to try).
+	if code, out := sh(t, c, cfg.ID, "head -c 16 /proc/kallsyms | wc -c; echo x 2>/dev/null > /proc/sys/kernel/hostname && echo WROTE; ls /proc/acpi 2>/dev/null | wc -l"); code != 0 ||
+		out != "0\n0\n" {
+		t.Errorf("masks (%d): %q, want 0 bytes of kallsyms, no write to /proc/sys, an empty /proc/acpi", code, out)
+	}
+	if cpu := c.cfg.Cgroups.V1["cpu"]; cpu != "" {
+		b, _ := os.ReadFile(filepath.Join(cpu, cfg.CgroupPath, "cpu.cfs_quota_us"))
+		if strings.TrimSpace(string(b)) != "50000" {
+			t.Errorf("cpu quota %s, want 50000", b)
+		}
+	} else if v2 := c.cfg.Cgroups.V2Root; v2 != "" {
+		b, _ := os.ReadFile(filepath.Join(v2, cfg.CgroupPath, "cpu.max"))
+		if strings.TrimSpace(string(b)) != "50000 100000" {
+			t.Errorf("cpu.max %s, want 50000 100000", b)
+		}
 	}
 	if m := c.cfg.Cgroups.V1["memory"]; m != "" {
 		b, _ := os.ReadFile(filepath.Join(m, cfg.CgroupPath, "memory.limit_in_bytes"))
@@ -114,6 +139,17 @@ func TestNativeInitAndCgroup(t *testing.T) {
 		b, _ := os.ReadFile(filepath.Join(p, cfg.CgroupPath, "pids.max"))
 		if strings.TrimSpace(string(b)) != "77" {
 			t.Errorf("pids.max %s", b)
+		}
+	} else if v2 := c.cfg.Cgroups.V2Root; v2 != "" {
+		b, _ := os.ReadFile(filepath.Join(v2, cfg.CgroupPath, "pids.max"))
+		if strings.TrimSpace(string(b)) != "77" {
+			t.Errorf("pids.max %s", b)
+		}
+	}
+	if m := c.cfg.Cgroups.V1["memory"]; m == "" && c.cfg.Cgroups.V2Root != "" {
+		b, _ := os.ReadFile(filepath.Join(c.cfg.Cgroups.V2Root, cfg.CgroupPath, "memory.max"))
+		if strings.TrimSpace(string(b)) != fmt.Sprint(96<<20) {
+			t.Errorf("memory.max %s", b)
 		}
 	}
 	after, err := mountinfo.Read()
@@ -149,9 +185,13 @@ done`)
 	}
 }
 
-// TestNativeHostileRootfs: symlinks an image or an earlier sandbox can
-// plant where the launcher mounts must resolve inside the rootfs; nothing
-// may appear on the host.
+// TestNativeHostileRootfs: an image or an earlier sandbox (through a
+// snapshot) can plant any symlink where the launcher mounts. A kernel
+// filesystem mount point that is a symlink is refused, as runc and crun
+// refuse it: wherever it pointed (the host, or elsewhere in the rootfs,
+// where /proc would escape its masks and read-only paths), nothing is
+// mounted or created outside the rootfs. /etc/resolv.conf may be a symlink
+// (images point it at systemd's stub): it resolves inside the rootfs.
 func TestNativeHostileRootfs(t *testing.T) {
 	c := newNativeBackend(t)
 	victim := t.TempDir()
@@ -159,37 +199,78 @@ func TestNativeHostileRootfs(t *testing.T) {
 	if err := os.WriteFile(resolv, []byte("nameserver 127.0.0.1\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	rootfs := sandboxtest.BusyboxRootfs(t)
-	for _, d := range []string{"proc", "dev", "sys", "etc"} {
-		if err := os.RemoveAll(filepath.Join(rootfs, d)); err != nil {
-			t.Fatal(err)
+	plant := func(t *testing.T, links map[string]string, dirs ...string) string {
+		rootfs := sandboxtest.BusyboxRootfs(t)
+		for _, d := range dirs {
+			if err := os.MkdirAll(filepath.Join(rootfs, d), 0o755); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for name, to := range links {
+			p := filepath.Join(rootfs, name)
+			if err := os.RemoveAll(p); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Symlink(to, p); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return rootfs
+	}
+	checkHost := func(t *testing.T) {
+		if ents, _ := os.ReadDir(victim); len(ents) != 0 {
+			t.Errorf("create wrote on the host: %v", ents)
+		}
+		if b, _ := os.ReadFile(resolv); string(b) != "nameserver 127.0.0.1\n" {
+			t.Errorf("host resolv.conf changed: %q", b)
 		}
 	}
-	links := map[string]string{
-		"proc": filepath.Join(victim, "proc"), // absolute, to a host path
-		"dev":  "../../../../../../" + strings.TrimPrefix(victim, "/") + "/dev",
-		"sys":  filepath.Join(victim, "sys"),
-		"etc":  victim, // resolv.conf would land in victim
+	escape := "../../../../../../" + strings.TrimPrefix(victim, "/")
+	refused := map[string]map[string]string{
+		"proc-to-host":         {"proc": filepath.Join(victim, "proc")},
+		"proc-relative-out":    {"proc": escape + "/proc"},
+		"proc-moved-in-root":   {"proc": "/dev/p", "dev/p": "/y"}, // masks would miss it
+		"dev-moved-in-root":    {"dev": "/x"},                     // /dev/sh could be replaced
+		"sys-to-host":          {"sys": filepath.Join(victim, "sys")},
+		"dev-parent-symlink":   {"dev": "/etc"},
+		"proc-dangling":        {"proc": "/nowhere"},
+		"sys-relative-in-root": {"sys": "tmp"},
 	}
-	for name, to := range links {
-		if err := os.Symlink(to, filepath.Join(rootfs, name)); err != nil {
-			t.Fatal(err)
+	for name, links := range refused {
+		t.Run(name, func(t *testing.T) {
+			rootfs := plant(t, links, "y", "x")
+			cfg, err := nativeSandbox(t, c, rootfs, func(cfg *sandbox.Config) { cfg.ResolvConf = resolv })
+			if err == nil || !errors.Is(err, unix.ELOOP) {
+				t.Fatalf("create: %v, want it refused (ELOOP)", err)
+			}
+			if pids, err := c.cfg.Cgroups.Procs(cfg.CgroupPath); !errors.Is(err, errdefs.ErrNotFound) {
+				t.Errorf("cgroup left (processes %v, %v)", pids, err)
+			}
+			checkHost(t)
+		})
+	}
+	t.Run("resolv-conf-symlinks-resolve-in-root", func(t *testing.T) {
+		rootfs := plant(t, map[string]string{"etc": victim, "run": escape})
+		cfg, err := nativeSandbox(t, c, rootfs, func(cfg *sandbox.Config) { cfg.ResolvConf = resolv })
+		if err != nil {
+			t.Fatalf("create: %v", err)
 		}
-	}
-	cfg, err := nativeSandbox(t, c, rootfs, func(cfg *sandbox.Config) { cfg.ResolvConf = resolv })
-	// Resolved inside the rootfs, these are ordinary (if odd) mount
-	// points: the sandbox works, with its mounts in its own tree.
-	if err != nil {
-		t.Errorf("create: %v", err)
-	} else if code, out := sh(t, c, cfg.ID, "cat /etc/resolv.conf && test -e /proc/self/status && test -c /dev/null && ls /sys/kernel >/dev/null"); code != 0 {
-		t.Errorf("sandbox with symlinked mount points (%d): %s", code, out)
-	}
-	if ents, _ := os.ReadDir(victim); len(ents) != 0 {
-		t.Errorf("create (err %v) wrote on the host: %v", err, ents)
-	}
-	if b, _ := os.ReadFile(resolv); string(b) != "nameserver 127.0.0.1\n" {
-		t.Errorf("host resolv.conf changed: %q", b)
-	}
+		if code, out := sh(t, c, cfg.ID, "cat /etc/resolv.conf && test -e /proc/self/status && test -c /dev/null"); code != 0 || out != "nameserver 127.0.0.1\n" {
+			t.Errorf("sandbox (%d): %s", code, out)
+		}
+		checkHost(t)
+	})
+	t.Run("resolv-conf-dangling", func(t *testing.T) {
+		rootfs := plant(t, map[string]string{"etc/resolv.conf": "../run/systemd/resolve/stub-resolv.conf"}, "etc")
+		cfg, err := nativeSandbox(t, c, rootfs, func(cfg *sandbox.Config) { cfg.ResolvConf = resolv })
+		if err != nil {
+			t.Fatalf("create: %v", err)
+		}
+		if code, out := sh(t, c, cfg.ID, "cat /etc/resolv.conf"); code != 0 || out != "nameserver 127.0.0.1\n" {
+			t.Errorf("sandbox (%d): %s", code, out)
+		}
+		checkHost(t)
+	})
 }
 
 // TestNativeFailureLeavesNothing: a launch that fails halfway (a rootfs
@@ -261,5 +342,47 @@ func TestNativeSuperblocks(t *testing.T) {
 	}
 	if len(sysDev) != 1 {
 		t.Errorf("sandboxes' sysfs superblocks %v, want one shared", sysDev)
+	}
+}
+
+// TestNativeInitDiesAlone: an init that dies on its own (OOM, a kill from
+// the host) is reaped by the host's reaper, not left a zombie of the edge
+// holding its pid and its charge in the (recycled) cgroup.
+func TestNativeInitDiesAlone(t *testing.T) {
+	c := newNativeBackend(t)
+	cfg, err := nativeSandbox(t, c, sandboxtest.BusyboxRootfs(t), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := c.Status(context.Background(), cfg.ID)
+	if err != nil || !st.Running {
+		t.Fatalf("status %+v %v", st, err)
+	}
+	if err := unix.Kill(st.Pid, unix.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		_, err := os.Stat(fmt.Sprintf("/proc/%d", st.Pid))
+		if errors.Is(err, os.ErrNotExist) {
+			break
+		}
+		if time.Now().After(deadline) {
+			stat, _ := os.ReadFile(fmt.Sprintf("/proc/%d/stat", st.Pid))
+			t.Fatalf("init %d not reaped 5 s after it died: %s", st.Pid, stat)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if st, err := c.Status(context.Background(), cfg.ID); err != nil || st.Running {
+		t.Errorf("status after init died: %+v %v", st, err)
+	}
+	if p := c.cfg.Cgroups.V1["pids"]; p != "" {
+		b, _ := os.ReadFile(filepath.Join(p, cfg.CgroupPath, "pids.current"))
+		if strings.TrimSpace(string(b)) != "0" {
+			t.Errorf("pids.current %s after init was reaped", b)
+		}
+	}
+	if err := c.Destroy(context.Background(), cfg.ID); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -1,10 +1,12 @@
 // The sandbox launcher: starts a sandbox's init directly from the edge,
 // without an OCI runtime process (launch.go has the Go half).
 //
-// The edge calls dsec_launch, which clones a child that shares the edge's
-// memory until it execs (CLONE_VM|CLONE_VFORK) and is created in new pid,
-// mount, ipc, uts and network namespaces: it is pid 1 of its sandbox. The
-// child only makes system calls, on a stack of its own: no allocation, no
+// The edge calls dsec_launch, which clones a middle process, which clones
+// init: both share the edge's memory until they exec or exit
+// (CLONE_VM|CLONE_VFORK), and init is created in new pid, mount, ipc, uts
+// and network namespaces: it is pid 1 of its sandbox. The middle exits once
+// init has exec'd, so init's parent is the host's reaper, not the edge.
+// Both only make system calls, on stacks of their own: no allocation, no
 // stdio, no locks. All signals stay blocked from before the clone until
 // just before the exec, and every handled signal is set back to its
 // default in the child, so no Go signal handler can run in it.
@@ -93,11 +95,16 @@ static void fail(struct dsec_launch *l, const char *what, const char *arg, int e
 	_exit(125);
 }
 
-static int openat2_in_root(int rootfd, const char *path, int flags) {
+// openat2_in_root opens path as O_PATH inside the rootfs. With follow, a
+// symlink on the way resolves inside the rootfs; without, any symlink on
+// the way is refused (ELOOP), as runtimes refuse a /proc, /sys or /dev
+// that is not a plain directory: a kernel filesystem mounted elsewhere
+// would leave its masks and read-only paths to miss.
+static int openat2_in_root(int rootfd, const char *path, int flags, int follow) {
 	struct open_how how;
 	memset(&how, 0, sizeof how);
 	how.flags = O_PATH | O_CLOEXEC | flags;
-	how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS;
+	how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | (follow ? 0 : RESOLVE_NO_SYMLINKS);
 	return (int)syscall(SYS_openat2, rootfd, path, &how, sizeof how);
 }
 
@@ -106,11 +113,11 @@ static int openat2_in_root(int rootfd, const char *path, int flags) {
 
 // ensure returns an O_PATH fd of path inside the rootfs, creating it (a
 // directory when dir, else an empty file) and its missing parents. Paths
-// resolve inside the rootfs whatever symlinks it holds. A name that exists
-// but does not resolve (a dangling symlink) is replaced: it is the
+// resolve inside the rootfs (openat2_in_root). With follow, a name that
+// exists but does not resolve (a dangling symlink) is replaced: it is the
 // sandbox's own tree, and the mount that follows covers it anyway.
-static int ensure(int rootfd, const char *path, int dir, int depth) {
-	int fd = openat2_in_root(rootfd, path, dir ? O_DIRECTORY : 0);
+static int ensure(int rootfd, const char *path, int dir, int follow, int depth) {
+	int fd = openat2_in_root(rootfd, path, dir ? O_DIRECTORY : 0, follow);
 	if (fd >= 0 || errno != ENOENT || depth > MAX_DEPTH)
 		return fd;
 	char buf[MAX_TARGET];
@@ -133,7 +140,7 @@ static int ensure(int rootfd, const char *path, int dir, int depth) {
 		errno = EINVAL;
 		return -1;
 	}
-	int pfd = ensure(rootfd, buf[0] ? buf : "/", 1, depth + 1);
+	int pfd = ensure(rootfd, buf[0] ? buf : "/", 1, follow, depth + 1);
 	if (pfd < 0)
 		return -1;
 	for (int attempt = 0; attempt < 2; attempt++) {
@@ -145,7 +152,7 @@ static int ensure(int rootfd, const char *path, int dir, int depth) {
 			if (r >= 0)
 				close(r);
 		}
-		if (r >= 0 || errno != EEXIST || attempt > 0)
+		if (r >= 0 || errno != EEXIST || attempt > 0 || !follow)
 			break;
 		struct stat st;
 		if (fstatat(pfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0 || !S_ISLNK(st.st_mode))
@@ -237,7 +244,7 @@ static void symlink_op(struct dsec_launch *l, int rootfd, const struct dsec_op *
 	if (!slash)
 		fail(l, "symlink", op->target, EINVAL);
 	*slash = 0;
-	int pfd = ensure(rootfd, buf[0] ? buf : "/", 1, 0);
+	int pfd = ensure(rootfd, buf[0] ? buf : "/", 1, 0, 0);
 	if (pfd < 0)
 		fail(l, "creating parent of", op->target, errno);
 	if (symlinkat(op->arg1, pfd, slash + 1) < 0 && errno != EEXIST)
@@ -275,27 +282,29 @@ static void run_op(struct dsec_launch *l, int rootfd, const struct dsec_op *op) 
 	switch (op->kind) {
 	case 'F':
 	case 'D':
-		target = ensure(rootfd, op->target, 1, 0);
+	case 'T':
+		target = ensure(rootfd, op->target, 1, 0, 0);
 		break;
 	case 'f':
-		target = ensure(rootfd, op->target, 0, 0);
+		target = ensure(rootfd, op->target, 0, 0, 0);
+		break;
+	case 'r':
+		target = ensure(rootfd, op->target, 0, 1, 0);
 		break;
 	case 'M':
 	case 'R':
-		target = openat2_in_root(rootfd, op->target, 0);
-		if (target < 0 && errno == ENOENT)
-			return; // optional: this kernel has no such path
+		// Only paths this kernel has are sent, and /proc and /sys are
+		// plain directories (above): a mask that does not resolve is an
+		// error, never skipped.
+		target = openat2_in_root(rootfd, op->target, 0, 0);
 		break;
 	case 'L':
 		symlink_op(l, rootfd, op);
 		return;
 	case 'P':
-		target = ensure(rootfd, op->target, 1, 0);
+		target = ensure(rootfd, op->target, 1, 0, 0);
 		if (target >= 0)
 			chmod_dir(l, op, target);
-		break;
-	case 'T':
-		target = ensure(rootfd, op->target, 1, 0);
 		break;
 	default:
 		fail(l, "unknown mount op", op->target, EINVAL);
@@ -308,6 +317,7 @@ static void run_op(struct dsec_launch *l, int rootfd, const struct dsec_op *op) 
 		break;
 	case 'D':
 	case 'f':
+	case 'r':
 	case 'M':
 		bind_tree(l, op, AT_FDCWD, op->arg1, target);
 		break;
@@ -400,8 +410,12 @@ static int child(void *arg) {
 	int rootfd = open(l->rootfs, O_PATH | O_DIRECTORY | O_CLOEXEC);
 	if (rootfd < 0)
 		fail(l, "opening the rootfs", NULL, errno);
-	// No device node in the rootfs works: root inside may mknod any.
-	if (mount_setattr_fd(rootfd, MOUNT_ATTR_NODEV) < 0)
+	// No device node in the rootfs works, nor in any mount under it:
+	// root inside may mknod any.
+	struct mount_attr nodev;
+	memset(&nodev, 0, sizeof nodev);
+	nodev.attr_set = MOUNT_ATTR_NODEV;
+	if (syscall(SYS_mount_setattr, rootfd, "", AT_EMPTY_PATH | AT_RECURSIVE, &nodev, sizeof nodev) < 0)
 		fail(l, "making the rootfs nodev", NULL, errno);
 	for (int i = 0; i < l->nops; i++)
 		run_op(l, rootfd, &l->ops[i]);
@@ -438,35 +452,55 @@ static int child(void *arg) {
 	return 0;
 }
 
-#define STACK_SIZE (256 << 10)
+#define STACK_SIZE (128 << 10)
+
+// middle runs between the edge and init, so that init is not the edge's
+// child: it clones init (child, above) and exits once init has exec'd,
+// leaving init to the host's reaper, as `crun run -d` does. An init that
+// were the edge's child would stay a zombie, holding its pid (and its
+// pids-cgroup charge), whenever it died on its own.
+static int middle(void *arg) {
+	struct dsec_launch *l = arg;
+	int flags = CLONE_VM | CLONE_VFORK | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET | SIGCHLD;
+	pid_t pid = clone(child, (char *)l->stack + 2 * STACK_SIZE, flags, l);
+	if (pid < 0)
+		fail(l, "clone", NULL, errno);
+	if (l->err[0]) {
+		waitpid(pid, NULL, 0);
+		_exit(125);
+	}
+	l->pid = pid;
+	_exit(0);
+}
 
 int dsec_launch(struct dsec_launch *l) {
 	l->err[0] = 0;
-	void *stack = mmap(NULL, STACK_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
-	if (stack == MAP_FAILED)
+	l->pid = 0;
+	l->stack = mmap(NULL, 2 * STACK_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+	if (l->stack == MAP_FAILED)
 		return -errno;
 	sigset_t all;
 	sigfillset(&all);
 	pthread_sigmask(SIG_SETMASK, &all, &l->oldmask);
-	int flags = CLONE_VM | CLONE_VFORK | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET | SIGCHLD;
-	pid_t pid = clone(child, (char *)stack + STACK_SIZE, flags, l);
+	pid_t mid = clone(middle, (char *)l->stack + STACK_SIZE, CLONE_VM | CLONE_VFORK | SIGCHLD, l);
 	int err = errno;
 	pthread_sigmask(SIG_SETMASK, &l->oldmask, NULL);
-	munmap(stack, STACK_SIZE);
-	if (pid < 0)
+	if (mid < 0) {
+		munmap(l->stack, 2 * STACK_SIZE);
 		return -err;
-	// The child has exec'd or exited. An exit (a failed step, or a signal
-	// before the exec) is reaped here.
-	siginfo_t si;
-	memset(&si, 0, sizeof si);
-	if (l->err[0] || (waitid(P_PID, pid, &si, WEXITED | WNOHANG | WNOWAIT) == 0 && si.si_pid == pid)) {
-		if (!l->err[0]) {
-			size_t n = 0;
-			put(l->err, &n, sizeof l->err, "launcher died before exec: status ");
-			put_num(l->err, &n, sizeof l->err, (unsigned)si.si_status);
-		}
-		waitpid(pid, NULL, 0);
+	}
+	// middle has exited (after init exec'd or failed): reap it.
+	int status = 0;
+	while (waitpid(mid, &status, __WALL) < 0 && errno == EINTR)
+		;
+	munmap(l->stack, 2 * STACK_SIZE);
+	if (l->err[0])
+		return 0;
+	if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || l->pid <= 0) {
+		size_t n = 0;
+		put(l->err, &n, sizeof l->err, "launcher died before init started: wait status ");
+		put_num(l->err, &n, sizeof l->err, (unsigned)status);
 		return 0;
 	}
-	return pid;
+	return l->pid;
 }

@@ -35,9 +35,11 @@ var lastCap = sync.OnceValue(func() int {
 })
 
 // Launch starts the sandbox's init in new pid, mount, ipc, uts and network
-// namespaces (launch.c) and returns its pid once it has exec'd Argv. The
-// caller is its parent and must reap it once it has died. On error nothing
-// of it is left running.
+// namespaces (launch.c) and returns its pid once it has exec'd Argv. Init
+// is not the caller's child: the host's reaper inherits it. On error
+// nothing of it is left running. Only a SIGKILL (or a fault) in the
+// instant before its exec can leave a pid returned for an init already
+// dead; the caller checks that it runs.
 func Launch(cfg LaunchConfig) (int, error) {
 	if len(cfg.Argv) == 0 {
 		return 0, errors.New("sandbox launcher: no init command")

@@ -12,9 +12,12 @@
 //       on directory target (created if missing)
 //   'D' bind mount of host directory arg1 onto directory target
 //   'f' bind mount of host file arg1 onto file target (created empty)
-//   'M' bind mount of host path arg1 onto target, only if target exists
-//       (masking a kernel file or directory)
-//   'R' read-only rebind of target onto itself, only if it exists
+//   'r' 'f' onto a target that may be a symlink, resolved inside the rootfs
+//   'M' bind mount of host path arg1 onto existing target (masking a kernel
+//       file or directory)
+//   'R' read-only rebind of existing target onto itself
+// Targets of all but 'r' must not involve a symlink: the launcher refuses
+// one (ELOOP).
 //   'L' symlink target -> arg1
 //   'P' directory target (created if missing) set to mode arg1 (octal)
 //       and rebound onto itself: a mount point with its own flags that
@@ -45,6 +48,8 @@ struct dsec_launch {
 	char *const *argv;
 	char *const *envp;
 	sigset_t oldmask;
+	void *stack; // of the middle process and init, until they exec
+	int pid;     // init's pid, set by the middle process
 	int err_errno;
 	char err[512];
 };

@@ -22,11 +22,14 @@ const (
 	MountFS       = 'F' // new filesystem Arg1 with parameters Arg2 on a directory
 	MountBindDir  = 'D' // bind of host directory Arg1
 	MountBindFile = 'f' // bind of host file Arg1
-	MountMask     = 'M' // bind of host path Arg1, only over an existing target
-	MountReadOnly = 'R' // read-only rebind of an existing target
-	MountSymlink  = 'L' // symlink Target -> Arg1
-	MountDir      = 'P' // directory of mode Arg1 (octal), rebound onto itself
-	MountTree     = 'T' // clone of the mount open at fd Arg1 (decimal)
+	// MountBindFileFollow is MountBindFile onto a target that may be a
+	// symlink, which resolves inside the rootfs (/etc/resolv.conf).
+	MountBindFileFollow = 'r'
+	MountMask           = 'M' // bind of host path Arg1 over an existing target
+	MountReadOnly       = 'R' // read-only rebind of an existing target
+	MountSymlink        = 'L' // symlink Target -> Arg1
+	MountDir            = 'P' // directory of mode Arg1 (octal), rebound onto itself
+	MountTree           = 'T' // clone of the mount open at fd Arg1 (decimal)
 )
 
 // LaunchConfig describes a sandbox's init to Launch.
