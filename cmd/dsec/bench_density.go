@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/dsecproject/dsec/internal/cgroup"
 	"io"
 	"net/http"
 	"os"
@@ -196,6 +197,50 @@ func perSandbox(a, b int64, n int) float64 {
 	return float64(a-b) / float64(n)
 }
 
+// memcgProbe measures the unreclaimable slab one empty memory cgroup
+// costs on this host: it makes 32 under the memory hierarchy's root and
+// removes them. Most of it is the kernel's per-memcg shrinker state,
+// sized by the most memcg-aware shrinkers (superblocks) the host has had
+// at once since boot, so it differs between hosts and grows with
+// history (docs/operating.md, "Density").
+func memcgProbe() (float64, error) {
+	info, err := cgroup.Detect()
+	if err != nil {
+		return 0, err
+	}
+	root := info.V1["memory"]
+	if root == "" {
+		root = info.V2Root
+	}
+	if root == "" {
+		return 0, errors.New("no memory cgroup hierarchy")
+	}
+	const n = 32
+	var dirs []string
+	defer func() {
+		for _, d := range dirs {
+			_ = os.Remove(d)
+		}
+	}()
+	_ = settle(context.Background())
+	before, err := readMeminfo()
+	if err != nil {
+		return 0, err
+	}
+	for i := range n {
+		d := filepath.Join(root, fmt.Sprintf("dsec-bench-memcg-probe-%d-%d", os.Getpid(), i))
+		if err := os.Mkdir(d, 0o755); err != nil {
+			return 0, err
+		}
+		dirs = append(dirs, d)
+	}
+	after, err := readMeminfo()
+	if err != nil {
+		return 0, err
+	}
+	return float64(after.SUnreclaimKiB-before.SUnreclaimKiB) / n, nil
+}
+
 // hostSample is one reading of everything the density bench tracks.
 type hostSample struct {
 	mem         memInfo
@@ -236,7 +281,10 @@ type densityResult struct {
 	// CgroupsKept is how many more (empty) child cgroups the parent has
 	// after the teardown than before, summed over hierarchies: the
 	// edge's free slots (--cgroup-pool), part of ResidualMemKiB.
-	CgroupsKept         int      `json:"cgroups_kept_for_reuse,omitempty"`
+	CgroupsKept int `json:"cgroups_kept_for_reuse,omitempty"`
+	// EmptyMemcgKiB is what one empty memory cgroup costs the kernel on
+	// this host (memcgProbe), a cost every sandbox pays.
+	EmptyMemcgKiB       float64  `json:"empty_memcg_kib,omitempty"`
 	TornDown            bool     `json:"torn_down"`
 	Leaks               []string `json:"leaks,omitempty"`
 	PidMax              int      `json:"pid_max,omitempty"`
@@ -556,6 +604,11 @@ func (d *densityRun) runDsec(ctx context.Context, ref string) ([]benchRow, densi
 	fmt.Fprintf(os.Stderr, "dsec: settling %s before the first reading...\n", densitySettle)
 	if err := settle(ctx); err != nil {
 		return nil, res, err
+	}
+	if v, err := memcgProbe(); err == nil {
+		res.EmptyMemcgKiB = v
+	} else {
+		fmt.Fprintf(os.Stderr, "dsec: memory cgroup probe: %v\n", err)
 	}
 	before := d.sample(ctx)
 	if before.sampleError != nil {
@@ -916,6 +969,9 @@ func densityLines(rep densityReport, rt string) []string {
 		fmt.Fprintf(tw, "daemon RSS\t%.1f KiB (%.1f → %.1f MiB)\t-\n", d.DaemonRSSKiBPer, d.DaemonRSSBeforeMiB, d.DaemonRSSAfterMiB)
 		fmt.Fprintf(tw, "daemon fds (not counting the bench's connections)\t%.2f (%d → %d)\t-\n", float64(d.DaemonFDsAfter-d.DaemonFDsBefore)/float64(max(d.Sandboxes, 1)), d.DaemonFDsBefore, d.DaemonFDsAfter)
 		fmt.Fprintf(tw, "daemon goroutines, threads\t%d → %d, %d → %d\t-\n", d.DaemonGoroutines[0], d.DaemonGoroutines[1], d.DaemonThreads[0], d.DaemonThreads[1])
+	}
+	if d.EmptyMemcgKiB > 0 {
+		fmt.Fprintf(tw, "of which an empty memory cgroup (probe)\t%s\t-\n", kib(d.EmptyMemcgKiB))
 	}
 	if d.TornDown || (bl != nil && bl.TornDown) {
 		fmt.Fprintf(tw, "memory not back after teardown (total)\t%s\t%s\n", kib(float64(d.ResidualMemKiB)), base(func(r *densityResult) string { return kib(float64(r.ResidualMemKiB)) }))
