@@ -197,11 +197,13 @@ func perSandbox(a, b int64, n int) float64 {
 	return float64(a-b) / float64(n)
 }
 
-// memcgProbe measures the unreclaimable slab one empty memory cgroup
-// costs on this host: it makes 32 under the memory hierarchy's root and
-// removes them. Most of it is the kernel's per-memcg shrinker state,
-// sized by the most memcg-aware shrinkers (superblocks) the host has had
-// at once since boot, so it differs between hosts and grows with
+// memcgProbe measures the kernel memory one empty memory cgroup takes on
+// this host: it makes 32 under the memory hierarchy's root, reads the
+// growth of allocated slab objects (/proc/slabinfo: MemAvailable and the
+// slab totals do not show it while freed objects of earlier cgroups are
+// reused) and removes them. Most of it is the kernel's per-memcg shrinker
+// state, sized by the most memcg-aware shrinkers (superblocks) the host
+// has had at once since boot, so it differs between hosts and grows with
 // history (docs/operating.md, "Density").
 func memcgProbe() (float64, error) {
 	info, err := cgroup.Detect()
@@ -222,8 +224,7 @@ func memcgProbe() (float64, error) {
 			_ = os.Remove(d)
 		}
 	}()
-	_ = settle(context.Background())
-	before, err := readMeminfo()
+	before, err := slabObjectBytes()
 	if err != nil {
 		return 0, err
 	}
@@ -234,11 +235,39 @@ func memcgProbe() (float64, error) {
 		}
 		dirs = append(dirs, d)
 	}
-	after, err := readMeminfo()
+	after, err := slabObjectBytes()
 	if err != nil {
 		return 0, err
 	}
-	return float64(after.SUnreclaimKiB-before.SUnreclaimKiB) / n, nil
+	return float64(after-before) / 1024 / n, nil
+}
+
+// slabObjectBytes sums active objects × object size over /proc/slabinfo.
+func slabObjectBytes() (int64, error) {
+	b, err := os.ReadFile("/proc/slabinfo")
+	if err != nil {
+		return 0, err
+	}
+	return parseSlabinfo(string(b))
+}
+
+// parseSlabinfo sums active_objs × objsize over the caches of a
+// /proc/slabinfo (version 2.1) text.
+func parseSlabinfo(text string) (int64, error) {
+	var total int64
+	for _, line := range strings.Split(text, "\n") {
+		f := strings.Fields(line)
+		if len(f) < 4 || strings.HasPrefix(line, "#") || strings.HasPrefix(line, "slabinfo") {
+			continue
+		}
+		active, err1 := strconv.ParseInt(f[1], 10, 64)
+		size, err2 := strconv.ParseInt(f[3], 10, 64)
+		if err1 != nil || err2 != nil {
+			return 0, fmt.Errorf("parsing slabinfo line %q", line)
+		}
+		total += active * size
+	}
+	return total, nil
 }
 
 // hostSample is one reading of everything the density bench tracks.

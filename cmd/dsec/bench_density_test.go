@@ -190,3 +190,18 @@ func TestMemFloor(t *testing.T) {
 		}
 	}
 }
+
+func TestParseSlabinfo(t *testing.T) {
+	text := `slabinfo - version: 2.1
+# name            <active_objs> <num_objs> <objsize> <objperslab> <pagesperslab> : tunables <limit> <batchcount> <sharedfactor> : slabdata <active_slabs> <num_slabs> <sharedavail>
+kmalloc-1k          3000   3072   1024   32    8 : tunables    0    0    0 : slabdata     96     96      0
+dentry               100    120    192   21    1 : tunables    0    0    0 : slabdata      6      6      0
+`
+	got, err := parseSlabinfo(text)
+	if err != nil || got != 3000*1024+100*192 {
+		t.Fatalf("got %d, %v", got, err)
+	}
+	if _, err := parseSlabinfo("kmalloc-1k x 1 1024 32\n"); err == nil {
+		t.Fatal("a malformed line was accepted")
+	}
+}
