@@ -255,6 +255,15 @@ func (i *Info) rmdirTree(rel string) ([]string, error) {
 	return busy, nil
 }
 
+// Kill kills every process in rel's subtree in every hierarchy, leaving
+// the cgroups in place.
+func (i *Info) Kill(rel string) error {
+	if err := checkRel(rel); err != nil {
+		return err
+	}
+	return i.kill(rel)
+}
+
 // kill kills every process in rel's subtree in every hierarchy.
 func (i *Info) kill(rel string) error {
 	if i.V2Root != "" {

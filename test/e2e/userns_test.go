@@ -18,7 +18,18 @@ const usernsBase = 1_000_000_000 // dsec up's default --userns-base
 // sandbox's IDs, not the host's.
 func TestUserNamespaceSandbox(t *testing.T) {
 	needDaemon(t)
+	var null syscall.Stat_t
+	if err := syscall.Stat("/dev/null", &null); err != nil {
+		t.Fatal(err)
+	}
 	sb := newSandbox(t, api.SandboxSpec{UserNS: true, Workspace: workspaceRef})
+	// crun chowns its stdio to the sandbox's root; it must not reach the
+	// host's /dev/null (it then belonged to the sandbox's root, which
+	// could chmod it for the whole host).
+	var after syscall.Stat_t
+	if err := syscall.Stat("/dev/null", &after); err != nil || after.Uid != null.Uid || after.Ctim != null.Ctim {
+		t.Errorf("host /dev/null changed by a userns create: owner %d, was %d (%v)", after.Uid, null.Uid, err)
+	}
 
 	// Inside: root, with the image's ownership.
 	r := sh(t, sb.ID, "id -u; cat /proc/self/uid_map | tr -s ' '; stat -c '%u %g' /bin/busybox /repo/a.txt /")

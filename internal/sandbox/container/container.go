@@ -20,6 +20,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
@@ -112,6 +113,11 @@ type Container struct {
 	// (sharedSysfs); nil: a sysfs each.
 	sysfs    *os.File
 	sysfsErr error
+	// null is /dev/null through a read-only mount (nsexec.ReadOnlyNull),
+	// the stdio of runtimes and inits; nil: the plain /dev/null.
+	null *os.File
+	// closing: Close waits for creates using fds of the backend (sysfs).
+	closing sync.RWMutex
 }
 
 // Pinned reports whether the runtime runs from a read-only bind mount
@@ -121,8 +127,15 @@ func (c *Container) Pinned() (bool, error) { return c.pinned, c.pinErr }
 // Close unmounts the pinned runtime binary and lets go of the shared
 // sysfs (sandboxes keep their clones).
 func (c *Container) Close() {
+	c.closing.Lock()
+	defer c.closing.Unlock()
 	if c.sysfs != nil {
 		c.sysfs.Close()
+		c.sysfs = nil
+	}
+	if c.null != nil {
+		c.null.Close()
+		c.null = nil
 	}
 	if c.pinned {
 		unpinRuntime(c.runtime)
@@ -198,6 +211,11 @@ func New(cfg Config) (*Container, error) {
 			return nil, err
 		}
 		c.filterB64 = encodeFilter(c.filter)
+	}
+	if os.Geteuid() == 0 {
+		if c.null, err = nsexec.ReadOnlyNull(); err != nil {
+			return nil, err
+		}
 	}
 	if c.native, c.nativeWhy = nativeLauncher(cfg, c.filter != nil); c.native {
 		c.nativeMasks, c.nativeMasked = maskMounts(cfg.MaskDir, maskedPaths, "dsec")
@@ -293,8 +311,9 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 		return fmt.Errorf("writing OCI spec: %w", err)
 	}
 	// The sandbox's init inherits the runtime's stdio, so the runtime gets
-	// /dev/null (a pipe would stay open for the sandbox's lifetime) and
-	// reports errors through a log file instead.
+	// /dev/null (a pipe would stay open for the sandbox's lifetime),
+	// through a read-only mount (c.null), and reports errors through a
+	// log file instead.
 	logPath := filepath.Join(cfg.Dir, "runtime.log")
 	// --no-new-keyring: no session keyring per sandbox. The seccomp
 	// profile refuses keyctl, add_key and request_key inside, and
@@ -319,9 +338,13 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 		if c.pinned {
 			env = append(env, clonedBinaryEnv)
 		}
-		err = nsexec.RunInMountNS(rctx, cfg.RootfsMount, cfg.Rootfs, env, append([]string{c.runtime}, args...))
+		err = nsexec.RunInMountNS(rctx, cfg.RootfsMount, cfg.Rootfs, env, append([]string{c.runtime}, args...), c.null)
 	} else {
-		err = c.command(rctx, args...).Run()
+		cmd := c.command(rctx, args...)
+		if c.null != nil {
+			cmd.Stdin, cmd.Stdout, cmd.Stderr = c.null, c.null, c.null
+		}
+		err = cmd.Run()
 	}
 	if err == nil && ctx.Err() != nil {
 		err = ctx.Err()

@@ -42,6 +42,21 @@ func (c *Container) Exec(ctx context.Context, id string, p sandbox.Process) (san
 	if cwd == "" {
 		cwd = "/"
 	}
+	// No stream: the read-only /dev/null, not the host's own (os/exec's
+	// default), which root inside could chmod through /proc/self/fd/0.
+	c.closing.RLock()
+	defer c.closing.RUnlock()
+	if c.null != nil {
+		if p.Stdin == nil {
+			p.Stdin = c.null
+		}
+		if p.Stdout == nil {
+			p.Stdout = c.null
+		}
+		if p.Stderr == nil {
+			p.Stderr = c.null
+		}
+	}
 	if c.filter != nil {
 		return c.execHelper(id, p, env, cwd)
 	}

@@ -160,9 +160,12 @@ func (c *Container) launchMounts(spec *specs.Spec) ([]nsexec.Mount, error) {
 		out = append(out, nsexec.Mount{Kind: nsexec.MountFS, Target: m.Destination, Arg1: m.Type,
 			Arg2: strings.Join(params, ","), Attr: attr})
 		if m.Destination == "/dev" {
+			// Read-only: reads and writes reach the device all the same,
+			// but root inside (CAP_CHOWN, CAP_FOWNER) cannot chmod or
+			// chown the host's nodes through them (EROFS).
 			for _, d := range deviceNodes {
 				out = append(out, nsexec.Mount{Kind: nsexec.MountBindFile, Target: "/dev/" + d, Arg1: "/dev/" + d,
-					Attr: unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NOEXEC})
+					Attr: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NOEXEC})
 			}
 			for _, l := range devSymlinks {
 				out = append(out, nsexec.Mount{Kind: nsexec.MountSymlink, Target: l[0], Arg1: l[1]})
@@ -192,6 +195,12 @@ func (c *Container) launchMounts(spec *specs.Spec) ([]nsexec.Mount, error) {
 
 // launch is Create through the own launcher.
 func (c *Container) launch(ctx context.Context, cfg sandbox.Config) (err error) {
+	// The fds the launch passes by number (sysfs, null) stay open.
+	c.closing.RLock()
+	defer c.closing.RUnlock()
+	if c.null == nil {
+		return errors.New("starting sandbox: backend closed")
+	}
 	spec := c.spec(cfg)
 	mounts, err := c.launchMounts(spec)
 	if err != nil {
@@ -235,23 +244,28 @@ func (c *Container) launch(ctx context.Context, cfg sandbox.Config) (err error) 
 	if r := spec.Process.Rlimits; len(r) > 0 {
 		nofile = r[0].Hard
 	}
-	pid, err := nsexec.Launch(nsexec.LaunchConfig{
+	pid, fd, err := nsexec.Launch(nsexec.LaunchConfig{
 		RootfsMount: cfg.RootfsMount, Rootfs: cfg.Rootfs, Mounts: mounts,
 		Hostname: cfg.Hostname, CgroupProcs: procs, CgroupNS: c.cfg.CgroupNS,
 		Caps: capMask(defaultCaps), NoFile: nofile, Filter: c.filter,
-		Argv: spec.Process.Args, Env: spec.Process.Env,
+		Argv: spec.Process.Args, Env: spec.Process.Env, Null: c.null,
 	})
 	if err != nil {
+		var le *nsexec.LaunchError
+		if errors.As(err, &le) && le.Killed {
+			// init may still be starting: only its cgroup finds it.
+			_ = c.cfg.Cgroups.Kill(cfg.CgroupPath)
+		}
 		return err
 	}
-	if pidfd, err = unix.PidfdOpen(pid, 0); err != nil {
-		return fmt.Errorf("sandbox init %d: %w", pid, err)
-	}
+	pidfd = fd
+	// The start time read while the pidfd's process still runs is its
+	// own (its pid cannot have been reused yet).
 	start, err := startTime(pid)
 	if err != nil {
 		return err
 	}
-	if !alive(pid, start) {
+	if err := unix.PidfdSendSignal(pidfd, 0, nil, 0); err != nil || !alive(pid, start) {
 		return fmt.Errorf("sandbox init %d died as it started", pid)
 	}
 	if err := writeState(filepath.Join(c.cfg.StateRoot, cfg.ID), pid, start); err != nil {

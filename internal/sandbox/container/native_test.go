@@ -183,6 +183,35 @@ done`)
 	if code != 0 || strings.Contains(out, "OPENED") || !strings.HasPrefix(out, "4\n4\n") {
 		t.Fatalf("exit %d:\n%s", code, out)
 	}
+
+	// The host's own nodes stay the host's: through /dev and through
+	// init's stdio (/proc/1/fd), chmod and chown get EROFS. The modes
+	// and owners tried are the ones the nodes have, so a failing check
+	// changes nothing on the host.
+	var before []unix.Stat_t
+	for _, d := range append(deviceNodes, "null") {
+		var st unix.Stat_t
+		if err := unix.Stat("/dev/"+d, &st); err != nil {
+			t.Fatal(err)
+		}
+		before = append(before, st)
+	}
+	code, out = sh(t, c, cfg.ID, `for f in /dev/null /dev/zero /dev/full /dev/random /dev/urandom /dev/tty /proc/1/fd/0 /proc/1/fd/2; do
+  chmod 666 $f 2>/dev/null && echo "CHMOD $f"
+  chown 0:0 $f 2>/dev/null && echo "CHOWN $f"
+done; echo done`)
+	if code != 0 || out != "done\n" {
+		t.Errorf("host device nodes changeable from inside (%d):\n%s", code, out)
+	}
+	for i, d := range append(deviceNodes, "null") {
+		var st unix.Stat_t
+		if err := unix.Stat("/dev/"+d, &st); err != nil {
+			t.Fatal(err)
+		}
+		if st.Ctim != before[i].Ctim {
+			t.Errorf("host /dev/%s changed (ctime)", d)
+		}
+	}
 }
 
 // TestNativeHostileRootfs: an image or an earlier sandbox (through a
@@ -226,6 +255,18 @@ func TestNativeHostileRootfs(t *testing.T) {
 		}
 	}
 	escape := "../../../../../../" + strings.TrimPrefix(victim, "/")
+	// A followed /etc/resolv.conf stays on the rootfs's mount: onto
+	// /dev or /proc it would cover a device or a kernel file.
+	for name, to := range map[string]string{"resolv-onto-dev": "/dev/urandom", "resolv-onto-proc": "/proc/sys/kernel/hostname", "resolv-onto-init": "/dev/init"} {
+		t.Run(name, func(t *testing.T) {
+			rootfs := plant(t, map[string]string{"etc/resolv.conf": to}, "etc")
+			_, err := nativeSandbox(t, c, rootfs, func(cfg *sandbox.Config) { cfg.ResolvConf = resolv })
+			if !errors.Is(err, unix.EXDEV) {
+				t.Fatalf("create: %v, want it refused (EXDEV)", err)
+			}
+			checkHost(t)
+		})
+	}
 	refused := map[string]map[string]string{
 		"proc-to-host":         {"proc": filepath.Join(victim, "proc")},
 		"proc-relative-out":    {"proc": escape + "/proc"},

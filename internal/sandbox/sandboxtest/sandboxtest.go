@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -157,6 +158,27 @@ echo "checked $n"`}})
 		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "echo out; echo err >&2; exit 7"}})
 		if r.code != 7 || r.stdout != "out\n" || r.stderr != "err\n" {
 			t.Fatalf("got %+v", r)
+		}
+	})
+	t.Run("stdio-not-the-hosts-null", func(t *testing.T) {
+		// A command without stdin, and init, may read the host's
+		// /dev/null; root inside (CAP_CHOWN, CAP_FOWNER) must not be
+		// able to chmod or chown that through /proc (a runtime may give
+		// init the sandbox's own node instead, which is its to change).
+		// Modes and owners are the ones the node has: a failing check
+		// changes nothing but the host node's ctime.
+		var before, after syscall.Stat_t
+		if err := syscall.Stat("/dev/null", &before); err != nil {
+			t.Fatal(err)
+		}
+		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", `for f in /proc/self/fd/0 /proc/1/fd/0 /proc/1/fd/1 /dev/null; do
+  chmod 666 $f 2>/dev/null; chown 0:0 $f 2>/dev/null
+done; echo done`}})
+		if err := syscall.Stat("/dev/null", &after); err != nil {
+			t.Fatal(err)
+		}
+		if r.code != 0 || r.stdout != "done\n" || after.Ctim != before.Ctim {
+			t.Fatalf("host /dev/null changed from inside (ctime %v -> %v): %+v", before.Ctim, after.Ctim, r)
 		}
 	})
 	t.Run("stdin-env-cwd", func(t *testing.T) {

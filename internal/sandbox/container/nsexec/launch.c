@@ -104,7 +104,10 @@ static int openat2_in_root(int rootfd, const char *path, int flags, int follow) 
 	struct open_how how;
 	memset(&how, 0, sizeof how);
 	how.flags = O_PATH | O_CLOEXEC | flags;
-	how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | (follow ? 0 : RESOLVE_NO_SYMLINKS);
+	// A followed symlink must also stay on the rootfs's own mount: it
+	// may not lead onto /proc, /sys or /dev (already mounted) and cover
+	// a kernel file, a device or /dev/init.
+	how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | (follow ? RESOLVE_NO_XDEV : RESOLVE_NO_SYMLINKS);
 	return (int)syscall(SYS_openat2, rootfd, path, &how, sizeof how);
 }
 
@@ -383,11 +386,11 @@ static int child(void *arg) {
 	if (setsid() < 0)
 		fail(l, "setsid", NULL, errno);
 	umask(022);
-	int null = open("/dev/null", O_RDWR | O_CLOEXEC);
-	if (null < 0)
-		fail(l, "opening /dev/null", NULL, errno);
+	// stdio is the edge's read-only /dev/null (launch.go): through a
+	// read-only mount, so that root inside cannot chmod or chown the
+	// host's node through /proc/1/fd/0.
 	for (int fd = 0; fd < 3; fd++)
-		if (dup2(null, fd) < 0)
+		if (dup2(l->null_fd, fd) < 0)
 			fail(l, "redirecting stdio", NULL, errno);
 	for (int i = 0; i < l->ncgroups; i++)
 		if (write(l->cgroup_fds[i], "0", 1) < 0)
@@ -461,14 +464,20 @@ static int child(void *arg) {
 // pids-cgroup charge), whenever it died on its own.
 static int middle(void *arg) {
 	struct dsec_launch *l = arg;
-	int flags = CLONE_VM | CLONE_VFORK | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET | SIGCHLD;
-	pid_t pid = clone(child, (char *)l->stack + 2 * STACK_SIZE, flags, l);
+	int flags = CLONE_VM | CLONE_VFORK | CLONE_PIDFD | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS |
+		    CLONE_NEWNET | SIGCHLD;
+	int pidfd = -1;
+	pid_t pid = clone(child, (char *)l->stack + 2 * STACK_SIZE, flags, l, &pidfd);
 	if (pid < 0)
 		fail(l, "clone", NULL, errno);
 	if (l->err[0]) {
 		waitpid(pid, NULL, 0);
+		close(pidfd);
 		_exit(125);
 	}
+	// The pidfd lands in the edge's fd table (the middle shares it): the
+	// edge checks through it that init runs, with no pid to be reused.
+	l->pidfd = pidfd;
 	l->pid = pid;
 	_exit(0);
 }
@@ -476,13 +485,15 @@ static int middle(void *arg) {
 int dsec_launch(struct dsec_launch *l) {
 	l->err[0] = 0;
 	l->pid = 0;
+	l->pidfd = -1;
+	l->leaked = 0;
 	l->stack = mmap(NULL, 2 * STACK_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
 	if (l->stack == MAP_FAILED)
 		return -errno;
 	sigset_t all;
 	sigfillset(&all);
 	pthread_sigmask(SIG_SETMASK, &all, &l->oldmask);
-	pid_t mid = clone(middle, (char *)l->stack + STACK_SIZE, CLONE_VM | CLONE_VFORK | SIGCHLD, l);
+	pid_t mid = clone(middle, (char *)l->stack + STACK_SIZE, CLONE_VM | CLONE_VFORK | CLONE_FILES | SIGCHLD, l);
 	int err = errno;
 	pthread_sigmask(SIG_SETMASK, &l->oldmask, NULL);
 	if (mid < 0) {
@@ -493,13 +504,23 @@ int dsec_launch(struct dsec_launch *l) {
 	int status = 0;
 	while (waitpid(mid, &status, __WALL) < 0 && errno == EINTR)
 		;
+	if (!WIFEXITED(status)) {
+		// Killed from outside: init may still be running its setup on
+		// the shared stack and memory. Leave both be (leaked) and let
+		// the caller kill what is in the sandbox's cgroup.
+		l->leaked = 1;
+		size_t n = 0;
+		put(l->err, &n, sizeof l->err, "launcher killed before init started: wait status ");
+		put_num(l->err, &n, sizeof l->err, (unsigned)status);
+		return 0;
+	}
 	munmap(l->stack, 2 * STACK_SIZE);
 	if (l->err[0])
 		return 0;
-	if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || l->pid <= 0) {
+	if (WEXITSTATUS(status) != 0 || l->pid <= 0 || l->pidfd < 0) {
 		size_t n = 0;
-		put(l->err, &n, sizeof l->err, "launcher died before init started: wait status ");
-		put_num(l->err, &n, sizeof l->err, (unsigned)status);
+		put(l->err, &n, sizeof l->err, "launcher failed before init started: exit status ");
+		put_num(l->err, &n, sizeof l->err, (unsigned)WEXITSTATUS(status));
 		return 0;
 	}
 	return l->pid;

@@ -35,14 +35,20 @@ var lastCap = sync.OnceValue(func() int {
 })
 
 // Launch starts the sandbox's init in new pid, mount, ipc, uts and network
-// namespaces (launch.c) and returns its pid once it has exec'd Argv. Init
-// is not the caller's child: the host's reaper inherits it. On error
-// nothing of it is left running. Only a SIGKILL (or a fault) in the
-// instant before its exec can leave a pid returned for an init already
-// dead; the caller checks that it runs.
-func Launch(cfg LaunchConfig) (int, error) {
+// namespaces (launch.c) and returns its pid and a pidfd (the caller
+// closes it) once it has exec'd Argv. Init is not the caller's child: the
+// host's reaper inherits it. On error nothing of it is left running,
+// except when something outside killed the launcher halfway (SIGKILL to
+// its middle process): then init may still be setting up, and only
+// killing the sandbox's cgroup stops it. A SIGKILL to init itself during
+// its setup (the OOM killer spares it while the launcher waits for it)
+// returns a pidfd of a dead process: the caller checks that init runs.
+func Launch(cfg LaunchConfig) (pid, pidfd int, err error) {
 	if len(cfg.Argv) == 0 {
-		return 0, errors.New("sandbox launcher: no init command")
+		return 0, -1, errors.New("sandbox launcher: no init command")
+	}
+	if cfg.Null == nil {
+		return 0, -1, errors.New("sandbox launcher: no /dev/null for stdio")
 	}
 	var fds []*os.File
 	defer func() {
@@ -53,7 +59,7 @@ func Launch(cfg LaunchConfig) (int, error) {
 	for _, p := range cfg.CgroupProcs {
 		f, err := os.OpenFile(p, os.O_WRONLY, 0)
 		if err != nil {
-			return 0, fmt.Errorf("sandbox launcher: opening %s: %w", p, err)
+			return 0, -1, fmt.Errorf("sandbox launcher: opening %s: %w", p, err)
 		}
 		fds = append(fds, f)
 	}
@@ -93,7 +99,7 @@ func Launch(cfg LaunchConfig) (int, error) {
 	l.nofile = C.uint64_t(cfg.NoFile)
 	if n := len(cfg.Filter); n > 0 {
 		if n > 0xffff {
-			return 0, errors.New("sandbox launcher: seccomp filter too long")
+			return 0, -1, errors.New("sandbox launcher: seccomp filter too long")
 		}
 		size := C.size_t(n) * C.size_t(unsafe.Sizeof(cfg.Filter[0]))
 		p := a.alloc(size)
@@ -102,18 +108,24 @@ func Launch(cfg LaunchConfig) (int, error) {
 	}
 	l.argv = a.strs(cfg.Argv)
 	l.envp = a.strs(cfg.Env)
+	l.null_fd = C.int(cfg.Null.Fd())
 
-	pid := C.dsec_launch(l)
+	cpid := C.dsec_launch(l)
 	runtime.KeepAlive(cfg.RootfsMount)
+	runtime.KeepAlive(cfg.Null)
 	runtime.KeepAlive(fds)
-	if pid < 0 {
-		return 0, fmt.Errorf("sandbox launcher: clone: %w", syscall.Errno(-pid))
+	if cpid < 0 {
+		return 0, -1, fmt.Errorf("sandbox launcher: clone: %w", syscall.Errno(-cpid))
 	}
-	if pid == 0 {
+	if cpid == 0 {
 		msg := C.GoString(&l.err[0])
-		return 0, &LaunchError{Step: msg, Errno: syscall.Errno(l.err_errno)}
+		if l.leaked != 0 {
+			// init may still use this memory: never free it.
+			a = nil
+		}
+		return 0, -1, &LaunchError{Step: msg, Errno: syscall.Errno(l.err_errno), Killed: l.leaked != 0}
 	}
-	return int(pid), nil
+	return int(cpid), int(l.pidfd), nil
 }
 
 // cAlloc is C memory freed in one go: the launcher's child reads it after

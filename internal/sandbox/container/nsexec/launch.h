@@ -48,8 +48,11 @@ struct dsec_launch {
 	char *const *argv;
 	char *const *envp;
 	sigset_t oldmask;
+	int null_fd; // stdio of init
 	void *stack; // of the middle process and init, until they exec
 	int pid;     // init's pid, set by the middle process
+	int pidfd;   // init's pidfd, in the caller's fd table (-1: none)
+	int leaked;  // the middle was killed: this memory may still be in use
 	int err_errno;
 	char err[512];
 };

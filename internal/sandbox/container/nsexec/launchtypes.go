@@ -1,7 +1,9 @@
 package nsexec
 
 import (
+	"fmt"
 	"os"
+	"strconv"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -50,12 +52,18 @@ type LaunchConfig struct {
 	Filter []unix.SockFilter
 	// Argv[0] is a path inside the rootfs.
 	Argv, Env []string
+	// Null is init's stdin, stdout and stderr: /dev/null opened through
+	// a read-only mount (see ReadOnlyNull).
+	Null *os.File
 }
 
 // LaunchError is a failed step of the launcher.
 type LaunchError struct {
 	Step  string
 	Errno syscall.Errno
+	// Killed: the launcher was killed from outside halfway; init may
+	// still be running in the sandbox's cgroup.
+	Killed bool
 }
 
 func (e *LaunchError) Error() string { return "sandbox launcher: " + e.Step }
@@ -64,4 +72,27 @@ func (e *LaunchError) Unwrap() error {
 		return nil
 	}
 	return e.Errno
+}
+
+// ReadOnlyNull opens the host's /dev/null through a read-only mount of its
+// own (a detached clone), for stdio of what runs in sandboxes: root inside
+// can reach its stdio's file through /proc/1/fd and, with the host's mount,
+// chmod or chown the host's /dev/null (CAP_FOWNER, CAP_CHOWN); crun even
+// chowns its stdio to a user namespace's root. Through a read-only mount
+// both get EROFS, while reads and writes work as on /dev/null.
+func ReadOnlyNull() (*os.File, error) {
+	t, err := unix.OpenTree(unix.AT_FDCWD, "/dev/null", unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("cloning /dev/null: %w", err)
+	}
+	defer unix.Close(t)
+	attr := unix.MountAttr{Attr_set: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NOEXEC}
+	if err := unix.MountSetattr(t, "", unix.AT_EMPTY_PATH, &attr); err != nil {
+		return nil, fmt.Errorf("making /dev/null read-only: %w", err)
+	}
+	f, err := os.OpenFile("/proc/self/fd/"+strconv.Itoa(t), os.O_RDWR, 0)
+	if err != nil {
+		return nil, fmt.Errorf("opening read-only /dev/null: %w", err)
+	}
+	return f, nil
 }

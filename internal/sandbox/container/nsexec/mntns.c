@@ -18,7 +18,7 @@
 // to its default before it unblocks them, so no Go signal handler can run
 // in it.
 //
-// Steps in the child: stdio to /dev/null; unshare(CLONE_NEWNS); make every
+// Steps in the child: stdio to nullfd (or /dev/null when it is -1); unshare(CLONE_NEWNS); make every
 // mount a slave, so that nothing mounted here propagates back to the host
 // (mounts made on the host still arrive); move_mount the rootfs onto
 // target; exec the runtime. A failure writes "step: errno N" to errfd (close-
@@ -65,7 +65,7 @@ static void spawn_fail(int errfd, const char *what, int err) {
 
 // dsec_spawn_mntns starts path (argv, envp) as described above and returns
 // its pid, or -errno when the vfork itself fails.
-int dsec_spawn_mntns(int mntfd, const char *target, const char *path, char *const argv[], char *const envp[], int errfd) {
+int dsec_spawn_mntns(int mntfd, const char *target, const char *path, char *const argv[], char *const envp[], int errfd, int nullfd) {
 	sigset_t all, old;
 	sigfillset(&all);
 	pthread_sigmask(SIG_SETMASK, &all, &old);
@@ -82,8 +82,8 @@ int dsec_spawn_mntns(int mntfd, const char *target, const char *path, char *cons
 				sigaction(sig, &dfl, NULL);
 			}
 		}
-		int null = open("/dev/null", O_RDWR | O_CLOEXEC);
-		if (null < 0)
+		int null = nullfd;
+		if (null < 0 && (null = open("/dev/null", O_RDWR | O_CLOEXEC)) < 0)
 			spawn_fail(errfd, "opening /dev/null", errno);
 		for (int fd = 0; fd < 3; fd++)
 			if (dup2(null, fd) < 0)

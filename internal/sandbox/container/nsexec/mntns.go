@@ -4,7 +4,7 @@ package nsexec
 
 /*
 #include <stdlib.h>
-int dsec_spawn_mntns(int mntfd, const char *target, const char *path, char *const argv[], char *const envp[], int errfd);
+int dsec_spawn_mntns(int mntfd, const char *target, const char *path, char *const argv[], char *const envp[], int errfd, int nullfd);
 */
 import "C"
 
@@ -26,10 +26,10 @@ import (
 // from layer.DetachedOverlay) is attached at target first (mntns.c: a
 // vfork'd child of the caller does that and execs argv). The copy is a
 // slave of the caller's: the attachment never shows on the host. Its
-// stdio is /dev/null. A setup failure is returned with the step that
+// stdio is null (nil: /dev/null). A setup failure is returned with the step that
 // failed; a failure of argv itself as an *exec.ExitError. When ctx ends,
 // argv is killed.
-func RunInMountNS(ctx context.Context, mount *os.File, target string, env []string, argv []string) error {
+func RunInMountNS(ctx context.Context, mount *os.File, target string, env []string, argv []string, null *os.File) error {
 	if len(argv) == 0 {
 		return errors.New("RunInMountNS: no command")
 	}
@@ -44,8 +44,13 @@ func RunInMountNS(ctx context.Context, mount *os.File, target string, env []stri
 	defer freeEnv()
 	ctarget := C.CString(target)
 	defer C.free(unsafe.Pointer(ctarget))
-	pid := C.dsec_spawn_mntns(C.int(mount.Fd()), ctarget, cargv[0], &cargv[0], &cenv[0], C.int(w.Fd()))
+	nullfd := -1
+	if null != nil {
+		nullfd = int(null.Fd())
+	}
+	pid := C.dsec_spawn_mntns(C.int(mount.Fd()), ctarget, cargv[0], &cargv[0], &cenv[0], C.int(w.Fd()), C.int(nullfd))
 	runtime.KeepAlive(mount)
+	runtime.KeepAlive(null)
 	w.Close()
 	if pid < 0 {
 		return fmt.Errorf("starting the rootfs launcher: %w", syscall.Errno(-pid))

@@ -69,7 +69,7 @@ func TestRunInMountNS(t *testing.T) {
 	// before or after.
 	script := `set -e; test -d "$1"; grep -q " $1 " /proc/self/mountinfo
 		echo here > "$1/status"`
-	if err := RunInMountNS(ctx, mnt, target, []string{"PATH=/usr/bin:/bin"}, []string{sh, "-c", script, "sh", target}); err != nil {
+	if err := RunInMountNS(ctx, mnt, target, []string{"PATH=/usr/bin:/bin"}, []string{sh, "-c", script, "sh", target}, nil); err != nil {
 		t.Fatalf("RunInMountNS: %v", err)
 	}
 	if b, _ := os.ReadFile("/proc/self/mountinfo"); strings.Contains(string(b), " "+target+" ") {
@@ -84,18 +84,18 @@ func TestRunInMountNS(t *testing.T) {
 
 	// The command's exit status comes back as an *exec.ExitError. (A
 	// detached mount can be attached once: a new one per run.)
-	err = RunInMountNS(ctx, detachedTmpfs(t), target, nil, []string{sh, "-c", "exit 3"})
+	err = RunInMountNS(ctx, detachedTmpfs(t), target, nil, []string{sh, "-c", "exit 3"}, nil)
 	var ee *exec.ExitError
 	if !errors.As(err, &ee) || ee.ExitCode() != 3 {
 		t.Errorf("exit 3: %v, want an ExitError with code 3", err)
 	}
 
 	// Setup failures name the step.
-	err = RunInMountNS(ctx, detachedTmpfs(t), filepath.Join(target, "missing"), nil, []string{sh, "-c", "true"})
+	err = RunInMountNS(ctx, detachedTmpfs(t), filepath.Join(target, "missing"), nil, []string{sh, "-c", "true"}, nil)
 	if err == nil || !strings.Contains(err.Error(), "attaching the rootfs: errno 2") {
 		t.Errorf("missing target: %v", err)
 	}
-	err = RunInMountNS(ctx, detachedTmpfs(t), target, nil, []string{filepath.Join(target, "no-such-runtime")})
+	err = RunInMountNS(ctx, detachedTmpfs(t), target, nil, []string{filepath.Join(target, "no-such-runtime")}, nil)
 	if err == nil || !strings.Contains(err.Error(), "exec of the runtime: errno 2") {
 		t.Errorf("missing runtime: %v", err)
 	}
@@ -111,7 +111,7 @@ func TestRunInMountNS(t *testing.T) {
 	defer cancel()
 	done := make(chan error, 1)
 	go func() {
-		done <- RunInMountNS(cctx, detachedTmpfs(t), target, nil, []string{sleep, "61"})
+		done <- RunInMountNS(cctx, detachedTmpfs(t), target, nil, []string{sleep, "61"}, nil)
 	}()
 	pid := 0
 	for deadline := time.Now().Add(5 * time.Second); pid == 0 && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {

@@ -13,11 +13,11 @@ import (
 const Available = false
 
 // RunInMountNS needs the C launcher; callers check Available first.
-func RunInMountNS(ctx context.Context, mount *os.File, target string, env []string, argv []string) error {
+func RunInMountNS(ctx context.Context, mount *os.File, target string, env []string, argv []string, null *os.File) error {
 	return errors.New("this dsec was built without cgo: no rootfs launcher")
 }
 
 // Launch needs the C launcher; callers check Available first.
-func Launch(cfg LaunchConfig) (int, error) {
-	return 0, errors.New("this dsec was built without cgo: no sandbox launcher")
+func Launch(cfg LaunchConfig) (pid, pidfd int, err error) {
+	return 0, -1, errors.New("this dsec was built without cgo: no sandbox launcher")
 }
