@@ -57,6 +57,7 @@
 #include <unistd.h>
 
 #include "launch.h"
+#include "vforked.h"
 
 #ifndef CLOSE_RANGE_CLOEXEC
 #define CLOSE_RANGE_CLOEXEC (1U << 2)
@@ -370,17 +371,7 @@ static void drop_caps(struct dsec_launch *l) {
 
 static int child(void *arg) {
 	struct dsec_launch *l = arg;
-	for (int sig = 1; sig < NSIG; sig++) {
-		struct sigaction cur;
-		if (sig == SIGKILL || sig == SIGSTOP || sigaction(sig, NULL, &cur) < 0)
-			continue;
-		if (cur.sa_handler != SIG_DFL && cur.sa_handler != SIG_IGN) {
-			struct sigaction dfl;
-			memset(&dfl, 0, sizeof dfl);
-			dfl.sa_handler = SIG_DFL;
-			sigaction(sig, &dfl, NULL);
-		}
-	}
+	reset_handled_signals();
 	// A session of its own, as a runtime gives init: in the edge's, a
 	// Ctrl-C on the terminal that started dsec would reach every sandbox.
 	if (setsid() < 0)

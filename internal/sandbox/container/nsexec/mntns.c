@@ -35,6 +35,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "vforked.h"
+
 #ifndef MOVE_MOUNT_F_EMPTY_PATH
 #define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
 #endif
@@ -71,17 +73,7 @@ int dsec_spawn_mntns(int mntfd, const char *target, const char *path, char *cons
 	pthread_sigmask(SIG_SETMASK, &all, &old);
 	pid_t pid = vfork();
 	if (pid == 0) {
-		for (int sig = 1; sig < NSIG; sig++) {
-			struct sigaction cur;
-			if (sig == SIGKILL || sig == SIGSTOP || sigaction(sig, NULL, &cur) < 0)
-				continue;
-			if (cur.sa_handler != SIG_DFL && cur.sa_handler != SIG_IGN) {
-				struct sigaction dfl;
-				memset(&dfl, 0, sizeof dfl);
-				dfl.sa_handler = SIG_DFL;
-				sigaction(sig, &dfl, NULL);
-			}
-		}
+		reset_handled_signals();
 		int null = nullfd;
 		if (null < 0 && (null = open("/dev/null", O_RDWR | O_CLOEXEC)) < 0)
 			spawn_fail(errfd, "opening /dev/null", errno);
