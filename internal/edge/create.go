@@ -448,7 +448,7 @@ func (e *Edge) teardown(ctx context.Context, s *sbx, remove bool) error {
 		e.mu.Unlock()
 	}
 	if remove {
-		if err := os.RemoveAll(s.dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+		if err := e.discard(s.dir); err != nil {
 			return fmt.Errorf("removing sandbox dir: %w", err)
 		}
 	}

@@ -128,6 +128,10 @@ type Edge struct {
 	// usernsBroken says why user-namespace sandboxes cannot run here.
 	usernsBroken error
 
+	// trashKick wakes the janitor (trash.go); trashSeq names trash entries.
+	trashKick chan struct{}
+	trashSeq  atomic.Uint64
+
 	stop chan struct{}
 	wg   sync.WaitGroup
 }
@@ -163,7 +167,7 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 	if deps.Metrics == nil {
 		deps.Metrics = NewMetrics(nil)
 	}
-	for _, d := range []string{filepath.Join(cfg.StateDir, "sandboxes"), filepath.Join(cfg.StateDir, "mnt"), cfg.BundleDir} {
+	for _, d := range []string{filepath.Join(cfg.StateDir, "sandboxes"), filepath.Join(cfg.StateDir, "mnt"), filepath.Join(cfg.StateDir, "trash"), cfg.BundleDir} {
 		if d == "" {
 			continue
 		}
@@ -187,6 +191,7 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 		metrics:   deps.Metrics,
 		sandboxes: map[string]*sbx{},
 		stop:      make(chan struct{}),
+		trashKick: make(chan struct{}, 1),
 		pool:      newPool(),
 		deleteSem: make(chan struct{}, 4),
 	}
@@ -222,10 +227,14 @@ func (e *Edge) Start(ctx context.Context) error {
 	if err := e.restoreNetwork(ctx); err != nil {
 		return fmt.Errorf("recovering sandbox networks: %w", err)
 	}
-	e.wg.Add(1)
+	e.wg.Add(2)
 	go func() {
 		defer e.wg.Done()
 		e.reapLoop()
+	}()
+	go func() {
+		defer e.wg.Done()
+		e.janitor()
 	}()
 	if e.cfg.PoolMax > 0 {
 		e.wg.Add(1)
@@ -245,6 +254,7 @@ func (e *Edge) Close() {
 	e.wg.Wait()
 	// Pool sandboxes are nobody's: they do not outlive the edge.
 	e.drainAll()
+	e.emptyTrash()
 	e.mu.Lock()
 	for _, s := range e.sandboxes {
 		s.closeSessions()
