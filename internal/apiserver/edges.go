@@ -17,6 +17,9 @@ import (
 type EdgeClient interface {
 	Name() string
 	Info() api.Node
+	// PlacementInfo is Info for placement, whose counts may be a moment
+	// old: it is asked on every create.
+	PlacementInfo() api.Node
 	LayerUsers(digest string) int
 
 	Create(ctx context.Context, req edge.CreateRequest) (*api.Sandbox, error)
@@ -105,6 +108,15 @@ func (s *Server) nodes() []api.Node {
 	out := make([]api.Node, 0, len(s.edges))
 	for _, e := range s.deps.Edges {
 		out = append(out, e.Info())
+	}
+	return out
+}
+
+// placementNodes is nodes for placement.Pick (PlacementInfo).
+func (s *Server) placementNodes() []api.Node {
+	out := make([]api.Node, 0, len(s.edges))
+	for _, e := range s.deps.Edges {
+		out = append(out, e.PlacementInfo())
 	}
 	return out
 }

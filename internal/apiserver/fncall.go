@@ -26,7 +26,7 @@ func (s *Server) fncall(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	node, err := placement.Pick(s.nodes(), placement.Request{Backend: spec.Backend}, nil)
+	node, err := placement.Pick(s.placementNodes(), placement.Request{Backend: spec.Backend}, nil)
 	if err != nil {
 		s.writeError(w, r, err)
 		return

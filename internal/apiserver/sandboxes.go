@@ -125,7 +125,7 @@ func (s *Server) create(ctx context.Context, spec api.SandboxSpec) (*api.Sandbox
 func (s *Server) place(ctx context.Context, spec api.SandboxSpec, digests []string) (*api.Sandbox, error) {
 	tried := map[string]bool{}
 	for {
-		node, err := placement.Pick(s.nodes(), placement.Request{Backend: spec.Backend, Exclude: tried}, nil)
+		node, err := placement.Pick(s.placementNodes(), placement.Request{Backend: spec.Backend, Exclude: tried}, nil)
 		if err != nil {
 			return nil, err
 		}

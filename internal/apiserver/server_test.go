@@ -49,6 +49,7 @@ func (f *fakeEdge) Info() api.Node {
 	return api.Node{Name: f.name, Healthy: true, Backends: []string{"container"},
 		Capacity: api.Capacity{MaxSandboxes: 100}, Counts: map[string]int{"running": len(f.sandboxes)}}
 }
+func (f *fakeEdge) PlacementInfo() api.Node { return f.Info() }
 func (f *fakeEdge) LayerUsers(digest string) int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
