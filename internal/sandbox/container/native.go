@@ -31,18 +31,21 @@ import (
 // its forks and sync pipes) rather than the kernel work the sandbox needs.
 //
 // Differences from the runtime's result, all deliberate:
-//   - Device nodes in /dev are bind mounts of the host's, and /dev itself
-//     and the rootfs are nodev: a node root inside makes with mknod opens
-//     nothing, whatever the device cgroup says (v1 hierarchies still get
-//     the allow-list, cgroup.MakeSandbox; cgroup v2 needs no BPF device
-//     program for it).
+//   - Device nodes in /dev are read-only bind mounts of the host's (no
+//     chmod or chown of the host's nodes from inside), and /dev itself
+//     and the rootfs (with every mount under it) are nodev: a node root
+//     inside makes with mknod opens nothing, whatever the device cgroup
+//     says (v1 hierarchies still get the allow-list, cgroup.MakeSandbox;
+//     cgroup v2 needs no BPF device program for it).
+//   - Mount points reached through a symlink are refused (runc and crun
+//     refuse them too), /etc/resolv.conf excepted (see launch.h).
 //   - Every masked directory, /proc ones included, is a bind of the empty
 //     mask dir (runc refuses mounts in /proc; crun would use a tmpfs).
 //   - /dev/shm is a directory of the /dev tmpfs (rebound nosuid, nodev,
 //     noexec), not a tmpfs of its own; /dev/mqueue is not mounted (POSIX
 //     message queues need no mount: mq_open is a system call); /sys is a
 //     read-only clone of one sysfs the backend made once, in a network
-//     namespace of its own holding only a down lo (sharedSysfs), so
+//     namespace of its own (sharedSysfs), so
 //     /sys/class/net does not show the sandbox's interfaces (ip and
 //     /proc/net do). Each of the three was a superblock per sandbox, and
 //     the kernel keeps per-superblock state in every memory cgroup:
@@ -278,7 +281,8 @@ func (c *Container) launch(ctx context.Context, cfg sandbox.Config) (err error) 
 // moved into a new network namespace (sysfs shows the mounter's network
 // namespace in /sys/class/net): every sandbox gets a clone of it instead
 // of a sysfs superblock of its own. The thread is never unlocked, so Go
-// ends it with the goroutine; the mount keeps the namespace alive.
+// ends it with the goroutine, and the namespace with it: its
+// /sys/class/net is then empty.
 func sharedSysfs() (*os.File, error) {
 	type result struct {
 		f   *os.File
