@@ -164,6 +164,17 @@ func TestLeaks(t *testing.T) {
 	if l := leaks(before, end); len(l) != 1 {
 		t.Fatalf("empty cgroups beyond the free slots: %v, want one leak", l)
 	}
+	// Fewer live sandboxes than before (another client's, ended by a
+	// TTL meanwhile) is not a leak; more is.
+	end = before
+	end.sandboxes = 0
+	if l := leaks(before, end); len(l) != 0 {
+		t.Fatalf("sandboxes that ended meanwhile counted as a leak: %v", l)
+	}
+	end.sandboxes = 3
+	if l := leaks(before, end); len(l) != 1 {
+		t.Fatalf("a sandbox more than before: %v, want one leak", l)
+	}
 	// The client's own idle connections hold daemon fds: not a leak.
 	end = before
 	end.metrics = map[string]float64{"process_open_fds": 46}
