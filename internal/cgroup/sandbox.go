@@ -95,10 +95,17 @@ func (i *Info) initNew(root, dir string) error {
 }
 
 // writeLimits writes the limits l sets; the rest stay at the defaults a
-// new or reset cgroup has.
+// new or reset cgroup has. Each goes to its controller's v1 hierarchy, or
+// else to the cgroup2 tree.
 func (i *Info) writeLimits(rel string, l Limits) error {
-	v2 := i.V2Root
-	write := func(root, file, value string) error {
+	set := func(ctrl, v1File, v1Value, v2File, v2Value string) error {
+		root, file, value := i.V1[ctrl], v1File, v1Value
+		if root == "" {
+			root, file, value = i.V2Root, v2File, v2Value
+		}
+		if root == "" {
+			return nil
+		}
 		if err := writeFile(filepath.Join(root, rel, file), value); err != nil {
 			return fmt.Errorf("setting %s of %s to %s: %w", file, rel, value, err)
 		}
@@ -106,48 +113,26 @@ func (i *Info) writeLimits(rel string, l Limits) error {
 	}
 	if l.MemoryBytes > 0 {
 		v := strconv.FormatInt(l.MemoryBytes, 10)
-		if root, ok := i.V1["memory"]; ok {
-			if err := write(root, "memory.limit_in_bytes", v); err != nil {
-				return err
-			}
-		} else if v2 != "" {
-			if err := write(v2, "memory.max", v); err != nil {
-				return err
-			}
+		if err := set("memory", "memory.limit_in_bytes", v, "memory.max", v); err != nil {
+			return err
 		}
 	}
 	if l.CPUQuotaUs > 0 {
-		if root, ok := i.V1["cpu"]; ok {
-			if err := write(root, "cpu.cfs_quota_us", strconv.FormatInt(l.CPUQuotaUs, 10)); err != nil {
-				return err
-			}
-		} else if v2 != "" {
-			if err := write(v2, "cpu.max", fmt.Sprintf("%d %d", l.CPUQuotaUs, cpuPeriodUs)); err != nil {
-				return err
-			}
+		// v1's period is the default already; cgroup2 takes both.
+		q := strconv.FormatInt(l.CPUQuotaUs, 10)
+		if err := set("cpu", "cpu.cfs_quota_us", q, "cpu.max", fmt.Sprintf("%s %d", q, cpuPeriodUs)); err != nil {
+			return err
 		}
 	}
 	if l.LowWeight {
-		if root, ok := i.V1["cpu"]; ok {
-			if err := write(root, "cpu.shares", "2"); err != nil {
-				return err
-			}
-		} else if v2 != "" {
-			if err := write(v2, "cpu.weight", "1"); err != nil {
-				return err
-			}
+		if err := set("cpu", "cpu.shares", "2", "cpu.weight", "1"); err != nil {
+			return err
 		}
 	}
 	if l.Pids > 0 {
 		v := strconv.FormatInt(l.Pids, 10)
-		if root, ok := i.V1["pids"]; ok {
-			if err := write(root, "pids.max", v); err != nil {
-				return err
-			}
-		} else if v2 != "" {
-			if err := write(v2, "pids.max", v); err != nil {
-				return err
-			}
+		if err := set("pids", "pids.max", v, "pids.max", v); err != nil {
+			return err
 		}
 	}
 	return nil

@@ -102,13 +102,11 @@ type Container struct {
 	pinned bool
 	pinErr error
 	// native: sandboxes start through the own launcher (native.go), with
-	// nativeMasks (binds of MaskDir) and nativeMasked (files, bound over
-	// with /dev/null) instead of maskMounts and masked; nativeWhy says why
-	// not when it is off.
-	native       bool
-	nativeWhy    string
-	nativeMasks  []specs.Mount
-	nativeMasked []string
+	// maskOps (built once) instead of maskMounts and masked; nativeWhy
+	// says why not when it is off.
+	native    bool
+	nativeWhy string
+	maskOps   []nsexec.Mount
 	// sysfs is the sysfs every sandbox of the launcher gets a clone of
 	// (sharedSysfs); nil: a sysfs each.
 	sysfs    *os.File
@@ -116,7 +114,8 @@ type Container struct {
 	// null is /dev/null through a read-only mount (nsexec.ReadOnlyNull),
 	// the stdio of runtimes and inits; nil: the plain /dev/null.
 	null *os.File
-	// closing: Close waits for creates using fds of the backend (sysfs).
+	// closing: Close waits for creates and execs using the backend's fds
+	// (sysfs, null).
 	closing sync.RWMutex
 }
 
@@ -218,7 +217,7 @@ func New(cfg Config) (*Container, error) {
 		}
 	}
 	if c.native, c.nativeWhy = nativeLauncher(cfg, c.filter != nil); c.native {
-		c.nativeMasks, c.nativeMasked = maskMounts(cfg.MaskDir, maskedPaths, "dsec")
+		c.maskOps = maskOps(cfg.MaskDir)
 		// Without it a sysfs per sandbox still works; it costs a
 		// superblock each.
 		c.sysfs, c.sysfsErr = sharedSysfs()
@@ -373,8 +372,9 @@ const runtimeTimeout = 2 * time.Minute
 // without running it: SIGKILL to the sandbox's init through a pidfd (the
 // kernel then kills everything in its pid namespace), wait for it to die,
 // remove the sandbox's cgroups (killing any straggler; with KeepCgroups
-// that is the caller's) and the runtime's state directory. That saves a runtime process per delete, which bounds
-// teardown rate on a small node. Without the layout, it runs the runtime.
+// that is the caller's) and the runtime's state directory. That saves a
+// runtime process per delete, which bounds teardown rate on a small node.
+// Without the layout, it runs the runtime.
 func (c *Container) Destroy(ctx context.Context, id string) error {
 	dir := filepath.Join(c.cfg.StateRoot, id)
 	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
@@ -439,7 +439,6 @@ func (c *Container) destroyDirect(ctx context.Context, dir string) (bool, error)
 			if err == nil {
 				err = waitPidfd(ctx, pidfd)
 			}
-
 		}
 		if pidfd >= 0 {
 			unix.Close(pidfd)

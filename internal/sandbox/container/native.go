@@ -120,7 +120,7 @@ func (c *Container) launchMounts(spec *specs.Spec) ([]nsexec.Mount, error) {
 	for _, m := range spec.Mounts {
 		switch {
 		case m.Type == "bind" && m.Source == c.cfg.MaskDir:
-			continue // the runtime's masks; c.nativeMasks below
+			continue // the runtime's masks; c.maskOps below
 		case m.Destination == "/dev/mqueue":
 			continue
 		case m.Destination == "/dev/shm":
@@ -175,25 +175,34 @@ func (c *Container) launchMounts(spec *specs.Spec) ([]nsexec.Mount, error) {
 			}
 		}
 	}
-	for _, m := range c.nativeMasks {
-		out = append(out, nsexec.Mount{Kind: nsexec.MountMask, Target: m.Destination, Arg1: m.Source,
-			Attr: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC})
+	return append(out, c.maskOps...), nil
+}
+
+// maskOps returns the masks and read-only paths of a sandbox as mount
+// steps, for the paths this kernel has: the same for every sandbox, so the
+// backend builds them once. Directories are binds of the empty mask dir,
+// files of /dev/null.
+func maskOps(maskDir string) []nsexec.Mount {
+	var out []nsexec.Mount
+	const ro uint32 = unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC
+	dirs, files := maskMounts(maskDir, maskedPaths, "dsec")
+	for _, m := range dirs {
+		out = append(out, nsexec.Mount{Kind: nsexec.MountMask, Target: m.Destination, Arg1: m.Source, Attr: ro})
 	}
-	for _, p := range c.nativeMasked {
+	for _, p := range files {
 		if _, err := os.Lstat(p); err != nil {
 			continue // not on this kernel
 		}
 		out = append(out, nsexec.Mount{Kind: nsexec.MountMask, Target: p, Arg1: "/dev/null",
 			Attr: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NOEXEC})
 	}
-	for _, p := range spec.Linux.ReadonlyPaths {
+	for _, p := range readonlyPaths {
 		if _, err := os.Lstat(p); err != nil {
 			continue // not on this kernel
 		}
-		out = append(out, nsexec.Mount{Kind: nsexec.MountReadOnly, Target: p,
-			Attr: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC})
+		out = append(out, nsexec.Mount{Kind: nsexec.MountReadOnly, Target: p, Attr: ro})
 	}
-	return out, nil
+	return out
 }
 
 // launch is Create through the own launcher.

@@ -18,7 +18,6 @@ import (
 	"runtime"
 	"strings"
 	"syscall"
-	"unsafe"
 )
 
 // RunInMountNS runs argv (argv[0] is a path) to completion in a new mount
@@ -38,17 +37,14 @@ func RunInMountNS(ctx context.Context, mount *os.File, target string, env []stri
 		return fmt.Errorf("starting the rootfs launcher: creating error pipe: %w", err)
 	}
 	defer r.Close()
-	cargv, freeArgv := cStrings(argv)
-	defer freeArgv()
-	cenv, freeEnv := cStrings(env)
-	defer freeEnv()
-	ctarget := C.CString(target)
-	defer C.free(unsafe.Pointer(ctarget))
+	var a cAlloc
+	defer a.free()
+	cargv, cenv, ctarget := a.strs(argv), a.strs(env), a.str(target)
 	nullfd := -1
 	if null != nil {
 		nullfd = int(null.Fd())
 	}
-	pid := C.dsec_spawn_mntns(C.int(mount.Fd()), ctarget, cargv[0], &cargv[0], &cenv[0], C.int(w.Fd()), C.int(nullfd))
+	pid := C.dsec_spawn_mntns(C.int(mount.Fd()), ctarget, *cargv, cargv, cenv, C.int(w.Fd()), C.int(nullfd))
 	runtime.KeepAlive(mount)
 	runtime.KeepAlive(null)
 	w.Close()
@@ -74,18 +70,4 @@ func RunInMountNS(ctx context.Context, mount *os.File, target string, env []stri
 		return &exec.ExitError{ProcessState: st}
 	}
 	return nil
-}
-
-// cStrings returns strs as a NULL-terminated array of C strings, and the
-// function that frees them.
-func cStrings(strs []string) ([]*C.char, func()) {
-	out := make([]*C.char, len(strs)+1)
-	for i, s := range strs {
-		out[i] = C.CString(s)
-	}
-	return out, func() {
-		for _, p := range out[:len(strs)] {
-			C.free(unsafe.Pointer(p))
-		}
-	}
 }
