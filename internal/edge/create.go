@@ -147,11 +147,11 @@ func (e *Edge) createSbx(ctx context.Context, req CreateRequest, pooled bool) (*
 	if err := os.Mkdir(filepath.Join(dir, "rootfs"), 0o755); err != nil {
 		return nil, fmt.Errorf("creating sandbox dir: %w", err)
 	}
+	// The backend makes the bundle dir if it needs one (a runtime does;
+	// dsec's launcher writes no files), and it goes once the sandbox runs:
+	// the runtime keeps its own copy of the config.
 	bundle := e.bundleDir(id)
-	if err := os.Mkdir(bundle, 0o700); err != nil {
-		return nil, fmt.Errorf("creating sandbox bundle dir: %w", err)
-	}
-	defer os.RemoveAll(bundle) // the runtime keeps its own copy of the config
+	defer os.RemoveAll(bundle)
 	// The record goes first, marked creating: if the edge dies mid-create,
 	// recovery finds it and undoes everything below. No fsync: a daemon
 	// crash keeps it (page cache), and after a host crash a directory

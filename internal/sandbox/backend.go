@@ -48,7 +48,9 @@ type Status struct {
 // Config describes one sandbox to a backend.
 type Config struct {
 	ID string
-	// Dir is a private, empty directory the backend may use (bundle files).
+	// Dir is a private directory path the backend may create and use
+	// (bundle files); the caller removes it after Create. Backends that
+	// need no files leave it uncreated.
 	Dir string
 	// Rootfs is the composed root filesystem: a mounted overlay, or with
 	// RootfsMount an empty directory to attach it at.

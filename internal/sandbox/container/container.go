@@ -306,6 +306,9 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 	if err != nil {
 		return fmt.Errorf("encoding OCI spec: %w", err)
 	}
+	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
+		return fmt.Errorf("creating bundle dir: %w", err)
+	}
 	if err := os.WriteFile(filepath.Join(cfg.Dir, "config.json"), data, 0o600); err != nil {
 		return fmt.Errorf("writing OCI spec: %w", err)
 	}
