@@ -14,6 +14,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -77,6 +78,11 @@ type Config struct {
 	// path outside StateRoot); "" runs the runtime from where it is
 	// installed, letting it clone itself on every call (see pin.go).
 	PinPath string
+	// NetnsPool is how many fresh network namespaces the launcher keeps
+	// ready (netpool.go); 0: each create makes its own.
+	NetnsPool int
+	// Log gets what goes wrong in the background (nil: slog.Default).
+	Log *slog.Logger
 }
 
 // Container runs sandboxes as OCI containers.
@@ -111,6 +117,8 @@ type Container struct {
 	// (sharedSysfs); nil: a sysfs each.
 	sysfs    *os.File
 	sysfsErr error
+	// netns keeps fresh network namespaces for the launcher; nil: none.
+	netns *netnsPool
 	// null is /dev/null through a read-only mount (nsexec.ReadOnlyNull),
 	// the stdio of runtimes and inits; nil: the plain /dev/null.
 	null *os.File
@@ -131,6 +139,10 @@ func (c *Container) Close() {
 	if c.sysfs != nil {
 		c.sysfs.Close()
 		c.sysfs = nil
+	}
+	if c.netns != nil {
+		c.netns.close()
+		c.netns = nil
 	}
 	if c.null != nil {
 		c.null.Close()
@@ -221,6 +233,13 @@ func New(cfg Config) (*Container, error) {
 		// Without it a sysfs per sandbox still works; it costs a
 		// superblock each.
 		c.sysfs, c.sysfsErr = sharedSysfs()
+		if cfg.NetnsPool > 0 {
+			log := cfg.Log
+			if log == nil {
+				log = slog.Default()
+			}
+			c.netns = newNetnsPool(cfg.NetnsPool, log)
+		}
 	}
 	return c, nil
 }
@@ -387,6 +406,9 @@ func (c *Container) Destroy(ctx context.Context, id string) error {
 	// here would leave the sandbox's processes running.
 	release, _ := acquire(context.Background(), c.destroying)
 	defer release()
+	if c.netns != nil {
+		c.netns.busy()
+	}
 	if c.cfg.Cgroups != nil {
 		if done, err := c.destroyDirect(ctx, dir); done || err != nil {
 			return err

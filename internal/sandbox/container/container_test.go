@@ -26,7 +26,7 @@ func newTestBackend(t *testing.T, runtime string, helper bool) *Container {
 
 // newTestBackendWith is newTestBackend that, with native, starts
 // sandboxes through dsec's own launcher (which needs the helper).
-func newTestBackendWith(t *testing.T, runtime string, helper, native bool) *Container {
+func newTestBackendWith(t *testing.T, runtime string, helper, native bool, edits ...func(*Config)) *Container {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: runs OCI containers")
@@ -47,6 +47,9 @@ func newTestBackendWith(t *testing.T, runtime string, helper, native bool) *Cont
 			t.Fatal(err)
 		}
 		cfg.Cgroups = cg
+	}
+	for _, edit := range edits {
+		edit(&cfg)
 	}
 	c, err := New(cfg)
 	if err != nil {
@@ -72,8 +75,8 @@ func conformance(t *testing.T, runtime string, helper bool) {
 // conformanceRootfs runs the suite; with detached, every sandbox's rootfs
 // is an overlay handed over as a detached mount (sandbox.Config.RootfsMount)
 // instead of a directory on the host.
-func conformanceRootfs(t *testing.T, runtime string, helper, detached, native bool) {
-	c := newTestBackendWith(t, runtime, helper, native)
+func conformanceRootfs(t *testing.T, runtime string, helper, detached, native bool, edits ...func(*Config)) {
+	c := newTestBackendWith(t, runtime, helper, native, edits...)
 	var procs func(string) ([]int, error)
 	if c.cfg.Cgroups != nil {
 		// Destroy runs without the runtime here: nothing may be left in
@@ -134,13 +137,16 @@ func TestConformanceDetachedRootfs(t *testing.T) {
 }
 
 // TestConformanceNative runs the suite with sandboxes started by dsec's
-// own launcher, on a rootfs mounted on the host and on a detached one.
+// own launcher, on a rootfs mounted on the host and on a detached one, the
+// latter (as the edge runs it) with network namespaces from the pool.
 func TestConformanceNative(t *testing.T) {
 	if !nsexec.Available {
 		t.Skip("needs a build with cgo: the launcher is C")
 	}
 	t.Run("host-rootfs", func(t *testing.T) { conformanceRootfs(t, "runc", true, false, true) })
-	t.Run("detached-rootfs", func(t *testing.T) { conformanceRootfs(t, "runc", true, true, true) })
+	t.Run("detached-rootfs", func(t *testing.T) {
+		conformanceRootfs(t, "runc", true, true, true, func(c *Config) { c.NetnsPool = 4 })
+	})
 }
 
 // detachedRootfs builds an overlay of lower as a detached mount and an

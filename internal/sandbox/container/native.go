@@ -90,6 +90,17 @@ func (c *Container) LauncherWhy() (string, string) { return c.Launcher(), c.nati
 // their own instead of a clone of a shared one (nil: they do not).
 func (c *Container) SharedSysfsErr() error { return c.sysfsErr }
 
+// NetnsPool reports how many fresh network namespaces wait for creates,
+// whether there is a pool, and why it stopped filling if it did.
+func (c *Container) NetnsPool() (free int, ok bool, err error) {
+	c.closing.RLock()
+	defer c.closing.RUnlock()
+	if c.netns == nil {
+		return 0, false, nil
+	}
+	return c.netns.Free(), true, c.netns.Err()
+}
+
 // launchable reports whether cfg can go through the own launcher.
 func (c *Container) launchable(cfg sandbox.Config) bool {
 	return c.native && cfg.UserNS == nil
@@ -256,9 +267,16 @@ func (c *Container) launch(ctx context.Context, cfg sandbox.Config) (err error) 
 	if r := spec.Process.Rlimits; len(r) > 0 {
 		nofile = r[0].Hard
 	}
+	var netns *os.File // nil: init makes its own
+	if c.netns != nil {
+		// Used or not, it is never handed out again.
+		if netns = c.netns.take(); netns != nil {
+			defer netns.Close()
+		}
+	}
 	pid, fd, err := nsexec.Launch(nsexec.LaunchConfig{
 		RootfsMount: cfg.RootfsMount, Rootfs: cfg.Rootfs, Mounts: mounts,
-		Hostname: cfg.Hostname, CgroupProcs: procs, CgroupNS: c.cfg.CgroupNS,
+		Hostname: cfg.Hostname, CgroupProcs: procs, CgroupNS: c.cfg.CgroupNS, NetNS: netns,
 		Caps: capMask(defaultCaps), NoFile: nofile, Filter: c.filter,
 		Argv: spec.Process.Args, Env: spec.Process.Env, Null: c.null,
 	})

@@ -26,7 +26,7 @@ func newNativeBackend(t *testing.T) *Container {
 	if !nsexec.Available {
 		t.Skip("needs a build with cgo: the launcher is C")
 	}
-	return newTestBackendWith(t, "runc", true, true)
+	return newTestBackendWith(t, "runc", true, true, func(c *Config) { c.NetnsPool = 4 })
 }
 
 // nativeSandbox creates a sandbox from rootfs with the own launcher and
@@ -425,5 +425,64 @@ func TestNativeInitDiesAlone(t *testing.T) {
 	}
 	if err := c.Destroy(context.Background(), cfg.ID); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestNativeNetnsPool: init joins a namespace from the pool (one only
+// its sandbox gets), keeps no fd of it or of any other namespace, and a
+// create with the pool empty makes its own.
+func TestNativeNetnsPool(t *testing.T) {
+	c := newNativeBackend(t)
+	waitFree(t, c.netns, 4)
+	// Peek at the pool's namespaces: take them all, note them, put them
+	// back (the filler waits netnsQuiet after a take, and the pool is
+	// full, so it adds none meanwhile).
+	pooled := map[uint64]bool{}
+	var fs []*os.File
+	for range 4 {
+		f := c.netns.take()
+		pooled[nsIno(t, f)] = true
+		fs = append(fs, f)
+	}
+	for _, f := range fs {
+		c.netns.free <- f
+	}
+	inos := map[uint64]bool{}
+	for i := range 5 {
+		if i == 4 && c.netns.Free() != 0 {
+			t.Fatalf("pool refilled during the creates: %d", c.netns.Free())
+		}
+		cfg, err := nativeSandbox(t, c, sandboxtest.BusyboxRootfs(t), func(cfg *sandbox.Config) { cfg.ID += fmt.Sprint(i) })
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, err := c.Status(context.Background(), cfg.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ns unix.Stat_t
+		if err := unix.Stat(fmt.Sprintf("/proc/%d/ns/net", st.Pid), &ns); err != nil {
+			t.Fatal(err)
+		}
+		if inos[ns.Ino] {
+			t.Errorf("sandbox %d shares a network namespace with an earlier one", i)
+		}
+		inos[ns.Ino] = true
+		if from := pooled[ns.Ino]; from != (i < 4) {
+			t.Errorf("sandbox %d: namespace from the pool %v, want %v", i, from, i < 4)
+		}
+		ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", st.Pid))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range ents {
+			l, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", st.Pid, e.Name()))
+			if kind, _, ok := strings.Cut(l, ":["); ok && slices.Contains([]string{"net", "mnt", "pid", "ipc", "uts", "user", "cgroup", "time"}, kind) {
+				t.Errorf("init holds fd %s -> %s", e.Name(), l)
+			}
+		}
+		if code, out := sh(t, c, cfg.ID, "busybox ip -o link | wc -l; busybox ip -o link show lo"); code != 0 || !strings.HasPrefix(out, "1\n") || !strings.Contains(out, "<LOOPBACK,UP") {
+			t.Errorf("sandbox %d network (%d): %s", i, code, out)
+		}
 	}
 }

@@ -388,6 +388,8 @@ static int child(void *arg) {
 			fail(l, "joining cgroup", NULL, errno);
 	if (l->cgroupns && unshare(CLONE_NEWCGROUP) < 0)
 		fail(l, "unshare(CLONE_NEWCGROUP)", NULL, errno);
+	if (l->netns_fd >= 0 && setns(l->netns_fd, CLONE_NEWNET) < 0)
+		fail(l, "joining the network namespace", NULL, errno);
 
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
 		fail(l, "making mounts private", NULL, errno);
@@ -414,7 +416,8 @@ static int child(void *arg) {
 	for (int i = 0; i < l->nops; i++)
 		run_op(l, rootfd, &l->ops[i]);
 
-	loopback_up(l);
+	if (l->netns_fd < 0)
+		loopback_up(l);
 	if (l->hostname[0] && sethostname(l->hostname, strlen(l->hostname)) < 0)
 		fail(l, "sethostname", NULL, errno);
 	if (fchdir(rootfd) < 0)
@@ -456,7 +459,9 @@ static int child(void *arg) {
 static int middle(void *arg) {
 	struct dsec_launch *l = arg;
 	int flags = CLONE_VM | CLONE_VFORK | CLONE_PIDFD | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS |
-		    CLONE_NEWNET | SIGCHLD;
+		    SIGCHLD;
+	if (l->netns_fd < 0)
+		flags |= CLONE_NEWNET;
 	int pidfd = -1;
 	pid_t pid = clone(child, (char *)l->stack + 2 * STACK_SIZE, flags, l, &pidfd);
 	if (pid < 0)

@@ -35,7 +35,7 @@ var lastCap = sync.OnceValue(func() int {
 })
 
 // Launch starts the sandbox's init in new pid, mount, ipc, uts and network
-// namespaces (launch.c) and returns its pid and a pidfd (the caller
+// namespaces (launch.c; the network one may be cfg.NetNS) and returns its pid and a pidfd (the caller
 // closes it) once it has exec'd Argv. Init is not the caller's child: the
 // host's reaper inherits it. On error nothing of it is left running,
 // except when something outside killed the launcher halfway (SIGKILL to
@@ -94,6 +94,10 @@ func Launch(cfg LaunchConfig) (pid, pidfd int, err error) {
 	if cfg.CgroupNS {
 		l.cgroupns = 1
 	}
+	l.netns_fd = -1
+	if cfg.NetNS != nil {
+		l.netns_fd = C.int(cfg.NetNS.Fd())
+	}
 	l.caps = C.uint64_t(cfg.Caps)
 	l.last_cap = C.int(lastCap())
 	l.nofile = C.uint64_t(cfg.NoFile)
@@ -113,6 +117,7 @@ func Launch(cfg LaunchConfig) (pid, pidfd int, err error) {
 	cpid := C.dsec_launch(l)
 	runtime.KeepAlive(cfg.RootfsMount)
 	runtime.KeepAlive(cfg.Null)
+	runtime.KeepAlive(cfg.NetNS)
 	runtime.KeepAlive(fds)
 	if cpid < 0 {
 		return 0, -1, fmt.Errorf("sandbox launcher: clone: %w", syscall.Errno(-cpid))

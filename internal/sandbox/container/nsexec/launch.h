@@ -40,6 +40,7 @@ struct dsec_launch {
 	const int *cgroup_fds; // cgroup.procs of each hierarchy, O_WRONLY
 	int ncgroups;
 	int cgroupns;
+	int netns_fd; // network namespace to join (fresh, lo up), or -1: a new one
 	uint64_t caps; // effective = permitted = bounding
 	int last_cap;
 	uint64_t nofile;

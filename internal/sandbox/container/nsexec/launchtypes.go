@@ -46,6 +46,10 @@ type LaunchConfig struct {
 	CgroupProcs []string
 	// CgroupNS gives the sandbox a cgroup namespace rooted at its cgroup.
 	CgroupNS bool
+	// NetNS, if set, is the network namespace init joins instead of
+	// making one: a fresh one with lo up, which init alone holds after
+	// the launch (the caller closes its fd).
+	NetNS *os.File
 	// Caps is the bounding, permitted and effective set.
 	Caps   uint64
 	NoFile uint64

@@ -1,0 +1,154 @@
+package container
+
+import (
+	"log/slog"
+	"net"
+	"os"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+func nsIno(t *testing.T, f *os.File) uint64 {
+	t.Helper()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Ino
+}
+
+// linksIn lists the interfaces of the network namespace f, and whether
+// each is up, from a thread moved into it (and back).
+func linksIn(t *testing.T, f *os.File) map[string]bool {
+	t.Helper()
+	type result struct {
+		links map[string]bool
+		err   error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread ends with the goroutine
+		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
+			ch <- result{nil, err}
+			return
+		}
+		ifs, err := net.Interfaces()
+		links := map[string]bool{}
+		for _, i := range ifs {
+			links[i.Name] = i.Flags&net.FlagUp != 0
+		}
+		ch <- result{links, err}
+	}()
+	r := <-ch
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	return r.links
+}
+
+func waitFree(t *testing.T, p *netnsPool, n int) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); p.Free() != n; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("pool has %d namespaces after 10 s, want %d (err %v)", p.Free(), n, p.Err())
+		}
+	}
+}
+
+// TestNetnsPool: the pool hands out distinct fresh namespaces, not the
+// host's, with lo up and nothing else; it hands none out twice, holds
+// back while busy, refills with new ones once quiet, and Close lets go of
+// the rest.
+func TestNetnsPool(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: makes network namespaces")
+	}
+	host, err := os.Open("/proc/self/ns/net")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer host.Close()
+	seen := map[uint64]bool{nsIno(t, host): true}
+
+	// Busy for an hour: no refill after the first fill.
+	p := startNetnsPool(3, time.Hour, slog.Default())
+	waitFree(t, p, 3)
+	var taken []*os.File
+	defer func() {
+		for _, f := range taken {
+			f.Close()
+		}
+	}()
+	for range 3 {
+		f := p.take()
+		if f == nil {
+			t.Fatal("take from a full pool gave nothing")
+		}
+		taken = append(taken, f)
+		ino := nsIno(t, f)
+		if seen[ino] {
+			t.Fatalf("namespace %d handed out twice, or the host's", ino)
+		}
+		seen[ino] = true
+		if links := linksIn(t, f); len(links) != 1 || !links["lo"] {
+			t.Errorf("pooled namespace has links %v, want lo up only", links)
+		}
+	}
+	if f := p.take(); f != nil {
+		f.Close()
+		t.Fatal("take from an empty pool gave a namespace")
+	}
+	time.Sleep(300 * time.Millisecond)
+	if n := p.Free(); n != 0 {
+		t.Errorf("pool refilled %d while busy", n)
+	}
+	p.close()
+
+	// Quiet after 20 ms: refills with namespaces never handed out (the
+	// taken ones are still open, so their inodes cannot be reused).
+	p = startNetnsPool(2, 20*time.Millisecond, slog.Default())
+	waitFree(t, p, 2)
+	for range 2 {
+		f := p.take()
+		taken = append(taken, f)
+		seen[nsIno(t, f)] = true
+	}
+	waitFree(t, p, 2)
+	for range 2 {
+		f := p.take()
+		if seen[nsIno(t, f)] {
+			t.Errorf("refill handed out namespace %d again", nsIno(t, f))
+		}
+		taken = append(taken, f)
+	}
+	waitFree(t, p, 2)
+	before := netnsFds(t)
+	p.close()
+	// The 2 in the pool, and the filler's handle on the host's.
+	if n := before - netnsFds(t); n != 3 {
+		t.Errorf("close let go of %d namespace fds, want 3", n)
+	}
+	if p.Free() != 0 || p.Err() != nil {
+		t.Errorf("after close: %d free, err %v", p.Free(), p.Err())
+	}
+}
+
+// netnsFds counts this process's open fds of network namespaces.
+func netnsFds(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, e := range ents {
+		if l, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && strings.HasPrefix(l, "net:[") {
+			n++
+		}
+	}
+	return n
+}
