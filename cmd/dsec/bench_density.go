@@ -313,7 +313,9 @@ type densityResult struct {
 	CgroupsKept int `json:"cgroups_kept_for_reuse,omitempty"`
 	// EmptyMemcgKiB is what one empty memory cgroup costs the kernel on
 	// this host (memcgProbe), a cost every sandbox pays.
-	EmptyMemcgKiB       float64  `json:"empty_memcg_kib,omitempty"`
+	EmptyMemcgKiB float64 `json:"empty_memcg_kib,omitempty"`
+	// MemoryCgroup is the sandboxes' memory_cgroup (own or shared).
+	MemoryCgroup        string   `json:"memory_cgroup,omitempty"`
 	TornDown            bool     `json:"torn_down"`
 	Leaks               []string `json:"leaks,omitempty"`
 	PidMax              int      `json:"pid_max,omitempty"`
@@ -331,8 +333,9 @@ type densityReport struct {
 
 type densityOpts struct {
 	benchOpts
-	samples int
-	keep    bool
+	samples      int
+	keep         bool
+	memoryCgroup string
 }
 
 func runBenchDensity(args []string) error {
@@ -345,6 +348,7 @@ func runBenchDensity(args []string) error {
 	f.IntVar(&o.concurrency, "concurrency", 16, "creates and deletes in flight at once")
 	f.IntVar(&o.samples, "exec-samples", 200, "execs of `true` at density, round-robin over the sandboxes, one at a time")
 	f.BoolVar(&o.keep, "keep", false, "leave the sandboxes running (no teardown or leak check)")
+	f.StringVar(&o.memoryCgroup, "memory-cgroup", api.MemoryCgroupOwn, "the sandboxes' memory_cgroup: own (a memory cgroup each) or shared (charged to one of the node's)")
 	f.StringVar(&o.stateDir, "state-dir", "/var/lib/dsec", "the daemon's state dir (mounts are counted under it; the baseline reads the layer blob)")
 	f.StringVar(&o.base, "base", "", "base layer ref to use (default: build base/bench:busybox from the host's busybox)")
 	f.BoolVar(&o.jsonOut, "json", false, "print JSON instead of a table")
@@ -354,6 +358,9 @@ func runBenchDensity(args []string) error {
 	}
 	if o.count < 1 || o.concurrency < 1 || o.concurrency > 1024 || o.samples < 0 {
 		return errors.New("bench: --count must be ≥ 1, --concurrency between 1 and 1024, --exec-samples ≥ 0")
+	}
+	if o.memoryCgroup != api.MemoryCgroupOwn && o.memoryCgroup != api.MemoryCgroupShared {
+		return fmt.Errorf("bench: --memory-cgroup %q: want own or shared", o.memoryCgroup)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -484,6 +491,9 @@ func (d *densityRun) sample(ctx context.Context) hostSample {
 		s.mounts, s.ourMounts = countMounts(string(mi), abs, d.ids)
 	}
 	parent := cgroupParent(d.node.Name, d.o.stateDir)
+	if d.o.memoryCgroup == api.MemoryCgroupShared {
+		parent += "-shared" // edge/cgroups.go
+	}
 	s.cgroups, s.busyCgroups = countCgroups(parent)
 	s.hierarchies = len(cgroupParentDirs(parent))
 	s.cgroupPids = cgroupValue(parent, "pids.current")
@@ -620,7 +630,7 @@ func startProgress(what string, total int, done *atomic.Int64) func() {
 func (d *densityRun) runDsec(ctx context.Context, ref string) ([]benchRow, densityResult, error) {
 	o := d.o
 	n := o.count
-	res := densityResult{PidMax: d.lim.PidMax, MaxSandboxes: d.lim.MaxSandboxes, ExecSamples: o.samples}
+	res := densityResult{PidMax: d.lim.PidMax, MaxSandboxes: d.lim.MaxSandboxes, ExecSamples: o.samples, MemoryCgroup: o.memoryCgroup}
 	label := fmt.Sprintf("bench-density-%d", time.Now().UnixNano())
 	torn := false
 	defer func() {
@@ -682,7 +692,7 @@ func (d *densityRun) runDsec(ctx context.Context, ref string) ([]benchRow, densi
 				canceled.Add(1)
 				return err
 			}
-			sb, err := d.c.CreateSandbox(fillCtx, api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": label}})
+			sb, err := d.c.CreateSandbox(fillCtx, api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": label}, MemoryCgroup: o.memoryCgroup})
 			if err != nil && fillCtx.Err() != nil {
 				canceled.Add(1)
 			}
@@ -1001,7 +1011,10 @@ func densityLines(rep densityReport, rt string) []string {
 		fmt.Fprintf(tw, "daemon fds (not counting the bench's connections)\t%.2f (%d → %d)\t-\n", float64(d.DaemonFDsAfter-d.DaemonFDsBefore)/float64(max(d.Sandboxes, 1)), d.DaemonFDsBefore, d.DaemonFDsAfter)
 		fmt.Fprintf(tw, "daemon goroutines, threads\t%d → %d, %d → %d\t-\n", d.DaemonGoroutines[0], d.DaemonGoroutines[1], d.DaemonThreads[0], d.DaemonThreads[1])
 	}
-	if d.EmptyMemcgKiB > 0 {
+	switch {
+	case d.EmptyMemcgKiB > 0 && d.MemoryCgroup == api.MemoryCgroupShared:
+		fmt.Fprintf(tw, "not paid (memory_cgroup shared): an empty memory cgroup (probe)\t%s\t-\n", kib(d.EmptyMemcgKiB))
+	case d.EmptyMemcgKiB > 0:
 		fmt.Fprintf(tw, "of which an empty memory cgroup (probe)\t%s\t-\n", kib(d.EmptyMemcgKiB))
 	}
 	if d.TornDown || (bl != nil && bl.TornDown) {

@@ -63,6 +63,7 @@ type upConfig struct {
 	runtimeExec  bool
 	launcher     string
 	netnsPool    int
+	sharedMemMB  int64
 }
 
 func runUp(args []string) error {
@@ -92,6 +93,7 @@ func runUp(args []string) error {
 	f.BoolVar(&c.runtimeExec, "runtime-exec", false, "enter sandboxes for exec and sessions through the OCI runtime's exec (~9 ms each) instead of dsec's own exec helper (~1 ms); builds without cgo always do")
 	f.StringVar(&c.launcher, "launcher", "auto", "what starts sandboxes: dsec (its own launcher: the runtime's mounts, namespaces, cgroups and seccomp without a runtime process, ~2x cheaper per create), runtime (the OCI runtime's run), or auto (dsec where it can: root, cgo, the exec helper; user-namespace sandboxes always use the runtime)")
 	f.IntVar(&c.netnsPool, "netns-pool", 1024, "fresh network namespaces dsec's launcher keeps ready (at most --max-sandboxes), made in the background once creates and deletes pause: a create joins one instead of making one (~1 ms of CPU each; ~150-190 KiB of kernel memory each while waiting; 0 = none)")
+	f.Int64Var(&c.sharedMemMB, "shared-memory-mb", 0, "memory limit of all memory_cgroup \"shared\" sandboxes together, in MiB (they have none each; past it the kernel's OOM killer picks among them); 0 = no limit")
 	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of user-namespace sandboxes (spec userns: true), which get 65536 ids from it; 0 refuses userns")
 	f.StringVar(&c.logFormat, "log-format", "text", "log format: text or json")
 	f.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
@@ -111,6 +113,9 @@ func runUp(args []string) error {
 	}
 	if c.netnsPool < 0 || c.netnsPool > 1<<16 {
 		return fmt.Errorf("--netns-pool %d: want 0 to 65536", c.netnsPool)
+	}
+	if c.sharedMemMB < 0 || (c.sharedMemMB > 0 && c.sharedMemMB < 64) {
+		return fmt.Errorf("--shared-memory-mb %d: want 0 (no limit) or at least 64", c.sharedMemMB)
 	}
 	if c.cgroupPool < 0 {
 		return fmt.Errorf("--cgroup-pool %d: want 0 or more", c.cgroupPool)
@@ -326,7 +331,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 		MaxSandboxes: c.maxSandboxes, Policy: policy,
 		CgroupParent: cgroupParent(c.nodeName, c.stateDir), MaxPaused: c.maxPaused,
 		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth, DiskQuota: disk,
-		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax, CgroupPool: c.cgroupPool,
+		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax, CgroupPool: c.cgroupPool, SharedMemoryMB: c.sharedMemMB,
 		BundleDir: filepath.Join(runDir, "bundles"),
 	}, edge.Deps{
 		Backend: backend, BlobPath: layers.BlobPath, Cgroups: cg, Log: log,

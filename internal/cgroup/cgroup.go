@@ -72,6 +72,10 @@ type Info struct {
 	// UnifiedControllers are the controllers listed in the cgroup2 root's
 	// cgroup.controllers (available there, i.e. not bound to v1).
 	UnifiedControllers []string
+	// SharedMemory, if set, is a parent cgroup whose children have no
+	// memory cgroup of their own: they are charged to it (see
+	// EnsureSharedMemoryParent). Set it before sharing Info.
+	SharedMemory string
 }
 
 // Detect reads /proc/self/mountinfo and the cgroup2 root's
@@ -165,9 +169,27 @@ func (i *Info) roots() []string {
 	return roots
 }
 
+// MemoryShared reports whether rel is below SharedMemory: a cgroup
+// without a memory cgroup of its own.
+func (i *Info) MemoryShared(rel string) bool { return i.memShared(rel) }
+
+func (i *Info) memShared(rel string) bool {
+	return i.SharedMemory != "" && strings.HasPrefix(rel, i.SharedMemory+"/")
+}
+
+// rootsOf returns the hierarchies cgroup rel exists in: all of them, but
+// the v1 memory hierarchy for a cgroup below SharedMemory.
+func (i *Info) rootsOf(rel string) []string {
+	roots := i.roots()
+	if mem, ok := i.V1["memory"]; ok && i.memShared(rel) {
+		roots = slices.DeleteFunc(roots, func(r string) bool { return r == mem })
+	}
+	return roots
+}
+
 // exists reports whether rel exists in any hierarchy.
 func (i *Info) exists(rel string) bool {
-	for _, root := range i.roots() {
+	for _, root := range i.rootsOf(rel) {
 		if isDir(filepath.Join(root, rel)) {
 			return true
 		}

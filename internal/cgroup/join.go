@@ -65,16 +65,24 @@ func (i *Info) procsFiles(procCgroup []byte) ([]string, error) {
 
 // RelOf returns the cgroup process pid is in, relative to the hierarchy
 // roots (the path runtimes are given as cgroupsPath), read from the first
-// mounted hierarchy in /proc/PID/cgroup.
+// mounted hierarchy in /proc/PID/cgroup other than a v1 memory one (where
+// a sandbox below SharedMemory is in SharedMemory itself).
 func (i *Info) RelOf(pid int) (string, error) {
 	files, err := i.ProcsFilesOf(pid)
 	if err != nil {
 		return "", err
 	}
-	for _, root := range i.roots() {
-		if rel, ok := strings.CutPrefix(files[0], root+"/"); ok {
-			return "/" + strings.TrimSuffix(rel, "/cgroup.procs"), nil
+	mem, hasMem := i.V1["memory"]
+	for _, f := range files {
+		if hasMem && len(files) > 1 && strings.HasPrefix(f, mem+"/") {
+			continue
 		}
+		for _, root := range i.roots() {
+			if rel, ok := strings.CutPrefix(f, root+"/"); ok {
+				return "/" + strings.TrimSuffix(rel, "/cgroup.procs"), nil
+			}
+		}
+		return "", fmt.Errorf("cgroup file %s is under no known hierarchy", f)
 	}
 	return "", fmt.Errorf("cgroup file %s is under no known hierarchy", files[0])
 }

@@ -14,7 +14,7 @@ type Reclaimed struct {
 	BeforeBytes uint64
 	AfterBytes  uint64
 	// Method names the interface used: "memory.reclaim" (v2) or
-	// "memory.force_empty" (v1).
+	// "memory.force_empty" (v1), or says why there was none.
 	Method string
 }
 
@@ -35,6 +35,11 @@ func (r Reclaimed) Freed() uint64 {
 func (i *Info) Reclaim(rel string) (Reclaimed, error) {
 	if err := checkRel(rel); err != nil {
 		return Reclaimed{}, err
+	}
+	if i.memShared(rel) {
+		// Its memory is charged to SharedMemory, with every other
+		// sandbox's there: nothing to reclaim for this one alone.
+		return Reclaimed{Method: "none (shared memory cgroup)"}, nil
 	}
 	if root, ok := i.V1["memory"]; ok {
 		dir := filepath.Join(root, rel)

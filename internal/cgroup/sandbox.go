@@ -36,7 +36,9 @@ var v1Devices = []string{
 // exist: EnsureParent), or takes it as it is where it exists already (a
 // recycled slot, at the kernel defaults: Slots), and writes l. It returns
 // the cgroup.procs file of each hierarchy, which a process writes "0" into
-// to join. A new cgroup gets its parent's cpuset and, on a v1 devices
+// to join. Below SharedMemory, rel has no memory cgroup: l must set no
+// memory limit, and on a v1 memory hierarchy the file returned is
+// SharedMemory's. A new cgroup gets its parent's cpuset and, on a v1 devices
 // hierarchy, the device allow-list v1Devices. On error, directories it
 // created are removed again.
 //
@@ -45,6 +47,9 @@ var v1Devices = []string{
 func (i *Info) MakeSandbox(rel string, l Limits) ([]string, error) {
 	if err := checkRel(rel); err != nil {
 		return nil, err
+	}
+	if i.memShared(rel) && l.MemoryBytes > 0 {
+		return nil, fmt.Errorf("cgroup %s: a memory limit needs a memory cgroup of its own", rel)
 	}
 	var created, procs []string
 	ok := false
@@ -55,7 +60,10 @@ func (i *Info) MakeSandbox(rel string, l Limits) ([]string, error) {
 			}
 		}
 	}()
-	for _, root := range i.roots() {
+	if mem, has := i.V1["memory"]; has && i.memShared(rel) {
+		procs = append(procs, filepath.Join(mem, i.SharedMemory, "cgroup.procs"))
+	}
+	for _, root := range i.rootsOf(rel) {
 		dir := filepath.Join(root, rel)
 		err := os.Mkdir(dir, 0o755)
 		switch {

@@ -252,7 +252,7 @@ func (i *Info) resetSlot(rel string) error {
 	if err := checkRel(rel); err != nil {
 		return err
 	}
-	for _, root := range i.roots() {
+	for _, root := range i.rootsOf(rel) {
 		dir := filepath.Join(root, rel)
 		pids, err := readPids(filepath.Join(dir, "cgroup.procs"))
 		if err != nil {
@@ -297,6 +297,9 @@ const slotReclaimAbove = 4 << 20
 // that is not reusable: its next sandbox would start with the last one's
 // memory counted against its limit.
 func (i *Info) shrinkSlot(rel string) error {
+	if i.memShared(rel) {
+		return nil // charged to SharedMemory
+	}
 	var file string
 	var shrink func(dir string, usage uint64) error
 	if root, ok := i.V1["memory"]; ok {
@@ -390,7 +393,9 @@ func (i *Info) slotDefaults(rel string) []slotWrite {
 		out = append(out, slotWrite{filepath.Join(dir, rel, file), value, optional})
 	}
 	v2 := i.V2Root
-	if root, ok := i.V1["memory"]; ok {
+	if root, ok := i.V1["memory"]; i.memShared(rel) {
+		// No memory cgroup of its own to reset.
+	} else if ok {
 		add(root, "memory.memsw.limit_in_bytes", "-1", true)
 		add(root, "memory.limit_in_bytes", "-1", false)
 	} else if v2 != "" {

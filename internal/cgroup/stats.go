@@ -4,9 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
@@ -26,6 +28,11 @@ type Stats struct {
 	CPUUsageNS uint64
 	// Pids is the number of tasks (threads, not just processes).
 	Pids uint64
+	// MemoryFromRSS: the cgroup has no memory cgroup of its own (below
+	// Info.SharedMemory), so MemoryBytes is the sum of its processes'
+	// resident sets (pages two of them share count twice; page cache
+	// they do not map, not at all).
+	MemoryFromRSS bool
 }
 
 // v1 reports "no limit" as the largest page-aligned counter value
@@ -43,7 +50,10 @@ func (i *Info) Stats(rel string) (Stats, error) {
 	}
 	var s Stats
 	var err error
-	if root, ok := i.V1["memory"]; ok {
+	if i.memShared(rel) {
+		s.MemoryFromRSS = true
+		s.MemoryBytes, err = i.rss(rel)
+	} else if root, ok := i.V1["memory"]; ok {
 		s.MemoryBytes, s.MemoryLimitBytes, err = memoryV1(filepath.Join(root, rel))
 	} else if i.V2Root != "" {
 		s.MemoryBytes, s.MemoryLimitBytes, err = memoryV2(filepath.Join(i.V2Root, rel))
@@ -115,6 +125,30 @@ func memoryV2(dir string) (usage, limit uint64, err error) {
 		return 0, 0, fmt.Errorf("parsing memory.max: %w", err)
 	}
 	return usage, limit, nil
+}
+
+// rss sums the resident set sizes of the processes in rel.
+func (i *Info) rss(rel string) (uint64, error) {
+	pids, err := i.Procs(rel)
+	if err != nil {
+		return 0, err
+	}
+	var sum uint64
+	for _, pid := range pids {
+		b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/statm")
+		if err != nil {
+			continue // exited meanwhile
+		}
+		// size resident shared text lib data dt, in pages.
+		f := strings.Fields(string(b))
+		if len(f) < 2 {
+			continue
+		}
+		if n, err := strconv.ParseUint(f[1], 10, 64); err == nil {
+			sum += n * uint64(os.Getpagesize())
+		}
+	}
+	return sum, nil
 }
 
 // optional turns a missing file into the zero value.

@@ -80,6 +80,48 @@ func (i *Info) EnsureParent(rel string) error {
 	return nil
 }
 
+// EnsureSharedMemoryParent is EnsureParent for Info.SharedMemory: on the
+// cgroup2 tree it leaves memory out of the parent's subtree_control, so
+// its children get no memory cgroup of their own and are charged to it;
+// on a v1 memory hierarchy they are simply not created there
+// (MakeSandbox).
+func (i *Info) EnsureSharedMemoryParent() error {
+	rel := i.SharedMemory
+	if err := i.EnsureParent(rel); err != nil {
+		return err
+	}
+	if i.Mode != V2 {
+		return nil
+	}
+	file := filepath.Join(i.V2Root, rel, "cgroup.subtree_control")
+	have, err := readList(file)
+	if err != nil {
+		return fmt.Errorf("reading %s: %w", file, err)
+	}
+	if slices.Contains(have, "memory") {
+		if err := writeFile(file, "-memory"); err != nil {
+			return fmt.Errorf("disabling memory in %s: %w", file, err)
+		}
+	}
+	return nil
+}
+
+// SetSharedMemoryLimit sets the memory limit of SharedMemory, all its
+// sandboxes together (0: none).
+func (i *Info) SetSharedMemoryLimit(bytes int64) error {
+	if bytes > 0 {
+		return i.writeLimits(i.SharedMemory, Limits{MemoryBytes: bytes})
+	}
+	for _, w := range i.slotDefaults(i.SharedMemory) {
+		if strings.Contains(filepath.Base(w.file), "memory.") {
+			if err := w.apply(); err != nil {
+				return fmt.Errorf("lifting the memory limit of %s: %w", i.SharedMemory, err)
+			}
+		}
+	}
+	return nil
+}
+
 // ensureV2 creates rel in the cgroup2 tree with the controllers the
 // runtime needs enabled for rel's children.
 func (i *Info) ensureV2(rel string, mkdir func(string) error) error {

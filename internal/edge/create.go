@@ -128,7 +128,10 @@ func (e *Edge) createSbx(ctx context.Context, req CreateRequest, pooled bool) (*
 		delete(e.sandboxes, id)
 		e.mu.Unlock()
 	})
-	rec.CgroupPath, rec.CgroupCPUBase = e.cgroupFor(id)
+	rec.CgroupPath, rec.CgroupCPUBase, err = e.cgroupFor(id, spec.MemoryCgroup == api.MemoryCgroupShared)
+	if err != nil {
+		return nil, err
+	}
 	s.mu.Lock()
 	s.rec.CgroupPath, s.rec.CgroupCPUBase = rec.CgroupPath, rec.CgroupCPUBase
 	s.mu.Unlock()
@@ -307,34 +310,6 @@ func (e *Edge) bundleDir(id string) string {
 		return filepath.Join(e.sandboxDir(id), "bundle")
 	}
 	return filepath.Join(e.cfg.BundleDir, id)
-}
-
-// cgroupFor picks the cgroup of a new sandbox: a recycled slot, or one
-// named after the sandbox when slots are off. cpuBase is the CPU time the
-// cgroup counted before (see record.CgroupCPUBase).
-func (e *Edge) cgroupFor(id string) (rel string, cpuBase uint64) {
-	if e.slots != nil {
-		return e.slots.Get(id)
-	}
-	return e.cfg.CgroupParent + "/" + id, 0
-}
-
-// releaseCgroup gives sandbox id's cgroup back to the slots (only if id
-// still holds it), or removes it when slots are off. The sandbox's
-// processes must be gone. Best effort: errors are logged.
-func (e *Edge) releaseCgroup(id, cgroupPath string) {
-	if e.deps.Cgroups == nil || cgroupPath == "" {
-		return
-	}
-	var err error
-	if e.slots != nil {
-		err = e.slots.Put(cgroupPath, id)
-	} else {
-		err = e.deps.Cgroups.Remove(cgroupPath)
-	}
-	if err != nil {
-		e.log.Warn("releasing sandbox cgroup", "sandbox_id", id, "cgroup", cgroupPath, "err", err)
-	}
 }
 
 // destroyRuntime stops the sandbox's processes and removes its runtime

@@ -52,6 +52,9 @@ type Config struct {
 	// (cgroup.Slots); 0 creates and removes one per sandbox. It needs a
 	// backend that leaves cgroups to the edge (container.KeepCgroups).
 	CgroupPool int
+	// SharedMemoryMB limits the memory of all memory_cgroup "shared"
+	// sandboxes together (0: no limit).
+	SharedMemoryMB int64
 	// StoppedRetention is how long a stopped sandbox's record stays
 	// readable after TTL or idle expiry.
 	StoppedRetention time.Duration
@@ -109,8 +112,9 @@ type Edge struct {
 	// noDetached is set once the kernel refused a detached overlay: every
 	// rootfs is then mounted on the host (see detachedRootfs).
 	noDetached atomic.Bool
-	// slots recycles sandbox cgroups (nil: one new cgroup per sandbox).
-	slots *cgroup.Slots
+	// own and shared are the parent cgroups of sandboxes with a memory
+	// cgroup of their own and without (cgroups.go); nil without cgroups.
+	own, shared *cgroupTree
 
 	mu        sync.RWMutex
 	sandboxes map[string]*sbx
@@ -202,12 +206,8 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 		deleteSem: make(chan struct{}, 4),
 	}
 	e.mounter = layer.NewMounter(filepath.Join(cfg.StateDir, "mnt"), deps.BlobPath, e.log)
-	if deps.Cgroups != nil && cfg.CgroupPool > 0 {
-		slots, err := deps.Cgroups.NewSlots(cfg.CgroupParent, cfg.CgroupPool)
-		if err != nil {
-			return nil, err
-		}
-		e.slots = slots
+	if err := e.newCgroupTrees(); err != nil {
+		return nil, err
 	}
 	if cfg.UserNSBase != 0 {
 		if err := prepareUserNSDirs(cfg.StateDir, cfg.UserNSBase); err != nil {
@@ -271,18 +271,22 @@ func (e *Edge) Close() {
 		e.deps.Net.Close()
 	}
 	// Free cgroup slots are nobody's either.
-	if e.slots != nil {
-		if err := e.slots.Drain(); err != nil {
-			e.log.Warn("removing free sandbox cgroups", "err", err)
+	for _, t := range e.cgroupTrees() {
+		if t.slots != nil {
+			if err := t.slots.Drain(); err != nil {
+				e.log.Warn("removing free sandbox cgroups", "err", err)
+			}
 		}
 	}
-	// With nothing left to recover, the instance's parent cgroup goes too:
+	// With nothing left to recover, the instance's parent cgroups go too:
 	// a state dir that is never started again leaves no cgroup behind.
-	if left == 0 && e.deps.Cgroups != nil {
-		if gone, err := e.deps.Cgroups.RemoveParent(e.cfg.CgroupParent); err != nil {
-			e.log.Warn("removing the instance's cgroup", "cgroup", e.cfg.CgroupParent, "err", err)
-		} else if gone {
-			e.log.Info("removed the instance's cgroup (no sandbox left)", "cgroup", e.cfg.CgroupParent)
+	if left == 0 {
+		for _, t := range e.cgroupTrees() {
+			if gone, err := e.deps.Cgroups.RemoveParent(t.parent); err != nil {
+				e.log.Warn("removing the instance's cgroup", "cgroup", t.parent, "err", err)
+			} else if gone && t == e.own {
+				e.log.Info("removed the instance's cgroup (no sandbox left)", "cgroup", t.parent)
+			}
 		}
 	}
 }
@@ -546,6 +550,10 @@ func (e *Edge) Stats(ctx context.Context, id string) (*api.Stats, error) {
 		// A reused cgroup counted its earlier sandboxes' CPU time too.
 		cs.CPUUsageNS -= min(cs.CPUUsageNS, s.rec.CgroupCPUBase)
 		st.CPUUsageNS, st.MemoryBytes, st.MemoryMaxBytes, st.Pids = cs.CPUUsageNS, cs.MemoryBytes, cs.MemoryLimitBytes, cs.Pids
+		st.MemorySource = "cgroup"
+		if cs.MemoryFromRSS {
+			st.MemorySource = "rss"
+		}
 	}
 	s.mu.Lock()
 	disk := s.rec.Disk

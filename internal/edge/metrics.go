@@ -77,12 +77,7 @@ func (m *Metrics) bind(e *Edge) {
 	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "dsec_cgroup_slots_free",
 		Help: "Emptied sandbox cgroups kept for the next sandboxes (--cgroup-pool).",
-	}, func() float64 {
-		if e.slots == nil {
-			return 0
-		}
-		return float64(e.slots.Free())
-	}))
+	}, func() float64 { return float64(e.freeCgroupSlots()) }))
 }
 
 type stateCollector struct {

@@ -52,7 +52,8 @@ func keyOf(spec api.SandboxSpec, digests []string) poolKey {
 		QoS     string
 		UserNS  bool
 		Network *api.NetworkPolicy
-	}{digests, spec.Backend, spec.CPU, spec.MemoryMB, spec.Pids, spec.DiskMB, spec.QoS, spec.UserNS, spec.Network}
+		MemCG   string
+	}{digests, spec.Backend, spec.CPU, spec.MemoryMB, spec.Pids, spec.DiskMB, spec.QoS, spec.UserNS, spec.Network, spec.MemoryCgroup}
 	b, _ := json.Marshal(class)
 	return poolKey(b)
 }

@@ -60,7 +60,7 @@ func (e *Edge) recover(ctx context.Context) error {
 		}
 		live[id] = true
 		liveCgroups[rec.CgroupPath] = true
-		if e.slots != nil && !e.slots.Claim(rec.CgroupPath, id) {
+		if !e.claimCgroup(rec.CgroupPath, id) {
 			e.log.Warn("two live sandboxes name one cgroup", "sandbox_id", id, "cgroup", rec.CgroupPath)
 		}
 	}
@@ -96,7 +96,7 @@ func (e *Edge) recover(ctx context.Context) error {
 			// held, keep its record as failed so the owner can see why.
 			e.log.Warn("sandbox did not survive the edge restart", "sandbox_id", id, "err", statusErr[id])
 			cg := rec.CgroupPath
-			if liveCgroups[cg] || (e.slots != nil && !e.slots.Claim(cg, id)) {
+			if liveCgroups[cg] || !e.claimCgroup(cg, id) {
 				cg = "" // a live sandbox's now, or released already
 			}
 			e.destroyRuntime(ctx, id, cg)
@@ -147,8 +147,8 @@ func (e *Edge) recover(ctx context.Context) error {
 			reaped++
 		}
 	}
-	if e.deps.Cgroups != nil {
-		kids, err := e.deps.Cgroups.Children(e.cfg.CgroupParent)
+	for _, t := range e.cgroupTrees() {
+		kids, err := e.deps.Cgroups.Children(t.parent)
 		if err != nil {
 			return err
 		}
@@ -156,14 +156,14 @@ func (e *Edge) recover(ctx context.Context) error {
 		// were free was never written down, and the next creates make
 		// new ones.
 		for _, k := range kids {
-			if e.slots != nil {
-				e.slots.Seen(k)
+			if t.slots != nil {
+				t.slots.Seen(k)
 			}
-			rel := e.cfg.CgroupParent + "/" + k
+			rel := t.parent + "/" + k
 			if liveCgroups[rel] {
 				continue
 			}
-			if e.slots != nil && e.slots.Owns(rel) {
+			if t.slots != nil && t.slots.Owns(rel) {
 				e.log.Debug("removing cgroup slot of no live sandbox", "cgroup", rel)
 			} else {
 				e.log.Warn("reaping orphan cgroup", "cgroup", rel)
@@ -303,8 +303,10 @@ func (e *Edge) reapOnce(now time.Time, checkLiveness bool) {
 	for range cap(sem) {
 		sem <- struct{}{}
 	}
-	if e.slots != nil {
-		e.slots.Trim(slotsKeep, slotsTrimPerTick, slotsIdle)
+	for _, t := range e.cgroupTrees() {
+		if t.slots != nil {
+			t.slots.Trim(slotsKeep, slotsTrimPerTick, slotsIdle)
+		}
 	}
 }
 

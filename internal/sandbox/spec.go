@@ -143,6 +143,20 @@ func Normalize(spec *api.SandboxSpec, p Policy) error {
 	if err := ValidateAbsPath("workdir", spec.Workdir); err != nil {
 		return err
 	}
+	switch spec.MemoryCgroup {
+	case "":
+		spec.MemoryCgroup = api.MemoryCgroupOwn
+	case api.MemoryCgroupOwn:
+	case api.MemoryCgroupShared:
+		if spec.MemoryMB > 0 {
+			return errdefs.Invalid("memory_mb needs memory_cgroup %q: a shared memory cgroup has no limit per sandbox", api.MemoryCgroupOwn)
+		}
+		if spec.UserNS {
+			return errdefs.Invalid("memory_cgroup %q is not available with userns", api.MemoryCgroupShared)
+		}
+	default:
+		return errdefs.Invalid("memory_cgroup must be own or shared, got %q", spec.MemoryCgroup)
+	}
 	switch spec.QoS {
 	case "":
 		spec.QoS = "ls"

@@ -47,6 +47,11 @@ func TestNormalize(t *testing.T) {
 		{"bad user", api.SandboxSpec{Base: "b", User: "a b"}, errdefs.ErrInvalid},
 		{"relative workdir", api.SandboxSpec{Base: "b", Workdir: "repo"}, errdefs.ErrInvalid},
 		{"bad qos", api.SandboxSpec{Base: "b", QoS: "gold"}, errdefs.ErrInvalid},
+		{"shared memory cgroup", api.SandboxSpec{Base: "b", MemoryCgroup: "shared"}, nil},
+		{"own memory cgroup with a limit", api.SandboxSpec{Base: "b", MemoryCgroup: "own", MemoryMB: 64}, nil},
+		{"shared memory cgroup with a limit", api.SandboxSpec{Base: "b", MemoryCgroup: "shared", MemoryMB: 64}, errdefs.ErrInvalid},
+		{"shared memory cgroup in a userns", api.SandboxSpec{Base: "b", MemoryCgroup: "shared", UserNS: true}, errdefs.ErrInvalid},
+		{"bad memory cgroup", api.SandboxSpec{Base: "b", MemoryCgroup: "Shared"}, errdefs.ErrInvalid},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -71,7 +76,7 @@ func TestNormalizeDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	if s.Base != "base/x:1" || s.Image != "" || s.Backend != "container" || s.TTL != 3600 ||
-		s.Pids != 4096 || s.User != "root" || s.Workdir != "/" || s.QoS != "ls" {
+		s.Pids != 4096 || s.User != "root" || s.Workdir != "/" || s.QoS != "ls" || s.MemoryCgroup != "own" {
 		t.Fatalf("defaults not applied: %+v", s)
 	}
 }

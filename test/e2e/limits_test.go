@@ -4,6 +4,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -374,4 +375,99 @@ func TestReusedCgroupStartsClean(t *testing.T) {
 			}
 		}
 	}
+}
+
+// TestSharedMemoryCgroup: a memory_cgroup "shared" sandbox has every
+// cgroup of its own but memory, which is its tree's parent, shared with
+// the other such sandboxes; it refuses memory_mb, reports memory as a
+// resident set, pauses and resumes, survives an edge restart, and its
+// cgroup is recycled for the next one.
+func TestSharedMemoryCgroup(t *testing.T) {
+	needDaemon(t)
+	restartDaemonOnCleanup(t)
+	_, err := client.CreateSandbox(ctx(t), api.SandboxSpec{Base: baseRef, MemoryCgroup: api.MemoryCgroupShared, MemoryMB: 64})
+	wantCode(t, err, "invalid_argument")
+
+	a := newSandbox(t, api.SandboxSpec{MemoryCgroup: api.MemoryCgroupShared})
+	rel := sandboxCgroupRel(t, a.ID)
+	shared := filepath.Dir(rel)
+	if want := daemonCgroupParent(t) + "-shared"; shared != want {
+		t.Fatalf("cgroup %s: want one under %s", rel, want)
+	}
+	pidsOf := func(dir string) []string { return cgroupProcs(dir) }
+	var init string
+	for _, m := range hostCgroupMounts() {
+		if m.v2 || !slices.Contains(m.ctrls, "pids") {
+			continue
+		}
+		if p := pidsOf(filepath.Join(m.root, rel)); len(p) == 1 {
+			init = p[0]
+		}
+	}
+	for _, m := range hostCgroupMounts() {
+		if m.v2 && init == "" {
+			if p := pidsOf(filepath.Join(m.root, rel)); len(p) == 1 {
+				init = p[0]
+			}
+		}
+	}
+	if init == "" {
+		t.Fatalf("no single init in cgroup %s", rel)
+	}
+	for _, m := range hostCgroupMounts() {
+		memory := slices.Contains(m.ctrls, "memory")
+		switch {
+		case memory && !m.v2:
+			if _, err := os.Stat(filepath.Join(m.root, rel)); err == nil {
+				t.Errorf("%s has a memory cgroup of its own in %s", a.ID, m.root)
+			}
+			if !slices.Contains(pidsOf(filepath.Join(m.root, shared)), init) {
+				t.Errorf("init %s is not charged to %s%s", init, m.root, shared)
+			}
+		case m.v2 && memory:
+			if _, err := os.Stat(filepath.Join(m.root, rel, "memory.max")); err == nil {
+				t.Errorf("%s has memory files of its own in %s", a.ID, m.root)
+			}
+			fallthrough
+		default:
+			if _, err := os.Stat(filepath.Join(m.root, rel)); err != nil {
+				t.Errorf("%s has no cgroup in %s: %v", a.ID, m.root, err)
+			}
+		}
+	}
+	if r := sh(t, a.ID, "head -c 20000000 /dev/zero | tail -c 1 | wc -c"); r.ExitCode != 0 || r.Stdout != "1\n" {
+		t.Fatalf("exec: %+v", r)
+	}
+	st, err := client.Stats(ctx(t), a.ID)
+	if err != nil || st.MemorySource != "rss" || st.MemoryBytes == 0 || st.MemoryMaxBytes != 0 {
+		t.Fatalf("stats %+v, %v: want a resident set and no limit", st, err)
+	}
+	if res, err := client.Pause(ctx(t), a.ID); err != nil || res.Sandbox.State != api.StatePaused {
+		t.Fatalf("pause: %+v, %v", res, err)
+	}
+	if _, err := client.Resume(ctx(t), a.ID); err != nil {
+		t.Fatal(err)
+	}
+
+	d.kill9()
+	if err := d.start(); err != nil {
+		t.Fatal(err)
+	}
+	if r := sh(t, a.ID, "echo alive"); r.Stdout != "alive\n" {
+		t.Fatalf("after restart: %+v", r)
+	}
+	if got := sandboxCgroupRel(t, a.ID); got != rel {
+		t.Fatalf("after restart the record names %s, was %s", got, rel)
+	}
+	if err := client.DeleteSandbox(ctx(t), a.ID); err != nil {
+		t.Fatal(err)
+	}
+	b := newSandbox(t, api.SandboxSpec{MemoryCgroup: api.MemoryCgroupShared})
+	if got := sandboxCgroupRel(t, b.ID); got != rel {
+		t.Errorf("b got cgroup %s, not a's emptied %s", got, rel)
+	}
+	if err := client.DeleteSandbox(ctx(t), b.ID); err != nil {
+		t.Fatal(err)
+	}
+	assertNodeConsistent(t, []string{a.ID, b.ID})
 }

@@ -103,7 +103,9 @@ func daemonCgroupParent(t *testing.T) string {
 		var rec struct {
 			CgroupPath string `json:"cgroup_path"`
 		}
-		if err == nil && json.Unmarshal(b, &rec) == nil && strings.HasPrefix(rec.CgroupPath, "/dsec") {
+		// Not a memory_cgroup "shared" sandbox's: those live in a sibling
+		// tree, <parent>-shared.
+		if err == nil && json.Unmarshal(b, &rec) == nil && strings.HasPrefix(rec.CgroupPath, "/dsec") && !strings.HasSuffix(filepath.Dir(rec.CgroupPath), "-shared") {
 			cgroupParentCache = filepath.Dir(rec.CgroupPath)
 			return cgroupParentCache
 		}

@@ -320,6 +320,10 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 	if c.launchable(cfg) {
 		return c.launch(ctx, cfg)
 	}
+	if c.cfg.Cgroups != nil && c.cfg.Cgroups.MemoryShared(cfg.CgroupPath) {
+		// A runtime makes the cgroup in every hierarchy, memory included.
+		return errdefs.Precondition("memory_cgroup shared needs dsec's launcher; this node starts sandboxes with %s (%s)", c.flavor, c.nativeWhy)
+	}
 	spec := c.spec(cfg)
 	data, err := json.Marshal(spec)
 	if err != nil {

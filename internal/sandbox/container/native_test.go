@@ -486,3 +486,55 @@ func TestNativeNetnsPool(t *testing.T) {
 		}
 	}
 }
+
+// TestNativeSharedMemory: a sandbox whose cgroup is below the shared
+// memory parent runs with init charged to that parent and no memory
+// cgroup of its own; the runtime, which would make one, refuses it.
+func TestNativeSharedMemory(t *testing.T) {
+	c := newNativeBackend(t)
+	cg := c.cfg.Cgroups
+	cg.SharedMemory = fmt.Sprintf("/dsec-test-shm-%d", os.Getpid())
+	if err := cg.EnsureSharedMemoryParent(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cg.Remove(cg.SharedMemory) })
+	cfg, err := nativeSandbox(t, c, sandboxtest.BusyboxRootfs(t), func(cfg *sandbox.Config) {
+		cfg.CgroupPath = cg.SharedMemory + "/" + cfg.ID
+		cfg.Limits.MemoryBytes = 0
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := c.Status(context.Background(), cfg.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", st.Pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		f := strings.SplitN(line, ":", 3)
+		want := cfg.CgroupPath
+		if strings.Contains(","+f[1]+",", ",memory,") {
+			want = cg.SharedMemory
+		}
+		if f[2] != want {
+			t.Errorf("init in %s, want %s", line, want)
+		}
+	}
+	if code, out := sh(t, c, cfg.ID, "echo ok"); code != 0 || out != "ok\n" {
+		t.Errorf("exec (%d): %q", code, out)
+	}
+
+	rt := newTestBackendWith(t, "runc", true, false)
+	rt.cfg.Cgroups.SharedMemory = cg.SharedMemory
+	_, err = nativeSandbox(t, rt, sandboxtest.BusyboxRootfs(t), func(cfg *sandbox.Config) {
+		cfg.ID += "-rt"
+		cfg.CgroupPath = cg.SharedMemory + "/" + cfg.ID
+		cfg.Limits.MemoryBytes = 0
+	})
+	if !errors.Is(err, errdefs.ErrPrecondition) {
+		t.Errorf("runtime create below the shared memory parent: %v, want a precondition error", err)
+	}
+}

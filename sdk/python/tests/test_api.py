@@ -76,11 +76,13 @@ class SpecTest(unittest.TestCase):
 
     def test_optional_fields(self):
         args = libdsec.DSecContainerRunArgs(
-            snapshot="snapshot/s:1", ttl=600, env={"A": "1"}, workdir="/repo", pids_limit=64, qos="be", network_rules={"npm": False}
+            snapshot="snapshot/s:1", ttl=600, env={"A": "1"}, workdir="/repo", pids_limit=64, qos="be", network_rules={"npm": False},
+            memory_cgroup="shared",
         )
         self.assertEqual(
             args.to_spec(),
-            {"snapshot": "snapshot/s:1", "pids": 64, "ttl": 600, "network": {"deny": ["npm"]}, "env": {"A": "1"}, "workdir": "/repo", "qos": "be"},
+            {"snapshot": "snapshot/s:1", "pids": 64, "ttl": 600, "network": {"deny": ["npm"]}, "env": {"A": "1"}, "workdir": "/repo", "qos": "be",
+             "memory_cgroup": "shared"},
         )
         self.assertEqual(libdsec.DSecContainerRunArgs().to_spec(), {})
 

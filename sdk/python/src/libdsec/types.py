@@ -53,6 +53,8 @@ class DSecContainerRunArgs:
     ``labels`` ``qos``        ``labels`` ``qos``
     ``backend``               ``backend``
     ``userns``                ``userns`` (root inside unprivileged on the host)
+    ``memory_cgroup``         ``memory_cgroup``: ``"own"`` (default) or
+                              ``"shared"`` (denser; no ``memory_mb``)
     ========================  ==========================================
 
     ``ttl_running_stop`` is the *idle* timeout: the sandbox is stopped after
@@ -85,6 +87,7 @@ class DSecContainerRunArgs:
     qos: Optional[str] = None
     backend: Optional[str] = None
     userns: bool = False
+    memory_cgroup: Optional[str] = None
 
     def to_spec(self) -> dict[str, Any]:
         """Return the REST ``SandboxSpec`` (a JSON-ready dict)."""
@@ -135,6 +138,8 @@ class DSecContainerRunArgs:
             spec["labels"] = dict(self.labels)
         if self.qos:
             spec["qos"] = self.qos
+        if self.memory_cgroup:
+            spec["memory_cgroup"] = self.memory_cgroup
         return spec
 
 
