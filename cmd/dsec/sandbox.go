@@ -53,6 +53,7 @@ func sandboxCreate(ctx context.Context, args []string) error {
 	fs.StringVar(&spec.Workdir, "workdir", "", "default working directory")
 	fs.StringVar(&spec.QoS, "qos", "", "ls (latency-sensitive) | be (best-effort)")
 	fs.BoolVar(&spec.UserNS, "userns", false, "run in a user namespace (root inside is unprivileged on the host)")
+	fs.StringVar(&spec.MemoryCgroup, "memory-cgroup", "", "own (a memory cgroup of its own, the default) | shared (charged to the node's shared one: denser, no --memory-mb)")
 	fs.Var(&allow, "allow", "egress allow rule: preset, CIDR or CIDR:port/proto (repeatable)")
 	fs.Var(&deny, "deny", "egress deny rule (repeatable)")
 	count := fs.Int("count", 1, "number of sandboxes to create")
@@ -206,6 +207,9 @@ func sandboxGet(ctx context.Context, args []string) error {
 	}
 	if sb.Spec.MemoryMB > 0 {
 		limits = append(limits, fmt.Sprintf("memory=%dMiB", sb.Spec.MemoryMB))
+	}
+	if sb.Spec.MemoryCgroup == api.MemoryCgroupShared {
+		limits = append(limits, "memory=shared")
 	}
 	if sb.Spec.DiskMB > 0 {
 		limits = append(limits, fmt.Sprintf("disk=%dMiB", sb.Spec.DiskMB))
