@@ -626,6 +626,53 @@ func startProgress(what string, total int, done *atomic.Int64) func() {
 	return func() { close(stop); wg.Wait() }
 }
 
+// responsiveness times the calls that look at the whole node or at one
+// sandbox among many, one at a time, at density: stats (samples of them,
+// round-robin), listing every bench sandbox (all pages), the node's
+// counts and a /metrics scrape (a tenth of samples each, at least 3).
+func (d *densityRun) responsiveness(ctx context.Context, live []string, label string, samples int) []benchRow {
+	few := max(3, samples/10)
+	n := len(live)
+	type probe struct {
+		name  string
+		count int
+		call  func(j int) error
+	}
+	probes := []probe{
+		{fmt.Sprintf("stats at %d", n), samples, func(j int) error {
+			_, err := d.c.Stats(ctx, live[j%n])
+			return err
+		}},
+		{fmt.Sprintf("list all %d (paged)", n), few, func(int) error {
+			got, err := d.c.ListAllSandboxes(ctx, dsec.ListOptions{Labels: map[string]string{"bench": label}})
+			if err == nil && len(got) != n {
+				err = fmt.Errorf("listed %d sandboxes, want %d", len(got), n)
+			}
+			return err
+		}},
+		{fmt.Sprintf("node counts at %d", n), few, func(int) error {
+			_, err := d.c.ListNodes(ctx)
+			return err
+		}},
+		{fmt.Sprintf("metrics scrape at %d", n), few, func(int) error {
+			if daemonMetrics(ctx, d.c.Endpoint()) == nil {
+				return errors.New("no /metrics")
+			}
+			return nil
+		}},
+	}
+	var rows []benchRow
+	for _, p := range probes {
+		fmt.Fprintf(os.Stderr, "dsec: %s ×%d...\n", p.name, p.count)
+		durs, fails, wall, err := runParallel(p.count, 1, p.call)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "first %s failure: %v\n", p.name, err)
+		}
+		rows = append(rows, row(p.name, p.count, 1, durs, fails, wall))
+	}
+	return rows
+}
+
 // runDsec fills, measures, samples execs and tears down through the API.
 func (d *densityRun) runDsec(ctx context.Context, ref string) ([]benchRow, densityResult, error) {
 	o := d.o
@@ -794,6 +841,7 @@ func (d *densityRun) runDsec(ctx context.Context, ref string) ([]benchRow, densi
 			fmt.Fprintf(os.Stderr, "first exec failure: %v\n", eerr)
 		}
 		rows = append(rows, row(fmt.Sprintf("exec true at %d", made), o.samples, 1, ed, ef, ew))
+		rows = append(rows, d.responsiveness(ctx, live, label, o.samples)...)
 	}
 	if o.keep {
 		fmt.Fprintf(os.Stderr, "dsec: --keep: %d sandboxes left running; delete them with `dsec sandbox delete --label bench=%s`\n", made, label)
