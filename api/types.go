@@ -409,10 +409,13 @@ type LayerList struct {
 
 // Node is an edge as seen by the apiserver.
 type Node struct {
-	Name       string         `json:"name"`
-	Healthy    bool           `json:"healthy"`
-	Backends   []string       `json:"backends"`
-	Runtime    string         `json:"runtime,omitempty"`
+	Name     string   `json:"name"`
+	Healthy  bool     `json:"healthy"`
+	Backends []string `json:"backends"`
+	Runtime  string   `json:"runtime,omitempty"`
+	// Launcher is what starts sandboxes: "dsec" (dsec's own launcher) or
+	// the runtime's name (see dsec up --launcher).
+	Launcher   string         `json:"launcher,omitempty"`
 	CgroupMode string         `json:"cgroup_mode,omitempty"`
 	Capacity   Capacity       `json:"capacity"`
 	Counts     map[string]int `json:"counts"` // sandboxes by state

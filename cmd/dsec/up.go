@@ -335,7 +335,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 		BundleDir: filepath.Join(runDir, "bundles"),
 	}, edge.Deps{
 		Backend: backend, BlobPath: layers.BlobPath, Cgroups: cg, Log: log,
-		Metrics: edge.NewMetrics(reg), Runtime: rt, Layers: layers, Net: netm,
+		Metrics: edge.NewMetrics(reg), Runtime: rt, Launcher: backend.Launcher(), Layers: layers, Net: netm,
 	})
 	if err != nil {
 		return fail(err)

@@ -93,8 +93,9 @@ type Deps struct {
 	Cgroups  *cgroup.Info
 	Log      *slog.Logger
 	Metrics  *Metrics
-	// Runtime names the OCI runtime in use, for the node's info.
-	Runtime string
+	// Runtime names the OCI runtime in use, and Launcher what starts
+	// sandboxes ("dsec" or the runtime), for the node's info.
+	Runtime, Launcher string
 	// Layers builds snapshot layers (nil: snapshots unavailable).
 	Layers LayerBuilder
 	// Net runs sandbox networking (nil: every sandbox is loopback-only and
@@ -481,6 +482,7 @@ func (e *Edge) info(counts map[string]int) api.Node {
 		Healthy:  true,
 		Backends: []string{e.deps.Backend.Name()},
 		Runtime:  e.deps.Runtime,
+		Launcher: e.deps.Launcher,
 		Capacity: api.Capacity{MaxSandboxes: e.cfg.MaxSandboxes},
 		Counts:   counts,
 	}
