@@ -303,7 +303,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 			Name: "dsec_netns_pool_free",
 			Help: "Fresh network namespaces ready for dsec's launcher (--netns-pool).",
 		}, func() float64 {
-			free, _, _ := backend.NetnsPool()
+			free, _ := backend.NetnsPool()
 			return float64(free)
 		}))
 		if err := backend.SharedSysfsErr(); err != nil {

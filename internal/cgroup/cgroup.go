@@ -187,6 +187,9 @@ func (i *Info) rootsOf(rel string) []string {
 	return roots
 }
 
+// Exists reports whether cgroup rel exists in any hierarchy.
+func (i *Info) Exists(rel string) bool { return checkRel(rel) == nil && i.exists(rel) }
+
 // exists reports whether rel exists in any hierarchy.
 func (i *Info) exists(rel string) bool {
 	for _, root := range i.rootsOf(rel) {

@@ -30,8 +30,9 @@ type Stats struct {
 	Pids uint64
 	// MemoryFromRSS: the cgroup has no memory cgroup of its own (below
 	// Info.SharedMemory), so MemoryBytes is the sum of its processes'
-	// resident sets (pages two of them share count twice; page cache
-	// they do not map, not at all).
+	// resident sets (of the first 1,024): pages two of them share count
+	// twice; page cache they do not map, memory of a memfd they do not
+	// map, pipe and socket buffers and kernel memory not at all.
 	MemoryFromRSS bool
 }
 
@@ -127,12 +128,18 @@ func memoryV2(dir string) (usage, limit uint64, err error) {
 	return usage, limit, nil
 }
 
-// rss sums the resident set sizes of the processes in rel.
+// rssMaxProcs bounds the /proc reads of one rss: a sandbox may hold
+// thousands of processes, and each stats call would read them all.
+const rssMaxProcs = 1024
+
+// rss sums the resident set sizes of the processes in rel (of the first
+// rssMaxProcs of them).
 func (i *Info) rss(rel string) (uint64, error) {
 	pids, err := i.Procs(rel)
 	if err != nil {
 		return 0, err
 	}
+	pids = pids[:min(len(pids), rssMaxProcs)]
 	var sum uint64
 	for _, pid := range pids {
 		b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/statm")
@@ -168,7 +175,7 @@ func (i *Info) Procs(rel string) ([]int, error) {
 	if err := checkRel(rel); err != nil {
 		return nil, err
 	}
-	root := i.procsRoot()
+	root := i.procsRoot(rel)
 	dirs, err := subtree(filepath.Join(root, rel))
 	if err != nil {
 		return nil, err
@@ -191,16 +198,19 @@ func (i *Info) Procs(rel string) ([]int, error) {
 	return slices.Compact(all), nil
 }
 
-func (i *Info) procsRoot() string {
+// procsRoot is the hierarchy Procs reads for rel: on v1, pids, else
+// memory (not for a cgroup below SharedMemory, which has none there), else
+// any.
+func (i *Info) procsRoot(rel string) string {
 	if i.Mode == V2 {
 		return i.V2Root
 	}
 	for _, c := range []string{"pids", "memory"} {
-		if root, ok := i.V1[c]; ok {
+		if root, ok := i.V1[c]; ok && !(c == "memory" && i.memShared(rel)) {
 			return root
 		}
 	}
-	if roots := i.v1Roots(); len(roots) > 0 {
+	if roots := i.rootsOf(rel); len(roots) > 0 {
 		return roots[0]
 	}
 	return i.V2Root

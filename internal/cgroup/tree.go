@@ -29,7 +29,11 @@ var (
 // memory, pids (and io when available) in cgroup.subtree_control of the
 // root and of every level down to rel. On failure, directories it created
 // are removed again.
-func (i *Info) EnsureParent(rel string) error {
+func (i *Info) EnsureParent(rel string) error { return i.ensureParent(rel, false) }
+
+// ensureParent is EnsureParent; with noMemory, rel's own subtree_control
+// on the cgroup2 tree gets every controller but memory.
+func (i *Info) ensureParent(rel string, noMemory bool) error {
 	if err := checkRel(rel); err != nil {
 		return err
 	}
@@ -56,7 +60,7 @@ func (i *Info) EnsureParent(rel string) error {
 	}
 
 	if i.Mode == V2 {
-		if err := i.ensureV2(rel, mkdir); err != nil {
+		if err := i.ensureV2(rel, mkdir, noMemory); err != nil {
 			return err
 		}
 		ok = true
@@ -85,14 +89,18 @@ func (i *Info) EnsureParent(rel string) error {
 // its children get no memory cgroup of their own and are charged to it;
 // on a v1 memory hierarchy they are simply not created there
 // (MakeSandbox).
+//
+// Memory is never enabled there, not even for a moment: live children
+// (after a restart) would each get a memory cgroup.
 func (i *Info) EnsureSharedMemoryParent() error {
 	rel := i.SharedMemory
-	if err := i.EnsureParent(rel); err != nil {
+	if err := i.ensureParent(rel, true); err != nil {
 		return err
 	}
 	if i.Mode != V2 {
 		return nil
 	}
+	// Only a parent some other code enabled memory in gets here with it.
 	file := filepath.Join(i.V2Root, rel, "cgroup.subtree_control")
 	have, err := readList(file)
 	if err != nil {
@@ -123,8 +131,8 @@ func (i *Info) SetSharedMemoryLimit(bytes int64) error {
 }
 
 // ensureV2 creates rel in the cgroup2 tree with the controllers the
-// runtime needs enabled for rel's children.
-func (i *Info) ensureV2(rel string, mkdir func(string) error) error {
+// runtime needs enabled for rel's children (but memory with noMemory).
+func (i *Info) ensureV2(rel string, mkdir func(string) error, noMemory bool) error {
 	avail, err := readList(filepath.Join(i.V2Root, "cgroup.controllers"))
 	if err != nil {
 		return fmt.Errorf("reading cgroup v2 controllers: %w", err)
@@ -150,7 +158,11 @@ func (i *Info) ensureV2(rel string, mkdir func(string) error) error {
 		if err := mkdir(dir); err != nil {
 			return err
 		}
-		if err := enableControllers(dir, want); err != nil {
+		enable := want
+		if noMemory && lvl == rel {
+			enable = slices.DeleteFunc(slices.Clone(want), func(c string) bool { return c == "memory" })
+		}
+		if err := enableControllers(dir, enable); err != nil {
 			return err
 		}
 	}

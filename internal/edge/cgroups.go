@@ -84,6 +84,9 @@ func (e *Edge) cgroupFor(id string, shared bool) (rel string, cpuBase uint64, er
 		if e.shared == nil {
 			return "", 0, errdefs.Precondition("memory_cgroup shared needs cgroups, and this node runs without")
 		}
+		if l := e.deps.Launcher; l != "" && l != "dsec" {
+			return "", 0, errdefs.Precondition("memory_cgroup shared needs dsec's launcher; this node starts sandboxes with %s", l)
+		}
 		t = e.shared
 		if err := t.ensure(e.deps.Cgroups, e.cfg.SharedMemoryMB<<20); err != nil {
 			return "", 0, err
@@ -97,6 +100,16 @@ func (e *Edge) cgroupFor(id string, shared bool) (rel string, cpuBase uint64, er
 		return rel, cpuBase, nil
 	}
 	return t.parent + "/" + id, 0, nil
+}
+
+// ensureSharedAtStart applies the node's settings to a shared parent an
+// earlier run left (with sandboxes in it, or it would be gone): the limit
+// of --shared-memory-mb is the one this run was started with.
+func (e *Edge) ensureSharedAtStart() error {
+	if e.shared == nil || !e.deps.Cgroups.Exists(e.shared.parent) {
+		return nil
+	}
+	return e.shared.ensure(e.deps.Cgroups, e.cfg.SharedMemoryMB<<20)
 }
 
 // ensure makes a shared tree's parent the first time it is needed, with

@@ -231,6 +231,9 @@ func (e *Edge) Start(ctx context.Context) error {
 	if err := e.recover(ctx); err != nil {
 		return fmt.Errorf("recovering sandboxes: %w", err)
 	}
+	if err := e.ensureSharedAtStart(); err != nil {
+		return err
+	}
 	if err := e.restoreNetwork(ctx); err != nil {
 		return fmt.Errorf("recovering sandbox networks: %w", err)
 	}

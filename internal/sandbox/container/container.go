@@ -141,8 +141,7 @@ func (c *Container) Close() {
 		c.sysfs = nil
 	}
 	if c.netns != nil {
-		c.netns.close()
-		c.netns = nil
+		c.netns.close() // left set: Destroy may still read it
 	}
 	if c.null != nil {
 		c.null.Close()
@@ -238,7 +237,9 @@ func New(cfg Config) (*Container, error) {
 			if log == nil {
 				log = slog.Default()
 			}
-			c.netns = newNetnsPool(cfg.NetnsPool, log)
+			if c.netns, err = newNetnsPool(cfg.NetnsPool, log); err != nil {
+				log.Warn("no netns pool: creates make their own network namespaces", "err", err)
+			}
 		}
 	}
 	return c, nil

@@ -91,14 +91,14 @@ func (c *Container) LauncherWhy() (string, string) { return c.Launcher(), c.nati
 func (c *Container) SharedSysfsErr() error { return c.sysfsErr }
 
 // NetnsPool reports how many fresh network namespaces wait for creates,
-// whether there is a pool, and why it stopped filling if it did.
-func (c *Container) NetnsPool() (free int, ok bool, err error) {
+// and whether there is a pool.
+func (c *Container) NetnsPool() (free int, ok bool) {
 	c.closing.RLock()
 	defer c.closing.RUnlock()
 	if c.netns == nil {
-		return 0, false, nil
+		return 0, false
 	}
-	return c.netns.Free(), true, c.netns.Err()
+	return c.netns.Free(), true
 }
 
 // launchable reports whether cfg can go through the own launcher.

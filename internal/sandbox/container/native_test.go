@@ -445,7 +445,7 @@ func TestNativeNetnsPool(t *testing.T) {
 		fs = append(fs, f)
 	}
 	for _, f := range fs {
-		c.netns.free <- f
+		c.netns.put(t, f)
 	}
 	inos := map[uint64]bool{}
 	for i := range 5 {

@@ -54,15 +54,16 @@ func waitFree(t *testing.T, p *netnsPool, n int) {
 	t.Helper()
 	for deadline := time.Now().Add(10 * time.Second); p.Free() != n; time.Sleep(5 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatalf("pool has %d namespaces after 10 s, want %d (err %v)", p.Free(), n, p.Err())
+			t.Fatalf("pool has %d namespaces after 10 s, want %d", p.Free(), n)
 		}
 	}
 }
 
 // TestNetnsPool: the pool hands out distinct fresh namespaces, not the
 // host's, with lo up and nothing else; it hands none out twice, holds
-// back while busy, refills with new ones once quiet, and Close lets go of
-// the rest.
+// back while busy, refills with new ones once quiet, replaces those that
+// waited too long, keeps none in the process's fd table, and close lets go
+// of the rest.
 func TestNetnsPool(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: makes network namespaces")
@@ -73,16 +74,22 @@ func TestNetnsPool(t *testing.T) {
 	}
 	defer host.Close()
 	seen := map[uint64]bool{nsIno(t, host): true}
-
-	// Busy for an hour: no refill after the first fill.
-	p := startNetnsPool(3, time.Hour, slog.Default())
-	waitFree(t, p, 3)
 	var taken []*os.File
 	defer func() {
 		for _, f := range taken {
 			f.Close()
 		}
 	}()
+	fdsBefore := netnsFds(t)
+
+	// Busy for an hour: no refill after the first fill.
+	p := newTestPool(t, 3, time.Hour, time.Hour)
+	waitFree(t, p, 3)
+	// The filler's handle on the host's namespace, and nothing else: the
+	// pooled ones wait in flight on the socket.
+	if n := netnsFds(t) - fdsBefore; n != 1 {
+		t.Errorf("a full pool of 3 holds %d namespace fds in the process's table, want 1", n)
+	}
 	for range 3 {
 		f := p.take()
 		if f == nil {
@@ -107,10 +114,11 @@ func TestNetnsPool(t *testing.T) {
 		t.Errorf("pool refilled %d while busy", n)
 	}
 	p.close()
+	p.close() // twice is fine
 
 	// Quiet after 20 ms: refills with namespaces never handed out (the
 	// taken ones are still open, so their inodes cannot be reused).
-	p = startNetnsPool(2, 20*time.Millisecond, slog.Default())
+	p = newTestPool(t, 2, 20*time.Millisecond, time.Hour)
 	waitFree(t, p, 2)
 	for range 2 {
 		f := p.take()
@@ -123,18 +131,48 @@ func TestNetnsPool(t *testing.T) {
 		if seen[nsIno(t, f)] {
 			t.Errorf("refill handed out namespace %d again", nsIno(t, f))
 		}
+		seen[nsIno(t, f)] = true
 		taken = append(taken, f)
 	}
 	waitFree(t, p, 2)
-	before := netnsFds(t)
 	p.close()
-	// The 2 in the pool, and the filler's handle on the host's.
-	if n := before - netnsFds(t); n != 3 {
-		t.Errorf("close let go of %d namespace fds, want 3", n)
+	if p.Free() != 0 {
+		t.Errorf("after close: %d free", p.Free())
 	}
-	if p.Free() != 0 || p.Err() != nil {
-		t.Errorf("after close: %d free, err %v", p.Free(), p.Err())
+	if n := netnsFds(t) - fdsBefore - len(taken); n != 0 {
+		t.Errorf("%d namespace fds left after close", n)
 	}
+
+	// Aged out after 100 ms: the filler replaces them, and a take never
+	// gets one older than that.
+	p = newTestPool(t, 2, 10*time.Millisecond, 100*time.Millisecond)
+	waitFree(t, p, 2)
+	time.Sleep(400 * time.Millisecond)
+	if age := p.oldest(); age > 300*time.Millisecond {
+		t.Errorf("oldest pooled namespace is %s old, want replaced after 100ms", age)
+	}
+}
+
+func newTestPool(t *testing.T, size int, quiet, maxAge time.Duration) *netnsPool {
+	t.Helper()
+	p, err := startNetnsPool(size, quiet, maxAge, slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.close)
+	return p
+}
+
+// put sends f (which it closes) back into the pool, as the filler would.
+func (p *netnsPool) put(t *testing.T, f *os.File) {
+	t.Helper()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := unix.Sendmsg(p.send, []byte{0}, unix.UnixRights(int(f.Fd())), nil, unix.MSG_DONTWAIT); err != nil {
+		t.Fatal(err)
+	}
+	p.born = append(p.born, time.Now())
+	f.Close()
 }
 
 // netnsFds counts this process's open fds of network namespaces.
