@@ -4,6 +4,10 @@
 # (TCG, no KVM needed), for hosts whose own cgroups are hybrid or v1.
 #
 # Usage: scripts/cgroupv2-vm.sh [go test -run pattern]
+#   e.g. V2VM_REV=HEAD scripts/cgroupv2-vm.sh 'TestLifecycle|TestNative'
+#   Kernel of the host's series (6.18) instead of bookworm's 6.12:
+#   V2VM_KERNEL_SUITE=trixie-backports \
+#     V2VM_KERNEL_PKG=linux-image-6.18.15+deb13-amd64 scripts/cgroupv2-vm.sh
 #
 # The guest is a Debian kernel (downloaded with apt-get download, never
 # installed on the host) and an initramfs holding busybox-static, the test
@@ -16,16 +20,25 @@
 #
 # Environment (all optional):
 #   V2VM_DIR         work dir, downloads cached there   (/tmp/dsec-v2vm)
-#   V2VM_KERNEL_PKG  kernel package  (what linux-image-amd64 depends on)
+#   V2VM_KERNEL_SUITE  take the kernel from this Debian suite instead of the
+#                    host's sources, e.g. trixie-backports (private apt lists)
+#   V2VM_KERNEL_META kernel metapackage  (linux-image-6.12-amd64; with a
+#                    suite: linux-image-amd64)
+#   V2VM_KERNEL_PKG  kernel package  (what V2VM_KERNEL_META depends on)
 #   V2VM_REV         build from this commit (git archive into $V2VM_DIR/src)
 #                    instead of the work tree, e.g. HEAD while the work
 #                    tree is mid-edit                   (work tree)
 #   V2VM_PKGS        Go packages to test (./internal/cgroup/ ./internal/sandbox/container/)
 #   V2VM_MODULES     modules to load, with their dependencies
-#                    (overlay erofs veth loop)
+#                    (overlay erofs veth loop virtio_blk ext4)
+#   V2VM_DISK_SIZE   the guest's root (and /tmp on it): a fresh ext4 disk,
+#                    as on a host (tests count tmpfs mounts)  (8G)
 #   V2VM_TIMEOUT     guard on the whole VM run         (45m)
 #   V2VM_TEST_TIMEOUT  -test.timeout per binary        (40m)
 #   V2VM_MEM, V2VM_SMP  guest memory and CPUs          (4G, 2)
+#   V2VM_ACCEL       QEMU -accel (tcg,thread=single: multi-threaded TCG of
+#                    QEMU 7.2 raced the kernel's live code patching here,
+#                    an "Oops: int3" in the scheduler)
 #   V2VM_CGROUP      "service" (default: systemd-like placement) or "root"
 #                    (tests run in the root cgroup)
 set -euo pipefail
@@ -33,12 +46,14 @@ set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 V2VM_DIR=${V2VM_DIR:-/tmp/dsec-v2vm}
 V2VM_PKGS=${V2VM_PKGS:-./internal/cgroup/ ./internal/sandbox/container/}
-V2VM_MODULES=${V2VM_MODULES:-overlay erofs veth loop}
+V2VM_MODULES=${V2VM_MODULES:-overlay erofs veth loop virtio_blk ext4}
+V2VM_DISK_SIZE=${V2VM_DISK_SIZE:-8G}
 V2VM_TIMEOUT=${V2VM_TIMEOUT:-45m}
 V2VM_TEST_TIMEOUT=${V2VM_TEST_TIMEOUT:-40m}
 V2VM_MEM=${V2VM_MEM:-4G}
 V2VM_SMP=${V2VM_SMP:-2}
 V2VM_CGROUP=${V2VM_CGROUP:-service}
+V2VM_ACCEL=${V2VM_ACCEL:-tcg,thread=single}
 GO=${GO:-$(command -v go || echo /usr/local/go/bin/go)}
 RUN_PATTERN=${1:-}
 
@@ -76,20 +91,39 @@ need_cmd() {
 need_cmd qemu-system-x86_64 qemu-system-x86
 need_cmd cpio cpio
 need_cmd depmod kmod
+need_cmd mkfs.ext4 e2fsprogs
 need_cmd runc runc
 need_cmd catatonit catatonit
 [[ -x $GO ]] || die "go not found (set GO=)"
 
-# fetch_deb PACKAGE: download PACKAGE's .deb into the cache (once) and
-# print its path.
+# Kernels from another Debian suite (V2VM_KERNEL_SUITE, e.g.
+# trixie-backports) are looked up through a private apt configuration in
+# the work dir: the host's sources and package lists stay as they are.
+KAPT=()
+if [[ -n ${V2VM_KERNEL_SUITE:-} ]]; then
+	adir=$V2VM_DIR/apt-$V2VM_KERNEL_SUITE
+	mkdir -p "$adir"/lists/partial "$adir"/cache/archives/partial "$adir"/parts
+	echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] ${V2VM_KERNEL_MIRROR:-http://deb.debian.org/debian} $V2VM_KERNEL_SUITE main" >"$adir/sources.list"
+	KAPT=(-o "Dir::Etc::SourceList=$adir/sources.list" -o "Dir::Etc::SourceParts=$adir/parts"
+		-o "Dir::State::Lists=$adir/lists" -o "Dir::Cache=$adir/cache" -o "Dir::State::status=/dev/null")
+	if [[ ! -e $adir/.updated ]]; then
+		log "apt-get update for $V2VM_KERNEL_SUITE (private lists in $adir)"
+		apt-get "${KAPT[@]}" update -qq >&2
+		touch "$adir/.updated"
+	fi
+fi
+
+# fetch_deb PACKAGE [APT OPTIONS...]: download PACKAGE's .deb into the
+# cache (once) and print its path.
 fetch_deb() {
 	local pkg=$1 deb
+	shift
 	deb=$(find "$V2VM_DIR/debs" -maxdepth 1 -name "${pkg}_*.deb" | sort | tail -n1)
 	if [[ -z $deb ]]; then
-		apt-cache show "$pkg" >/dev/null 2>&1 || apt_update
+		[[ $# -gt 0 ]] || apt-cache show "$pkg" >/dev/null 2>&1 || apt_update
 		log "downloading $pkg"
 		# _apt cannot write to the cache dir: download as root, quietly.
-		(cd "$V2VM_DIR/debs" && apt-get download -q "$pkg" 2>&1 | grep -v '^W: Download is performed unsandboxed' >&2 || true)
+		(cd "$V2VM_DIR/debs" && apt-get "$@" download -q "$pkg" 2>&1 | grep -v '^W: Download is performed unsandboxed' >&2 || true)
 		deb=$(find "$V2VM_DIR/debs" -maxdepth 1 -name "${pkg}_*.deb" | sort | tail -n1)
 		[[ -n $deb ]] || die "apt-get download $pkg failed"
 	fi
@@ -98,18 +132,29 @@ fetch_deb() {
 
 # --- 1. kernel -------------------------------------------------------------
 
+# dsec needs Linux 6.12 (docs/operating.md): bookworm's 6.12 kernel by
+# default, not its 6.1 (V2VM_KERNEL_META=linux-image-amd64 for that).
 if [[ -z ${V2VM_KERNEL_PKG:-} ]]; then
-	apt-cache depends linux-image-amd64 >/dev/null 2>&1 || apt_update
-	V2VM_KERNEL_PKG=$(apt-cache depends linux-image-amd64 | awk '$1 == "Depends:" && $2 ~ /^linux-image-/ {print $2; exit}')
-	[[ -n $V2VM_KERNEL_PKG ]] || die "cannot tell which kernel linux-image-amd64 depends on"
+	meta=${V2VM_KERNEL_META:-linux-image-6.12-amd64}
+	[[ -n ${V2VM_KERNEL_SUITE:-} ]] && meta=${V2VM_KERNEL_META:-linux-image-amd64}
+	[[ -n ${V2VM_KERNEL_SUITE:-} ]] || apt-cache depends "$meta" >/dev/null 2>&1 || apt_update
+	V2VM_KERNEL_PKG=$(apt-cache "${KAPT[@]}" depends "$meta" | awk '$1 == "Depends:" && $2 ~ /^linux-image-/ {print $2; exit}')
+	[[ -n $V2VM_KERNEL_PKG ]] || die "cannot tell which kernel $meta depends on"
 fi
 KROOT=$V2VM_DIR/kernel/$V2VM_KERNEL_PKG
 if [[ ! -e $KROOT/.done ]]; then
-	deb=$(fetch_deb "$V2VM_KERNEL_PKG")
-	log "extracting $(basename "$deb")"
 	rm -rf "$KROOT"
 	mkdir -p "$KROOT"
-	dpkg-deb -x "$deb" "$KROOT"
+	# Newer kernels split the image, vmlinuz and modules into packages.
+	for pkg in "$V2VM_KERNEL_PKG" $(apt-cache "${KAPT[@]}" depends "$V2VM_KERNEL_PKG" |
+		awk '$1 == "Depends:" && $2 ~ /^linux-(binary|modules)-/ {print $2}'); do
+		deb=$(fetch_deb "$pkg" "${KAPT[@]}")
+		log "extracting $(basename "$deb")"
+		dpkg-deb -x "$deb" "$KROOT"
+	done
+	# Trixie's kernels keep modules in /usr/lib/modules: depmod and
+	# modprobe -d look in /lib/modules.
+	[[ -d $KROOT/lib/modules || ! -d $KROOT/usr/lib/modules ]] || ln -s usr/lib "$KROOT/lib"
 	kver=$(ls "$KROOT/lib/modules")
 	log "depmod for $kver"
 	depmod -b "$KROOT" "$kver"
@@ -237,11 +282,23 @@ for mod in $V2VM_MODULES; do
 done
 
 # Stage 1: the initramfs is the kernel's rootfs, which runc's and dsec's
-# pivot_root refuse. Copy it into a tmpfs and switch_root there.
+# pivot_root refuse. Load the modules, copy everything onto the ext4 disk
+# (a root filesystem like a host's: tests count tmpfs mounts, and the
+# pinned catatonit and busybox are bound from it) and switch_root there.
 cat >"$STAGE/init" <<'EOF'
 #!/bin/busybox sh
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-mount -t tmpfs -o mode=755 tmpfs /newroot
+for m in $(cat /etc/dsec-modules); do
+	insmod "$m" || echo "DSEC-V2VM: WARNING: insmod $m failed"
+done
+mount -t devtmpfs devtmpfs /dev
+i=0
+while [ ! -b /dev/vda ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
+if ! mount -t ext4 /dev/vda /newroot; then
+	echo "DSEC-V2VM: WARNING: no ext4 disk: the root is a tmpfs"
+	mount -t tmpfs -o mode=755 tmpfs /newroot
+fi
+umount /dev
 for e in /* ; do
 	case $e in /newroot|/proc|/sys|/dev|/init) ;; *) cp -a "$e" /newroot/ ;; esac
 done
@@ -251,7 +308,7 @@ exec switch_root /newroot /sbin/dsec-init
 EOF
 chmod 755 "$STAGE/init"
 
-# Stage 2: PID 1 in the tmpfs root.
+# Stage 2: PID 1 in the new root.
 cat >"$STAGE/sbin/dsec-init" <<EOF
 #!/bin/busybox sh
 KVER=$KVER
@@ -270,7 +327,6 @@ mkdir -p /dev/pts /dev/shm /dev/mqueue
 mount -t devpts -o nosuid,noexec,gid=5,mode=620,ptmxmode=000 devpts /dev/pts
 mount -t tmpfs -o nosuid,nodev tmpfs /dev/shm
 mount -t mqueue -o nosuid,nodev,noexec mqueue /dev/mqueue
-mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs /tmp
 mount -t tmpfs -o nosuid,nodev,mode=755 tmpfs /run
 uptime_s() { cut -d' ' -f1 /proc/uptime; }
 say() { echo "DSEC-V2VM: $*"; }
@@ -284,9 +340,7 @@ mount --make-rshared /
 hostname dsec-v2vm
 ip link set lo up
 
-for m in $(cat /etc/dsec-modules); do
-	insmod "$m" || say "WARNING: insmod $m failed"
-done
+say "root: $(grep ' / ' /proc/mounts | tail -n1)"
 
 CG=/sys/fs/cgroup
 enable() { # enable DIR: turn on cpu cpuset io memory pids below DIR
@@ -324,6 +378,9 @@ for n in $NAMES; do
 	if [ $rc = 0 ]; then r=PASS; else r=FAIL; fi
 	say "RESULT $n $r rc=$rc secs=$((t1 - t0))"
 done
+# What the tests left in the cgroup tree (only init.scope and system.slice
+# were there before them).
+say "cgroups left: $(cd $CG && find . -mindepth 1 -type d ! -path './init.scope*' ! -path './system.slice*' | sort | tr '\n' ' ')"
 say "DONE uptime=$(uptime_s)s"
 sync
 poweroff -f
@@ -343,15 +400,21 @@ log "initramfs: $(du -h "$INITRD" | cut -f1)"
 CONSOLE=$V2VM_DIR/console.log
 APPEND="console=ttyS0 panic=-1 quiet random.trust_cpu=on dsec.cgroup=$V2VM_CGROUP"
 [[ -n $RUN_PATTERN ]] && APPEND+=" dsec.run=$RUN_PATTERN"
-log "booting ($V2VM_SMP CPUs, $V2VM_MEM, TCG, guard $V2VM_TIMEOUT); console: $CONSOLE"
+DISK=$V2VM_DIR/root-disk.img
+rm -f "$DISK"
+truncate -s "$V2VM_DISK_SIZE" "$DISK"
+mkfs.ext4 -q -F -L dsec-root "$DISK" >&2
+
+log "booting ($V2VM_SMP CPUs, $V2VM_MEM, $V2VM_ACCEL, guard $V2VM_TIMEOUT); console: $CONSOLE"
 log "kernel command line: $APPEND"
 start=$(date +%s)
 set +e
 timeout -k 30s "$V2VM_TIMEOUT" qemu-system-x86_64 \
-	-accel tcg -cpu max -m "$V2VM_MEM" -smp "$V2VM_SMP" \
+	-accel "$V2VM_ACCEL" -cpu max -m "$V2VM_MEM" -smp "$V2VM_SMP" \
 	-nographic -nic none -no-reboot \
+	-drive "file=$DISK,if=virtio,format=raw,cache=unsafe" \
 	-kernel "$VMLINUZ" -initrd "$INITRD" -append "$APPEND" \
-	</dev/null 2>&1 | tr -d '\r' | tee "$CONSOLE"
+	</dev/null 2>&1 | tr -d '\r' | sed -u 's/\x1b\[[0-9;?]*[A-Za-z]//g; s/\x1bc//g' | tee "$CONSOLE"
 qrc=${PIPESTATUS[0]}
 set -e
 secs=$(($(date +%s) - start))

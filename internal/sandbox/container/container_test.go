@@ -47,6 +47,12 @@ func newTestBackendWith(t *testing.T, runtime string, helper, native bool, edits
 			t.Fatal(err)
 		}
 		cfg.Cgroups = cg
+		// The parent of the tests' sandbox cgroups, as the edge makes
+		// its own (dsec's launcher needs it; a runtime makes it too).
+		if err := cg.EnsureParent("/dsec-test"); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _, _ = cg.RemoveParent("/dsec-test") })
 	}
 	for _, edit := range edits {
 		edit(&cfg)

@@ -338,6 +338,16 @@ func sharedSysfs() (*os.File, error) {
 			ch <- result{nil, fmt.Errorf("fsmount sysfs: %w", err)}
 			return
 		}
+		// Sandboxes get clones of it (open_tree(OPEN_TREE_CLONE) on a
+		// mount no mount namespace holds), which kernels before 6.15
+		// refuse (EINVAL): found out here, not in every create.
+		clone, err := unix.OpenTree(mfd, "", unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_EMPTY_PATH)
+		if err != nil {
+			unix.Close(mfd)
+			ch <- result{nil, fmt.Errorf("this kernel cannot clone a detached mount (open_tree: %w)", err)}
+			return
+		}
+		unix.Close(clone)
 		ch <- result{os.NewFile(uintptr(mfd), "sysfs"), nil}
 	}()
 	r := <-ch
