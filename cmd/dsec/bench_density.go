@@ -841,11 +841,16 @@ func (d *densityRun) runDsec(ctx context.Context, ref string) ([]benchRow, densi
 			fmt.Fprintf(os.Stderr, "first exec failure: %v\n", eerr)
 		}
 		rows = append(rows, row(fmt.Sprintf("exec true at %d", made), o.samples, 1, ed, ef, ew))
-		rows = append(rows, d.responsiveness(ctx, live, label, o.samples)...)
+	}
+	// Listed after the teardown: the rows before it pair with the
+	// baseline's by position.
+	var atDensity []benchRow
+	if o.samples > 0 {
+		atDensity = d.responsiveness(ctx, live, label, o.samples)
 	}
 	if o.keep {
 		fmt.Fprintf(os.Stderr, "dsec: --keep: %d sandboxes left running; delete them with `dsec sandbox delete --label bench=%s`\n", made, label)
-		return rows, res, nil
+		return append(rows, atDensity...), res, nil
 	}
 
 	fmt.Fprintf(os.Stderr, "dsec: deleting %d sandboxes, %d at a time...\n", made, o.concurrency)
@@ -862,6 +867,7 @@ func (d *densityRun) runDsec(ctx context.Context, ref string) ([]benchRow, densi
 		fmt.Fprintf(os.Stderr, "first delete failure: %v\n", derr)
 	}
 	rows = append(rows, row("delete (teardown)", made, o.concurrency, dd, df, dw))
+	rows = append(rows, atDensity...)
 	if res.StoppedLowMemory {
 		// Creates that were in flight when the fill stopped had their
 		// answer cut off, but the node may have finished them: those are
