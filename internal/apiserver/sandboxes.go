@@ -203,11 +203,14 @@ func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 		}
 		after = string(b)
 	}
+	// Each edge returns its first limit+1 after the token: enough to fill
+	// the page and to tell whether there is more.
 	var all []api.Sandbox
 	for _, e := range s.deps.Edges {
-		all = append(all, e.List(r.Context(), edge.ListFilter{State: state, Labels: sel})...)
+		all = append(all, e.List(r.Context(), edge.ListFilter{State: state, Labels: sel, After: after, Limit: limit + 1})...)
 	}
 	sort.Slice(all, func(i, j int) bool { return all[i].ID < all[j].ID })
+	// An edge client that ignores After still pages right.
 	start := sort.Search(len(all), func(i int) bool { return all[i].ID > after })
 	page := all[start:]
 	out := api.SandboxList{Sandboxes: []api.Sandbox{}}

@@ -89,11 +89,14 @@ func (f *fakeEdge) List(ctx context.Context, flt edge.ListFilter) []api.Sandbox 
 	defer f.mu.Unlock()
 	var out []api.Sandbox
 	for _, s := range f.sandboxes {
-		if sandbox.LabelsMatch(s.Labels, flt.Labels) && (flt.State == "" || flt.State == s.State) {
+		if sandbox.LabelsMatch(s.Labels, flt.Labels) && (flt.State == "" || flt.State == s.State) && s.ID > flt.After {
 			out = append(out, s)
 		}
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	if flt.Limit > 0 && len(out) > flt.Limit {
+		out = out[:flt.Limit]
+	}
 	return out
 }
 func (f *fakeEdge) Delete(ctx context.Context, id string) error {

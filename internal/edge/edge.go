@@ -16,7 +16,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
-	"sort"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -409,34 +409,50 @@ func (e *Edge) Get(ctx context.Context, id string) (*api.Sandbox, error) {
 type ListFilter struct {
 	State  string
 	Labels map[string]string
+	// After and Limit page the list: only sandboxes whose id sorts after
+	// After, and at most Limit of them (0: all).
+	After string
+	Limit int
 }
 
-// List returns the sandboxes matching f, sorted by id.
+// List returns the sandboxes matching f, sorted by id. It sorts ids and
+// filters on the records, building the API view of only the sandboxes it
+// returns: a page of 100 out of 10,000 costs no 10,000 views.
 func (e *Edge) List(ctx context.Context, f ListFilter) []api.Sandbox {
+	type entry struct {
+		id string
+		s  *sbx
+	}
 	e.mu.RLock()
-	all := make([]*sbx, 0, len(e.sandboxes))
-	for _, s := range e.sandboxes {
-		all = append(all, s)
+	all := make([]entry, 0, len(e.sandboxes))
+	for id, s := range e.sandboxes {
+		if id > f.After {
+			all = append(all, entry{id, s})
+		}
 	}
 	e.mu.RUnlock()
-	out := make([]api.Sandbox, 0, len(all))
-	for _, s := range all {
+	slices.SortFunc(all, func(a, b entry) int { return strings.Compare(a.id, b.id) })
+	var out []api.Sandbox
+	for _, en := range all {
+		s := en.s
 		s.mu.Lock()
-		pooled := s.pooled
+		ok := !s.pooled && (f.State == "" || s.rec.Sandbox.State == f.State) && sandbox.LabelsMatch(s.rec.Sandbox.Labels, f.Labels)
+		var v api.Sandbox
+		if ok {
+			v = s.viewLocked()
+		}
 		s.mu.Unlock()
-		if pooled {
-			continue
-		}
-		v := s.view()
-		if f.State != "" && v.State != f.State {
-			continue
-		}
-		if !sandbox.LabelsMatch(v.Labels, f.Labels) {
+		if !ok {
 			continue
 		}
 		out = append(out, v)
+		if f.Limit > 0 && len(out) >= f.Limit {
+			break
+		}
 	}
-	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	if out == nil {
+		out = []api.Sandbox{}
+	}
 	return out
 }
 

@@ -185,3 +185,42 @@ func TestResolveUser(t *testing.T) {
 		}
 	}
 }
+
+// TestListPages: List filters on state and labels, skips pool sandboxes,
+// returns ids after After in order, at most Limit of them.
+func TestListPages(t *testing.T) {
+	e := &Edge{sandboxes: map[string]*sbx{}}
+	add := func(id, state, job string, pooled bool) {
+		s := &sbx{pooled: pooled}
+		s.rec.Sandbox = api.Sandbox{ID: id, State: state, Labels: map[string]string{"job": job}}
+		e.sandboxes[id] = s
+	}
+	add("sb-n-05", api.StateRunning, "a", false)
+	add("sb-n-01", api.StateRunning, "a", false)
+	add("sb-n-03", api.StatePaused, "a", false)
+	add("sb-n-02", api.StateRunning, "b", false)
+	add("sb-n-04", api.StateRunning, "a", true)
+	ids := func(l []api.Sandbox) string {
+		var out []string
+		for _, s := range l {
+			out = append(out, s.ID)
+		}
+		return strings.Join(out, ",")
+	}
+	ctx := t.Context()
+	for _, c := range []struct {
+		f    ListFilter
+		want string
+	}{
+		{ListFilter{}, "sb-n-01,sb-n-02,sb-n-03,sb-n-05"},
+		{ListFilter{Labels: map[string]string{"job": "a"}}, "sb-n-01,sb-n-03,sb-n-05"},
+		{ListFilter{State: api.StateRunning, Labels: map[string]string{"job": "a"}}, "sb-n-01,sb-n-05"},
+		{ListFilter{Limit: 2}, "sb-n-01,sb-n-02"},
+		{ListFilter{After: "sb-n-02", Limit: 2}, "sb-n-03,sb-n-05"},
+		{ListFilter{After: "sb-n-05"}, ""},
+	} {
+		if got := ids(e.List(ctx, c.f)); got != c.want {
+			t.Errorf("List(%+v) = %s, want %s", c.f, got, c.want)
+		}
+	}
+}
