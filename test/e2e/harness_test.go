@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -203,19 +204,25 @@ func (d *daemon) start() error {
 	if err := d.cmd.Start(); err != nil {
 		return err
 	}
+	// Ready is an answer to /healthz, not an accepted connection: dsec up
+	// listens before it recovers the last run's sandboxes, and serves
+	// only after.
+	hc := &http.Client{Timeout: time.Second}
 	deadline := time.Now().Add(30 * time.Second)
 	for time.Now().Before(deadline) {
-		c, err := net.DialTimeout("tcp", d.listen, 200*time.Millisecond)
+		resp, err := hc.Get("http://" + d.listen + "/healthz")
 		if err == nil {
-			c.Close()
-			return nil
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
 		}
 		if d.cmd.ProcessState != nil {
 			break
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	return errors.New("dsec up did not start listening within 30s")
+	return errors.New("dsec up did not answer /healthz within 30s")
 }
 
 // kill9 kills the daemon without letting it clean up.
