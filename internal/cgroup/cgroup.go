@@ -171,9 +171,7 @@ func (i *Info) roots() []string {
 
 // MemoryShared reports whether rel is below SharedMemory: a cgroup
 // without a memory cgroup of its own.
-func (i *Info) MemoryShared(rel string) bool { return i.memShared(rel) }
-
-func (i *Info) memShared(rel string) bool {
+func (i *Info) MemoryShared(rel string) bool {
 	return i.SharedMemory != "" && strings.HasPrefix(rel, i.SharedMemory+"/")
 }
 
@@ -181,7 +179,7 @@ func (i *Info) memShared(rel string) bool {
 // the v1 memory hierarchy for a cgroup below SharedMemory.
 func (i *Info) rootsOf(rel string) []string {
 	roots := i.roots()
-	if mem, ok := i.V1["memory"]; ok && i.memShared(rel) {
+	if mem, ok := i.V1["memory"]; ok && i.MemoryShared(rel) {
 		roots = slices.DeleteFunc(roots, func(r string) bool { return r == mem })
 	}
 	return roots

@@ -36,7 +36,7 @@ func (i *Info) Reclaim(rel string) (Reclaimed, error) {
 	if err := checkRel(rel); err != nil {
 		return Reclaimed{}, err
 	}
-	if i.memShared(rel) {
+	if i.MemoryShared(rel) {
 		// Its memory is charged to SharedMemory, with every other
 		// sandbox's there: nothing to reclaim for this one alone.
 		return Reclaimed{Method: "none (shared memory cgroup)"}, nil

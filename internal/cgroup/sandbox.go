@@ -48,7 +48,7 @@ func (i *Info) MakeSandbox(rel string, l Limits) ([]string, error) {
 	if err := checkRel(rel); err != nil {
 		return nil, err
 	}
-	if i.memShared(rel) && l.MemoryBytes > 0 {
+	if i.MemoryShared(rel) && l.MemoryBytes > 0 {
 		return nil, fmt.Errorf("cgroup %s: a memory limit needs a memory cgroup of its own", rel)
 	}
 	var created, procs []string
@@ -60,7 +60,7 @@ func (i *Info) MakeSandbox(rel string, l Limits) ([]string, error) {
 			}
 		}
 	}()
-	if mem, has := i.V1["memory"]; has && i.memShared(rel) {
+	if mem, has := i.V1["memory"]; has && i.MemoryShared(rel) {
 		procs = append(procs, filepath.Join(mem, i.SharedMemory, "cgroup.procs"))
 	}
 	for _, root := range i.rootsOf(rel) {

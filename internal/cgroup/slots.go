@@ -297,7 +297,7 @@ const slotReclaimAbove = 4 << 20
 // that is not reusable: its next sandbox would start with the last one's
 // memory counted against its limit.
 func (i *Info) shrinkSlot(rel string) error {
-	if i.memShared(rel) {
+	if i.MemoryShared(rel) {
 		return nil // charged to SharedMemory
 	}
 	var file string
@@ -393,7 +393,7 @@ func (i *Info) slotDefaults(rel string) []slotWrite {
 		out = append(out, slotWrite{filepath.Join(dir, rel, file), value, optional})
 	}
 	v2 := i.V2Root
-	if root, ok := i.V1["memory"]; i.memShared(rel) {
+	if root, ok := i.V1["memory"]; i.MemoryShared(rel) {
 		// No memory cgroup of its own to reset.
 	} else if ok {
 		add(root, "memory.memsw.limit_in_bytes", "-1", true)

@@ -51,7 +51,7 @@ func (i *Info) Stats(rel string) (Stats, error) {
 	}
 	var s Stats
 	var err error
-	if i.memShared(rel) {
+	if i.MemoryShared(rel) {
 		s.MemoryFromRSS = true
 		s.MemoryBytes, err = i.rss(rel)
 	} else if root, ok := i.V1["memory"]; ok {
@@ -206,7 +206,7 @@ func (i *Info) procsRoot(rel string) string {
 		return i.V2Root
 	}
 	for _, c := range []string{"pids", "memory"} {
-		if root, ok := i.V1[c]; ok && !(c == "memory" && i.memShared(rel)) {
+		if root, ok := i.V1[c]; ok && !(c == "memory" && i.MemoryShared(rel)) {
 			return root
 		}
 	}

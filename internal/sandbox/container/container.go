@@ -567,26 +567,29 @@ func readStateFile(dir string) (pid int, start uint64, ok bool) {
 // alive reports whether pid runs and is not a zombie; with start non-zero,
 // also that it is the same process (pids are reused).
 func alive(pid int, start uint64) bool {
+	got, running, err := procStart(pid)
+	return err == nil && running && (start == 0 || got == start)
+}
+
+// procStart reads a process's start time (clock ticks after boot) from
+// /proc/PID/stat, and whether it runs (is not a zombie or dead).
+func procStart(pid int) (start uint64, running bool, err error) {
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
 	if err != nil {
-		return false
+		return 0, false, err
 	}
 	// Fields after the command name, which is in parentheses and may hold
 	// spaces: state is the first, starttime the 20th.
 	i := bytes.LastIndexByte(b, ')')
 	if i < 0 {
-		return false
+		return 0, false, errors.New("unreadable /proc/PID/stat")
 	}
 	f := strings.Fields(string(b[i+1:]))
-	if len(f) < 20 || f[0] == "Z" || f[0] == "X" {
-		return false
+	if len(f) < 20 {
+		return 0, false, errors.New("short /proc/PID/stat")
 	}
-	if start != 0 {
-		if got, err := strconv.ParseUint(f[19], 10, 64); err != nil || got != start {
-			return false
-		}
-	}
-	return true
+	start, err = strconv.ParseUint(f[19], 10, 64)
+	return start, f[0] != "Z" && f[0] != "X", err
 }
 
 // List implements sandbox.Backend. Both crun and runc keep one directory

@@ -291,11 +291,11 @@ func (c *Container) launch(ctx context.Context, cfg sandbox.Config) (err error) 
 	pidfd = fd
 	// The start time read while the pidfd's process still runs is its
 	// own (its pid cannot have been reused yet).
-	start, err := startTime(pid)
+	start, running, err := procStart(pid)
 	if err != nil {
 		return err
 	}
-	if err := unix.PidfdSendSignal(pidfd, 0, nil, 0); err != nil || !alive(pid, start) {
+	if err := unix.PidfdSendSignal(pidfd, 0, nil, 0); err != nil || !running {
 		return fmt.Errorf("sandbox init %d died as it started", pid)
 	}
 	if err := writeState(filepath.Join(c.cfg.StateRoot, cfg.ID), pid, start); err != nil {
@@ -371,21 +371,4 @@ func writeState(dir string, pid int, start uint64) error {
 		return fmt.Errorf("writing sandbox state: %w", err)
 	}
 	return nil
-}
-
-// startTime reads a process's start time (clock ticks after boot).
-func startTime(pid int) (uint64, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0, err
-	}
-	i := strings.LastIndexByte(string(b), ')')
-	if i < 0 {
-		return 0, errors.New("unreadable /proc/PID/stat")
-	}
-	f := strings.Fields(string(b[i+1:]))
-	if len(f) < 20 {
-		return 0, errors.New("short /proc/PID/stat")
-	}
-	return strconv.ParseUint(f[19], 10, 64)
 }
