@@ -308,7 +308,7 @@ func (p *proc) waitSignal(t *testing.T) syscall.Signal {
 	t.Helper()
 	select {
 	case <-p.done:
-	case <-time.After(5 * time.Second):
+	case <-time.After(30 * time.Second):
 		t.Fatalf("pid %d still running after Remove", p.pid)
 	}
 	ws, ok := p.cmd.ProcessState.Sys().(syscall.WaitStatus)
@@ -352,7 +352,7 @@ func cpuTicks(t *testing.T, pid int) uint64 {
 
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(30 * time.Second)
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting for %s", what)

@@ -26,14 +26,22 @@ func TestPlacementInfoCachesCounts(t *testing.T) {
 	if n := e.PlacementInfo().Counts[api.StateRunning]; n != 1 {
 		t.Fatalf("placement counts %d, want 1", n)
 	}
+	// Pinned fresh, then stale, rather than timed: a stalled test thread
+	// must not make the cache look expired.
+	setAge := func(age time.Duration) {
+		e.countsMu.Lock()
+		e.countsAt = time.Now().Add(-age)
+		e.countsMu.Unlock()
+	}
 	add("b")
+	setAge(0)
 	if n := e.PlacementInfo().Counts[api.StateRunning]; n != 1 {
 		t.Errorf("placement counts recomputed within %v: %d", countsMaxAge, n)
 	}
 	if n := e.Info().Counts[api.StateRunning]; n != 2 {
 		t.Errorf("info counts %d, want 2", n)
 	}
-	time.Sleep(countsMaxAge + 10*time.Millisecond)
+	setAge(countsMaxAge + time.Millisecond)
 	if n := e.PlacementInfo().Counts[api.StateRunning]; n != 2 {
 		t.Errorf("placement counts %d after %v, want 2", n, countsMaxAge)
 	}

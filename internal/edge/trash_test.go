@@ -37,7 +37,7 @@ func TestTrash(t *testing.T) {
 	}
 	done := make(chan struct{})
 	go func() { e.janitor(); close(done) }()
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(30 * time.Second)
 	for {
 		ents, err := os.ReadDir(e.trashDir())
 		if err != nil {

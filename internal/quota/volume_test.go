@@ -724,7 +724,7 @@ func TestAllocate(t *testing.T) {
 // Q_XGETQUOTA flushes that work only when asked about ID 0.
 func waitNotInUse(t testing.TB, v *Volume, id uint32) {
 	t.Helper()
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		used, err := v.InUse(id)
 		if err != nil {
 			t.Fatal(err)

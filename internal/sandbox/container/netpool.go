@@ -276,11 +276,14 @@ func (p *netnsPool) makeOne(home int) (stranded bool, err error) {
 	if fd < 0 {
 		return err != nil && errors.Is(err, errStranded), err
 	}
-	defer unix.Close(fd)
 	rights := unix.UnixRights(fd)
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if err := unix.Sendmsg(p.send, []byte{0}, rights, nil, unix.MSG_DONTWAIT); err != nil {
+	// Closed before the namespace is counted: once it is in flight, the
+	// socket holds it, and the process's fd table should not.
+	err = unix.Sendmsg(p.send, []byte{0}, rights, nil, unix.MSG_DONTWAIT)
+	unix.Close(fd)
+	if err != nil {
 		if errors.Is(err, unix.EAGAIN) {
 			// The socket's buffer is full: so is the pool, for now.
 			p.size = len(p.born)

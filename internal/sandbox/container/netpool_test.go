@@ -143,10 +143,10 @@ func TestNetnsPool(t *testing.T) {
 		t.Errorf("%d namespace fds left after close", n)
 	}
 
-	// Aged out after 100 ms: the filler replaces them. Polled, not timed:
-	// on a loaded host a new namespace can take a while (the kernel tears
-	// old ones down under the same lock).
-	p = newTestPool(t, 2, 10*time.Millisecond, 100*time.Millisecond)
+	// Aged out after a second: the filler replaces them. Polled, not
+	// timed: on a loaded host a new namespace can take a while (the kernel
+	// tears old ones down under the same lock).
+	p = newTestPool(t, 2, 10*time.Millisecond, time.Second)
 	waitFree(t, p, 2)
 	full := time.Now()
 	for deadline := full.Add(20 * time.Second); ; time.Sleep(10 * time.Millisecond) {
@@ -154,7 +154,7 @@ func TestNetnsPool(t *testing.T) {
 			break // every pooled namespace was made after the pool was full
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("after 20 s the oldest pooled namespace is %s old, want replaced after 100ms", p.oldest())
+			t.Fatalf("after 20 s the oldest pooled namespace is %s old, want replaced after 1s", p.oldest())
 		}
 	}
 	p.close()

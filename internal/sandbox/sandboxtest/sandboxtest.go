@@ -227,10 +227,18 @@ done; echo done`}})
 		case <-time.After(10 * time.Second):
 			t.Fatal("process did not exit after Kill")
 		}
-		// No sleep may survive inside the sandbox.
-		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "ps -o comm | grep -c '^sleep' || true"}})
-		if strings.TrimSpace(r.stdout) != "0" {
-			t.Fatalf("processes survived Kill: %q", r.stdout)
+		// No sleep may survive inside the sandbox. Killed ones may be
+		// zombies for a moment, until the sandbox's init reaps them: those
+		// are not counted, and the count is polled.
+		live := `n=0; for d in /proc/[0-9]*; do [ "$(cat $d/comm 2>/dev/null)" = sleep ] && ! grep -q '^State:.*Z' $d/status 2>/dev/null && n=$((n+1)); done; echo $n`
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", live}})
+			if strings.TrimSpace(r.stdout) == "0" {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("processes survived Kill: %q", r.stdout)
+			}
 		}
 		if err := pr.Kill(); err != nil {
 			t.Fatalf("second Kill: %v", err)

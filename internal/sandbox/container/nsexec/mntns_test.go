@@ -114,7 +114,7 @@ func TestRunInMountNS(t *testing.T) {
 		done <- RunInMountNS(cctx, detachedTmpfs(t), target, nil, []string{sleep, "61"}, nil)
 	}()
 	pid := 0
-	for deadline := time.Now().Add(5 * time.Second); pid == 0 && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+	for deadline := time.Now().Add(30 * time.Second); pid == 0 && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 		procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
 		for _, p := range procs {
 			if b, _ := os.ReadFile(p); string(b) == sleep+"\x0061\x00" {
