@@ -152,7 +152,7 @@ func TestReadFileRefusesFIFO(t *testing.T) {
 		select {
 		case err := <-done:
 			wantClass(t, err, errdefs.ErrInvalid)
-		case <-time.After(5 * time.Second):
+		case <-time.After(30 * time.Second):
 			t.Fatal("ReadFile blocked on a FIFO")
 		}
 	}
@@ -161,7 +161,7 @@ func TestReadFileRefusesFIFO(t *testing.T) {
 	select {
 	case err := <-done:
 		must(t, err)
-	case <-time.After(5 * time.Second):
+	case <-time.After(30 * time.Second):
 		t.Fatal("WriteTar blocked on a FIFO")
 	}
 }

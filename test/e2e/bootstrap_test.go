@@ -24,7 +24,8 @@ func TestImageBootstrap(t *testing.T) {
 		args = append(args, "--mirror", m)
 	}
 
-	// Bad input is refused before anything is downloaded or created.
+	// Bad input is refused before anything is downloaded or created: well
+	// within the minute a download takes, however busy the host.
 	tmp := t.TempDir()
 	t.Setenv("TMPDIR", tmp) // the CLI's work dir goes here, so the test sees it removed
 	for _, bad := range [][]string{
@@ -35,7 +36,7 @@ func TestImageBootstrap(t *testing.T) {
 	} {
 		start := time.Now()
 		_, errOut, code := cli(append([]string{"image", "bootstrap"}, bad...)...)
-		if code == 0 || !strings.Contains(errOut, "image bootstrap:") || time.Since(start) > 5*time.Second {
+		if code == 0 || !strings.Contains(errOut, "image bootstrap:") || time.Since(start) > 30*time.Second {
 			t.Errorf("bootstrap %q: exit %d after %s: %s", bad, code, time.Since(start), errOut)
 		}
 	}
@@ -66,10 +67,10 @@ func TestImageBootstrap(t *testing.T) {
 		t.Errorf("work dir left behind in TMPDIR: %v", left)
 	}
 
-	// A second run finds the ref and does nothing.
+	// A second run finds the ref and does nothing (no download either).
 	start = time.Now()
 	out2, errOut2, code := cli(args...)
-	if code != 0 || !strings.Contains(errOut2, "already exists") || out2 != out || time.Since(start) > 5*time.Second {
+	if code != 0 || !strings.Contains(errOut2, "already exists") || out2 != out || time.Since(start) > 30*time.Second {
 		t.Errorf("second bootstrap: exit %d after %s\nstdout: %s\nstderr: %s", code, time.Since(start), out2, errOut2)
 	}
 

@@ -279,7 +279,9 @@ func TestCmdLogSurvivesRestart(t *testing.T) {
 
 func TestCmdLogKeptForStoppedSandbox(t *testing.T) {
 	needDaemon(t)
-	sb := newSandbox(t, api.SandboxSpec{IdleTimeout: 1})
+	// The idle clock starts with the create: 4 s leave room for a slow
+	// one before the exec.
+	sb := newSandbox(t, api.SandboxSpec{IdleTimeout: 4})
 	sh(t, sb.ID, "echo last words")
 	waitSandboxState(t, sb.ID, api.StateStopped, 30*time.Second)
 	got := readLog(t, sb.ID, 0)

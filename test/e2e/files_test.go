@@ -986,10 +986,11 @@ func TestFilesSymlinkSwapRace(t *testing.T) {
 	if err := os.WriteFile(secretPath, []byte(secret), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	// The swapper runs detached for a few seconds.
-	loop := fmt.Sprintf(`end=$(( $(date +%%s) + 4 ))
+	// The swapper runs detached until /race-stop appears (or for two
+	// minutes, should the test not get to say so).
+	loop := fmt.Sprintf(`end=$(( $(date +%%s) + 120 ))
 mkdir -p /race
-while [ $(date +%%s) -lt $end ]; do
+while [ ! -e /race-stop ] && [ $(date +%%s) -lt $end ]; do
   rm -rf /race/x /race/y; mkdir -p /race/x /race/y
   rm -rf /race/x /race/y; ln -s %s /race/x; ln -s / /race/y
 done`, hostDir)
@@ -997,10 +998,15 @@ done`, hostDir)
 		t.Fatalf("starting the swapper: %+v", r)
 	}
 	tarBody := tarOf(t, []*tar.Header{{Name: "raced", Typeflag: tar.TypeReg, Mode: 0o644}}, map[string][]byte{"raced": []byte("raced")})
-	deadline := time.Now().Add(3 * time.Second)
+	// Race until the calls have met both states, and for at least
+	// minRounds rounds (about what 2 s give on an idle host); a busy host
+	// may take longer to get there.
+	const minRounds = 300
+	start := time.Now()
+	deadline := start.Add(30 * time.Second)
 	n := 0
 	seen := map[string]int{}
-	for time.Now().Before(deadline) {
+	for (n < minRounds || seen["dir"] == 0 || seen["symlink"] == 0) && time.Now().Before(deadline) {
 		n++
 		if r, err := wireTry(t, "GET", fsURL(sb.ID, ":stat", "/race/x"), nil, "Bearer "+d.key); err == nil && r.Status == 200 {
 			var fe api.FileEntry
@@ -1037,7 +1043,10 @@ done`, hostDir)
 			t.Fatalf("round %d: the host dir changed: secret %q (%v), %d entries", n, b, err, len(ents))
 		}
 	}
-	t.Logf("%d rounds; /race/x seen as %v", n, seen)
+	if r := sh(t, sb.ID, "touch /race-stop"); r.ExitCode != 0 {
+		t.Errorf("stopping the swapper: %+v", r)
+	}
+	t.Logf("%d rounds in %s; /race/x seen as %v", n, time.Since(start).Round(time.Millisecond), seen)
 	if seen["dir"] == 0 || seen["symlink"] == 0 {
 		t.Errorf("the swap did not race with the calls (seen %v); the test proved nothing", seen)
 	}

@@ -387,7 +387,9 @@ func assertReleased(t *testing.T, id, rel string) {
 func TestSandboxTTLStops(t *testing.T) {
 	needDaemon(t)
 	lbl := testLabel(t)
-	sb := newSandbox(t, api.SandboxSpec{TTL: 2, Labels: map[string]string{"suite": lbl}})
+	// The TTL runs from the start of the create: it leaves time for the
+	// create and the checks below on a busy host.
+	sb := newSandbox(t, api.SandboxSpec{TTL: 4, Labels: map[string]string{"suite": lbl}})
 	rel := sandboxCgroupRel(t, sb.ID)
 	if r := sh(t, sb.ID, "echo up"); r.Stdout != "up\n" {
 		t.Fatalf("exec: %+v", r)
@@ -396,9 +398,9 @@ func TestSandboxTTLStops(t *testing.T) {
 	if !slices.Contains(sandboxOverlays(), filepath.Join(d.stateDir, "edge", "sandboxes", sb.ID, "rootfs")) {
 		t.Fatalf("rootfs of a running sandbox is not mounted")
 	}
-	got := waitSandboxState(t, sb.ID, api.StateStopped, 5*time.Second)
+	got := waitSandboxState(t, sb.ID, api.StateStopped, time.Until(*sb.ExpiresAt)+15*time.Second)
 	t.Logf("stopped %s after creation", time.Since(sb.CreatedAt).Round(10*time.Millisecond))
-	if time.Since(sb.CreatedAt) < 2*time.Second {
+	if time.Since(sb.CreatedAt) < 4*time.Second {
 		t.Errorf("stopped before its ttl: %s", time.Since(sb.CreatedAt))
 	}
 	if !strings.Contains(strings.ToLower(got.Error), "ttl") {
@@ -436,7 +438,7 @@ func TestSandboxIdleTimeoutStops(t *testing.T) {
 	sb := newSandbox(t, api.SandboxSpec{IdleTimeout: 2})
 	rel := sandboxCgroupRel(t, sb.ID)
 	// GET does not count as activity, so polling does not keep it alive.
-	got := waitSandboxState(t, sb.ID, api.StateStopped, 6*time.Second)
+	got := waitSandboxState(t, sb.ID, api.StateStopped, time.Until(sb.CreatedAt.Add(2*time.Second))+15*time.Second)
 	if el := time.Since(sb.CreatedAt); el < 2*time.Second {
 		t.Errorf("idle stop after %s, before the 2 s timeout", el)
 	}
@@ -447,13 +449,16 @@ func TestSandboxIdleTimeoutStops(t *testing.T) {
 	wantCode(t, err, "failed_precondition")
 	assertReleased(t, sb.ID, rel)
 
-	// Activity keeps an idle sandbox alive past its timeout.
-	busy := newSandbox(t, api.SandboxSpec{IdleTimeout: 2})
-	for range 8 {
-		time.Sleep(500 * time.Millisecond)
+	// Activity keeps an idle sandbox alive past its timeout: an exec
+	// every 500 ms until twice the timeout has passed. The idle clock
+	// starts with the create, so the first exec goes at once, and the
+	// timeout leaves room for a slow create.
+	busy := newSandbox(t, api.SandboxSpec{IdleTimeout: 4})
+	for time.Now().Before(busy.CreatedAt.Add(8 * time.Second)) {
 		if r := sh(t, busy.ID, "true"); r.ExitCode != 0 {
 			t.Fatalf("exec: %+v", r)
 		}
+		time.Sleep(500 * time.Millisecond)
 	}
 	if got, _ := client.GetSandbox(ctx(t), busy.ID); got == nil || got.State != api.StateRunning {
 		t.Fatalf("active sandbox stopped: %+v", got)
@@ -462,8 +467,11 @@ func TestSandboxIdleTimeoutStops(t *testing.T) {
 
 func TestSandboxKeepaliveExtends(t *testing.T) {
 	needDaemon(t)
-	sb := newSandbox(t, api.SandboxSpec{TTL: 3})
-	time.Sleep(1500 * time.Millisecond)
+	// The TTL runs from the start of the create; the keepalive comes 2 s
+	// after that (so that "30 s from now" differs from "30 s from the
+	// create"), well before the TTL ends even after a slow create.
+	sb := newSandbox(t, api.SandboxSpec{TTL: 6})
+	time.Sleep(time.Until(sb.CreatedAt.Add(2 * time.Second)))
 	before := time.Now()
 	if err := client.Keepalive(ctx(t), sb.ID, 30*time.Second); err != nil {
 		t.Fatal(err)
@@ -475,13 +483,13 @@ func TestSandboxKeepaliveExtends(t *testing.T) {
 	if got.ExpiresAt == nil || got.ExpiresAt.Before(before.Add(29*time.Second)) || got.ExpiresAt.After(time.Now().Add(31*time.Second)) {
 		t.Fatalf("expires_at after keepalive 30s = %v, want ~%v", got.ExpiresAt, before.Add(30*time.Second))
 	}
-	time.Sleep(time.Until(sb.CreatedAt.Add(5 * time.Second)))
+	time.Sleep(time.Until(sb.CreatedAt.Add(8 * time.Second)))
 	got, err = client.GetSandbox(ctx(t), sb.ID)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got.State != api.StateRunning {
-		t.Fatalf("5 s after create (ttl 3, kept alive for 30): state %s (%s)", got.State, got.Error)
+		t.Fatalf("8 s after create (ttl 6, kept alive for 30): state %s (%s)", got.State, got.Error)
 	}
 	if r := sh(t, sb.ID, "echo alive"); r.Stdout != "alive\n" {
 		t.Fatalf("exec: %+v%s", r, deadHint(r))
@@ -569,9 +577,11 @@ func TestCLISandboxRoundTrip(t *testing.T) {
 // must not be stopped under it.
 func TestSandboxIdleTimeoutSparesRunningExec(t *testing.T) {
 	needDaemon(t)
-	sb := newSandbox(t, api.SandboxSpec{IdleTimeout: 2})
+	// The idle clock starts with the create: the timeout leaves room for
+	// a slow one before the exec starts, and the exec outlasts it by 2 s.
+	sb := newSandbox(t, api.SandboxSpec{IdleTimeout: 4})
 	t.Cleanup(func() { deleteUntilGone(sb.ID) })
-	res, err := client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "sleep 4; echo done"})
+	res, err := client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "sleep 6; echo done"})
 	if err != nil {
 		t.Fatalf("exec longer than the idle timeout: %v", err)
 	}
@@ -580,7 +590,7 @@ func TestSandboxIdleTimeoutSparesRunningExec(t *testing.T) {
 		t.Fatal(err)
 	}
 	if res.ExitCode != 0 || res.Stdout != "done\n" || got.State != api.StateRunning {
-		t.Fatalf("a 4 s exec in a sandbox with idle_timeout=2: result %+v, sandbox state %q (%q); want exit 0 \"done\" and running",
+		t.Fatalf("a 6 s exec in a sandbox with idle_timeout=4: result %+v, sandbox state %q (%q); want exit 0 \"done\" and running",
 			res, got.State, got.Error)
 	}
 }

@@ -145,8 +145,19 @@ func TestNetworkLivePolicyChange(t *testing.T) {
 	if _, err := client.SetNetwork(ctx(t), sb.ID, api.NetworkPolicy{}); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(300 * time.Millisecond) // lines already in flight
+	// Lines already in flight may still land: wait until none has for
+	// 500 ms (the stream writes one every 100 ms), then none may.
 	n := netw.streamed.Load()
+	quiet, deadline := time.Now(), time.Now().Add(10*time.Second)
+	for time.Since(quiet) < 500*time.Millisecond {
+		if time.Now().After(deadline) {
+			t.Fatalf("CONTAINMENT FAILURE: lines still arrive 10 s after the policy was removed (%d so far)", n)
+		}
+		time.Sleep(50 * time.Millisecond)
+		if m := netw.streamed.Load(); m != n {
+			n, quiet = m, time.Now()
+		}
+	}
 	time.Sleep(1500 * time.Millisecond)
 	if m := netw.streamed.Load(); m != n {
 		t.Fatalf("CONTAINMENT FAILURE: %d more lines arrived after the policy was removed", m-n)

@@ -75,8 +75,22 @@ func TestPauseResumeKeepsEverything(t *testing.T) {
 		}
 		t.Logf("cycle %d: paused in %d ms, memory %d -> %d bytes (%s)", cycle, res.DurationMS,
 			res.MemoryBeforeBytes, res.MemoryAfterBytes, res.ReclaimMethod)
+		// Under memory pressure the host may have reclaimed /root/big's
+		// page cache before the pause could (which then found less than
+		// 32 MiB to start with): read it back in and pause again.
+		for try := 2; cycle == 1 && res.MemoryFreedBytes < 16<<20 && res.MemoryBeforeBytes < 32<<20 && try <= 3; try++ {
+			if _, err := client.Resume(c, sb.ID); err != nil {
+				t.Fatal(err)
+			}
+			sh(t, sb.ID, "cat /root/big >/dev/null")
+			if res, err = client.Pause(c, sb.ID); err != nil || res.Sandbox.State != api.StatePaused {
+				t.Fatalf("cycle %d: pause, try %d: %+v %v", cycle, try, res, err)
+			}
+			t.Logf("cycle %d: try %d: paused in %d ms, memory %d -> %d bytes", cycle, try, res.DurationMS,
+				res.MemoryBeforeBytes, res.MemoryAfterBytes)
+		}
 		if cycle == 1 && res.MemoryFreedBytes < 16<<20 {
-			t.Errorf("pause freed %d bytes, want the 32 MiB of page cache mostly back", res.MemoryFreedBytes)
+			t.Errorf("pause freed %d bytes of %d, want the 32 MiB of page cache mostly back", res.MemoryFreedBytes, res.MemoryBeforeBytes)
 		}
 		// Frozen: the counter does not move. Stats do not wake it.
 		before := upperFile(t, sb.ID, "tmp/count")
@@ -108,11 +122,15 @@ func TestPauseResumeKeepsEverything(t *testing.T) {
 		if got := waitState(t, sb.ID, api.StateRunning, 0); got.State != api.StateRunning || got.PausedAt != nil {
 			t.Fatalf("cycle %d: state after resume %s", cycle, got.State)
 		}
+		// The loop runs again: the counter moves (soon, but a busy host
+		// may take a while to schedule it).
 		n1 := counterValue(t, sb.ID)
-		time.Sleep(400 * time.Millisecond)
-		n2 := counterValue(t, sb.ID)
-		if n2 <= n1 {
-			t.Fatalf("cycle %d: counter stuck after resume: %d -> %d", cycle, n1, n2)
+		deadline := time.Now().Add(20 * time.Second)
+		for n2 := n1; n2 <= n1; n2 = counterValue(t, sb.ID) {
+			if time.Now().After(deadline) {
+				t.Fatalf("cycle %d: counter stuck after resume: %d -> %d for 20 s", cycle, n1, n2)
+			}
+			time.Sleep(100 * time.Millisecond)
 		}
 		r, err := client.SessionRun(c, sb.ID, sid, api.SessionRunRequest{Command: "pwd; echo $KEEP"})
 		if err != nil || r.Stdout != "/root\nme\n" {
@@ -127,24 +145,29 @@ func TestPauseResumeKeepsEverything(t *testing.T) {
 
 func TestPauseStopsTheTTLClock(t *testing.T) {
 	needDaemon(t)
-	sb := newSandbox(t, api.SandboxSpec{TTL: 3})
-	if _, err := client.Pause(ctx(t), sb.ID); err != nil {
-		t.Fatal(err)
+	// The TTL runs from the start of the create: 5 s leave room for a
+	// slow one before the pause.
+	sb := newSandbox(t, api.SandboxSpec{TTL: 5})
+	paused, err := client.Pause(ctx(t), sb.ID)
+	if err != nil || paused.Sandbox.PausedAt == nil {
+		t.Fatalf("pause: %+v %v", paused, err)
 	}
-	time.Sleep(4500 * time.Millisecond)
+	// Paused past the expiry and a reaper tick or two.
+	time.Sleep(time.Until(sb.ExpiresAt.Add(2 * time.Second)))
 	got := waitState(t, sb.ID, api.StatePaused, 0)
 	if got.State != api.StatePaused {
 		t.Fatalf("a paused sandbox's ttl ran: %s (%s)", got.State, got.Error)
 	}
+	resumed := time.Now()
 	res, err := client.Resume(ctx(t), sb.ID)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !res.ExpiresAt.After(sb.ExpiresAt.Add(3 * time.Second)) {
-		t.Fatalf("expires_at %v not moved past %v by the pause", res.ExpiresAt, sb.ExpiresAt)
+	if moved := resumed.Sub(*paused.Sandbox.PausedAt); res.ExpiresAt.Before(sb.ExpiresAt.Add(moved)) {
+		t.Fatalf("expires_at %v not moved past %v by the pause of %s", res.ExpiresAt, sb.ExpiresAt, moved)
 	}
 	// Once running, the rest of the ttl still applies.
-	if got := waitState(t, sb.ID, api.StateStopped, 8*time.Second); got.State != api.StateStopped {
+	if got := waitState(t, sb.ID, api.StateStopped, time.Until(*res.ExpiresAt)+15*time.Second); got.State != api.StateStopped {
 		t.Fatalf("ttl did not apply after resume: %s", got.State)
 	}
 }

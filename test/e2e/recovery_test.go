@@ -256,6 +256,22 @@ func logSize() int64 {
 // the listed ids.
 func assertNodeConsistent(t *testing.T, candidates []string) (running, listed []string) {
 	t.Helper()
+	return checkNodeConsistent(t, candidates, t.Errorf)
+}
+
+// nodeConsistent reports whether assertNodeConsistent would find nothing
+// wrong now.
+func nodeConsistent(t *testing.T, candidates []string) bool {
+	t.Helper()
+	ok := true
+	checkNodeConsistent(t, candidates, func(string, ...any) { ok = false })
+	return ok
+}
+
+// checkNodeConsistent is assertNodeConsistent reporting what it finds
+// wrong to errorf.
+func checkNodeConsistent(t *testing.T, candidates []string, errorf func(string, ...any)) (running, listed []string) {
+	t.Helper()
 	all, err := client.ListAllSandboxes(ctx(t), dsec.ListOptions{})
 	if err != nil {
 		t.Fatalf("list: %v", err)
@@ -276,23 +292,23 @@ func assertNodeConsistent(t *testing.T, candidates []string) (running, listed []
 	slices.Sort(listed)
 	slices.Sort(running)
 	if dirs := slices.Sorted(slices.Values(s.dirs)); !slices.Equal(dirs, listed) {
-		t.Errorf("sandbox dirs %v, API lists %v", dirs, listed)
+		errorf("sandbox dirs %v, API lists %v", dirs, listed)
 	}
 	var wantOverlays []string
 	for _, id := range running {
 		wantOverlays = append(wantOverlays, filepath.Join(d.stateDir, "edge", "sandboxes", id, "rootfs"))
 	}
 	if got := slices.Sorted(slices.Values(s.overlays)); !slices.Equal(got, wantOverlays) {
-		t.Errorf("overlays of sandboxes %v, want the rootfs of each running sandbox %v", got, wantOverlays)
+		errorf("overlays of sandboxes %v, want the rootfs of each running sandbox %v", got, wantOverlays)
 	}
 	if len(s.hostRootfs) > 0 {
-		t.Errorf("rootfs mounted on the host: %v", s.hostRootfs)
+		errorf("rootfs mounted on the host: %v", s.hostRootfs)
 	}
 	if !slices.Equal(s.runtime, running) {
-		t.Errorf("runtime state dirs %v, running sandboxes %v", s.runtime, running)
+		errorf("runtime state dirs %v, running sandboxes %v", s.runtime, running)
 	}
 	if len(s.layerMounts) != len(digests) {
-		t.Errorf("layer mounts %v, want one per layer in use (%d)", s.layerMounts, len(digests))
+		errorf("layer mounts %v, want one per layer in use (%d)", s.layerMounts, len(digests))
 	}
 	// Each running sandbox has the cgroup its record names, in every
 	// hierarchy; no two share one. No cgroup is named after a sandbox that
@@ -302,16 +318,16 @@ func assertNodeConsistent(t *testing.T, candidates []string) (running, listed []
 	for _, id := range running {
 		name := filepath.Base(sandboxCgroupRel(t, id))
 		if other, dup := owner[name]; dup {
-			t.Errorf("sandboxes %s and %s share cgroup %s", other, id, name)
+			errorf("sandboxes %s and %s share cgroup %s", other, id, name)
 		}
 		owner[name] = id
 		if len(s.cgroups[name]) != len(cgroupHierarchies()) {
-			t.Errorf("running %s: cgroup %s/%s in %v, want every hierarchy", id, parent, name, s.cgroups[name])
+			errorf("running %s: cgroup %s/%s in %v, want every hierarchy", id, parent, name, s.cgroups[name])
 		}
 	}
 	for _, id := range append(slices.Clone(candidates), listed...) {
 		if _, has := s.cgroups[id]; has && !slices.Contains(running, id) {
-			t.Errorf("cgroup %s/%s of a sandbox that is not running (in %v)", parent, id, s.cgroups[id])
+			errorf("cgroup %s/%s of a sandbox that is not running (in %v)", parent, id, s.cgroups[id])
 		}
 	}
 	if f := foreignDaemons(); len(f) == 0 || !sharedCgroupParent(t) {
@@ -326,14 +342,14 @@ func assertNodeConsistent(t *testing.T, candidates []string) (running, listed []
 			spare++
 			for _, root := range roots {
 				if procs := cgroupProcs(filepath.Join(root, parent, name)); len(procs) > 0 {
-					t.Errorf("cgroup %s/%s belongs to no running sandbox but holds processes %v", root, name, procs)
+					errorf("cgroup %s/%s belongs to no running sandbox but holds processes %v", root, name, procs)
 				}
 			}
 		}
 		// Read before and after the snapshot: a delete finishing or the
 		// reaper trimming meanwhile moves the count one way or the other.
 		if free := max(freeBefore, freeAfter); spare > free+1 {
-			t.Errorf("%d cgroups under %s belong to no running sandbox, but the edge keeps %d free: the rest are lost", spare, parent, free)
+			errorf("%d cgroups under %s belong to no running sandbox, but the edge keeps %d free: the rest are lost", spare, parent, free)
 		}
 	} else {
 		t.Logf("other dsec daemons share /dsec on this host (pids %v): checked the cgroups of running sandboxes only", f)
@@ -346,7 +362,9 @@ func TestRecoveryKill9KeepsSandboxes(t *testing.T) {
 	restartDaemonOnCleanup(t)
 	lbl := testLabel(t)
 	labels := map[string]string{"suite": lbl}
-	withTTL := newSandbox(t, api.SandboxSpec{TTL: 8, Labels: labels})
+	// The TTL covers the creates, execs, kill, restart and recovery below,
+	// however slow the host.
+	withTTL := newSandbox(t, api.SandboxSpec{TTL: 25, Labels: labels})
 	withTTLCgroup := sandboxCgroupRel(t, withTTL.ID)
 	b := newSandbox(t, api.SandboxSpec{Labels: labels})
 	c := newSandbox(t, api.SandboxSpec{Labels: labels})
@@ -385,8 +403,8 @@ func TestRecoveryKill9KeepsSandboxes(t *testing.T) {
 	} else if n, _ := strconv.Atoi(m[1]); n < 3 {
 		t.Errorf("recovery adopted %d sandboxes, want at least 3", n)
 	}
-	// The TTL is still enforced, on time, by the new daemon.
-	got := waitSandboxState(t, withTTL.ID, api.StateStopped, time.Until(*withTTL.ExpiresAt)+3*time.Second)
+	// The TTL is still enforced, not before its time, by the new daemon.
+	got := waitSandboxState(t, withTTL.ID, api.StateStopped, time.Until(*withTTL.ExpiresAt)+15*time.Second)
 	if now := time.Now(); now.Before(*withTTL.ExpiresAt) {
 		t.Errorf("stopped at %v, before its expiry %v", now, withTTL.ExpiresAt)
 	}
@@ -565,7 +583,7 @@ func TestRecoveryReapsOrphans(t *testing.T) {
 		if _, err := os.Stat(filepath.Join(d.stateDir, "runtime", rt, strayID)); !errors.Is(err, os.ErrNotExist) {
 			t.Errorf("stray container's runtime state not reaped: %v", err)
 		}
-		deadline := time.Now().Add(5 * time.Second)
+		deadline := time.Now().Add(30 * time.Second)
 		for !processGone(strayPid) && time.Now().Before(deadline) {
 			time.Sleep(50 * time.Millisecond)
 		}
@@ -658,9 +676,13 @@ func TestRecoveryRestartMidCreate(t *testing.T) {
 		}
 	}
 	// Runtimes started just before the kill may still be finishing: look
-	// again once they have had time to.
+	// again once they have had time to, 3 s, or on a busy host up to 30 s
+	// for what they leave to settle.
 	time.Sleep(3 * time.Second)
-	t.Log("second look, 3 s after the restart")
+	for deadline := time.Now().Add(30 * time.Second); !nodeConsistent(t, candidates) && time.Now().Before(deadline); {
+		time.Sleep(500 * time.Millisecond)
+	}
+	t.Log("second look, after the restart's runtimes settled")
 	assertNodeConsistent(t, candidates)
 
 	n, err := client.DeleteSandboxes(ctx(t), labels)

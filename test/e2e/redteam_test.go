@@ -36,7 +36,8 @@ func (b bystander) check(t *testing.T) {
 		t.Fatalf("COLLATERAL: daemon /healthz: %v %v", resp, err)
 	}
 	resp.Body.Close()
-	if el := time.Since(start); el > 2*time.Second {
+	// Generous: the host is busy with the attack, and CI with more.
+	if el := time.Since(start); el > 10*time.Second {
 		t.Errorf("COLLATERAL: /healthz took %v", el)
 	}
 	r := sh(t, b.id, "cat /root/marker; ps -o comm,args | grep -q '^sleep *sleep 100000' && echo sleeping")
