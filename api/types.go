@@ -199,21 +199,29 @@ type ExecResult struct {
 // in a fresh sandbox. Files (base64) are written under /work, the command
 // runs there, and FetchFiles (paths relative to /work) come back.
 type FnCallRequest struct {
-	Base       string            `json:"base"`
-	Cmd        string            `json:"cmd,omitempty"`
-	Argv       []string          `json:"argv,omitempty"`
-	Files      map[string]string `json:"files,omitempty"`
-	Stdin      string            `json:"stdin,omitempty"`
-	Timeout    int64             `json:"timeout,omitempty"`
-	MemoryMB   int64             `json:"memory_mb,omitempty"`
-	FetchFiles []string          `json:"fetch_files,omitempty"`
+	Base     string            `json:"base"`
+	Cmd      string            `json:"cmd,omitempty"`
+	Argv     []string          `json:"argv,omitempty"`
+	Files    map[string]string `json:"files,omitempty"`
+	Env      map[string]string `json:"env,omitempty"`
+	Stdin    string            `json:"stdin,omitempty"`
+	StdinB64 string            `json:"stdin_b64,omitempty"`
+	Timeout  int64             `json:"timeout,omitempty"`
+	// MaxOutputBytes caps each output stream, as ExecRequest's does.
+	MaxOutputBytes int64    `json:"max_output_bytes,omitempty"`
+	MemoryMB       int64    `json:"memory_mb,omitempty"`
+	FetchFiles     []string `json:"fetch_files,omitempty"`
 }
 
-// FnCallResult is the answer of POST /v1/fncall.
+// FnCallResult is the answer of POST /v1/fncall. Stdout and Stderr are
+// text; when the output is not valid UTF-8 the exact bytes are also in the
+// _b64 fields, as in ExecResult.
 type FnCallResult struct {
 	ExitCode   int               `json:"exit_code"`
 	Stdout     string            `json:"stdout"`
 	Stderr     string            `json:"stderr"`
+	StdoutB64  string            `json:"stdout_b64,omitempty"`
+	StderrB64  string            `json:"stderr_b64,omitempty"`
 	TimedOut   bool              `json:"timed_out"`
 	Truncated  bool              `json:"truncated"`
 	DurationMS int64             `json:"duration_ms"`

@@ -4,6 +4,7 @@ import (
 	"archive/tar"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -238,5 +239,86 @@ func TestCLIExecStreamTimeout(t *testing.T) {
 	}
 	if out != "tick\ntock\n" {
 		t.Errorf("stdout %q", out)
+	}
+}
+
+// TestCLIFnCall: the request carries the uploads by name, the fetch
+// names, env and binary stdin; the answer's exact output bytes go out,
+// fetched files land under --out by the names asked for only, and the
+// command's status is dsec's.
+func TestCLIFnCall(t *testing.T) {
+	var got api.FnCallRequest
+	reply := api.FnCallResult{ExitCode: 3, Stdout: "\uFFFDx", StdoutB64: "/3g=", Missing: []string{"nope"},
+		Files: map[string]string{"out/r.txt": "cmVzCg==", "../evil": "eA==", "extra": "eA=="}}
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/fncall", func(w http.ResponseWriter, r *http.Request) {
+		if err := json.NewDecoder(r.Body).Decode(&got); err != nil {
+			t.Error(err)
+		}
+		jsonReply(w, 200, reply)
+	})
+	dir := t.TempDir()
+	src := filepath.Join(dir, "main.py")
+	stdin := filepath.Join(dir, "stdin.bin")
+	os.WriteFile(src, []byte("print(1)\n"), 0o644)
+	os.WriteFile(stdin, []byte{0xff, 0}, 0o644)
+	outDir := filepath.Join(dir, "results", "deep")
+	out, err := runCLI(t, mux, "fncall", "--file", src, "--file", "pkg/m.py="+src, "--fetch", "out/r.txt", "--fetch", "nope",
+		"--out", outDir, "--env", "A=b", "--stdin", stdin, "--timeout", "2m", "base/x:1", "--", "python3", "main.py")
+	var ec *exitCodeError
+	if !errors.As(err, &ec) || ec.ExitCode() != 3 {
+		t.Fatalf("want exit 3, got %v", err)
+	}
+	if out != "\xffx" {
+		t.Errorf("stdout %q, want the exact bytes", out)
+	}
+	want := api.FnCallRequest{Base: "base/x:1", Argv: []string{"python3", "main.py"},
+		Files:    map[string]string{"main.py": "cHJpbnQoMSkK", "pkg/m.py": "cHJpbnQoMSkK"},
+		Env:      map[string]string{"A": "b"},
+		StdinB64: "/wA=", Timeout: 120, FetchFiles: []string{"out/r.txt", "nope"}}
+	if g, w := fmt.Sprintf("%+v", got), fmt.Sprintf("%+v", want); g != w {
+		t.Errorf("request\n%s\nwant\n%s", g, w)
+	}
+	if b, err := os.ReadFile(filepath.Join(outDir, "out", "r.txt")); string(b) != "res\n" {
+		t.Errorf("fetched file: %q %v", b, err)
+	}
+	// Only the names asked for are written, whatever the answer holds.
+	for _, p := range []string{filepath.Join(dir, "results", "evil"), filepath.Join(outDir, "extra")} {
+		if _, err := os.Stat(p); err == nil {
+			t.Errorf("%s written though not asked for", p)
+		}
+	}
+
+	// A symlink in --out does not lead a fetched file out of it.
+	escDir, outside := filepath.Join(dir, "esc"), filepath.Join(dir, "outside")
+	os.MkdirAll(escDir, 0o755)
+	os.Mkdir(outside, 0o755)
+	os.Symlink(outside, filepath.Join(escDir, "out"))
+	reply = api.FnCallResult{Files: map[string]string{"out/r.txt": "eA=="}}
+	if _, err := runCLI(t, mux, "fncall", "--fetch", "out/r.txt", "--out", escDir, "base/x:1", "--cmd", "true"); err == nil || !strings.Contains(err.Error(), "writing") {
+		t.Errorf("fetch through a symlink out of --out: %v", err)
+	}
+	if ents, _ := os.ReadDir(outside); len(ents) != 0 {
+		t.Errorf("written outside --out: %v", ents)
+	}
+
+	// Bad input is refused before any call.
+	got = api.FnCallRequest{}
+	for _, bad := range [][]string{
+		{"base/x:1"},
+		{"--cmd", "true", "base/x:1", "--", "true"},
+		{"--fetch", "../x", "base/x:1", "--cmd", "true"},
+		{"--fetch", "/etc/passwd", "base/x:1", "--cmd", "true"},
+		{"--file", dir, "base/x:1", "--cmd", "true"},
+		{"--file", filepath.Join(dir, "absent"), "base/x:1", "--cmd", "true"},
+		{"--file", "a=" + src, "--file", "a=" + src, "base/x:1", "--cmd", "true"},
+		{"--fetch", "x", "--out", src, "base/x:1", "--cmd", "true"},
+	} {
+		if _, err := runCLI(t, mux, append([]string{"fncall"}, bad...)...); err == nil {
+			t.Errorf("fncall %q: no error", bad)
+		}
+	}
+	if got.Base != "" {
+		t.Errorf("a refused call reached the server: %+v", got)
 	}
 }

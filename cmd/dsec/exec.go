@@ -92,26 +92,31 @@ func runExec(ctx context.Context, args []string) error {
 
 // setStdin loads the command's stdin from a file or dsec's own stdin. The
 // API carries it inline, as text or, if it is not UTF-8, as base64.
-func setStdin(req *api.ExecRequest, name string) error {
+func setStdin(req *api.ExecRequest, name string) (err error) {
+	req.Stdin, req.StdinB64, err = readStdin(name)
+	return err
+}
+
+// readStdin reads name ('-': dsec's stdin) as the API's stdin fields: text,
+// or base64 when it is not UTF-8.
+func readStdin(name string) (text, b64 string, err error) {
 	var r io.Reader = os.Stdin
 	if name != "-" {
 		f, err := os.Open(name)
 		if err != nil {
-			return err
+			return "", "", err
 		}
 		defer f.Close()
 		r = f
 	}
 	b, err := io.ReadAll(r)
 	if err != nil {
-		return fmt.Errorf("reading stdin: %w", err)
+		return "", "", fmt.Errorf("reading stdin: %w", err)
 	}
 	if utf8.Valid(b) {
-		req.Stdin = string(b)
-	} else {
-		req.StdinB64 = base64.StdEncoding.EncodeToString(b)
+		return string(b), "", nil
 	}
-	return nil
+	return "", base64.StdEncoding.EncodeToString(b), nil
 }
 
 // reportResult writes a finished command's output (or its JSON) and turns

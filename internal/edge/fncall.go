@@ -13,6 +13,7 @@ import (
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
 // FnCall limits.
@@ -44,7 +45,22 @@ func CheckFnCall(req *api.FnCallRequest) error {
 			return err
 		}
 	}
+	// The command's fields, checked as an exec's, before any sandbox is
+	// made for it.
+	x := fnCallExec(req)
+	if err := sandbox.NormalizeExec(&x); err != nil {
+		return err
+	}
+	if _, err := base64.StdEncoding.DecodeString(req.StdinB64); err != nil {
+		return errdefs.Invalid("stdin_b64 is not valid base64: %v", err)
+	}
 	return nil
+}
+
+// fnCallExec is the command of a call, run in the work dir.
+func fnCallExec(req *api.FnCallRequest) api.ExecRequest {
+	return api.ExecRequest{Cmd: req.Cmd, Argv: req.Argv, Env: req.Env, Stdin: req.Stdin, StdinB64: req.StdinB64,
+		Timeout: req.Timeout, MaxOutputBytes: req.MaxOutputBytes, Cwd: FnCallWorkdir}
 }
 
 // checkRelName accepts a relative path that stays below the work dir
@@ -97,12 +113,12 @@ func (e *Edge) FnCall(ctx context.Context, req api.FnCallRequest, cr CreateReque
 			return nil, err
 		}
 	}
-	res, err := e.Exec(ctx, sb.ID, api.ExecRequest{Cmd: req.Cmd, Argv: req.Argv, Stdin: req.Stdin, Timeout: req.Timeout, Cwd: FnCallWorkdir}, nil)
+	res, err := e.Exec(ctx, sb.ID, fnCallExec(&req), nil)
 	if err != nil {
 		return nil, err
 	}
 	out := &api.FnCallResult{ExitCode: res.ExitCode, Stdout: res.Stdout, Stderr: res.Stderr,
-		TimedOut: res.TimedOut, Truncated: res.Truncated}
+		StdoutB64: res.StdoutB64, StderrB64: res.StderrB64, TimedOut: res.TimedOut, Truncated: res.Truncated}
 	budget := int64(MaxFnCallFetchBytes)
 	for _, n := range req.FetchFiles {
 		rc, fe, err := e.ReadFile(ctx, sb.ID, path.Join(FnCallWorkdir, n))

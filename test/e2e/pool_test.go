@@ -164,6 +164,25 @@ func TestFnCall(t *testing.T) {
 	if err != nil || !res.TimedOut {
 		t.Fatalf("timeout: %+v %v", res, err)
 	}
+	// Bytes in and out exactly, env, and the output cap.
+	res, err = client.FnCall(ctx(t), api.FnCallRequest{Base: baseRef, Cmd: `cat; printf "$A"; head -c 5000 /dev/zero >&2`,
+		StdinB64: base64.StdEncoding.EncodeToString([]byte{0xff, 0xfe}), Env: map[string]string{"A": `\375`}, MaxOutputBytes: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out, _ := base64.StdEncoding.DecodeString(res.StdoutB64); string(out) != "\xff\xfe\xfd" || !res.Truncated || len(res.Stderr) != 100 {
+		t.Errorf("binary call: stdout %q (b64 %q), stderr %d bytes, truncated %v", res.Stdout, res.StdoutB64, len(res.Stderr), res.Truncated)
+	}
+	// The CLI: files in from disk, out to disk, the command's status.
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "in.txt"), []byte("from disk\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	o, e, code := cli("fncall", "--file", filepath.Join(dir, "in.txt"), "--file", "sub/b.txt="+filepath.Join(dir, "in.txt"),
+		"--fetch", "r/out.txt", "--out", filepath.Join(dir, "res"), baseRef, "--cmd", "cat in.txt sub/b.txt; mkdir r; echo done > r/out.txt; exit 7")
+	if got, _ := os.ReadFile(filepath.Join(dir, "res", "r", "out.txt")); code != 7 || o != "from disk\nfrom disk\n" || string(got) != "done\n" {
+		t.Errorf("dsec fncall: exit %d, stdout %q, stderr %q, fetched %q", code, o, e, got)
+	}
 	for _, bad := range []api.FnCallRequest{
 		{Cmd: "true"},
 		{Base: baseRef},
@@ -172,6 +191,11 @@ func TestFnCall(t *testing.T) {
 		{Base: baseRef, Cmd: "true", Files: map[string]string{"../x": ""}},
 		{Base: baseRef, Cmd: "true", Files: map[string]string{"x": "not base64!"}},
 		{Base: baseRef, Cmd: "true", FetchFiles: []string{"/etc/shadow"}},
+		{Base: baseRef, Cmd: "true", Stdin: "x", StdinB64: "eA=="},
+		{Base: baseRef, Cmd: "true", StdinB64: "not base64!"},
+		{Base: baseRef, Cmd: "true", Timeout: -1},
+		{Base: baseRef, Cmd: "true", MaxOutputBytes: 1 << 40},
+		{Base: baseRef, Cmd: "true", Env: map[string]string{"": "x"}},
 	} {
 		_, err := client.FnCall(ctx(t), bad)
 		wantCode(t, err, "invalid_argument")

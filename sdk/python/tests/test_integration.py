@@ -111,6 +111,8 @@ class IntegrationTest(unittest.IsolatedAsyncioTestCase):
     async def test_fncall(self):
         r = await self.client.fncall(BASE, "cat in.txt; echo x > out.txt", files={"in.txt": b"hello\n"}, fetch_files=["out.txt", "nope"])
         self.assertEqual((r["exit_code"], r["stdout"], r["files"], r["missing"]), (0, "hello\n", {"out.txt": b"x\n"}, ["nope"]))
+        r = await self.client.fncall(BASE, 'cat; printf "$A"', stdin=b"\xff", env={"A": "\\376"})
+        self.assertEqual((r["exit_code"], r["stdout_bytes"], r["stderr_bytes"]), (0, b"\xff\xfe", b""))
         with self.assertRaises(libdsec.InvalidArgument):
             await self.client.fncall(BASE, "true", files={"/etc/passwd": b""})
 

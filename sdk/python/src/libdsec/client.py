@@ -414,16 +414,20 @@ class DSecClient:
         *,
         argv: Optional[Sequence[str]] = None,
         files: Optional[Mapping[str, bytes]] = None,
-        stdin: str = "",
+        stdin: "str | bytes" = "",
+        env: Optional[Mapping[str, str]] = None,
         timeout: int = 0,
+        max_output_bytes: int = 0,
         memory_mb: int = 0,
         fetch_files: Sequence[str] = (),
     ) -> "dict[str, Any]":
         """Run a short stateless job in a fresh sandbox (``POST /v1/fncall``):
         ``files`` are written under ``/work``, the command runs there, and
-        ``fetch_files`` come back. Returns the result as a dict
-        (``exit_code``, ``stdout``, ``stderr``, ``timed_out``,
-        ``duration_ms``, ``files`` decoded to bytes, ``missing``)."""
+        ``fetch_files`` come back. ``stdin`` may be text or bytes. Returns
+        the result as a dict (``exit_code``, ``stdout``, ``stderr`` as text,
+        ``stdout_bytes``/``stderr_bytes`` the exact bytes, ``timed_out``,
+        ``truncated``, ``duration_ms``, ``files`` decoded to bytes,
+        ``missing``)."""
         if (cmd is None) == (argv is None):
             raise TypeError("give exactly one of cmd and argv")
         body: dict[str, Any] = {"base": base}
@@ -433,16 +437,27 @@ class DSecClient:
             body["argv"] = list(argv or [])
         if files:
             body["files"] = {k: base64.b64encode(v).decode() for k, v in files.items()}
-        if stdin:
+        if isinstance(stdin, (bytes, bytearray, memoryview)):
+            if stdin:
+                body["stdin_b64"] = base64.b64encode(bytes(stdin)).decode()
+        elif stdin:
             body["stdin"] = stdin
+        if env:
+            body["env"] = dict(env)
         if timeout:
             body["timeout"] = int(timeout)
+        if max_output_bytes:
+            body["max_output_bytes"] = int(max_output_bytes)
         if memory_mb:
             body["memory_mb"] = int(memory_mb)
         if fetch_files:
             body["fetch_files"] = list(fetch_files)
         doc = await self._call("POST", "/v1/fncall", json_body=body, timeout=(timeout or 60) + 60)
         doc["files"] = {k: base64.b64decode(v) for k, v in (doc.get("files") or {}).items()}
+        for name in ("stdout", "stderr"):
+            exact = doc.pop(name + "_b64", None)
+            text = doc.get(name) or ""
+            doc[name + "_bytes"] = base64.b64decode(exact) if exact else text.encode("utf-8", "surrogateescape")
         return doc
 
     async def list(
