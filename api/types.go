@@ -226,7 +226,8 @@ type FnCallResult struct {
 	Truncated  bool              `json:"truncated"`
 	DurationMS int64             `json:"duration_ms"`
 	Files      map[string]string `json:"files,omitempty"`
-	// Missing lists fetch_files that did not exist when the command ended.
+	// Missing lists fetch_files that were not regular files (absent, a
+	// directory, ...) when the command ended.
 	Missing []string `json:"missing,omitempty"`
 }
 

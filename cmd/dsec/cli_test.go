@@ -20,6 +20,13 @@ import (
 // runCLI runs one client command against handler, capturing stdout.
 func runCLI(t *testing.T, handler http.Handler, args ...string) (stdout string, err error) {
 	t.Helper()
+	stdout, _, err = runCLIStderr(t, handler, args...)
+	return stdout, err
+}
+
+// runCLIStderr is runCLI capturing stderr too.
+func runCLIStderr(t *testing.T, handler http.Handler, args ...string) (stdout, stderr string, err error) {
+	t.Helper()
 	srv := httptest.NewServer(handler)
 	defer srv.Close()
 	t.Setenv("DSEC_ENDPOINT", srv.URL)
@@ -31,18 +38,22 @@ func runCLI(t *testing.T, handler http.Handler, args ...string) (stdout string, 
 	if err != nil {
 		t.Fatal(err)
 	}
-	devnull, _ := os.Open(os.DevNull)
+	errf, err := os.CreateTemp(t.TempDir(), "stderr")
+	if err != nil {
+		t.Fatal(err)
+	}
 	oldOut, oldErr := os.Stdout, os.Stderr
-	os.Stdout, os.Stderr = out, devnull
+	os.Stdout, os.Stderr = out, errf
 	handled, err := runCommand(args[0], args[1:])
 	os.Stdout, os.Stderr = oldOut, oldErr
-	devnull.Close()
 	if !handled {
 		t.Fatalf("%s not handled", args[0])
 	}
 	b, _ := os.ReadFile(out.Name())
+	e, _ := os.ReadFile(errf.Name())
 	out.Close()
-	return string(b), err
+	errf.Close()
+	return string(b), string(e), err
 }
 
 func jsonReply(w http.ResponseWriter, status int, v any) {
@@ -263,14 +274,17 @@ func TestCLIFnCall(t *testing.T) {
 	os.WriteFile(src, []byte("print(1)\n"), 0o644)
 	os.WriteFile(stdin, []byte{0xff, 0}, 0o644)
 	outDir := filepath.Join(dir, "results", "deep")
-	out, err := runCLI(t, mux, "fncall", "--file", src, "--file", "pkg/m.py="+src, "--fetch", "out/r.txt", "--fetch", "nope",
-		"--out", outDir, "--env", "A=b", "--stdin", stdin, "--timeout", "2m", "base/x:1", "--", "python3", "main.py")
+	out, errOut, err := runCLIStderr(t, mux, "fncall", "--file", src, "--file", "pkg/m.py="+src, "--fetch", "out/r.txt", "--fetch", "nope",
+		"--fetch", "nope", "--out", outDir, "--env", "A=b", "--stdin", stdin, "--timeout", "2m", "base/x:1", "--", "python3", "main.py")
 	var ec *exitCodeError
 	if !errors.As(err, &ec) || ec.ExitCode() != 3 {
 		t.Fatalf("want exit 3, got %v", err)
 	}
 	if out != "\xffx" {
 		t.Errorf("stdout %q, want the exact bytes", out)
+	}
+	if errOut != "dsec: fncall: /work/nope was not a file when the command ended\n" {
+		t.Errorf("stderr %q", errOut)
 	}
 	want := api.FnCallRequest{Base: "base/x:1", Argv: []string{"python3", "main.py"},
 		Files:    map[string]string{"main.py": "cHJpbnQoMSkK", "pkg/m.py": "cHJpbnQoMSkK"},
@@ -289,17 +303,50 @@ func TestCLIFnCall(t *testing.T) {
 		}
 	}
 
-	// A symlink in --out does not lead a fetched file out of it.
+	// Links already in --out are replaced, not written through: a
+	// symlinked directory pointing out is refused, a symlink or hard link
+	// to a file is replaced by the fetched file. The other files are
+	// still written, and a write failure is an error even when the
+	// command succeeded.
 	escDir, outside := filepath.Join(dir, "esc"), filepath.Join(dir, "outside")
 	os.MkdirAll(escDir, 0o755)
 	os.Mkdir(outside, 0o755)
 	os.Symlink(outside, filepath.Join(escDir, "out"))
-	reply = api.FnCallResult{Files: map[string]string{"out/r.txt": "eA=="}}
-	if _, err := runCLI(t, mux, "fncall", "--fetch", "out/r.txt", "--out", escDir, "base/x:1", "--cmd", "true"); err == nil || !strings.Contains(err.Error(), "writing") {
-		t.Errorf("fetch through a symlink out of --out: %v", err)
+	victim := filepath.Join(outside, "victim")
+	os.WriteFile(victim, []byte("keep"), 0o644)
+	os.Symlink(victim, filepath.Join(escDir, "sym.txt"))
+	os.Link(victim, filepath.Join(escDir, "hard.txt"))
+	reply = api.FnCallResult{Files: map[string]string{"out/r.txt": "eA==", "sym.txt": "eA==", "hard.txt": "eA=="}}
+	_, errOut, err = runCLIStderr(t, mux, "fncall", "--fetch", "out/r.txt", "--fetch", "sym.txt", "--fetch", "hard.txt", "--out", escDir, "base/x:1", "--cmd", "true")
+	if err == nil || !strings.Contains(errOut, "writing "+filepath.Join(escDir, "out", "r.txt")) {
+		t.Errorf("fetch through a symlink out of --out: %v %q", err, errOut)
 	}
-	if ents, _ := os.ReadDir(outside); len(ents) != 0 {
+	if ents, _ := os.ReadDir(outside); len(ents) != 1 {
 		t.Errorf("written outside --out: %v", ents)
+	}
+	if b, _ := os.ReadFile(victim); string(b) != "keep" {
+		t.Errorf("a link in --out was written through: the file outside holds %q", b)
+	}
+	for _, n := range []string{"sym.txt", "hard.txt"} {
+		if b, _ := os.ReadFile(filepath.Join(escDir, n)); string(b) != "x" {
+			t.Errorf("%s: %q, want the fetched file in place of the link", n, b)
+		}
+	}
+	// A failed command keeps its status when a file cannot be written.
+	reply.ExitCode = 5
+	if _, err := runCLI(t, mux, "fncall", "--fetch", "out/r.txt", "--out", escDir, "base/x:1", "--cmd", "true"); !errors.As(err, &ec) || ec.ExitCode() != 5 {
+		t.Errorf("write failure after exit 5: %v", err)
+	}
+	if ents, _ := os.ReadDir(escDir); len(ents) != 3 {
+		t.Errorf("temporary files left in --out: %v", ents)
+	}
+
+	// A local path with '=' in it is taken whole when it exists.
+	eq := filepath.Join(dir, "a=b.txt")
+	os.WriteFile(eq, []byte("eq"), 0o644)
+	reply = api.FnCallResult{}
+	if _, err := runCLI(t, mux, "fncall", "--file", eq, "base/x:1", "--cmd", "true"); err != nil || got.Files["a=b.txt"] != "ZXE=" {
+		t.Errorf("--file %s: %v, files %v", eq, err, got.Files)
 	}
 
 	// Bad input is refused before any call.
@@ -313,6 +360,7 @@ func TestCLIFnCall(t *testing.T) {
 		{"--file", filepath.Join(dir, "absent"), "base/x:1", "--cmd", "true"},
 		{"--file", "a=" + src, "--file", "a=" + src, "base/x:1", "--cmd", "true"},
 		{"--fetch", "x", "--out", src, "base/x:1", "--cmd", "true"},
+		{"--fetch", ".", "base/x:1", "--cmd", "true"},
 	} {
 		if _, err := runCLI(t, mux, append([]string{"fncall"}, bad...)...); err == nil {
 			t.Errorf("fncall %q: no error", bad)

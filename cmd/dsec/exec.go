@@ -138,8 +138,14 @@ func reportResult(res *api.ExecResult, asJSON bool) error {
 // commandStatus prints notices for a timeout or truncated output and maps
 // the command's exit code onto dsec's.
 func commandStatus(code int, timedOut, truncated bool) error {
+	return commandStatusHint(code, timedOut, truncated, "raise --max-output-bytes or use files get")
+}
+
+// commandStatusHint is commandStatus with what to do about truncated
+// output.
+func commandStatusHint(code int, timedOut, truncated bool, hint string) error {
 	if truncated {
-		fmt.Fprintln(os.Stderr, "dsec: output truncated (raise --max-output-bytes or use files get)")
+		fmt.Fprintf(os.Stderr, "dsec: output truncated (%s)\n", hint)
 	}
 	if timedOut {
 		fmt.Fprintln(os.Stderr, "dsec: command timed out and was killed")

@@ -39,6 +39,13 @@ func CheckFnCall(req *api.FnCallRequest) error {
 		if err := checkRelName("files", name); err != nil {
 			return err
 		}
+		// "a" and "a/b" cannot both be written: one would have to be a
+		// directory.
+		for dir := path.Dir(name); dir != "."; dir = path.Dir(dir) {
+			if _, both := req.Files[dir]; both {
+				return errdefs.Invalid("files: %q and %q: %q cannot be both a file and a directory", dir, name, dir)
+			}
+		}
 	}
 	for _, name := range req.FetchFiles {
 		if err := checkRelName("fetch_files", name); err != nil {
@@ -122,7 +129,9 @@ func (e *Edge) FnCall(ctx context.Context, req api.FnCallRequest, cr CreateReque
 	budget := int64(MaxFnCallFetchBytes)
 	for _, n := range req.FetchFiles {
 		rc, fe, err := e.ReadFile(ctx, sb.ID, path.Join(FnCallWorkdir, n))
-		if errors.Is(err, errdefs.ErrNotFound) {
+		if errors.Is(err, errdefs.ErrNotFound) || errors.Is(err, errdefs.ErrInvalid) {
+			// Absent, or not a regular file (a directory, a FIFO): the
+			// command's result still comes back.
 			out.Missing = append(out.Missing, n)
 			continue
 		}

@@ -28,6 +28,7 @@ func TestCheckFnCall(t *testing.T) {
 		"empty env name":     func(r *api.FnCallRequest) { r.Env = map[string]string{"": "x"} },
 		"NUL in env":         func(r *api.FnCallRequest) { r.Env = map[string]string{"A": "x\x00y"} },
 		"NUL in the command": func(r *api.FnCallRequest) { r.Cmd = "true\x00" },
+		"file and dir":       func(r *api.FnCallRequest) { r.Files = map[string]string{"a": "", "a/b/c.py": ""} },
 	} {
 		r := ok
 		mut(&r)

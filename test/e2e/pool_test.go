@@ -183,6 +183,17 @@ func TestFnCall(t *testing.T) {
 	if got, _ := os.ReadFile(filepath.Join(dir, "res", "r", "out.txt")); code != 7 || o != "from disk\nfrom disk\n" || string(got) != "done\n" {
 		t.Errorf("dsec fncall: exit %d, stdout %q, stderr %q, fetched %q", code, o, e, got)
 	}
+	// A fetch of a directory is missing, and the result still comes.
+	res, err = client.FnCall(ctx(t), api.FnCallRequest{Base: baseRef, Cmd: "mkdir d; echo ran", FetchFiles: []string{"d"}})
+	if err != nil || res.Stdout != "ran\n" || len(res.Missing) != 1 {
+		t.Errorf("fetching a directory: %+v %v", res, err)
+	}
+	// Bad calls are refused before a sandbox is made for them.
+	creates := func() float64 {
+		v, _ := metricValue(string(wireCallAuth(t, "GET", "/metrics", nil, wireAuthNone).Body), "dsec_sandbox_create_seconds_count")
+		return v
+	}
+	createsBefore := creates()
 	for _, bad := range []api.FnCallRequest{
 		{Cmd: "true"},
 		{Base: baseRef},
@@ -196,9 +207,13 @@ func TestFnCall(t *testing.T) {
 		{Base: baseRef, Cmd: "true", Timeout: -1},
 		{Base: baseRef, Cmd: "true", MaxOutputBytes: 1 << 40},
 		{Base: baseRef, Cmd: "true", Env: map[string]string{"": "x"}},
+		{Base: baseRef, Cmd: "true", Files: map[string]string{"a": "", "a/b": ""}},
 	} {
 		_, err := client.FnCall(ctx(t), bad)
 		wantCode(t, err, "invalid_argument")
+	}
+	if n := creates() - createsBefore; n != 0 {
+		t.Errorf("bad calls made %v sandboxes", n)
 	}
 	_, err = client.FnCall(ctx(t), api.FnCallRequest{Base: "base/nosuch:v1", Cmd: "true"})
 	wantCode(t, err, "not_found")

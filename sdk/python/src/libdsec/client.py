@@ -454,6 +454,7 @@ class DSecClient:
             body["fetch_files"] = list(fetch_files)
         doc = await self._call("POST", "/v1/fncall", json_body=body, timeout=(timeout or 60) + 60)
         doc["files"] = {k: base64.b64decode(v) for k, v in (doc.get("files") or {}).items()}
+        doc.setdefault("missing", [])
         for name in ("stdout", "stderr"):
             exact = doc.pop(name + "_b64", None)
             text = doc.get(name) or ""
