@@ -58,6 +58,7 @@ type upConfig struct {
 	diskQuota    string
 	usernsBase   uint
 	poolMax      int
+	poolMin      int
 	cgroupPool   int
 	dynMods      bool
 	runtimeExec  bool
@@ -88,6 +89,7 @@ func runUp(args []string) error {
 	f.StringVar(&c.netPresets, "net-presets", "", "JSON file of network presets {\"name\": {\"domains\": [...], \"ports\": [\"443/tcp\"]}}, added to (and overriding) the built-in pypi, npm, github, debian, goproxy")
 	f.StringVar(&c.diskQuota, "disk-quota", "auto", "how disk_mb is enforced: loop (a sparse ext4 disk per sandbox that asks for one), off (disk_mb refused), auto (loop where mkfs.ext4 and loop devices exist)")
 	f.IntVar(&c.poolMax, "warm-pool-max", 8, "most ready sandboxes kept per environment class for fast creates and fncall (pools follow demand; 0 = no pools)")
+	f.IntVar(&c.poolMin, "warm-pool-min", 0, "fewest ready sandboxes kept per environment class created in the last 5 minutes, whatever its demand (at most --warm-pool-max)")
 	f.IntVar(&c.cgroupPool, "cgroup-pool", 1024, "most emptied sandbox cgroups kept for reuse by the next sandboxes (creating and removing a cgroup costs more than resetting one; 0 = a new cgroup per sandbox)")
 	f.BoolVar(&c.dynMods, "cgroup-favordynmods", true, "remount the cgroup tree with favordynmods so that moving a sandbox's processes into its cgroup does not wait for an RCU grace period (the setting outlives dsec; false leaves the host's mount as it is)")
 	f.BoolVar(&c.runtimeExec, "runtime-exec", false, "enter sandboxes for exec and sessions through the OCI runtime's exec (~9 ms each) instead of dsec's own exec helper (~1 ms); builds without cgo always do")
@@ -116,6 +118,9 @@ func runUp(args []string) error {
 	}
 	if c.sharedMemMB < 0 || (c.sharedMemMB > 0 && c.sharedMemMB < 64) {
 		return fmt.Errorf("--shared-memory-mb %d: want 0 (no limit) or at least 64", c.sharedMemMB)
+	}
+	if c.poolMax < 0 || c.poolMin < 0 || c.poolMin > c.poolMax {
+		return fmt.Errorf("--warm-pool-min %d, --warm-pool-max %d: want 0 <= min <= max", c.poolMin, c.poolMax)
 	}
 	if c.cgroupPool < 0 {
 		return fmt.Errorf("--cgroup-pool %d: want 0 or more", c.cgroupPool)
@@ -331,7 +336,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 		MaxSandboxes: c.maxSandboxes, Policy: policy,
 		CgroupParent: cgroupParent(c.nodeName, c.stateDir), MaxPaused: c.maxPaused,
 		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth, DiskQuota: disk,
-		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax, CgroupPool: c.cgroupPool, SharedMemoryMB: c.sharedMemMB,
+		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax, PoolMin: c.poolMin, CgroupPool: c.cgroupPool, SharedMemoryMB: c.sharedMemMB,
 		BundleDir: filepath.Join(runDir, "bundles"),
 	}, edge.Deps{
 		Backend: backend, BlobPath: layers.BlobPath, Cgroups: cg, Log: log,

@@ -79,6 +79,9 @@ type Config struct {
 	DiskQuota string
 	// PoolMax caps each warm pool (pool.go); 0 turns pools off.
 	PoolMax int
+	// PoolMin is the floor of each warm pool whose class was created in
+	// the last PoolIdle, whatever its demand (at most PoolMax).
+	PoolMin int
 	// MaxSnapshotDepth is how many snapshot layers may stack under one
 	// sandbox; a snapshot that would go deeper merges the chain into one
 	// layer (zero: DefaultSnapshotDepth).

@@ -22,8 +22,10 @@ import (
 // Pools size themselves by demand: a class's target is the number of
 // creates it saw in the last DemandWindow divided by DemandDivisor, rounded
 // down (about ten seconds' worth; a class asked for fewer than three times
-// gets none), capped at Config.PoolMax; classes without a create
-// for PoolIdle are drained. One background worker refills them one
+// gets none), at least Config.PoolMin for a class created in the last
+// PoolIdle, capped at Config.PoolMax; classes without a create for
+// PoolIdle are drained. Sandboxes a pool holds beyond its target when
+// demand falls stay until then. One background worker refills them one
 // sandbox at a time, so that refills never compete with callers for more
 // than one create's worth of CPU. A pooled sandbox counts against
 // MaxSandboxes; a create that finds the node full evicts one.
@@ -96,17 +98,25 @@ func trimBefore(ts []time.Time, t time.Time) []time.Time {
 	return ts[i:]
 }
 
-// target is how many ready sandboxes class k should have.
+// target is how many ready sandboxes class k should have: its recent
+// demand, at least floor while it was created in the last PoolIdle, at
+// most ceiling.
 // Preconditions: p.mu held.
-func (p *pool) targetLocked(k poolKey, now time.Time, max int) int {
-	n := 0
+func (p *pool) targetLocked(k poolKey, now time.Time, floor, ceiling int) int {
+	n, recent := 0, false
 	for _, t := range p.seen[k] {
 		if now.Sub(t) <= DemandWindow {
 			n++
 		}
+		recent = recent || now.Sub(t) <= PoolIdle
 	}
-	// Rounded down: a class asked for once or twice gets no pool.
-	return min(max, n/DemandDivisor)
+	// Rounded down: a class asked for once or twice gets no pool (but
+	// the floor).
+	target := n / DemandDivisor
+	if recent {
+		target = max(target, floor)
+	}
+	return min(ceiling, target)
 }
 
 // take pops a ready sandbox of class k, or nil.
@@ -198,7 +208,7 @@ func (e *Edge) refillOne() bool {
 	var best poolKey
 	gap := 0
 	for k := range e.pool.seen {
-		if g := e.pool.targetLocked(k, now, e.cfg.PoolMax) - len(e.pool.ready[k]); g > gap {
+		if g := e.pool.targetLocked(k, now, e.cfg.PoolMin, e.cfg.PoolMax) - len(e.pool.ready[k]); g > gap {
 			best, gap = k, g
 		}
 	}
@@ -227,7 +237,7 @@ func (e *Edge) refillOne() bool {
 }
 
 // drainIdle deletes the pooled sandboxes of classes nobody asked for in
-// PoolIdle, and those above their class's current target after that.
+// PoolIdle.
 func (e *Edge) drainIdle() {
 	now := time.Now()
 	var drop []*sbx

@@ -1,8 +1,10 @@
 package e2e
 
 import (
+	"context"
 	"encoding/base64"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -16,9 +18,15 @@ import (
 // without them when the test ends (pooled sandboxes are reaped then).
 func withPools(t *testing.T, n string) {
 	t.Helper()
+	withPoolFlags(t, "--warm-pool-max", n)
+}
+
+// withPoolFlags restarts the daemon with flags added for the test.
+func withPoolFlags(t *testing.T, flags ...string) {
+	t.Helper()
 	saved := append([]string(nil), d.extra...)
 	d.stop()
-	d.extra = append(append([]string(nil), saved...), "--warm-pool-max", n) // the last flag wins
+	d.extra = append(append([]string(nil), saved...), flags...) // the last flag wins
 	if err := d.start(); err != nil {
 		t.Fatal(err)
 	}
@@ -62,6 +70,55 @@ func pooledCount(t *testing.T) int {
 		n += nd.Counts["pooled"]
 	}
 	return n
+}
+
+// TestWarmPoolFloor: with --warm-pool-min, one create of a class is
+// enough for the edge to keep that many ready (and no more, without
+// demand), and the next create of the class is served from them.
+func TestWarmPoolFloor(t *testing.T) {
+	needDaemon(t)
+	withPoolFlags(t, "--warm-pool-max", "4", "--warm-pool-min", "2")
+	spec := api.SandboxSpec{Base: baseRef, MemoryMB: 192}
+	first, err := client.CreateSandbox(ctx(t), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = client.DeleteSandbox(ctx(t), first.ID) })
+	deadline := time.Now().Add(20 * time.Second)
+	for pooledCount(t) < 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("pool did not fill to its floor after one create: %d pooled", pooledCount(t))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	time.Sleep(500 * time.Millisecond) // a refill past the floor would show by now
+	if n := pooledCount(t); n != 2 {
+		t.Errorf("%d pooled after one create, want the floor of 2", n)
+	}
+	hits := func() float64 {
+		v, _ := metricValue(string(wireCallAuth(t, "GET", "/metrics", nil, wireAuthNone).Body), "dsec_pool_claims_total", `result="hit"`)
+		return v
+	}
+	before := hits()
+	second, err := client.CreateSandbox(ctx(t), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = client.DeleteSandbox(ctx(t), second.ID) })
+	if n := hits() - before; n != 1 {
+		t.Errorf("the second create was not served from the pool (%v hits)", n)
+	}
+	// Bad floors are refused at start (bounded: a daemon that did start
+	// is killed).
+	for _, bad := range [][]string{{"--warm-pool-min", "5", "--warm-pool-max", "4"}, {"--warm-pool-min", "-1"}, {"--warm-pool-max", "-1"}} {
+		c, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		out, err := exec.CommandContext(c, d.bin, append([]string{"up", "--listen", "127.0.0.1:0", "--state-dir", t.TempDir()}, bad...)...).CombinedOutput()
+		timedOut := c.Err() != nil
+		cancel()
+		if err == nil || timedOut || !strings.Contains(string(out), "warm-pool") {
+			t.Errorf("dsec up %v: %v: %s", bad, err, out)
+		}
+	}
 }
 
 func TestWarmPoolServesFreshSandboxes(t *testing.T) {
