@@ -89,7 +89,7 @@ func runUp(args []string) error {
 	f.StringVar(&c.netPresets, "net-presets", "", "JSON file of network presets {\"name\": {\"domains\": [...], \"ports\": [\"443/tcp\"]}}, added to (and overriding) the built-in pypi, npm, github, debian, goproxy")
 	f.StringVar(&c.diskQuota, "disk-quota", "auto", "how disk_mb is enforced: loop (a sparse ext4 disk per sandbox that asks for one), off (disk_mb refused), auto (loop where mkfs.ext4 and loop devices exist)")
 	f.IntVar(&c.poolMax, "warm-pool-max", 8, "most ready sandboxes kept per environment class for fast creates and fncall (pools follow demand; 0 = no pools)")
-	f.IntVar(&c.poolMin, "warm-pool-min", 0, "fewest ready sandboxes kept per environment class created in the last 5 minutes, whatever its demand (at most --warm-pool-max)")
+	f.IntVar(&c.poolMin, "warm-pool-min", 0, "fewest ready sandboxes kept per environment class created in the last 5 minutes, whatever its demand (not above --warm-pool-max; each class then costs that many idle sandboxes)")
 	f.IntVar(&c.cgroupPool, "cgroup-pool", 1024, "most emptied sandbox cgroups kept for reuse by the next sandboxes (creating and removing a cgroup costs more than resetting one; 0 = a new cgroup per sandbox)")
 	f.BoolVar(&c.dynMods, "cgroup-favordynmods", true, "remount the cgroup tree with favordynmods so that moving a sandbox's processes into its cgroup does not wait for an RCU grace period (the setting outlives dsec; false leaves the host's mount as it is)")
 	f.BoolVar(&c.runtimeExec, "runtime-exec", false, "enter sandboxes for exec and sessions through the OCI runtime's exec (~9 ms each) instead of dsec's own exec helper (~1 ms); builds without cgo always do")

@@ -50,8 +50,9 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 	if err := sandbox.Normalize(&spec, e.cfg.Policy); err != nil {
 		return nil, err
 	}
-	e.pool.note(keyOf(spec, req.Digests), req, time.Now())
+	k := keyOf(spec, req.Digests)
 	if v := e.claim(spec, req); v != nil {
+		e.pool.note(k, req, time.Now())
 		return v, nil
 	}
 	e.metrics.poolClaims.WithLabelValues("miss").Inc()
@@ -62,6 +63,7 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 	if err != nil {
 		return nil, err
 	}
+	e.pool.note(k, req, time.Now())
 	v := s.view()
 	return &v, nil
 }

@@ -38,6 +38,9 @@ const (
 	// RefillDelay is how long a refill waits after a create: the caller
 	// who just got a sandbox usually execs in it at once.
 	RefillDelay = 20 * time.Millisecond
+	// RefillBackoff is how long a class whose refill failed is left
+	// alone, so that it neither fills the log nor holds up the others.
+	RefillBackoff = 30 * time.Second
 )
 
 type poolKey string
@@ -68,17 +71,21 @@ type pool struct {
 	// refill it with.
 	seen     map[poolKey][]time.Time
 	template map[poolKey]CreateRequest
-	kick     chan struct{}
+	// retryAt holds back refills of a class whose last one failed.
+	retryAt map[poolKey]time.Time
+	kick    chan struct{}
 }
 
 func newPool() *pool {
 	return &pool{
 		ready: map[poolKey][]*sbx{}, seen: map[poolKey][]time.Time{},
-		template: map[poolKey]CreateRequest{}, kick: make(chan struct{}, 1),
+		template: map[poolKey]CreateRequest{}, retryAt: map[poolKey]time.Time{},
+		kick: make(chan struct{}, 1),
 	}
 }
 
-// note records a create of class k at now.
+// note records a successful create of class k at now (a create that
+// failed is not demand a pool could serve).
 func (p *pool) note(k poolKey, req CreateRequest, now time.Time) {
 	p.mu.Lock()
 	p.seen[k] = append(trimBefore(p.seen[k], now.Add(-PoolIdle)), now)
@@ -201,20 +208,11 @@ func (e *Edge) poolLoop() {
 }
 
 // refillOne creates one pooled sandbox for the class furthest below its
-// target and reports whether it did.
+// target and reports whether it tried (a class whose refill fails is left
+// alone for RefillBackoff, so the next call tries another).
 func (e *Edge) refillOne() bool {
-	now := time.Now()
-	e.pool.mu.Lock()
-	var best poolKey
-	gap := 0
-	for k := range e.pool.seen {
-		if g := e.pool.targetLocked(k, now, e.cfg.PoolMin, e.cfg.PoolMax) - len(e.pool.ready[k]); g > gap {
-			best, gap = k, g
-		}
-	}
-	req := e.pool.template[best]
-	e.pool.mu.Unlock()
-	if gap == 0 {
+	best, req, ok := e.pool.pick(time.Now(), e.cfg.PoolMin, e.cfg.PoolMax)
+	if !ok {
 		return false
 	}
 	// Never fill the node with pool sandboxes: keep a quarter free.
@@ -227,35 +225,64 @@ func (e *Edge) refillOne() bool {
 	req.Spec.Labels, req.Spec.Env = nil, nil
 	s, err := e.createPooled(context.Background(), req)
 	if err != nil {
-		e.log.Warn("refilling warm pool", "base", req.Spec.Base, "err", err)
-		return false
+		e.log.Warn("refilling warm pool", "base", req.Spec.Base, "err", err, "retry_in", RefillBackoff)
+		e.pool.mu.Lock()
+		e.pool.retryAt[best] = time.Now().Add(RefillBackoff)
+		e.pool.mu.Unlock()
+		return true
 	}
 	e.pool.mu.Lock()
 	e.pool.ready[best] = append(e.pool.ready[best], s)
+	delete(e.pool.retryAt, best)
 	e.pool.mu.Unlock()
 	return true
 }
 
-// drainIdle deletes the pooled sandboxes of classes nobody asked for in
-// PoolIdle.
-func (e *Edge) drainIdle() {
-	now := time.Now()
-	var drop []*sbx
-	e.pool.mu.Lock()
-	for k, list := range e.pool.ready {
-		seen := trimBefore(e.pool.seen[k], now.Add(-PoolIdle))
-		e.pool.seen[k] = seen
-		if len(seen) == 0 {
-			drop = append(drop, list...)
-			delete(e.pool.ready, k)
-			delete(e.pool.seen, k)
-			delete(e.pool.template, k)
+// pick chooses the class furthest below its target (floor and ceiling as
+// for targetLocked), skipping those whose refill failed less than
+// RefillBackoff ago, and returns it with the create to refill it with.
+func (p *pool) pick(now time.Time, floor, ceiling int) (poolKey, CreateRequest, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var best poolKey
+	gap := 0
+	for k := range p.seen {
+		if now.Before(p.retryAt[k]) {
+			continue
+		}
+		if g := p.targetLocked(k, now, floor, ceiling) - len(p.ready[k]); g > gap {
+			best, gap = k, g
 		}
 	}
-	e.pool.mu.Unlock()
-	for _, s := range drop {
+	return best, p.template[best], gap > 0
+}
+
+// drainIdle forgets the classes nobody asked for in PoolIdle and deletes
+// their pooled sandboxes.
+func (e *Edge) drainIdle() {
+	for _, s := range e.pool.forgetIdle(time.Now()) {
 		e.deletePooled(s)
 	}
+}
+
+// forgetIdle drops every class without a create in PoolIdle, pooled or
+// not (its template holds a caller's request), and returns its pooled
+// sandboxes, to be deleted.
+func (p *pool) forgetIdle(now time.Time) (drop []*sbx) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for k := range p.seen {
+		seen := trimBefore(p.seen[k], now.Add(-PoolIdle))
+		p.seen[k] = seen
+		if len(seen) == 0 {
+			drop = append(drop, p.ready[k]...)
+			delete(p.ready, k)
+			delete(p.seen, k)
+			delete(p.template, k)
+			delete(p.retryAt, k)
+		}
+	}
+	return drop
 }
 
 // evictPooled deletes one pooled sandbox (the oldest of the largest pool)

@@ -37,3 +37,45 @@ func TestPoolTarget(t *testing.T) {
 		}
 	}
 }
+
+// TestPoolPick: the refill goes to the class furthest below its target,
+// but not to one whose refill just failed (it would be picked again and
+// again, and the others never); idle classes are forgotten, pooled or
+// not, and their pooled sandboxes handed back for deletion.
+func TestPoolPick(t *testing.T) {
+	now := time.Now()
+	p := newPool()
+	for _, k := range []poolKey{"a", "b"} {
+		p.seen[k] = []time.Time{now.Add(-time.Minute)}
+		var req CreateRequest
+		req.Spec.Base = string(k)
+		p.template[k] = req
+	}
+	p.ready["b"] = []*sbx{{}} // b is one short of 2, a two
+	if k, req, ok := p.pick(now, 2, 4); !ok || k != "a" || req.Spec.Base != "a" {
+		t.Fatalf("pick %q %v, want a", k, ok)
+	}
+	p.retryAt["a"] = now.Add(RefillBackoff)
+	if k, _, ok := p.pick(now, 2, 4); !ok || k != "b" {
+		t.Fatalf("pick %q %v with a backing off, want b", k, ok)
+	}
+	if k, _, ok := p.pick(now.Add(RefillBackoff+time.Second), 2, 4); !ok || k != "a" {
+		t.Fatalf("pick %q %v after the backoff, want a", k, ok)
+	}
+	p.ready["b"] = append(p.ready["b"], &sbx{})
+	p.retryAt["a"] = now.Add(RefillBackoff)
+	if k, _, ok := p.pick(now, 2, 4); ok {
+		t.Fatalf("pick %q with nothing to do", k)
+	}
+
+	p.seen["old"] = []time.Time{now.Add(-PoolIdle - time.Second)}
+	p.template["old"] = CreateRequest{}
+	drop := p.forgetIdle(now)
+	if len(drop) != 0 || len(p.seen) != 2 || len(p.template) != 2 {
+		t.Fatalf("forgot %d sandboxes; classes left %d, templates %d, want 0, 2, 2", len(drop), len(p.seen), len(p.template))
+	}
+	drop = p.forgetIdle(now.Add(PoolIdle))
+	if len(drop) != 2 || len(p.seen)+len(p.template)+len(p.ready)+len(p.retryAt) != 0 {
+		t.Fatalf("after %v idle: %d sandboxes to delete (want b's 2), left %v %v %v %v", PoolIdle, len(drop), p.seen, p.template, p.ready, p.retryAt)
+	}
+}

@@ -112,7 +112,9 @@ func TestWarmPoolFloor(t *testing.T) {
 	// is killed).
 	for _, bad := range [][]string{{"--warm-pool-min", "5", "--warm-pool-max", "4"}, {"--warm-pool-min", "-1"}, {"--warm-pool-max", "-1"}} {
 		c, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		out, err := exec.CommandContext(c, d.bin, append([]string{"up", "--listen", "127.0.0.1:0", "--state-dir", t.TempDir()}, bad...)...).CombinedOutput()
+		cmd := exec.CommandContext(c, d.bin, append([]string{"up", "--listen", "127.0.0.1:0", "--state-dir", t.TempDir()}, bad...)...)
+		cmd.WaitDelay = 5 * time.Second
+		out, err := cmd.CombinedOutput()
 		timedOut := c.Err() != nil
 		cancel()
 		if err == nil || timedOut || !strings.Contains(string(out), "warm-pool") {

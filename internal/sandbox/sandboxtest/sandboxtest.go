@@ -228,12 +228,13 @@ done; echo done`}})
 			t.Fatal("process did not exit after Kill")
 		}
 		// No sleep may survive inside the sandbox. Killed ones may be
-		// zombies for a moment, until the sandbox's init reaps them: those
-		// are not counted, and the count is polled.
-		live := `n=0; for d in /proc/[0-9]*; do [ "$(cat $d/comm 2>/dev/null)" = sleep ] && ! grep -q '^State:.*Z' $d/status 2>/dev/null && n=$((n+1)); done; echo $n`
+		// zombies for a moment, until the sandbox's init reaps them: the
+		// count, zombies included, is polled. The shell counting must see
+		// itself, or the count proves nothing.
+		count := `n=0; self=0; for d in /proc/[0-9]*; do c=$(cat $d/comm 2>/dev/null); [ "$c" = sleep ] && n=$((n+1)); [ "$c" = sh ] && self=1; done; echo $n $self`
 		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-			r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", live}})
-			if strings.TrimSpace(r.stdout) == "0" {
+			r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", count}})
+			if strings.TrimSpace(r.stdout) == "0 1" {
 				break
 			}
 			if time.Now().After(deadline) {
