@@ -110,17 +110,12 @@ func trimBefore(ts []time.Time, t time.Time) []time.Time {
 // most ceiling.
 // Preconditions: p.mu held.
 func (p *pool) targetLocked(k poolKey, now time.Time, floor, ceiling int) int {
-	n, recent := 0, false
-	for _, t := range p.seen[k] {
-		if now.Sub(t) <= DemandWindow {
-			n++
-		}
-		recent = recent || now.Sub(t) <= PoolIdle
-	}
+	seen := p.seen[k] // oldest first
+	n := len(trimBefore(seen, now.Add(-DemandWindow)))
 	// Rounded down: a class asked for once or twice gets no pool (but
 	// the floor).
 	target := n / DemandDivisor
-	if recent {
+	if len(seen) > 0 && now.Sub(seen[len(seen)-1]) <= PoolIdle {
 		target = max(target, floor)
 	}
 	return min(ceiling, target)
