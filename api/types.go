@@ -56,6 +56,9 @@ type SandboxSpec struct {
 	Workdir     string            `json:"workdir,omitempty"`
 	Labels      map[string]string `json:"labels,omitempty"`
 	QoS         string            `json:"qos,omitempty"`
+	// NodeSelector places the sandbox only on nodes carrying all these
+	// labels (dsec edge --node-labels), e.g. {"gpu": "a100"}.
+	NodeSelector map[string]string `json:"node_selector,omitempty"`
 	// UserNS runs the sandbox in a user namespace: root inside is an
 	// unprivileged uid on the host.
 	UserNS bool `json:"userns,omitempty"`
@@ -114,6 +117,9 @@ type BatchResult struct {
 type SandboxList struct {
 	Sandboxes     []Sandbox `json:"sandboxes"`
 	NextPageToken string    `json:"next_page_token,omitempty"`
+	// UnreachableNodes are nodes that could not be asked (down or cut
+	// off): the answer leaves out their sandboxes.
+	UnreachableNodes []string `json:"unreachable_nodes,omitempty"`
 }
 
 // LabelsRequest selects sandboxes by labels (delete/pause/resume by labels).
@@ -124,6 +130,9 @@ type LabelsRequest struct {
 // DeleteResult is returned by POST /v1/sandboxes:delete.
 type DeleteResult struct {
 	Deleted int `json:"deleted"`
+	// UnreachableNodes are nodes that could not be asked (down or cut
+	// off): the answer leaves out their sandboxes.
+	UnreachableNodes []string `json:"unreachable_nodes,omitempty"`
 }
 
 // PauseResult is returned by POST /v1/sandboxes/{id}/pause: the paused
@@ -142,6 +151,9 @@ type PauseResult struct {
 // CountResult is returned by pause and resume by labels.
 type CountResult struct {
 	Count int `json:"count"`
+	// UnreachableNodes are nodes that could not be asked (down or cut
+	// off): the answer leaves out their sandboxes.
+	UnreachableNodes []string `json:"unreachable_nodes,omitempty"`
 }
 
 // KeepaliveRequest extends a sandbox's lifetime: it expires TTL seconds from now.
@@ -428,7 +440,28 @@ type Node struct {
 	CgroupMode string         `json:"cgroup_mode,omitempty"`
 	Capacity   Capacity       `json:"capacity"`
 	Counts     map[string]int `json:"counts"` // sandboxes by state
+	// BackendCounts are the live sandboxes (creating, running, paused)
+	// by backend, and Jobs by the value of their "job" label.
+	BackendCounts map[string]int `json:"backend_counts,omitempty"`
+	Jobs          map[string]int `json:"jobs,omitempty"`
+	// Labels are the node's labels (dsec edge --node-labels), which
+	// spec.node_selector selects on.
+	Labels map[string]string `json:"labels,omitempty"`
+	// Layers are the layer digests mounted on the node now.
+	Layers []string `json:"layers,omitempty"`
+	// Address is where the node's internal API listens (clusters only).
+	Address string `json:"address,omitempty"`
+	// LastSeen is when the watcher last heard from the node, and
+	// Unhealthy why it counts the node as down (clusters and dsec up).
+	LastSeen  *time.Time `json:"last_seen,omitempty"`
+	Unhealthy string     `json:"unhealthy_reason,omitempty"`
+	// Hollow marks a simulated edge (load tests of the control plane).
+	Hollow bool `json:"hollow,omitempty"`
 }
+
+// JobLabel is the label that groups a job's sandboxes: placement spreads a
+// job over nodes, and nodes count their sandboxes per job.
+const JobLabel = "job"
 
 // Capacity is what a node can hold.
 type Capacity struct {

@@ -34,6 +34,7 @@ import (
 	"github.com/dsecproject/dsec/internal/sandbox"
 	"github.com/dsecproject/dsec/internal/sandbox/container"
 	"github.com/dsecproject/dsec/internal/store"
+	"github.com/dsecproject/dsec/internal/watcher"
 	dsec "github.com/dsecproject/dsec/sdk/go"
 )
 
@@ -348,8 +349,14 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	if err := ed.Start(ctx); err != nil {
 		return fail(err)
 	}
+	// The watcher polls the in-process edge as it polls remote ones; its
+	// first round runs now, so placement has a view before the first
+	// request.
+	view := watcher.New(watcher.Static{ed}, watcher.Config{Log: log})
+	view.Sync(ctx)
+	go view.Run(ctx)
 	srv := apiserver.New(apiserver.Deps{
-		IAM: ident, Layers: layers, Edges: []apiserver.EdgeClient{ed}, Log: log,
+		IAM: ident, Layers: layers, Nodes: view, Log: log,
 		Registry: reg, Gatherer: reg, Policy: policy, MaxLayerBytes: 64 << 30,
 	})
 	log.Info("edge ready", "node", c.nodeName, "runtime", rt, "state_dir", c.stateDir,

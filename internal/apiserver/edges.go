@@ -2,73 +2,44 @@ package apiserver
 
 import (
 	"context"
-	"io"
-	"net"
+	"errors"
 	"net/http"
-	"os"
+	"sort"
+	"strings"
+	"sync"
+	"time"
 
 	"github.com/dsecproject/dsec/api"
-	"github.com/dsecproject/dsec/internal/edge"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/watcher"
 )
 
-// EdgeClient is what the apiserver needs from an edge. *edge.Edge implements
-// it in-process (`dsec up`); a remote edge gets an HTTP implementation.
-type EdgeClient interface {
-	Name() string
-	Info() api.Node
-	// PlacementInfo is Info for placement, whose counts may be a moment
-	// old: it is asked on every create.
-	PlacementInfo() api.Node
-	LayerUsers(digest string) int
-
-	Create(ctx context.Context, req edge.CreateRequest) (*api.Sandbox, error)
-	Get(ctx context.Context, id string) (*api.Sandbox, error)
-	List(ctx context.Context, f edge.ListFilter) []api.Sandbox
-	Delete(ctx context.Context, id string) error
-	DeleteByLabels(ctx context.Context, sel map[string]string) (int, error)
-	Keepalive(ctx context.Context, id string, ttl int64) (*api.Sandbox, error)
-	Stats(ctx context.Context, id string) (*api.Stats, error)
-	Pause(ctx context.Context, id string) (*api.PauseResult, error)
-	Snapshot(ctx context.Context, id string, o edge.SnapshotOptions) (*api.Layer, error)
-	Resume(ctx context.Context, id string) (*api.Sandbox, error)
-	PauseByLabels(ctx context.Context, sel map[string]string) (int, error)
-	ResumeByLabels(ctx context.Context, sel map[string]string) (int, error)
-	SetNetwork(ctx context.Context, id string, np api.NetworkPolicy) (*api.Sandbox, error)
-	FnCall(ctx context.Context, req api.FnCallRequest, cr edge.CreateRequest) (*api.FnCallResult, error)
-	// DialPort connects to a port on the sandbox's loopback; done is
-	// called once the connection is no longer used.
-	DialPort(ctx context.Context, id string, port int) (c net.Conn, done func(), err error)
-
-	Exec(ctx context.Context, id string, req api.ExecRequest, emit func(api.ExecEvent) error) (*api.ExecResult, error)
-	OpenSession(ctx context.Context, id string, req api.SessionRequest) (*api.Session, error)
-	RunInSession(ctx context.Context, id, sid string, req api.SessionRunRequest) (*api.ExecResult, error)
-	CloseSession(ctx context.Context, id, sid string) error
-
-	ReadFile(ctx context.Context, id, path string) (io.ReadCloser, api.FileEntry, error)
-	WriteFile(ctx context.Context, id, path string, data io.Reader, mode os.FileMode) (api.FileEntry, error)
-	StatFile(ctx context.Context, id, path string) (api.FileEntry, error)
-	ListFiles(ctx context.Context, id, path string, depth int) ([]api.FileEntry, error)
-	RemoveFile(ctx context.Context, id, path string, recursive bool) error
-	WriteTar(ctx context.Context, id, path string, w io.Writer) error
-	ExtractTar(ctx context.Context, id, path string, rd io.Reader) (api.TarResult, error)
-
-	// ReadLog returns the command log entries with seq > sinceSeq, at most
-	// limit; it serves stopped and failed sandboxes too.
-	ReadLog(ctx context.Context, id string, sinceSeq int64, limit int) (*api.LogPage, error)
+// Nodes is the apiserver's view of the edges: *watcher.Watcher.
+type Nodes interface {
+	// Edge returns the edge named name, for routing.
+	Edge(ctx context.Context, name string) (edgeapi.Edge, error)
+	// Edges returns every known edge, for calls that span nodes.
+	Edges() []watcher.Target
+	// Snapshot is the polled view of every node, for placement.
+	Snapshot() []watcher.View
+	// MarkFailed says a call could not reach the node.
+	MarkFailed(name string, err error)
 }
 
-var _ EdgeClient = (*edge.Edge)(nil)
-
-// edgeOf returns the edge that owns sandbox id.
-func (s *Server) edgeOf(id string) (EdgeClient, error) {
-	node, ok := edge.NodeOf(id)
+// edgeOf returns the edge that owns sandbox id: the id names it, so no
+// lookup is needed beyond the view's name → edge map.
+func (s *Server) edgeOf(ctx context.Context, id string) (edgeapi.Edge, error) {
+	node, ok := edgeapi.NodeOf(id)
 	if !ok {
 		return nil, errdefs.NotFound("sandbox %s not found (malformed id)", id)
 	}
-	e := s.edges[node]
-	if e == nil {
+	e, err := s.deps.Nodes.Edge(ctx, node)
+	if errors.Is(err, errdefs.ErrNotFound) {
 		return nil, errdefs.NotFound("sandbox %s not found (unknown node %s)", id, node)
+	}
+	if err != nil {
+		return nil, err
 	}
 	return e, nil
 }
@@ -76,14 +47,16 @@ func (s *Server) edgeOf(id string) (EdgeClient, error) {
 // forward serves a per-sandbox call: it finds the edge that owns the
 // sandbox named in the path and writes fn's result as JSON with status, or
 // the error. A nil result with no error answers 204.
-func (s *Server) forward(w http.ResponseWriter, r *http.Request, status int, fn func(e EdgeClient, id string) (any, error)) {
+func (s *Server) forward(w http.ResponseWriter, r *http.Request, status int, fn func(e edgeapi.Edge, id string) (any, error)) {
 	id := r.PathValue("id")
-	e, err := s.edgeOf(id)
+	e, err := s.edgeOf(r.Context(), id)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
 	}
+	start := time.Now()
 	v, err := fn(e, id)
+	s.metrics.forwardSeconds.Observe(time.Since(start).Seconds())
 	switch {
 	case err != nil:
 		s.writeError(w, r, err)
@@ -94,29 +67,83 @@ func (s *Server) forward(w http.ResponseWriter, r *http.Request, status int, fn 
 	}
 }
 
-// inUse reports whether any edge has a sandbox using the layer digest.
-func (s *Server) inUse(digest string) bool {
-	for _, e := range s.edges {
-		if e.LayerUsers(digest) > 0 {
-			return true
+// fanOutParallel bounds the edges one spanning call talks to at once.
+const fanOutParallel = 32
+
+// fanOut calls fn on every known edge, fanOutParallel at a time. Edges the
+// view counts as down are not called, and edges that cannot be reached
+// now are not an error: both are returned in skipped (sorted), so that
+// the caller can say what its answer leaves out. Any other error of fn is
+// returned (the first one).
+func (s *Server) fanOut(ctx context.Context, fn func(ctx context.Context, e edgeapi.Edge) error) (skipped []string, err error) {
+	var mu sync.Mutex
+	var first error
+	sem := make(chan struct{}, fanOutParallel)
+	var wg sync.WaitGroup
+	for _, t := range s.deps.Nodes.Edges() {
+		if t.Down {
+			skipped = append(skipped, t.Name)
+			continue
 		}
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			err := fn(ctx, t.Edge)
+			if err == nil {
+				return
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if edgeapi.IsUnreachable(err) {
+				s.deps.Nodes.MarkFailed(t.Name, err)
+				skipped = append(skipped, t.Name)
+				return
+			}
+			if first == nil {
+				first = err
+			}
+		}()
 	}
-	return false
+	wg.Wait()
+	sort.Strings(skipped)
+	return skipped, first
 }
 
+// inUse reports whether any edge has a sandbox using the layer digest. An
+// edge that cannot be asked makes it an error: a layer is deleted only
+// when every node has said it does not use it.
+func (s *Server) inUse(ctx context.Context, digest string) (bool, error) {
+	var mu sync.Mutex
+	used := false
+	skipped, err := s.fanOut(ctx, func(ctx context.Context, e edgeapi.Edge) error {
+		n, err := e.LayerUsers(ctx, digest)
+		if n > 0 {
+			mu.Lock()
+			used = true
+			mu.Unlock()
+		}
+		return err
+	})
+	if err != nil {
+		return false, err
+	}
+	if used {
+		return true, nil
+	}
+	if len(skipped) > 0 {
+		return false, errdefs.Unavailable("cannot tell whether node %s uses layer %s: it does not answer now; retry later", strings.Join(skipped, ", "), digest)
+	}
+	return false, nil
+}
+
+// nodes is GET /v1/nodes: the watcher's view.
 func (s *Server) nodes() []api.Node {
-	out := make([]api.Node, 0, len(s.edges))
-	for _, e := range s.deps.Edges {
-		out = append(out, e.Info())
-	}
-	return out
-}
-
-// placementNodes is nodes for placement.Pick (PlacementInfo).
-func (s *Server) placementNodes() []api.Node {
-	out := make([]api.Node, 0, len(s.edges))
-	for _, e := range s.deps.Edges {
-		out = append(out, e.PlacementInfo())
+	snap := s.deps.Nodes.Snapshot()
+	out := make([]api.Node, 0, len(snap))
+	for _, v := range snap {
+		out = append(out, v.Node)
 	}
 	return out
 }

@@ -12,37 +12,18 @@ import (
 	"strings"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
-
-// status maps an API error code to its HTTP status (API.md).
-func status(code string) int {
-	switch code {
-	case "invalid_argument":
-		return http.StatusBadRequest
-	case "unauthenticated":
-		return http.StatusUnauthorized
-	case "permission_denied":
-		return http.StatusForbidden
-	case "not_found":
-		return http.StatusNotFound
-	case "already_exists", "failed_precondition":
-		return http.StatusConflict
-	case "quota_exceeded":
-		return http.StatusTooManyRequests
-	case "resource_exhausted", "unavailable":
-		return http.StatusServiceUnavailable
-	}
-	return http.StatusInternalServerError
-}
 
 // writeError writes the API error body for err. Classified errors carry
 // their message (written for the caller). Internal errors may hold host
 // detail (paths, runtime output), so the caller gets a reference and the
 // operator's log gets the detail under the same reference.
 func (s *Server) writeError(w http.ResponseWriter, r *http.Request, err error) {
+	s.noteUnreachable(err)
 	code := errdefs.Code(err)
-	st := status(code)
+	st := errdefs.HTTPStatus(code)
 	msg := err.Error()
 	if st == http.StatusInternalServerError {
 		var b [6]byte
@@ -52,6 +33,15 @@ func (s *Server) writeError(w http.ResponseWriter, r *http.Request, err error) {
 		msg = "internal error (ref " + ref + "; the server log has the details)"
 	}
 	writeJSON(w, st, api.ErrorBody{Error: api.ErrorDetail{Code: code, Message: msg}})
+}
+
+// noteUnreachable tells the view about an edge a call could not reach, so
+// that placement stops choosing it before the next poll says so.
+func (s *Server) noteUnreachable(err error) {
+	var u *edgeapi.Unreachable
+	if errors.As(err, &u) && s.deps.Nodes != nil {
+		s.deps.Nodes.MarkFailed(u.Node, err)
+	}
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {

@@ -6,6 +6,7 @@ import (
 	"sync"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
@@ -16,7 +17,7 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	id := r.PathValue("id")
-	e, err := s.edgeOf(id)
+	e, err := s.edgeOf(r.Context(), id)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -83,7 +84,7 @@ func (s *Server) openSession(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	s.forward(w, r, http.StatusCreated, func(e EdgeClient, id string) (any, error) {
+	s.forward(w, r, http.StatusCreated, func(e edgeapi.Edge, id string) (any, error) {
 		return e.OpenSession(r.Context(), id, req)
 	})
 }
@@ -94,13 +95,13 @@ func (s *Server) runSession(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	s.forward(w, r, http.StatusOK, func(e EdgeClient, id string) (any, error) {
+	s.forward(w, r, http.StatusOK, func(e edgeapi.Edge, id string) (any, error) {
 		return e.RunInSession(r.Context(), id, r.PathValue("sid"), req)
 	})
 }
 
 func (s *Server) closeSession(w http.ResponseWriter, r *http.Request) {
-	s.forward(w, r, http.StatusNoContent, func(e EdgeClient, id string) (any, error) {
+	s.forward(w, r, http.StatusNoContent, func(e edgeapi.Edge, id string) (any, error) {
 		return nil, e.CloseSession(r.Context(), id, r.PathValue("sid"))
 	})
 }

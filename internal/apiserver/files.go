@@ -7,13 +7,14 @@ import (
 	"strconv"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
 // fileTarget extracts the sandbox's edge and the path query parameter.
-func (s *Server) fileTarget(r *http.Request) (EdgeClient, string, string, error) {
+func (s *Server) fileTarget(r *http.Request) (edgeapi.Edge, string, string, error) {
 	id := r.PathValue("id")
-	e, err := s.edgeOf(id)
+	e, err := s.edgeOf(r.Context(), id)
 	if err != nil {
 		return nil, "", "", err
 	}

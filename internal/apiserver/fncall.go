@@ -1,11 +1,12 @@
 package apiserver
 
 import (
+	"context"
 	"net/http"
 
 	"github.com/dsecproject/dsec/api"
-	"github.com/dsecproject/dsec/internal/edge"
-	"github.com/dsecproject/dsec/internal/placement"
+	"github.com/dsecproject/dsec/internal/edgeapi"
+	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
 // fncall runs a short stateless job in a fresh sandbox on some node and
@@ -16,7 +17,7 @@ func (s *Server) fncall(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	if err := edge.CheckFnCall(&req); err != nil {
+	if err := sandbox.CheckFnCall(&req); err != nil {
 		s.writeError(w, r, err)
 		return
 	}
@@ -26,12 +27,12 @@ func (s *Server) fncall(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	node, err := placement.Pick(s.placementNodes(), placement.Request{Backend: spec.Backend}, nil)
-	if err != nil {
-		s.writeError(w, r, err)
-		return
-	}
-	res, err := s.edges[node].FnCall(r.Context(), req, edge.CreateRequest{Spec: spec, Digests: digests})
+	var res *api.FnCallResult
+	err = s.onSomeNode(r.Context(), spec, digests, func(ctx context.Context, e edgeapi.Edge) error {
+		var err error
+		res, err = e.FnCall(ctx, req, edgeapi.CreateRequest{Spec: spec, Digests: digests})
+		return err
+	})
 	if err != nil {
 		s.writeError(w, r, err)
 		return

@@ -142,7 +142,7 @@ func (s *Server) runImageJob(ctx context.Context, j *imageJob, unpack unpackFunc
 		ws, err := s.deps.Layers.BuildFromDir(ctx, *j.workspace, opts.UpperDir, layer.BuildOptions{}, progress)
 		if err != nil {
 			// The base alone is half an import: take it back.
-			if derr := s.deps.Layers.Delete(j.base.String(), s.inUse); derr != nil {
+			if derr := s.deps.Layers.Delete(j.base.String(), func(d string) (bool, error) { return s.inUse(ctx, d) }); derr != nil {
 				s.log.Error("removing base layer of a failed split import", "ref", j.base.String(), "err", derr)
 			}
 			return nil, err
@@ -310,7 +310,7 @@ func (s *Server) serveImageJob(w http.ResponseWriter, r *http.Request, job *imag
 	if err != nil {
 		code := errdefs.Code(err)
 		msg := err.Error()
-		if status(code) == http.StatusInternalServerError {
+		if errdefs.HTTPStatus(code) == http.StatusInternalServerError {
 			// As writeError: host detail goes to the log only.
 			var b [6]byte
 			_, _ = rand.Read(b[:])

@@ -68,39 +68,40 @@ func TestImageDefaultsApplied(t *testing.T) {
 }
 
 func TestImageImportBadInput(t *testing.T) {
-	f := newFixture(t)
-	for _, c := range []struct {
-		query, body string
-		status      int
-		code, msg   string
-	}{
-		{"", "x", 400, "invalid_argument", "ref is required"},
-		{"ref=toolkit/x:1", "x", 400, "invalid_argument", "base layer"},
-		{"ref=base/x:1&split=-1&workspace=workspace/x:1", "x", 400, "invalid_argument", "positive"},
-		{"ref=base/x:1&split=1", "x", 400, "invalid_argument", "needs a workspace"},
-		{"ref=base/x:1&workspace=workspace/x:1", "x", 400, "invalid_argument", "needs split"},
-		{"ref=base/x:1&workspace=toolkit/x:1&split=1", "x", 400, "invalid_argument", "want workspace"},
-		{"ref=base/py:1", "x", 409, "already_exists", "already exists"},
-		{"ref=base/x:1&workspace=workspace/w:1&split=1", "x", 409, "already_exists", "workspace/w:1"},
-		{"ref=base/x:1", "junk", 400, "invalid_argument", "archive"},
-	} {
-		resp, body := f.do(t, f.admin, "POST", "/v1/images:import?"+c.query, c.body)
-		e := wantError(t, resp, body, c.status, c.code)
-		if !strings.Contains(e.Message, c.msg) || strings.Contains(e.Message, f.layers.StagingDir()) {
-			t.Errorf("%s: message %q, want it to mention %q and no staging path", c.query, e.Message, c.msg)
+	bothWays(t, func(t *testing.T, f *fixture) {
+		for _, c := range []struct {
+			query, body string
+			status      int
+			code, msg   string
+		}{
+			{"", "x", 400, "invalid_argument", "ref is required"},
+			{"ref=toolkit/x:1", "x", 400, "invalid_argument", "base layer"},
+			{"ref=base/x:1&split=-1&workspace=workspace/x:1", "x", 400, "invalid_argument", "positive"},
+			{"ref=base/x:1&split=1", "x", 400, "invalid_argument", "needs a workspace"},
+			{"ref=base/x:1&workspace=workspace/x:1", "x", 400, "invalid_argument", "needs split"},
+			{"ref=base/x:1&workspace=toolkit/x:1&split=1", "x", 400, "invalid_argument", "want workspace"},
+			{"ref=base/py:1", "x", 409, "already_exists", "already exists"},
+			{"ref=base/x:1&workspace=workspace/w:1&split=1", "x", 409, "already_exists", "workspace/w:1"},
+			{"ref=base/x:1", "junk", 400, "invalid_argument", "archive"},
+		} {
+			resp, body := f.do(t, f.admin, "POST", "/v1/images:import?"+c.query, c.body)
+			e := wantError(t, resp, body, c.status, c.code)
+			if !strings.Contains(e.Message, c.msg) || strings.Contains(e.Message, f.layers.StagingDir()) {
+				t.Errorf("%s: message %q, want it to mention %q and no staging path", c.query, e.Message, c.msg)
+			}
 		}
-	}
-	resp, body := f.do(t, f.viewer, "POST", "/v1/images:import?ref=base/x:1", "x")
-	wantError(t, resp, body, 403, "permission_denied")
-	resp, body = f.do(t, f.admin, "POST", "/v1/images:pull", `{"image":"127.0.0.1:1/x:1","ref":"base/py:1"}`)
-	wantError(t, resp, body, 409, "already_exists")
-	resp, body = f.do(t, f.admin, "POST", "/v1/images:pull", `{"image":"bad image","ref":"base/x:1"}`)
-	wantError(t, resp, body, 400, "invalid_argument")
+		resp, body := f.do(t, f.viewer, "POST", "/v1/images:import?ref=base/x:1", "x")
+		wantError(t, resp, body, 403, "permission_denied")
+		resp, body = f.do(t, f.admin, "POST", "/v1/images:pull", `{"image":"127.0.0.1:1/x:1","ref":"base/py:1"}`)
+		wantError(t, resp, body, 409, "already_exists")
+		resp, body = f.do(t, f.admin, "POST", "/v1/images:pull", `{"image":"bad image","ref":"base/x:1"}`)
+		wantError(t, resp, body, 400, "invalid_argument")
 
-	if left, _ := os.ReadDir(f.layers.StagingDir()); len(left) > 0 {
-		t.Errorf("staging not empty: %v", left)
-	}
-	if _, err := f.layers.Resolve("base/x:1"); err == nil {
-		t.Error("base/x:1 was registered")
-	}
+		if left, _ := os.ReadDir(f.layers.StagingDir()); len(left) > 0 {
+			t.Errorf("staging not empty: %v", left)
+		}
+		if _, err := f.layers.Resolve("base/x:1"); err == nil {
+			t.Error("base/x:1 was registered")
+		}
+	})
 }

@@ -64,7 +64,7 @@ func (s *Server) getLayer(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) deleteLayer(w http.ResponseWriter, r *http.Request) {
-	if err := s.deps.Layers.Delete(r.PathValue("ref"), s.inUse); err != nil {
+	if err := s.deps.Layers.Delete(r.PathValue("ref"), func(d string) (bool, error) { return s.inUse(r.Context(), d) }); err != nil {
 		s.writeError(w, r, err)
 		return
 	}

@@ -4,7 +4,7 @@ import (
 	"net/http"
 	"strconv"
 
-	"github.com/dsecproject/dsec/internal/edge"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 )
 
 // readLog serves a sandbox's command log: the entries after since_seq, in
@@ -20,16 +20,16 @@ func (s *Server) readLog(w http.ResponseWriter, r *http.Request) {
 		}
 		since = n
 	}
-	limit := edge.DefaultLogLimit
+	limit := edgeapi.DefaultLogLimit
 	if v := q.Get("limit"); v != "" {
 		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 || n > edge.MaxLogLimit {
-			s.writeError(w, r, badQuery("limit", v, "want an integer from 1 to "+strconv.Itoa(edge.MaxLogLimit)))
+		if err != nil || n < 1 || n > edgeapi.MaxLogLimit {
+			s.writeError(w, r, badQuery("limit", v, "want an integer from 1 to "+strconv.Itoa(edgeapi.MaxLogLimit)))
 			return
 		}
 		limit = n
 	}
-	s.forward(w, r, http.StatusOK, func(e EdgeClient, id string) (any, error) {
+	s.forward(w, r, http.StatusOK, func(e edgeapi.Edge, id string) (any, error) {
 		return e.ReadLog(r.Context(), id, since, limit)
 	})
 }

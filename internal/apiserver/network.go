@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
@@ -20,7 +21,7 @@ func (s *Server) setNetwork(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	s.forward(w, r, http.StatusOK, func(e EdgeClient, id string) (any, error) {
+	s.forward(w, r, http.StatusOK, func(e edgeapi.Edge, id string) (any, error) {
 		return e.SetNetwork(r.Context(), id, req)
 	})
 }
@@ -35,7 +36,7 @@ func (s *Server) proxyPort(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, errdefs.Invalid("port must be a number from 1 to 65535, got %q", r.PathValue("port")))
 		return
 	}
-	e, err := s.edgeOf(id)
+	e, err := s.edgeOf(r.Context(), id)
 	if err != nil {
 		s.writeError(w, r, err)
 		return

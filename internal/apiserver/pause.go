@@ -3,35 +3,38 @@ package apiserver
 import (
 	"context"
 	"net/http"
+	"sync/atomic"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
 func (s *Server) pause(w http.ResponseWriter, r *http.Request) {
-	s.forward(w, r, http.StatusOK, func(e EdgeClient, id string) (any, error) {
+	s.forward(w, r, http.StatusOK, func(e edgeapi.Edge, id string) (any, error) {
 		return e.Pause(r.Context(), id)
 	})
 }
 
 func (s *Server) resume(w http.ResponseWriter, r *http.Request) {
-	s.forward(w, r, http.StatusOK, func(e EdgeClient, id string) (any, error) {
+	s.forward(w, r, http.StatusOK, func(e edgeapi.Edge, id string) (any, error) {
 		return e.Resume(r.Context(), id)
 	})
 }
 
 func (s *Server) pauseByLabels(w http.ResponseWriter, r *http.Request) {
-	s.byLabels(w, r, EdgeClient.PauseByLabels, func(n int) any { return api.CountResult{Count: n} })
+	s.byLabels(w, r, edgeapi.Edge.PauseByLabels, func(n int, skipped []string) any { return api.CountResult{Count: n, UnreachableNodes: skipped} })
 }
 
 func (s *Server) resumeByLabels(w http.ResponseWriter, r *http.Request) {
-	s.byLabels(w, r, EdgeClient.ResumeByLabels, func(n int) any { return api.CountResult{Count: n} })
+	s.byLabels(w, r, edgeapi.Edge.ResumeByLabels, func(n int, skipped []string) any { return api.CountResult{Count: n, UnreachableNodes: skipped} })
 }
 
 // byLabels applies a by-labels edge call (delete, pause, resume) on every
-// edge and answers result(total). A whole job is handled this way.
-func (s *Server) byLabels(w http.ResponseWriter, r *http.Request, fn func(EdgeClient, context.Context, map[string]string) (int, error), result func(int) any) {
+// edge at once and answers result(total, nodes it could not reach). A
+// whole job is handled this way.
+func (s *Server) byLabels(w http.ResponseWriter, r *http.Request, fn func(edgeapi.Edge, context.Context, map[string]string) (int, error), result func(int, []string) any) {
 	var req api.LabelsRequest
 	if err := decode(r, &req); err != nil {
 		s.writeError(w, r, err)
@@ -47,14 +50,15 @@ func (s *Server) byLabels(w http.ResponseWriter, r *http.Request, fn func(EdgeCl
 			return
 		}
 	}
-	total := 0
-	for _, e := range s.deps.Edges {
-		n, err := fn(e, r.Context(), req.Labels)
-		total += n
-		if err != nil {
-			s.writeError(w, r, err)
-			return
-		}
+	var total atomic.Int64
+	skipped, err := s.fanOut(r.Context(), func(ctx context.Context, e edgeapi.Edge) error {
+		n, err := fn(e, ctx, req.Labels)
+		total.Add(int64(n))
+		return err
+	})
+	if err != nil {
+		s.writeError(w, r, err)
+		return
 	}
-	writeJSON(w, http.StatusOK, result(total))
+	writeJSON(w, http.StatusOK, result(int(total.Load()), skipped))
 }

@@ -7,12 +7,12 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 
 	"github.com/dsecproject/dsec/api"
-	"github.com/dsecproject/dsec/internal/edge"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/layer"
-	"github.com/dsecproject/dsec/internal/placement"
 	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
@@ -122,23 +122,6 @@ func (s *Server) create(ctx context.Context, spec api.SandboxSpec) (*api.Sandbox
 	return s.place(ctx, spec, digests)
 }
 
-func (s *Server) place(ctx context.Context, spec api.SandboxSpec, digests []string) (*api.Sandbox, error) {
-	tried := map[string]bool{}
-	for {
-		node, err := placement.Pick(s.placementNodes(), placement.Request{Backend: spec.Backend, Exclude: tried}, nil)
-		if err != nil {
-			return nil, err
-		}
-		sb, err := s.edges[node].Create(ctx, edge.CreateRequest{Spec: spec, Digests: digests})
-		if err == nil || !errorsIsExhausted(err) {
-			return sb, err
-		}
-		tried[node] = true
-	}
-}
-
-func errorsIsExhausted(err error) bool { return errdefs.Code(err) == "resource_exhausted" }
-
 func (s *Server) batchCreate(w http.ResponseWriter, r *http.Request) {
 	var req api.BatchCreateRequest
 	if err := decode(r, &req); err != nil {
@@ -159,7 +142,7 @@ func (s *Server) batchCreate(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) getSandbox(w http.ResponseWriter, r *http.Request) {
-	s.forward(w, r, http.StatusOK, func(e EdgeClient, id string) (any, error) {
+	s.forward(w, r, http.StatusOK, func(e edgeapi.Edge, id string) (any, error) {
 		return e.Get(r.Context(), id)
 	})
 }
@@ -204,16 +187,26 @@ func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 		after = string(b)
 	}
 	// Each edge returns its first limit+1 after the token: enough to fill
-	// the page and to tell whether there is more.
+	// the page and to tell whether there is more. The token is an id, so
+	// it pages the same on any apiserver, across nodes.
+	var mu sync.Mutex
 	var all []api.Sandbox
-	for _, e := range s.deps.Edges {
-		all = append(all, e.List(r.Context(), edge.ListFilter{State: state, Labels: sel, After: after, Limit: limit + 1})...)
+	skipped, err := s.fanOut(r.Context(), func(ctx context.Context, e edgeapi.Edge) error {
+		l, err := e.List(ctx, edgeapi.ListFilter{State: state, Labels: sel, After: after, Limit: limit + 1})
+		mu.Lock()
+		all = append(all, l...)
+		mu.Unlock()
+		return err
+	})
+	if err != nil {
+		s.writeError(w, r, err)
+		return
 	}
 	sort.Slice(all, func(i, j int) bool { return all[i].ID < all[j].ID })
 	// An edge client that ignores After still pages right.
 	start := sort.Search(len(all), func(i int) bool { return all[i].ID > after })
 	page := all[start:]
-	out := api.SandboxList{Sandboxes: []api.Sandbox{}}
+	out := api.SandboxList{Sandboxes: []api.Sandbox{}, UnreachableNodes: skipped}
 	if len(page) > limit {
 		page = page[:limit]
 		out.NextPageToken = base64.RawURLEncoding.EncodeToString([]byte(page[len(page)-1].ID))
@@ -224,7 +217,7 @@ func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 
 func (s *Server) deleteSandbox(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
-	e, err := s.edgeOf(id)
+	e, err := s.edgeOf(r.Context(), id)
 	if err != nil {
 		// Idempotent: an id no edge could own is already gone.
 		w.WriteHeader(http.StatusNoContent)
@@ -238,7 +231,7 @@ func (s *Server) deleteSandbox(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) deleteByLabels(w http.ResponseWriter, r *http.Request) {
-	s.byLabels(w, r, EdgeClient.DeleteByLabels, func(n int) any { return api.DeleteResult{Deleted: n} })
+	s.byLabels(w, r, edgeapi.Edge.DeleteByLabels, func(n int, skipped []string) any { return api.DeleteResult{Deleted: n, UnreachableNodes: skipped} })
 }
 
 func (s *Server) keepalive(w http.ResponseWriter, r *http.Request) {
@@ -247,13 +240,13 @@ func (s *Server) keepalive(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	s.forward(w, r, http.StatusOK, func(e EdgeClient, id string) (any, error) {
+	s.forward(w, r, http.StatusOK, func(e edgeapi.Edge, id string) (any, error) {
 		return e.Keepalive(r.Context(), id, req.TTL)
 	})
 }
 
 func (s *Server) stats(w http.ResponseWriter, r *http.Request) {
-	s.forward(w, r, http.StatusOK, func(e EdgeClient, id string) (any, error) {
+	s.forward(w, r, http.StatusOK, func(e edgeapi.Edge, id string) (any, error) {
 		return e.Stats(r.Context(), id)
 	})
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/iam"
 	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/placement"
 	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
@@ -27,9 +28,12 @@ import (
 type Deps struct {
 	IAM    *iam.IAM
 	Layers *layer.Store
-	// Edges are the nodes this apiserver forwards to.
-	Edges []EdgeClient
-	Log   *slog.Logger
+	// Nodes is the view of the edges this apiserver places on and
+	// forwards to (a watcher).
+	Nodes Nodes
+	// Placement is the placement policy.
+	Placement placement.Config
+	Log       *slog.Logger
 	// Registry collects /metrics; Gatherer serves them.
 	Registry prometheus.Registerer
 	Gatherer prometheus.Gatherer
@@ -43,9 +47,9 @@ type Deps struct {
 type Server struct {
 	deps     Deps
 	log      *slog.Logger
-	edges    map[string]EdgeClient
 	mux      *http.ServeMux
-	requests *prometheus.CounterVec
+	metrics  *metrics
+	inflight *inflight
 }
 
 // New builds the server and its routes.
@@ -53,16 +57,8 @@ func New(deps Deps) *Server {
 	if deps.Log == nil {
 		deps.Log = slog.Default()
 	}
-	s := &Server{deps: deps, log: deps.Log, edges: map[string]EdgeClient{}, mux: http.NewServeMux()}
-	for _, e := range deps.Edges {
-		s.edges[e.Name()] = e
-	}
-	s.requests = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "dsec_api_requests_total", Help: "API requests by route and status code.",
-	}, []string{"route", "code"})
-	if deps.Registry != nil {
-		deps.Registry.MustRegister(s.requests)
-	}
+	s := &Server{deps: deps, log: deps.Log, mux: http.NewServeMux(), inflight: newInflight()}
+	s.metrics = newMetrics(deps.Registry, deps.Nodes)
 	s.routes()
 	return s
 }
@@ -128,7 +124,7 @@ type principalKey struct{}
 func (s *Server) handle(pattern string, action iam.Action, h http.HandlerFunc) {
 	s.mux.Handle(pattern, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		rec := &statusRecorder{ResponseWriter: w, status: http.StatusOK}
-		defer func() { s.requests.WithLabelValues(pattern, strconv.Itoa(rec.status)).Inc() }()
+		defer func() { s.metrics.requests.WithLabelValues(pattern, strconv.Itoa(rec.status)).Inc() }()
 		key, ok := bearer(r)
 		if !ok {
 			rec.Header().Set("WWW-Authenticate", `Bearer realm="dsec"`)
@@ -219,9 +215,9 @@ func (s *Server) recoverPanics(h http.Handler) http.Handler {
 }
 
 func (s *Server) healthz(w http.ResponseWriter, r *http.Request) {
-	nodes := make([]string, 0, len(s.edges))
-	for n := range s.edges {
-		nodes = append(nodes, n)
+	nodes := []string{}
+	for _, t := range s.deps.Nodes.Edges() {
+		nodes = append(nodes, t.Name)
 	}
 	writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "nodes": nodes, "time": time.Now().UTC()})
 }

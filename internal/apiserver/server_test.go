@@ -1,174 +1,29 @@
 package apiserver
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/http/httptest"
-	"os"
-	"sort"
 	"strings"
-	"sync"
 	"testing"
-	"time"
 
 	"github.com/dsecproject/dsec/api"
-	"github.com/dsecproject/dsec/internal/edge"
-	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/edgeapi"
+	"github.com/dsecproject/dsec/internal/edgeapi/edgetest"
 	"github.com/dsecproject/dsec/internal/iam"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/sandbox"
 	"github.com/dsecproject/dsec/internal/store"
+	"github.com/dsecproject/dsec/internal/watcher"
 )
-
-// fakeEdge is an in-memory EdgeClient: it stands in for a node so the
-// apiserver's own logic (auth, validation, routing, pagination, error
-// mapping) is tested without root. The real edge is tested end to end.
-type fakeEdge struct {
-	mu        sync.Mutex
-	name      string
-	sandboxes map[string]api.Sandbox
-	n         int
-	execErr   error
-	panicOn   string
-}
-
-func newFakeEdge(name string) *fakeEdge {
-	return &fakeEdge{name: name, sandboxes: map[string]api.Sandbox{}}
-}
-
-func (f *fakeEdge) Name() string { return f.name }
-func (f *fakeEdge) Info() api.Node {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return api.Node{Name: f.name, Healthy: true, Backends: []string{"container"},
-		Capacity: api.Capacity{MaxSandboxes: 100}, Counts: map[string]int{"running": len(f.sandboxes)}}
-}
-func (f *fakeEdge) PlacementInfo() api.Node { return f.Info() }
-func (f *fakeEdge) LayerUsers(digest string) int {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	n := 0
-	for _, s := range f.sandboxes {
-		for _, d := range s.Layers {
-			if d == digest {
-				n++
-			}
-		}
-	}
-	return n
-}
-func (f *fakeEdge) Create(ctx context.Context, req edge.CreateRequest) (*api.Sandbox, error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.n++
-	sb := api.Sandbox{ID: fmt.Sprintf("sb-%s-%04d", f.name, f.n), Node: f.name, State: "running",
-		Spec: req.Spec, Labels: req.Spec.Labels, Layers: req.Digests, CreatedAt: time.Now()}
-	f.sandboxes[sb.ID] = sb
-	return &sb, nil
-}
-func (f *fakeEdge) Get(ctx context.Context, id string) (*api.Sandbox, error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if id == f.panicOn {
-		panic("boom")
-	}
-	sb, ok := f.sandboxes[id]
-	if !ok {
-		return nil, errdefs.NotFound("sandbox %s not found", id)
-	}
-	return &sb, nil
-}
-func (f *fakeEdge) List(ctx context.Context, flt edge.ListFilter) []api.Sandbox {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	var out []api.Sandbox
-	for _, s := range f.sandboxes {
-		if sandbox.LabelsMatch(s.Labels, flt.Labels) && (flt.State == "" || flt.State == s.State) && s.ID > flt.After {
-			out = append(out, s)
-		}
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
-	if flt.Limit > 0 && len(out) > flt.Limit {
-		out = out[:flt.Limit]
-	}
-	return out
-}
-func (f *fakeEdge) Delete(ctx context.Context, id string) error {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	delete(f.sandboxes, id)
-	return nil
-}
-func (f *fakeEdge) DeleteByLabels(ctx context.Context, sel map[string]string) (int, error) {
-	n := 0
-	for _, s := range f.List(ctx, edge.ListFilter{Labels: sel}) {
-		_ = f.Delete(ctx, s.ID)
-		n++
-	}
-	return n, nil
-}
-func (f *fakeEdge) Keepalive(ctx context.Context, id string, ttl int64) (*api.Sandbox, error) {
-	return f.Get(ctx, id)
-}
-func (f *fakeEdge) Stats(ctx context.Context, id string) (*api.Stats, error) {
-	return &api.Stats{}, nil
-}
-func (f *fakeEdge) Exec(ctx context.Context, id string, req api.ExecRequest, emit func(api.ExecEvent) error) (*api.ExecResult, error) {
-	if f.execErr != nil {
-		return nil, f.execErr
-	}
-	if emit != nil {
-		_ = emit(api.ExecEvent{Stdout: "streamed"})
-	}
-	return &api.ExecResult{ExitCode: 3, Stdout: req.Cmd}, nil
-}
-func (f *fakeEdge) OpenSession(ctx context.Context, id string, req api.SessionRequest) (*api.Session, error) {
-	return &api.Session{SessionID: "ss-1"}, nil
-}
-func (f *fakeEdge) RunInSession(ctx context.Context, id, sid string, req api.SessionRunRequest) (*api.ExecResult, error) {
-	return &api.ExecResult{}, nil
-}
-func (f *fakeEdge) CloseSession(ctx context.Context, id, sid string) error { return nil }
-func (f *fakeEdge) ReadFile(ctx context.Context, id, path string) (io.ReadCloser, api.FileEntry, error) {
-	return io.NopCloser(strings.NewReader("data")), api.FileEntry{Size: 4, Mode: "0644"}, nil
-}
-func (f *fakeEdge) WriteFile(ctx context.Context, id, path string, data io.Reader, mode os.FileMode) (api.FileEntry, error) {
-	return api.FileEntry{Path: path, Mode: fmt.Sprintf("%04o", uint32(mode.Perm()))}, nil
-}
-func (f *fakeEdge) StatFile(ctx context.Context, id, path string) (api.FileEntry, error) {
-	return api.FileEntry{Path: path}, nil
-}
-func (f *fakeEdge) ListFiles(ctx context.Context, id, path string, depth int) ([]api.FileEntry, error) {
-	return nil, nil
-}
-func (f *fakeEdge) RemoveFile(ctx context.Context, id, path string, recursive bool) error { return nil }
-func (f *fakeEdge) WriteTar(ctx context.Context, id, path string, w io.Writer) error {
-	return errdefs.NotFound("%s: no such file", path)
-}
-func (f *fakeEdge) ExtractTar(ctx context.Context, id, path string, rd io.Reader) (api.TarResult, error) {
-	return api.TarResult{}, nil
-}
-func (f *fakeEdge) ReadLog(ctx context.Context, id string, sinceSeq int64, limit int) (*api.LogPage, error) {
-	if _, err := f.Get(ctx, id); err != nil {
-		return nil, err
-	}
-	page := &api.LogPage{Entries: []api.LogEntry{}, NextSeq: sinceSeq}
-	for seq := sinceSeq + 1; seq <= 3 && len(page.Entries) < limit; seq++ {
-		page.Entries = append(page.Entries, api.LogEntry{Seq: seq, Kind: api.LogExec})
-		page.NextSeq = seq
-	}
-	return page, nil
-}
 
 type fixture struct {
 	srv     *httptest.Server
-	edge    *fakeEdge
+	edge    *edgetest.Fake
 	admin   string
 	viewer  string
 	iam     *iam.IAM
@@ -176,7 +31,7 @@ type fixture struct {
 	digests map[string]string
 }
 
-func newFixture(t *testing.T) *fixture {
+func newFixture(t *testing.T, wire bool) *fixture {
 	t.Helper()
 	st := store.NewMemory()
 	ident, err := iam.New(st)
@@ -211,12 +66,27 @@ func newFixture(t *testing.T) *fixture {
 			t.Fatal(err)
 		}
 	}
-	fe := newFakeEdge("n1")
-	s := New(Deps{IAM: ident, Layers: layers, Edges: []EdgeClient{fe}, Policy: sandbox.DefaultPolicy(),
+	fe := edgetest.NewFake("n1")
+	var e edgeapi.Edge = fe
+	if wire {
+		es := httptest.NewServer(edgeapi.NewServer(fe, nil))
+		t.Cleanup(es.Close)
+		e = edgeapi.NewClient("n1", es.URL, es.Client())
+	}
+	view := watcher.New(watcher.Static{e}, watcher.Config{})
+	view.Sync(t.Context())
+	s := New(Deps{IAM: ident, Layers: layers, Nodes: view, Policy: sandbox.DefaultPolicy(),
 		Log: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	srv := httptest.NewServer(s.Handler())
 	t.Cleanup(srv.Close)
 	return &fixture{srv: srv, edge: fe, admin: admin, viewer: viewer, iam: ident, layers: layers, digests: digests}
+}
+
+// bothWays runs fn against an apiserver that reaches its edge in process
+// and against one that reaches it through the internal API.
+func bothWays(t *testing.T, fn func(t *testing.T, f *fixture)) {
+	t.Run("inproc", func(t *testing.T) { fn(t, newFixture(t, false)) })
+	t.Run("wire", func(t *testing.T) { fn(t, newFixture(t, true)) })
 }
 
 func (f *fixture) do(t *testing.T, key, method, path, body string) (*http.Response, []byte) {
@@ -244,202 +114,176 @@ func wantError(t *testing.T, resp *http.Response, body []byte, status int, code 
 }
 
 func TestAuth(t *testing.T) {
-	f := newFixture(t)
-	resp, body := f.do(t, "", "GET", "/v1/sandboxes", "")
-	wantError(t, resp, body, 401, "unauthenticated")
-	if !strings.HasPrefix(resp.Header.Get("WWW-Authenticate"), "Bearer") {
-		t.Fatalf("no WWW-Authenticate header")
-	}
-	resp, body = f.do(t, "wrong-key", "GET", "/v1/sandboxes", "")
-	wantError(t, resp, body, 401, "unauthenticated")
-	req, _ := http.NewRequest("GET", f.srv.URL+"/v1/sandboxes", nil)
-	req.SetBasicAuth("admin", f.admin)
-	r2, _ := http.DefaultClient.Do(req)
-	r2.Body.Close()
-	if r2.StatusCode != 401 {
-		t.Fatalf("basic auth: %d", r2.StatusCode)
-	}
-	// A viewer may read but not create.
-	if resp, _ := f.do(t, f.viewer, "GET", "/v1/sandboxes", ""); resp.StatusCode != 200 {
-		t.Fatalf("viewer list: %d", resp.StatusCode)
-	}
-	resp, body = f.do(t, f.viewer, "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
-	wantError(t, resp, body, 403, "permission_denied")
-	if resp, _ := f.do(t, "", "GET", "/healthz", ""); resp.StatusCode != 200 {
-		t.Fatalf("healthz needs no auth: %d", resp.StatusCode)
-	}
+	bothWays(t, func(t *testing.T, f *fixture) {
+		resp, body := f.do(t, "", "GET", "/v1/sandboxes", "")
+		wantError(t, resp, body, 401, "unauthenticated")
+		if !strings.HasPrefix(resp.Header.Get("WWW-Authenticate"), "Bearer") {
+			t.Fatalf("no WWW-Authenticate header")
+		}
+		resp, body = f.do(t, "wrong-key", "GET", "/v1/sandboxes", "")
+		wantError(t, resp, body, 401, "unauthenticated")
+		req, _ := http.NewRequest("GET", f.srv.URL+"/v1/sandboxes", nil)
+		req.SetBasicAuth("admin", f.admin)
+		r2, _ := http.DefaultClient.Do(req)
+		r2.Body.Close()
+		if r2.StatusCode != 401 {
+			t.Fatalf("basic auth: %d", r2.StatusCode)
+		}
+		// A viewer may read but not create.
+		if resp, _ := f.do(t, f.viewer, "GET", "/v1/sandboxes", ""); resp.StatusCode != 200 {
+			t.Fatalf("viewer list: %d", resp.StatusCode)
+		}
+		resp, body = f.do(t, f.viewer, "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
+		wantError(t, resp, body, 403, "permission_denied")
+		if resp, _ := f.do(t, "", "GET", "/healthz", ""); resp.StatusCode != 200 {
+			t.Fatalf("healthz needs no auth: %d", resp.StatusCode)
+		}
+	})
 }
 
 func TestCreateResolvesLayersInOrder(t *testing.T) {
-	f := newFixture(t)
-	resp, body := f.do(t, f.admin, "POST", "/v1/sandboxes",
-		`{"base":"base/py:1","workspace":"workspace/w:1","toolkits":["toolkit/t:1"],"labels":{"job":"a"}}`)
-	if resp.StatusCode != 201 {
-		t.Fatalf("create: %d %s", resp.StatusCode, body)
-	}
-	var sb api.Sandbox
-	_ = json.Unmarshal(body, &sb)
-	want := []string{f.digests["base/py:1"], f.digests["workspace/w:1"], f.digests["toolkit/t:1"]}
-	if strings.Join(sb.Layers, ",") != strings.Join(want, ",") {
-		t.Fatalf("layers %v, want base, workspace, toolkit %v", sb.Layers, want)
-	}
-	if sb.Spec.TTL != 3600 || sb.Spec.Backend != "container" {
-		t.Fatalf("defaults not applied: %+v", sb.Spec)
-	}
+	bothWays(t, func(t *testing.T, f *fixture) {
+		resp, body := f.do(t, f.admin, "POST", "/v1/sandboxes",
+			`{"base":"base/py:1","workspace":"workspace/w:1","toolkits":["toolkit/t:1"],"labels":{"job":"a"}}`)
+		if resp.StatusCode != 201 {
+			t.Fatalf("create: %d %s", resp.StatusCode, body)
+		}
+		var sb api.Sandbox
+		_ = json.Unmarshal(body, &sb)
+		want := []string{f.digests["base/py:1"], f.digests["workspace/w:1"], f.digests["toolkit/t:1"]}
+		if strings.Join(sb.Layers, ",") != strings.Join(want, ",") {
+			t.Fatalf("layers %v, want base, workspace, toolkit %v", sb.Layers, want)
+		}
+		if sb.Spec.TTL != 3600 || sb.Spec.Backend != "container" {
+			t.Fatalf("defaults not applied: %+v", sb.Spec)
+		}
+	})
 }
 
 func TestBadInput(t *testing.T) {
-	f := newFixture(t)
-	cases := []struct {
-		method, path, body string
-		status             int
-		code, mention      string
-	}{
-		{"POST", "/v1/sandboxes", `{"base":`, 400, "invalid_argument", "malformed"},
-		{"POST", "/v1/sandboxes", `{"base":"base/py:1","memory_mb":"lots"}`, 400, "invalid_argument", "memory_mb"},
-		{"POST", "/v1/sandboxes", `{"base":"base/py:1","memroy_mb":5}`, 400, "invalid_argument", "memroy_mb"},
-		{"POST", "/v1/sandboxes", `{"base":"base/py:1"} trailing`, 400, "invalid_argument", "after"},
-		{"POST", "/v1/sandboxes", ``, 400, "invalid_argument", "empty"},
-		{"POST", "/v1/sandboxes", `{"base":"base/nope:1"}`, 404, "not_found", "base/nope:1"},
-		{"POST", "/v1/sandboxes", `{"base":"workspace/w:1"}`, 400, "invalid_argument", "workspace"},
-		{"POST", "/v1/sandboxes", `{"base":"base/py"}`, 400, "invalid_argument", ""},
-		{"POST", "/v1/sandboxes", `{"base":"base/py:1","cpu":-1}`, 400, "invalid_argument", "cpu"},
-		{"POST", "/v1/sandboxes", `{"base":"base/py:1","backend":"microvm"}`, 409, "failed_precondition", "microvm"},
-		{"POST", "/v1/sandboxes", `{"base":"base/py:1","snapshot":"snapshot/s:1"}`, 404, "not_found", "snapshot/s:1"},
-		{"POST", "/v1/sandboxes", `{"snapshot":"toolkit/t:1"}`, 400, "invalid_argument", "snapshot"},
-		{"POST", "/v1/sandboxes/sb-n1-0001/fork", `{"count":0}`, 400, "invalid_argument", "count"},
-		{"POST", "/v1/sandboxes/sb-n1-0001/snapshot", `{}`, 400, "invalid_argument", "ref"},
-		{"POST", "/v1/sandboxes:batch", `{"count":0,"spec":{"base":"base/py:1"}}`, 400, "invalid_argument", "count"},
-		{"POST", "/v1/sandboxes:delete", `{"labels":{}}`, 400, "invalid_argument", "labels"},
-		{"GET", "/v1/sandboxes?limit=0", ``, 400, "invalid_argument", "limit"},
-		{"GET", "/v1/sandboxes?state=zombie", ``, 400, "invalid_argument", "state"},
-		{"GET", "/v1/sandboxes?page_token=!!!", ``, 400, "invalid_argument", ""},
-		{"GET", "/v1/sandboxes?label=novalue", ``, 400, "invalid_argument", "novalue"},
-		{"GET", "/v1/sandboxes/not-an-id", ``, 404, "not_found", ""},
-		{"GET", "/v1/sandboxes/sb-othernode-abc", ``, 404, "not_found", ""},
-		{"POST", "/v1/sandboxes/sb-n1-0001/exec?stream=maybe", `{"cmd":"x"}`, 400, "invalid_argument", "stream"},
-		{"GET", "/v1/sandboxes/sb-n1-0001/files", ``, 400, "invalid_argument", "path"},
-		{"PUT", "/v1/sandboxes/sb-n1-0001/files?path=/a&mode=999", ``, 400, "invalid_argument", "mode"},
-		{"GET", "/v1/sandboxes/sb-n1-0001/files:list?path=/&depth=0", ``, 400, "invalid_argument", "depth"},
-		{"POST", "/v1/layers?kind=base&name=x", ``, 400, "invalid_argument", "tag"},
-		{"GET", "/v1/layers?kind=weird", ``, 400, "invalid_argument", "kind"},
-		{"GET", "/v1/no/such/thing", ``, 404, "not_found", "no such endpoint"},
-	}
-	for _, c := range cases {
-		resp, body := f.do(t, f.admin, c.method, c.path, c.body)
-		e := wantError(t, resp, body, c.status, c.code)
-		if !strings.Contains(e.Message, c.mention) {
-			t.Errorf("%s %s: message %q does not mention %q", c.method, c.path, e.Message, c.mention)
+	bothWays(t, func(t *testing.T, f *fixture) {
+		cases := []struct {
+			method, path, body string
+			status             int
+			code, mention      string
+		}{
+			{"POST", "/v1/sandboxes", `{"base":`, 400, "invalid_argument", "malformed"},
+			{"POST", "/v1/sandboxes", `{"base":"base/py:1","memory_mb":"lots"}`, 400, "invalid_argument", "memory_mb"},
+			{"POST", "/v1/sandboxes", `{"base":"base/py:1","memroy_mb":5}`, 400, "invalid_argument", "memroy_mb"},
+			{"POST", "/v1/sandboxes", `{"base":"base/py:1"} trailing`, 400, "invalid_argument", "after"},
+			{"POST", "/v1/sandboxes", ``, 400, "invalid_argument", "empty"},
+			{"POST", "/v1/sandboxes", `{"base":"base/nope:1"}`, 404, "not_found", "base/nope:1"},
+			{"POST", "/v1/sandboxes", `{"base":"workspace/w:1"}`, 400, "invalid_argument", "workspace"},
+			{"POST", "/v1/sandboxes", `{"base":"base/py"}`, 400, "invalid_argument", ""},
+			{"POST", "/v1/sandboxes", `{"base":"base/py:1","cpu":-1}`, 400, "invalid_argument", "cpu"},
+			{"POST", "/v1/sandboxes", `{"base":"base/py:1","backend":"microvm"}`, 409, "failed_precondition", "microvm"},
+			{"POST", "/v1/sandboxes", `{"base":"base/py:1","snapshot":"snapshot/s:1"}`, 404, "not_found", "snapshot/s:1"},
+			{"POST", "/v1/sandboxes", `{"snapshot":"toolkit/t:1"}`, 400, "invalid_argument", "snapshot"},
+			{"POST", "/v1/sandboxes/sb-n1-0001/fork", `{"count":0}`, 400, "invalid_argument", "count"},
+			{"POST", "/v1/sandboxes/sb-n1-0001/snapshot", `{}`, 400, "invalid_argument", "ref"},
+			{"POST", "/v1/sandboxes:batch", `{"count":0,"spec":{"base":"base/py:1"}}`, 400, "invalid_argument", "count"},
+			{"POST", "/v1/sandboxes:delete", `{"labels":{}}`, 400, "invalid_argument", "labels"},
+			{"GET", "/v1/sandboxes?limit=0", ``, 400, "invalid_argument", "limit"},
+			{"GET", "/v1/sandboxes?state=zombie", ``, 400, "invalid_argument", "state"},
+			{"GET", "/v1/sandboxes?page_token=!!!", ``, 400, "invalid_argument", ""},
+			{"GET", "/v1/sandboxes?label=novalue", ``, 400, "invalid_argument", "novalue"},
+			{"GET", "/v1/sandboxes/not-an-id", ``, 404, "not_found", ""},
+			{"GET", "/v1/sandboxes/sb-othernode-abc", ``, 404, "not_found", ""},
+			{"POST", "/v1/sandboxes/sb-n1-0001/exec?stream=maybe", `{"cmd":"x"}`, 400, "invalid_argument", "stream"},
+			{"GET", "/v1/sandboxes/sb-n1-0001/files", ``, 400, "invalid_argument", "path"},
+			{"PUT", "/v1/sandboxes/sb-n1-0001/files?path=/a&mode=999", ``, 400, "invalid_argument", "mode"},
+			{"GET", "/v1/sandboxes/sb-n1-0001/files:list?path=/&depth=0", ``, 400, "invalid_argument", "depth"},
+			{"POST", "/v1/layers?kind=base&name=x", ``, 400, "invalid_argument", "tag"},
+			{"GET", "/v1/layers?kind=weird", ``, 400, "invalid_argument", "kind"},
+			{"GET", "/v1/no/such/thing", ``, 404, "not_found", "no such endpoint"},
 		}
-	}
-	if len(f.edge.sandboxes) != 0 {
-		t.Fatalf("bad input created sandboxes: %v", f.edge.sandboxes)
-	}
+		for _, c := range cases {
+			resp, body := f.do(t, f.admin, c.method, c.path, c.body)
+			e := wantError(t, resp, body, c.status, c.code)
+			if !strings.Contains(e.Message, c.mention) {
+				t.Errorf("%s %s: message %q does not mention %q", c.method, c.path, e.Message, c.mention)
+			}
+		}
+		if n := f.edge.Len(); n != 0 {
+			t.Fatalf("bad input created %d sandboxes", n)
+		}
+	})
 }
 
 func TestListPagination(t *testing.T) {
-	f := newFixture(t)
-	for i := 0; i < 5; i++ {
-		f.do(t, f.admin, "POST", "/v1/sandboxes", `{"base":"base/py:1","labels":{"p":"x"}}`)
-	}
-	f.do(t, f.admin, "POST", "/v1/sandboxes", `{"base":"base/py:1","labels":{"p":"other"}}`)
-	seen := map[string]bool{}
-	token := ""
-	for pages := 0; pages < 10; pages++ {
-		_, body := f.do(t, f.admin, "GET", "/v1/sandboxes?label=p=x&limit=2&page_token="+token, "")
-		var l api.SandboxList
-		if err := json.Unmarshal(body, &l); err != nil {
-			t.Fatal(err)
+	bothWays(t, func(t *testing.T, f *fixture) {
+		for i := 0; i < 5; i++ {
+			f.do(t, f.admin, "POST", "/v1/sandboxes", `{"base":"base/py:1","labels":{"p":"x"}}`)
 		}
-		for _, s := range l.Sandboxes {
-			if seen[s.ID] {
-				t.Fatalf("%s on two pages", s.ID)
+		f.do(t, f.admin, "POST", "/v1/sandboxes", `{"base":"base/py:1","labels":{"p":"other"}}`)
+		seen := map[string]bool{}
+		token := ""
+		for pages := 0; pages < 10; pages++ {
+			_, body := f.do(t, f.admin, "GET", "/v1/sandboxes?label=p=x&limit=2&page_token="+token, "")
+			var l api.SandboxList
+			if err := json.Unmarshal(body, &l); err != nil {
+				t.Fatal(err)
 			}
-			seen[s.ID] = true
+			for _, s := range l.Sandboxes {
+				if seen[s.ID] {
+					t.Fatalf("%s on two pages", s.ID)
+				}
+				seen[s.ID] = true
+			}
+			if l.NextPageToken == "" {
+				break
+			}
+			token = l.NextPageToken
 		}
-		if l.NextPageToken == "" {
-			break
+		if len(seen) != 5 {
+			t.Fatalf("saw %d sandboxes, want 5", len(seen))
 		}
-		token = l.NextPageToken
-	}
-	if len(seen) != 5 {
-		t.Fatalf("saw %d sandboxes, want 5", len(seen))
-	}
+	})
 }
 
 func TestDeleteIsIdempotent(t *testing.T) {
-	f := newFixture(t)
-	for _, id := range []string{"sb-n1-0001", "garbage", "sb-unknown-x"} {
-		if resp, body := f.do(t, f.admin, "DELETE", "/v1/sandboxes/"+id, ""); resp.StatusCode != 204 {
-			t.Fatalf("delete %s: %d %s", id, resp.StatusCode, body)
+	bothWays(t, func(t *testing.T, f *fixture) {
+		for _, id := range []string{"sb-n1-0001", "garbage", "sb-unknown-x"} {
+			if resp, body := f.do(t, f.admin, "DELETE", "/v1/sandboxes/"+id, ""); resp.StatusCode != 204 {
+				t.Fatalf("delete %s: %d %s", id, resp.StatusCode, body)
+			}
 		}
-	}
+	})
 }
 
 func TestInternalErrorsHideDetailAndPanicsAre500(t *testing.T) {
-	f := newFixture(t)
-	f.do(t, f.admin, "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
-	f.edge.execErr = errors.New("crun exec: /var/lib/dsec/secret/path: boom")
-	resp, body := f.do(t, f.admin, "POST", "/v1/sandboxes/sb-n1-0001/exec", `{"cmd":"x"}`)
-	e := wantError(t, resp, body, 500, "internal")
-	if strings.Contains(e.Message, "/var/lib") || !strings.Contains(e.Message, "ref ") {
-		t.Fatalf("internal error message %q leaks detail or lacks a ref", e.Message)
-	}
-	f.edge.panicOn = "sb-n1-0001"
-	resp, body = f.do(t, f.admin, "GET", "/v1/sandboxes/sb-n1-0001", "")
-	wantError(t, resp, body, 500, "internal")
-	// The server is still serving.
-	if resp, _ := f.do(t, "", "GET", "/healthz", ""); resp.StatusCode != 200 {
-		t.Fatal("server down after a panic")
-	}
+	bothWays(t, func(t *testing.T, f *fixture) {
+		f.do(t, f.admin, "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
+		f.edge.ExecErr = errors.New("crun exec: /var/lib/dsec/secret/path: boom")
+		resp, body := f.do(t, f.admin, "POST", "/v1/sandboxes/sb-n1-0001/exec", `{"cmd":"x"}`)
+		e := wantError(t, resp, body, 500, "internal")
+		if strings.Contains(e.Message, "/var/lib") || !strings.Contains(e.Message, "ref ") {
+			t.Fatalf("internal error message %q leaks detail or lacks a ref", e.Message)
+		}
+		f.edge.PanicOn = "sb-n1-0001"
+		resp, body = f.do(t, f.admin, "GET", "/v1/sandboxes/sb-n1-0001", "")
+		wantError(t, resp, body, 500, "internal")
+		// The server is still serving.
+		if resp, _ := f.do(t, "", "GET", "/healthz", ""); resp.StatusCode != 200 {
+			t.Fatal("server down after a panic")
+		}
+	})
 }
 
 func TestExecStreamAndDownloadErrors(t *testing.T) {
-	f := newFixture(t)
-	f.do(t, f.admin, "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
-	resp, body := f.do(t, f.admin, "POST", "/v1/sandboxes/sb-n1-0001/exec?stream=true", `{"cmd":"x"}`)
-	lines := strings.Split(strings.TrimSpace(string(body)), "\n")
-	if resp.Header.Get("Content-Type") != "application/x-ndjson" || len(lines) != 2 {
-		t.Fatalf("stream: %s %q", resp.Header.Get("Content-Type"), body)
-	}
-	var last api.ExecEvent
-	if err := json.Unmarshal([]byte(lines[1]), &last); err != nil || last.ExitCode == nil || *last.ExitCode != 3 {
-		t.Fatalf("final event %q", lines[1])
-	}
-	// A tar of a missing path is a 404, not a broken stream.
-	resp, body = f.do(t, f.admin, "GET", "/v1/sandboxes/sb-n1-0001/files:tar?path=/nope", "")
-	wantError(t, resp, body, 404, "not_found")
-}
-
-func (f *fakeEdge) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
-	sb, err := f.Get(ctx, id)
-	if err != nil {
-		return nil, err
-	}
-	return &api.PauseResult{Sandbox: *sb}, nil
-}
-func (f *fakeEdge) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
-	return f.Get(ctx, id)
-}
-func (f *fakeEdge) PauseByLabels(ctx context.Context, sel map[string]string) (int, error) {
-	return len(f.List(ctx, edge.ListFilter{Labels: sel})), nil
-}
-func (f *fakeEdge) ResumeByLabels(ctx context.Context, sel map[string]string) (int, error) {
-	return len(f.List(ctx, edge.ListFilter{Labels: sel})), nil
-}
-
-func (f *fakeEdge) SetNetwork(ctx context.Context, id string, np api.NetworkPolicy) (*api.Sandbox, error) {
-	return f.Get(ctx, id)
-}
-
-func (f *fakeEdge) FnCall(ctx context.Context, req api.FnCallRequest, cr edge.CreateRequest) (*api.FnCallResult, error) {
-	return nil, errdefs.Unavailable("no fncall in the fake edge")
-}
-
-func (f *fakeEdge) DialPort(ctx context.Context, id string, port int) (net.Conn, func(), error) {
-	return nil, nil, errdefs.Unavailable("no ports in the fake edge")
-}
-
-func (f *fakeEdge) Snapshot(ctx context.Context, id string, o edge.SnapshotOptions) (*api.Layer, error) {
-	return nil, errdefs.Precondition("the fake edge takes no snapshots")
+	bothWays(t, func(t *testing.T, f *fixture) {
+		f.do(t, f.admin, "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
+		resp, body := f.do(t, f.admin, "POST", "/v1/sandboxes/sb-n1-0001/exec?stream=true", `{"cmd":"x"}`)
+		lines := strings.Split(strings.TrimSpace(string(body)), "\n")
+		if resp.Header.Get("Content-Type") != "application/x-ndjson" || len(lines) != 2 {
+			t.Fatalf("stream: %s %q", resp.Header.Get("Content-Type"), body)
+		}
+		var last api.ExecEvent
+		if err := json.Unmarshal([]byte(lines[1]), &last); err != nil || last.ExitCode == nil || *last.ExitCode != 3 {
+			t.Fatalf("final event %q", lines[1])
+		}
+		// A tar of a missing path is a 404, not a broken stream.
+		resp, body = f.do(t, f.admin, "GET", "/v1/sandboxes/sb-n1-0001/files:tar?path=/nope", "")
+		wantError(t, resp, body, 404, "not_found")
+	})
 }

@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
-	"github.com/dsecproject/dsec/internal/edge"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/iam"
 	"github.com/dsecproject/dsec/internal/sandbox"
@@ -34,8 +34,8 @@ func (s *Server) snapshot(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, errdefs.Invalid("ref is required (snapshot/NAME:TAG)"))
 		return
 	}
-	s.forward(w, r, http.StatusCreated, func(e EdgeClient, id string) (any, error) {
-		return e.Snapshot(r.Context(), id, edge.SnapshotOptions{Request: req, Principal: principalID(r)})
+	s.forward(w, r, http.StatusCreated, func(e edgeapi.Edge, id string) (any, error) {
+		return e.Snapshot(r.Context(), id, edgeapi.SnapshotOptions{Request: req, Principal: principalID(r)})
 	})
 }
 
@@ -58,7 +58,7 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	id := r.PathValue("id")
-	e, err := s.edgeOf(id)
+	e, err := s.edgeOf(r.Context(), id)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -66,7 +66,7 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 	// The fork's snapshot is an ordinary catalogued layer: forks keep it in
 	// use, and it can be forked from again or deleted once unused.
 	ref := fmt.Sprintf("snapshot/fork-%s:%d", strings.ToLower(strings.TrimPrefix(id, "sb-")), time.Now().UnixNano())
-	l, err := e.Snapshot(r.Context(), id, edge.SnapshotOptions{Request: api.SnapshotRequest{Ref: ref}, Principal: principalID(r)})
+	l, err := e.Snapshot(r.Context(), id, edgeapi.SnapshotOptions{Request: api.SnapshotRequest{Ref: ref}, Principal: principalID(r)})
 	if err != nil {
 		s.writeError(w, r, err)
 		return

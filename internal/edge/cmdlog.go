@@ -47,6 +47,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
@@ -66,10 +67,6 @@ const (
 	logMaxArgs    = 64
 	// cutMarker ends every string the log shortened.
 	cutMarker = "…[truncated]"
-
-	// DefaultLogLimit and MaxLogLimit bound the entries of one ReadLog.
-	DefaultLogLimit = 1000
-	MaxLogLimit     = 10000
 )
 
 // CmdLogConfig bounds each sandbox's command log. Zero fields take the
@@ -313,7 +310,7 @@ func truncationMarker(seq, first, last int64) *api.LogEntry {
 }
 
 // ReadLog returns a sandbox's command log entries with seq > sinceSeq, in
-// order, at most limit (0: DefaultLogLimit). It serves every sandbox whose
+// order, at most limit (0: edgeapi.DefaultLogLimit). It serves every sandbox whose
 // record is kept, stopped and failed ones included. NextSeq is the seq of
 // the last entry returned (sinceSeq when none): the sinceSeq of the next
 // call.
@@ -322,10 +319,10 @@ func (e *Edge) ReadLog(ctx context.Context, id string, sinceSeq int64, limit int
 		return nil, errdefs.Invalid("since_seq must not be negative, got %d", sinceSeq)
 	}
 	if limit == 0 {
-		limit = DefaultLogLimit
+		limit = edgeapi.DefaultLogLimit
 	}
-	if limit < 0 || limit > MaxLogLimit {
-		return nil, errdefs.Invalid("limit must be between 1 and %d, got %d", MaxLogLimit, limit)
+	if limit < 0 || limit > edgeapi.MaxLogLimit {
+		return nil, errdefs.Invalid("limit must be between 1 and %d, got %d", edgeapi.MaxLogLimit, limit)
 	}
 	s, err := e.get(id)
 	if err != nil {

@@ -16,6 +16,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
@@ -38,7 +39,7 @@ func logEdge(t *testing.T, cfg CmdLogConfig) (*Edge, *sbx) {
 
 func readAll(t *testing.T, e *Edge, since int64) []api.LogEntry {
 	t.Helper()
-	page, err := e.ReadLog(context.Background(), "sb-n1-log", since, MaxLogLimit)
+	page, err := e.ReadLog(context.Background(), "sb-n1-log", since, edgeapi.MaxLogLimit)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -335,7 +336,7 @@ func TestReadLogErrors(t *testing.T) {
 	for _, c := range []struct {
 		since int64
 		limit int
-	}{{-1, 0}, {0, -1}, {0, MaxLogLimit + 1}} {
+	}{{-1, 0}, {0, -1}, {0, edgeapi.MaxLogLimit + 1}} {
 		if _, err := e.ReadLog(ctx, "sb-n1-log", c.since, c.limit); !errors.Is(err, errdefs.ErrInvalid) {
 			t.Fatalf("since %d limit %d: %v", c.since, c.limit, err)
 		}

@@ -12,21 +12,15 @@ import (
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/cgroup"
 	"github.com/dsecproject/dsec/internal/cleanup"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
-// CreateRequest is a sandbox to create: a normalized spec plus the layer
-// digests its refs resolved to (bottom first: base, workspace, toolkits).
-type CreateRequest struct {
-	Spec    api.SandboxSpec
-	Digests []string
-}
-
 // Create admits, composes and starts one sandbox. On any failure nothing is
 // left behind: no mount, cgroup, runtime state, directory or record.
-func (e *Edge) Create(ctx context.Context, req CreateRequest) (*api.Sandbox, error) {
+func (e *Edge) Create(ctx context.Context, req edgeapi.CreateRequest) (*api.Sandbox, error) {
 	start := time.Now()
 	sb, err := e.create(ctx, req)
 	if err != nil {
@@ -37,7 +31,7 @@ func (e *Edge) Create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 	return sb, nil
 }
 
-func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, error) {
+func (e *Edge) create(ctx context.Context, req edgeapi.CreateRequest) (*api.Sandbox, error) {
 	if e.cfg.PoolMax <= 0 {
 		s, err := e.createSbx(ctx, req, false)
 		if err != nil {
@@ -69,13 +63,17 @@ func (e *Edge) create(ctx context.Context, req CreateRequest) (*api.Sandbox, err
 }
 
 // createSbx does the work of a create; pooled makes a pool sandbox.
-func (e *Edge) createSbx(ctx context.Context, req CreateRequest, pooled bool) (*sbx, error) {
+func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled bool) (*sbx, error) {
 	spec := req.Spec
 	if err := sandbox.Normalize(&spec, e.cfg.Policy); err != nil {
 		return nil, err
 	}
 	if len(req.Digests) == 0 {
 		return nil, errdefs.Invalid("no layers to compose")
+	}
+	if !sandbox.LabelsMatch(e.cfg.Labels, spec.NodeSelector) {
+		// Placement saw other labels: another node may match.
+		return nil, errdefs.Exhausted("node %s does not carry the labels node_selector asks for (%v)", e.cfg.Name, spec.NodeSelector)
 	}
 	for _, d := range req.Digests {
 		if !layer.IsDigest(d) {
@@ -500,7 +498,7 @@ func (e *Edge) DeleteByLabels(ctx context.Context, sel map[string]string) (int, 
 			}
 		}()
 	}
-	for _, v := range e.List(ctx, ListFilter{Labels: sel}) {
+	for _, v := range e.list(edgeapi.ListFilter{Labels: sel}) {
 		if ctx.Err() != nil {
 			break
 		}

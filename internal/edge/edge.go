@@ -12,7 +12,6 @@ import (
 	"encoding/base32"
 	"fmt"
 	"log/slog"
-	"maps"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -24,6 +23,7 @@ import (
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/cgroup"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/netpolicy"
@@ -39,6 +39,8 @@ type Config struct {
 	StateDir string
 	// MaxSandboxes is the admission limit (live sandboxes on this node).
 	MaxSandboxes int
+	// Labels are the node's labels, which specs select with node_selector.
+	Labels map[string]string
 	// Policy bounds specs.
 	Policy sandbox.Policy
 	// CgroupParent is the parent cgroup of every sandbox ("/dsec").
@@ -137,11 +139,6 @@ type Edge struct {
 	// usernsBroken says why user-namespace sandboxes cannot run here.
 	usernsBroken error
 
-	// countsMu guards counts, Counts as of countsAt (PlacementInfo).
-	countsMu sync.Mutex
-	counts   map[string]int
-	countsAt time.Time
-
 	// trashKick wakes the janitor (trash.go); trashSeq names trash entries.
 	trashKick chan struct{}
 	trashSeq  atomic.Uint64
@@ -149,6 +146,8 @@ type Edge struct {
 	stop chan struct{}
 	wg   sync.WaitGroup
 }
+
+var _ edgeapi.Edge = (*Edge)(nil)
 
 var nodeNameRE = regexp.MustCompile(`^[a-z0-9]([a-z0-9]{0,30})$`)
 
@@ -313,19 +312,6 @@ func (e *Edge) newID() string {
 	return "sb-" + e.cfg.Name + "-" + idEncoding.EncodeToString(b[:])
 }
 
-// NodeOf returns the node encoded in a sandbox id.
-func NodeOf(id string) (string, bool) {
-	rest, ok := strings.CutPrefix(id, "sb-")
-	if !ok {
-		return "", false
-	}
-	i := strings.LastIndexByte(rest, '-')
-	if i <= 0 {
-		return "", false
-	}
-	return rest[:i], true
-}
-
 // get returns the sandbox or NotFound (also for a pooled one: it is not
 // anybody's yet).
 func (e *Edge) get(id string) (*sbx, error) {
@@ -408,20 +394,15 @@ func (e *Edge) Get(ctx context.Context, id string) (*api.Sandbox, error) {
 	return &v, nil
 }
 
-// ListFilter selects sandboxes.
-type ListFilter struct {
-	State  string
-	Labels map[string]string
-	// After and Limit page the list: only sandboxes whose id sorts after
-	// After, and at most Limit of them (0: all).
-	After string
-	Limit int
+// List returns the sandboxes matching f, sorted by id.
+func (e *Edge) List(ctx context.Context, f edgeapi.ListFilter) ([]api.Sandbox, error) {
+	return e.list(f), nil
 }
 
-// List returns the sandboxes matching f, sorted by id. It sorts ids and
-// filters on the records, building the API view of only the sandboxes it
-// returns: a page of 100 out of 10,000 costs no 10,000 views.
-func (e *Edge) List(ctx context.Context, f ListFilter) []api.Sandbox {
+// list is List. It sorts ids and filters on the records, building the API
+// view of only the sandboxes it returns: a page of 100 out of 10,000 costs
+// no 10,000 views.
+func (e *Edge) list(f edgeapi.ListFilter) []api.Sandbox {
 	type entry struct {
 		id string
 		s  *sbx
@@ -476,29 +457,10 @@ func (e *Edge) Counts() map[string]int {
 	return c
 }
 
-// countsMaxAge is how old PlacementInfo's counts may be.
-const countsMaxAge = 100 * time.Millisecond
-
-// PlacementInfo is Info with counts at most countsMaxAge old. Placement
-// asks on every create, and Counts visits every sandbox under its lock:
-// at 10,000 sandboxes that walk was on every create's path. Admission
-// itself stays exact (the edge's own count of live sandboxes).
-func (e *Edge) PlacementInfo() api.Node {
-	e.countsMu.Lock()
-	if e.counts == nil || time.Since(e.countsAt) > countsMaxAge {
-		e.counts, e.countsAt = e.Counts(), time.Now()
-	}
-	counts := maps.Clone(e.counts)
-	e.countsMu.Unlock()
-	return e.info(counts)
-}
-
-// Info describes the node for the apiserver.
-func (e *Edge) Info() api.Node {
-	return e.info(e.Counts())
-}
-
-func (e *Edge) info(counts map[string]int) api.Node {
+// Info describes the node for the watcher: counts by state, live
+// sandboxes by backend and by job label, and the layers mounted. It walks
+// every sandbox; the watcher asks about once a second.
+func (e *Edge) Info(ctx context.Context) (api.Node, error) {
 	n := api.Node{
 		Name:     e.cfg.Name,
 		Healthy:  true,
@@ -506,16 +468,46 @@ func (e *Edge) info(counts map[string]int) api.Node {
 		Runtime:  e.deps.Runtime,
 		Launcher: e.deps.Launcher,
 		Capacity: api.Capacity{MaxSandboxes: e.cfg.MaxSandboxes},
-		Counts:   counts,
+		Counts:   map[string]int{},
+		Labels:   e.cfg.Labels,
 	}
 	if e.deps.Cgroups != nil {
 		n.CgroupMode = e.deps.Cgroups.Mode.String()
 	}
-	return n
+	e.mu.RLock()
+	for _, s := range e.sandboxes {
+		s.mu.Lock()
+		if s.pooled {
+			n.Counts["pooled"]++
+			s.mu.Unlock()
+			continue
+		}
+		st := s.rec.Sandbox.State
+		n.Counts[st]++
+		if holdsResources(st) {
+			if n.BackendCounts == nil {
+				n.BackendCounts = map[string]int{}
+			}
+			n.BackendCounts[s.rec.Sandbox.Backend]++
+			if job := s.rec.Sandbox.Labels[api.JobLabel]; job != "" {
+				if n.Jobs == nil {
+					n.Jobs = map[string]int{}
+				}
+				n.Jobs[job]++
+			}
+		}
+		s.mu.Unlock()
+	}
+	e.mu.RUnlock()
+	for d := range e.mounter.Refs() {
+		n.Layers = append(n.Layers, d)
+	}
+	slices.Sort(n.Layers)
+	return n, nil
 }
 
 // LayerUsers returns how many sandboxes of this node use the layer digest.
-func (e *Edge) LayerUsers(digest string) int {
+func (e *Edge) LayerUsers(ctx context.Context, digest string) (int, error) {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
 	n := 0
@@ -529,7 +521,7 @@ func (e *Edge) LayerUsers(digest string) int {
 		}
 		s.mu.Unlock()
 	}
-	return n
+	return n, nil
 }
 
 // Keepalive extends a sandbox's lifetime to ttl seconds from now (the

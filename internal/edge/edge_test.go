@@ -9,23 +9,9 @@ import (
 	"unicode/utf8"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/files"
 )
-
-func TestNodeOf(t *testing.T) {
-	for id, want := range map[string]string{
-		"sb-local-abc": "local", "sb-node7-x2": "node7", "sb-a-b-c": "a-b",
-	} {
-		if got, ok := NodeOf(id); !ok || got != want {
-			t.Errorf("NodeOf(%q) = %q, %v; want %q", id, got, ok, want)
-		}
-	}
-	for _, bad := range []string{"", "sb-", "sb-x", "xx-local-abc", "sb--abc"} {
-		if _, ok := NodeOf(bad); ok {
-			t.Errorf("NodeOf(%q) accepted", bad)
-		}
-	}
-}
 
 func TestCapBuffer(t *testing.T) {
 	c := &capBuffer{max: 5}
@@ -207,19 +193,18 @@ func TestListPages(t *testing.T) {
 		}
 		return strings.Join(out, ",")
 	}
-	ctx := t.Context()
 	for _, c := range []struct {
-		f    ListFilter
+		f    edgeapi.ListFilter
 		want string
 	}{
-		{ListFilter{}, "sb-n-01,sb-n-02,sb-n-03,sb-n-05"},
-		{ListFilter{Labels: map[string]string{"job": "a"}}, "sb-n-01,sb-n-03,sb-n-05"},
-		{ListFilter{State: api.StateRunning, Labels: map[string]string{"job": "a"}}, "sb-n-01,sb-n-05"},
-		{ListFilter{Limit: 2}, "sb-n-01,sb-n-02"},
-		{ListFilter{After: "sb-n-02", Limit: 2}, "sb-n-03,sb-n-05"},
-		{ListFilter{After: "sb-n-05"}, ""},
+		{edgeapi.ListFilter{}, "sb-n-01,sb-n-02,sb-n-03,sb-n-05"},
+		{edgeapi.ListFilter{Labels: map[string]string{"job": "a"}}, "sb-n-01,sb-n-03,sb-n-05"},
+		{edgeapi.ListFilter{State: api.StateRunning, Labels: map[string]string{"job": "a"}}, "sb-n-01,sb-n-05"},
+		{edgeapi.ListFilter{Limit: 2}, "sb-n-01,sb-n-02"},
+		{edgeapi.ListFilter{After: "sb-n-02", Limit: 2}, "sb-n-03,sb-n-05"},
+		{edgeapi.ListFilter{After: "sb-n-05"}, ""},
 	} {
-		if got := ids(e.List(ctx, c.f)); got != c.want {
+		if got := ids(e.list(c.f)); got != c.want {
 			t.Errorf("List(%+v) = %s, want %s", c.f, got, c.want)
 		}
 	}

@@ -8,83 +8,19 @@ import (
 	"io"
 	"path"
 	"sort"
-	"strings"
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
-// FnCall limits.
-const (
-	FnCallWorkdir       = "/work"
-	MaxFnCallFiles      = 256
-	MaxFnCallFetchBytes = 16 << 20
-)
-
-// CheckFnCall validates a FnCall request (pure: the apiserver calls it
-// before resolving the base).
-func CheckFnCall(req *api.FnCallRequest) error {
-	if req.Base == "" {
-		return errdefs.Invalid("base is required")
-	}
-	if (req.Cmd == "") == (len(req.Argv) == 0) {
-		return errdefs.Invalid("give exactly one of cmd and argv")
-	}
-	if len(req.Files) > MaxFnCallFiles || len(req.FetchFiles) > MaxFnCallFiles {
-		return errdefs.Invalid("at most %d files and %d fetch_files", MaxFnCallFiles, MaxFnCallFiles)
-	}
-	for name := range req.Files {
-		if err := checkRelName("files", name); err != nil {
-			return err
-		}
-		// "a" and "a/b" cannot both be written: one would have to be a
-		// directory.
-		for dir := path.Dir(name); dir != "."; dir = path.Dir(dir) {
-			if _, both := req.Files[dir]; both {
-				return errdefs.Invalid("files: %q and %q: %q cannot be both a file and a directory", dir, name, dir)
-			}
-		}
-	}
-	for _, name := range req.FetchFiles {
-		if err := checkRelName("fetch_files", name); err != nil {
-			return err
-		}
-	}
-	// The command's fields, checked as an exec's, before any sandbox is
-	// made for it.
-	x := fnCallExec(req)
-	if err := sandbox.NormalizeExec(&x); err != nil {
-		return err
-	}
-	if _, err := base64.StdEncoding.DecodeString(req.StdinB64); err != nil {
-		return errdefs.Invalid("stdin_b64 is not valid base64: %v", err)
-	}
-	return nil
-}
-
-// fnCallExec is the command of a call, run in the work dir.
-func fnCallExec(req *api.FnCallRequest) api.ExecRequest {
-	return api.ExecRequest{Cmd: req.Cmd, Argv: req.Argv, Env: req.Env, Stdin: req.Stdin, StdinB64: req.StdinB64,
-		Timeout: req.Timeout, MaxOutputBytes: req.MaxOutputBytes, Cwd: FnCallWorkdir}
-}
-
-// checkRelName accepts a relative path that stays below the work dir
-// (the files layer confines it to the sandbox anyway; this keeps calls
-// from writing outside /work by mistake).
-func checkRelName(field, name string) error {
-	if name == "" || strings.HasPrefix(name, "/") || path.Clean(name) != name || name == "." || strings.HasPrefix(name, "../") || name == ".." {
-		return errdefs.Invalid("%s: %q must be a clean relative path below %s", field, name, FnCallWorkdir)
-	}
-	return nil
-}
-
 // FnCall runs req in a fresh sandbox (from the warm pool when one is
 // ready) and deletes it afterwards, so nothing of one call is seen by the
 // next. cr is the sandbox to create, its spec derived from req.
-func (e *Edge) FnCall(ctx context.Context, req api.FnCallRequest, cr CreateRequest) (*api.FnCallResult, error) {
-	if err := CheckFnCall(&req); err != nil {
+func (e *Edge) FnCall(ctx context.Context, req api.FnCallRequest, cr edgeapi.CreateRequest) (*api.FnCallResult, error) {
+	if err := sandbox.CheckFnCall(&req); err != nil {
 		return nil, err
 	}
 	files := map[string][]byte{}
@@ -109,26 +45,26 @@ func (e *Edge) FnCall(ctx context.Context, req api.FnCallRequest, cr CreateReque
 	}
 	sort.Strings(names)
 	for _, n := range names {
-		if _, err := e.WriteFile(ctx, sb.ID, path.Join(FnCallWorkdir, n), bytes.NewReader(files[n]), 0o644); err != nil {
+		if _, err := e.WriteFile(ctx, sb.ID, path.Join(sandbox.FnCallWorkdir, n), bytes.NewReader(files[n]), 0o644); err != nil {
 			return nil, err
 		}
 	}
 	if len(names) == 0 {
 		// The work dir, for the command to run in: an empty archive
 		// creates it.
-		if _, err := e.ExtractTar(ctx, sb.ID, FnCallWorkdir, bytes.NewReader(make([]byte, 1024))); err != nil {
+		if _, err := e.ExtractTar(ctx, sb.ID, sandbox.FnCallWorkdir, bytes.NewReader(make([]byte, 1024))); err != nil {
 			return nil, err
 		}
 	}
-	res, err := e.Exec(ctx, sb.ID, fnCallExec(&req), nil)
+	res, err := e.Exec(ctx, sb.ID, sandbox.FnCallExec(&req), nil)
 	if err != nil {
 		return nil, err
 	}
 	out := &api.FnCallResult{ExitCode: res.ExitCode, Stdout: res.Stdout, Stderr: res.Stderr,
 		StdoutB64: res.StdoutB64, StderrB64: res.StderrB64, TimedOut: res.TimedOut, Truncated: res.Truncated}
-	budget := int64(MaxFnCallFetchBytes)
+	budget := int64(sandbox.MaxFnCallFetchBytes)
 	for _, n := range req.FetchFiles {
-		rc, fe, err := e.ReadFile(ctx, sb.ID, path.Join(FnCallWorkdir, n))
+		rc, fe, err := e.ReadFile(ctx, sb.ID, path.Join(sandbox.FnCallWorkdir, n))
 		if errors.Is(err, errdefs.ErrNotFound) || errors.Is(err, errdefs.ErrInvalid) {
 			// Absent, or not a regular file (a directory, a FIFO): the
 			// command's result still comes back.
@@ -140,7 +76,7 @@ func (e *Edge) FnCall(ctx context.Context, req api.FnCallRequest, cr CreateReque
 		}
 		if fe.Size > budget {
 			rc.Close()
-			return nil, errdefs.Invalid("fetch_files: more than %d bytes in all", MaxFnCallFetchBytes)
+			return nil, errdefs.Invalid("fetch_files: more than %d bytes in all", sandbox.MaxFnCallFetchBytes)
 		}
 		b, err := io.ReadAll(io.LimitReader(rc, budget+1))
 		rc.Close()

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
@@ -143,7 +144,7 @@ func (e *Edge) byLabels(ctx context.Context, sel map[string]string, state string
 	if len(sel) == 0 {
 		return 0, errdefs.Invalid("labels are required")
 	}
-	list := e.List(ctx, ListFilter{State: state, Labels: sel})
+	list := e.list(edgeapi.ListFilter{State: state, Labels: sel})
 	errs := make([]error, len(list))
 	sem := make(chan struct{}, 8)
 	var wg sync.WaitGroup

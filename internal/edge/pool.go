@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
@@ -70,7 +71,7 @@ type pool struct {
 	// seen are the recent creates of each class; template a create to
 	// refill it with.
 	seen     map[poolKey][]time.Time
-	template map[poolKey]CreateRequest
+	template map[poolKey]edgeapi.CreateRequest
 	// retryAt holds back refills of a class whose last one failed.
 	retryAt map[poolKey]time.Time
 	kick    chan struct{}
@@ -79,14 +80,14 @@ type pool struct {
 func newPool() *pool {
 	return &pool{
 		ready: map[poolKey][]*sbx{}, seen: map[poolKey][]time.Time{},
-		template: map[poolKey]CreateRequest{}, retryAt: map[poolKey]time.Time{},
+		template: map[poolKey]edgeapi.CreateRequest{}, retryAt: map[poolKey]time.Time{},
 		kick: make(chan struct{}, 1),
 	}
 }
 
 // note records a successful create of class k at now (a create that
 // failed is not demand a pool could serve).
-func (p *pool) note(k poolKey, req CreateRequest, now time.Time) {
+func (p *pool) note(k poolKey, req edgeapi.CreateRequest, now time.Time) {
 	p.mu.Lock()
 	p.seen[k] = append(trimBefore(p.seen[k], now.Add(-PoolIdle)), now)
 	p.template[k] = req
@@ -136,7 +137,7 @@ func (p *pool) take(k poolKey) *sbx {
 
 // claim hands out a pooled sandbox of req's class, or returns nil. spec is
 // req.Spec normalized.
-func (e *Edge) claim(spec api.SandboxSpec, req CreateRequest) *api.Sandbox {
+func (e *Edge) claim(spec api.SandboxSpec, req edgeapi.CreateRequest) *api.Sandbox {
 	k := keyOf(spec, req.Digests)
 	for {
 		s := e.pool.take(k)
@@ -236,7 +237,7 @@ func (e *Edge) refillOne() bool {
 // pick chooses the class furthest below its target (floor and ceiling as
 // for targetLocked), skipping those whose refill failed less than
 // RefillBackoff ago, and returns it with the create to refill it with.
-func (p *pool) pick(now time.Time, floor, ceiling int) (poolKey, CreateRequest, bool) {
+func (p *pool) pick(now time.Time, floor, ceiling int) (poolKey, edgeapi.CreateRequest, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var best poolKey
@@ -327,7 +328,7 @@ func (e *Edge) PoolSizes() map[string]int {
 
 // createPooled creates a sandbox for the pool: like create, but invisible
 // until claimed.
-func (e *Edge) createPooled(ctx context.Context, req CreateRequest) (*sbx, error) {
+func (e *Edge) createPooled(ctx context.Context, req edgeapi.CreateRequest) (*sbx, error) {
 	spec := req.Spec
 	if err := sandbox.Normalize(&spec, e.cfg.Policy); err != nil {
 		return nil, err

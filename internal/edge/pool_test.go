@@ -3,6 +3,8 @@ package edge
 import (
 	"testing"
 	"time"
+
+	"github.com/dsecproject/dsec/internal/edgeapi"
 )
 
 // TestPoolTarget: a class's target follows its last 30 s of creates (a
@@ -47,7 +49,7 @@ func TestPoolPick(t *testing.T) {
 	p := newPool()
 	for _, k := range []poolKey{"a", "b"} {
 		p.seen[k] = []time.Time{now.Add(-time.Minute)}
-		var req CreateRequest
+		var req edgeapi.CreateRequest
 		req.Spec.Base = string(k)
 		p.template[k] = req
 	}
@@ -69,7 +71,7 @@ func TestPoolPick(t *testing.T) {
 	}
 
 	p.seen["old"] = []time.Time{now.Add(-PoolIdle - time.Second)}
-	p.template["old"] = CreateRequest{}
+	p.template["old"] = edgeapi.CreateRequest{}
 	drop := p.forgetIdle(now)
 	if len(drop) != 0 || len(p.seen) != 2 || len(p.template) != 2 {
 		t.Fatalf("forgot %d sandboxes; classes left %d, templates %d, want 0, 2, 2", len(drop), len(p.seen), len(p.template))

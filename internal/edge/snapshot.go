@@ -13,6 +13,7 @@ import (
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/cleanup"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/sandbox"
@@ -31,13 +32,6 @@ const maxStack = 64
 // DefaultSnapshotDepth is Config.MaxSnapshotDepth when it is left at zero.
 const DefaultSnapshotDepth = 8
 
-// SnapshotOptions carry what the apiserver knows about a snapshot request.
-type SnapshotOptions struct {
-	Request api.SnapshotRequest
-	// Principal names who asks, recorded with the snapshot.
-	Principal string
-}
-
 // Snapshot packs the sandbox's writable layer (the overlay upper, with its
 // whiteouts and opaque directories) into a new EROFS snapshot layer
 // (pack_diff). A running sandbox is frozen for the time of the pack and
@@ -53,7 +47,7 @@ type SnapshotOptions struct {
 // changes are merged into one layer instead (layer.ApplyDiff), which then
 // sits right on base, workspace and toolkits; sandboxes started from it see
 // the same files as from the chain.
-func (e *Edge) Snapshot(ctx context.Context, id string, o SnapshotOptions) (*api.Layer, error) {
+func (e *Edge) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOptions) (*api.Layer, error) {
 	req := o.Request
 	ref, err := layer.ParseRef(req.Ref)
 	if err != nil {

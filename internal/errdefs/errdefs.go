@@ -1,6 +1,7 @@
 // Package errdefs classifies errors once, so that every layer can wrap freely
-// with %w and the apiserver (the only place that knows about HTTP) can map a
-// class to a status code. Any package may import it.
+// with %w and the HTTP layers (the public API in apiserver, the internal
+// API in edgeapi) can map a class to a status code with HTTPStatus. Any
+// package may import it.
 package errdefs
 
 import (
@@ -89,6 +90,28 @@ func Code(err error) string {
 		return "unavailable"
 	}
 	return "internal"
+}
+
+// HTTPStatus maps an API error code to its HTTP status (API.md). Only the
+// HTTP layers call it.
+func HTTPStatus(code string) int {
+	switch code {
+	case "invalid_argument":
+		return 400
+	case "unauthenticated":
+		return 401
+	case "permission_denied":
+		return 403
+	case "not_found":
+		return 404
+	case "already_exists", "failed_precondition":
+		return 409
+	case "quota_exceeded":
+		return 429
+	case "resource_exhausted", "unavailable":
+		return 503
+	}
+	return 500
 }
 
 // FromCode builds a classified error from an API error code and message, so

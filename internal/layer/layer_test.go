@@ -497,7 +497,7 @@ func TestDeleteAndDedup(t *testing.T) {
 		t.Errorf("List(bogus): %v", err)
 	}
 
-	err := s.Delete("base/a:1", func(d string) bool { return d == a })
+	err := s.Delete("base/a:1", func(d string) (bool, error) { return d == a, nil })
 	if !errors.Is(err, errdefs.ErrPrecondition) {
 		t.Fatalf("Delete in-use layer: %v, want ErrPrecondition", err)
 	}
@@ -506,7 +506,7 @@ func TestDeleteAndDedup(t *testing.T) {
 		t.Fatalf("refused Delete removed the ref: %v", err)
 	}
 
-	never := func(string) bool { return false }
+	never := func(string) (bool, error) { return false, nil }
 	if err := s.Delete("base/a:1", never); err != nil {
 		t.Fatal(err)
 	}
@@ -530,7 +530,7 @@ func TestDeleteAndDedup(t *testing.T) {
 	if err != nil || l.Digest == c {
 		t.Fatalf("Replace build = %+v, %v", l, err)
 	}
-	removed, err := s.GC(func(d string) bool { return false })
+	removed, err := s.GC(func(d string) (bool, error) { return false, nil })
 	if err != nil || len(removed) != 1 || removed[0] != c {
 		t.Errorf("GC = %v, %v; want [%s]", removed, err, c)
 	}

@@ -398,7 +398,7 @@ func (s *Store) List(kind string) ([]api.Layer, error) {
 // points at the same digest. inUse (may be nil) reports whether sandboxes
 // use a digest; a layer in use is refused with errdefs.ErrPrecondition.
 // inUse is called with the store's publish lock held, so builds wait for it.
-func (s *Store) Delete(ref string, inUse func(digest string) bool) error {
+func (s *Store) Delete(ref string, inUse func(digest string) (bool, error)) error {
 	r, err := ParseRef(ref)
 	if err != nil {
 		return err
@@ -409,8 +409,14 @@ func (s *Store) Delete(ref string, inUse func(digest string) bool) error {
 	if err != nil {
 		return err
 	}
-	if inUse != nil && inUse(l.Digest) {
-		return errdefs.Precondition("layer %s (%s) is used by sandboxes; delete them first", r, l.Digest)
+	if inUse != nil {
+		used, err := inUse(l.Digest)
+		if err != nil {
+			return fmt.Errorf("deleting layer %s: %w", r, err)
+		}
+		if used {
+			return errdefs.Precondition("layer %s (%s) is used by sandboxes; delete them first", r, l.Digest)
+		}
 	}
 	if err := s.st.Delete(catalogBucket, r.String()); err != nil {
 		return fmt.Errorf("deleting layer %s: %w", r, err)
@@ -432,7 +438,7 @@ func (s *Store) Delete(ref string, inUse func(digest string) bool) error {
 
 // GC removes blobs that no ref points at and inUse (may be nil) does not
 // claim, and returns their digests.
-func (s *Store) GC(inUse func(digest string) bool) ([]string, error) {
+func (s *Store) GC(inUse func(digest string) (bool, error)) ([]string, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	all, err := s.List("")
@@ -451,8 +457,17 @@ func (s *Store) GC(inUse func(digest string) bool) ([]string, error) {
 	for _, e := range entries {
 		hex, ok := strings.CutSuffix(e.Name(), ".erofs")
 		digest := "sha256:" + hex
-		if !ok || !IsDigest(digest) || named[digest] || (inUse != nil && inUse(digest)) {
+		if !ok || !IsDigest(digest) || named[digest] {
 			continue
+		}
+		if inUse != nil {
+			used, err := inUse(digest)
+			if err != nil {
+				return removed, fmt.Errorf("collecting layer blobs: %w", err)
+			}
+			if used {
+				continue
+			}
 		}
 		if err := os.Remove(filepath.Join(s.blobDir(), e.Name())); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return removed, fmt.Errorf("collecting layer blobs: %w", err)

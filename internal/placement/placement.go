@@ -1,65 +1,232 @@
 // Package placement chooses the node for a new sandbox. It is a pure
 // function over a snapshot of nodes (no I/O): filter (healthy, offers the
-// backend, has room), then power-of-k-choices on load, so that many
-// apiservers placing at once do not herd onto one node. The apiserver calls it.
+// backend, carries the labels the spec selects, has room, not an overflow
+// pool while the others have room), then power-of-k-choices: sample k
+// eligible nodes and take the best, so that many apiservers placing at once
+// do not herd onto one node. "Best" spreads a job (fewest sandboxes of the
+// same job label), then prefers little load, counting a layer the node has
+// not mounted as a little more load. The apiserver calls it with the
+// watcher's snapshot plus its own placements that the snapshot does not
+// show yet.
 package placement
 
 import (
+	"fmt"
 	"math/rand/v2"
+	"slices"
+	"sort"
+	"strings"
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
-// K is how many eligible nodes are sampled per decision.
-const K = 2
+// DefaultK is how many eligible nodes are sampled per decision.
+const DefaultK = 2
+
+// PoolLabel is the node label that names a node's pool.
+const PoolLabel = "pool"
+
+// LayerPenalty is the load a missing layer counts as: a node that would
+// have to mount it loses to one that has it unless it is this much less
+// loaded. Small, so that layer affinity never herds a burst.
+const LayerPenalty = 2
+
+// Config is the placement policy of an apiserver.
+type Config struct {
+	// K is the number of choices (0: DefaultK).
+	K int
+	// Overflow maps a pool name (the node label pool=NAME) to a
+	// utilization from 0 to 1: its nodes are used only while every other
+	// eligible node is at least that full, as DSec bursts to the cloud
+	// above 80% on-premises utilization.
+	Overflow map[string]float64
+}
+
+// Candidate is a node as placement sees it: the watcher's view and the
+// placements this apiserver made since that view was polled.
+type Candidate struct {
+	api.Node
+	InFlight int
+}
 
 // Request is what placement needs to know about a sandbox.
 type Request struct {
 	Backend string
-	// Exclude lists nodes already tried (they rejected the request).
+	// Selector must match the node's labels (spec.node_selector).
+	Selector map[string]string
+	// Layers are the digests the sandbox stacks.
+	Layers []string
+	// Job is the value of the sandbox's job label ("" for none).
+	Job string
+	// Exclude lists nodes already tried (they refused or failed).
 	Exclude map[string]bool
+	// IgnoreCapacity keeps nodes the view shows as full: the view may be
+	// up to a poll old, and the edge has the final say.
+	IgnoreCapacity bool
 }
 
-// load is the number of sandboxes holding resources on n.
-func load(n api.Node) int {
+// Load is the number of sandboxes holding resources on n, as the view has
+// it (pooled sandboxes give way to real ones, so they do not count).
+func Load(n api.Node) int {
 	return n.Counts[api.StateRunning] + n.Counts[api.StatePaused] + n.Counts[api.StateCreating]
 }
 
+func (c Candidate) load() int { return Load(c.Node) + c.InFlight }
+
+// utilization is load over capacity, 0 for a node without a limit.
+func (c Candidate) utilization() float64 {
+	if c.Capacity.MaxSandboxes <= 0 {
+		return 0
+	}
+	return float64(c.load()) / float64(c.Capacity.MaxSandboxes)
+}
+
+// NoNode is the error of a Pick that found no eligible node; it is an
+// errdefs.ErrExhausted and counts why each node was left out.
+type NoNode struct {
+	Backend string
+	Known   int
+	Reasons map[string]int // reason → nodes
+}
+
+func (e *NoNode) Error() string {
+	if e.Known == 0 {
+		return "no node can hold the sandbox: no nodes are registered"
+	}
+	var parts []string
+	for r, n := range e.Reasons {
+		parts = append(parts, fmt.Sprintf("%d %s", n, r))
+	}
+	sort.Strings(parts)
+	return fmt.Sprintf("no node can hold a %s sandbox right now (%d known: %s)", e.Backend, e.Known, strings.Join(parts, ", "))
+}
+
+// Is makes a NoNode an errdefs.ErrExhausted.
+func (e *NoNode) Is(target error) bool { return target == errdefs.ErrExhausted }
+
+// OnlyFull reports whether every node left out was left out for being
+// full by the view.
+func (e *NoNode) OnlyFull() bool {
+	return e.Known > 0 && e.Reasons[ReasonFull] == e.Known
+}
+
+// Reasons a node is left out.
+const (
+	ReasonUnhealthy = "unhealthy"
+	ReasonBackend   = "without the backend"
+	ReasonSelector  = "not matching node_selector"
+	ReasonFull      = "full"
+	ReasonTried     = "already tried"
+	ReasonOverflow  = "in an overflow pool the others leave unused"
+)
+
 // Pick returns the name of the chosen node. rng may be nil (default source).
-func Pick(nodes []api.Node, req Request, rng *rand.Rand) (string, error) {
-	var eligible []api.Node
+func Pick(nodes []Candidate, req Request, cfg Config, rng *rand.Rand) (string, error) {
+	k := cfg.K
+	if k <= 0 {
+		k = DefaultK
+	}
+	why := map[string]int{}
+	var regular, overflow []Candidate
 	for _, n := range nodes {
-		if !n.Healthy || req.Exclude[n.Name] || !offers(n, req.Backend) {
+		r := leftOut(n, req)
+		if r != "" {
+			why[r]++
 			continue
 		}
-		if n.Capacity.MaxSandboxes > 0 && load(n) >= n.Capacity.MaxSandboxes {
-			continue
+		if _, ok := cfg.Overflow[n.Labels[PoolLabel]]; ok {
+			overflow = append(overflow, n)
+		} else {
+			regular = append(regular, n)
 		}
-		eligible = append(eligible, n)
+	}
+	eligible := regular
+	if len(overflow) > 0 {
+		// The overflow pools join only once every regular node is at or
+		// above the pool's threshold.
+		for _, n := range overflow {
+			if belowAll(regular, cfg.Overflow[n.Labels[PoolLabel]]) {
+				why[ReasonOverflow]++
+				continue
+			}
+			eligible = append(eligible, n)
+		}
 	}
 	if len(eligible) == 0 {
-		return "", errdefs.Exhausted("no node can hold a %s sandbox right now (%d nodes known)", req.Backend, len(nodes))
+		return "", &NoNode{Backend: req.Backend, Known: len(nodes), Reasons: why}
 	}
 	intn := rand.IntN
 	if rng != nil {
 		intn = rng.IntN
 	}
 	best := eligible[intn(len(eligible))]
-	for i := 1; i < K && len(eligible) > 1; i++ {
+	for i := 1; i < k && len(eligible) > 1; i++ {
 		c := eligible[intn(len(eligible))]
-		if load(c) < load(best) {
+		if better(c, best, req) {
 			best = c
 		}
 	}
 	return best.Name, nil
 }
 
-func offers(n api.Node, backend string) bool {
-	for _, b := range n.Backends {
-		if b == backend {
+// leftOut says why n cannot take req ("" if it can).
+func leftOut(n Candidate, req Request) string {
+	switch {
+	case req.Exclude[n.Name]:
+		return ReasonTried
+	case !n.Healthy:
+		return ReasonUnhealthy
+	case !slices.Contains(n.Backends, req.Backend):
+		return ReasonBackend
+	case !selects(req.Selector, n.Labels):
+		return ReasonSelector
+	case !req.IgnoreCapacity && n.Capacity.MaxSandboxes > 0 && n.load() >= n.Capacity.MaxSandboxes:
+		return ReasonFull
+	}
+	return ""
+}
+
+func selects(sel, labels map[string]string) bool {
+	for k, v := range sel {
+		if labels[k] != v {
+			return false
+		}
+	}
+	return true
+}
+
+// belowAll reports whether some regular node is below utilization u (so
+// an overflow pool with threshold u stays out). With no regular node at
+// all, the overflow pool is all there is.
+func belowAll(regular []Candidate, u float64) bool {
+	for _, n := range regular {
+		if n.utilization() < u {
 			return true
 		}
 	}
 	return false
+}
+
+// better reports whether a should win over b for req.
+func better(a, b Candidate, req Request) bool {
+	if req.Job != "" {
+		ja, jb := a.Jobs[req.Job], b.Jobs[req.Job]
+		if ja != jb {
+			return ja < jb
+		}
+	}
+	return cost(a, req) < cost(b, req)
+}
+
+// cost is a node's load plus LayerPenalty for each layer it would have to
+// mount.
+func cost(n Candidate, req Request) int {
+	c := n.load()
+	for _, d := range req.Layers {
+		if !slices.Contains(n.Layers, d) {
+			c += LayerPenalty
+		}
+	}
+	return c
 }

@@ -9,56 +9,156 @@ import (
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
-func node(name string, running, max int, healthy bool) api.Node {
-	return api.Node{Name: name, Healthy: healthy, Backends: []string{"container"},
-		Capacity: api.Capacity{MaxSandboxes: max}, Counts: map[string]int{"running": running}}
+func node(name string, running, max int, healthy bool) Candidate {
+	return Candidate{Node: api.Node{Name: name, Healthy: healthy, Backends: []string{"container"},
+		Capacity: api.Capacity{MaxSandboxes: max}, Counts: map[string]int{"running": running}}}
+}
+
+func labelled(c Candidate, kv ...string) Candidate {
+	c.Labels = map[string]string{}
+	for i := 0; i+1 < len(kv); i += 2 {
+		c.Labels[kv[i]] = kv[i+1]
+	}
+	return c
 }
 
 func TestPick(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
+	inflight := node("b", 5, 10, true)
+	inflight.InFlight = 5
+	cloud := Config{Overflow: map[string]float64{"cloud": 0.8}}
 	tests := []struct {
 		name    string
-		nodes   []api.Node
+		nodes   []Candidate
 		req     Request
+		cfg     Config
 		want    string
-		wantErr bool
+		wantErr string // a reason the error must count
 	}{
-		{"single", []api.Node{node("a", 0, 10, true)}, Request{Backend: "container"}, "a", false},
-		{"skips unhealthy", []api.Node{node("a", 0, 10, false), node("b", 5, 10, true)}, Request{Backend: "container"}, "b", false},
-		{"skips full", []api.Node{node("a", 10, 10, true), node("b", 9, 10, true)}, Request{Backend: "container"}, "b", false},
-		{"skips excluded", []api.Node{node("a", 0, 10, true), node("b", 9, 10, true)}, Request{Backend: "container", Exclude: map[string]bool{"a": true}}, "b", false},
-		{"backend missing", []api.Node{node("a", 0, 10, true)}, Request{Backend: "microvm"}, "", true},
-		{"all full", []api.Node{node("a", 10, 10, true)}, Request{Backend: "container"}, "", true},
-		{"none", nil, Request{Backend: "container"}, "", true},
+		{"single", []Candidate{node("a", 0, 10, true)}, Request{Backend: "container"}, Config{}, "a", ""},
+		{"skips unhealthy", []Candidate{node("a", 0, 10, false), node("b", 5, 10, true)}, Request{Backend: "container"}, Config{}, "b", ""},
+		{"skips full", []Candidate{node("a", 10, 10, true), node("b", 9, 10, true)}, Request{Backend: "container"}, Config{}, "b", ""},
+		{"in-flight placements fill a node", []Candidate{inflight, node("c", 9, 10, true)}, Request{Backend: "container"}, Config{}, "c", ""},
+		{"skips excluded", []Candidate{node("a", 0, 10, true), node("b", 9, 10, true)}, Request{Backend: "container", Exclude: map[string]bool{"a": true}}, Config{}, "b", ""},
+		{"selector", []Candidate{node("a", 0, 10, true), labelled(node("g", 9, 10, true), "gpu", "a100")},
+			Request{Backend: "container", Selector: map[string]string{"gpu": "a100"}}, Config{}, "g", ""},
+		{"selector matches none", []Candidate{labelled(node("a", 0, 10, true), "gpu", "h100")},
+			Request{Backend: "container", Selector: map[string]string{"gpu": "a100"}}, Config{}, "", ReasonSelector},
+		{"overflow unused while others have room", []Candidate{node("a", 7, 10, true), labelled(node("c", 0, 10, true), "pool", "cloud")},
+			Request{Backend: "container"}, cloud, "a", ""},
+		{"overflow used when the others are full", []Candidate{node("a", 10, 10, true), labelled(node("c", 5, 10, true), "pool", "cloud")},
+			Request{Backend: "container"}, cloud, "c", ""},
+		{"overflow used when the others refused", []Candidate{node("a", 0, 10, true), labelled(node("c", 0, 10, true), "pool", "cloud")},
+			Request{Backend: "container", Exclude: map[string]bool{"a": true}}, cloud, "c", ""},
+		{"overflow alone", []Candidate{labelled(node("c", 0, 10, true), "pool", "cloud")}, Request{Backend: "container"}, cloud, "c", ""},
+		{"ignore capacity", []Candidate{node("a", 10, 10, true)}, Request{Backend: "container", IgnoreCapacity: true}, Config{}, "a", ""},
+		{"backend missing", []Candidate{node("a", 0, 10, true)}, Request{Backend: "microvm"}, Config{}, "", ReasonBackend},
+		{"all full", []Candidate{node("a", 10, 10, true)}, Request{Backend: "container"}, Config{}, "", ReasonFull},
+		{"none", nil, Request{Backend: "container"}, Config{}, "", "no nodes"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got, err := Pick(tt.nodes, tt.req, rng)
-			if tt.wantErr {
-				if !errors.Is(err, errdefs.ErrExhausted) {
-					t.Fatalf("err = %v, want exhausted", err)
+			for range 20 { // random sampling: the answer must not depend on it
+				got, err := Pick(tt.nodes, tt.req, tt.cfg, rng)
+				if tt.wantErr != "" {
+					var nn *NoNode
+					if !errors.Is(err, errdefs.ErrExhausted) || !errors.As(err, &nn) {
+						t.Fatalf("err = %v, want a NoNode exhausted error", err)
+					}
+					if tt.wantErr != "no nodes" && nn.Reasons[tt.wantErr] == 0 {
+						t.Fatalf("err = %v, want it to count %q", err, tt.wantErr)
+					}
+					return
 				}
-				return
-			}
-			if err != nil || got != tt.want {
-				t.Fatalf("Pick = %q, %v; want %q", got, err, tt.want)
+				if err != nil || got != tt.want {
+					t.Fatalf("Pick = %q, %v; want %q", got, err, tt.want)
+				}
 			}
 		})
 	}
 }
 
-func TestPickPrefersLessLoaded(t *testing.T) {
-	rng := rand.New(rand.NewPCG(3, 4))
-	nodes := []api.Node{node("busy", 900, 1000, true), node("idle", 0, 1000, true)}
-	idle := 0
-	for i := 0; i < 1000; i++ {
-		n, _ := Pick(nodes, Request{Backend: "container"}, rng)
-		if n == "idle" {
-			idle++
-		}
+func TestNoNodeOnlyFull(t *testing.T) {
+	_, err := Pick([]Candidate{node("a", 10, 10, true), node("b", 10, 10, true)}, Request{Backend: "container"}, Config{}, nil)
+	var nn *NoNode
+	if !errors.As(err, &nn) || !nn.OnlyFull() {
+		t.Fatalf("err = %v, want only-full", err)
 	}
+	_, err = Pick([]Candidate{node("a", 10, 10, true), node("b", 0, 10, false)}, Request{Backend: "container"}, Config{}, nil)
+	if !errors.As(err, &nn) || nn.OnlyFull() {
+		t.Fatalf("err = %v, want not only-full (one is unhealthy)", err)
+	}
+}
+
+// share counts how often each node wins over n picks.
+func share(t *testing.T, nodes []Candidate, req Request, cfg Config, n int) map[string]int {
+	t.Helper()
+	rng := rand.New(rand.NewPCG(3, 4))
+	got := map[string]int{}
+	for range n {
+		name, err := Pick(nodes, req, cfg, rng)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got[name]++
+	}
+	return got
+}
+
+func TestPickPrefersLessLoaded(t *testing.T) {
+	got := share(t, []Candidate{node("busy", 900, 1000, true), node("idle", 0, 1000, true)}, Request{Backend: "container"}, Config{}, 1000)
 	// With two choices the idle node wins unless both samples hit "busy" (1/4).
-	if idle < 650 {
-		t.Fatalf("idle node chosen %d/1000 times, want about 750", idle)
+	if got["idle"] < 650 || got["idle"] > 850 {
+		t.Fatalf("idle node chosen %d/1000 times, want about 750", got["idle"])
+	}
+	// k=1 is a random choice: about half.
+	got = share(t, []Candidate{node("busy", 900, 1000, true), node("idle", 0, 1000, true)}, Request{Backend: "container"}, Config{K: 1}, 1000)
+	if got["idle"] < 400 || got["idle"] > 600 {
+		t.Fatalf("k=1: idle node chosen %d/1000 times, want about 500", got["idle"])
+	}
+}
+
+func TestPickSpreadsAJob(t *testing.T) {
+	a, b := node("a", 0, 1000, true), node("b", 50, 1000, true)
+	a.Jobs = map[string]int{"grpo": 40}
+	b.Jobs = map[string]int{"grpo": 0}
+	// b is busier but holds none of the job: it wins whenever sampled.
+	got := share(t, []Candidate{a, b}, Request{Backend: "container", Job: "grpo"}, Config{}, 1000)
+	if got["b"] < 650 {
+		t.Fatalf("job spread: b chosen %d/1000, want about 750", got["b"])
+	}
+	// Without the job label, load decides.
+	got = share(t, []Candidate{a, b}, Request{Backend: "container"}, Config{}, 1000)
+	if got["a"] < 650 {
+		t.Fatalf("no job: a chosen %d/1000, want about 750", got["a"])
+	}
+}
+
+func TestPickPrefersMountedLayers(t *testing.T) {
+	a, b := node("a", 1, 100, true), node("b", 0, 100, true)
+	a.Layers = []string{"sha256:aa", "sha256:bb"}
+	req := Request{Backend: "container", Layers: []string{"sha256:aa", "sha256:bb"}}
+	got := share(t, []Candidate{a, b}, req, Config{}, 1000)
+	if got["a"] < 650 {
+		t.Fatalf("a has the layers: chosen %d/1000, want about 750", got["a"])
+	}
+	// Affinity never outweighs much load: a node 10 busier loses.
+	a.Counts = map[string]int{"running": 10}
+	got = share(t, []Candidate{a, b}, req, Config{}, 1000)
+	if got["b"] < 650 {
+		t.Fatalf("b is much less loaded: chosen %d/1000, want about 750", got["b"])
+	}
+}
+
+func TestPickOverflowThreshold(t *testing.T) {
+	cloud := Config{Overflow: map[string]float64{"cloud": 0.8}}
+	c := labelled(node("c", 0, 10, true), "pool", "cloud")
+	// Below the threshold the cloud node is never chosen, however idle.
+	if got := share(t, []Candidate{node("a", 7, 10, true), c}, Request{Backend: "container"}, cloud, 200); got["c"] != 0 {
+		t.Fatalf("regular node at 70%%: cloud chosen %d/200 times", got["c"])
+	}
+	// At the threshold it joins, and being idle it wins most picks.
+	if got := share(t, []Candidate{node("a", 8, 10, true), c}, Request{Backend: "container"}, cloud, 1000); got["c"] < 650 {
+		t.Fatalf("regular node at 80%%: cloud chosen %d/1000 times, want about 750", got["c"])
 	}
 }

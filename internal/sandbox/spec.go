@@ -131,6 +131,17 @@ func Normalize(spec *api.SandboxSpec, p Policy) error {
 			return err
 		}
 	}
+	if len(spec.NodeSelector) > p.MaxLabels {
+		return errdefs.Invalid("node_selector: at most %d labels, got %d", p.MaxLabels, len(spec.NodeSelector))
+	}
+	for k, v := range spec.NodeSelector {
+		if err := ValidateLabel(k, v); err != nil {
+			return errdefs.Invalid("node_selector: %v", err)
+		}
+	}
+	if len(spec.NodeSelector) == 0 {
+		spec.NodeSelector = nil
+	}
 	if spec.User == "" {
 		spec.User = "root"
 	}

@@ -1,0 +1,164 @@
+package apiserver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/placement"
+)
+
+// maxPlaceAttempts bounds the nodes one create tries.
+const maxPlaceAttempts = 3
+
+// place creates a prepared sandbox on a node placement picks.
+func (s *Server) place(ctx context.Context, spec api.SandboxSpec, digests []string) (*api.Sandbox, error) {
+	var sb *api.Sandbox
+	err := s.onSomeNode(ctx, spec, digests, func(ctx context.Context, e edgeapi.Edge) error {
+		var err error
+		sb, err = e.Create(ctx, edgeapi.CreateRequest{Spec: spec, Digests: digests})
+		return err
+	})
+	return sb, err
+}
+
+// onSomeNode runs fn (a create of spec) on a node placement picks. A node
+// that refuses for capacity, or that could not be reached before the
+// request was sent, is left out and another is tried (at most
+// maxPlaceAttempts in all); then the answer is 503 with what each said.
+func (s *Server) onSomeNode(ctx context.Context, spec api.SandboxSpec, digests []string, fn func(context.Context, edgeapi.Edge) error) error {
+	req := placement.Request{Backend: spec.Backend, Selector: spec.NodeSelector, Layers: digests,
+		Job: spec.Labels[api.JobLabel], Exclude: map[string]bool{}}
+	var said []string
+	for attempt := 0; attempt < maxPlaceAttempts; attempt++ {
+		node, err := s.pick(req)
+		if err != nil {
+			s.metrics.placements.WithLabelValues("none").Inc()
+			if len(said) > 0 {
+				return errdefs.Exhausted("no node took the sandbox: %s; then %v", strings.Join(said, "; "), err)
+			}
+			return err
+		}
+		if attempt > 0 {
+			s.metrics.placeRetries.Inc()
+		}
+		err = s.runOn(ctx, node, fn)
+		if err == nil {
+			s.metrics.placements.WithLabelValues("placed").Inc()
+			return nil
+		}
+		switch {
+		case errors.Is(err, errdefs.ErrExhausted):
+			s.metrics.placements.WithLabelValues("refused").Inc()
+		case notSent(err):
+			s.metrics.placements.WithLabelValues("unreachable").Inc()
+			s.deps.Nodes.MarkFailed(node, err)
+		default:
+			// The edge may have made it (a connection lost mid-way):
+			// trying another node could make two.
+			return err
+		}
+		req.Exclude[node] = true
+		said = append(said, fmt.Sprintf("%s: %v", node, err))
+	}
+	return errdefs.Exhausted("no node took the sandbox after %d tries: %s", maxPlaceAttempts, strings.Join(said, "; "))
+}
+
+// notSent reports whether err says the request never reached the edge
+// (its connection could not be made), so that retrying elsewhere cannot
+// make a second sandbox.
+func notSent(err error) bool {
+	var u *edgeapi.Unreachable
+	return errors.As(err, &u) && u.NotSent
+}
+
+// pick runs placement over the view plus this apiserver's placements that
+// the view does not show yet. When the view has every candidate full, the
+// least loaded is asked anyway: the view is up to a poll old (a delete
+// since may have made room) and the edge has the final say.
+func (s *Server) pick(req placement.Request) (string, error) {
+	snap := s.deps.Nodes.Snapshot()
+	cands := make([]placement.Candidate, len(snap))
+	for i, v := range snap {
+		cands[i] = placement.Candidate{Node: v.Node, InFlight: s.inflight.since(v.Name, v.PolledAt)}
+	}
+	node, err := placement.Pick(cands, req, s.deps.Placement, nil)
+	var nn *placement.NoNode
+	if errors.As(err, &nn) && nn.OnlyFull() {
+		req.IgnoreCapacity = true
+		node, err = placement.Pick(cands, req, placement.Config{K: len(cands), Overflow: s.deps.Placement.Overflow}, nil)
+	}
+	return node, err
+}
+
+// runOn runs fn on node, counting a placement in flight on the node
+// until the view catches up.
+func (s *Server) runOn(ctx context.Context, node string, fn func(context.Context, edgeapi.Edge) error) error {
+	e, err := s.deps.Nodes.Edge(ctx, node)
+	if err != nil {
+		return err
+	}
+	undo := s.inflight.add(node)
+	if err := fn(ctx, e); err != nil {
+		undo()
+		return err
+	}
+	return nil
+}
+
+// inflight remembers when this apiserver placed sandboxes on each node, so
+// that placements since a node's last poll count as load (DSec's
+// placement engines overlay their own recent placements the same way; no
+// coordination between apiservers is needed).
+type inflight struct {
+	mu sync.Mutex
+	at map[string][]time.Time // node → placement times, oldest first
+}
+
+// inflightKeep is how long a placement is remembered: far longer than a
+// poll, so that a slow poll does not forget placements it has not seen.
+const inflightKeep = 10 * time.Second
+
+func newInflight() *inflight { return &inflight{at: map[string][]time.Time{}} }
+
+// add records a placement on node now; the returned func takes it back.
+func (f *inflight) add(node string) func() {
+	now := time.Now()
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	l := f.at[node]
+	cut := 0
+	for cut < len(l) && now.Sub(l[cut]) > inflightKeep {
+		cut++
+	}
+	f.at[node] = append(l[cut:], now)
+	return func() {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		l := f.at[node]
+		for i := len(l) - 1; i >= 0; i-- {
+			if l[i].Equal(now) {
+				f.at[node] = append(l[:i], l[i+1:]...)
+				return
+			}
+		}
+	}
+}
+
+// since counts the placements on node made after t (a poll's start).
+func (f *inflight) since(node string, t time.Time) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	l := f.at[node]
+	n := 0
+	for i := len(l) - 1; i >= 0 && l[i].After(t); i-- {
+		n++
+	}
+	return n
+}

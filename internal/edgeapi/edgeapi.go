@@ -1,0 +1,117 @@
+// Package edgeapi is the seam between the apiserver and the edges: the
+// interface an apiserver drives a node through (Edge), the wire types of
+// the calls, an HTTP server that serves an Edge (the internal API, mutual
+// TLS in a cluster), and a Client that implements Edge over that API. The
+// in-process edge (`dsec up`) and a remote one (`dsec edge`) look the same
+// to the apiserver: it imports this package and never internal/edge.
+//
+// Errors keep their class across the wire: the server writes the API
+// error body ({"error": {"code", "message"}}) and the client rebuilds the
+// errdefs class from the code, so errors.Is works on both sides.
+package edgeapi
+
+import (
+	"context"
+	"io"
+	"net"
+	"os"
+	"strings"
+
+	"github.com/dsecproject/dsec/api"
+)
+
+// Edge is what an apiserver needs from one node. Every call takes a
+// context and can fail: a remote edge may be unreachable, which is an
+// errdefs.ErrUnavailable error.
+type Edge interface {
+	// Name is the node's name, the one sandbox ids carry.
+	Name() string
+	// Info describes the node now: health, capacity, counts, layers.
+	Info(ctx context.Context) (api.Node, error)
+	// LayerUsers counts the node's sandboxes that use the layer digest.
+	LayerUsers(ctx context.Context, digest string) (int, error)
+
+	Create(ctx context.Context, req CreateRequest) (*api.Sandbox, error)
+	Get(ctx context.Context, id string) (*api.Sandbox, error)
+	// List returns the sandboxes matching f, sorted by id.
+	List(ctx context.Context, f ListFilter) ([]api.Sandbox, error)
+	Delete(ctx context.Context, id string) error
+	DeleteByLabels(ctx context.Context, sel map[string]string) (int, error)
+	Keepalive(ctx context.Context, id string, ttl int64) (*api.Sandbox, error)
+	Stats(ctx context.Context, id string) (*api.Stats, error)
+	Pause(ctx context.Context, id string) (*api.PauseResult, error)
+	Resume(ctx context.Context, id string) (*api.Sandbox, error)
+	PauseByLabels(ctx context.Context, sel map[string]string) (int, error)
+	ResumeByLabels(ctx context.Context, sel map[string]string) (int, error)
+	Snapshot(ctx context.Context, id string, o SnapshotOptions) (*api.Layer, error)
+	SetNetwork(ctx context.Context, id string, np api.NetworkPolicy) (*api.Sandbox, error)
+	FnCall(ctx context.Context, req api.FnCallRequest, cr CreateRequest) (*api.FnCallResult, error)
+	// DialPort connects to a port on the sandbox's loopback; done is
+	// called once the connection is no longer used.
+	DialPort(ctx context.Context, id string, port int) (c net.Conn, done func(), err error)
+
+	// Exec runs a command; with emit non-nil, output events are passed
+	// to emit as they come (streaming) and the result carries no output.
+	Exec(ctx context.Context, id string, req api.ExecRequest, emit func(api.ExecEvent) error) (*api.ExecResult, error)
+	OpenSession(ctx context.Context, id string, req api.SessionRequest) (*api.Session, error)
+	RunInSession(ctx context.Context, id, sid string, req api.SessionRunRequest) (*api.ExecResult, error)
+	CloseSession(ctx context.Context, id, sid string) error
+
+	ReadFile(ctx context.Context, id, path string) (io.ReadCloser, api.FileEntry, error)
+	WriteFile(ctx context.Context, id, path string, data io.Reader, mode os.FileMode) (api.FileEntry, error)
+	StatFile(ctx context.Context, id, path string) (api.FileEntry, error)
+	ListFiles(ctx context.Context, id, path string, depth int) ([]api.FileEntry, error)
+	RemoveFile(ctx context.Context, id, path string, recursive bool) error
+	// WriteTar streams a tar of path to w. An error after bytes were
+	// written means w holds a broken archive.
+	WriteTar(ctx context.Context, id, path string, w io.Writer) error
+	ExtractTar(ctx context.Context, id, path string, rd io.Reader) (api.TarResult, error)
+
+	// ReadLog returns the command log entries with seq > sinceSeq, at most
+	// limit; it serves stopped and failed sandboxes too.
+	ReadLog(ctx context.Context, id string, sinceSeq int64, limit int) (*api.LogPage, error)
+}
+
+// CreateRequest is a sandbox to create: a normalized spec plus the layer
+// digests its refs resolved to (bottom first: base, workspace, toolkits,
+// snapshots).
+type CreateRequest struct {
+	Spec    api.SandboxSpec `json:"spec"`
+	Digests []string        `json:"digests"`
+}
+
+// ListFilter selects sandboxes.
+type ListFilter struct {
+	State  string            `json:"state,omitempty"`
+	Labels map[string]string `json:"labels,omitempty"`
+	// After and Limit page the list: only sandboxes whose id sorts after
+	// After, and at most Limit of them (0: all).
+	After string `json:"after,omitempty"`
+	Limit int    `json:"limit,omitempty"`
+}
+
+// SnapshotOptions carry what the apiserver knows about a snapshot request.
+type SnapshotOptions struct {
+	Request api.SnapshotRequest `json:"request"`
+	// Principal names who asks, recorded with the snapshot.
+	Principal string `json:"principal,omitempty"`
+}
+
+// Command log page bounds (GET /v1/sandboxes/{id}/log?limit=).
+const (
+	DefaultLogLimit = 1000
+	MaxLogLimit     = 10000
+)
+
+// NodeOf returns the node encoded in a sandbox id (sb-<node>-<random>).
+func NodeOf(id string) (string, bool) {
+	rest, ok := strings.CutPrefix(id, "sb-")
+	if !ok {
+		return "", false
+	}
+	i := strings.LastIndexByte(rest, '-')
+	if i <= 0 {
+		return "", false
+	}
+	return rest[:i], true
+}

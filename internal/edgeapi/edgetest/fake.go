@@ -1,0 +1,330 @@
+// Package edgetest has a fake edge for the tests of the edge's callers
+// (apiserver, watcher, the internal API). Only tests import it.
+package edgetest
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/sandbox"
+)
+
+// Fake is an in-memory edgeapi.Edge: it stands in for a node so that the
+// apiserver's own logic (auth, validation, routing, pagination, error
+// mapping) and the internal API are tested without root. The real edge is
+// tested end to end. Its canned behaviours:
+//   - Exec of "fail-after-output" streams one event, then fails;
+//   - ReadFile serves File (default "data");
+//   - WriteTar of "/nope" is not found, of "/broken" fails after 10 bytes;
+//   - DialPort connects to PortAddr if set.
+type Fake struct {
+	name string
+	// MaxSandboxes is the capacity Info reports (default 100).
+	MaxSandboxes int
+	// Labels are reported by Info.
+	Labels map[string]string
+
+	mu        sync.Mutex
+	sandboxes map[string]api.Sandbox
+	n         int
+	// ExecErr fails every exec; PanicOn panics a Get of that id.
+	ExecErr error
+	PanicOn string
+	// File is what ReadFile serves.
+	File []byte
+	// PortAddr is where DialPort connects (a test listener).
+	PortAddr string
+	// Written is what the last WriteFile or ExtractTar received.
+	Written []byte
+	// Creates counts Create calls (failed ones included).
+	Creates int
+	// Refuse makes Create answer resource_exhausted.
+	Refuse bool
+}
+
+var _ edgeapi.Edge = (*Fake)(nil)
+
+// NewFake returns an empty fake edge named name.
+func NewFake(name string) *Fake {
+	return &Fake{name: name, MaxSandboxes: 100, sandboxes: map[string]api.Sandbox{}, File: []byte("data")}
+}
+
+// Len is how many sandboxes the fake holds.
+func (f *Fake) Len() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.sandboxes)
+}
+
+// Name implements edgeapi.Edge.
+func (f *Fake) Name() string { return f.name }
+
+// Info implements edgeapi.Edge.
+func (f *Fake) Info(ctx context.Context) (api.Node, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return api.Node{Name: f.name, Healthy: true, Backends: []string{"container"}, Labels: f.Labels,
+		Capacity: api.Capacity{MaxSandboxes: f.MaxSandboxes}, Counts: map[string]int{"running": len(f.sandboxes)}}, nil
+}
+
+// LayerUsers implements edgeapi.Edge.
+func (f *Fake) LayerUsers(ctx context.Context, digest string) (int, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n := 0
+	for _, s := range f.sandboxes {
+		for _, d := range s.Layers {
+			if d == digest {
+				n++
+			}
+		}
+	}
+	return n, nil
+}
+
+// Create implements edgeapi.Edge.
+func (f *Fake) Create(ctx context.Context, req edgeapi.CreateRequest) (*api.Sandbox, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.Creates++
+	if f.Refuse || len(f.sandboxes) >= f.MaxSandboxes {
+		return nil, errdefs.Exhausted("node %s is full", f.name)
+	}
+	f.n++
+	sb := api.Sandbox{ID: fmt.Sprintf("sb-%s-%04d", f.name, f.n), Node: f.name, State: "running", Backend: req.Spec.Backend,
+		Spec: req.Spec, Labels: req.Spec.Labels, Layers: req.Digests, CreatedAt: time.Now()}
+	f.sandboxes[sb.ID] = sb
+	return &sb, nil
+}
+
+// Get implements edgeapi.Edge.
+func (f *Fake) Get(ctx context.Context, id string) (*api.Sandbox, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if id == f.PanicOn {
+		panic("boom")
+	}
+	sb, ok := f.sandboxes[id]
+	if !ok {
+		return nil, errdefs.NotFound("sandbox %s not found", id)
+	}
+	return &sb, nil
+}
+
+// List implements edgeapi.Edge.
+func (f *Fake) List(ctx context.Context, flt edgeapi.ListFilter) ([]api.Sandbox, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	out := []api.Sandbox{}
+	for _, s := range f.sandboxes {
+		if sandbox.LabelsMatch(s.Labels, flt.Labels) && (flt.State == "" || flt.State == s.State) && s.ID > flt.After {
+			out = append(out, s)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	if flt.Limit > 0 && len(out) > flt.Limit {
+		out = out[:flt.Limit]
+	}
+	return out, nil
+}
+
+// Delete implements edgeapi.Edge.
+func (f *Fake) Delete(ctx context.Context, id string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.sandboxes, id)
+	return nil
+}
+
+// DeleteByLabels implements edgeapi.Edge.
+func (f *Fake) DeleteByLabels(ctx context.Context, sel map[string]string) (int, error) {
+	l, _ := f.List(ctx, edgeapi.ListFilter{Labels: sel})
+	for _, s := range l {
+		_ = f.Delete(ctx, s.ID)
+	}
+	return len(l), nil
+}
+
+// Keepalive implements edgeapi.Edge.
+func (f *Fake) Keepalive(ctx context.Context, id string, ttl int64) (*api.Sandbox, error) {
+	return f.Get(ctx, id)
+}
+
+// Stats implements edgeapi.Edge.
+func (f *Fake) Stats(ctx context.Context, id string) (*api.Stats, error) {
+	if _, err := f.Get(ctx, id); err != nil {
+		return nil, err
+	}
+	return &api.Stats{Pids: 1}, nil
+}
+
+// Exec implements edgeapi.Edge.
+func (f *Fake) Exec(ctx context.Context, id string, req api.ExecRequest, emit func(api.ExecEvent) error) (*api.ExecResult, error) {
+	if f.ExecErr != nil {
+		return nil, f.ExecErr
+	}
+	if _, err := f.Get(ctx, id); err != nil {
+		return nil, err
+	}
+	if emit != nil {
+		if err := emit(api.ExecEvent{Stdout: "streamed"}); err != nil {
+			return nil, err
+		}
+		if req.Cmd == "fail-after-output" {
+			return nil, errdefs.Precondition("sandbox %s stopped mid-command", id)
+		}
+		return &api.ExecResult{ExitCode: 3}, nil
+	}
+	return &api.ExecResult{ExitCode: 3, Stdout: req.Cmd}, nil
+}
+
+// OpenSession implements edgeapi.Edge.
+func (f *Fake) OpenSession(ctx context.Context, id string, req api.SessionRequest) (*api.Session, error) {
+	return &api.Session{SessionID: "ss-1"}, nil
+}
+
+// RunInSession implements edgeapi.Edge.
+func (f *Fake) RunInSession(ctx context.Context, id, sid string, req api.SessionRunRequest) (*api.ExecResult, error) {
+	return &api.ExecResult{Stdout: req.Command}, nil
+}
+
+// CloseSession implements edgeapi.Edge.
+func (f *Fake) CloseSession(ctx context.Context, id, sid string) error { return nil }
+
+// ReadFile implements edgeapi.Edge.
+func (f *Fake) ReadFile(ctx context.Context, id, path string) (io.ReadCloser, api.FileEntry, error) {
+	return io.NopCloser(bytes.NewReader(f.File)), api.FileEntry{Path: path, Size: int64(len(f.File)), Mode: "0644", Type: "file"}, nil
+}
+
+// WriteFile implements edgeapi.Edge.
+func (f *Fake) WriteFile(ctx context.Context, id, path string, data io.Reader, mode os.FileMode) (api.FileEntry, error) {
+	b, err := io.ReadAll(data)
+	if err != nil {
+		return api.FileEntry{}, err
+	}
+	f.mu.Lock()
+	f.Written = b
+	f.mu.Unlock()
+	return api.FileEntry{Path: path, Size: int64(len(b)), Mode: fmt.Sprintf("%04o", uint32(mode.Perm()))}, nil
+}
+
+// StatFile implements edgeapi.Edge.
+func (f *Fake) StatFile(ctx context.Context, id, path string) (api.FileEntry, error) {
+	return api.FileEntry{Path: path}, nil
+}
+
+// ListFiles implements edgeapi.Edge.
+func (f *Fake) ListFiles(ctx context.Context, id, path string, depth int) ([]api.FileEntry, error) {
+	return nil, nil
+}
+
+// RemoveFile implements edgeapi.Edge.
+func (f *Fake) RemoveFile(ctx context.Context, id, path string, recursive bool) error { return nil }
+
+// WriteTar implements edgeapi.Edge.
+func (f *Fake) WriteTar(ctx context.Context, id, path string, w io.Writer) error {
+	switch path {
+	case "/nope":
+		return errdefs.NotFound("%s: no such file", path)
+	case "/broken":
+		if _, err := w.Write([]byte(strings.Repeat("t", 10))); err != nil {
+			return err
+		}
+		return errdefs.Precondition("%s changed while it was archived", path)
+	}
+	_, err := w.Write(f.File)
+	return err
+}
+
+// ExtractTar implements edgeapi.Edge.
+func (f *Fake) ExtractTar(ctx context.Context, id, path string, rd io.Reader) (api.TarResult, error) {
+	b, err := io.ReadAll(rd)
+	if err != nil {
+		return api.TarResult{}, err
+	}
+	f.mu.Lock()
+	f.Written = b
+	f.mu.Unlock()
+	return api.TarResult{Files: 1, Bytes: int64(len(b))}, nil
+}
+
+// ReadLog implements edgeapi.Edge.
+func (f *Fake) ReadLog(ctx context.Context, id string, sinceSeq int64, limit int) (*api.LogPage, error) {
+	if _, err := f.Get(ctx, id); err != nil {
+		return nil, err
+	}
+	page := &api.LogPage{Entries: []api.LogEntry{}, NextSeq: sinceSeq}
+	for seq := sinceSeq + 1; seq <= 3 && len(page.Entries) < limit; seq++ {
+		page.Entries = append(page.Entries, api.LogEntry{Seq: seq, Kind: api.LogExec})
+		page.NextSeq = seq
+	}
+	return page, nil
+}
+
+// Pause implements edgeapi.Edge.
+func (f *Fake) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
+	sb, err := f.Get(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	return &api.PauseResult{Sandbox: *sb}, nil
+}
+
+// Resume implements edgeapi.Edge.
+func (f *Fake) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
+	return f.Get(ctx, id)
+}
+
+// PauseByLabels implements edgeapi.Edge.
+func (f *Fake) PauseByLabels(ctx context.Context, sel map[string]string) (int, error) {
+	l, err := f.List(ctx, edgeapi.ListFilter{Labels: sel})
+	return len(l), err
+}
+
+// ResumeByLabels implements edgeapi.Edge.
+func (f *Fake) ResumeByLabels(ctx context.Context, sel map[string]string) (int, error) {
+	l, err := f.List(ctx, edgeapi.ListFilter{Labels: sel})
+	return len(l), err
+}
+
+// SetNetwork implements edgeapi.Edge.
+func (f *Fake) SetNetwork(ctx context.Context, id string, np api.NetworkPolicy) (*api.Sandbox, error) {
+	return f.Get(ctx, id)
+}
+
+// FnCall implements edgeapi.Edge.
+func (f *Fake) FnCall(ctx context.Context, req api.FnCallRequest, cr edgeapi.CreateRequest) (*api.FnCallResult, error) {
+	return nil, errdefs.Unavailable("no fncall in the fake edge")
+}
+
+// DialPort implements edgeapi.Edge.
+func (f *Fake) DialPort(ctx context.Context, id string, port int) (net.Conn, func(), error) {
+	if _, err := f.Get(ctx, id); err != nil {
+		return nil, nil, err
+	}
+	if f.PortAddr == "" {
+		return nil, nil, errdefs.Unavailable("nothing answers on port %d in sandbox %s", port, id)
+	}
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", f.PortAddr)
+	if err != nil {
+		return nil, nil, errdefs.Unavailable("nothing answers on port %d in sandbox %s: %v", port, id, err)
+	}
+	return c, func() {}, nil
+}
+
+// Snapshot implements edgeapi.Edge.
+func (f *Fake) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOptions) (*api.Layer, error) {
+	return nil, errdefs.Precondition("the fake edge takes no snapshots")
+}

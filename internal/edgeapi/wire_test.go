@@ -1,0 +1,224 @@
+package edgeapi_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
+	"github.com/dsecproject/dsec/internal/edgeapi/edgetest"
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+// remote serves fake through the internal API and returns a client of it.
+func remote(t *testing.T, fake *edgetest.Fake) (*edgeapi.Client, *httptest.Server) {
+	t.Helper()
+	srv := httptest.NewServer(edgeapi.NewServer(fake, nil))
+	t.Cleanup(srv.Close)
+	return edgeapi.NewClient(fake.Name(), srv.URL, srv.Client()), srv
+}
+
+func newSandbox(t *testing.T, c *edgeapi.Client) string {
+	t.Helper()
+	sb, err := c.Create(t.Context(), edgeapi.CreateRequest{Spec: api.SandboxSpec{Backend: "container", Labels: map[string]string{"job": "j"}},
+		Digests: []string{"sha256:" + strings.Repeat("a", 64)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sb.ID
+}
+
+// TestErrorClassesCrossTheWire: what the edge classified, the apiserver
+// sees classified the same way.
+func TestErrorClassesCrossTheWire(t *testing.T) {
+	fake := edgetest.NewFake("n1")
+	c, _ := remote(t, fake)
+	ctx := t.Context()
+	if _, err := c.Get(ctx, "sb-n1-none"); !errors.Is(err, errdefs.ErrNotFound) || edgeapi.IsUnreachable(err) {
+		t.Fatalf("get missing: %v, want not_found", err)
+	}
+	fake.Refuse = true
+	if _, err := c.Create(ctx, edgeapi.CreateRequest{}); !errors.Is(err, errdefs.ErrExhausted) {
+		t.Fatalf("create on a full node: %v, want resource_exhausted", err)
+	}
+	fake.Refuse = false
+	id := newSandbox(t, c)
+	fake.ExecErr = errors.New("runtime said: /var/lib/x boom")
+	_, err := c.Exec(ctx, id, api.ExecRequest{Cmd: "x"}, nil)
+	if err == nil || errdefs.Code(err) != "internal" || !strings.Contains(err.Error(), "boom") {
+		t.Fatalf("internal error: %v", err)
+	}
+	fake.ExecErr = nil
+	fake.PanicOn = id
+	if _, err := c.Get(ctx, id); errdefs.Code(err) != "internal" {
+		t.Fatalf("a panicking handler: %v, want internal", err)
+	}
+	// The server still serves after the panic.
+	fake.PanicOn = ""
+	if _, err := c.Get(ctx, id); err != nil {
+		t.Fatalf("after a panic: %v", err)
+	}
+}
+
+func TestCallsRoundTrip(t *testing.T) {
+	fake := edgetest.NewFake("n1")
+	c, _ := remote(t, fake)
+	ctx := t.Context()
+	id := newSandbox(t, c)
+	other := newSandbox(t, c)
+	if n, err := c.Info(ctx); err != nil || n.Name != "n1" || n.Counts["running"] != 2 {
+		t.Fatalf("info %+v, %v", n, err)
+	}
+	if n, err := c.LayerUsers(ctx, "sha256:"+strings.Repeat("a", 64)); err != nil || n != 2 {
+		t.Fatalf("layer users %d, %v", n, err)
+	}
+	l, err := c.List(ctx, edgeapi.ListFilter{Labels: map[string]string{"job": "j"}, After: id, Limit: 5})
+	if err != nil || len(l) != 1 || l[0].ID != other {
+		t.Fatalf("list after %s: %+v, %v", id, l, err)
+	}
+	if n, err := c.PauseByLabels(ctx, map[string]string{"job": "j"}); err != nil || n != 2 {
+		t.Fatalf("pause by labels %d, %v", n, err)
+	}
+	res, err := c.RunInSession(ctx, id, "ss-1", api.SessionRunRequest{Command: "echo hi"})
+	if err != nil || res.Stdout != "echo hi" {
+		t.Fatalf("session run %+v, %v", res, err)
+	}
+	page, err := c.ReadLog(ctx, id, 1, 1)
+	if err != nil || len(page.Entries) != 1 || page.Entries[0].Seq != 2 {
+		t.Fatalf("log %+v, %v", page, err)
+	}
+	if n, err := c.DeleteByLabels(ctx, map[string]string{"job": "j"}); err != nil || n != 2 || fake.Len() != 0 {
+		t.Fatalf("delete by labels %d, %v (left %d)", n, err, fake.Len())
+	}
+}
+
+func TestStreamedExec(t *testing.T) {
+	fake := edgetest.NewFake("n1")
+	c, _ := remote(t, fake)
+	id := newSandbox(t, c)
+	var got []string
+	res, err := c.Exec(t.Context(), id, api.ExecRequest{Cmd: "x"}, func(ev api.ExecEvent) error {
+		got = append(got, ev.Stdout)
+		return nil
+	})
+	if err != nil || res.ExitCode != 3 || strings.Join(got, ",") != "streamed" {
+		t.Fatalf("stream: %v, %+v, events %q", err, res, got)
+	}
+	// An error after output began still arrives classified.
+	got = nil
+	_, err = c.Exec(t.Context(), id, api.ExecRequest{Cmd: "fail-after-output"}, func(ev api.ExecEvent) error {
+		got = append(got, ev.Stdout)
+		return nil
+	})
+	if !errors.Is(err, errdefs.ErrPrecondition) || len(got) != 1 {
+		t.Fatalf("stream that fails: %v, events %q", err, got)
+	}
+	// Before any output, an error is a status.
+	if _, err := c.Exec(t.Context(), "sb-n1-none", api.ExecRequest{Cmd: "x"}, func(api.ExecEvent) error { return nil }); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("stream to a missing sandbox: %v", err)
+	}
+}
+
+func TestFilesAndTarsStream(t *testing.T) {
+	fake := edgetest.NewFake("n1")
+	c, _ := remote(t, fake)
+	ctx := t.Context()
+	id := newSandbox(t, c)
+	fake.File = []byte("hello \x00 world\n")
+	rc, fe, err := c.ReadFile(ctx, id, "/a/b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(rc)
+	rc.Close()
+	if !bytes.Equal(b, fake.File) || fe.Size != int64(len(fake.File)) || fe.Path != "/a/b" {
+		t.Fatalf("read %q %+v", b, fe)
+	}
+	fe, err = c.WriteFile(ctx, id, "/x", strings.NewReader("payload"), 0o4755)
+	if err != nil || string(fake.Written) != "payload" || fe.Mode != "0755" {
+		t.Fatalf("write: %+v %v (edge got %q)", fe, err, fake.Written)
+	}
+	var out bytes.Buffer
+	if err := c.WriteTar(ctx, id, "/", &out); err != nil || !bytes.Equal(out.Bytes(), fake.File) {
+		t.Fatalf("tar: %v, %q", err, out.Bytes())
+	}
+	out.Reset()
+	if err := c.WriteTar(ctx, id, "/nope", &out); !errors.Is(err, errdefs.ErrNotFound) || out.Len() != 0 {
+		t.Fatalf("tar of a missing path: %v (%d bytes)", err, out.Len())
+	}
+	// An error after the archive began: the bytes came, then the error.
+	out.Reset()
+	if err := c.WriteTar(ctx, id, "/broken", &out); !errors.Is(err, errdefs.ErrPrecondition) || out.Len() != 10 {
+		t.Fatalf("broken tar: %v (%d bytes)", err, out.Len())
+	}
+	tr, err := c.ExtractTar(ctx, id, "/repo", bytes.NewReader(make([]byte, 3000)))
+	if err != nil || tr.Bytes != 3000 || len(fake.Written) != 3000 {
+		t.Fatalf("extract: %+v %v", tr, err)
+	}
+}
+
+// TestPortConnection: a port connection carries bytes both ways, and
+// the caller sees the close of the sandbox's side.
+func TestPortConnection(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer conn.Close()
+				buf := make([]byte, 5)
+				if _, err := io.ReadFull(conn, buf); err != nil {
+					return
+				}
+				_, _ = conn.Write(bytes.ToUpper(buf))
+			}()
+		}
+	}()
+	fake := edgetest.NewFake("n1")
+	fake.PortAddr = ln.Addr().String()
+	c, _ := remote(t, fake)
+	id := newSandbox(t, c)
+	conn, done, err := c.DialPort(t.Context(), id, 8080)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer done()
+	defer conn.Close()
+	if _, err := conn.Write([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	got, err := io.ReadAll(conn)
+	if err != nil || string(got) != "HELLO" {
+		t.Fatalf("echo: %q, %v", got, err)
+	}
+	if _, _, err := c.DialPort(t.Context(), "sb-n1-none", 8080); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("port of a missing sandbox: %v", err)
+	}
+}
+
+// TestUnreachable: an edge that is gone is an unavailable error that says
+// the request never left, quickly.
+func TestUnreachable(t *testing.T) {
+	c, srv := remote(t, edgetest.NewFake("n1"))
+	srv.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 5e9)
+	defer cancel()
+	_, err := c.Get(ctx, "sb-n1-x")
+	var u *edgeapi.Unreachable
+	if !errors.Is(err, errdefs.ErrUnavailable) || !errors.As(err, &u) || !u.NotSent || u.Node != "n1" {
+		t.Fatalf("closed edge: %v", err)
+	}
+}

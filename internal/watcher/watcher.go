@@ -1,0 +1,386 @@
+// Package watcher keeps an apiserver's view of the nodes: it polls every
+// edge about once a second (health, capacity, counts, mounted layers) and
+// holds the answers as soft state, rebuilt from scratch by polling after a
+// restart. Placement reads its snapshot; routing reads its name → edge map.
+// Neither ever waits for a poll: the request path reads what the last poll
+// left (the E2B orchestrator's node manager works the same way).
+//
+// Which edges exist comes from a Source: a fixed list for `dsec up`, the
+// node registry in the store for a cluster. An edge the source stops
+// listing (its registry lease is gone) is no longer placed on, but calls to
+// its sandboxes are still routed while it answers polls: an edge cut off
+// from etcd keeps serving the sandboxes it holds.
+package watcher
+
+import (
+	"context"
+	"log/slog"
+	"maps"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+// Member is an edge a Source lists.
+type Member struct {
+	Edge edgeapi.Edge
+	// Address is where its internal API listens ("" in-process).
+	Address string
+	// Hollow marks a simulated edge (load tests only).
+	Hollow bool
+}
+
+// Source lists the edges that exist now, by name.
+type Source interface {
+	Members(ctx context.Context) (map[string]Member, error)
+}
+
+// Static is a Source of fixed edges (`dsec up`, tests).
+type Static []edgeapi.Edge
+
+// Members implements Source.
+func (s Static) Members(context.Context) (map[string]Member, error) {
+	out := make(map[string]Member, len(s))
+	for _, e := range s {
+		out[e.Name()] = Member{Edge: e}
+	}
+	return out, nil
+}
+
+// Config tunes a Watcher; zero fields take the defaults.
+type Config struct {
+	// Interval is how often each edge is polled (default 1 s).
+	Interval time.Duration
+	// Timeout bounds one poll (default 1 s).
+	Timeout time.Duration
+	// DownAfter is how long an edge may go without a good poll before it
+	// is unhealthy (default 2.5 s: two missed polls).
+	DownAfter time.Duration
+	// ForgetAfter is how long an edge that the source no longer lists and
+	// that no longer answers stays routable (default 1 min).
+	ForgetAfter time.Duration
+	// Parallel bounds the polls in flight (default 64).
+	Parallel int
+	Log      *slog.Logger
+}
+
+// Watcher polls edges; it is safe for concurrent use.
+type Watcher struct {
+	src Source
+	cfg Config
+	log *slog.Logger
+
+	// syncMu serialises rounds (Run's ticks and Refresh).
+	syncMu sync.Mutex
+
+	mu    sync.RWMutex
+	nodes map[string]*node
+	// lastRefresh is when Refresh last asked the source (rate limit).
+	lastRefresh time.Time
+}
+
+// node is the watcher's state of one edge.
+type node struct {
+	member Member
+	// listed says the source still lists it; unlistedAt is since when
+	// it does not.
+	listed     bool
+	unlistedAt time.Time
+	info       api.Node
+	polled     bool      // at least one good poll
+	polledAt   time.Time // start of the last good poll
+	lastOK     time.Time
+	lastErr    error
+	fails      int
+	// suspect is set by MarkFailed (a forward could not reach it) and
+	// cleared by the next good poll.
+	suspect error
+}
+
+// New returns a Watcher over src. Call Run to start polling.
+func New(src Source, cfg Config) *Watcher {
+	if cfg.Interval <= 0 {
+		cfg.Interval = time.Second
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = time.Second
+	}
+	if cfg.DownAfter <= 0 {
+		cfg.DownAfter = 2500 * time.Millisecond
+	}
+	if cfg.ForgetAfter <= 0 {
+		cfg.ForgetAfter = time.Minute
+	}
+	if cfg.Parallel <= 0 {
+		cfg.Parallel = 64
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	return &Watcher{src: src, cfg: cfg, log: cfg.Log, nodes: map[string]*node{}}
+}
+
+// Run polls until ctx ends. It does one round at once, so a fresh
+// apiserver has a view within one poll of starting.
+func (w *Watcher) Run(ctx context.Context) {
+	t := time.NewTicker(w.cfg.Interval)
+	defer t.Stop()
+	for {
+		w.Sync(ctx)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// Sync does one round now: it asks the source for its members, then polls
+// every known edge.
+func (w *Watcher) Sync(ctx context.Context) {
+	w.syncMu.Lock()
+	defer w.syncMu.Unlock()
+	w.refresh(ctx)
+	w.pollAll(ctx)
+}
+
+// refresh merges the source's members into the view. A failing source
+// (etcd unreachable) leaves the view as it was.
+func (w *Watcher) refresh(ctx context.Context) {
+	members, err := w.src.Members(ctx)
+	now := time.Now()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.lastRefresh = now
+	if err != nil {
+		w.log.Warn("listing edges failed; keeping the last known ones", "err", err)
+		return
+	}
+	for name, m := range members {
+		n := w.nodes[name]
+		if n == nil {
+			n = &node{}
+			w.nodes[name] = n
+			w.log.Info("edge joined", "node", name, "address", m.Address)
+		}
+		if n.member.Address != m.Address && n.member.Edge != nil {
+			w.log.Info("edge moved", "node", name, "from", n.member.Address, "to", m.Address)
+			n.polled = false
+		}
+		n.member = m
+		n.listed = true
+	}
+	for name, n := range w.nodes {
+		if _, ok := members[name]; ok {
+			continue
+		}
+		if n.listed {
+			n.listed, n.unlistedAt = false, now
+			w.log.Warn("edge left the registry (its lease is gone); no longer placed on", "node", name)
+		}
+		if now.Sub(n.unlistedAt) > w.cfg.ForgetAfter && now.Sub(n.lastOK) > w.cfg.ForgetAfter {
+			delete(w.nodes, name)
+			w.log.Info("edge forgotten", "node", name)
+		}
+	}
+}
+
+func (w *Watcher) pollAll(ctx context.Context) {
+	w.mu.RLock()
+	targets := make(map[string]edgeapi.Edge, len(w.nodes))
+	for name, n := range w.nodes {
+		targets[name] = n.member.Edge
+	}
+	w.mu.RUnlock()
+	sem := make(chan struct{}, w.cfg.Parallel)
+	var wg sync.WaitGroup
+	for name, e := range targets {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			w.poll(ctx, name, e)
+		}()
+	}
+	wg.Wait()
+}
+
+func (w *Watcher) poll(ctx context.Context, name string, e edgeapi.Edge) {
+	start := time.Now()
+	pctx, cancel := context.WithTimeout(ctx, w.cfg.Timeout)
+	info, err := e.Info(pctx)
+	cancel()
+	if err == nil && info.Name != name {
+		err = errdefs.Unavailable("the edge at this address is %q, not %q", info.Name, name)
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	n := w.nodes[name]
+	if n == nil || n.member.Edge != e {
+		return // replaced meanwhile
+	}
+	if err != nil {
+		if n.fails == 0 && n.polled {
+			w.log.Warn("edge poll failed", "node", name, "err", err)
+		}
+		n.lastErr = err
+		n.fails++
+		return
+	}
+	if n.fails > 0 && n.polled {
+		w.log.Info("edge answers again", "node", name, "failed_polls", n.fails)
+	}
+	n.info, n.polled, n.polledAt, n.lastOK = info, true, start, time.Now()
+	n.lastErr, n.fails, n.suspect = nil, 0, nil
+}
+
+// MarkFailed records that a call could not reach the edge: placement
+// avoids it until a poll succeeds again.
+func (w *Watcher) MarkFailed(name string, err error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if n := w.nodes[name]; n != nil && n.suspect == nil {
+		n.suspect = err
+		w.log.Warn("edge unreachable from a request; not placing on it until it answers a poll", "node", name, "err", err)
+	}
+}
+
+// View is a node as the watcher sees it.
+type View struct {
+	api.Node
+	// PolledAt is when the poll that gave these counts started: a
+	// placement made after it is not in them.
+	PolledAt time.Time
+}
+
+// Snapshot returns every known node, sorted by name, with Healthy saying
+// whether placement may use it now.
+func (w *Watcher) Snapshot() []View {
+	now := time.Now()
+	w.mu.RLock()
+	out := make([]View, 0, len(w.nodes))
+	for name, n := range w.nodes {
+		v := View{Node: n.info, PolledAt: n.polledAt}
+		v.Name = name
+		v.Address = n.member.Address
+		v.Hollow = n.member.Hollow
+		v.Counts = maps.Clone(n.info.Counts)
+		if v.Counts == nil {
+			v.Counts = map[string]int{}
+		}
+		if v.Backends == nil {
+			v.Backends = []string{}
+		}
+		if n.polled {
+			seen := n.lastOK.UTC()
+			v.LastSeen = &seen
+		}
+		v.Unhealthy = w.unhealthy(n, now)
+		v.Healthy = v.Unhealthy == ""
+		out = append(out, v)
+	}
+	w.mu.RUnlock()
+	slices.SortFunc(out, func(a, b View) int {
+		switch {
+		case a.Name < b.Name:
+			return -1
+		case a.Name > b.Name:
+			return 1
+		}
+		return 0
+	})
+	return out
+}
+
+// unhealthy says why placement must not use n now ("" if it may).
+// Preconditions: w.mu held.
+func (w *Watcher) unhealthy(n *node, now time.Time) string {
+	switch {
+	case !n.listed:
+		return "not in the node registry (lease lost)"
+	case !n.polled && n.lastErr != nil:
+		return "never answered a poll: " + n.lastErr.Error()
+	case !n.polled:
+		return "not polled yet"
+	case n.suspect != nil:
+		return "unreachable: " + n.suspect.Error()
+	case n.fails >= 2 || now.Sub(n.lastOK) > w.cfg.DownAfter:
+		msg := "no answer since " + n.lastOK.UTC().Format(time.RFC3339)
+		if n.lastErr != nil {
+			msg += ": " + n.lastErr.Error()
+		}
+		return msg
+	case !n.info.Healthy:
+		return "the edge reports itself unhealthy"
+	}
+	return ""
+}
+
+// refreshEvery bounds how often a routing miss may ask the source.
+const refreshEvery = 200 * time.Millisecond
+
+// Edge returns the edge named name for routing. A name the view does not
+// know makes it ask the source once (an edge that joined since the last
+// round), at most every refreshEvery.
+func (w *Watcher) Edge(ctx context.Context, name string) (edgeapi.Edge, error) {
+	w.mu.RLock()
+	n := w.nodes[name]
+	stale := time.Since(w.lastRefresh) > refreshEvery
+	w.mu.RUnlock()
+	if n == nil && stale {
+		w.refresh(ctx)
+		w.mu.RLock()
+		n = w.nodes[name]
+		w.mu.RUnlock()
+	}
+	if n == nil {
+		return nil, errdefs.NotFound("unknown node %s", name)
+	}
+	return n.member.Edge, nil
+}
+
+// Edges returns every known edge (for calls that span nodes), with
+// whether the watcher counts it as up.
+func (w *Watcher) Edges() []Target {
+	now := time.Now()
+	w.mu.RLock()
+	defer w.mu.RUnlock()
+	out := make([]Target, 0, len(w.nodes))
+	for name, n := range w.nodes {
+		out = append(out, Target{Name: name, Edge: n.member.Edge, Down: w.down(n, now)})
+	}
+	slices.SortFunc(out, func(a, b Target) int {
+		switch {
+		case a.Name < b.Name:
+			return -1
+		case a.Name > b.Name:
+			return 1
+		}
+		return 0
+	})
+	return out
+}
+
+// down says whether n failed its recent polls (whatever the registry
+// says): a fan-out skips it instead of waiting on it.
+// Preconditions: w.mu held.
+func (w *Watcher) down(n *node, now time.Time) bool {
+	if !n.polled {
+		return n.lastErr != nil
+	}
+	return n.fails >= 2 || now.Sub(n.lastOK) > w.cfg.DownAfter
+}
+
+// Target is one edge of a fan-out.
+type Target struct {
+	Name string
+	Edge edgeapi.Edge
+	// Down: recent polls failed; the fan-out reports it unreachable
+	// rather than wait for it.
+	Down bool
+}

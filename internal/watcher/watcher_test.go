@@ -1,0 +1,174 @@
+package watcher
+
+import (
+	"context"
+	"errors"
+	"net/http/httptest"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/dsecproject/dsec/internal/edgeapi"
+	"github.com/dsecproject/dsec/internal/edgeapi/edgetest"
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+// registry is a Source the test edits.
+type registry struct {
+	mu  sync.Mutex
+	m   map[string]Member
+	err error
+}
+
+func (r *registry) Members(context.Context) (map[string]Member, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.err != nil {
+		return nil, r.err
+	}
+	out := map[string]Member{}
+	for k, v := range r.m {
+		out[k] = v
+	}
+	return out, nil
+}
+
+func (r *registry) set(name string, m *Member) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if m == nil {
+		delete(r.m, name)
+		return
+	}
+	r.m[name] = *m
+}
+
+func served(t *testing.T, name string) (*edgeapi.Client, *httptest.Server) {
+	t.Helper()
+	srv := httptest.NewServer(edgeapi.NewServer(edgetest.NewFake(name), nil))
+	t.Cleanup(srv.Close)
+	return edgeapi.NewClient(name, srv.URL, srv.Client()), srv
+}
+
+func view(w *Watcher, name string) (View, bool) {
+	for _, v := range w.Snapshot() {
+		if v.Name == name {
+			return v, true
+		}
+	}
+	return View{}, false
+}
+
+func TestWatcherHealth(t *testing.T) {
+	a, _ := served(t, "a")
+	b, bsrv := served(t, "b")
+	reg := &registry{m: map[string]Member{"a": {Edge: a, Address: "x"}, "b": {Edge: b}}}
+	w := New(reg, Config{DownAfter: time.Hour, ForgetAfter: time.Hour})
+	ctx := t.Context()
+
+	if v, ok := view(w, "a"); ok {
+		t.Fatalf("known before any round: %+v", v)
+	}
+	w.Sync(ctx)
+	for _, n := range []string{"a", "b"} {
+		if v, _ := view(w, n); !v.Healthy || v.LastSeen == nil || v.Counts == nil {
+			t.Fatalf("%s after a round: %+v", n, v)
+		}
+	}
+	if v, _ := view(w, "a"); v.Address != "x" {
+		t.Fatalf("address %q", v.Address)
+	}
+
+	// b dies: two failed polls make it unhealthy, and a fan-out skips it.
+	bsrv.Close()
+	w.Sync(ctx)
+	if v, _ := view(w, "b"); !v.Healthy {
+		t.Fatalf("one missed poll is not enough: %+v", v)
+	}
+	w.Sync(ctx)
+	if v, _ := view(w, "b"); v.Healthy || v.Unhealthy == "" {
+		t.Fatalf("two missed polls: %+v", v)
+	}
+	for _, tg := range w.Edges() {
+		if tg.Down != (tg.Name == "b") {
+			t.Fatalf("fan-out target %s down=%v", tg.Name, tg.Down)
+		}
+	}
+
+	// A call that could not reach a marks it at once; a good poll clears it.
+	w.MarkFailed("a", errors.New("connection refused"))
+	if v, _ := view(w, "a"); v.Healthy {
+		t.Fatalf("marked failed but healthy")
+	}
+	w.Sync(ctx)
+	if v, _ := view(w, "a"); !v.Healthy {
+		t.Fatalf("a good poll did not clear the mark: %+v", v)
+	}
+
+	// a leaves the registry (its lease lapsed) but still answers: not
+	// placed on, still routed.
+	reg.set("a", nil)
+	w.Sync(ctx)
+	v, _ := view(w, "a")
+	if v.Healthy {
+		t.Fatalf("unlisted node placed on: %+v", v)
+	}
+	if e, err := w.Edge(ctx, "a"); err != nil || e != a {
+		t.Fatalf("unlisted but alive node not routed: %v", err)
+	}
+	// The registry failing keeps the view as it was.
+	reg.err = errdefs.Unavailable("etcd down")
+	w.Sync(ctx)
+	if _, ok := view(w, "b"); !ok {
+		t.Fatalf("a failing registry emptied the view")
+	}
+}
+
+func TestWatcherDownAfterAndForget(t *testing.T) {
+	a, asrv := served(t, "a")
+	reg := &registry{m: map[string]Member{"a": {Edge: a}}}
+	w := New(reg, Config{DownAfter: 50 * time.Millisecond, ForgetAfter: 100 * time.Millisecond})
+	ctx := t.Context()
+	w.Sync(ctx)
+	time.Sleep(80 * time.Millisecond)
+	if v, _ := view(w, "a"); v.Healthy {
+		t.Fatalf("no good poll for longer than DownAfter, still healthy: %+v", v)
+	}
+	asrv.Close()
+	reg.set("a", nil)
+	w.Sync(ctx)
+	time.Sleep(150 * time.Millisecond)
+	w.Sync(ctx)
+	if _, ok := view(w, "a"); ok {
+		t.Fatalf("an unlisted node that does not answer was not forgotten")
+	}
+	if _, err := w.Edge(ctx, "a"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("routing to a forgotten node: %v", err)
+	}
+}
+
+// TestWatcherRoutesANewEdge: an edge that joined since the last round is
+// found by the routing lookup itself.
+func TestWatcherRoutesANewEdge(t *testing.T) {
+	reg := &registry{m: map[string]Member{}}
+	w := New(reg, Config{})
+	w.Sync(t.Context())
+	c, _ := served(t, "late")
+	reg.set("late", &Member{Edge: c})
+	time.Sleep(2 * refreshEvery)
+	if e, err := w.Edge(t.Context(), "late"); err != nil || e != c {
+		t.Fatalf("new edge not routed: %v", err)
+	}
+}
+
+// TestWatcherWrongName: an address now answered by another edge is not
+// taken for the registered one.
+func TestWatcherWrongName(t *testing.T) {
+	imposter, _ := served(t, "other")
+	reg := &registry{m: map[string]Member{"a": {Edge: imposter}}}
+	w := New(reg, Config{})
+	w.Sync(t.Context())
+	if v, _ := view(w, "a"); v.Healthy {
+		t.Fatalf("an edge answering with another name is healthy: %+v", v)
+	}
+}
