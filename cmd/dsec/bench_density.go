@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/dsecproject/dsec/internal/cgroup"
 	"io"
 	"net/http"
 	"os"
@@ -19,6 +18,9 @@ import (
 	"syscall"
 	"text/tabwriter"
 	"time"
+
+	"github.com/dsecproject/dsec/internal/cgroup"
+	"github.com/dsecproject/dsec/internal/edge/host"
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/mountinfo"
@@ -490,7 +492,7 @@ func (d *densityRun) sample(ctx context.Context) hostSample {
 		abs, _ := filepath.Abs(d.o.stateDir)
 		s.mounts, s.ourMounts = countMounts(string(mi), abs, d.ids)
 	}
-	parent := cgroupParent(d.node.Name, d.o.stateDir)
+	parent := host.CgroupParent(d.node.Name, d.o.stateDir)
 	if d.o.memoryCgroup == api.MemoryCgroupShared {
 		parent += "-shared" // edge/cgroups.go
 	}

@@ -1,9 +1,10 @@
 package main
 
 import (
-	"github.com/dsecproject/dsec/internal/mountinfo"
 	"strings"
 	"testing"
+
+	"github.com/dsecproject/dsec/internal/mountinfo"
 )
 
 func TestParseMeminfo(t *testing.T) {

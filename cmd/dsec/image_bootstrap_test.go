@@ -1,12 +1,13 @@
 package main
 
 import (
-	"github.com/dsecproject/dsec/internal/mountinfo"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/dsecproject/dsec/internal/mountinfo"
 )
 
 func TestParseBootstrap(t *testing.T) {

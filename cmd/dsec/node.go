@@ -1,0 +1,149 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/dsecproject/dsec/internal/edge"
+	"github.com/dsecproject/dsec/internal/edge/host"
+	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/netpolicy"
+	"github.com/dsecproject/dsec/internal/sandbox"
+)
+
+// nodeConfig is what `dsec up` and `dsec edge` are told about the node.
+type nodeConfig struct {
+	stateDir     string
+	nodeName     string
+	runtime      string
+	maxSandboxes int
+	maxPaused    time.Duration
+	snapLabels   kvFlag
+	snapDepth    int
+	network      string
+	sandboxCIDR  string
+	dnsUpstream  string
+	netPresets   string
+	diskQuota    string
+	usernsBase   uint
+	poolMax      int
+	poolMin      int
+	cgroupPool   int
+	dynMods      bool
+	runtimeExec  bool
+	launcher     string
+	netnsPool    int
+	sharedMemMB  int64
+	labels       map[string]string
+}
+
+// register defines the node flags on f (state dir and node name are the
+// caller's: their defaults differ).
+func (c *nodeConfig) register(f *cmdFlags) {
+	f.StringVar(&c.runtime, "runtime", "auto", "OCI runtime: auto (crun, else runc), crun or runc")
+	f.IntVar(&c.maxSandboxes, "max-sandboxes", 4096, "admission limit of live sandboxes on this node")
+	f.DurationVar(&c.maxPaused, "max-paused", 0, "stop sandboxes paused longer than this (e.g. 24h; 0 = never)")
+	c.snapLabels = kvFlag{}
+	f.Var(c.snapLabels, "snapshot-label", "allow snapshots only of sandboxes with label `k=v` (repeatable; builder/runtime separation)")
+	f.IntVar(&c.snapDepth, "snapshot-depth", edge.DefaultSnapshotDepth, "snapshot layers that may stack under a sandbox; a deeper snapshot merges the chain into one layer")
+	f.StringVar(&c.network, "network", "auto", "sandbox egress: auto (on where nft and nftables work), on, or off (every sandbox loopback-only)")
+	f.StringVar(&c.sandboxCIDR, "sandbox-cidr", netpolicy.DefaultPool.String(), "address pool of sandbox veths (a /30 each; two edges on one host need two pools)")
+	f.StringVar(&c.dnsUpstream, "dns-upstream", "", "DNS servers (host:port, comma-separated) the edge's DNS proxy asks for permitted names (default: the host's /etc/resolv.conf)")
+	f.StringVar(&c.netPresets, "net-presets", "", "JSON file of network presets {\"name\": {\"domains\": [...], \"ports\": [\"443/tcp\"]}}, added to (and overriding) the built-in pypi, npm, github, debian, goproxy")
+	f.StringVar(&c.diskQuota, "disk-quota", "auto", "how disk_mb is enforced: loop (a sparse ext4 disk per sandbox that asks for one), off (disk_mb refused), auto (loop where mkfs.ext4 and loop devices exist)")
+	f.IntVar(&c.poolMax, "warm-pool-max", 8, "most ready sandboxes kept per environment class for fast creates and fncall (pools follow demand; 0 = no pools)")
+	f.IntVar(&c.poolMin, "warm-pool-min", 0, "fewest ready sandboxes kept per environment class created in the last 5 minutes, whatever its demand (not above --warm-pool-max; each class then costs that many idle sandboxes)")
+	f.IntVar(&c.cgroupPool, "cgroup-pool", 1024, "most emptied sandbox cgroups kept for reuse by the next sandboxes (creating and removing a cgroup costs more than resetting one; 0 = a new cgroup per sandbox)")
+	f.BoolVar(&c.dynMods, "cgroup-favordynmods", true, "remount the cgroup tree with favordynmods so that moving a sandbox's processes into its cgroup does not wait for an RCU grace period (the setting outlives dsec; false leaves the host's mount as it is)")
+	f.BoolVar(&c.runtimeExec, "runtime-exec", false, "enter sandboxes for exec and sessions through the OCI runtime's exec instead of dsec's own exec helper (docs/operating.md has the costs); builds without cgo always do")
+	f.StringVar(&c.launcher, "launcher", "auto", "what starts sandboxes: dsec (its own launcher: the runtime's mounts, namespaces, cgroups and seccomp without a runtime process), runtime (the OCI runtime's run), or auto (dsec where it can: root, cgo, the exec helper; user-namespace sandboxes always use the runtime)")
+	f.IntVar(&c.netnsPool, "netns-pool", 1024, "fresh network namespaces dsec's launcher keeps ready (at most --max-sandboxes), made in the background once creates and deletes pause: a create joins one instead of making one (0 = none)")
+	f.Int64Var(&c.sharedMemMB, "shared-memory-mb", 0, "memory limit of all memory_cgroup \"shared\" sandboxes together, in MiB (they have none each; past it the kernel's OOM killer picks among them); 0 = no limit")
+	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of user-namespace sandboxes (spec userns: true), which get 65536 ids from it; 0 refuses userns")
+}
+
+// check validates the node flags before anything is touched.
+func (c *nodeConfig) check() error {
+	switch c.launcher {
+	case "auto", "dsec", "runtime":
+	default:
+		return fmt.Errorf("--launcher %q: want auto, dsec or runtime", c.launcher)
+	}
+	if c.usernsBase > 1<<32-1-edge.UserNSSize {
+		return fmt.Errorf("--userns-base %d: too large (the range must end below 2^32-1)", c.usernsBase)
+	}
+	if c.usernsBase != 0 && c.usernsBase < 1<<16 {
+		return fmt.Errorf("--userns-base %d: must be 65536 or more, clear of the host's own users", c.usernsBase)
+	}
+	if c.netnsPool < 0 || c.netnsPool > 1<<16 {
+		return fmt.Errorf("--netns-pool %d: want 0 to 65536", c.netnsPool)
+	}
+	if c.sharedMemMB < 0 || (c.sharedMemMB > 0 && c.sharedMemMB < 64) {
+		return fmt.Errorf("--shared-memory-mb %d: want 0 (no limit) or at least 64", c.sharedMemMB)
+	}
+	if c.poolMax < 0 || c.poolMin < 0 || c.poolMin > c.poolMax {
+		return fmt.Errorf("--warm-pool-min %d, --warm-pool-max %d: want 0 <= min <= max", c.poolMin, c.poolMax)
+	}
+	if c.cgroupPool < 0 {
+		return fmt.Errorf("--cgroup-pool %d: want 0 or more", c.cgroupPool)
+	}
+	if c.snapDepth < 1 {
+		return fmt.Errorf("--snapshot-depth %d: want at least 1", c.snapDepth)
+	}
+	if c.maxSandboxes < 1 {
+		return fmt.Errorf("--max-sandboxes %d: want at least 1", c.maxSandboxes)
+	}
+	for k, v := range c.labels {
+		if err := sandbox.ValidateLabel(k, v); err != nil {
+			return fmt.Errorf("--node-labels: %v", err)
+		}
+	}
+	return nil
+}
+
+// startEdge prepares the host and starts an edge on it with edgeDir as its
+// state directory, taking layers from layers (which also builds its
+// snapshots). On failure nothing of it is left running.
+func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.Store, log *slog.Logger, reg prometheus.Registerer) (*edge.Edge, *host.Host, error) {
+	h, err := host.Open(host.Config{
+		StateDir: c.stateDir, NodeName: c.nodeName, MaxSandboxes: c.maxSandboxes,
+		Runtime: c.runtime, Launcher: c.launcher, RuntimeExec: c.runtimeExec, DynMods: c.dynMods,
+		CgroupPool: c.cgroupPool, NetnsPool: c.netnsPool,
+		Network: c.network, SandboxCIDR: c.sandboxCIDR, DNSUpstream: c.dnsUpstream, NetPresets: c.netPresets,
+		DiskQuota: c.diskQuota,
+	}, log, reg)
+	if err != nil {
+		return nil, nil, err
+	}
+	ed, err := edge.New(edge.Config{
+		Name: c.nodeName, StateDir: edgeDir, Labels: c.labels,
+		MaxSandboxes: c.maxSandboxes, Policy: sandbox.DefaultPolicy(),
+		CgroupParent: h.CgroupParent, MaxPaused: c.maxPaused,
+		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth, DiskQuota: h.DiskQuota,
+		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax, PoolMin: c.poolMin, CgroupPool: c.cgroupPool, SharedMemoryMB: c.sharedMemMB,
+		BundleDir: h.BundleDir(),
+	}, edge.Deps{
+		Backend: h.Backend, BlobPath: layers.BlobPath, Cgroups: h.Cgroups, Log: log,
+		Metrics: edge.NewMetrics(reg), Runtime: h.Runtime, Launcher: h.Backend.Launcher(), Layers: layers, Net: h.Net,
+	})
+	if err != nil {
+		if h.Net != nil {
+			h.Net.Close()
+		}
+		h.Close()
+		return nil, nil, err
+	}
+	if err := ed.Start(ctx); err != nil {
+		if h.Net != nil {
+			h.Net.Close()
+		}
+		h.Close()
+		return nil, nil, err
+	}
+	log.Info("edge ready", "node", c.nodeName, "runtime", h.Runtime, "state_dir", c.stateDir, "cgroup_parent", h.CgroupParent)
+	return ed, h, nil
+}

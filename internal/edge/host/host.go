@@ -1,0 +1,367 @@
+// Package host prepares a machine to run sandboxes and returns what the
+// edge needs of it: it probes cgroups (and prepares a hybrid host for
+// crun), picks the OCI runtime, starts the container backend (dsec's
+// launcher or the runtime's), sets up sandbox networking and the disk
+// quota mode, and keeps the runtime's state on a tmpfs. `dsec up` and
+// `dsec edge` both call it; an apiserver never does.
+package host
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"unsafe"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/internal/cgroup"
+	"github.com/dsecproject/dsec/internal/edge"
+	"github.com/dsecproject/dsec/internal/netpolicy"
+	"github.com/dsecproject/dsec/internal/sandbox/container"
+)
+
+// Config is what the operator says about the host (the node flags of
+// dsec up and dsec edge).
+type Config struct {
+	// StateDir holds the runtime's state, the pinned runtime binary and
+	// mask files; NodeName names the instance's cgroups.
+	StateDir, NodeName string
+	MaxSandboxes       int
+	// Runtime is auto, crun or runc; Launcher auto, dsec or runtime.
+	Runtime, Launcher string
+	RuntimeExec       bool
+	DynMods           bool
+	CgroupPool        int
+	NetnsPool         int
+	// Network is auto, on or off; SandboxCIDR the veth address pool;
+	// DNSUpstream comma-separated servers; NetPresets a JSON file.
+	Network, SandboxCIDR, DNSUpstream, NetPresets string
+	// DiskQuota is auto, loop or off.
+	DiskQuota string
+}
+
+// Host is a prepared machine.
+type Host struct {
+	Cgroups *cgroup.Info
+	// Runtime is the OCI runtime chosen (crun or runc).
+	Runtime string
+	Backend *container.Container
+	// Net runs sandbox networking; nil when it is off.
+	Net *netpolicy.Manager
+	// DiskQuota is edge.DiskLoop or edge.DiskOff.
+	DiskQuota string
+	// RunDir is <state>/runtime (on a tmpfs when runDirTmpfs).
+	RunDir       string
+	CgroupParent string
+	runDirTmpfs  bool
+	log          *slog.Logger
+}
+
+// Open prepares the host. It needs root. On failure it leaves nothing of
+// its own behind (the host preparations it logs stay: they are the
+// host's settings, such as a cgroup remount).
+func Open(c Config, log *slog.Logger, reg prometheus.Registerer) (*Host, error) {
+	if os.Geteuid() != 0 {
+		return nil, errors.New("needs root: it mounts EROFS layers and overlayfs and runs OCI containers")
+	}
+	switch c.Launcher {
+	case "auto", "dsec", "runtime":
+	default:
+		return nil, fmt.Errorf("--launcher %q: want auto, dsec or runtime", c.Launcher)
+	}
+	raiseNoFile(log)
+	logCoreScheduling(log)
+	if err := os.MkdirAll(c.StateDir, 0o700); err != nil {
+		return nil, fmt.Errorf("creating state dir: %w", err)
+	}
+	cg, err := cgroup.Detect()
+	if err != nil {
+		return nil, fmt.Errorf("probing cgroups: %w", err)
+	}
+	log.Info("cgroups", "mode", cg.Mode.String(), "v2_controllers", strings.Join(cg.UnifiedControllers, ","))
+	if c.DynMods {
+		switch changed, err := cg.FavorDynMods(); {
+		case err != nil:
+			log.Warn("could not turn on cgroup favordynmods; creates and execs wait for RCU grace periods", "err", err)
+		case changed:
+			log.Info("remounted the cgroup tree with favordynmods (cgroup migrations no longer wait for RCU; it stays after dsec exits)")
+		}
+	}
+	rt, err := chooseRuntime(c.Runtime, cg, log)
+	if err != nil {
+		return nil, err
+	}
+	h := &Host{Cgroups: cg, Runtime: rt, RunDir: filepath.Join(c.StateDir, "runtime"),
+		CgroupParent: CgroupParent(c.NodeName, c.StateDir), log: log}
+	h.runDirTmpfs, err = mountRunDir(h.RunDir, runDirSize(c.MaxSandboxes), log)
+	if err != nil {
+		return nil, err
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			h.Close()
+		}
+	}()
+	h.Backend, err = container.New(container.Config{
+		Runtime:     rt,
+		StateRoot:   filepath.Join(h.RunDir, rt),
+		PinPath:     filepath.Join(c.StateDir, "bin", rt),
+		MaskDir:     filepath.Join(c.StateDir, "mask"),
+		CgroupNS:    cg.Mode == cgroup.V2,
+		Cgroups:     cg,
+		KeepCgroups: c.CgroupPool > 0,
+		RuntimeExec: c.RuntimeExec,
+		Native:      c.Launcher != "runtime",
+		NetnsPool:   min(c.NetnsPool, c.MaxSandboxes),
+		Log:         log,
+	})
+	if err != nil {
+		return nil, err
+	}
+	log.Info("exec path", "via", h.Backend.ExecPath())
+	switch launcher, why := h.Backend.LauncherWhy(); {
+	case launcher == "dsec":
+		log.Info("sandbox launcher", "via", launcher, "netns_pool", min(c.NetnsPool, c.MaxSandboxes))
+		if reg != nil {
+			b := h.Backend
+			reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+				Name: "dsec_netns_pool_free",
+				Help: "Fresh network namespaces ready for dsec's launcher (--netns-pool).",
+			}, func() float64 {
+				free, _ := b.NetnsPool()
+				return float64(free)
+			}))
+		}
+		if err := h.Backend.SharedSysfsErr(); err != nil {
+			log.Warn("no shared sysfs: every sandbox mounts a sysfs of its own (one more superblock each)", "err", err)
+		}
+	case c.Launcher == "dsec":
+		return nil, fmt.Errorf("--launcher dsec: dsec's launcher cannot run here: %s", why)
+	default:
+		log.Info("sandbox launcher", "via", launcher, "not_dsec_because", why)
+	}
+	if pinned, err := h.Backend.Pinned(); !pinned {
+		log.Warn("runtime binary not pinned read-only; the runtime clones itself on every call (~3-5 ms)", "err", err)
+	}
+	if h.Net, err = newNetwork(c, log); err != nil {
+		return nil, err
+	}
+	if h.DiskQuota, err = diskQuotaMode(c.DiskQuota, log); err != nil {
+		return nil, err
+	}
+	ok = true
+	return h, nil
+}
+
+// BundleDir is where bundles wait for the runtime (on the run dir's tmpfs).
+func (h *Host) BundleDir() string { return filepath.Join(h.RunDir, "bundles") }
+
+// Close stops the backend and unmounts the run dir's tmpfs when no
+// sandbox keeps state in it. Close the edge first.
+func (h *Host) Close() {
+	if h.Backend != nil {
+		h.Backend.Close()
+	}
+	if h.runDirTmpfs {
+		unmountRunDir(h.RunDir, filepath.Join(h.RunDir, h.Runtime), h.log)
+	}
+}
+
+// chooseRuntime picks crun where it can run (preparing a hybrid cgroup host
+// for it, which is logged), runc otherwise.
+func chooseRuntime(want string, cg *cgroup.Info, log *slog.Logger) (string, error) {
+	has := func(b string) bool { _, err := exec.LookPath(b); return err == nil }
+	switch want {
+	case "runc":
+		if !has("runc") {
+			return "", errors.New("runtime runc not found (apt-get install runc)")
+		}
+		return "runc", nil
+	case "crun", "auto":
+	default:
+		return "", fmt.Errorf("--runtime %q: want auto, crun or runc", want)
+	}
+	if !has("crun") {
+		if want == "crun" || !has("runc") {
+			return "", errors.New("no OCI runtime found (apt-get install crun runc)")
+		}
+		log.Info("crun not installed; using runc")
+		return "runc", nil
+	}
+	ok, why := cg.CrunCompatible()
+	if !ok {
+		log.Warn("crun cannot run on this cgroup layout as is; preparing the host", "reason", why)
+		actions, err := cg.PrepareForCrun()
+		for _, a := range actions {
+			log.Warn("host preparation for crun", "action", a)
+		}
+		if err != nil {
+			if want == "crun" || !has("runc") {
+				return "", fmt.Errorf("preparing cgroups for crun: %w", err)
+			}
+			log.Warn("falling back to runc", "err", err)
+			return "runc", nil
+		}
+		if ok, why = cg.CrunCompatible(); !ok {
+			if want == "crun" || !has("runc") {
+				return "", fmt.Errorf("crun still cannot run after host preparation: %s", why)
+			}
+			log.Warn("falling back to runc", "reason", why)
+			return "runc", nil
+		}
+	}
+	return "crun", nil
+}
+
+// CgroupParent names this instance's parent cgroup. It is unique per state
+// dir, because recovery reaps every child of the parent that is not one of
+// its own sandboxes: two daemons on one host (tests, several edges) must
+// never share one.
+func CgroupParent(node, stateDir string) string {
+	abs, err := filepath.Abs(stateDir)
+	if err != nil {
+		abs = stateDir
+	}
+	sum := sha256.Sum256([]byte(abs))
+	return "/dsec/" + node + "-" + hex.EncodeToString(sum[:4])
+}
+
+// newNetwork sets up sandbox egress, or returns nil (loopback-only
+// sandboxes) when it is off or, in auto mode, unavailable.
+func newNetwork(c Config, log *slog.Logger) (*netpolicy.Manager, error) {
+	switch c.Network {
+	case "off":
+		log.Info("sandbox networking off: every sandbox is loopback-only")
+		return nil, nil
+	case "auto", "on":
+	default:
+		return nil, fmt.Errorf("--network %q: want auto, on or off", c.Network)
+	}
+	if _, err := exec.LookPath("nft"); err != nil {
+		if c.Network == "on" {
+			return nil, errors.New("--network on: nft not found (apt-get install nftables)")
+		}
+		log.Warn("sandbox networking unavailable: nft not found (apt-get install nftables); sandboxes are loopback-only")
+		return nil, nil
+	}
+	pool, err := netip.ParsePrefix(c.SandboxCIDR)
+	if err != nil {
+		return nil, fmt.Errorf("--sandbox-cidr %q: %w", c.SandboxCIDR, err)
+	}
+	presets := netpolicy.DefaultPresets()
+	if c.NetPresets != "" {
+		b, err := os.ReadFile(c.NetPresets)
+		if err != nil {
+			return nil, fmt.Errorf("--net-presets: %w", err)
+		}
+		var extra map[string]netpolicy.Preset
+		if err := json.Unmarshal(b, &extra); err != nil {
+			return nil, fmt.Errorf("--net-presets %s: %w", c.NetPresets, err)
+		}
+		maps.Copy(presets, extra)
+	}
+	var ups []string
+	if c.DNSUpstream != "" {
+		for _, u := range strings.Split(c.DNSUpstream, ",") {
+			u = strings.TrimSpace(u)
+			if _, _, err := net.SplitHostPort(u); err != nil {
+				u = net.JoinHostPort(u, "53")
+			}
+			ups = append(ups, u)
+		}
+	} else {
+		ups = netpolicy.UpstreamsFromResolvConf("/etc/resolv.conf")
+	}
+	m, err := netpolicy.New(netpolicy.Config{
+		Instance: InstanceID(c.StateDir), Pool: pool, Upstreams: ups, Presets: presets, Log: log,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// diskQuotaMode resolves --disk-quota.
+func diskQuotaMode(want string, log *slog.Logger) (string, error) {
+	_, mkfsErr := exec.LookPath("mkfs.ext4")
+	_, loopErr := os.Stat("/dev/loop-control")
+	switch want {
+	case "off":
+		return edge.DiskOff, nil
+	case "loop", "auto":
+		if mkfsErr == nil && loopErr == nil {
+			return edge.DiskLoop, nil
+		}
+		why := "mkfs.ext4 not found (apt-get install e2fsprogs)"
+		if loopErr != nil {
+			why = "no /dev/loop-control (modprobe loop)"
+		}
+		if want == "loop" {
+			return "", fmt.Errorf("--disk-quota loop: %s", why)
+		}
+		log.Warn("disk_mb unavailable: "+why+"; sandboxes asking for it are refused", "disk_quota", "off")
+		return edge.DiskOff, nil
+	}
+	return "", fmt.Errorf("--disk-quota %q: want auto, loop or off", want)
+}
+
+// InstanceID tells this instance's host-wide objects (nftables table, veth
+// names) from another instance's: derived from the state dir, like the
+// cgroup parent.
+func InstanceID(stateDir string) string {
+	abs, err := filepath.Abs(stateDir)
+	if err != nil {
+		abs = stateDir
+	}
+	sum := sha256.Sum256([]byte(abs))
+	return hex.EncodeToString(sum[:3])[:5]
+}
+
+// logCoreScheduling says whether LS sandboxes could get core scheduling
+// (SMT siblings never shared with another sandbox). dsec does not apply it
+// yet; on a kernel without CONFIG_SCHED_CORE there is nothing to apply.
+func logCoreScheduling(log *slog.Logger) {
+	var cookie uint64
+	// PR_SCHED_CORE_GET on ourselves: EINVAL when the kernel lacks it.
+	err := unix.Prctl(unix.PR_SCHED_CORE, unix.PR_SCHED_CORE_GET, 0, 0 /* PIDTYPE_PID */, uintptr(unsafe.Pointer(&cookie)))
+	if err != nil {
+		log.Info("core scheduling unavailable on this kernel (CONFIG_SCHED_CORE); qos ls sandboxes may share SMT siblings with be ones", "err", err)
+		return
+	}
+	log.Info("core scheduling available but not applied by this release")
+}
+
+// raiseNoFile lifts the soft open-files limit to the hard one: the edge
+// holds pipes and fds for many sandboxes at once.
+func raiseNoFile(log *slog.Logger) {
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		return
+	}
+	want := lim
+	if b, err := os.ReadFile("/proc/sys/fs/nr_open"); err == nil {
+		var n uint64
+		if _, err := fmt.Sscan(string(b), &n); err == nil && n > want.Max {
+			want.Max = n
+		}
+	}
+	want.Cur = want.Max
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &want); err != nil {
+		want.Max = lim.Max
+		want.Cur = lim.Max
+		_ = unix.Setrlimit(unix.RLIMIT_NOFILE, &want)
+	}
+	log.Debug("open files limit", "limit", want.Cur)
+}
