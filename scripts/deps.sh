@@ -26,6 +26,8 @@ if [ "${1:-}" = --test ]; then
 	# other tools produce.
 	[ -x /usr/bin/docker-registry ] || need+=(docker-registry)
 	have skopeo || need+=(skopeo)
+	# A real etcd for the store contract and the cluster suite.
+	have etcd || need+=(etcd-server)
 fi
 
 if [ ${#need[@]} -gt 0 ]; then

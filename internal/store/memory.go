@@ -2,6 +2,8 @@ package store
 
 import (
 	"bytes"
+	"context"
+	"time"
 	"sort"
 	"strings"
 	"sync"
@@ -112,6 +114,21 @@ func (m *memory) List(bucket, prefix string) ([]KV, error) {
 
 // Close implements Store.
 func (m *memory) Close() error { return nil }
+
+// Hold implements Leaser: the key lives until ctx ends (a memory store
+// has no holder to lose).
+func (m *memory) Hold(ctx context.Context, bucket, key string, val []byte, ttl time.Duration) (<-chan struct{}, error) {
+	if err := m.Create(bucket, key, val); err != nil {
+		return nil, err
+	}
+	lost := make(chan struct{})
+	go func() {
+		<-ctx.Done()
+		_ = m.Delete(bucket, key)
+		close(lost)
+	}()
+	return lost, nil
+}
 
 // set stores a copy of val; a nil val is stored as empty, so it reads back
 // as present.

@@ -6,7 +6,12 @@
 // local disk.
 package store
 
-import "github.com/dsecproject/dsec/internal/errdefs"
+import (
+	"context"
+	"time"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
 
 // KV is one key and its value.
 type KV struct {
@@ -38,6 +43,17 @@ type Store interface {
 	List(bucket, prefix string) ([]KV, error)
 	// Close releases the store.
 	Close() error
+}
+
+// Leaser is implemented by stores whose keys can be bound to the life of
+// the process that wrote them (etcd leases): the node registry.
+type Leaser interface {
+	// Hold creates key with val (errdefs.ErrAlreadyExists if it exists)
+	// and keeps it while ctx lasts and the store hears from the holder at
+	// least every ttl. The returned channel closes once the key is gone:
+	// ctx ended (the key is then removed) or the lease was lost (the
+	// holder was cut off from the store for longer than ttl).
+	Hold(ctx context.Context, bucket, key string, val []byte, ttl time.Duration) (lost <-chan struct{}, err error)
 }
 
 // checkName rejects the names no backend can store: bbolt refuses empty keys

@@ -3,12 +3,14 @@
 package storetest
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/store"
@@ -301,4 +303,44 @@ func testConcurrentCreate(t *testing.T, s store.Store) {
 	if wins.Load() != 1 || conflicts.Load() != workers-1 {
 		t.Fatalf("Create race: %d wins, %d conflicts; want 1 and %d", wins.Load(), conflicts.Load(), workers-1)
 	}
+}
+
+// RunLeaser runs the contract of store.Leaser against stores made by open.
+func RunLeaser(t *testing.T, open func() store.Store) {
+	s := open()
+	t.Cleanup(func() { _ = s.Close() })
+	l, ok := s.(store.Leaser)
+	if !ok {
+		t.Fatalf("%T does not implement store.Leaser", s)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	lost, err := l.Hold(ctx, "nodes", "n1", []byte("a"), 3*time.Second)
+	if err != nil {
+		t.Fatalf("Hold: %v", err)
+	}
+	wantValue(t, s, "nodes", "n1", "a")
+	if _, err := l.Hold(t.Context(), "nodes", "n1", []byte("b"), 3*time.Second); !errors.Is(err, errdefs.ErrAlreadyExists) {
+		t.Fatalf("second Hold of a held key: %v, want ErrAlreadyExists", err)
+	}
+	wantValue(t, s, "nodes", "n1", "a")
+	select {
+	case <-lost:
+		t.Fatal("lease lost while held")
+	case <-time.After(4 * time.Second): // longer than the ttl: renewals work
+	}
+	wantValue(t, s, "nodes", "n1", "a")
+	cancel()
+	select {
+	case <-lost:
+	case <-time.After(10 * time.Second):
+		t.Fatal("lost not closed after the holder's ctx ended")
+	}
+	wantNotFound(t, s, "nodes", "n1")
+	// Released: another holder may take it.
+	ctx2, cancel2 := context.WithCancel(t.Context())
+	defer cancel2()
+	if _, err := l.Hold(ctx2, "nodes", "n1", []byte("c"), 3*time.Second); err != nil {
+		t.Fatalf("Hold after release: %v", err)
+	}
+	wantValue(t, s, "nodes", "n1", "c")
 }

@@ -1,0 +1,308 @@
+package store
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+// EtcdConfig says how to reach an etcd cluster.
+type EtcdConfig struct {
+	Endpoints []string
+	// Prefix namespaces every key ("/dsec/" if empty), so that one etcd
+	// can serve several clusters (and tests).
+	Prefix string
+	// TLS, if not nil, is used to reach etcd.
+	TLS *tls.Config
+	// DialTimeout bounds the first connection (default 5 s); OpTimeout
+	// bounds each operation (default 3 s). An etcd without quorum makes
+	// operations fail after OpTimeout, classified unavailable.
+	DialTimeout, OpTimeout time.Duration
+	Log                    *slog.Logger
+}
+
+// Etcd is a Store in an etcd cluster: the control plane of a multi-process
+// dsec (`dsec server`, `dsec edge`). Keys are <prefix><bucket>/<key>.
+// Update is a compare-and-set loop on the key's revision, so concurrent
+// apiservers never lose each other's writes. Reads are linearizable: an
+// etcd that has lost quorum answers nothing rather than old data.
+type Etcd struct {
+	c      *clientv3.Client
+	prefix string
+	opTO   time.Duration
+	log    *slog.Logger
+}
+
+var (
+	_ Store  = (*Etcd)(nil)
+	_ Leaser = (*Etcd)(nil)
+)
+
+// updateRetries bounds the compare-and-set attempts of one Update.
+const updateRetries = 64
+
+// OpenEtcd connects to etcd. It does not fail when etcd is down (the
+// client reconnects); the first operation does.
+func OpenEtcd(cfg EtcdConfig) (*Etcd, error) {
+	if len(cfg.Endpoints) == 0 {
+		return nil, errdefs.Invalid("etcd: no endpoints")
+	}
+	for _, ep := range cfg.Endpoints {
+		if strings.TrimSpace(ep) == "" {
+			return nil, errdefs.Invalid("etcd: empty endpoint in %q", strings.Join(cfg.Endpoints, ","))
+		}
+	}
+	if cfg.Prefix == "" {
+		cfg.Prefix = "/dsec/"
+	}
+	if !strings.HasSuffix(cfg.Prefix, "/") {
+		cfg.Prefix += "/"
+	}
+	if cfg.DialTimeout <= 0 {
+		cfg.DialTimeout = 5 * time.Second
+	}
+	if cfg.OpTimeout <= 0 {
+		cfg.OpTimeout = 3 * time.Second
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	c, err := clientv3.New(clientv3.Config{
+		Endpoints:   cfg.Endpoints,
+		DialTimeout: cfg.DialTimeout,
+		TLS:         cfg.TLS,
+		// Keepalives notice a dead member quickly, so that the client
+		// moves to another one.
+		DialKeepAliveTime:    2 * time.Second,
+		DialKeepAliveTimeout: 2 * time.Second,
+		Logger:               nil,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("connecting to etcd %s: %w", strings.Join(cfg.Endpoints, ","), err)
+	}
+	return &Etcd{c: c, prefix: cfg.Prefix, opTO: cfg.OpTimeout, log: cfg.Log}, nil
+}
+
+// Ping checks that etcd answers a linearizable read now.
+func (e *Etcd) Ping(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, e.opTO)
+	defer cancel()
+	_, err := e.c.Get(ctx, e.prefix+"ping")
+	return e.classify(err)
+}
+
+func (e *Etcd) key(bucket, key string) string { return e.prefix + bucket + "/" + key }
+
+func checkEtcdName(bucket, key string) error {
+	if err := checkName(bucket, key); err != nil {
+		return err
+	}
+	if strings.Contains(bucket, "/") {
+		return errdefs.Invalid("store: bucket name %q contains /", bucket)
+	}
+	return nil
+}
+
+// classify makes an etcd failure an errdefs class: anything that is not
+// the caller's fault is unavailable (no quorum, no member reachable,
+// timeout), which the API answers as 503.
+func (e *Etcd) classify(err error) error {
+	if err == nil {
+		return nil
+	}
+	if errors.Is(err, errdefs.ErrInvalid) || errors.Is(err, errdefs.ErrNotFound) || errors.Is(err, errdefs.ErrAlreadyExists) {
+		return err
+	}
+	return fmt.Errorf("%w: control-plane store (etcd) unreachable or without quorum: %v", errdefs.ErrUnavailable, err)
+}
+
+func (e *Etcd) ctx() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), e.opTO)
+}
+
+// Get implements Store.
+func (e *Etcd) Get(bucket, key string) ([]byte, error) {
+	if err := checkEtcdName(bucket, key); err != nil {
+		return nil, err
+	}
+	ctx, cancel := e.ctx()
+	defer cancel()
+	r, err := e.c.Get(ctx, e.key(bucket, key))
+	if err != nil {
+		return nil, e.classify(err)
+	}
+	if len(r.Kvs) == 0 {
+		return nil, errdefs.NotFound("%s/%s not found", bucket, key)
+	}
+	return nonNil(bytes.Clone(r.Kvs[0].Value)), nil
+}
+
+// Put implements Store.
+func (e *Etcd) Put(bucket, key string, val []byte) error {
+	if err := checkEtcdName(bucket, key); err != nil {
+		return err
+	}
+	ctx, cancel := e.ctx()
+	defer cancel()
+	_, err := e.c.Put(ctx, e.key(bucket, key), string(val))
+	return e.classify(err)
+}
+
+// Create implements Store: a transaction that writes only if the key has
+// never been created (create revision 0).
+func (e *Etcd) Create(bucket, key string, val []byte) error {
+	if err := checkEtcdName(bucket, key); err != nil {
+		return err
+	}
+	ctx, cancel := e.ctx()
+	defer cancel()
+	k := e.key(bucket, key)
+	r, err := e.c.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(k), "=", 0)).Then(clientv3.OpPut(k, string(val))).Commit()
+	if err != nil {
+		return e.classify(err)
+	}
+	if !r.Succeeded {
+		return errdefs.AlreadyExists("%s/%s already exists", bucket, key)
+	}
+	return nil
+}
+
+// Update implements Store: read, fn, then write only if the key's
+// revision is still the one read; on a conflict fn runs again.
+func (e *Etcd) Update(bucket, key string, fn func(old []byte) ([]byte, error)) error {
+	if err := checkEtcdName(bucket, key); err != nil {
+		return err
+	}
+	k := e.key(bucket, key)
+	for range updateRetries {
+		done, err := e.updateOnce(k, fn)
+		if err != nil || done {
+			return err
+		}
+	}
+	return errdefs.Unavailable("store: %s/%s changed under %d updates in a row", bucket, key, updateRetries)
+}
+
+func (e *Etcd) updateOnce(k string, fn func(old []byte) ([]byte, error)) (bool, error) {
+	ctx, cancel := e.ctx()
+	defer cancel()
+	r, err := e.c.Get(ctx, k)
+	if err != nil {
+		return false, e.classify(err)
+	}
+	var old []byte
+	var cmp clientv3.Cmp
+	if len(r.Kvs) == 0 {
+		cmp = clientv3.Compare(clientv3.CreateRevision(k), "=", 0)
+	} else {
+		old = nonNil(bytes.Clone(r.Kvs[0].Value))
+		cmp = clientv3.Compare(clientv3.ModRevision(k), "=", r.Kvs[0].ModRevision)
+	}
+	val, err := fn(old)
+	if err != nil {
+		return false, err
+	}
+	op := clientv3.OpDelete(k)
+	if val != nil {
+		op = clientv3.OpPut(k, string(val))
+	}
+	tr, err := e.c.Txn(ctx).If(cmp).Then(op).Commit()
+	if err != nil {
+		return false, e.classify(err)
+	}
+	return tr.Succeeded, nil
+}
+
+// Delete implements Store.
+func (e *Etcd) Delete(bucket, key string) error {
+	if err := checkEtcdName(bucket, key); err != nil {
+		return err
+	}
+	ctx, cancel := e.ctx()
+	defer cancel()
+	_, err := e.c.Delete(ctx, e.key(bucket, key))
+	return e.classify(err)
+}
+
+// List implements Store. etcd returns a prefix range in key order.
+func (e *Etcd) List(bucket, prefix string) ([]KV, error) {
+	if bucket == "" {
+		return nil, errdefs.Invalid("store: empty bucket name")
+	}
+	if strings.Contains(bucket, "/") {
+		return nil, errdefs.Invalid("store: bucket name %q contains /", bucket)
+	}
+	ctx, cancel := e.ctx()
+	defer cancel()
+	base := e.prefix + bucket + "/"
+	r, err := e.c.Get(ctx, base+prefix, clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
+	if err != nil {
+		return nil, e.classify(err)
+	}
+	out := make([]KV, 0, len(r.Kvs))
+	for _, kv := range r.Kvs {
+		out = append(out, KV{Key: strings.TrimPrefix(string(kv.Key), base), Value: nonNil(bytes.Clone(kv.Value))})
+	}
+	return out, nil
+}
+
+// Hold implements Leaser with an etcd lease, kept alive by the client.
+func (e *Etcd) Hold(ctx context.Context, bucket, key string, val []byte, ttl time.Duration) (<-chan struct{}, error) {
+	if err := checkEtcdName(bucket, key); err != nil {
+		return nil, err
+	}
+	secs := int64(ttl / time.Second)
+	if secs < 2 {
+		secs = 2
+	}
+	octx, cancel := e.ctx()
+	defer cancel()
+	lease, err := e.c.Grant(octx, secs)
+	if err != nil {
+		return nil, e.classify(err)
+	}
+	k := e.key(bucket, key)
+	r, err := e.c.Txn(octx).If(clientv3.Compare(clientv3.CreateRevision(k), "=", 0)).
+		Then(clientv3.OpPut(k, string(val), clientv3.WithLease(lease.ID))).Commit()
+	if err == nil && !r.Succeeded {
+		err = errdefs.AlreadyExists("%s/%s is held by another process", bucket, key)
+	}
+	if err != nil {
+		_, _ = e.c.Revoke(octx, lease.ID)
+		return nil, e.classify(err)
+	}
+	kctx, kcancel := context.WithCancel(ctx)
+	ka, err := e.c.KeepAlive(kctx, lease.ID)
+	if err != nil {
+		kcancel()
+		_, _ = e.c.Revoke(octx, lease.ID)
+		return nil, e.classify(err)
+	}
+	lost := make(chan struct{})
+	go func() {
+		defer close(lost)
+		defer kcancel()
+		for range ka {
+			// Each answer renews the lease; the channel closes when the
+			// lease is gone or ctx ends.
+		}
+		if ctx.Err() != nil {
+			rctx, cancel := e.ctx()
+			defer cancel()
+			_, _ = e.c.Revoke(rctx, lease.ID)
+		}
+	}()
+	return lost, nil
+}
+
+// Close implements Store.
+func (e *Etcd) Close() error { return e.c.Close() }

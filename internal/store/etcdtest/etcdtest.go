@@ -1,0 +1,209 @@
+// Package etcdtest runs a real etcd cluster (Debian's etcd-server) on
+// loopback for tests: members on ports of their own, data in a temporary
+// directory, and the means to kill and restart a member for failure
+// drills. Only tests (and the cluster benchmark) import it.
+package etcdtest
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// Binary finds the etcd server binary, or says what to install.
+func Binary() (string, error) {
+	p, err := exec.LookPath("etcd")
+	if err != nil {
+		return "", fmt.Errorf("needs etcd (apt-get install etcd-server; make deps-test installs it)")
+	}
+	return p, nil
+}
+
+// Cluster is a running etcd cluster.
+type Cluster struct {
+	bin     string
+	dir     string
+	members []*member
+	token   string
+}
+
+type member struct {
+	name             string
+	client, peer     string // host:port
+	dataDir, logPath string
+	mu               sync.Mutex
+	cmd              *exec.Cmd
+}
+
+// Start runs an etcd cluster of n members under dir (its data and logs)
+// and waits until it serves. The caller calls Stop.
+func Start(dir string, n int) (*Cluster, error) {
+	bin, err := Binary()
+	if err != nil {
+		return nil, err
+	}
+	c := &Cluster{bin: bin, dir: dir, token: fmt.Sprintf("dsec-test-%d", time.Now().UnixNano())}
+	var initial []string
+	for i := range n {
+		cp, err := freePort()
+		if err != nil {
+			return nil, err
+		}
+		pp, err := freePort()
+		if err != nil {
+			return nil, err
+		}
+		m := &member{
+			name:    fmt.Sprintf("m%d", i),
+			client:  "127.0.0.1:" + cp,
+			peer:    "127.0.0.1:" + pp,
+			dataDir: filepath.Join(dir, fmt.Sprintf("m%d", i)),
+			logPath: filepath.Join(dir, fmt.Sprintf("m%d.log", i)),
+		}
+		c.members = append(c.members, m)
+		initial = append(initial, m.name+"=http://"+m.peer)
+	}
+	for _, m := range c.members {
+		if err := c.start(m, strings.Join(initial, ",")); err != nil {
+			c.Stop()
+			return nil, err
+		}
+	}
+	if err := c.WaitHealthy(30 * time.Second); err != nil {
+		c.Stop()
+		return nil, err
+	}
+	return c, nil
+}
+
+func freePort() (string, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer ln.Close()
+	_, p, _ := net.SplitHostPort(ln.Addr().String())
+	return p, nil
+}
+
+func (c *Cluster) start(m *member, initial string) error {
+	if initial == "" {
+		var all []string
+		for _, o := range c.members {
+			all = append(all, o.name+"=http://"+o.peer)
+		}
+		initial = strings.Join(all, ",")
+	}
+	logf, err := os.OpenFile(m.logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command(c.bin,
+		"--name", m.name, "--data-dir", m.dataDir,
+		"--listen-client-urls", "http://"+m.client, "--advertise-client-urls", "http://"+m.client,
+		"--listen-peer-urls", "http://"+m.peer, "--initial-advertise-peer-urls", "http://"+m.peer,
+		"--initial-cluster", initial, "--initial-cluster-token", c.token, "--initial-cluster-state", "new",
+		// Fast elections keep failover drills short.
+		"--heartbeat-interval", "50", "--election-timeout", "500",
+		"--log-level", "warn")
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		logf.Close()
+		return fmt.Errorf("starting etcd %s: %w", m.name, err)
+	}
+	logf.Close()
+	m.mu.Lock()
+	m.cmd = cmd
+	m.mu.Unlock()
+	go func() { _ = cmd.Wait() }()
+	return nil
+}
+
+// Endpoints are the client URLs of every member.
+func (c *Cluster) Endpoints() []string {
+	var out []string
+	for _, m := range c.members {
+		out = append(out, "http://"+m.client)
+	}
+	return out
+}
+
+// Kill stops member i with SIGKILL.
+func (c *Cluster) Kill(i int) {
+	m := c.members[i]
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.cmd != nil && m.cmd.Process != nil {
+		_ = m.cmd.Process.Kill()
+		m.cmd = nil
+	}
+}
+
+// Restart starts member i again on its data.
+func (c *Cluster) Restart(i int) error {
+	m := c.members[i]
+	// An existing data dir makes etcd rejoin; the initial flags are
+	// then ignored.
+	return c.start(m, "")
+}
+
+// WaitHealthy waits until every running member reports healthy.
+func (c *Cluster) WaitHealthy(within time.Duration) error {
+	deadline := time.Now().Add(within)
+	for {
+		bad := ""
+		for _, m := range c.members {
+			m.mu.Lock()
+			running := m.cmd != nil
+			m.mu.Unlock()
+			if running && !healthy(m.client) {
+				bad = m.name
+				break
+			}
+		}
+		if bad == "" {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			b, _ := os.ReadFile(c.members[0].logPath)
+			return fmt.Errorf("etcd member %s not healthy after %v; log of m0: %s", bad, within, lastLines(string(b), 10))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func healthy(hostport string) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, "GET", "http://"+hostport+"/health", nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return false
+	}
+	defer resp.Body.Close()
+	return resp.StatusCode == 200
+}
+
+func lastLines(s string, n int) string {
+	l := strings.Split(strings.TrimSpace(s), "\n")
+	if len(l) > n {
+		l = l[len(l)-n:]
+	}
+	return strings.Join(l, "\n")
+}
+
+// Stop kills every member.
+func (c *Cluster) Stop() {
+	for i := range c.members {
+		c.Kill(i)
+	}
+}
