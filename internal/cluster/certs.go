@@ -1,0 +1,223 @@
+// Package cluster holds what the processes of a multi-process dsec share
+// to trust and find each other: the cluster directory (a CA and the
+// certificates of apiservers and edges, made by `dsec cluster init`), the
+// mutual TLS of the internal API, the node registry in the store (each
+// edge under a lease), the apiservers' liveness records, and the check
+// that every process uses the same etcd and the same layer directory.
+package cluster
+
+import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/hex"
+	"encoding/json"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"io/fs"
+	"math/big"
+	"os"
+	"path/filepath"
+	"time"
+)
+
+// Names inside certificates. The internal API's TLS is checked against
+// these, not against addresses: edges listen wherever they are told.
+const (
+	// EdgeName is the DNS name in every edge certificate (and the name
+	// an apiserver verifies).
+	EdgeName = "dsec-edge"
+	// APIServerName is the common name of the apiserver certificate,
+	// which edges require of every caller.
+	APIServerName = "dsec-apiserver"
+)
+
+// Files of a cluster directory.
+const (
+	caCert        = "ca.pem"
+	caKey         = "ca-key.pem"
+	apiserverCert = "apiserver.pem"
+	apiserverKey  = "apiserver-key.pem"
+	edgeCert      = "edge.pem"
+	edgeKey       = "edge-key.pem"
+	infoFile      = "cluster.json"
+)
+
+// Info identifies a cluster.
+type Info struct {
+	// ID is random, made by Init; etcd and the layer directory remember
+	// it, so that a process given another cluster's etcd or layers fails.
+	ID        string    `json:"id"`
+	CreatedAt time.Time `json:"created_at"`
+}
+
+// Init writes a new cluster directory: a CA, a certificate for the
+// apiservers (client) and one for the edges (server and client), and the
+// cluster's ID. It refuses a directory that already holds a cluster.
+func Init(dir string) (Info, error) {
+	if _, err := os.Stat(filepath.Join(dir, caCert)); err == nil {
+		return Info{}, fmt.Errorf("%s already holds a cluster (%s exists); use another directory, or remove it to start over", dir, caCert)
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		return Info{}, err
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return Info{}, fmt.Errorf("creating %s: %w", dir, err)
+	}
+	var idb [8]byte
+	if _, err := rand.Read(idb[:]); err != nil {
+		return Info{}, err
+	}
+	info := Info{ID: hex.EncodeToString(idb[:]), CreatedAt: time.Now().UTC().Truncate(time.Second)}
+	now := time.Now().Add(-time.Hour)
+	until := now.Add(10 * 365 * 24 * time.Hour)
+
+	caPriv, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return Info{}, err
+	}
+	caTmpl := &x509.Certificate{
+		SerialNumber: serial(), Subject: pkix.Name{CommonName: "dsec cluster CA " + info.ID, Organization: []string{"dsec"}},
+		NotBefore: now, NotAfter: until, IsCA: true, BasicConstraintsValid: true, MaxPathLen: 0, MaxPathLenZero: true,
+		KeyUsage: x509.KeyUsageCertSign | x509.KeyUsageCRLSign,
+	}
+	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caPriv.PublicKey, caPriv)
+	if err != nil {
+		return Info{}, fmt.Errorf("making the cluster CA: %w", err)
+	}
+	ca, _ := x509.ParseCertificate(caDER)
+	leaf := func(cn string, dns []string, usage []x509.ExtKeyUsage) ([]byte, *ecdsa.PrivateKey, error) {
+		priv, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		if err != nil {
+			return nil, nil, err
+		}
+		t := &x509.Certificate{
+			SerialNumber: serial(), Subject: pkix.Name{CommonName: cn, Organization: []string{"dsec"}, OrganizationalUnit: []string{info.ID}},
+			NotBefore: now, NotAfter: until, DNSNames: dns, ExtKeyUsage: usage,
+			KeyUsage: x509.KeyUsageDigitalSignature,
+		}
+		der, err := x509.CreateCertificate(rand.Reader, t, ca, &priv.PublicKey, caPriv)
+		return der, priv, err
+	}
+	apiDER, apiPriv, err := leaf(APIServerName, nil, []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth})
+	if err != nil {
+		return Info{}, fmt.Errorf("making the apiserver certificate: %w", err)
+	}
+	edgeDER, edgePriv, err := leaf(EdgeName, []string{EdgeName}, []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth})
+	if err != nil {
+		return Info{}, fmt.Errorf("making the edge certificate: %w", err)
+	}
+	infoJSON, _ := json.MarshalIndent(info, "", "  ")
+	files := []struct {
+		name string
+		data []byte
+		mode os.FileMode
+	}{
+		{caCert, pemBlock("CERTIFICATE", caDER), 0o644},
+		{caKey, pemKey(caPriv), 0o600},
+		{apiserverCert, pemBlock("CERTIFICATE", apiDER), 0o644},
+		{apiserverKey, pemKey(apiPriv), 0o600},
+		{edgeCert, pemBlock("CERTIFICATE", edgeDER), 0o644},
+		{edgeKey, pemKey(edgePriv), 0o600},
+		{infoFile, append(infoJSON, '\n'), 0o644},
+	}
+	for _, f := range files {
+		if err := os.WriteFile(filepath.Join(dir, f.name), f.data, f.mode); err != nil {
+			return Info{}, fmt.Errorf("writing %s: %w", f.name, err)
+		}
+	}
+	return info, nil
+}
+
+func serial() *big.Int {
+	n, _ := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 126))
+	return n
+}
+
+func pemBlock(kind string, der []byte) []byte {
+	return pem.EncodeToMemory(&pem.Block{Type: kind, Bytes: der})
+}
+
+func pemKey(k *ecdsa.PrivateKey) []byte {
+	der, _ := x509.MarshalECPrivateKey(k)
+	return pemBlock("EC PRIVATE KEY", der)
+}
+
+// Trust is a loaded cluster directory.
+type Trust struct {
+	Info Info
+	pool *x509.CertPool
+	dir  string
+}
+
+// Load reads the cluster directory dir (made by Init).
+func Load(dir string) (*Trust, error) {
+	b, err := os.ReadFile(filepath.Join(dir, infoFile))
+	if err != nil {
+		return nil, fmt.Errorf("--cluster %s: %w (make one with dsec cluster init --dir %s)", dir, err, dir)
+	}
+	var info Info
+	if err := json.Unmarshal(b, &info); err != nil || info.ID == "" {
+		return nil, fmt.Errorf("--cluster %s: %s is not a cluster description", dir, infoFile)
+	}
+	caPEM, err := os.ReadFile(filepath.Join(dir, caCert))
+	if err != nil {
+		return nil, fmt.Errorf("--cluster %s: %w", dir, err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(caPEM) {
+		return nil, fmt.Errorf("--cluster %s: %s holds no certificate", dir, caCert)
+	}
+	return &Trust{Info: info, pool: pool, dir: dir}, nil
+}
+
+func (t *Trust) pair(cert, key string) (tls.Certificate, error) {
+	c, err := tls.LoadX509KeyPair(filepath.Join(t.dir, cert), filepath.Join(t.dir, key))
+	if err != nil {
+		return tls.Certificate{}, fmt.Errorf("--cluster %s: loading %s: %w", t.dir, cert, err)
+	}
+	return c, nil
+}
+
+// EdgeServerTLS is the TLS of an edge's internal API listener: it serves
+// only callers with the apiserver certificate of this cluster's CA.
+func (t *Trust) EdgeServerTLS() (*tls.Config, error) {
+	c, err := t.pair(edgeCert, edgeKey)
+	if err != nil {
+		return nil, err
+	}
+	return &tls.Config{
+		MinVersion:   tls.VersionTLS13,
+		Certificates: []tls.Certificate{c},
+		ClientCAs:    t.pool,
+		ClientAuth:   tls.RequireAndVerifyClientCert,
+		// The chain is verified by the handshake; the caller must also
+		// be an apiserver (an edge's certificate does not let one edge
+		// drive another).
+		VerifyPeerCertificate: func(_ [][]byte, chains [][]*x509.Certificate) error {
+			if len(chains) == 0 || len(chains[0]) == 0 || chains[0][0].Subject.CommonName != APIServerName {
+				return errors.New("the internal API serves only dsec apiservers")
+			}
+			return nil
+		},
+	}, nil
+}
+
+// APIServerClientTLS is the TLS an apiserver dials edges with: it
+// presents the apiserver certificate and accepts only an edge
+// certificate of this cluster's CA.
+func (t *Trust) APIServerClientTLS() (*tls.Config, error) {
+	c, err := t.pair(apiserverCert, apiserverKey)
+	if err != nil {
+		return nil, err
+	}
+	return &tls.Config{
+		MinVersion:   tls.VersionTLS13,
+		Certificates: []tls.Certificate{c},
+		RootCAs:      t.pool,
+		ServerName:   EdgeName,
+	}, nil
+}

@@ -1,0 +1,199 @@
+package cluster
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dsecproject/dsec/internal/edgeapi"
+	"github.com/dsecproject/dsec/internal/edgeapi/edgetest"
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/store"
+)
+
+func mustInit(t *testing.T) (*Trust, string) {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), "cluster")
+	if _, err := Init(dir); err != nil {
+		t.Fatal(err)
+	}
+	tr, err := Load(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tr, dir
+}
+
+// serveEdge serves a fake edge's internal API over the edge TLS of tr.
+func serveEdge(t *testing.T, tr *Trust) string {
+	t.Helper()
+	cfg, err := tr.EdgeServerTLS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := tls.Listen("tcp", "127.0.0.1:0", cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: edgeapi.NewServer(edgetest.NewFake("n1"), nil), ErrorLog: nil}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { srv.Close() })
+	return ln.Addr().String()
+}
+
+func client(cfg *tls.Config, addr string) *edgeapi.Client {
+	return edgeapi.NewClient("n1", "https://"+addr, &http.Client{Transport: &http.Transport{TLSClientConfig: cfg}, Timeout: 5 * time.Second})
+}
+
+func TestInitRefusesAnExistingCluster(t *testing.T) {
+	_, dir := mustInit(t)
+	if _, err := Init(dir); err == nil || !strings.Contains(err.Error(), "already holds a cluster") {
+		t.Fatalf("second init: %v", err)
+	}
+	for _, f := range []string{caKey, apiserverKey, edgeKey} {
+		fi, err := os.Stat(filepath.Join(dir, f))
+		if err != nil || fi.Mode().Perm() != 0o600 {
+			t.Fatalf("%s: %v %v, want mode 0600", f, fi.Mode(), err)
+		}
+	}
+	if _, err := Load(t.TempDir()); err == nil || !strings.Contains(err.Error(), "cluster init") {
+		t.Fatalf("loading an empty dir: %v", err)
+	}
+}
+
+// TestInternalAPITrust: the apiserver of the cluster reaches the edge;
+// nobody else does, and the apiserver trusts no edge but the cluster's.
+func TestInternalAPITrust(t *testing.T) {
+	tr, _ := mustInit(t)
+	addr := serveEdge(t, tr)
+	good, err := tr.APIServerClientTLS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client(good, addr).Info(t.Context()); err != nil {
+		t.Fatalf("the cluster's apiserver: %v", err)
+	}
+
+	// No client certificate: the handshake fails, nothing is served.
+	noCert := good.Clone()
+	noCert.Certificates = nil
+	if _, err := client(noCert, addr).Info(t.Context()); err == nil {
+		t.Fatal("served a caller without a certificate")
+	}
+	// A certificate of another cluster's CA.
+	other, _ := mustInit(t)
+	foreign, _ := other.APIServerClientTLS()
+	foreign.RootCAs = good.RootCAs // it even trusts our edge
+	if _, err := client(foreign, addr).Info(t.Context()); err == nil {
+		t.Fatal("served an apiserver of another cluster")
+	}
+	// The edge's own certificate, presented as a client: refused (an
+	// edge never drives another edge).
+	edgePair, _ := tr.pair(edgeCert, edgeKey)
+	asEdge := good.Clone()
+	asEdge.Certificates = []tls.Certificate{edgePair}
+	if _, err := client(asEdge, addr).Info(t.Context()); err == nil {
+		t.Fatal("served a caller with an edge certificate")
+	}
+	// Plain HTTP to the TLS port gets nothing.
+	resp, err := http.Get("http://" + addr + edgeapi.Prefix + "/info")
+	if err == nil {
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if strings.Contains(string(b), "n1") {
+			t.Fatalf("plain HTTP was served: %s", b)
+		}
+	}
+	// A forged edge (another CA's edge certificate): the apiserver refuses it.
+	forged := serveEdge(t, other)
+	if _, err := client(good, forged).Info(t.Context()); err == nil {
+		t.Fatal("the apiserver trusted an edge of another cluster")
+	}
+}
+
+func TestJoin(t *testing.T) {
+	tr, _ := mustInit(t)
+	st := store.NewMemory()
+	layers := t.TempDir()
+	if err := Join(st, tr, layers); err != nil {
+		t.Fatalf("first process: %v", err)
+	}
+	if err := Join(st, tr, layers); err != nil {
+		t.Fatalf("second process, same dirs: %v", err)
+	}
+	// Another directory (not the shared mount): refused.
+	if err := Join(st, tr, t.TempDir()); !errors.Is(err, errdefs.ErrPrecondition) || !strings.Contains(err.Error(), "not the cluster's layer directory") {
+		t.Fatalf("a different layer dir: %v", err)
+	}
+	// A layer dir of another cluster.
+	other, _ := mustInit(t)
+	otherSt := store.NewMemory()
+	otherLayers := t.TempDir()
+	if err := Join(otherSt, other, otherLayers); err != nil {
+		t.Fatal(err)
+	}
+	if err := Join(st, tr, otherLayers); !errors.Is(err, errdefs.ErrPrecondition) {
+		t.Fatalf("another cluster's layer dir: %v", err)
+	}
+	// This etcd given to another cluster's process.
+	if err := Join(st, other, layers); !errors.Is(err, errdefs.ErrPrecondition) || !strings.Contains(err.Error(), "etcd belongs to cluster") {
+		t.Fatalf("another cluster's etcd: %v", err)
+	}
+}
+
+func TestRegistry(t *testing.T) {
+	st := store.NewMemory()
+	ctx, cancel := context.WithCancel(t.Context())
+	rec := NodeRecord{Name: "n1", Address: "127.0.0.1:1", StartedAt: time.Now()}
+	if err := RegisterNode(ctx, st, rec, nil); err != nil {
+		t.Fatal(err)
+	}
+	// A second edge with the live name is refused and told where it is.
+	err := RegisterNode(t.Context(), st, NodeRecord{Name: "n1", Address: "127.0.0.1:2"}, nil)
+	if !errors.Is(err, errdefs.ErrAlreadyExists) || !strings.Contains(err.Error(), "127.0.0.1:1") {
+		t.Fatalf("duplicate name: %v", err)
+	}
+	dialed := 0
+	src := NewSource(st, func(r NodeRecord) edgeapi.Edge {
+		dialed++
+		return edgeapi.NewClient(r.Name, "https://"+r.Address, http.DefaultClient)
+	})
+	m, err := src.Members(t.Context())
+	if err != nil || len(m) != 1 || m["n1"].Address != "127.0.0.1:1" {
+		t.Fatalf("members %+v, %v", m, err)
+	}
+	if _, err := src.Members(t.Context()); err != nil || dialed != 1 {
+		t.Fatalf("a client per node is kept: dialed %d", dialed)
+	}
+	cancel()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if m, _ := src.Members(t.Context()); len(m) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the entry outlived its holder")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err := RegisterNode(t.Context(), st, NodeRecord{Name: "n1", Address: "127.0.0.1:2"}, nil); err != nil {
+		t.Fatalf("the name is free again: %v", err)
+	}
+	// Liveness of apiservers.
+	if err := RegisterServer(t.Context(), st, ServerRecord{Instance: "abc"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := ServerAlive(st, "abc"); !ok || err != nil {
+		t.Fatalf("alive: %v %v", ok, err)
+	}
+	if ok, err := ServerAlive(st, "gone"); ok || err != nil {
+		t.Fatalf("unknown instance alive: %v %v", ok, err)
+	}
+}

@@ -1,0 +1,270 @@
+package cluster
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/dsecproject/dsec/internal/edgeapi"
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/store"
+	"github.com/dsecproject/dsec/internal/watcher"
+)
+
+// Store buckets of the cluster's membership.
+const (
+	bucketNodes   = "cluster_nodes"   // node name → NodeRecord, under the edge's lease
+	bucketServers = "cluster_servers" // instance → ServerRecord, under the apiserver's lease
+	bucketMeta    = "cluster"         // id, layers: the cluster's identity
+)
+
+// LeaseTTL is how long a registry entry outlives its holder's last word.
+const LeaseTTL = 5 * time.Second
+
+// NodeRecord is an edge's entry in the node registry.
+type NodeRecord struct {
+	Name string `json:"name"`
+	// Address is where its internal API listens (host:port).
+	Address   string    `json:"address"`
+	Instance  string    `json:"instance"`
+	StartedAt time.Time `json:"started_at"`
+	Hollow    bool      `json:"hollow,omitempty"`
+}
+
+// ServerRecord is an apiserver's liveness entry.
+type ServerRecord struct {
+	Instance  string    `json:"instance"`
+	Address   string    `json:"address"`
+	StartedAt time.Time `json:"started_at"`
+}
+
+// NewInstance returns a random instance id for a process.
+func NewInstance() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// RegisterNode puts rec in the node registry for as long as ctx lasts. A
+// name held by a live edge is refused (errdefs.ErrAlreadyExists, saying
+// where that edge is). Once registered, a lost lease (the edge was cut
+// off from etcd longer than LeaseTTL) is taken again in the background as
+// soon as etcd answers; the edge's sandboxes keep running meanwhile.
+func RegisterNode(ctx context.Context, st store.Store, rec NodeRecord, log *slog.Logger) error {
+	return hold(ctx, st, bucketNodes, rec.Name, rec, "node name "+rec.Name, log)
+}
+
+// RegisterServer records an apiserver as alive for as long as ctx lasts.
+func RegisterServer(ctx context.Context, st store.Store, rec ServerRecord, log *slog.Logger) error {
+	return hold(ctx, st, bucketServers, rec.Instance, rec, "apiserver instance "+rec.Instance, log)
+}
+
+// ServerAlive reports whether the apiserver instance holds its lease.
+func ServerAlive(st store.Store, instance string) (bool, error) {
+	_, err := st.Get(bucketServers, instance)
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.Is(err, errdefs.ErrNotFound):
+		return false, nil
+	}
+	return false, err
+}
+
+func hold(ctx context.Context, st store.Store, bucket, key string, v any, what string, log *slog.Logger) error {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	l, ok := st.(store.Leaser)
+	if !ok {
+		return fmt.Errorf("registering %s: the store (%T) has no leases", what, st)
+	}
+	val, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	lost, err := l.Hold(ctx, bucket, key, val, LeaseTTL)
+	if errors.Is(err, errdefs.ErrAlreadyExists) {
+		held := ""
+		if b, gerr := st.Get(bucket, key); gerr == nil {
+			held = ": " + string(b)
+		}
+		return errdefs.AlreadyExists("%s is held by another live process%s (names must be unique; stop it or pick another name)", what, held)
+	}
+	if err != nil {
+		return fmt.Errorf("registering %s: %w", what, err)
+	}
+	go func() {
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-lost:
+			}
+			if ctx.Err() != nil {
+				return
+			}
+			log.Warn("registry lease lost (cut off from etcd?); what this process serves keeps running; registering again", "what", what)
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(time.Second):
+				}
+				var err error
+				if lost, err = l.Hold(ctx, bucket, key, val, LeaseTTL); err == nil {
+					log.Info("registered again", "what", what)
+					break
+				}
+				if errors.Is(err, errdefs.ErrAlreadyExists) {
+					log.Error("cannot register again: another process holds the name", "what", what)
+				}
+			}
+		}
+	}()
+	return nil
+}
+
+// Source lists the edges of the node registry for a watcher, dialing each
+// through dial (the internal API client over the cluster's TLS).
+type Source struct {
+	st   store.Store
+	dial func(NodeRecord) edgeapi.Edge
+
+	mu    sync.Mutex
+	known map[string]cached
+}
+
+type cached struct {
+	rec  NodeRecord
+	edge edgeapi.Edge
+}
+
+var _ watcher.Source = (*Source)(nil)
+
+// NewSource returns the registry of st as a watcher Source.
+func NewSource(st store.Store, dial func(NodeRecord) edgeapi.Edge) *Source {
+	return &Source{st: st, dial: dial, known: map[string]cached{}}
+}
+
+// Members implements watcher.Source. A client is kept per node while its
+// address stays the same.
+func (s *Source) Members(ctx context.Context) (map[string]watcher.Member, error) {
+	kvs, err := s.st.List(bucketNodes, "")
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make(map[string]watcher.Member, len(kvs))
+	for _, kv := range kvs {
+		var rec NodeRecord
+		if err := json.Unmarshal(kv.Value, &rec); err != nil || rec.Name != kv.Key || rec.Address == "" {
+			continue
+		}
+		c, ok := s.known[rec.Name]
+		if !ok || c.rec.Address != rec.Address {
+			c = cached{rec: rec, edge: s.dial(rec)}
+			s.known[rec.Name] = c
+		}
+		out[rec.Name] = watcher.Member{Edge: c.edge, Address: rec.Address, Hollow: rec.Hollow}
+	}
+	return out, nil
+}
+
+// layersIDFile marks a layer directory as a cluster's.
+const layersIDFile = ".dsec-cluster"
+
+// Join checks that st and the layer directory belong to the cluster of
+// t, claiming either for it when it belongs to none yet: an apiserver or
+// edge given another cluster's etcd, or a layer directory that is not the
+// one the rest of the cluster uses (not the same shared mount), fails
+// here with a clear error instead of serving layers nobody else sees.
+func Join(st store.Store, t *Trust, layersDir string) error {
+	id := t.Info.ID
+	switch err := st.Create(bucketMeta, "id", []byte(id)); {
+	case err == nil:
+	case errors.Is(err, errdefs.ErrAlreadyExists):
+		got, err := st.Get(bucketMeta, "id")
+		if err != nil {
+			return fmt.Errorf("reading the cluster id from etcd: %w", err)
+		}
+		if string(got) != id {
+			return errdefs.Precondition("etcd belongs to cluster %s, but --cluster is cluster %s: give every process the same cluster directory (or another --etcd / --etcd-prefix)", got, id)
+		}
+	default:
+		return fmt.Errorf("recording the cluster id in etcd: %w", err)
+	}
+	path := filepath.Join(layersDir, layersIDFile)
+	local, err := readLayersID(path)
+	if err != nil {
+		return err
+	}
+	want, err := st.Get(bucketMeta, "layers")
+	if errors.Is(err, errdefs.ErrNotFound) {
+		// The first process: the directory becomes the cluster's.
+		if local == "" {
+			local = id + "/" + NewInstance()
+			if err := writeNew(path, local); err != nil {
+				if !errors.Is(err, fs.ErrExist) {
+					return fmt.Errorf("marking the layer directory: %w", err)
+				}
+				if local, err = readLayersID(path); err != nil {
+					return err
+				}
+			}
+		}
+		if err := st.Create(bucketMeta, "layers", []byte(local)); err != nil && !errors.Is(err, errdefs.ErrAlreadyExists) {
+			return fmt.Errorf("recording the layer directory in etcd: %w", err)
+		}
+		if want, err = st.Get(bucketMeta, "layers"); err != nil {
+			return fmt.Errorf("reading the layer directory's id from etcd: %w", err)
+		}
+	} else if err != nil {
+		return fmt.Errorf("reading the layer directory's id from etcd: %w", err)
+	}
+	switch {
+	case local == "":
+		return errdefs.Precondition("--layers %s is not the cluster's layer directory: it has no %s, while the cluster's has %s; every server and edge must see the same directory (a shared mount in production)", layersDir, layersIDFile, want)
+	case local != string(want):
+		return errdefs.Precondition("--layers %s is not the cluster's layer directory: its %s says %s, the cluster's says %s; every server and edge must see the same directory", layersDir, layersIDFile, local, want)
+	}
+	return nil
+}
+
+func readLayersID(path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return "", nil
+	}
+	if err != nil {
+		return "", fmt.Errorf("reading %s: %w", path, err)
+	}
+	return strings.TrimSpace(string(b)), nil
+}
+
+func writeNew(path, content string) error {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return err
+	}
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	if err != nil {
+		return err
+	}
+	if _, err := f.WriteString(content + "\n"); err != nil {
+		f.Close()
+		os.Remove(path)
+		return err
+	}
+	return f.Close()
+}
