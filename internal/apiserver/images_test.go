@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"io"
 	"log/slog"
-	"os"
 	"reflect"
 	"strings"
 	"testing"
@@ -97,7 +96,7 @@ func TestImageImportBadInput(t *testing.T) {
 		resp, body = f.do(t, f.admin, "POST", "/v1/images:pull", `{"image":"bad image","ref":"base/x:1"}`)
 		wantError(t, resp, body, 400, "invalid_argument")
 
-		if left, _ := os.ReadDir(f.layers.StagingDir()); len(left) > 0 {
+		if left, _ := f.layers.Staged(); len(left) > 0 {
 			t.Errorf("staging not empty: %v", left)
 		}
 		if _, err := f.layers.Resolve("base/x:1"); err == nil {

@@ -537,7 +537,33 @@ func TestDeleteAndDedup(t *testing.T) {
 	if _, err := os.Stat(s.BlobPath(l.Digest)); err != nil {
 		t.Errorf("GC removed a named blob: %v", err)
 	}
-	assertEmpty(t, filepath.Join(dir, "staging"))
+	assertStagingClean(t, dir)
+}
+
+// assertStagingClean fails if builds left anything in the staging
+// directories of dir's stores (each live store keeps only its lock).
+func assertStagingClean(t *testing.T, dir string) {
+	t.Helper()
+	root := filepath.Join(dir, "staging")
+	procs, err := os.ReadDir(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range procs {
+		if !p.IsDir() {
+			t.Errorf("left behind in %s: %s", root, p.Name())
+			continue
+		}
+		left, err := os.ReadDir(filepath.Join(root, p.Name()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range left {
+			if e.Name() != stageLockName {
+				t.Errorf("left behind in %s: %s", filepath.Join(root, p.Name()), e.Name())
+			}
+		}
+	}
 }
 
 // assertEmpty fails if a build left anything in dir.
@@ -572,7 +598,7 @@ func TestBuildFailureLeavesNothing(t *testing.T) {
 	if _, err := s.BuildFromDir(context.Background(), mustRef(t, "base/x:1"), filepath.Join(src, "etc/os-release"), BuildOptions{}, nil); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Errorf("file as source: %v", err)
 	}
-	assertEmpty(t, filepath.Join(dir, "staging"))
+	assertStagingClean(t, dir)
 	assertEmpty(t, filepath.Join(dir, "blobs", "sha256"))
 	if ls, _ := s.List(""); len(ls) != 0 {
 		t.Errorf("catalog has %v", ls)
@@ -585,7 +611,7 @@ func TestBuildFailureLeavesNothing(t *testing.T) {
 	if _, err := NewStore(dir, store.NewMemory(), nil); err != nil {
 		t.Fatal(err)
 	}
-	assertEmpty(t, filepath.Join(dir, "staging"))
+	assertStagingClean(t, dir)
 }
 
 func TestOverlayManyLowersAndBusyUnmount(t *testing.T) {
@@ -701,4 +727,82 @@ func TestOverlayLegacyFallback(t *testing.T) {
 	if err := mountOverlayLegacy([]string{"/a:b"}, upper, work, target); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Errorf("colon in lower: %v, want ErrInvalid", err)
 	}
+}
+
+// TestSharedStoreStagingAndBlobs: two processes on one layer directory and
+// one store (a cluster's apiservers and edges): neither clears the
+// other's builds, and a blob one is publishing is not removed by the
+// other's delete.
+func TestSharedStoreStagingAndBlobs(t *testing.T) {
+	needRootAndMkfs(t)
+	dir := filepath.Join(t.TempDir(), "layers")
+	st := store.NewMemory()
+	a, err := NewStore(dir, st, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	inBuild := filepath.Join(a.StagingDir(), "build-1")
+	if err := os.MkdirAll(inBuild, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	stale := filepath.Join(dir, "staging", "crashed")
+	if err := os.MkdirAll(stale, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	b, err := NewStore(dir, st, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if _, err := os.Stat(inBuild); err != nil {
+		t.Fatalf("a second store cleared a live store's build: %v", err)
+	}
+	if _, err := os.Stat(stale); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("a staging dir nobody holds was kept: %v", err)
+	}
+
+	src := filepath.Join(t.TempDir(), "src")
+	writeTree(t, src, baseTree)
+	l, err := a.BuildFromDir(context.Background(), mustRef(t, "base/shared:1"), src, BuildOptions{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Resolve("base/shared:1"); err != nil {
+		t.Fatalf("a layer built by one store is not in the other's catalog: %v", err)
+	}
+	// a is about to name the blob again (a second ref, same content) and
+	// holds a pin; b's delete of the first ref must keep the blob.
+	unpin, err := a.pin(l.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Delete("base/shared:1", nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(b.BlobPath(l.Digest)); err != nil {
+		t.Fatalf("a pinned blob was removed: %v", err)
+	}
+	unpin()
+	removed, err := b.GC(nil)
+	if err != nil || len(removed) != 1 || removed[0] != l.Digest {
+		t.Fatalf("GC after the pin: %v, %v", removed, err)
+	}
+	if _, err := os.Stat(b.BlobPath(l.Digest)); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("unpinned unnamed blob kept: %v", err)
+	}
+	// While one process removes a blob, another's pin waits for it.
+	if err := st.Put(blobsBucket, l.Digest, []byte(`{"collecting":"`+time.Now().UTC().Format(time.RFC3339Nano)+`"}`)); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		time.Sleep(200 * time.Millisecond)
+		_ = st.Delete(blobsBucket, l.Digest)
+	}()
+	start := time.Now()
+	unpin, err = a.pin(l.Digest)
+	if err != nil || time.Since(start) < 150*time.Millisecond {
+		t.Fatalf("pin during a removal: %v after %v, want it to wait", err, time.Since(start))
+	}
+	unpin()
 }

@@ -2,6 +2,7 @@ package layer
 
 import (
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -16,7 +17,10 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/cleanup"
@@ -79,23 +83,37 @@ type BuildOptions struct {
 	Image *api.ImageConfig
 }
 
-// Store is the control plane's layer store: EROFS blobs named by digest
-// under dir, and a catalog of refs in a store.Store. One Store owns dir; two
-// processes must not share it (NewStore clears dir/staging). Safe for
+// Store is the layer store: EROFS blobs named by digest under dir, and a
+// catalog of refs in a store.Store. Several processes may share one dir
+// and one store (the apiservers and edges of a cluster, the dir on a
+// shared filesystem): each builds in a staging directory of its own, a
+// blob is published by an atomic rename (content-addressed, so two
+// publishers of one digest agree), and a blob is removed only under a
+// mark in the store that no publisher holds a pin against (pins and
+// marks are compare-and-set, like containerd's leases). Safe for
 // concurrent use.
 type Store struct {
 	dir string
 	st  store.Store
 	log *slog.Logger
+	// instance names this process's staging directory and its pins.
+	instance string
+	// stageLock holds the flock that tells other processes this
+	// process's staging directory is in use.
+	stageLock *os.File
+	pinSeq    atomic.Uint64
 
-	// mu serialises publishing (blob rename + catalog write) against
-	// Delete and GC, so a blob is never removed between a build deciding
-	// to reuse it and the catalog naming it. mkfs runs outside it.
+	// mu serialises this process's publishing against its own Delete
+	// and GC; across processes the blob records in the store do.
 	mu sync.Mutex
 }
 
+// stageLockName is the lock file in a staging directory.
+const stageLockName = ".lock"
+
 // NewStore opens the layer store rooted at dir, creating its directories,
-// and removes what interrupted builds left in dir/staging.
+// and removes the staging directories that no live process holds (what
+// interrupted builds left).
 func NewStore(dir string, st store.Store, log *slog.Logger) (*Store, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -104,40 +122,104 @@ func NewStore(dir string, st store.Store, log *slog.Logger) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("opening layer store: %w", err)
 	}
-	s := &Store{dir: dir, st: st, log: log}
+	var idb [6]byte
+	_, _ = rand.Read(idb[:])
+	s := &Store{dir: dir, st: st, log: log, instance: hex.EncodeToString(idb[:])}
 	if err := os.MkdirAll(s.blobDir(), 0o755); err != nil {
 		return nil, fmt.Errorf("opening layer store: %w", err)
 	}
 	// Staging holds extracted trees with setuid files and device nodes
 	// before they are sealed into an image: nobody but root may enter.
-	if err := os.MkdirAll(s.stagingDir(), 0o700); err != nil {
+	root := filepath.Join(s.dir, "staging")
+	if err := os.MkdirAll(root, 0o700); err != nil {
 		return nil, fmt.Errorf("opening layer store: %w", err)
 	}
-	if err := os.Chmod(s.stagingDir(), 0o700); err != nil {
+	if err := os.Chmod(root, 0o700); err != nil {
 		return nil, fmt.Errorf("opening layer store: %w", err)
 	}
-	left, err := os.ReadDir(s.stagingDir())
+	if n, err := sweepStaging(root); err != nil {
+		return nil, fmt.Errorf("clearing stale staging: %w", err)
+	} else if n > 0 {
+		log.Info("cleared interrupted layer builds", "count", n)
+	}
+	if err := os.Mkdir(s.stagingDir(), 0o700); err != nil {
+		return nil, fmt.Errorf("opening layer store: %w", err)
+	}
+	lock, err := os.OpenFile(filepath.Join(s.stagingDir(), stageLockName), os.O_CREATE|os.O_RDWR, 0o600)
+	if err == nil {
+		err = unix.Flock(int(lock.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+	}
 	if err != nil {
-		return nil, fmt.Errorf("opening layer store: %w", err)
+		return nil, fmt.Errorf("opening layer store: locking staging: %w", err)
 	}
-	for _, e := range left {
-		if err := os.RemoveAll(filepath.Join(s.stagingDir(), e.Name())); err != nil {
-			return nil, fmt.Errorf("clearing stale staging: %w", err)
-		}
-	}
-	if len(left) > 0 {
-		log.Info("cleared interrupted layer builds", "count", len(left))
-	}
+	s.stageLock = lock
 	return s, nil
 }
 
-func (s *Store) blobDir() string    { return filepath.Join(s.dir, "blobs", "sha256") }
-func (s *Store) stagingDir() string { return filepath.Join(s.dir, "staging") }
+// sweepStaging removes the entries of the staging root that no live
+// process holds: a directory whose lock can be taken, and anything else
+// (what builds of earlier versions left).
+func sweepStaging(root string) (int, error) {
+	left, err := os.ReadDir(root)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, e := range left {
+		p := filepath.Join(root, e.Name())
+		if e.IsDir() {
+			f, err := os.Open(filepath.Join(p, stageLockName))
+			if err == nil {
+				err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+				f.Close()
+				if errors.Is(err, unix.EWOULDBLOCK) {
+					continue // a live process builds there
+				}
+			}
+		}
+		if err := os.RemoveAll(p); err != nil {
+			return n, err
+		}
+		n++
+	}
+	return n, nil
+}
 
-// StagingDir is the root-only directory (0700) where builds keep their
-// temporary files; NewStore empties it, so whatever an interrupted build
-// leaves there is removed at the next start. Importers stage there too.
+// Close releases the staging directory (and removes it).
+func (s *Store) Close() error {
+	if s.stageLock == nil {
+		return nil
+	}
+	err := os.RemoveAll(s.stagingDir())
+	s.stageLock.Close()
+	s.stageLock = nil
+	return err
+}
+
+func (s *Store) blobDir() string    { return filepath.Join(s.dir, "blobs", "sha256") }
+func (s *Store) stagingDir() string { return filepath.Join(s.dir, "staging", s.instance) }
+
+// StagingDir is this process's root-only directory (0700) where builds
+// keep their temporary files; whatever an interrupted build leaves there
+// is removed at the next start of any process on the store. Importers
+// stage there too.
 func (s *Store) StagingDir() string { return s.stagingDir() }
+
+// Staged lists what this process's staging directory holds besides its
+// lock: builds and imports in progress, or what a failed one left (a bug).
+func (s *Store) Staged() ([]string, error) {
+	es, err := os.ReadDir(s.stagingDir())
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, e := range es {
+		if e.Name() != stageLockName {
+			out = append(out, e.Name())
+		}
+	}
+	return out, nil
+}
 
 // Dir is the store's root directory. Importers may keep caches in
 // subdirectories of their own (the image importer's "image-cache").
@@ -283,7 +365,8 @@ func (s *Store) build(ctx context.Context, ref Ref, src string, opts BuildOption
 
 // publish moves the image at tmpPath to its blob path (unless that content
 // is already stored) and then writes the catalog entry: the catalog never
-// names a blob that is not in place.
+// names a blob that is not in place. A pin in the store keeps any process
+// from removing the blob between the two.
 func (s *Store) publish(tmpPath string, l api.Layer, replace bool) (deduped bool, err error) {
 	val, err := json.Marshal(l)
 	if err != nil {
@@ -293,7 +376,11 @@ func (s *Store) publish(tmpPath string, l api.Layer, replace bool) (deduped bool
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	created := false
+	unpin, err := s.pin(l.Digest)
+	if err != nil {
+		return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
+	}
+	defer unpin()
 	switch _, err := os.Lstat(blob); {
 	case err == nil:
 		deduped = true
@@ -304,9 +391,7 @@ func (s *Store) publish(tmpPath string, l api.Layer, replace bool) (deduped bool
 		if err := os.Rename(tmpPath, blob); err != nil {
 			return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
 		}
-		created = true
 		if err := syncDir(s.blobDir()); err != nil {
-			os.Remove(blob)
 			return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
 		}
 	default:
@@ -319,10 +404,10 @@ func (s *Store) publish(tmpPath string, l api.Layer, replace bool) (deduped bool
 		err = s.st.Create(catalogBucket, l.Ref, val)
 	}
 	if err != nil {
-		if created {
-			// Nobody else can name a blob we created while we hold mu.
-			os.Remove(blob)
-		}
+		// A blob this made and nobody names goes with the next GC or
+		// delete of its digest: another process may have named it
+		// meanwhile, which only a collection under the store's mark
+		// can tell.
 		if errors.Is(err, errdefs.ErrAlreadyExists) {
 			return false, errdefs.AlreadyExists("layer %s already exists (rebuild with replace to re-point it)", l.Ref)
 		}
@@ -421,18 +506,11 @@ func (s *Store) Delete(ref string, inUse func(digest string) (bool, error)) erro
 	if err := s.st.Delete(catalogBucket, r.String()); err != nil {
 		return fmt.Errorf("deleting layer %s: %w", r, err)
 	}
-	shared, err := s.referenced(l.Digest)
+	removed, err := s.collect(l.Digest)
 	if err != nil {
 		return fmt.Errorf("deleting layer %s: %w", r, err)
 	}
-	if shared {
-		s.log.Info("layer deleted", "ref", r.String(), "digest", l.Digest, "blob_kept", true)
-		return nil
-	}
-	if err := os.Remove(s.BlobPath(l.Digest)); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("deleting layer %s: removing blob: %w", r, err)
-	}
-	s.log.Info("layer deleted", "ref", r.String(), "digest", l.Digest, "blob_kept", false)
+	s.log.Info("layer deleted", "ref", r.String(), "digest", l.Digest, "blob_kept", !removed)
 	return nil
 }
 
@@ -469,10 +547,13 @@ func (s *Store) GC(inUse func(digest string) (bool, error)) ([]string, error) {
 				continue
 			}
 		}
-		if err := os.Remove(filepath.Join(s.blobDir(), e.Name())); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		gone, err := s.collect(digest)
+		if err != nil {
 			return removed, fmt.Errorf("collecting layer blobs: %w", err)
 		}
-		removed = append(removed, digest)
+		if gone {
+			removed = append(removed, digest)
+		}
 	}
 	if len(removed) > 0 {
 		s.log.Info("layer blobs collected", "count", len(removed))

@@ -97,7 +97,7 @@ func TestBuildFromTar(t *testing.T) {
 	if l2.Digest != l.Digest {
 		t.Errorf("same tar built twice: %s vs %s", l.Digest, l2.Digest)
 	}
-	assertEmpty(t, filepath.Join(dir, "staging"))
+	assertStagingClean(t, dir)
 
 	m := NewMounter(filepath.Join(t.TempDir(), "mnt"), s.BlobPath, nil)
 	mp := acquire(t, m, l.Digest)
@@ -178,7 +178,7 @@ func TestBuildFromHostileTar(t *testing.T) {
 				t.Fatalf("BuildFromTar: %v, want ErrInvalid", err)
 			}
 			t.Logf("refused: %v", err)
-			assertEmpty(t, filepath.Join(dir, "staging"))
+			assertStagingClean(t, dir)
 			if _, err := os.Stat(filepath.Join(dir, "escaped.txt")); !errors.Is(err, os.ErrNotExist) {
 				t.Errorf("entry escaped the staging dir")
 			}
@@ -202,7 +202,7 @@ func TestBuildFromHostileTar(t *testing.T) {
 	if _, err := s.BuildFromTar(cctx, mustRef(t, "base/cancel:1"), bytes.NewReader(good), BuildOptions{}, nil); !errors.Is(err, context.Canceled) {
 		t.Errorf("cancelled build: %v", err)
 	}
-	assertEmpty(t, filepath.Join(dir, "staging"))
+	assertStagingClean(t, dir)
 	if ls, _ := s.List(""); len(ls) != 0 {
 		t.Errorf("catalog has %v", ls)
 	}

@@ -530,16 +530,27 @@ func TestImagePullFromRegistry(t *testing.T) {
 	}
 }
 
-// stagingEntries lists what is left in the layer store's staging directory.
+// stagingEntries lists what is left in the layer store's staging
+// directories (each process on the store has one, holding its lock).
 func stagingEntries(t *testing.T) []string {
 	t.Helper()
-	es, err := os.ReadDir(filepath.Join(d.stateDir, "layers", "staging"))
+	root := filepath.Join(d.stateDir, "layers", "staging")
+	procs, err := os.ReadDir(root)
 	if err != nil {
 		t.Fatal(err)
 	}
 	var names []string
-	for _, e := range es {
-		names = append(names, e.Name())
+	for _, p := range procs {
+		es, err := os.ReadDir(filepath.Join(root, p.Name()))
+		if err != nil {
+			names = append(names, p.Name())
+			continue
+		}
+		for _, e := range es {
+			if e.Name() != ".lock" {
+				names = append(names, p.Name()+"/"+e.Name())
+			}
+		}
 	}
 	return names
 }
