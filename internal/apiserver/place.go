@@ -48,7 +48,7 @@ func (s *Server) onSomeNode(ctx context.Context, spec api.SandboxSpec, digests [
 		if attempt > 0 {
 			s.metrics.placeRetries.Inc()
 		}
-		err = s.runOn(ctx, node, fn)
+		err = s.runOn(ctx, node, req.Job, fn)
 		if err == nil {
 			s.metrics.placements.WithLabelValues("placed").Inc()
 			return nil
@@ -86,7 +86,8 @@ func (s *Server) pick(req placement.Request) (string, error) {
 	snap := s.deps.Nodes.Snapshot()
 	cands := make([]placement.Candidate, len(snap))
 	for i, v := range snap {
-		cands[i] = placement.Candidate{Node: v.Node, InFlight: s.inflight.since(v.Name, v.PolledAt)}
+		n, nj := s.inflight.since(v.Name, req.Job, v.PolledAt)
+		cands[i] = placement.Candidate{Node: v.Node, InFlight: n, InFlightJob: nj}
 	}
 	node, err := placement.Pick(cands, req, s.deps.Placement, nil)
 	var nn *placement.NoNode
@@ -99,12 +100,12 @@ func (s *Server) pick(req placement.Request) (string, error) {
 
 // runOn runs fn on node, counting a placement in flight on the node
 // until the view catches up.
-func (s *Server) runOn(ctx context.Context, node string, fn func(context.Context, edgeapi.Edge) error) error {
+func (s *Server) runOn(ctx context.Context, node, job string, fn func(context.Context, edgeapi.Edge) error) error {
 	e, err := s.deps.Nodes.Edge(ctx, node)
 	if err != nil {
 		return err
 	}
-	undo := s.inflight.add(node)
+	undo := s.inflight.add(node, job)
 	if err := fn(ctx, e); err != nil {
 		undo()
 		return err
@@ -112,38 +113,44 @@ func (s *Server) runOn(ctx context.Context, node string, fn func(context.Context
 	return nil
 }
 
-// inflight remembers when this apiserver placed sandboxes on each node, so
-// that placements since a node's last poll count as load (DSec's
-// placement engines overlay their own recent placements the same way; no
-// coordination between apiservers is needed).
+// inflight remembers when this apiserver placed sandboxes on each node
+// (and of which job), so that placements since a node's last poll count
+// as load (DSec's placement engines overlay their own recent placements
+// the same way; no coordination between apiservers is needed).
 type inflight struct {
 	mu sync.Mutex
-	at map[string][]time.Time // node → placement times, oldest first
+	at map[string][]placed // node → placements, oldest first
+}
+
+type placed struct {
+	t   time.Time
+	job string
 }
 
 // inflightKeep is how long a placement is remembered: far longer than a
 // poll, so that a slow poll does not forget placements it has not seen.
 const inflightKeep = 10 * time.Second
 
-func newInflight() *inflight { return &inflight{at: map[string][]time.Time{}} }
+func newInflight() *inflight { return &inflight{at: map[string][]placed{}} }
 
-// add records a placement on node now; the returned func takes it back.
-func (f *inflight) add(node string) func() {
+// add records a placement of job on node now; the returned func takes it
+// back.
+func (f *inflight) add(node, job string) func() {
 	now := time.Now()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	l := f.at[node]
 	cut := 0
-	for cut < len(l) && now.Sub(l[cut]) > inflightKeep {
+	for cut < len(l) && now.Sub(l[cut].t) > inflightKeep {
 		cut++
 	}
-	f.at[node] = append(l[cut:], now)
+	f.at[node] = append(l[cut:], placed{t: now, job: job})
 	return func() {
 		f.mu.Lock()
 		defer f.mu.Unlock()
 		l := f.at[node]
 		for i := len(l) - 1; i >= 0; i-- {
-			if l[i].Equal(now) {
+			if l[i].t.Equal(now) && l[i].job == job {
 				f.at[node] = append(l[:i], l[i+1:]...)
 				return
 			}
@@ -151,14 +158,17 @@ func (f *inflight) add(node string) func() {
 	}
 }
 
-// since counts the placements on node made after t (a poll's start).
-func (f *inflight) since(node string, t time.Time) int {
+// since counts the placements on node made after t (a poll's start), and
+// how many of them were of job.
+func (f *inflight) since(node, job string, t time.Time) (n, ofJob int) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	l := f.at[node]
-	n := 0
-	for i := len(l) - 1; i >= 0 && l[i].After(t); i-- {
+	for i := len(l) - 1; i >= 0 && l[i].t.After(t); i-- {
 		n++
+		if job != "" && l[i].job == job {
+			ofJob++
+		}
 	}
-	return n
+	return n, ofJob
 }

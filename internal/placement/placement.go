@@ -48,6 +48,8 @@ type Config struct {
 type Candidate struct {
 	api.Node
 	InFlight int
+	// InFlightJob is how many of InFlight carry the request's job label.
+	InFlightJob int
 }
 
 // Request is what placement needs to know about a sandbox.
@@ -160,14 +162,19 @@ func Pick(nodes []Candidate, req Request, cfg Config, rng *rand.Rand) (string, e
 	if rng != nil {
 		intn = rng.IntN
 	}
-	best := eligible[intn(len(eligible))]
-	for i := 1; i < k && len(eligible) > 1; i++ {
-		c := eligible[intn(len(eligible))]
-		if better(c, best, req) {
-			best = c
+	// Sample k distinct nodes (a partial shuffle of the eligible ones):
+	// with few nodes, sampling with replacement would often compare a
+	// node with itself.
+	k = min(k, len(eligible))
+	best := -1
+	for i := range k {
+		j := i + intn(len(eligible)-i)
+		eligible[i], eligible[j] = eligible[j], eligible[i]
+		if best < 0 || better(eligible[i], eligible[best], req) {
+			best = i
 		}
 	}
-	return best.Name, nil
+	return eligible[best].Name, nil
 }
 
 // leftOut says why n cannot take req ("" if it can).
@@ -211,7 +218,7 @@ func belowAll(regular []Candidate, u float64) bool {
 // better reports whether a should win over b for req.
 func better(a, b Candidate, req Request) bool {
 	if req.Job != "" {
-		ja, jb := a.Jobs[req.Job], b.Jobs[req.Job]
+		ja, jb := a.Jobs[req.Job]+a.InFlightJob, b.Jobs[req.Job]+b.InFlightJob
 		if ja != jb {
 			return ja < jb
 		}
