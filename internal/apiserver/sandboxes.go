@@ -119,7 +119,51 @@ func (s *Server) create(ctx context.Context, spec api.SandboxSpec) (*api.Sandbox
 	if err != nil {
 		return nil, err
 	}
+	if ic := idemFrom(ctx); ic != nil {
+		spec.Labels = withLabel(spec.Labels, IdempotencyLabel, ic.label)
+		if ic.takeover {
+			made, err := s.madeBefore(ctx, ic.label)
+			if err != nil {
+				return nil, err
+			}
+			if len(made) > 0 {
+				return &made[0], nil
+			}
+		}
+	}
 	return s.place(ctx, spec, digests)
+}
+
+func withLabel(l map[string]string, k, v string) map[string]string {
+	out := make(map[string]string, len(l)+1)
+	for a, b := range l {
+		out[a] = b
+	}
+	out[k] = v
+	return out
+}
+
+// madeBefore lists the sandboxes an earlier attempt of a keyed call made
+// (they carry its label). Every node must answer: a node that cannot be
+// asked may hold some, and creating them again could make two.
+func (s *Server) madeBefore(ctx context.Context, label string) ([]api.Sandbox, error) {
+	var mu sync.Mutex
+	var made []api.Sandbox
+	skipped, err := s.fanOut(ctx, func(ctx context.Context, e edgeapi.Edge) error {
+		l, err := e.List(ctx, edgeapi.ListFilter{Labels: map[string]string{IdempotencyLabel: label}})
+		mu.Lock()
+		made = append(made, l...)
+		mu.Unlock()
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	if len(skipped) > 0 {
+		return nil, errdefs.Unavailable("cannot tell what an earlier attempt of this request made: node %s does not answer; retry later", strings.Join(skipped, ", "))
+	}
+	sort.Slice(made, func(i, j int) bool { return made[i].ID < made[j].ID })
+	return made, nil
 }
 
 func (s *Server) batchCreate(w http.ResponseWriter, r *http.Request) {

@@ -22,6 +22,7 @@ import (
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/placement"
 	"github.com/dsecproject/dsec/internal/sandbox"
+	"github.com/dsecproject/dsec/internal/store"
 )
 
 // Deps are the apiserver's collaborators.
@@ -41,6 +42,15 @@ type Deps struct {
 	Policy sandbox.Policy
 	// MaxLayerBytes bounds one layer upload (extracted size).
 	MaxLayerBytes int64
+	// Store keeps idempotency records (nil: Idempotency-Key ignored).
+	Store store.Store
+	// Instance names this apiserver (the owner of records it runs), and
+	// Alive tells whether another instance still runs (nil: only this
+	// one does, as in dsec up).
+	Instance string
+	Alive    func(instance string) (bool, error)
+	// IdempotencyTTL is how long a record answers (0: 24 h).
+	IdempotencyTTL time.Duration
 }
 
 // Server serves the REST API.
@@ -63,6 +73,14 @@ func New(deps Deps) *Server {
 	return s
 }
 
+// Run does the server's background work (expiring idempotency records)
+// until ctx ends.
+func (s *Server) Run(ctx context.Context) {
+	if s.deps.Store != nil {
+		s.idemJanitor(ctx)
+	}
+}
+
 // Handler returns the HTTP handler.
 func (s *Server) Handler() http.Handler { return s.recoverPanics(s.mux) }
 
@@ -73,8 +91,8 @@ func (s *Server) routes() {
 	}
 	s.handle("GET /v1/openapi.yaml", "", s.openapi)
 
-	s.handle("POST /v1/sandboxes", iam.SandboxCreate, s.createSandbox)
-	s.handle("POST /v1/sandboxes:batch", iam.SandboxCreate, s.batchCreate)
+	s.handle("POST /v1/sandboxes", iam.SandboxCreate, s.idempotent(true, s.createSandbox))
+	s.handle("POST /v1/sandboxes:batch", iam.SandboxCreate, s.idempotent(true, s.batchCreate))
 	s.handle("GET /v1/sandboxes", iam.SandboxRead, s.listSandboxes)
 	s.handle("POST /v1/sandboxes:delete", iam.SandboxWrite, s.deleteByLabels)
 	s.handle("GET /v1/sandboxes/{id}", iam.SandboxRead, s.getSandbox)
@@ -86,14 +104,14 @@ func (s *Server) routes() {
 	s.handle("POST /v1/sandboxes/{id}/resume", iam.SandboxWrite, s.resume)
 	s.handle("POST /v1/sandboxes:pause", iam.SandboxWrite, s.pauseByLabels)
 	s.handle("POST /v1/sandboxes:resume", iam.SandboxWrite, s.resumeByLabels)
-	s.handle("POST /v1/sandboxes/{id}/snapshot", iam.LayerWrite, s.snapshot)
-	s.handle("POST /v1/sandboxes/{id}/fork", iam.SandboxCreate, s.fork)
+	s.handle("POST /v1/sandboxes/{id}/snapshot", iam.LayerWrite, s.idempotent(true, s.snapshot))
+	s.handle("POST /v1/sandboxes/{id}/fork", iam.SandboxCreate, s.idempotent(true, s.fork))
 	s.handle("PUT /v1/sandboxes/{id}/network", iam.SandboxWrite, s.setNetwork)
-	s.handle("POST /v1/fncall", iam.SandboxCreate, s.fncall)
+	s.handle("POST /v1/fncall", iam.SandboxCreate, s.idempotent(true, s.fncall))
 	s.handle("/v1/sandboxes/{id}/ports/{port}/{path...}", iam.SandboxWrite, s.proxyPort)
-	s.handle("POST /v1/sandboxes/{id}/exec", iam.SandboxWrite, s.exec)
+	s.handle("POST /v1/sandboxes/{id}/exec", iam.SandboxWrite, s.idempotent(false, s.exec))
 	s.handle("POST /v1/sandboxes/{id}/sessions", iam.SandboxWrite, s.openSession)
-	s.handle("POST /v1/sandboxes/{id}/sessions/{sid}/run", iam.SandboxWrite, s.runSession)
+	s.handle("POST /v1/sandboxes/{id}/sessions/{sid}/run", iam.SandboxWrite, s.idempotent(false, s.runSession))
 	s.handle("DELETE /v1/sandboxes/{id}/sessions/{sid}", iam.SandboxWrite, s.closeSession)
 	s.handle("GET /v1/sandboxes/{id}/files", iam.SandboxRead, s.readFile)
 	s.handle("PUT /v1/sandboxes/{id}/files", iam.SandboxWrite, s.writeFile)

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/dsecproject/dsec/api"
@@ -22,6 +23,10 @@ import (
 )
 
 type fixture struct {
+	st      store.Store
+	view    *watcher.Watcher
+	aliveMu sync.Mutex
+	alive   map[string]bool
 	srv     *httptest.Server
 	edge    *edgetest.Fake
 	admin   string
@@ -75,11 +80,32 @@ func newFixture(t *testing.T, wire bool) *fixture {
 	}
 	view := watcher.New(watcher.Static{e}, watcher.Config{})
 	view.Sync(t.Context())
-	s := New(Deps{IAM: ident, Layers: layers, Nodes: view, Policy: sandbox.DefaultPolicy(),
-		Log: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	f := &fixture{edge: fe, admin: admin, viewer: viewer, iam: ident, layers: layers, digests: digests, st: st, view: view,
+		alive: map[string]bool{"a": true}}
+	f.srv = f.apiserver(t, "a")
+	return f
+}
+
+// apiserver starts another apiserver named instance over the fixture's
+// store, IAM and edge (a cluster's apiservers share etcd).
+func (f *fixture) apiserver(t *testing.T, instance string) *httptest.Server {
+	f.setAlive(instance, true)
+	s := New(Deps{IAM: f.iam, Layers: f.layers, Nodes: f.view, Policy: sandbox.DefaultPolicy(),
+		Log: slog.New(slog.NewTextHandler(io.Discard, nil)), Store: f.st, Instance: instance,
+		Alive: func(other string) (bool, error) {
+			f.aliveMu.Lock()
+			defer f.aliveMu.Unlock()
+			return f.alive[other], nil
+		}})
 	srv := httptest.NewServer(s.Handler())
 	t.Cleanup(srv.Close)
-	return &fixture{srv: srv, edge: fe, admin: admin, viewer: viewer, iam: ident, layers: layers, digests: digests}
+	return srv
+}
+
+func (f *fixture) setAlive(instance string, v bool) {
+	f.aliveMu.Lock()
+	f.alive[instance] = v
+	f.aliveMu.Unlock()
 }
 
 // bothWays runs fn against an apiserver that reaches its edge in process
@@ -91,7 +117,16 @@ func bothWays(t *testing.T, fn func(t *testing.T, f *fixture)) {
 
 func (f *fixture) do(t *testing.T, key, method, path, body string) (*http.Response, []byte) {
 	t.Helper()
-	req, _ := http.NewRequest(method, f.srv.URL+path, strings.NewReader(body))
+	return f.doAt(t, f.srv, key, "", method, path, body)
+}
+
+// doAt sends a request to srv, with an Idempotency-Key if idem is set.
+func (f *fixture) doAt(t *testing.T, srv *httptest.Server, key, idem, method, path, body string) (*http.Response, []byte) {
+	t.Helper()
+	req, _ := http.NewRequest(method, srv.URL+path, strings.NewReader(body))
+	if idem != "" {
+		req.Header.Set("Idempotency-Key", idem)
+	}
 	if key != "" {
 		req.Header.Set("Authorization", "Bearer "+key)
 	}

@@ -93,6 +93,22 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 // and reports each outcome (partial success allowed).
 func (s *Server) createMany(r *http.Request, count int, spec api.SandboxSpec, digests []string) api.BatchResult {
 	res := api.BatchResult{Sandboxes: []api.Sandbox{}, Errors: []api.BatchError{}}
+	if ic := idemFrom(r.Context()); ic != nil {
+		spec.Labels = withLabel(spec.Labels, IdempotencyLabel, ic.label)
+		if ic.takeover {
+			// What the first attempt made counts; only the rest is made.
+			made, err := s.madeBefore(r.Context(), ic.label)
+			if err != nil {
+				for i := range count {
+					res.Errors = append(res.Errors, api.BatchError{Index: i, Error: api.ErrorDetail{Code: errdefs.Code(err), Message: err.Error()}})
+				}
+				return res
+			}
+			made = made[:min(len(made), count)]
+			res.Sandboxes = append(res.Sandboxes, made...)
+			count -= len(made)
+		}
+	}
 	made := make([]*api.Sandbox, count)
 	errs := make([]error, count)
 	var wg sync.WaitGroup
@@ -107,9 +123,10 @@ func (s *Server) createMany(r *http.Request, count int, spec api.SandboxSpec, di
 		}()
 	}
 	wg.Wait()
+	base := len(res.Sandboxes)
 	for i := range count {
 		if errs[i] != nil {
-			res.Errors = append(res.Errors, api.BatchError{Index: i, Error: api.ErrorDetail{Code: errdefs.Code(errs[i]), Message: errs[i].Error()}})
+			res.Errors = append(res.Errors, api.BatchError{Index: base + i, Error: api.ErrorDetail{Code: errdefs.Code(errs[i]), Message: errs[i].Error()}})
 			continue
 		}
 		res.Sandboxes = append(res.Sandboxes, *made[i])

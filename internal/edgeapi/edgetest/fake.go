@@ -47,8 +47,8 @@ type Fake struct {
 	PortAddr string
 	// Written is what the last WriteFile or ExtractTar received.
 	Written []byte
-	// Creates counts Create calls (failed ones included).
-	Creates int
+	// Creates counts Create calls (failed ones included), Execs Exec calls.
+	Creates, Execs int
 	// Refuse makes Create answer resource_exhausted.
 	Refuse bool
 }
@@ -58,6 +58,27 @@ var _ edgeapi.Edge = (*Fake)(nil)
 // NewFake returns an empty fake edge named name.
 func NewFake(name string) *Fake {
 	return &Fake{name: name, MaxSandboxes: 100, sandboxes: map[string]api.Sandbox{}, File: []byte("data")}
+}
+
+// Counts returns how many Create and Exec calls the fake has had.
+func (f *Fake) Counts() (creates, execs int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.Creates, f.Execs
+}
+
+// SetRefuse makes Create answer resource_exhausted (or not).
+func (f *Fake) SetRefuse(v bool) {
+	f.mu.Lock()
+	f.Refuse = v
+	f.mu.Unlock()
+}
+
+// Put adds a sandbox as if an earlier Create had made it.
+func (f *Fake) Put(sb api.Sandbox) {
+	f.mu.Lock()
+	f.sandboxes[sb.ID] = sb
+	f.mu.Unlock()
 }
 
 // Len is how many sandboxes the fake holds.
@@ -171,6 +192,9 @@ func (f *Fake) Stats(ctx context.Context, id string) (*api.Stats, error) {
 
 // Exec implements edgeapi.Edge.
 func (f *Fake) Exec(ctx context.Context, id string, req api.ExecRequest, emit func(api.ExecEvent) error) (*api.ExecResult, error) {
+	f.mu.Lock()
+	f.Execs++
+	f.mu.Unlock()
 	if f.ExecErr != nil {
 		return nil, f.ExecErr
 	}

@@ -1,0 +1,373 @@
+package apiserver
+
+// Idempotency keys (DSec §6.1: after a preemption, completed operations
+// return their recorded results instead of running again). A mutating call
+// with an Idempotency-Key leaves a record in the store: pending while it
+// runs (with the apiserver that runs it), then its answer. A repeat with
+// the same key and body gets the recorded answer from any apiserver; with
+// another body, 409. A repeat that finds the call still pending waits for
+// it; if the apiserver running it died, the repeat takes the call over:
+// a create first looks for the sandboxes the first attempt made (they
+// carry the record's label), so that nothing is made twice.
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+// idemBucket holds the records, by idemRecordKey.
+const idemBucket = "idempotency"
+
+// IdempotencyLabel marks the sandboxes a keyed create made, so that a
+// retry that takes over from a dead apiserver finds them.
+const IdempotencyLabel = "dsec.idempotency"
+
+// Idempotency tuning.
+const (
+	// DefaultIdempotencyTTL is how long a record answers repeats.
+	DefaultIdempotencyTTL = 24 * time.Hour
+	// maxRecordedBytes bounds the answer a record keeps (etcd takes
+	// requests of up to 1.5 MiB). A larger answer is recorded as done
+	// without its body: a repeat is told so rather than run again.
+	maxRecordedBytes = 1 << 20
+	// idemWait is how long a repeat waits for a pending call of a live
+	// apiserver before answering 409.
+	idemWait   = 60 * time.Second
+	maxIdemKey = 255
+)
+
+type idemRecord struct {
+	Hash    string    `json:"hash"`
+	State   string    `json:"state"` // pending | done
+	Owner   string    `json:"owner"` // apiserver instance running it
+	Started time.Time `json:"started"`
+	Expires time.Time `json:"expires"`
+	Status  int       `json:"status,omitempty"`
+	Type    string    `json:"content_type,omitempty"`
+	Body    []byte    `json:"body,omitempty"`
+	// TooLarge: done, but the answer was too large to keep.
+	TooLarge int `json:"too_large,omitempty"`
+}
+
+// idemCtx is what a keyed call's handler learns from the middleware.
+type idemCtx struct {
+	// label is the value of IdempotencyLabel for sandboxes it creates.
+	label string
+	// takeover: an earlier attempt may have made some of them already.
+	takeover bool
+}
+
+type idemCtxKey struct{}
+
+func idemFrom(ctx context.Context) *idemCtx {
+	ic, _ := ctx.Value(idemCtxKey{}).(*idemCtx)
+	return ic
+}
+
+// idempotent wraps a keyed route. creates says the call makes sandboxes
+// (or layers): when the store cannot record it, it is refused rather than
+// run unrecorded; an exec runs anyway (sandboxes must stay usable while
+// etcd has no quorum).
+func (s *Server) idempotent(creates bool, h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		key := r.Header.Get("Idempotency-Key")
+		if key == "" || s.deps.Store == nil {
+			h(w, r)
+			return
+		}
+		if len(key) > maxIdemKey || !printable(key) {
+			s.writeError(w, r, errdefs.Invalid("Idempotency-Key must be 1-%d printable ASCII characters", maxIdemKey))
+			return
+		}
+		body, err := io.ReadAll(http.MaxBytesReader(nil, r.Body, maxJSONBody))
+		if err != nil {
+			s.writeError(w, r, errdefs.Invalid("request body larger than %d bytes", maxJSONBody))
+			return
+		}
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		hash := requestHash(r.Method, r.URL.Path, r.URL.RawQuery, string(body))
+		rk := idemRecordKey(principalID(r), key)
+		rec, run, err := s.claim(r.Context(), rk, hash)
+		switch {
+		case err != nil && errors.Is(err, errdefs.ErrUnavailable) && !creates:
+			s.log.Warn("running a keyed call unrecorded: the store is unavailable", "path", r.URL.Path, "err", err)
+			w.Header().Set("Idempotency-Recorded", "false")
+			h(w, r)
+			return
+		case err != nil:
+			s.writeError(w, r, err)
+			return
+		case !run:
+			s.replay(w, r, rec)
+			return
+		}
+		ic := &idemCtx{label: rk[:32], takeover: rec.takeover}
+		tee := &teeWriter{ResponseWriter: w, status: http.StatusOK}
+		h(tee, r.WithContext(context.WithValue(r.Context(), idemCtxKey{}, ic)))
+		s.finish(rk, hash, tee)
+	}
+}
+
+// requestHash identifies a request: the same key with another hash is
+// another request.
+func requestHash(method, path, query, body string) string {
+	sum := sha256.Sum256([]byte(method + " " + path + "?" + query + "\n" + body))
+	return hex.EncodeToString(sum[:])
+}
+
+func printable(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < 0x20 || s[i] > 0x7e {
+			return false
+		}
+	}
+	return true
+}
+
+// idemRecordKey scopes a key to the principal that sent it.
+func idemRecordKey(principal, key string) string {
+	sum := sha256.Sum256([]byte(principal + "\x00" + key))
+	return hex.EncodeToString(sum[:])
+}
+
+type claimed struct {
+	idemRecord
+	takeover bool
+}
+
+// claim makes this apiserver the runner of rk, or returns the record to
+// answer from (run false). It waits while a live apiserver runs it.
+func (s *Server) claim(ctx context.Context, rk, hash string) (claimed, bool, error) {
+	deadline := time.Now().Add(idemWait)
+	for {
+		now := time.Now()
+		mine := idemRecord{Hash: hash, State: "pending", Owner: s.deps.Instance, Started: now, Expires: now.Add(s.idemTTL())}
+		var got claimed
+		run := false
+		err := s.deps.Store.Update(idemBucket, rk, func(old []byte) ([]byte, error) {
+			got, run = claimed{}, false
+			if old != nil {
+				if err := json.Unmarshal(old, &got.idemRecord); err != nil {
+					return nil, fmt.Errorf("decoding idempotency record: %w", err)
+				}
+			}
+			switch {
+			case old == nil || now.After(got.Expires):
+				run = true
+				return json.Marshal(mine)
+			case got.Hash != hash:
+				return nil, errdefs.Precondition("Idempotency-Key was used with another request (method, path or body differ); use a new key")
+			case got.State == "done":
+				return nil, errAnswered
+			case got.Owner != s.deps.Instance && !s.alive(got.Owner):
+				// Its apiserver is gone: take the call over.
+				run = true
+				mine.Started = got.Started
+				b, err := json.Marshal(mine)
+				got.takeover = true
+				return b, err
+			}
+			return nil, errPending
+		})
+		switch {
+		case err == nil && run:
+			got.idemRecord = mine
+			return got, true, nil
+		case errors.Is(err, errAnswered):
+			return got, false, nil
+		case errors.Is(err, errPending):
+			if time.Now().After(deadline) {
+				return got, false, errdefs.Precondition("a request with this Idempotency-Key is still running (since %s); retry later", got.Started.UTC().Format(time.RFC3339))
+			}
+			select {
+			case <-ctx.Done():
+				return got, false, ctx.Err()
+			case <-time.After(100 * time.Millisecond):
+			}
+			continue
+		case err != nil:
+			return got, false, err
+		}
+		return got, false, nil
+	}
+}
+
+var (
+	errAnswered = errors.New("answered")
+	errPending  = errors.New("pending")
+)
+
+func (s *Server) idemTTL() time.Duration {
+	if s.deps.IdempotencyTTL > 0 {
+		return s.deps.IdempotencyTTL
+	}
+	return DefaultIdempotencyTTL
+}
+
+// alive reports whether the apiserver instance still runs. Without a
+// liveness source (dsec up: one process) only this one does.
+func (s *Server) alive(instance string) bool {
+	if instance == "" {
+		return false // orphaned by a failed attempt
+	}
+	if s.deps.Alive == nil {
+		return instance == s.deps.Instance
+	}
+	ok, err := s.deps.Alive(instance)
+	if err != nil {
+		return true // cannot tell: wait rather than run twice
+	}
+	return ok
+}
+
+// replay answers from a record.
+func (s *Server) replay(w http.ResponseWriter, r *http.Request, rec claimed) {
+	if rec.TooLarge > 0 {
+		s.writeError(w, r, errdefs.Precondition("a request with this Idempotency-Key completed with status %d, but its answer (%d bytes) was too large to keep; it is not run again", rec.Status, rec.TooLarge))
+		return
+	}
+	w.Header().Set("Idempotent-Replayed", "true")
+	if rec.Type != "" {
+		w.Header().Set("Content-Type", rec.Type)
+	}
+	w.WriteHeader(rec.Status)
+	_, _ = w.Write(rec.Body)
+}
+
+// finish records the answer of a call this apiserver ran. A refusal that
+// left nothing done (a 4xx, or no node could take it) frees the key for a
+// retry instead of pinning the error. A failure that may have left
+// something done (the edge was lost mid-call, an internal error) leaves
+// the record pending with no owner: a retry takes it over and, for a
+// create, first looks for what the first attempt made.
+func (s *Server) finish(rk, hash string, tee *teeWriter) {
+	outcome := "done"
+	switch {
+	case tee.status >= 400 && tee.status < 500:
+		outcome = "free"
+	case tee.status >= 500:
+		outcome = "orphan"
+		var eb struct {
+			Error struct{ Code string } `json:"error"`
+		}
+		if !tee.over && json.Unmarshal(tee.buf.Bytes(), &eb) == nil && eb.Error.Code == "resource_exhausted" {
+			outcome = "free"
+		}
+	}
+	if outcome == "free" {
+		if err := s.deps.Store.Delete(idemBucket, rk); err != nil {
+			s.log.Warn("freeing an idempotency key", "err", err)
+		}
+		return
+	}
+	err := s.deps.Store.Update(idemBucket, rk, func(old []byte) ([]byte, error) {
+		var rec idemRecord
+		if old != nil {
+			if err := json.Unmarshal(old, &rec); err != nil {
+				return nil, err
+			}
+		}
+		if rec.Hash != hash || rec.Owner != s.deps.Instance {
+			return nil, errPending // taken over meanwhile: leave it be
+		}
+		if outcome == "orphan" {
+			rec.Owner = ""
+			return json.Marshal(rec)
+		}
+		rec.State, rec.Status, rec.Type = "done", tee.status, tee.Header().Get("Content-Type")
+		if tee.over {
+			rec.TooLarge = tee.total
+		} else {
+			rec.Body = tee.buf.Bytes()
+		}
+		return json.Marshal(rec)
+	})
+	if err != nil && !errors.Is(err, errPending) {
+		s.log.Warn("recording an idempotent answer", "err", err)
+	}
+}
+
+// teeWriter passes a response through and keeps a copy (up to
+// maxRecordedBytes) for the record.
+type teeWriter struct {
+	http.ResponseWriter
+	mu     sync.Mutex
+	status int
+	wrote  bool
+	buf    bytes.Buffer
+	total  int
+	over   bool
+}
+
+func (t *teeWriter) WriteHeader(code int) {
+	t.mu.Lock()
+	if !t.wrote {
+		t.status, t.wrote = code, true
+	}
+	t.mu.Unlock()
+	t.ResponseWriter.WriteHeader(code)
+}
+
+func (t *teeWriter) Write(b []byte) (int, error) {
+	t.mu.Lock()
+	t.wrote = true
+	t.total += len(b)
+	if !t.over && t.buf.Len()+len(b) <= maxRecordedBytes {
+		t.buf.Write(b)
+	} else if !t.over {
+		t.over = true
+		t.buf.Reset()
+	}
+	t.mu.Unlock()
+	return t.ResponseWriter.Write(b)
+}
+
+func (t *teeWriter) Flush() {
+	if f, ok := t.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+	}
+}
+
+func (t *teeWriter) Unwrap() http.ResponseWriter { return t.ResponseWriter }
+
+// janitor deletes expired records now and then. Every apiserver runs one;
+// deleting twice is harmless.
+func (s *Server) idemJanitor(ctx context.Context) {
+	t := time.NewTicker(10 * time.Minute)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		kvs, err := s.deps.Store.List(idemBucket, "")
+		if err != nil {
+			continue
+		}
+		now := time.Now()
+		n := 0
+		for _, kv := range kvs {
+			var rec idemRecord
+			if json.Unmarshal(kv.Value, &rec) == nil && now.After(rec.Expires) {
+				if s.deps.Store.Delete(idemBucket, kv.Key) == nil {
+					n++
+				}
+			}
+		}
+		if n > 0 {
+			s.log.Info("expired idempotency records removed", "count", n)
+		}
+	}
+}

@@ -1,0 +1,151 @@
+package apiserver
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+)
+
+func decodeSandbox(t *testing.T, body []byte) api.Sandbox {
+	t.Helper()
+	var sb api.Sandbox
+	if err := json.Unmarshal(body, &sb); err != nil || sb.ID == "" {
+		t.Fatalf("not a sandbox: %s", body)
+	}
+	return sb
+}
+
+// TestIdempotentCreate: a repeat with the same key returns the first
+// answer, from any apiserver, and makes nothing; another body is a 409.
+func TestIdempotentCreate(t *testing.T) {
+	bothWays(t, func(t *testing.T, f *fixture) {
+		b := f.apiserver(t, "b")
+		spec := `{"base":"base/py:1","labels":{"job":"j"}}`
+		resp, body := f.doAt(t, f.srv, f.admin, "k1", "POST", "/v1/sandboxes", spec)
+		if resp.StatusCode != 201 {
+			t.Fatalf("create: %d %s", resp.StatusCode, body)
+		}
+		first := decodeSandbox(t, body)
+		if first.Labels[IdempotencyLabel] == "" {
+			t.Fatalf("keyed sandbox not labelled: %v", first.Labels)
+		}
+		for _, srv := range []string{"a", "b"} {
+			target := f.srv
+			if srv == "b" {
+				target = b
+			}
+			resp, body = f.doAt(t, target, f.admin, "k1", "POST", "/v1/sandboxes", spec)
+			if resp.StatusCode != 201 || decodeSandbox(t, body).ID != first.ID || resp.Header.Get("Idempotent-Replayed") != "true" {
+				t.Fatalf("repeat on %s: %d %s", srv, resp.StatusCode, body)
+			}
+		}
+		if creates, _ := f.edge.Counts(); creates != 1 {
+			t.Fatalf("%d creates for one key", creates)
+		}
+		resp, body = f.doAt(t, b, f.admin, "k1", "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
+		wantError(t, resp, body, 409, "failed_precondition")
+		// Keys are the caller's: another principal's k1 is another call.
+		resp, body = f.doAt(t, f.srv, f.viewer, "k1", "POST", "/v1/sandboxes", spec)
+		wantError(t, resp, body, 403, "permission_denied")
+		// A bad key is refused before anything runs.
+		resp, body = f.doAt(t, f.srv, f.admin, strings.Repeat("k", 256), "POST", "/v1/sandboxes", spec)
+		wantError(t, resp, body, 400, "invalid_argument")
+	})
+}
+
+// TestIdempotentRefusalFreesTheKey: a create no node took leaves no
+// record, so that the same retry succeeds once a node has room.
+func TestIdempotentRefusalFreesTheKey(t *testing.T) {
+	f := newFixture(t, false)
+	f.edge.SetRefuse(true)
+	spec := `{"base":"base/py:1"}`
+	resp, body := f.doAt(t, f.srv, f.admin, "k2", "POST", "/v1/sandboxes", spec)
+	wantError(t, resp, body, 503, "resource_exhausted")
+	f.edge.SetRefuse(false)
+	resp, body = f.doAt(t, f.srv, f.admin, "k2", "POST", "/v1/sandboxes", spec)
+	if resp.StatusCode != 201 || resp.Header.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("retry after a refusal: %d %s", resp.StatusCode, body)
+	}
+}
+
+// TestIdempotentTakeover: the apiserver that ran a keyed create died
+// before recording it. A retry on another apiserver finds the sandbox the
+// first attempt made instead of making a second; a batch makes only the
+// missing ones.
+func TestIdempotentTakeover(t *testing.T) {
+	f := newFixture(t, true)
+	b := f.apiserver(t, "b")
+	spec := `{"base":"base/py:1"}`
+	// What apiserver "a" left: a pending record, and the sandbox it made.
+	rk := idemRecordKey(principalOf(t, f, f.admin), "k3")
+	hash := requestHash("POST", "/v1/sandboxes", "", spec)
+	pending, _ := json.Marshal(idemRecord{Hash: hash, State: "pending", Owner: "a", Started: time.Now(), Expires: time.Now().Add(time.Hour)})
+	if err := f.st.Put(idemBucket, rk, pending); err != nil {
+		t.Fatal(err)
+	}
+	f.edge.Put(api.Sandbox{ID: "sb-n1-made", Node: "n1", State: api.StateRunning, Labels: map[string]string{IdempotencyLabel: rk[:32]}})
+	// While "a" lives, the retry waits; once it is gone, the retry takes over.
+	go func() {
+		time.Sleep(300 * time.Millisecond)
+		f.setAlive("a", false)
+	}()
+	resp, body := f.doAt(t, b, f.admin, "k3", "POST", "/v1/sandboxes", spec)
+	if resp.StatusCode != 201 || decodeSandbox(t, body).ID != "sb-n1-made" {
+		t.Fatalf("takeover: %d %s", resp.StatusCode, body)
+	}
+	if creates, _ := f.edge.Counts(); creates != 0 {
+		t.Fatalf("takeover made %d sandboxes, want none", creates)
+	}
+
+	// A batch of 3 of which the dead apiserver made 1.
+	rk = idemRecordKey(principalOf(t, f, f.admin), "k4")
+	batch := `{"count":3,"spec":{"base":"base/py:1"}}`
+	pending, _ = json.Marshal(idemRecord{Hash: requestHash("POST", "/v1/sandboxes:batch", "", batch), State: "pending", Owner: "dead", Started: time.Now(), Expires: time.Now().Add(time.Hour)})
+	if err := f.st.Put(idemBucket, rk, pending); err != nil {
+		t.Fatal(err)
+	}
+	f.edge.Put(api.Sandbox{ID: "sb-n1-b0", Node: "n1", State: api.StateRunning, Labels: map[string]string{IdempotencyLabel: rk[:32]}})
+	resp, body = f.doAt(t, b, f.admin, "k4", "POST", "/v1/sandboxes:batch", batch)
+	var br api.BatchResult
+	if resp.StatusCode != 200 || json.Unmarshal(body, &br) != nil || len(br.Sandboxes) != 3 || len(br.Errors) != 0 || br.Sandboxes[0].ID != "sb-n1-b0" {
+		t.Fatalf("batch takeover: %d %s", resp.StatusCode, body)
+	}
+	if creates, _ := f.edge.Counts(); creates != 2 {
+		t.Fatalf("batch takeover made %d, want the 2 missing", creates)
+	}
+}
+
+// TestIdempotentExec: a repeated keyed exec is answered from the record
+// and does not run again.
+func TestIdempotentExec(t *testing.T) {
+	bothWays(t, func(t *testing.T, f *fixture) {
+		_, body := f.do(t, f.admin, "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
+		id := decodeSandbox(t, body).ID
+		for range 3 {
+			resp, body := f.doAt(t, f.srv, f.admin, "x1", "POST", "/v1/sandboxes/"+id+"/exec", `{"cmd":"make test"}`)
+			if resp.StatusCode != 200 {
+				t.Fatalf("exec: %d %s", resp.StatusCode, body)
+			}
+		}
+		if _, execs := f.edge.Counts(); execs != 1 {
+			t.Fatalf("keyed exec ran %d times", execs)
+		}
+		// Without a key, every call runs.
+		f.do(t, f.admin, "POST", "/v1/sandboxes/"+id+"/exec", `{"cmd":"make test"}`)
+		if _, execs := f.edge.Counts(); execs != 2 {
+			t.Fatalf("unkeyed exec: %d runs", execs)
+		}
+	})
+}
+
+func principalOf(t *testing.T, f *fixture, key string) string {
+	t.Helper()
+	p, err := f.iam.Authenticate(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p.ID
+}
