@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/store"
 )
 
 // KeyPrefix starts every generated API key, so that leaked keys are easy to
@@ -49,6 +50,25 @@ func newKey() (string, error) {
 }
 
 func principalID(hash string) string { return "key-" + hash[:idHashLen] }
+
+// AdminKeyExists reports whether st holds an admin key of the root
+// project. It only reads (a server checks it before it changes anything).
+func AdminKeyExists(st store.Store) (bool, error) {
+	kvs, err := st.List(bucketKeys, "")
+	if err != nil {
+		return false, fmt.Errorf("listing keys: %w", err)
+	}
+	for _, kv := range kvs {
+		var p Principal
+		if err := json.Unmarshal(kv.Value, &p); err != nil {
+			return false, fmt.Errorf("decoding key %s: %w", kv.Key, err)
+		}
+		if p.Project == RootProject && p.Role == RoleAdmin {
+			return true, nil
+		}
+	}
+	return false, nil
+}
 
 // EnsureAdminKey makes sure the root project has an admin key, for `dsec up`
 // and server start-up.
@@ -155,6 +175,12 @@ func (m *IAM) Authenticate(key string) (Principal, error) {
 		return Principal{}, errdefs.Unauthenticated("unknown API key")
 	}
 	if err != nil {
+		if ok && errors.Is(err, errdefs.ErrUnavailable) {
+			// The store is down (etcd without quorum): a key this
+			// apiserver knew keeps working, so that running sandboxes
+			// stay usable; it is checked again once the store answers.
+			return e.p, nil
+		}
 		return Principal{}, err
 	}
 	m.rememberIf(h, p, gen)
