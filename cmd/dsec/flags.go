@@ -152,3 +152,35 @@ func orDash(s string) string {
 	}
 	return s
 }
+
+// kvListFlag is a KEY=VALUE list flag that takes comma-separated pairs and
+// may be repeated (--node-labels gpu=a100,zone=b --node-labels pool=cloud).
+type kvListFlag map[string]string
+
+func (m kvListFlag) String() string { return formatKV(m) }
+
+func (m kvListFlag) Set(s string) error {
+	for _, part := range strings.Split(s, ",") {
+		part = strings.TrimSpace(part)
+		if part == "" {
+			continue
+		}
+		k, v, err := parseKV(part)
+		if err != nil {
+			return err
+		}
+		m[k] = v
+	}
+	return nil
+}
+
+// splitList splits a comma-separated flag value, dropping empty items.
+func splitList(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}

@@ -1,6 +1,8 @@
 // Command dsec is the dsec CLI and its daemons in one binary: `dsec up`
 // runs a whole single-node platform (apiserver + edge + embedded store +
-// local layer directory); the other subcommands are clients of the REST API.
+// local layer directory); `dsec server` and `dsec edge` are the processes
+// of a cluster (`dsec cluster init` makes their certificates); the other
+// subcommands are clients of the REST API.
 package main
 
 import (
@@ -14,13 +16,16 @@ var daemonCommands = map[string]struct {
 	summary string
 	run     func(args []string) error
 }{
-	"up":    {"run apiserver + edge + store on this machine (needs root)", runUp},
-	"bench": {"measure create and exec latency against a bare runtime loop", runBench},
+	"up":      {"run apiserver + edge + store on this machine (needs root)", runUp},
+	"server":  {"run a stateless apiserver of a cluster (state in etcd)", runServer},
+	"edge":    {"run the node daemon of a cluster on this machine (needs root)", runEdgeDaemon},
+	"cluster": {"init: write a cluster's CA and certificates", runCluster},
+	"bench":   {"measure create and exec latency against a bare runtime loop", runBench},
 }
 
 func usage() {
 	fmt.Fprintln(os.Stderr, "usage: dsec COMMAND [flags]   (dsec COMMAND -h for help)\n\ncommands:")
-	for _, name := range []string{"up", "bench"} {
+	for _, name := range []string{"up", "server", "edge", "cluster", "bench"} {
 		fmt.Fprintf(os.Stderr, "  %-9s %s\n", name, daemonCommands[name].summary)
 	}
 	clientUsage(os.Stderr)

@@ -34,7 +34,7 @@ func sandboxCreate(ctx context.Context, args []string) error {
 	var spec api.SandboxSpec
 	var toolkits, allow, deny stringList
 	var ttl, idle secondsFlag
-	labels, env := kvFlag{}, kvFlag{}
+	labels, env, selector := kvFlag{}, kvFlag{}, kvFlag{}
 	fs.StringVar(&spec.Base, "base", "", "base layer `REF`, e.g. base/python:3.11")
 	fs.StringVar(&spec.Image, "image", "", "image `REF` (instead of --base)")
 	fs.StringVar(&spec.Workspace, "workspace", "", "workspace layer `REF`")
@@ -48,6 +48,7 @@ func sandboxCreate(ctx context.Context, args []string) error {
 	fs.Var(&ttl, "ttl", "maximum lifetime, `seconds` or a duration like 1h (0 = platform default)")
 	fs.Var(&idle, "idle-timeout", "stop after this long without requests (`seconds` or duration)")
 	fs.Var(labels, "label", "label `k=v` (repeatable)")
+	fs.Var(selector, "node-selector", "place only on a node labelled `k=v` (repeatable; dsec edge --node-labels)")
 	fs.Var(env, "env", "environment variable `K=V` (repeatable)")
 	fs.StringVar(&spec.User, "user", "", "default user for commands")
 	fs.StringVar(&spec.Workdir, "workdir", "", "default working directory")
@@ -66,6 +67,9 @@ func sandboxCreate(ctx context.Context, args []string) error {
 	}
 	spec.Toolkits = toolkits
 	spec.TTL, spec.IdleTimeout = int64(ttl), int64(idle)
+	if len(selector) > 0 {
+		spec.NodeSelector = selector
+	}
 	if len(labels) > 0 {
 		spec.Labels = labels
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/dsecproject/dsec/internal/apiserver"
+	"github.com/dsecproject/dsec/internal/cluster"
 	"github.com/dsecproject/dsec/internal/edge"
 	"github.com/dsecproject/dsec/internal/edge/host"
 	"github.com/dsecproject/dsec/internal/iam"
@@ -93,6 +94,7 @@ type node struct {
 func (n *node) Close() {
 	n.edge.Close()
 	n.host.Close()
+	_ = n.layers.Close()
 	_ = n.store.Close()
 }
 
@@ -133,7 +135,9 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	srv := apiserver.New(apiserver.Deps{
 		IAM: ident, Layers: layers, Nodes: view, Log: log,
 		Registry: reg, Gatherer: reg, Policy: sandbox.DefaultPolicy(), MaxLayerBytes: 64 << 30,
+		Store: st, Instance: cluster.NewInstance(),
 	})
+	go srv.Run(ctx)
 	return &node{layers: layers, edge: ed, host: h, server: srv, store: st}, ident, nil
 }
 

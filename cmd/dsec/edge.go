@@ -1,0 +1,160 @@
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/dsecproject/dsec/internal/cluster"
+	"github.com/dsecproject/dsec/internal/edgeapi"
+	"github.com/dsecproject/dsec/internal/layer"
+)
+
+type edgeCmdConfig struct {
+	clusterFlags
+	listen        string
+	advertise     string
+	metricsListen string
+	node          nodeConfig
+}
+
+func runEdgeDaemon(args []string) error {
+	c := edgeCmdConfig{node: nodeConfig{labels: kvListFlag{}}}
+	f := newCmdFlags("edge", "--listen ADDR --etcd URLS --cluster DIR --layers DIR --node-name NAME --state-dir DIR [flags]",
+		"Run the node daemon of a cluster: it holds this machine's sandboxes and\n"+
+			"serves the internal API (mutual TLS, apiservers only) on --listen. Needs\n"+
+			"root. Several edges on one host need their own --state-dir, --listen and\n"+
+			"--sandbox-cidr.")
+	f.StringVar(&c.listen, "listen", "", "address of the internal API (required), e.g. 10.0.0.5:7071")
+	f.StringVar(&c.advertise, "advertise", "", "address apiservers reach the internal API at (default: --listen, which must then name a host)")
+	f.StringVar(&c.metricsListen, "metrics-listen", "", "also serve /metrics and /healthz without TLS on this address (e.g. 127.0.0.1:9101 for Prometheus)")
+	f.StringVar(&c.node.stateDir, "state-dir", "", "state directory of this edge (required; one per edge)")
+	f.StringVar(&c.node.nodeName, "node-name", "", "this node's name, unique in the cluster (required; part of every sandbox id)")
+	f.Var(kvListFlag(c.node.labels), "node-labels", "labels of this node, `k=v,...` (node_selector matches them; pool=NAME names its pool)")
+	c.node.register(f)
+	c.clusterFlags.register(f)
+	if _, err := f.parseN(args, 0, 0); err != nil {
+		return err
+	}
+	if err := c.clusterFlags.check(); err != nil {
+		return err
+	}
+	for _, r := range []struct{ name, v string }{{"--listen", c.listen}, {"--state-dir", c.node.stateDir}, {"--node-name", c.node.nodeName}} {
+		if r.v == "" {
+			return fmt.Errorf("%s is required", r.name)
+		}
+	}
+	if err := c.node.check(); err != nil {
+		return err
+	}
+	if c.advertise == "" {
+		host, _, err := net.SplitHostPort(c.listen)
+		if err != nil {
+			return fmt.Errorf("--listen %q: %w", c.listen, err)
+		}
+		if ip := net.ParseIP(host); host == "" || ip != nil && ip.IsUnspecified() {
+			return fmt.Errorf("--listen %s names no host apiservers can reach: give --advertise HOST:PORT", c.listen)
+		}
+	}
+	log, err := newLogger(c.logFormat, c.logLevel)
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	return runEdge(ctx, c, log)
+}
+
+func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
+	if os.Geteuid() != 0 {
+		return errors.New("dsec edge needs root: it mounts EROFS layers and overlayfs and runs OCI containers")
+	}
+	// Bind first: a taken port is reported before anything is touched.
+	ln, err := net.Listen("tcp", c.listen)
+	if err != nil {
+		return fmt.Errorf("listening on %s: %w", c.listen, err)
+	}
+	defer ln.Close()
+	advertise := c.advertise
+	if advertise == "" {
+		advertise = ln.Addr().String()
+	}
+	trust, st, err := c.join(ctx, log, nil)
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	tlsCfg, err := trust.EdgeServerTLS()
+	if err != nil {
+		return err
+	}
+	// The name is claimed before the host is: a second edge with a live
+	// name stops here, having changed nothing.
+	regCtx, unregister := context.WithCancel(context.Background())
+	defer unregister()
+	if err := cluster.RegisterNode(regCtx, st, cluster.NodeRecord{
+		Name: c.node.nodeName, Address: advertise, Instance: cluster.NewInstance(), StartedAt: time.Now().UTC(),
+	}, log); err != nil {
+		return err
+	}
+	layers, err := layer.NewStore(c.layersDir, st, log)
+	if err != nil {
+		return fmt.Errorf("opening layer store: %w", err)
+	}
+	defer layers.Close()
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	ed, h, err := startEdge(ctx, c.node, filepath.Join(c.node.stateDir, "edge"), layers, log, reg)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	defer ed.Close()
+
+	mux := http.NewServeMux()
+	mux.Handle(edgeapi.Prefix+"/", edgeapi.NewServer(ed, log))
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, "{\"status\":\"ok\",\"node\":%q}\n", c.node.nodeName)
+	})
+	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, TLSConfig: tlsCfg,
+		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
+	errc := make(chan error, 2)
+	go func() { errc <- hs.Serve(tls.NewListener(ln, tlsCfg)) }()
+	var ms *http.Server
+	if c.metricsListen != "" {
+		mmux := http.NewServeMux()
+		mmux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+		mmux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { fmt.Fprintln(w, `{"status":"ok"}`) })
+		ms = &http.Server{Addr: c.metricsListen, Handler: mmux, ReadHeaderTimeout: 10 * time.Second}
+		go func() { errc <- ms.ListenAndServe() }()
+	}
+	log.Info("dsec edge: serving the internal API", "listen", ln.Addr().String(), "advertise", advertise, "cluster", trust.Info.ID)
+	select {
+	case <-ctx.Done():
+		log.Info("shutting down; sandboxes keep running and are re-adopted on the next start")
+	case err := <-errc:
+		return fmt.Errorf("serving: %w", err)
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_ = hs.Shutdown(sctx)
+	if ms != nil {
+		_ = ms.Shutdown(sctx)
+	}
+	return nil
+}

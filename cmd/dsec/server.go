@@ -1,0 +1,227 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"strconv"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/dsecproject/dsec/internal/apiserver"
+	"github.com/dsecproject/dsec/internal/cluster"
+	"github.com/dsecproject/dsec/internal/edgeapi"
+	"github.com/dsecproject/dsec/internal/iam"
+	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/placement"
+	"github.com/dsecproject/dsec/internal/sandbox"
+	"github.com/dsecproject/dsec/internal/store"
+	"github.com/dsecproject/dsec/internal/watcher"
+)
+
+// clusterFlags are what every process of a cluster is told.
+type clusterFlags struct {
+	etcd       string
+	etcdPrefix string
+	clusterDir string
+	layersDir  string
+	logFormat  string
+	logLevel   string
+}
+
+func (c *clusterFlags) register(f *cmdFlags) {
+	f.StringVar(&c.etcd, "etcd", "", "etcd client URLs, comma-separated (required)")
+	f.StringVar(&c.etcdPrefix, "etcd-prefix", "/dsec/", "key prefix of this cluster in etcd (several clusters may share one etcd)")
+	f.StringVar(&c.clusterDir, "cluster", "", "cluster directory made by `dsec cluster init` (required)")
+	f.StringVar(&c.layersDir, "layers", "", "layer directory every server and edge of the cluster sees, e.g. a shared mount (required)")
+	f.StringVar(&c.logFormat, "log-format", "text", "log format: text or json")
+	f.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
+}
+
+func (c *clusterFlags) check() error {
+	for _, r := range []struct{ name, v string }{{"--etcd", c.etcd}, {"--cluster", c.clusterDir}, {"--layers", c.layersDir}} {
+		if r.v == "" {
+			return fmt.Errorf("%s is required", r.name)
+		}
+	}
+	return nil
+}
+
+// join loads the cluster directory, connects to etcd and checks that etcd
+// and the layer directory are this cluster's. before, if not nil, runs
+// once etcd answers and before anything is written to it.
+func (c *clusterFlags) join(ctx context.Context, log *slog.Logger, before func(store.Store) error) (*cluster.Trust, *store.Etcd, error) {
+	trust, err := cluster.Load(c.clusterDir)
+	if err != nil {
+		return nil, nil, err
+	}
+	st, err := store.OpenEtcd(store.EtcdConfig{Endpoints: splitList(c.etcd), Prefix: c.etcdPrefix, Log: log})
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := st.Ping(ctx); err != nil {
+		_ = st.Close()
+		return nil, nil, fmt.Errorf("etcd %s: %w", c.etcd, err)
+	}
+	if before != nil {
+		if err := before(st); err != nil {
+			_ = st.Close()
+			return nil, nil, err
+		}
+	}
+	if err := cluster.Join(st, trust, c.layersDir); err != nil {
+		_ = st.Close()
+		return nil, nil, err
+	}
+	return trust, st, nil
+}
+
+type serverConfig struct {
+	clusterFlags
+	listen     string
+	apiKey     string
+	placementK int
+	overflow   kvListFlag
+}
+
+func runServer(args []string) error {
+	c := serverConfig{overflow: kvListFlag{}}
+	f := newCmdFlags("server", "--listen ADDR --etcd URLS --cluster DIR --layers DIR [flags]",
+		"Run a stateless apiserver of a cluster: IAM, placement, the watcher of the\n"+
+			"edges and routing, with its state in etcd. Run any number behind a load\n"+
+			"balancer; clients may list them all in DSEC_ENDPOINT to fail over.")
+	f.StringVar(&c.listen, "listen", "127.0.0.1:7070", "address to serve the public API on")
+	f.StringVar(&c.apiKey, "api-key", "", "admin API key to register in etcd (the first server of a cluster needs one; idempotent)")
+	f.IntVar(&c.placementK, "placement-k", placement.DefaultK, "nodes sampled per placement (power of k choices)")
+	f.Var(c.overflow, "overflow-pool", "`pool=utilization` (repeatable or comma-separated): nodes labelled pool=NAME take sandboxes only once every other node is at least that full, e.g. cloud=0.8")
+	c.clusterFlags.register(f)
+	if _, err := f.parseN(args, 0, 0); err != nil {
+		return err
+	}
+	if err := c.clusterFlags.check(); err != nil {
+		return err
+	}
+	if c.placementK < 1 {
+		return fmt.Errorf("--placement-k %d: want at least 1", c.placementK)
+	}
+	overflow := map[string]float64{}
+	for pool, v := range c.overflow {
+		u, err := strconv.ParseFloat(v, 64)
+		if err != nil || u <= 0 || u > 1 {
+			return fmt.Errorf("--overflow-pool %s=%s: want a utilization above 0 and at most 1", pool, v)
+		}
+		overflow[pool] = u
+	}
+	log, err := newLogger(c.logFormat, c.logLevel)
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	return serve(ctx, c, placement.Config{K: c.placementK, Overflow: overflow}, log)
+}
+
+// edgeTransport is how an apiserver reaches edges: the cluster's mutual
+// TLS, many idle connections per edge (bursts of creates and execs), and
+// no overall timeout (exec and streams last as long as their command).
+func edgeTransport(trust *cluster.Trust) (*http.Client, error) {
+	tlsCfg, err := trust.APIServerClientTLS()
+	if err != nil {
+		return nil, err
+	}
+	return &http.Client{Transport: &http.Transport{
+		TLSClientConfig:     tlsCfg,
+		DialContext:         (&net.Dialer{Timeout: 2 * time.Second, KeepAlive: 15 * time.Second}).DialContext,
+		TLSHandshakeTimeout: 3 * time.Second,
+		MaxIdleConns:        4096,
+		MaxIdleConnsPerHost: 256,
+		IdleConnTimeout:     90 * time.Second,
+		ForceAttemptHTTP2:   false,
+	}}, nil
+}
+
+func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.Logger) error {
+	ln, err := net.Listen("tcp", c.listen)
+	if err != nil {
+		return fmt.Errorf("listening on %s: %w", c.listen, err)
+	}
+	defer ln.Close()
+	trust, st, err := c.join(ctx, log, func(st store.Store) error {
+		if c.apiKey != "" {
+			return nil
+		}
+		switch ok, err := iam.AdminKeyExists(st); {
+		case err != nil:
+			return err
+		case !ok:
+			return errors.New("etcd holds no admin key for this cluster: start the first server with --api-key KEY")
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	ident, err := iam.New(st)
+	if err != nil {
+		return fmt.Errorf("opening IAM: %w", err)
+	}
+	if c.apiKey != "" {
+		if _, created, err := ident.EnsureAdminKey(c.apiKey); err != nil {
+			return fmt.Errorf("registering the admin key: %w", err)
+		} else if created {
+			log.Info("registered the admin API key in etcd")
+		}
+	}
+	layers, err := layer.NewStore(c.layersDir, st, log)
+	if err != nil {
+		return fmt.Errorf("opening layer store: %w", err)
+	}
+	defer layers.Close()
+	hc, err := edgeTransport(trust)
+	if err != nil {
+		return err
+	}
+	dial := func(rec cluster.NodeRecord) edgeapi.Edge {
+		return edgeapi.NewClient(rec.Name, "https://"+rec.Address, hc)
+	}
+	view := watcher.New(cluster.NewSource(st, dial), watcher.Config{Log: log})
+	view.Sync(ctx)
+	go view.Run(ctx)
+	instance := cluster.NewInstance()
+	if err := cluster.RegisterServer(ctx, st, cluster.ServerRecord{Instance: instance, Address: ln.Addr().String(), StartedAt: time.Now().UTC()}, log); err != nil {
+		return err
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	srv := apiserver.New(apiserver.Deps{
+		IAM: ident, Layers: layers, Nodes: view, Placement: pc, Log: log.With("apiserver", instance),
+		Registry: reg, Gatherer: reg, Policy: sandbox.DefaultPolicy(), MaxLayerBytes: 64 << 30,
+		Store: st, Instance: instance,
+		Alive: func(other string) (bool, error) { return cluster.ServerAlive(st, other) },
+	})
+	go srv.Run(ctx)
+	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	errc := make(chan error, 1)
+	go func() { errc <- hs.Serve(ln) }()
+	nodes := len(view.Snapshot())
+	log.Info("dsec server: serving", "endpoint", "http://"+ln.Addr().String(), "cluster", trust.Info.ID, "instance", instance, "nodes", nodes)
+	select {
+	case <-ctx.Done():
+		log.Info("shutting down")
+	case err := <-errc:
+		return fmt.Errorf("serving: %w", err)
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_ = hs.Shutdown(sctx)
+	return nil
+}
