@@ -3,10 +3,10 @@ package store
 import (
 	"bytes"
 	"context"
-	"time"
 	"sort"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
 )

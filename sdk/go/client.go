@@ -13,13 +13,17 @@ package dsec
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/url"
 	"strings"
+	"sync/atomic"
 	"time"
 )
 
@@ -30,26 +34,60 @@ const DefaultEndpoint = "http://127.0.0.1:7070"
 // UserAgent is sent with every request.
 const UserAgent = "dsec-go/1"
 
-// Client talks to one dsec apiserver (or `dsec up`).
+// Client talks to dsec: `dsec up`, or the apiservers of a cluster. Given
+// several endpoints it fails over between them: a call that cannot reach
+// one apiserver (connection refused or lost, a gateway error) is sent to
+// the next, and the client then stays with the one that answered. Calls
+// that change state are retried only when that is safe: reads, deletes
+// and PUTs are idempotent, and every create, batch, fork, snapshot,
+// fncall, exec and session run carries an Idempotency-Key (the server
+// answers a repeat with the recorded result instead of running it again).
 type Client struct {
-	endpoint  string // scheme://host[:port][/prefix], no trailing slash
+	endpoints []string // scheme://host[:port][/prefix], no trailing slash
+	cur       atomic.Int32
 	apiKey    string
 	http      *http.Client
 	userAgent string
+	// retries bounds the attempts of one call over all endpoints.
+	retries int
 }
 
 // Option configures a Client built by New or FromEnv.
 type Option func(*Client) error
 
-// WithEndpoint sets the base URL, e.g. "http://10.0.0.5:7070". A bare
-// "host:port" is taken as http.
+// WithEndpoint sets the base URL, e.g. "http://10.0.0.5:7070", or a
+// comma-separated list of the apiservers of a cluster to fail over
+// between. A bare "host:port" is taken as http.
 func WithEndpoint(endpoint string) Option {
 	return func(c *Client) error {
-		ep, err := normalizeEndpoint(endpoint)
-		if err != nil {
-			return err
+		var eps []string
+		for _, part := range strings.Split(endpoint, ",") {
+			if strings.TrimSpace(part) == "" && strings.Contains(endpoint, ",") {
+				continue
+			}
+			ep, err := normalizeEndpoint(part)
+			if err != nil {
+				return err
+			}
+			eps = append(eps, ep)
 		}
-		c.endpoint = ep
+		if len(eps) == 0 {
+			return fmt.Errorf("empty endpoint")
+		}
+		c.endpoints = eps
+		c.cur.Store(0)
+		return nil
+	}
+}
+
+// WithRetries bounds the attempts of one call over all endpoints (default:
+// twice the number of endpoints, at least 3; 1 turns retries off).
+func WithRetries(n int) Option {
+	return func(c *Client) error {
+		if n < 1 {
+			return fmt.Errorf("WithRetries(%d): want at least 1", n)
+		}
+		c.retries = n
 		return nil
 	}
 }
@@ -86,7 +124,7 @@ func WithUserAgent(ua string) Option {
 // New builds a Client from options alone; see FromEnv for the usual way.
 func New(opts ...Option) (*Client, error) {
 	c := &Client{
-		endpoint:  DefaultEndpoint,
+		endpoints: []string{DefaultEndpoint},
 		http:      &http.Client{Transport: newTransport()},
 		userAgent: UserAgent,
 	}
@@ -98,8 +136,11 @@ func New(opts ...Option) (*Client, error) {
 	return c, nil
 }
 
-// Endpoint returns the base URL the client sends requests to.
-func (c *Client) Endpoint() string { return c.endpoint }
+// Endpoint returns the base URL the client sends requests to now.
+func (c *Client) Endpoint() string { return c.endpoints[int(c.cur.Load())%len(c.endpoints)] }
+
+// Endpoints returns every endpoint the client fails over between.
+func (c *Client) Endpoints() []string { return append([]string(nil), c.endpoints...) }
 
 // newTransport is http.DefaultTransport tuned for many concurrent requests to
 // one host: the default keeps only 2 idle connections per host, so a burst of
@@ -151,37 +192,114 @@ type request struct {
 	jsonBody    any
 	contentType string
 	accept      string
+	// keyed marks the calls that carry an Idempotency-Key (creates and
+	// the like), which makes a POST safe to send again.
+	keyed bool
+}
+
+// HeaderIdempotencyKey is the header of a retry-safe mutating call.
+const HeaderIdempotencyKey = "Idempotency-Key"
+
+type idemKey struct{}
+
+// WithIdempotencyKey makes the calls made with ctx send key as their
+// Idempotency-Key instead of a fresh random one: a caller that retries a
+// whole operation itself (after its own process restarted, say) gets the
+// first attempt's answer. Use it for one call at a time.
+func WithIdempotencyKey(ctx context.Context, key string) context.Context {
+	return context.WithValue(ctx, idemKey{}, key)
+}
+
+func newIdempotencyKey() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return "dsec-" + hex.EncodeToString(b[:])
 }
 
 // send performs req and returns the response if its status is 2xx; any other
 // status is turned into an *Error and the body is closed. The caller closes
-// the returned body (with drainClose, so the connection is reused).
+// the returned body (with drainClose, so the connection is reused). A call
+// that could not reach an apiserver is sent to the next endpoint when that
+// is safe (see Client).
 func (c *Client) send(ctx context.Context, r request) (*http.Response, error) {
-	u := c.endpoint + r.path
-	if len(r.query) > 0 {
-		u += "?" + r.query.Encode()
-	}
-	body := r.body
-	ctype := r.contentType
+	var body []byte
 	if r.jsonBody != nil {
 		b, err := json.Marshal(r.jsonBody)
 		if err != nil {
 			return nil, fmt.Errorf("encoding request: %w", err)
 		}
-		body = bytes.NewReader(b)
-		ctype = "application/json"
+		body = b
+		r.contentType = "application/json"
+	}
+	key := ""
+	if r.keyed {
+		if k, ok := ctx.Value(idemKey{}).(string); ok && k != "" {
+			key = k
+		} else {
+			key = newIdempotencyKey()
+		}
+	}
+	safe := r.method == http.MethodGet || r.method == http.MethodHead || r.method == http.MethodDelete ||
+		r.method == http.MethodPut || key != ""
+	rewind, replayable := rewinder(r.body)
+	attempts := c.retries
+	if attempts == 0 {
+		attempts = max(3, 2*len(c.endpoints))
+	}
+	if !safe || !replayable {
+		attempts = 1
+	}
+	start := int(c.cur.Load())
+	var lastErr error
+	for i := range attempts {
+		if i > 0 {
+			if err := sleepCtx(ctx, backoff(i)); err != nil {
+				return nil, lastErr
+			}
+			if err := rewind(); err != nil {
+				return nil, lastErr
+			}
+		}
+		idx := (start + i) % len(c.endpoints)
+		var rd io.Reader = r.body
+		if body != nil {
+			rd = bytes.NewReader(body)
+		}
+		resp, err := c.sendTo(ctx, c.endpoints[idx], r, rd, key)
+		if err == nil {
+			if idx != start {
+				c.cur.Store(int32(idx))
+			}
+			return resp, nil
+		}
+		lastErr = err
+		if ctx.Err() != nil || !failover(err) {
+			return nil, err
+		}
+	}
+	return nil, lastErr
+}
+
+// sendTo sends one attempt of r to endpoint.
+func (c *Client) sendTo(ctx context.Context, endpoint string, r request, body io.Reader, key string) (*http.Response, error) {
+	u := endpoint + r.path
+	if len(r.query) > 0 {
+		u += "?" + r.query.Encode()
 	}
 	req, err := http.NewRequestWithContext(ctx, r.method, u, body)
 	if err != nil {
 		return nil, fmt.Errorf("building request: %w", err)
 	}
-	if ctype != "" {
-		req.Header.Set("Content-Type", ctype)
+	if r.contentType != "" {
+		req.Header.Set("Content-Type", r.contentType)
 	}
 	if r.accept != "" {
 		req.Header.Set("Accept", r.accept)
 	} else {
 		req.Header.Set("Accept", "application/json")
+	}
+	if key != "" {
+		req.Header.Set(HeaderIdempotencyKey, key)
 	}
 	if c.apiKey != "" {
 		req.Header.Set("Authorization", "Bearer "+c.apiKey)
@@ -191,13 +309,76 @@ func (c *Client) send(ctx context.Context, r request) (*http.Response, error) {
 	}
 	resp, err := c.http.Do(req)
 	if err != nil {
-		return nil, err
+		return nil, &transportError{endpoint: endpoint, err: err}
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		defer drainClose(resp.Body)
 		return nil, errorFromResponse(resp)
 	}
 	return resp, nil
+}
+
+// transportError is a call that got no answer from an apiserver.
+type transportError struct {
+	endpoint string
+	err      error
+}
+
+func (e *transportError) Error() string { return e.err.Error() }
+func (e *transportError) Unwrap() error { return e.err }
+
+// failover reports whether err says the apiserver itself could not be
+// reached or did not answer, so that another one may: no connection, or a
+// gateway's 502/503/504 without a dsec error body. A dsec error (even a
+// 503 unavailable: the sandbox's node is down) is the cluster's answer.
+func failover(err error) bool {
+	var te *transportError
+	if errors.As(err, &te) {
+		return true
+	}
+	var ae *Error
+	if errors.As(err, &ae) && ae.guessed {
+		switch ae.Status {
+		case http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:
+			return true
+		}
+	}
+	return false
+}
+
+func backoff(attempt int) time.Duration {
+	return min(time.Duration(attempt)*50*time.Millisecond, 500*time.Millisecond)
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// rewinder returns how to send a raw body again from where it starts
+// now, and whether that is possible (no body, or one that can seek).
+func rewinder(r io.Reader) (func() error, bool) {
+	if r == nil {
+		return func() error { return nil }, true
+	}
+	s, ok := r.(io.Seeker)
+	if !ok {
+		return nil, false
+	}
+	at, err := s.Seek(0, io.SeekCurrent)
+	if err != nil {
+		return nil, false
+	}
+	return func() error {
+		_, err := s.Seek(at, io.SeekStart)
+		return err
+	}, true
 }
 
 // call performs r and decodes a JSON response into out (if out is non-nil).

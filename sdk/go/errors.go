@@ -33,6 +33,9 @@ type Error struct {
 	Status  int
 	Code    string
 	Message string
+	// guessed: the body was not dsec's error JSON (a proxy or load
+	// balancer answered), so Code is guessed from the status.
+	guessed bool
 }
 
 func (e *Error) Error() string {
@@ -83,7 +86,7 @@ func errorFromResponse(resp *http.Response) error {
 	if text != "" {
 		msg += ": " + text
 	}
-	return &Error{Status: resp.StatusCode, Code: codeForStatus(resp.StatusCode), Message: msg}
+	return &Error{Status: resp.StatusCode, Code: codeForStatus(resp.StatusCode), Message: msg, guessed: true}
 }
 
 // codeForStatus guesses a code for a response that did not carry one. 409 is

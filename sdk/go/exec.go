@@ -17,7 +17,7 @@ import (
 // times out is not an error: see the result's ExitCode and TimedOut.
 func (c *Client) Exec(ctx context.Context, id string, req api.ExecRequest) (*api.ExecResult, error) {
 	var res api.ExecResult
-	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/sandboxes/" + esc(id) + "/exec", jsonBody: req}, &res); err != nil {
+	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/sandboxes/" + esc(id) + "/exec", jsonBody: req, keyed: true}, &res); err != nil {
 		return nil, err
 	}
 	return &res, nil
@@ -35,6 +35,7 @@ func (c *Client) ExecStream(ctx context.Context, id string, req api.ExecRequest,
 		query:    url.Values{"stream": {"true"}},
 		jsonBody: req,
 		accept:   "application/x-ndjson",
+		keyed:    true,
 	})
 	if err != nil {
 		return nil, err
@@ -89,7 +90,7 @@ func (c *Client) CreateSession(ctx context.Context, id string, req api.SessionRe
 func (c *Client) SessionRun(ctx context.Context, id, sid string, req api.SessionRunRequest) (*api.ExecResult, error) {
 	var res api.ExecResult
 	p := "/v1/sandboxes/" + esc(id) + "/sessions/" + esc(sid) + "/run"
-	if err := c.call(ctx, request{method: http.MethodPost, path: p, jsonBody: req}, &res); err != nil {
+	if err := c.call(ctx, request{method: http.MethodPost, path: p, jsonBody: req, keyed: true}, &res); err != nil {
 		return nil, err
 	}
 	return &res, nil
@@ -116,7 +117,7 @@ func OutputBytes(text, b64 string) []byte {
 // FnCall runs a short stateless job in a fresh sandbox (POST /v1/fncall).
 func (c *Client) FnCall(ctx context.Context, req api.FnCallRequest) (*api.FnCallResult, error) {
 	var res api.FnCallResult
-	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/fncall", jsonBody: req}, &res); err != nil {
+	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/fncall", jsonBody: req, keyed: true}, &res); err != nil {
 		return nil, err
 	}
 	return &res, nil

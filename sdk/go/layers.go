@@ -67,7 +67,7 @@ func (c *Client) ListNodes(ctx context.Context) ([]api.Node, error) {
 // answers 2xx.
 func (c *Client) Health(ctx context.Context) error {
 	if err := c.call(ctx, request{method: http.MethodGet, path: "/healthz", accept: "*/*"}, nil); err != nil {
-		return fmt.Errorf("checking health of %s: %w", c.endpoint, err)
+		return fmt.Errorf("checking health of %s: %w", c.Endpoint(), err)
 	}
 	return nil
 }

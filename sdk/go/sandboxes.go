@@ -16,7 +16,7 @@ import (
 // CreateSandbox creates one sandbox (POST /v1/sandboxes).
 func (c *Client) CreateSandbox(ctx context.Context, spec api.SandboxSpec) (*api.Sandbox, error) {
 	var sb api.Sandbox
-	err := c.call(ctx, request{method: http.MethodPost, path: "/v1/sandboxes", jsonBody: spec}, &sb)
+	err := c.call(ctx, request{method: http.MethodPost, path: "/v1/sandboxes", jsonBody: spec, keyed: true}, &sb)
 	if err != nil {
 		return nil, err
 	}
@@ -28,7 +28,7 @@ func (c *Client) CreateSandbox(ctx context.Context, spec api.SandboxSpec) (*api.
 func (c *Client) CreateSandboxes(ctx context.Context, count int, spec api.SandboxSpec) (*api.BatchResult, error) {
 	var res api.BatchResult
 	body := api.BatchCreateRequest{Count: count, Spec: spec}
-	err := c.call(ctx, request{method: http.MethodPost, path: "/v1/sandboxes:batch", jsonBody: body}, &res)
+	err := c.call(ctx, request{method: http.MethodPost, path: "/v1/sandboxes:batch", jsonBody: body, keyed: true}, &res)
 	if err != nil {
 		return nil, err
 	}
@@ -153,5 +153,5 @@ func (c *Client) SetNetwork(ctx context.Context, id string, policy api.NetworkPo
 // PortURL is the URL under which the API proxies HTTP to port of a sandbox
 // (requests need the API key, which is not passed on to the sandbox).
 func (c *Client) PortURL(id string, port int) string {
-	return c.endpoint + "/v1/sandboxes/" + esc(id) + "/ports/" + strconv.Itoa(port) + "/"
+	return c.Endpoint() + "/v1/sandboxes/" + esc(id) + "/ports/" + strconv.Itoa(port) + "/"
 }

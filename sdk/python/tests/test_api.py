@@ -466,3 +466,56 @@ class SyncFacadeTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class FailoverTest(AsyncTest):
+    """Several endpoints (a cluster's apiservers): a call that cannot reach
+    one goes to the next when that is safe."""
+
+    async def test_create_fails_over_with_one_key(self):
+        r = Router()
+        r.on("POST", "/v1/sandboxes", lambda q: json_reply(201, sandbox_doc()))
+        async with FakeServer(r) as good:
+            dead = FakeServer(Router())
+            await dead.__aenter__()
+            dead_ep = dead.endpoint
+            await dead.__aexit__(None, None, None)
+            c = libdsec.DSecClient(f"{dead_ep},{good.endpoint}", "k", backoff_base=0.001)
+            try:
+                self.assertEqual(c.endpoints, [dead_ep, good.endpoint])
+                sb = await c.run_container(libdsec.DSecContainerRunArgs(container_image="base/e2e:v1"))
+                self.assertEqual(sb.id, "sb-e-1")
+                self.assertEqual(c.endpoint, good.endpoint)  # it stays there
+                key = good.requests[0].headers.get("idempotency-key", "")
+                self.assertTrue(key.startswith("dsec-"), key)
+                with libdsec.idempotency_key("job-7-step-2"):
+                    await c.run_container(libdsec.DSecContainerRunArgs(container_image="base/e2e:v1"))
+                self.assertEqual(good.requests[1].headers.get("idempotency-key"), "job-7-step-2")
+            finally:
+                await c.close()
+
+    async def test_dsec_errors_do_not_fail_over(self):
+        bad, good = Router(), Router()
+        bad.on("GET", "/v1/sandboxes/sb-e-1", error_reply(503, "unavailable", "node e cannot be reached now"))
+        good.on("GET", "/v1/sandboxes/sb-e-1", lambda q: json_reply(200, sandbox_doc()))
+        async with FakeServer(bad) as b, FakeServer(good) as g:
+            c = libdsec.DSecClient(f"{b.endpoint},{g.endpoint}", "k", backoff_base=0.001, max_retries=1)
+            try:
+                with self.assertRaises(libdsec.Unavailable):
+                    await c.get("sb-e-1")
+                self.assertEqual(len(g.requests), 0)
+            finally:
+                await c.close()
+
+    async def test_gateway_errors_fail_over(self):
+        bad, good = Router(), Router()
+        bad.on("GET", "/v1/sandboxes/sb-e-1", Reply(502, body=b"<html>bad gateway</html>"))
+        good.on("GET", "/v1/sandboxes/sb-e-1", lambda q: json_reply(200, sandbox_doc()))
+        async with FakeServer(bad) as b, FakeServer(good) as g:
+            c = libdsec.DSecClient(f"{b.endpoint},{g.endpoint}", "k", backoff_base=0.001)
+            try:
+                sb = await c.get("sb-e-1")
+                self.assertEqual(sb.id, "sb-e-1")
+                self.assertEqual(len(g.requests), 1)
+            finally:
+                await c.close()

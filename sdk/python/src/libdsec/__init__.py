@@ -18,7 +18,7 @@ library only. Typical use::
 See docs/python-sdk.md in the dsec repository for the guide.
 """
 
-from .client import BatchResult, DSecClient
+from .client import BatchResult, DSecClient, idempotency_key
 from .config import DEFAULT_ENDPOINT, Config, resolve_config
 from .errors import (
     AlreadyExists,
@@ -61,6 +61,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DSecClient",
+    "idempotency_key",
     "DSecContainerRunArgs",
     "Sandbox",
     "Session",

@@ -1,24 +1,28 @@
 """DSecClient: the asyncio client of the dsec REST API (api/openapi.yaml).
 
-One client holds one bounded keep-alive connection pool to one endpoint and
-is meant to be shared by every coroutine of a process: an RL rollout worker
-typically drives hundreds of sandboxes through a single client.
+One client holds a bounded keep-alive connection pool per endpoint and is
+meant to be shared by every coroutine of a process: an RL rollout worker
+typically drives hundreds of sandboxes through a single client. Given the
+apiservers of a cluster (``DSEC_ENDPOINT=http://a:7070,http://b:7070``), it
+fails over between them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import json
 import logging
 import math
 import random
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Generator, Mapping, Optional, Sequence
 from urllib.parse import quote, urlencode, urlsplit
 
 from . import _http
-from .config import resolve_config
+from .config import normalize_endpoints, resolve_config
 from .errors import (
     BatchFailed,
     ConnectionFailed,
@@ -32,7 +36,7 @@ from .errors import (
 from .sandbox import Sandbox
 from .types import DSecContainerRunArgs, Layer, Node, SandboxInfo
 
-__all__ = ["DSecClient", "BatchResult", "USER_AGENT"]
+__all__ = ["DSecClient", "BatchResult", "USER_AGENT", "idempotency_key"]
 
 #: Sent with every request.
 USER_AGENT = "libdsec-python/0.1"
@@ -41,9 +45,50 @@ log = logging.getLogger("libdsec")
 
 _NO_BODY = object()
 
+#: An Idempotency-Key the caller chose for its next keyed calls (see
+#: :class:`idempotency_key`); otherwise each keyed call gets a fresh one.
+_IDEM_KEY: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("libdsec_idempotency_key", default=None)
+
+
+class idempotency_key:
+    """Send ``key`` as the Idempotency-Key of the keyed calls (create, batch,
+    fork, snapshot, fncall, exec, session run) made inside the block, so that
+    a caller that repeats a whole operation (after its own restart, say) gets
+    the first attempt's answer instead of a second run::
+
+        with libdsec.idempotency_key("job-42-step-7"):
+            sandbox = await client.run_container(args)
+
+    Use one key per operation.
+    """
+
+    def __init__(self, key: str) -> None:
+        if not key or len(key) > 255:
+            raise InvalidArgument("an idempotency key has 1 to 255 characters")
+        self._key = key
+        self._token: Optional[contextvars.Token[Optional[str]]] = None
+
+    def __enter__(self) -> "idempotency_key":
+        self._token = _IDEM_KEY.set(self._key)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._token is not None
+        _IDEM_KEY.reset(self._token)
+
 # Statuses worth another try for an idempotent call: the server (or a proxy)
 # says "not now", not "no".
 _RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+def _dsec_error(raw: bytes) -> bool:
+    """Whether an answer is dsec's error JSON (the cluster said so) rather
+    than a gateway's page."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("error"), dict) and bool(doc["error"].get("code"))
 
 
 def esc(segment: str) -> str:
@@ -128,7 +173,8 @@ class DSecClient:
 
     Args:
         endpoint: Base URL, e.g. ``http://10.0.0.5:7070`` (``host:port`` is
-            taken as http). Default: ``DSEC_ENDPOINT``, the config file, then
+            taken as http), or a comma-separated list of a cluster's
+            apiservers to fail over between. Default: ``DSEC_ENDPOINT``, the config file, then
             ``http://127.0.0.1:7070``.
         api_key: Bearer key. Default: ``DSEC_API_KEY``, then the config file.
         timeout: Default time limit of one call in seconds, retries included.
@@ -138,11 +184,14 @@ class DSecClient:
             most; calls beyond it wait for a free one. Every in-flight call
             holds a connection, a long exec for the whole command, so set this
             to at least the number of commands you run at once.
-        max_retries: Further tries of an idempotent call after a connection
-            error or a 502/503/504, with jittered exponential backoff. Calls
-            that are not idempotent (exec, create, sessions, snapshot, fork)
-            are sent at most once; they are retried only when the connection
-            could not even be opened.
+        max_retries: Further tries of a retry-safe call after a connection
+            error or a 502/503/504, with jittered exponential backoff (plus
+            one per further endpoint). Reads, deletes and PUTs are retry-safe;
+            creates, batches, forks, snapshots, fncalls, execs and session
+            runs are made so by an Idempotency-Key (the server answers a
+            repeat from its record). Other calls (pause, keepalive are
+            idempotent by nature; opening a session is not) are retried only
+            when the connection could not even be opened.
         backoff_base, backoff_max: Backoff of the first retry and the cap, in
             seconds; the n-th retry waits between half and all of
             ``min(backoff_max, backoff_base * 2**n)``.
@@ -169,19 +218,26 @@ class DSecClient:
         user_agent: str = USER_AGENT,
     ) -> None:
         cfg = resolve_config(endpoint, api_key)
-        self.endpoint = cfg.endpoint
+        #: Every endpoint the client fails over between.
+        self.endpoints = normalize_endpoints(cfg.endpoint)
         self._api_key = cfg.api_key
-        u = urlsplit(cfg.endpoint)
-        tls = u.scheme == "https"
-        self._prefix = u.path.rstrip("/")
-        assert u.hostname is not None  # normalize_endpoint checked it
-        self._pool = _http.Pool(
-            u.hostname,
-            u.port or (443 if tls else 80),
-            tls=tls,
-            max_connections=max_connections,
-            connect_timeout=connect_timeout,
-        )
+        self._pools: list[_http.Pool] = []
+        self._prefixes: list[str] = []
+        for ep in self.endpoints:
+            u = urlsplit(ep)
+            tls = u.scheme == "https"
+            assert u.hostname is not None  # normalize_endpoint checked it
+            self._prefixes.append(u.path.rstrip("/"))
+            self._pools.append(
+                _http.Pool(
+                    u.hostname,
+                    u.port or (443 if tls else 80),
+                    tls=tls,
+                    max_connections=max_connections,
+                    connect_timeout=connect_timeout,
+                )
+            )
+        self._cur = 0
         self.timeout = timeout
         self.max_retries = max_retries
         self.backoff_base = backoff_base
@@ -192,6 +248,15 @@ class DSecClient:
 
     def __repr__(self) -> str:
         return f"DSecClient(endpoint={self.endpoint!r})"
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint calls go to now (the last one that answered)."""
+        return self.endpoints[self._cur]
+
+    @property
+    def _pool(self) -> _http.Pool:
+        return self._pools[self._cur]
 
     # -- lifecycle ------------------------------------------------------
 
@@ -207,7 +272,8 @@ class DSecClient:
     async def close(self) -> None:
         """Close the client's connections. Calls in flight finish first."""
         self._closed = True
-        await self._pool.close()
+        for p in self._pools:
+            await p.close()
 
     async def __aenter__(self) -> "DSecClient":
         return await self.open()
@@ -222,8 +288,8 @@ class DSecClient:
 
     # -- transport ------------------------------------------------------
 
-    def _target(self, path: str, query: Optional[Sequence[tuple[str, str]]]) -> str:
-        t = self._prefix + path
+    def _target(self, path: str, query: Optional[Sequence[tuple[str, str]]], idx: int = 0) -> str:
+        t = self._prefixes[idx] + path
         if query:
             t += "?" + urlencode(list(query), quote_via=quote, safe="/")
         return t
@@ -244,11 +310,16 @@ class DSecClient:
         content_type: Optional[str] = None,
         accept: str = "application/json",
         idempotent: Optional[bool] = None,
+        keyed: bool = False,
     ) -> _http.Response:
         """Send a request and return its 2xx answer with the body unread.
 
         Any other status raises the exception for its error code. Retries
-        (see the class doc) happen here, within ``deadline``.
+        (see the class doc) happen here, within ``deadline``. A keyed call
+        (create, batch, fork, snapshot, fncall, exec, session run) carries an
+        Idempotency-Key, the same on every attempt, which makes it safe to
+        send again. A call that could not reach an apiserver, or that a
+        gateway answered with 502/503/504, goes to the next endpoint.
         """
         if self._closed:
             raise ConnectionFailed("client is closed")
@@ -262,25 +333,34 @@ class DSecClient:
             headers.append(("Authorization", f"Bearer {self._api_key}"))
         if content_type:
             headers.append(("Content-Type", content_type))
-        target = self._target(path, query)
+        if keyed:
+            headers.append(("Idempotency-Key", _IDEM_KEY.get() or "dsec-" + secrets.token_hex(16)))
+            idempotent = True
         start_pos = body.tell() if body is not None and hasattr(body, "seek") else None
         attempt = 0
         while True:
             if start_pos is not None:
                 body.seek(start_pos)  # type: ignore[union-attr]
+            idx = self._cur
+            failover = False
             try:
-                resp = await deadline.run(self._pool.send(method, target, headers, body))
+                target = self._target(path, query, idx)
+                resp = await deadline.run(self._pools[idx].send(method, target, headers, body))
                 if 200 <= resp.status < 300:
                     return resp
                 raw = await deadline.run(_read_bounded(resp, 64 << 10))
                 err: DSecError = error_from_response(resp.status, raw, method=method, path=path)
                 retry = idempotent and resp.status in _RETRY_STATUSES
+                failover = resp.status in _RETRY_STATUSES and not _dsec_error(raw)
             except _http.ConnectError as e:
-                err, retry = e, True  # nothing was sent
+                err, retry, failover = e, True, True  # nothing was sent
             except ConnectionFailed as e:
-                err, retry = e, idempotent
-            if not retry or attempt >= self.max_retries:
+                err, retry, failover = e, idempotent, True
+            if not retry or attempt >= self.max_retries + len(self.endpoints) - 1:
                 raise err
+            if failover and len(self.endpoints) > 1:
+                # Another apiserver may answer; stay with it afterwards.
+                self._cur = (idx + 1) % len(self.endpoints)
             deadline.last_error = err
             delay = self._backoff(attempt)
             rem = deadline.remaining()
@@ -339,7 +419,7 @@ class DSecClient:
         """
 
         async def start() -> Sandbox:
-            doc = await self._call("POST", "/v1/sandboxes", json_body=args.to_spec(), timeout=timeout)
+            doc = await self._call("POST", "/v1/sandboxes", json_body=args.to_spec(), timeout=timeout, keyed=True)
             return Sandbox(self, SandboxInfo.from_json(doc))
 
         return _SandboxStart(start)
@@ -350,7 +430,7 @@ class DSecClient:
         """Create ``count`` sandboxes from one spec in one call. Partial
         success is normal: the failed items are in the result's ``errors``."""
         doc = await self._call(
-            "POST", "/v1/sandboxes:batch", json_body={"count": count, "spec": args.to_spec()}, timeout=timeout
+            "POST", "/v1/sandboxes:batch", json_body={"count": count, "spec": args.to_spec()}, timeout=timeout, keyed=True
         )
         return self._batch_result(doc, "/v1/sandboxes:batch")
 
@@ -452,7 +532,7 @@ class DSecClient:
             body["memory_mb"] = int(memory_mb)
         if fetch_files:
             body["fetch_files"] = list(fetch_files)
-        doc = await self._call("POST", "/v1/fncall", json_body=body, timeout=(timeout or 60) + 60)
+        doc = await self._call("POST", "/v1/fncall", json_body=body, timeout=(timeout or 60) + 60, keyed=True)
         doc["files"] = {k: base64.b64decode(v) for k, v in (doc.get("files") or {}).items()}
         doc.setdefault("missing", [])
         for name in ("stdout", "stderr"):

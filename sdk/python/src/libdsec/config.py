@@ -28,6 +28,7 @@ __all__ = [
     "load_config",
     "resolve_config",
     "normalize_endpoint",
+    "normalize_endpoints",
 ]
 
 #: Used when neither arguments, environment nor config file name an endpoint.
@@ -100,8 +101,17 @@ def resolve_config(endpoint: Optional[str] = None, api_key: Optional[str] = None
         cfg.endpoint = endpoint
     if api_key is not None:
         cfg.api_key = api_key
-    cfg.endpoint = normalize_endpoint(cfg.endpoint or DEFAULT_ENDPOINT)
+    cfg.endpoint = ",".join(normalize_endpoints(cfg.endpoint or DEFAULT_ENDPOINT))
     return cfg
+
+
+def normalize_endpoints(s: str) -> list[str]:
+    """Check and normalize a comma-separated list of base URLs (the
+    apiservers of a cluster, to fail over between)."""
+    parts = [p for p in s.split(",") if p.strip()] if "," in s else [s]
+    if not parts:
+        raise ConfigError("empty endpoint")
+    return [normalize_endpoint(p) for p in parts]
 
 
 def normalize_endpoint(s: str) -> str:

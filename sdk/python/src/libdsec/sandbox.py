@@ -208,7 +208,7 @@ class Sandbox:
             body["include"] = list(include)
         if exclude:
             body["exclude"] = list(exclude)
-        doc = await self._client._call("POST", self._path("/snapshot"), json_body=body, timeout=timeout)
+        doc = await self._client._call("POST", self._path("/snapshot"), json_body=body, timeout=timeout, keyed=True)
         return Layer.from_json(doc)
 
     async def fork(
@@ -226,7 +226,7 @@ class Sandbox:
         if labels:
             body["labels"] = dict(labels)
         path = self._path("/fork")
-        doc = await self._client._call("POST", path, json_body=body, timeout=timeout)
+        doc = await self._client._call("POST", path, json_body=body, timeout=timeout, keyed=True)
         res = self._client._batch_result(doc, path)
         return await self._client._settle(res, allow_partial, f"fork of {self.id}")
 
@@ -277,7 +277,7 @@ class Sandbox:
         """
         body = _exec_body(command, cwd, env, user, stdin, timeout, max_output_bytes)
         doc = await self._client._call(
-            "POST", self._path("/exec"), json_body=body, timeout=self._exec_timeout(timeout), idempotent=False
+            "POST", self._path("/exec"), json_body=body, timeout=self._exec_timeout(timeout), keyed=True
         )
         return ExecResult.from_json(doc or {})
 
@@ -502,7 +502,7 @@ class Session:
             self.sandbox._path(f"/sessions/{_esc(self.id or '')}/run"),
             json_body=body,
             timeout=self.sandbox._exec_timeout(timeout),
-            idempotent=False,
+            keyed=True,
         )
         return ExecResult.from_json(doc or {})
 
@@ -560,7 +560,7 @@ class ExecStream:
             query=[("stream", "true")],
             json_body=self._body,
             accept="application/x-ndjson",
-            idempotent=False,
+            keyed=True,
             deadline=self._deadline,
         )
 
