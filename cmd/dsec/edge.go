@@ -105,10 +105,16 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 	// name stops here, having changed nothing.
 	regCtx, unregister := context.WithCancel(context.Background())
 	defer unregister()
+	instance, known := cluster.StateInstance(c.node.stateDir)
 	if err := cluster.RegisterNode(regCtx, st, cluster.NodeRecord{
-		Name: c.node.nodeName, Address: advertise, Instance: cluster.NewInstance(), StartedAt: time.Now().UTC(),
+		Name: c.node.nodeName, Address: advertise, Instance: instance, StartedAt: time.Now().UTC(),
 	}, log); err != nil {
 		return err
+	}
+	if !known {
+		if err := cluster.SaveInstance(c.node.stateDir, instance); err != nil {
+			return fmt.Errorf("writing the state dir's instance: %w", err)
+		}
 	}
 	layers, err := layer.NewStore(c.layersDir, st, log)
 	if err != nil {

@@ -13,6 +13,7 @@ package apiserver
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -48,7 +49,10 @@ const (
 )
 
 type idemRecord struct {
-	Hash    string    `json:"hash"`
+	Hash string `json:"hash"`
+	// Nonce names the attempt that wrote a pending record, so that a
+	// store retry of that write knows it as its own.
+	Nonce   string    `json:"nonce,omitempty"`
 	State   string    `json:"state"` // pending | done
 	Owner   string    `json:"owner"` // apiserver instance running it
 	Started time.Time `json:"started"`
@@ -126,6 +130,12 @@ func requestHash(method, path, query, body string) string {
 	return hex.EncodeToString(sum[:])
 }
 
+func newNonce() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
 func printable(s string) bool {
 	for i := 0; i < len(s); i++ {
 		if s[i] < 0x20 || s[i] > 0x7e {
@@ -150,9 +160,10 @@ type claimed struct {
 // answer from (run false). It waits while a live apiserver runs it.
 func (s *Server) claim(ctx context.Context, rk, hash string) (claimed, bool, error) {
 	deadline := time.Now().Add(idemWait)
+	nonce := newNonce()
 	for {
 		now := time.Now()
-		mine := idemRecord{Hash: hash, State: "pending", Owner: s.deps.Instance, Started: now, Expires: now.Add(s.idemTTL())}
+		mine := idemRecord{Hash: hash, Nonce: nonce, State: "pending", Owner: s.deps.Instance, Started: now, Expires: now.Add(s.idemTTL())}
 		var got claimed
 		run := false
 		err := s.deps.Store.Update(idemBucket, rk, func(old []byte) ([]byte, error) {
@@ -163,6 +174,10 @@ func (s *Server) claim(ctx context.Context, rk, hash string) (claimed, bool, err
 				}
 			}
 			switch {
+			case old != nil && got.Nonce == nonce && got.State == "pending":
+				// Our own write, seen again after its answer was lost.
+				run, mine = true, got.idemRecord
+				return old, nil
 			case old == nil || now.After(got.Expires):
 				run = true
 				return json.Marshal(mine)

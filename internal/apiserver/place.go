@@ -37,7 +37,7 @@ func (s *Server) onSomeNode(ctx context.Context, spec api.SandboxSpec, digests [
 		Job: spec.Labels[api.JobLabel], Exclude: map[string]bool{}}
 	var said []string
 	for attempt := 0; attempt < maxPlaceAttempts; attempt++ {
-		node, err := s.pick(req)
+		node, undo, err := s.pick(req)
 		if err != nil {
 			s.metrics.placements.WithLabelValues("none").Inc()
 			if len(said) > 0 {
@@ -48,7 +48,7 @@ func (s *Server) onSomeNode(ctx context.Context, spec api.SandboxSpec, digests [
 		if attempt > 0 {
 			s.metrics.placeRetries.Inc()
 		}
-		err = s.runOn(ctx, node, req.Job, fn)
+		err = s.runOn(ctx, node, undo, fn)
 		if err == nil {
 			s.metrics.placements.WithLabelValues("placed").Inc()
 			return nil
@@ -79,33 +79,40 @@ func notSent(err error) bool {
 }
 
 // pick runs placement over the view plus this apiserver's placements that
-// the view does not show yet. When the view has every candidate full, the
-// least loaded is asked anyway: the view is up to a poll old (a delete
-// since may have made room) and the edge has the final say.
-func (s *Server) pick(req placement.Request) (string, error) {
+// the view does not show yet, and counts the choice in flight at once
+// (undo takes it back if the create fails): picks are serialised, so that
+// a burst placed concurrently sees each of its own placements. When the
+// view has every candidate full, the least loaded is asked anyway: the
+// view is up to a poll old (a delete since may have made room) and the
+// edge has the final say.
+func (s *Server) pick(req placement.Request) (node string, undo func(), err error) {
 	snap := s.deps.Nodes.Snapshot()
+	s.pickMu.Lock()
+	defer s.pickMu.Unlock()
 	cands := make([]placement.Candidate, len(snap))
 	for i, v := range snap {
 		n, nj := s.inflight.since(v.Name, req.Job, v.PolledAt)
 		cands[i] = placement.Candidate{Node: v.Node, InFlight: n, InFlightJob: nj}
 	}
-	node, err := placement.Pick(cands, req, s.deps.Placement, nil)
+	node, err = placement.Pick(cands, req, s.deps.Placement, nil)
 	var nn *placement.NoNode
 	if errors.As(err, &nn) && nn.OnlyFull() {
 		req.IgnoreCapacity = true
 		node, err = placement.Pick(cands, req, placement.Config{K: len(cands), Overflow: s.deps.Placement.Overflow}, nil)
 	}
-	return node, err
+	if err != nil {
+		return "", nil, err
+	}
+	return node, s.inflight.add(node, req.Job), nil
 }
 
-// runOn runs fn on node, counting a placement in flight on the node
-// until the view catches up.
-func (s *Server) runOn(ctx context.Context, node, job string, fn func(context.Context, edgeapi.Edge) error) error {
+// runOn runs fn on node; a failure takes its in-flight placement back.
+func (s *Server) runOn(ctx context.Context, node string, undo func(), fn func(context.Context, edgeapi.Edge) error) error {
 	e, err := s.deps.Nodes.Edge(ctx, node)
 	if err != nil {
+		undo()
 		return err
 	}
-	undo := s.inflight.add(node, job)
 	if err := fn(ctx, e); err != nil {
 		undo()
 		return err

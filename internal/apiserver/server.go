@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"runtime/debug"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -60,6 +61,8 @@ type Server struct {
 	mux      *http.ServeMux
 	metrics  *metrics
 	inflight *inflight
+	// pickMu serialises placement decisions (pick).
+	pickMu sync.Mutex
 }
 
 // New builds the server and its routes.

@@ -186,6 +186,32 @@ func TestRegistry(t *testing.T) {
 	if err := RegisterNode(t.Context(), st, NodeRecord{Name: "n1", Address: "127.0.0.1:2"}, nil); err != nil {
 		t.Fatalf("the name is free again: %v", err)
 	}
+	// An edge restarting on its state dir (same instance) takes over the
+	// entry its dead predecessor still holds; another instance may not.
+	dead, kill := context.WithCancel(t.Context())
+	defer kill()
+	st2 := store.NewMemory()
+	if err := RegisterNode(dead, st2, NodeRecord{Name: "n2", Address: "a:1", Instance: "inst-1"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := RegisterNode(t.Context(), st2, NodeRecord{Name: "n2", Address: "a:1", Instance: "inst-2"}, nil); !errors.Is(err, errdefs.ErrAlreadyExists) {
+		t.Fatalf("another instance took the name: %v", err)
+	}
+	if err := RegisterNode(t.Context(), st2, NodeRecord{Name: "n2", Address: "a:1", Instance: "inst-1"}, nil); err != nil {
+		t.Fatalf("the same instance restarting: %v", err)
+	}
+	dir := t.TempDir()
+	id, known := StateInstance(dir)
+	if known || id == "" {
+		t.Fatalf("a fresh state dir has an instance: %q %v", id, known)
+	}
+	if err := SaveInstance(dir, id); err != nil {
+		t.Fatal(err)
+	}
+	if again, known := StateInstance(dir); !known || again != id {
+		t.Fatalf("instance not kept: %q %v", again, known)
+	}
+
 	// Liveness of apiservers.
 	if err := RegisterServer(t.Context(), st, ServerRecord{Instance: "abc"}, nil); err != nil {
 		t.Fatal(err)

@@ -60,8 +60,57 @@ func NewInstance() string {
 // where that edge is). Once registered, a lost lease (the edge was cut
 // off from etcd longer than LeaseTTL) is taken again in the background as
 // soon as etcd answers; the edge's sandboxes keep running meanwhile.
+//
+// rec.Instance names the edge's state directory: an edge that restarts
+// after a crash (same state dir, so same instance) takes over the entry
+// its dead predecessor still holds, instead of waiting out the lease.
 func RegisterNode(ctx context.Context, st store.Store, rec NodeRecord, log *slog.Logger) error {
+	err := hold(ctx, st, bucketNodes, rec.Name, rec, "node name "+rec.Name, log)
+	if !errors.Is(err, errdefs.ErrAlreadyExists) || rec.Instance == "" {
+		return err
+	}
+	b, gerr := st.Get(bucketNodes, rec.Name)
+	var old NodeRecord
+	if gerr != nil || json.Unmarshal(b, &old) != nil || old.Instance != rec.Instance {
+		return err
+	}
+	// Our own earlier run: take its entry over.
+	derr := st.Update(bucketNodes, rec.Name, func(cur []byte) ([]byte, error) {
+		var c NodeRecord
+		if cur == nil || json.Unmarshal(cur, &c) != nil || c.Instance != rec.Instance {
+			return nil, errdefs.AlreadyExists("node name %s changed hands", rec.Name)
+		}
+		return nil, nil // delete
+	})
+	if derr != nil {
+		return err
+	}
+	if log != nil {
+		log.Info("took over the registry entry of this edge's previous run", "node", rec.Name)
+	}
 	return hold(ctx, st, bucketNodes, rec.Name, rec, "node name "+rec.Name, log)
+}
+
+// StateInstance returns the instance id kept in the state directory dir,
+// or a new one (and false) if dir has none yet: the identity of an edge's
+// state directory across restarts. SaveInstance keeps a new one.
+func StateInstance(dir string) (string, bool) {
+	b, err := os.ReadFile(filepath.Join(dir, "instance"))
+	if id := strings.TrimSpace(string(b)); err == nil && id != "" {
+		return id, true
+	}
+	return NewInstance(), false
+}
+
+// SaveInstance writes id as dir's instance (creating dir).
+func SaveInstance(dir, id string) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	if err := writeNew(filepath.Join(dir, "instance"), id); err != nil && !errors.Is(err, fs.ErrExist) {
+		return err
+	}
+	return nil
 }
 
 // RegisterServer records an apiserver as alive for as long as ctx lasts.

@@ -116,10 +116,14 @@ func (s *Store) pin(digest string) (func(), error) {
 // the blob is gone.
 func (s *Store) collect(digest string) (bool, error) {
 	now := time.Now()
+	me := s.instance + "-" + strconv.FormatUint(s.pinSeq.Add(1), 10)
 	err := s.st.Update(blobsBucket, digest, func(old []byte) ([]byte, error) {
 		r, err := decodeBlob(old)
 		if err != nil {
 			return nil, err
+		}
+		if r.Collecting != nil && r.By == me {
+			return old, nil // our own mark, seen again after a lost answer
 		}
 		if len(r.Pins) > 0 {
 			return nil, errPinned
@@ -127,7 +131,7 @@ func (s *Store) collect(digest string) (bool, error) {
 		if r.Collecting != nil {
 			return nil, errCollecting
 		}
-		r.Collecting, r.By = &now, s.instance
+		r.Collecting, r.By = &now, me
 		return encodeBlob(r)
 	})
 	if errors.Is(err, errPinned) || errors.Is(err, errCollecting) {

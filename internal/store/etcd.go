@@ -11,6 +11,8 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
@@ -96,7 +98,7 @@ func OpenEtcd(cfg EtcdConfig) (*Etcd, error) {
 func (e *Etcd) Ping(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, e.opTO)
 	defer cancel()
-	_, err := e.c.Get(ctx, e.prefix+"ping")
+	_, err := again(ctx, func(ctx context.Context) (*clientv3.GetResponse, error) { return e.c.Get(ctx, e.prefix+"ping") })
 	return e.classify(err)
 }
 
@@ -122,11 +124,29 @@ func (e *Etcd) classify(err error) error {
 	if errors.Is(err, errdefs.ErrInvalid) || errors.Is(err, errdefs.ErrNotFound) || errors.Is(err, errdefs.ErrAlreadyExists) {
 		return err
 	}
-	return fmt.Errorf("%w: control-plane store (etcd) unreachable or without quorum: %v", errdefs.ErrUnavailable, err)
+	return errdefs.Unavailable("control-plane store (etcd) unreachable or without quorum: %v", err)
 }
 
 func (e *Etcd) ctx() (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.Background(), e.opTO)
+}
+
+// again runs op until it succeeds, fails for a reason other than the
+// connection to a member (a member that just died resets the call in
+// flight; the client then moves to another), or ctx ends. Only operations
+// that are safe to repeat go through it: reads, puts and deletes.
+func again[T any](ctx context.Context, op func(context.Context) (T, error)) (T, error) {
+	for {
+		v, err := op(ctx)
+		if err == nil || status.Code(err) != codes.Unavailable || ctx.Err() != nil {
+			return v, err
+		}
+		select {
+		case <-ctx.Done():
+			return v, err
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }
 
 // Get implements Store.
@@ -136,7 +156,7 @@ func (e *Etcd) Get(bucket, key string) ([]byte, error) {
 	}
 	ctx, cancel := e.ctx()
 	defer cancel()
-	r, err := e.c.Get(ctx, e.key(bucket, key))
+	r, err := again(ctx, func(ctx context.Context) (*clientv3.GetResponse, error) { return e.c.Get(ctx, e.key(bucket, key)) })
 	if err != nil {
 		return nil, e.classify(err)
 	}
@@ -153,7 +173,9 @@ func (e *Etcd) Put(bucket, key string, val []byte) error {
 	}
 	ctx, cancel := e.ctx()
 	defer cancel()
-	_, err := e.c.Put(ctx, e.key(bucket, key), string(val))
+	_, err := again(ctx, func(ctx context.Context) (*clientv3.PutResponse, error) {
+		return e.c.Put(ctx, e.key(bucket, key), string(val))
+	})
 	return e.classify(err)
 }
 
@@ -166,18 +188,34 @@ func (e *Etcd) Create(bucket, key string, val []byte) error {
 	ctx, cancel := e.ctx()
 	defer cancel()
 	k := e.key(bucket, key)
-	r, err := e.c.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(k), "=", 0)).Then(clientv3.OpPut(k, string(val))).Commit()
+	lost := false // an earlier attempt's answer was lost
+	r, err := again(ctx, func(ctx context.Context) (*clientv3.TxnResponse, error) {
+		r, err := e.c.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(k), "=", 0)).Then(clientv3.OpPut(k, string(val))).Commit()
+		if status.Code(err) == codes.Unavailable {
+			lost = true
+		}
+		return r, err
+	})
 	if err != nil {
 		return e.classify(err)
 	}
 	if !r.Succeeded {
+		// After a lost answer, the key holding exactly our value is our
+		// own write.
+		if lost {
+			if cur, err := e.c.Get(ctx, k); err == nil && len(cur.Kvs) == 1 && bytes.Equal(cur.Kvs[0].Value, val) {
+				return nil
+			}
+		}
 		return errdefs.AlreadyExists("%s/%s already exists", bucket, key)
 	}
 	return nil
 }
 
 // Update implements Store: read, fn, then write only if the key's
-// revision is still the one read; on a conflict fn runs again.
+// revision is still the one read; on a conflict fn runs again. When the
+// answer to a write is lost (a member died under it), the whole step runs
+// again: fn may then see the value its earlier run wrote.
 func (e *Etcd) Update(bucket, key string, fn func(old []byte) ([]byte, error)) error {
 	if err := checkEtcdName(bucket, key); err != nil {
 		return err
@@ -195,7 +233,7 @@ func (e *Etcd) Update(bucket, key string, fn func(old []byte) ([]byte, error)) e
 func (e *Etcd) updateOnce(k string, fn func(old []byte) ([]byte, error)) (bool, error) {
 	ctx, cancel := e.ctx()
 	defer cancel()
-	r, err := e.c.Get(ctx, k)
+	r, err := again(ctx, func(ctx context.Context) (*clientv3.GetResponse, error) { return e.c.Get(ctx, k) })
 	if err != nil {
 		return false, e.classify(err)
 	}
@@ -216,6 +254,9 @@ func (e *Etcd) updateOnce(k string, fn func(old []byte) ([]byte, error)) (bool, 
 		op = clientv3.OpPut(k, string(val))
 	}
 	tr, err := e.c.Txn(ctx).If(cmp).Then(op).Commit()
+	if status.Code(err) == codes.Unavailable && ctx.Err() == nil {
+		return false, nil // lost: read again and decide again
+	}
 	if err != nil {
 		return false, e.classify(err)
 	}
@@ -229,7 +270,9 @@ func (e *Etcd) Delete(bucket, key string) error {
 	}
 	ctx, cancel := e.ctx()
 	defer cancel()
-	_, err := e.c.Delete(ctx, e.key(bucket, key))
+	_, err := again(ctx, func(ctx context.Context) (*clientv3.DeleteResponse, error) {
+		return e.c.Delete(ctx, e.key(bucket, key))
+	})
 	return e.classify(err)
 }
 
@@ -244,7 +287,9 @@ func (e *Etcd) List(bucket, prefix string) ([]KV, error) {
 	ctx, cancel := e.ctx()
 	defer cancel()
 	base := e.prefix + bucket + "/"
-	r, err := e.c.Get(ctx, base+prefix, clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
+	r, err := again(ctx, func(ctx context.Context) (*clientv3.GetResponse, error) {
+		return e.c.Get(ctx, base+prefix, clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
+	})
 	if err != nil {
 		return nil, e.classify(err)
 	}
@@ -271,10 +316,15 @@ func (e *Etcd) Hold(ctx context.Context, bucket, key string, val []byte, ttl tim
 		return nil, e.classify(err)
 	}
 	k := e.key(bucket, key)
-	r, err := e.c.Txn(octx).If(clientv3.Compare(clientv3.CreateRevision(k), "=", 0)).
-		Then(clientv3.OpPut(k, string(val), clientv3.WithLease(lease.ID))).Commit()
+	r, err := again(octx, func(ctx context.Context) (*clientv3.TxnResponse, error) {
+		return e.c.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(k), "=", 0)).
+			Then(clientv3.OpPut(k, string(val), clientv3.WithLease(lease.ID))).Commit()
+	})
 	if err == nil && !r.Succeeded {
-		err = errdefs.AlreadyExists("%s/%s is held by another process", bucket, key)
+		// Ours if an earlier attempt's answer was lost: the key is on our lease.
+		if cur, gerr := e.c.Get(octx, k); gerr != nil || len(cur.Kvs) != 1 || cur.Kvs[0].Lease != int64(lease.ID) {
+			err = errdefs.AlreadyExists("%s/%s is held by another process", bucket, key)
+		}
 	}
 	if err != nil {
 		_, _ = e.c.Revoke(octx, lease.ID)

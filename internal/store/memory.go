@@ -17,12 +17,14 @@ import (
 type memory struct {
 	mu      sync.Mutex
 	buckets map[string]map[string][]byte
+	// holds names the live Hold of each held key (bucket + "/" + key).
+	holds map[string]*byte
 }
 
 // NewMemory returns an empty in-memory Store for tests. Close is a no-op and
 // the store stays usable after it.
 func NewMemory() Store {
-	return &memory{buckets: make(map[string]map[string][]byte)}
+	return &memory{buckets: make(map[string]map[string][]byte), holds: map[string]*byte{}}
 }
 
 // Get implements Store.
@@ -121,10 +123,20 @@ func (m *memory) Hold(ctx context.Context, bucket, key string, val []byte, ttl t
 	if err := m.Create(bucket, key, val); err != nil {
 		return nil, err
 	}
+	token := new(byte)
+	m.mu.Lock()
+	m.holds[bucket+"/"+key] = token
+	m.mu.Unlock()
 	lost := make(chan struct{})
 	go func() {
 		<-ctx.Done()
-		_ = m.Delete(bucket, key)
+		// Only its own entry: a taker-over may hold the key since.
+		m.mu.Lock()
+		if m.holds[bucket+"/"+key] == token {
+			delete(m.holds, bucket+"/"+key)
+			delete(m.buckets[bucket], key)
+		}
+		m.mu.Unlock()
 		close(lost)
 	}()
 	return lost, nil

@@ -35,7 +35,9 @@ type Store interface {
 	// when absent. fn returning nil deletes the key; an error aborts and is
 	// returned unchanged. fn runs inside the store's transaction, so it must
 	// not call the Store, and it may run more than once (an etcd store
-	// retries on conflict), so it must have no side effects.
+	// retries on conflict, and after a write whose answer was lost, when
+	// fn sees the value its own earlier run wrote), so it must have no side
+	// effects and must accept its own result as old.
 	Update(bucket, key string, fn func(old []byte) ([]byte, error)) error
 	// Delete removes key; deleting an absent key is not an error.
 	Delete(bucket, key string) error

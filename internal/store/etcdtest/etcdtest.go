@@ -50,6 +50,9 @@ func Start(dir string, n int) (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
 	c := &Cluster{bin: bin, dir: dir, token: fmt.Sprintf("dsec-test-%d", time.Now().UnixNano())}
 	var initial []string
 	for i := range n {

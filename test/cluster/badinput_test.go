@@ -1,0 +1,119 @@
+package cluster
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+)
+
+// runFails runs dsec with args (and the cluster's common flags if common)
+// and wants it to exit non-zero within 30 s, saying want.
+func runFails(t *testing.T, want string, args ...string) {
+	t.Helper()
+	cmd := exec.Command(c.bin, args...)
+	done := make(chan struct{})
+	var out []byte
+	var err error
+	go func() { out, err = cmd.CombinedOutput(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		_ = cmd.Process.Kill()
+		<-done
+		t.Fatalf("dsec %s kept running: %s", strings.Join(args[:2], " "), out)
+	}
+	if err == nil || !strings.Contains(string(out), want) {
+		t.Fatalf("dsec %s: %v, output %q; want a failure saying %q", strings.Join(args, " "), err, out, want)
+	}
+}
+
+// TestBadProcesses: a second edge with a live name, an edge or server
+// given another layer directory or another cluster's etcd, and a server on
+// an empty etcd without --api-key all stop with a clear error, changing
+// nothing.
+func TestBadProcesses(t *testing.T) {
+	need(t)
+	dupState := filepath.Join(c.dir, "dup-state")
+	runFails(t, "held by another live process", append([]string{"edge", "--listen", "127.0.0.29:" + freePort("127.0.0.29"),
+		"--node-name", "e1", "--state-dir", dupState, "--sandbox-cidr", "10.253.0.0/24"}, c.common()...)...)
+	if _, err := os.Stat(filepath.Join(dupState, "edge")); err == nil {
+		t.Errorf("the refused edge made its state dir")
+	}
+	if err := c.waitNodes(10*time.Second, "e1"); err != nil {
+		t.Fatalf("the live e1 suffered from the refused duplicate: %v", err)
+	}
+	other := filepath.Join(c.dir, "other-layers")
+	args := []string{"server", "--listen", "127.0.0.1:" + freePort("127.0.0.1"), "--etcd", strings.Join(c.etcd.Endpoints(), ","),
+		"--cluster", c.clusterDir(), "--layers", other}
+	runFails(t, "is not the cluster's layer directory", args...)
+	// Another cluster's certificates on this etcd.
+	otherCluster := filepath.Join(c.dir, "other-cluster")
+	if out, err := exec.Command(c.bin, "cluster", "init", "--dir", otherCluster).CombinedOutput(); err != nil {
+		t.Fatalf("%v %s", err, out)
+	}
+	runFails(t, "etcd belongs to cluster", "server", "--listen", "127.0.0.1:"+freePort("127.0.0.1"), "--etcd", strings.Join(c.etcd.Endpoints(), ","),
+		"--cluster", otherCluster, "--layers", c.layersDir())
+	// An empty etcd (a fresh prefix) and no --api-key.
+	runFails(t, "start the first server with --api-key", "server", "--listen", "127.0.0.1:"+freePort("127.0.0.1"),
+		"--etcd", strings.Join(c.etcd.Endpoints(), ","), "--etcd-prefix", "/fresh/", "--cluster", otherCluster, "--layers", filepath.Join(c.dir, "fresh-layers"))
+	if _, err := os.Stat(filepath.Join(c.dir, "fresh-layers")); err == nil {
+		t.Errorf("the refused server marked a layer directory")
+	}
+	// Missing flags, an etcd nobody serves.
+	runFails(t, "--etcd is required", "server", "--cluster", c.clusterDir(), "--layers", c.layersDir())
+	runFails(t, "etcd", "server", "--listen", "127.0.0.1:"+freePort("127.0.0.1"), "--etcd", "http://127.0.0.1:"+freePort("127.0.0.1"),
+		"--cluster", c.clusterDir(), "--layers", c.layersDir())
+	runFails(t, "--advertise", append([]string{"edge", "--listen", "0.0.0.0:7999", "--node-name", "x9", "--state-dir", dupState}, c.common()...)...)
+}
+
+// TestBadRequests: ids naming unknown nodes, malformed ids, a stale page
+// token, and a bad Idempotency-Key get clear errors.
+func TestBadRequests(t *testing.T) {
+	need(t)
+	for _, id := range []string{"sb-nosuchnode-abc", "not-an-id"} {
+		_, err := c.client.GetSandbox(ctx(t), id)
+		wantCode(t, err, "not_found")
+		_, err = c.client.Exec(ctx(t), id, api.ExecRequest{Cmd: "true"})
+		wantCode(t, err, "not_found")
+	}
+	if err := c.client.DeleteSandbox(ctx(t), "sb-nosuchnode-abc"); err != nil {
+		t.Fatalf("delete of an id no node owns: %v (delete is idempotent)", err)
+	}
+	resp, body := httpDo(t, "GET", "/v1/sandboxes?page_token=!!!", "", nil)
+	if resp != 400 || !strings.Contains(body, "page_token") {
+		t.Fatalf("bad page token: %d %s", resp, body)
+	}
+	resp, body = httpDo(t, "POST", "/v1/sandboxes", `{"base":"`+baseRef+`"}`, map[string]string{"Idempotency-Key": strings.Repeat("k", 300)})
+	if resp != 400 || !strings.Contains(body, "Idempotency-Key") {
+		t.Fatalf("bad idempotency key: %d %s", resp, body)
+	}
+}
+
+// TestSandboxCannotReachTheControlPlane: a sandbox allowed everywhere
+// still cannot open a connection to an edge's internal API (e1 listens on
+// every host address) or to an apiserver.
+func TestSandboxCannotReachTheControlPlane(t *testing.T) {
+	need(t)
+	sb := newSandbox(t, api.SandboxSpec{Network: &api.NetworkPolicy{Allow: []string{"0.0.0.0/0"}}, NodeSelector: map[string]string{"zone": "z1"}})
+	_, edgePort, _ := strings.Cut(c.edges[0].addr, ":")
+	_, serverPort, _ := strings.Cut(c.servers[0].addr, ":")
+	script := fmt.Sprintf(`gw=$(ip route | awk '/default/ {print $3}')
+[ -n "$gw" ] || { echo "no default route"; exit 3; }
+for target in "$gw:%s" "$gw:%s" "127.0.0.21:%s" "127.0.0.1:%s"; do
+  if nc -w 2 ${target%%:*} ${target##*:} </dev/null >/dev/null 2>&1; then echo "REACHED $target"; fi
+done
+echo done`, edgePort, serverPort, edgePort, serverPort)
+	res, err := c.client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: script, Timeout: 60})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.ExitCode != 0 || strings.Contains(res.Stdout, "REACHED") || !strings.Contains(res.Stdout, "done") {
+		t.Fatalf("probe: exit %d: %s %s", res.ExitCode, res.Stdout, res.Stderr)
+	}
+}
