@@ -31,7 +31,8 @@ type edgeCmdConfig struct {
 	node          nodeConfig
 }
 
-func runEdgeDaemon(args []string) error {
+// parseEdge parses and checks `dsec edge`'s flags.
+func parseEdge(args []string) (edgeCmdConfig, error) {
 	c := edgeCmdConfig{node: nodeConfig{labels: kvListFlag{}}}
 	f := newCmdFlags("edge", "--listen ADDR --etcd URLS --cluster DIR --layers DIR --node-name NAME --state-dir DIR [flags]",
 		"Run the node daemon of a cluster: it holds this machine's sandboxes and\n"+
@@ -47,27 +48,35 @@ func runEdgeDaemon(args []string) error {
 	c.node.register(f)
 	c.clusterFlags.register(f)
 	if _, err := f.parseN(args, 0, 0); err != nil {
-		return err
+		return c, err
 	}
 	if err := c.clusterFlags.check(); err != nil {
-		return err
+		return c, err
 	}
 	for _, r := range []struct{ name, v string }{{"--listen", c.listen}, {"--state-dir", c.node.stateDir}, {"--node-name", c.node.nodeName}} {
 		if r.v == "" {
-			return fmt.Errorf("%s is required", r.name)
+			return c, fmt.Errorf("%s is required", r.name)
 		}
 	}
 	if err := c.node.check(); err != nil {
-		return err
+		return c, err
 	}
 	if c.advertise == "" {
 		host, _, err := net.SplitHostPort(c.listen)
 		if err != nil {
-			return fmt.Errorf("--listen %q: %w", c.listen, err)
+			return c, fmt.Errorf("--listen %q: %w", c.listen, err)
 		}
 		if ip := net.ParseIP(host); host == "" || ip != nil && ip.IsUnspecified() {
-			return fmt.Errorf("--listen %s names no host apiservers can reach: give --advertise HOST:PORT", c.listen)
+			return c, fmt.Errorf("--listen %s names no host apiservers can reach: give --advertise HOST:PORT", c.listen)
 		}
+	}
+	return c, nil
+}
+
+func runEdgeDaemon(args []string) error {
+	c, err := parseEdge(args)
+	if err != nil {
+		return err
 	}
 	log, err := newLogger(c.logFormat, c.logLevel)
 	if err != nil {

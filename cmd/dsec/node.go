@@ -68,6 +68,9 @@ func (c *nodeConfig) register(f *cmdFlags) {
 
 // check validates the node flags before anything is touched.
 func (c *nodeConfig) check() error {
+	if err := edge.CheckName(c.nodeName); err != nil {
+		return fmt.Errorf("--node-name: %v", err)
+	}
 	switch c.launcher {
 	case "auto", "dsec", "runtime":
 	default:

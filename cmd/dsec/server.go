@@ -25,6 +25,7 @@ import (
 	"github.com/dsecproject/dsec/internal/sandbox"
 	"github.com/dsecproject/dsec/internal/store"
 	"github.com/dsecproject/dsec/internal/watcher"
+	dsec "github.com/dsecproject/dsec/sdk/go"
 )
 
 // clusterFlags are what every process of a cluster is told.
@@ -92,33 +93,42 @@ type serverConfig struct {
 	overflow   kvListFlag
 }
 
-func runServer(args []string) error {
+// parseServer parses and checks `dsec server`'s flags.
+func parseServer(args []string) (serverConfig, placement.Config, error) {
 	c := serverConfig{overflow: kvListFlag{}}
 	f := newCmdFlags("server", "--listen ADDR --etcd URLS --cluster DIR --layers DIR [flags]",
 		"Run a stateless apiserver of a cluster: IAM, placement, the watcher of the\n"+
 			"edges and routing, with its state in etcd. Run any number behind a load\n"+
 			"balancer; clients may list them all in DSEC_ENDPOINT to fail over.")
 	f.StringVar(&c.listen, "listen", "127.0.0.1:7070", "address to serve the public API on")
-	f.StringVar(&c.apiKey, "api-key", "", "admin API key to register in etcd (the first server of a cluster needs one; idempotent)")
+	f.StringVar(&c.apiKey, "api-key", os.Getenv(dsec.EnvAPIKey), "admin API key to register in etcd (default: $DSEC_API_KEY; the first server of a cluster needs one; idempotent)")
 	f.IntVar(&c.placementK, "placement-k", placement.DefaultK, "nodes sampled per placement (power of k choices)")
 	f.Var(c.overflow, "overflow-pool", "`pool=utilization` (repeatable or comma-separated): nodes labelled pool=NAME take sandboxes only once every other node is at least that full, e.g. cloud=0.8")
 	c.clusterFlags.register(f)
 	if _, err := f.parseN(args, 0, 0); err != nil {
-		return err
+		return c, placement.Config{}, err
 	}
 	if err := c.clusterFlags.check(); err != nil {
-		return err
+		return c, placement.Config{}, err
 	}
 	if c.placementK < 1 {
-		return fmt.Errorf("--placement-k %d: want at least 1", c.placementK)
+		return c, placement.Config{}, fmt.Errorf("--placement-k %d: want at least 1", c.placementK)
 	}
 	overflow := map[string]float64{}
 	for pool, v := range c.overflow {
 		u, err := strconv.ParseFloat(v, 64)
 		if err != nil || u <= 0 || u > 1 {
-			return fmt.Errorf("--overflow-pool %s=%s: want a utilization above 0 and at most 1", pool, v)
+			return c, placement.Config{}, fmt.Errorf("--overflow-pool %s=%s: want a utilization above 0 and at most 1", pool, v)
 		}
 		overflow[pool] = u
+	}
+	return c, placement.Config{K: c.placementK, Overflow: overflow}, nil
+}
+
+func runServer(args []string) error {
+	c, pc, err := parseServer(args)
+	if err != nil {
+		return err
 	}
 	log, err := newLogger(c.logFormat, c.logLevel)
 	if err != nil {
@@ -126,7 +136,7 @@ func runServer(args []string) error {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	return serve(ctx, c, placement.Config{K: c.placementK, Overflow: overflow}, log)
+	return serve(ctx, c, pc, log)
 }
 
 // edgeTransport is how an apiserver reaches edges: the cluster's mutual

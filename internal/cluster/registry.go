@@ -65,30 +65,17 @@ func NewInstance() string {
 // after a crash (same state dir, so same instance) takes over the entry
 // its dead predecessor still holds, instead of waiting out the lease.
 func RegisterNode(ctx context.Context, st store.Store, rec NodeRecord, log *slog.Logger) error {
-	err := hold(ctx, st, bucketNodes, rec.Name, rec, "node name "+rec.Name, log)
-	if !errors.Is(err, errdefs.ErrAlreadyExists) || rec.Instance == "" {
-		return err
+	return hold(ctx, st, bucketNodes, rec.Name, rec, "node name "+rec.Name, log, sameInstance[NodeRecord](rec.Instance, func(r NodeRecord) string { return r.Instance }))
+}
+
+// sameInstance says whether a registry value is held by instance (an
+// earlier run of the same state dir, or this process before it lost its
+// lease).
+func sameInstance[T any](instance string, of func(T) string) func([]byte) bool {
+	return func(b []byte) bool {
+		var r T
+		return instance != "" && json.Unmarshal(b, &r) == nil && of(r) == instance
 	}
-	b, gerr := st.Get(bucketNodes, rec.Name)
-	var old NodeRecord
-	if gerr != nil || json.Unmarshal(b, &old) != nil || old.Instance != rec.Instance {
-		return err
-	}
-	// Our own earlier run: take its entry over.
-	derr := st.Update(bucketNodes, rec.Name, func(cur []byte) ([]byte, error) {
-		var c NodeRecord
-		if cur == nil || json.Unmarshal(cur, &c) != nil || c.Instance != rec.Instance {
-			return nil, errdefs.AlreadyExists("node name %s changed hands", rec.Name)
-		}
-		return nil, nil // delete
-	})
-	if derr != nil {
-		return err
-	}
-	if log != nil {
-		log.Info("took over the registry entry of this edge's previous run", "node", rec.Name)
-	}
-	return hold(ctx, st, bucketNodes, rec.Name, rec, "node name "+rec.Name, log)
 }
 
 // StateInstance returns the instance id kept in the state directory dir,
@@ -115,7 +102,7 @@ func SaveInstance(dir, id string) error {
 
 // RegisterServer records an apiserver as alive for as long as ctx lasts.
 func RegisterServer(ctx context.Context, st store.Store, rec ServerRecord, log *slog.Logger) error {
-	return hold(ctx, st, bucketServers, rec.Instance, rec, "apiserver instance "+rec.Instance, log)
+	return hold(ctx, st, bucketServers, rec.Instance, rec, "apiserver instance "+rec.Instance, log, sameInstance[ServerRecord](rec.Instance, func(r ServerRecord) string { return r.Instance }))
 }
 
 // ServerAlive reports whether the apiserver instance holds its lease.
@@ -130,7 +117,10 @@ func ServerAlive(st store.Store, instance string) (bool, error) {
 	return false, err
 }
 
-func hold(ctx context.Context, st store.Store, bucket, key string, v any, what string, log *slog.Logger) error {
+// hold keeps key in bucket under this process's lease while ctx lasts,
+// taking the key over when mine says its holder is this process's own
+// earlier incarnation, and taking it again after a lost lease.
+func hold(ctx context.Context, st store.Store, bucket, key string, v any, what string, log *slog.Logger, mine func([]byte) bool) error {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -142,13 +132,35 @@ func hold(ctx context.Context, st store.Store, bucket, key string, v any, what s
 	if err != nil {
 		return err
 	}
-	lost, err := l.Hold(ctx, bucket, key, val, LeaseTTL)
-	if errors.Is(err, errdefs.ErrAlreadyExists) {
-		held := ""
-		if b, gerr := st.Get(bucket, key); gerr == nil {
-			held = ": " + string(b)
+	try := func() (<-chan struct{}, error) {
+		lost, err := l.Hold(ctx, bucket, key, val, LeaseTTL)
+		if !errors.Is(err, errdefs.ErrAlreadyExists) {
+			return lost, err
 		}
-		return errdefs.AlreadyExists("%s is held by another live process%s (names must be unique; stop it or pick another name)", what, held)
+		b, gerr := st.Get(bucket, key)
+		if gerr != nil || !mine(b) {
+			held := ""
+			if gerr == nil {
+				held = ": " + string(b)
+			}
+			return nil, errdefs.AlreadyExists("%s is held by another live process%s (names must be unique; stop it or pick another name)", what, held)
+		}
+		// Ours from before (a crash, a lost lease): take it over.
+		derr := st.Update(bucket, key, func(cur []byte) ([]byte, error) {
+			if cur != nil && !mine(cur) {
+				return nil, errdefs.AlreadyExists("%s changed hands", what)
+			}
+			return nil, nil
+		})
+		if derr != nil {
+			return nil, derr
+		}
+		log.Info("took over the registry entry of this process's earlier run", "what", what)
+		return l.Hold(ctx, bucket, key, val, LeaseTTL)
+	}
+	lost, err := try()
+	if errors.Is(err, errdefs.ErrAlreadyExists) {
+		return err
 	}
 	if err != nil {
 		return fmt.Errorf("registering %s: %w", what, err)
@@ -171,12 +183,12 @@ func hold(ctx context.Context, st store.Store, bucket, key string, v any, what s
 				case <-time.After(time.Second):
 				}
 				var err error
-				if lost, err = l.Hold(ctx, bucket, key, val, LeaseTTL); err == nil {
+				if lost, err = try(); err == nil {
 					log.Info("registered again", "what", what)
 					break
 				}
 				if errors.Is(err, errdefs.ErrAlreadyExists) {
-					log.Error("cannot register again: another process holds the name", "what", what)
+					log.Error("cannot register again: another process holds the name", "what", what, "err", err)
 				}
 			}
 		}

@@ -149,12 +149,23 @@ type Edge struct {
 
 var _ edgeapi.Edge = (*Edge)(nil)
 
-var nodeNameRE = regexp.MustCompile(`^[a-z0-9]([a-z0-9]{0,30})$`)
+// nodeNameRE admits host names as most clusters spell them (lowercase
+// letters, digits, inner '-' and '.'), up to 40 characters: the name is
+// part of every sandbox id.
+var nodeNameRE = regexp.MustCompile(`^[a-z0-9]([a-z0-9.-]{0,38}[a-z0-9])?$`)
+
+// CheckName validates a node name.
+func CheckName(name string) error {
+	if !nodeNameRE.MatchString(name) {
+		return errdefs.Invalid("node name %q must be 1-40 lowercase letters, digits, '-' or '.', starting and ending with a letter or digit", name)
+	}
+	return nil
+}
 
 // New validates cfg and prepares the state directory. Call Start before use.
 func New(cfg Config, deps Deps) (*Edge, error) {
-	if !nodeNameRE.MatchString(cfg.Name) {
-		return nil, errdefs.Invalid("node name %q must be 1-31 lowercase letters or digits", cfg.Name)
+	if err := CheckName(cfg.Name); err != nil {
+		return nil, err
 	}
 	if cfg.MaxSandboxes <= 0 {
 		cfg.MaxSandboxes = 4096
@@ -268,13 +279,27 @@ func (e *Edge) Close() {
 	e.drainAll()
 	e.emptyTrash()
 	e.mu.Lock()
+	networked := 0
 	for _, s := range e.sandboxes {
 		s.closeSessions()
+		s.mu.Lock()
+		if s.rec.Net != nil && holdsResources(s.rec.Sandbox.State) {
+			networked++
+		}
+		s.mu.Unlock()
 	}
 	left := len(e.sandboxes)
 	e.mu.Unlock()
 	if e.deps.Net != nil {
-		e.deps.Net.Close()
+		if networked == 0 {
+			// No sandbox needs this instance's table and DNS address
+			// any more: a stopped edge leaves none on the host.
+			if err := e.deps.Net.Teardown(context.Background()); err != nil {
+				e.log.Warn("removing sandbox networking from the host", "err", err)
+			}
+		} else {
+			e.deps.Net.Close()
+		}
 	}
 	// Free cgroup slots are nobody's either.
 	for _, t := range e.cgroupTrees() {

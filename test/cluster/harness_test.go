@@ -12,6 +12,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -113,13 +114,34 @@ func need(t *testing.T) {
 }
 
 // cidrs are the sandbox address pools of the three edges: /20s in
-// 10.252.0.0/16, chosen by pid so that two runs do not collide, and clear
-// of the e2e suite's pools (10.100-189.0.0/16) and dsec up's default.
+// 10.252.0.0/16 that no host address falls in (an edge killed by an
+// earlier run may have left its DNS address), clear of the e2e suite's
+// pools (10.100-189.0.0/16) and dsec up's default.
 func cidrs() []string {
-	b := (os.Getpid() % 5) * 3
+	var used []netip.Addr
+	if addrs, err := net.InterfaceAddrs(); err == nil {
+		for _, a := range addrs {
+			if p, err := netip.ParsePrefix(a.String()); err == nil {
+				used = append(used, p.Addr())
+			}
+		}
+	}
 	var out []string
-	for i := range 3 {
-		out = append(out, fmt.Sprintf("10.252.%d.0/20", (b+i)*16))
+	start := os.Getpid() % 16
+	for i := 0; i < 16 && len(out) < 3; i++ {
+		p := netip.MustParsePrefix(fmt.Sprintf("10.252.%d.0/20", ((start+i)%16)*16))
+		free := true
+		for _, a := range used {
+			if p.Contains(a) {
+				free = false
+			}
+		}
+		if free {
+			out = append(out, p.String())
+		}
+	}
+	for len(out) < 3 {
+		out = append(out, fmt.Sprintf("10.253.%d.0/24", len(out)))
 	}
 	return out
 }

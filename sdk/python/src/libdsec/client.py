@@ -350,8 +350,11 @@ class DSecClient:
                     return resp
                 raw = await deadline.run(_read_bounded(resp, 64 << 10))
                 err: DSecError = error_from_response(resp.status, raw, method=method, path=path)
-                retry = idempotent and resp.status in _RETRY_STATUSES
                 failover = resp.status in _RETRY_STATUSES and not _dsec_error(raw)
+                # A keyed call is safe to resend but not worth resending
+                # for dsec's own 503 (no capacity, a node down): only when
+                # the answer came from a gateway.
+                retry = failover if keyed else idempotent and resp.status in _RETRY_STATUSES
             except _http.ConnectError as e:
                 err, retry, failover = e, True, True  # nothing was sent
             except ConnectionFailed as e:
