@@ -72,7 +72,9 @@ func runBench(args []string) error {
 			"  envsetup  N sandboxes on base+workspace+toolkit layers running a tool-call\n" +
 			"            sequence, against tar.gz extraction per sandbox (DSec §8 E2)\n" +
 			"  density   fill the node with idle sandboxes: memory, tasks, daemon RSS/fds\n" +
-			"            per sandbox, exec latency at density, teardown rate, leak check\n\n" +
+			"            per sandbox, exec latency at density, teardown rate, leak check\n" +
+			"  cluster   start a dsec up and a cluster side by side and price the extra hop:\n" +
+			"            create and exec latency, a burst over the edges (its own daemons)\n\n" +
 			"Each prints the same measure for the bare OCI runtime (crun/runc run -d,\n" +
 			"exec, delete) on the same EROFS layer with an overlay, measured in the same run.\n" +
 			"Needs a running `dsec up` (DSEC_ENDPOINT/DSEC_API_KEY or its config file) and,\n" +
@@ -83,6 +85,8 @@ func runBench(args []string) error {
 		return errHelpShown
 	}
 	switch args[0] {
+	case "cluster":
+		return runBenchCluster(args[1:])
 	case "envsetup":
 		return runBenchEnv(args[1:])
 	case "density":

@@ -39,9 +39,11 @@ const UserAgent = "dsec-go/1"
 // one apiserver (connection refused or lost, a gateway error) is sent to
 // the next, and the client then stays with the one that answered. Calls
 // that change state are retried only when that is safe: reads, deletes
-// and PUTs are idempotent, and every create, batch, fork, snapshot,
-// fncall, exec and session run carries an Idempotency-Key (the server
-// answers a repeat with the recorded result instead of running it again).
+// and PUTs are idempotent, and every create, batch, fork, snapshot and
+// fncall carries an Idempotency-Key (the server answers a repeat with the
+// recorded result instead of running it again). Exec and session runs
+// carry one only when the caller gives it (WithIdempotencyKey), and are
+// otherwise sent again only when the first attempt never left.
 type Client struct {
 	endpoints []string // scheme://host[:port][/prefix], no trailing slash
 	cur       atomic.Int32
@@ -193,8 +195,11 @@ type request struct {
 	contentType string
 	accept      string
 	// keyed marks the calls that carry an Idempotency-Key (creates and
-	// the like), which makes a POST safe to send again.
-	keyed bool
+	// the like), which makes a POST safe to send again. keyedIfAsked marks
+	// those that carry one only when the caller chose it
+	// (WithIdempotencyKey): exec and session runs, which are not sent
+	// twice otherwise, so that they cost no record in the store.
+	keyed, keyedIfAsked bool
 }
 
 // HeaderIdempotencyKey is the header of a retry-safe mutating call.
@@ -205,7 +210,9 @@ type idemKey struct{}
 // WithIdempotencyKey makes the calls made with ctx send key as their
 // Idempotency-Key instead of a fresh random one: a caller that retries a
 // whole operation itself (after its own process restarted, say) gets the
-// first attempt's answer. Use it for one call at a time.
+// first attempt's answer. Exec and session runs carry a key only this
+// way (they are then also retried after a lost answer). Use it for one
+// call at a time.
 func WithIdempotencyKey(ctx context.Context, key string) context.Context {
 	return context.WithValue(ctx, idemKey{}, key)
 }
@@ -232,10 +239,10 @@ func (c *Client) send(ctx context.Context, r request) (*http.Response, error) {
 		r.contentType = "application/json"
 	}
 	key := ""
-	if r.keyed {
+	if r.keyed || r.keyedIfAsked {
 		if k, ok := ctx.Value(idemKey{}).(string); ok && k != "" {
 			key = k
-		} else {
+		} else if r.keyed {
 			key = newIdempotencyKey()
 		}
 	}

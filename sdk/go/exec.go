@@ -17,7 +17,7 @@ import (
 // times out is not an error: see the result's ExitCode and TimedOut.
 func (c *Client) Exec(ctx context.Context, id string, req api.ExecRequest) (*api.ExecResult, error) {
 	var res api.ExecResult
-	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/sandboxes/" + esc(id) + "/exec", jsonBody: req, keyed: true}, &res); err != nil {
+	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/sandboxes/" + esc(id) + "/exec", jsonBody: req, keyedIfAsked: true}, &res); err != nil {
 		return nil, err
 	}
 	return &res, nil
@@ -30,12 +30,12 @@ func (c *Client) Exec(ctx context.Context, id string, req api.ExecRequest) (*api
 // returned as is. fn may be nil.
 func (c *Client) ExecStream(ctx context.Context, id string, req api.ExecRequest, fn func(api.ExecEvent) error) (*api.ExecEvent, error) {
 	resp, err := c.send(ctx, request{
-		method:   http.MethodPost,
-		path:     "/v1/sandboxes/" + esc(id) + "/exec",
-		query:    url.Values{"stream": {"true"}},
-		jsonBody: req,
-		accept:   "application/x-ndjson",
-		keyed:    true,
+		method:       http.MethodPost,
+		path:         "/v1/sandboxes/" + esc(id) + "/exec",
+		query:        url.Values{"stream": {"true"}},
+		jsonBody:     req,
+		accept:       "application/x-ndjson",
+		keyedIfAsked: true,
 	})
 	if err != nil {
 		return nil, err
@@ -90,7 +90,7 @@ func (c *Client) CreateSession(ctx context.Context, id string, req api.SessionRe
 func (c *Client) SessionRun(ctx context.Context, id, sid string, req api.SessionRunRequest) (*api.ExecResult, error) {
 	var res api.ExecResult
 	p := "/v1/sandboxes/" + esc(id) + "/sessions/" + esc(sid) + "/run"
-	if err := c.call(ctx, request{method: http.MethodPost, path: p, jsonBody: req, keyed: true}, &res); err != nil {
+	if err := c.call(ctx, request{method: http.MethodPost, path: p, jsonBody: req, keyedIfAsked: true}, &res); err != nil {
 		return nil, err
 	}
 	return &res, nil

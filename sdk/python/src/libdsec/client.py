@@ -18,7 +18,7 @@ import math
 import random
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Generator, Mapping, Optional, Sequence
+from typing import Any, Generator, Mapping, Optional, Sequence, Union
 from urllib.parse import quote, urlencode, urlsplit
 
 from . import _http
@@ -187,10 +187,10 @@ class DSecClient:
         max_retries: Further tries of a retry-safe call after a connection
             error or a 502/503/504, with jittered exponential backoff (plus
             one per further endpoint). Reads, deletes and PUTs are retry-safe;
-            creates, batches, forks, snapshots, fncalls, execs and session
-            runs are made so by an Idempotency-Key (the server answers a
-            repeat from its record). Other calls (pause, keepalive are
-            idempotent by nature; opening a session is not) are retried only
+            creates, batches, forks, snapshots and fncalls are made so by an
+            Idempotency-Key (the server answers a repeat from its record), as
+            are execs and session runs inside :class:`idempotency_key`. Other
+            calls (execs without a key, opening a session) are retried only
             when the connection could not even be opened.
         backoff_base, backoff_max: Backoff of the first retry and the cap, in
             seconds; the n-th retry waits between half and all of
@@ -310,13 +310,14 @@ class DSecClient:
         content_type: Optional[str] = None,
         accept: str = "application/json",
         idempotent: Optional[bool] = None,
-        keyed: bool = False,
+        keyed: Union[bool, str] = False,
     ) -> _http.Response:
         """Send a request and return its 2xx answer with the body unread.
 
         Any other status raises the exception for its error code. Retries
         (see the class doc) happen here, within ``deadline``. A keyed call
-        (create, batch, fork, snapshot, fncall, exec, session run) carries an
+        (create, batch, fork, snapshot, fncall; exec and session runs inside
+        :class:`idempotency_key`, ``keyed="if-asked"``) carries an
         Idempotency-Key, the same on every attempt, which makes it safe to
         send again. A call that could not reach an apiserver, or that a
         gateway answered with 502/503/504, goes to the next endpoint.
@@ -333,6 +334,10 @@ class DSecClient:
             headers.append(("Authorization", f"Bearer {self._api_key}"))
         if content_type:
             headers.append(("Content-Type", content_type))
+        if keyed == "if-asked":
+            # Exec and session runs carry a key only when the caller chose
+            # one: each record costs the server a store write.
+            keyed = _IDEM_KEY.get() is not None
         if keyed:
             headers.append(("Idempotency-Key", _IDEM_KEY.get() or "dsec-" + secrets.token_hex(16)))
             idempotent = True

@@ -277,7 +277,7 @@ class Sandbox:
         """
         body = _exec_body(command, cwd, env, user, stdin, timeout, max_output_bytes)
         doc = await self._client._call(
-            "POST", self._path("/exec"), json_body=body, timeout=self._exec_timeout(timeout), keyed=True
+            "POST", self._path("/exec"), json_body=body, timeout=self._exec_timeout(timeout), keyed="if-asked"
         )
         return ExecResult.from_json(doc or {})
 
@@ -502,7 +502,7 @@ class Session:
             self.sandbox._path(f"/sessions/{_esc(self.id or '')}/run"),
             json_body=body,
             timeout=self.sandbox._exec_timeout(timeout),
-            keyed=True,
+            keyed="if-asked",
         )
         return ExecResult.from_json(doc or {})
 
@@ -560,7 +560,7 @@ class ExecStream:
             query=[("stream", "true")],
             json_body=self._body,
             accept="application/x-ndjson",
-            keyed=True,
+            keyed="if-asked",
             deadline=self._deadline,
         )
 

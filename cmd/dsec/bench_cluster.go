@@ -1,0 +1,438 @@
+package main
+
+// `dsec bench cluster` prices the cluster's extra hop: it starts a `dsec
+// up` and, beside it on the same machine, a cluster (etcd, apiservers,
+// edges on loopback addresses of their own), and measures the same calls
+// on both in one run, alternating, so that a noisy machine weighs on both
+// alike: sequential create and exec latency, and a burst of creates spread
+// over the edges against the same burst on the single node.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/store/etcdtest"
+	dsec "github.com/dsecproject/dsec/sdk/go"
+)
+
+type benchClusterOpts struct {
+	count      int
+	burst      int
+	burstConc  int
+	edges      int
+	apiservers int
+	rounds     int
+	dir        string
+	keep       bool
+	jsonOut    bool
+}
+
+// benchProc is a daemon the benchmark started.
+type benchProc struct {
+	name, log string
+	cmd       *exec.Cmd
+}
+
+func (p *benchProc) stop() {
+	if p.cmd == nil || p.cmd.Process == nil {
+		return
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { _ = p.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		_ = p.cmd.Process.Kill()
+		<-done
+	}
+}
+
+func runBenchCluster(args []string) error {
+	var o benchClusterOpts
+	f := newCmdFlags("bench cluster", "[flags]", "Start a dsec up and a cluster (etcd, apiservers, edges) side by side on this machine\n"+
+		"and measure create and exec latency and a burst of creates on both in one run.\n"+
+		"Needs root and etcd (apt-get install etcd-server).")
+	f.IntVar(&o.count, "count", 100, "sequential creates and execs measured per side and round")
+	f.IntVar(&o.burst, "burst", 1000, "creates of the burst")
+	f.IntVar(&o.burstConc, "burst-concurrency", 64, "creates of the burst in flight at once")
+	f.IntVar(&o.edges, "edges", 3, "edges of the cluster")
+	f.IntVar(&o.apiservers, "apiservers", 1, "apiservers of the cluster (clients use all)")
+	f.IntVar(&o.rounds, "rounds", 2, "rounds of every measure, alternating dsec up and the cluster")
+	f.StringVar(&o.dir, "dir", "", "working directory (default: a new one under /tmp, removed afterwards)")
+	f.BoolVar(&o.keep, "keep", false, "keep the working directory and the daemons' logs")
+	f.BoolVar(&o.jsonOut, "json", false, "print JSON instead of a table")
+	if _, err := f.parseN(args, 0, 0); err != nil {
+		return err
+	}
+	if o.count < 1 || o.burst < 1 || o.burstConc < 1 || o.edges < 1 || o.edges > 20 || o.apiservers < 1 || o.apiservers > 8 || o.rounds < 1 {
+		return errors.New("bench cluster: --count, --burst, --burst-concurrency and --rounds must be ≥ 1, --edges 1-20, --apiservers 1-8")
+	}
+	if os.Geteuid() != 0 {
+		return errors.New("bench cluster needs root: it starts dsec up and dsec edge")
+	}
+	if _, err := etcdtest.Binary(); err != nil {
+		return fmt.Errorf("bench cluster: %w", err)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	b, err := startBenchWorld(ctx, o)
+	if b != nil {
+		defer b.close(o.keep)
+	}
+	if err != nil {
+		return err
+	}
+	rows, err := b.measure(ctx, o)
+	if err != nil {
+		return err
+	}
+	return printClusterBench(rows, o)
+}
+
+// benchWorld is the dsec up and the cluster under test.
+type benchWorld struct {
+	dir, bin string
+	procs    []*benchProc
+	etcd     *etcdtest.Cluster
+	up       *dsec.Client
+	cluster  *dsec.Client
+	upRef    string
+	clRef    string
+}
+
+const benchKey = "bench-cluster-key-0123456789abcdef"
+
+func benchPort(host string) (string, error) {
+	ln, err := net.Listen("tcp", host+":0")
+	if err != nil {
+		return "", err
+	}
+	defer ln.Close()
+	_, p, _ := net.SplitHostPort(ln.Addr().String())
+	return p, nil
+}
+
+func (b *benchWorld) start(name string, args ...string) (*benchProc, error) {
+	p := &benchProc{name: name, log: filepath.Join(b.dir, name+".log")}
+	logf, err := os.Create(p.log)
+	if err != nil {
+		return nil, err
+	}
+	defer logf.Close()
+	p.cmd = exec.Command(b.bin, args...)
+	p.cmd.Stdout, p.cmd.Stderr = logf, logf
+	p.cmd.Env = append(os.Environ(), "DSEC_API_KEY=")
+	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
+	if err := p.cmd.Start(); err != nil {
+		return nil, err
+	}
+	b.procs = append(b.procs, p)
+	return p, nil
+}
+
+func waitHealthz(ctx context.Context, url string, p *benchProc) error {
+	hc := &http.Client{Timeout: time.Second}
+	deadline := time.Now().Add(60 * time.Second)
+	for time.Now().Before(deadline) && ctx.Err() == nil {
+		if resp, err := hc.Get(url); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return nil
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	b, _ := os.ReadFile(p.log)
+	return fmt.Errorf("%s did not answer %s: %s", p.name, url, lastLinesOf(string(b), 10))
+}
+
+func lastLinesOf(s string, n int) string {
+	l := strings.Split(strings.TrimSpace(s), "\n")
+	if len(l) > n {
+		l = l[len(l)-n:]
+	}
+	return strings.Join(l, "\n")
+}
+
+func startBenchWorld(ctx context.Context, o benchClusterOpts) (*benchWorld, error) {
+	bin, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	dir := o.dir
+	if dir == "" {
+		if dir, err = os.MkdirTemp("", "dsec-bench-cluster-"); err != nil {
+			return nil, err
+		}
+	} else if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	b := &benchWorld{dir: dir, bin: bin}
+	common := []string{"--warm-pool-max", "0", "--max-sandboxes", fmt.Sprint(o.burst + 200), "--log-level", "warn"}
+	fmt.Fprintf(os.Stderr, "bench cluster: starting dsec up, etcd, %d apiserver(s) and %d edges in %s\n", o.apiservers, o.edges, dir)
+
+	upPort, err := benchPort("127.0.0.1")
+	if err != nil {
+		return b, err
+	}
+	up, err := b.start("up", append([]string{"up", "--listen", "127.0.0.1:" + upPort, "--state-dir", filepath.Join(dir, "up"),
+		"--api-key", benchKey, "--config", filepath.Join(dir, "up-config.json"), "--sandbox-cidr", "10.254.0.0/20"}, common...)...)
+	if err != nil {
+		return b, err
+	}
+	if b.etcd, err = etcdtest.Start(filepath.Join(dir, "etcd"), 1); err != nil {
+		return b, err
+	}
+	if out, err := exec.Command(bin, "cluster", "init", "--dir", filepath.Join(dir, "cluster")).CombinedOutput(); err != nil {
+		return b, fmt.Errorf("cluster init: %v: %s", err, out)
+	}
+	cl := []string{"--etcd", strings.Join(b.etcd.Endpoints(), ","), "--cluster", filepath.Join(dir, "cluster"), "--layers", filepath.Join(dir, "layers"), "--log-level", "warn"}
+	var endpoints []string
+	for i := range o.apiservers {
+		port, err := benchPort("127.0.0.1")
+		if err != nil {
+			return b, err
+		}
+		args := append([]string{"server", "--listen", "127.0.0.1:" + port}, cl...)
+		if i == 0 {
+			args = append(args, "--api-key", benchKey)
+		}
+		p, err := b.start(fmt.Sprintf("server%d", i), args...)
+		if err != nil {
+			return b, err
+		}
+		if err := waitHealthz(ctx, "http://127.0.0.1:"+port+"/healthz", p); err != nil {
+			return b, err
+		}
+		endpoints = append(endpoints, "http://127.0.0.1:"+port)
+	}
+	for i := range o.edges {
+		host := fmt.Sprintf("127.0.0.%d", 41+i)
+		port, err := benchPort(host)
+		if err != nil {
+			return b, err
+		}
+		args := append([]string{"edge", "--listen", host + ":" + port, "--node-name", fmt.Sprintf("bench%d", i+1),
+			"--state-dir", filepath.Join(dir, fmt.Sprintf("edge%d", i+1)), "--sandbox-cidr", fmt.Sprintf("10.254.%d.0/20", 16*(i+1))}, cl...)
+		if _, err := b.start(fmt.Sprintf("edge%d", i+1), append(args, common...)...); err != nil {
+			return b, err
+		}
+	}
+	if err := waitHealthz(ctx, "http://127.0.0.1:"+upPort+"/healthz", up); err != nil {
+		return b, err
+	}
+	if b.up, err = dsec.New(dsec.WithEndpoint("http://127.0.0.1:"+upPort), dsec.WithAPIKey(benchKey)); err != nil {
+		return b, err
+	}
+	if b.cluster, err = dsec.New(dsec.WithEndpoint(strings.Join(endpoints, ",")), dsec.WithAPIKey(benchKey)); err != nil {
+		return b, err
+	}
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		nodes, err := b.cluster.ListNodes(ctx)
+		healthy := 0
+		for _, n := range nodes {
+			if n.Healthy {
+				healthy++
+			}
+		}
+		if err == nil && healthy == o.edges {
+			break
+		}
+		if time.Now().After(deadline) {
+			return b, fmt.Errorf("the cluster has %d healthy edges of %d after 60 s (%v); logs in %s", healthy, o.edges, err, dir)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if b.upRef, _, err = benchBase(ctx, b.up, ""); err != nil {
+		return b, err
+	}
+	if b.clRef, _, err = benchBase(ctx, b.cluster, ""); err != nil {
+		return b, err
+	}
+	return b, nil
+}
+
+func (b *benchWorld) close(keep bool) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	for _, c := range []*dsec.Client{b.up, b.cluster} {
+		if c == nil {
+			continue
+		}
+		if all, err := c.ListAllSandboxes(ctx, dsec.ListOptions{}); err == nil {
+			_, _, _, _ = runParallel(len(all), 32, func(i int) error { return c.DeleteSandbox(ctx, all[i].ID) })
+		}
+	}
+	for i := len(b.procs) - 1; i >= 0; i-- {
+		b.procs[i].stop()
+	}
+	if b.etcd != nil {
+		b.etcd.Stop()
+	}
+	if keep {
+		fmt.Fprintf(os.Stderr, "bench cluster: kept %s\n", b.dir)
+		return
+	}
+	_ = os.RemoveAll(b.dir)
+}
+
+// clusterRow is one measure on both sides.
+type clusterRow struct {
+	Measure   string  `json:"measure"`
+	Count     int     `json:"count"`
+	Conc      int     `json:"concurrency"`
+	UpP50     float64 `json:"up_p50_ms"`
+	UpP99     float64 `json:"up_p99_ms"`
+	UpRate    float64 `json:"up_per_sec"`
+	UpFail    int     `json:"up_failures"`
+	ClP50     float64 `json:"cluster_p50_ms"`
+	ClP99     float64 `json:"cluster_p99_ms"`
+	ClRate    float64 `json:"cluster_per_sec"`
+	ClFail    int     `json:"cluster_failures"`
+	ClNodes   int     `json:"cluster_nodes_used,omitempty"`
+	Target    string  `json:"target"`
+	TargetMet bool    `json:"target_met"`
+}
+
+type sample struct {
+	durs  []time.Duration
+	fails int
+	wall  time.Duration
+	n     int
+	nodes map[string]bool
+}
+
+func (s *sample) add(d []time.Duration, fails int, wall time.Duration) {
+	s.durs = append(s.durs, d...)
+	s.fails += fails
+	s.wall += wall
+}
+
+func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]clusterRow, error) {
+	sides := []struct {
+		name string
+		c    *dsec.Client
+		ref  string
+	}{{"dsec up", b.up, b.upRef}, {"cluster", b.cluster, b.clRef}}
+	var create, exec, burst, del [2]sample
+	for i := range 2 {
+		burst[i].nodes = map[string]bool{}
+	}
+	for r := range o.rounds {
+		for si, side := range sides {
+			fmt.Fprintf(os.Stderr, "bench cluster: round %d, %s: %d creates one at a time...\n", r+1, side.name, o.count)
+			ids := make([]string, o.count)
+			d, f, w, _ := runParallel(o.count, 1, func(i int) error {
+				sb, err := side.c.CreateSandbox(ctx, api.SandboxSpec{Base: side.ref, Labels: map[string]string{"bench": "seq"}})
+				if err == nil {
+					ids[i] = sb.ID
+				}
+				return err
+			})
+			create[si].add(d, f, w)
+			_, _, _, _ = runParallel(o.count, 8, func(i int) error {
+				if ids[i] == "" {
+					return nil
+				}
+				return side.c.DeleteSandbox(ctx, ids[i])
+			})
+			sb, err := side.c.CreateSandbox(ctx, api.SandboxSpec{Base: side.ref})
+			if err != nil {
+				return nil, fmt.Errorf("%s: creating the exec sandbox: %w", side.name, err)
+			}
+			fmt.Fprintf(os.Stderr, "bench cluster: round %d, %s: %d execs of true one at a time...\n", r+1, side.name, o.count)
+			d, f, w, _ = runParallel(o.count, 1, func(int) error {
+				res, err := side.c.Exec(ctx, sb.ID, api.ExecRequest{Argv: []string{"true"}})
+				if err == nil && res.ExitCode != 0 {
+					err = fmt.Errorf("exit %d", res.ExitCode)
+				}
+				return err
+			})
+			exec[si].add(d, f, w)
+			_ = side.c.DeleteSandbox(ctx, sb.ID)
+		}
+		for si, side := range sides {
+			fmt.Fprintf(os.Stderr, "bench cluster: round %d, %s: a burst of %d creates, %d at a time...\n", r+1, side.name, o.burst, o.burstConc)
+			ids := make([]string, o.burst)
+			var mu sync.Mutex
+			d, f, w, ferr := runParallel(o.burst, o.burstConc, func(i int) error {
+				sb, err := side.c.CreateSandbox(ctx, api.SandboxSpec{Base: side.ref, Labels: map[string]string{"bench": "burst"}})
+				if err == nil {
+					ids[i] = sb.ID
+					mu.Lock()
+					burst[si].nodes[sb.Node] = true
+					mu.Unlock()
+				}
+				return err
+			})
+			if ferr != nil {
+				fmt.Fprintf(os.Stderr, "bench cluster: %s: first burst failure: %v\n", side.name, ferr)
+			}
+			burst[si].add(d, f, w)
+			burst[si].n += o.burst
+			d, f, w, _ = runParallel(o.burst, o.burstConc, func(i int) error {
+				if ids[i] == "" {
+					return nil
+				}
+				return side.c.DeleteSandbox(ctx, ids[i])
+			})
+			del[si].add(d, f, w)
+			del[si].n += o.burst
+		}
+	}
+	mk := func(measure string, n, conc int, s [2]sample, target string, met func(clusterRow) bool) clusterRow {
+		r := clusterRow{Measure: measure, Count: n, Conc: conc,
+			UpP50: pct(s[0].durs, .5), UpP99: pct(s[0].durs, .99), UpRate: float64(len(s[0].durs)) / s[0].wall.Seconds(), UpFail: s[0].fails,
+			ClP50: pct(s[1].durs, .5), ClP99: pct(s[1].durs, .99), ClRate: float64(len(s[1].durs)) / s[1].wall.Seconds(), ClFail: s[1].fails,
+			ClNodes: len(s[1].nodes), Target: target}
+		r.TargetMet = met(r)
+		return r
+	}
+	rows := []clusterRow{
+		mk("create, one at a time", o.count*o.rounds, 1, create, "cluster p50 ≤ up p50 + 2 ms", func(r clusterRow) bool { return r.ClFail == 0 && r.ClP50 <= r.UpP50+2 }),
+		mk("exec true, one at a time", o.count*o.rounds, 1, exec, "cluster p50 ≤ up p50 + 1 ms", func(r clusterRow) bool { return r.ClFail == 0 && r.ClP50 <= r.UpP50+1 }),
+		mk(fmt.Sprintf("burst of %d", o.burst), o.burst*o.rounds, o.burstConc, burst, "cluster rate ≥ 75% of up's, 0 failures", func(r clusterRow) bool {
+			return r.ClFail == 0 && r.UpFail == 0 && r.ClRate >= 0.75*r.UpRate
+		}),
+		mk("delete of the burst", o.burst*o.rounds, o.burstConc, del, "-", func(r clusterRow) bool { return r.ClFail == 0 }),
+	}
+	return rows, nil
+}
+
+func printClusterBench(rows []clusterRow, o benchClusterOpts) error {
+	if o.jsonOut {
+		return printJSON(map[string]any{"time": time.Now().UTC(), "edges": o.edges, "apiservers": o.apiservers, "rounds": o.rounds, "results": rows})
+	}
+	tw := newTable()
+	fmt.Fprintln(tw, "MEASURE\tN\tCONC\tUP P50 ms\tUP P99 ms\tUP /s\tCLUSTER P50 ms\tCLUSTER P99 ms\tCLUSTER /s\tFAIL up/cl\tNODES\tTARGET\tMET")
+	for _, r := range rows {
+		met := "yes"
+		if !r.TargetMet {
+			met = "no"
+		}
+		if r.Target == "-" {
+			met = "-"
+		}
+		nodes := "-"
+		if r.ClNodes > 0 {
+			nodes = fmt.Sprint(r.ClNodes)
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%.2f\t%.2f\t%.0f\t%.2f\t%.2f\t%.0f\t%d/%d\t%s\t%s\t%s\n", r.Measure, r.Count, r.Conc,
+			r.UpP50, r.UpP99, r.UpRate, r.ClP50, r.ClP99, r.ClRate, r.UpFail, r.ClFail, nodes, r.Target, met)
+	}
+	return tw.Flush()
+}
