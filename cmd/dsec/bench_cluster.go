@@ -11,6 +11,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -65,7 +66,7 @@ func runBenchCluster(args []string) error {
 	f := newCmdFlags("bench cluster", "[flags]", "Start a dsec up and a cluster (etcd, apiservers, edges) side by side on this machine\n"+
 		"and measure create and exec latency and a burst of creates on both in one run.\n"+
 		"Needs root and etcd (apt-get install etcd-server).")
-	f.IntVar(&o.count, "count", 100, "sequential creates and execs measured per side and round")
+	f.IntVar(&o.count, "count", 100, "one-at-a-time creates (with and without idempotency keys) and execs per side and round; the cluster's go to its first edge")
 	f.IntVar(&o.burst, "burst", 1000, "creates of the burst")
 	f.IntVar(&o.burstConc, "burst-concurrency", 64, "creates of the burst in flight at once")
 	f.IntVar(&o.edges, "edges", 3, "edges of the cluster")
@@ -105,12 +106,16 @@ func runBenchCluster(args []string) error {
 // benchWorld is the dsec up and the cluster under test.
 type benchWorld struct {
 	dir, bin string
-	procs    []*benchProc
-	etcd     *etcdtest.Cluster
-	up       *dsec.Client
-	cluster  *dsec.Client
-	upRef    string
-	clRef    string
+	// metrics are the /metrics URLs of dsec up and every edge.
+	metrics []string
+	procs   []*benchProc
+	etcd    *etcdtest.Cluster
+	// up and cluster send Idempotency-Keys as the SDK does by default;
+	// the bare ones do not.
+	up, upBare           *dsec.Client
+	cluster, clusterBare *dsec.Client
+	upRef                string
+	clRef                string
 }
 
 const benchKey = "bench-cluster-key-0123456789abcdef"
@@ -188,6 +193,7 @@ func startBenchWorld(ctx context.Context, o benchClusterOpts) (*benchWorld, erro
 	if err != nil {
 		return b, err
 	}
+	b.metrics = append(b.metrics, "http://127.0.0.1:"+upPort+"/metrics")
 	up, err := b.start("up", append([]string{"up", "--listen", "127.0.0.1:" + upPort, "--state-dir", filepath.Join(dir, "up"),
 		"--api-key", benchKey, "--config", filepath.Join(dir, "up-config.json"), "--sandbox-cidr", "10.254.0.0/20"}, common...)...)
 	if err != nil {
@@ -225,8 +231,14 @@ func startBenchWorld(ctx context.Context, o benchClusterOpts) (*benchWorld, erro
 		if err != nil {
 			return b, err
 		}
+		mport, err := benchPort("127.0.0.1")
+		if err != nil {
+			return b, err
+		}
+		b.metrics = append(b.metrics, "http://127.0.0.1:"+mport+"/metrics")
 		args := append([]string{"edge", "--listen", host + ":" + port, "--node-name", fmt.Sprintf("bench%d", i+1),
-			"--state-dir", filepath.Join(dir, fmt.Sprintf("edge%d", i+1)), "--sandbox-cidr", fmt.Sprintf("10.254.%d.0/20", 16*(i+1))}, cl...)
+			"--state-dir", filepath.Join(dir, fmt.Sprintf("edge%d", i+1)), "--sandbox-cidr", fmt.Sprintf("10.254.%d.0/20", 16*(i+1)),
+			"--metrics-listen", "127.0.0.1:" + mport, "--node-labels", fmt.Sprintf("zone=bench%d", i+1)}, cl...)
 		if _, err := b.start(fmt.Sprintf("edge%d", i+1), append(args, common...)...); err != nil {
 			return b, err
 		}
@@ -238,6 +250,12 @@ func startBenchWorld(ctx context.Context, o benchClusterOpts) (*benchWorld, erro
 		return b, err
 	}
 	if b.cluster, err = dsec.New(dsec.WithEndpoint(strings.Join(endpoints, ",")), dsec.WithAPIKey(benchKey)); err != nil {
+		return b, err
+	}
+	if b.upBare, err = dsec.New(dsec.WithEndpoint("http://127.0.0.1:"+upPort), dsec.WithAPIKey(benchKey), dsec.WithoutIdempotencyKeys()); err != nil {
+		return b, err
+	}
+	if b.clusterBare, err = dsec.New(dsec.WithEndpoint(strings.Join(endpoints, ",")), dsec.WithAPIKey(benchKey), dsec.WithoutIdempotencyKeys()); err != nil {
 		return b, err
 	}
 	deadline := time.Now().Add(60 * time.Second)
@@ -264,6 +282,137 @@ func startBenchWorld(ctx context.Context, o benchClusterOpts) (*benchWorld, erro
 		return b, err
 	}
 	return b, nil
+}
+
+// cpuSeconds is the CPU time (user + system) of the processes pids.
+func cpuSeconds(pids []int) float64 {
+	var total float64
+	for _, pid := range pids {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			continue
+		}
+		// Fields after the command name (which may hold spaces).
+		f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+1:]))
+		if len(f) < 13 {
+			continue
+		}
+		var ut, st float64
+		fmt.Sscan(f[11], &ut)
+		fmt.Sscan(f[12], &st)
+		total += (ut + st) / 100 // clock ticks (USER_HZ = 100)
+	}
+	return total
+}
+
+// pids returns the process ids of the named daemons.
+func (b *benchWorld) pids(prefixes ...string) []int {
+	var out []int
+	for _, p := range b.procs {
+		for _, pre := range prefixes {
+			if strings.HasPrefix(p.name, pre) && p.cmd != nil && p.cmd.Process != nil {
+				out = append(out, p.cmd.Process.Pid)
+			}
+		}
+	}
+	return out
+}
+
+// createSeconds sums dsec_sandbox_create_seconds (sum, count) over the
+// metrics URLs given: the time edges spent in creates, apiserver excluded.
+func createSeconds(urls []string) (float64, float64) {
+	hc := &http.Client{Timeout: 2 * time.Second}
+	var sum, n float64
+	for _, u := range urls {
+		resp, err := hc.Get(u)
+		if err != nil {
+			continue
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		for _, line := range strings.Split(string(body), "\n") {
+			var v float64
+			if x, ok := strings.CutPrefix(line, "dsec_sandbox_create_seconds_sum "); ok {
+				fmt.Sscan(x, &v)
+				sum += v
+			} else if x, ok := strings.CutPrefix(line, "dsec_sandbox_create_seconds_count "); ok {
+				fmt.Sscan(x, &v)
+				n += v
+			}
+		}
+	}
+	return sum, n
+}
+
+// settle waits until every node's background work is done (the netns
+// pools of dsec's launcher refill after creates and deletes pause: a
+// measure beside a refill would time the refill's CPU), at most 2 minutes.
+func (b *benchWorld) settle(ctx context.Context) {
+	hc := &http.Client{Timeout: 2 * time.Second}
+	free := func(url string) (float64, bool) {
+		resp, err := hc.Get(url)
+		if err != nil {
+			return 0, false
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		for _, line := range strings.Split(string(body), "\n") {
+			if v, ok := strings.CutPrefix(line, "dsec_netns_pool_free "); ok {
+				var f float64
+				fmt.Sscan(v, &f)
+				return f, true
+			}
+		}
+		return 0, false
+	}
+	deadline := time.Now().Add(2 * time.Minute)
+	last := map[string]float64{}
+	stable := 0
+	busyPrev, totalPrev := cpuBusy()
+	for time.Now().Before(deadline) && ctx.Err() == nil {
+		time.Sleep(500 * time.Millisecond)
+		changed := false
+		for _, u := range b.metrics {
+			v, ok := free(u)
+			if ok && v != last[u] {
+				changed = true
+			}
+			last[u] = v
+		}
+		// The host quiet too: deleted sandboxes' files are removed in the
+		// background (each node's trash), which would weigh on the next
+		// side's measure.
+		busy, total := cpuBusy()
+		quiet := total > totalPrev && (busy-busyPrev)/(total-totalPrev) < 0.15
+		busyPrev, totalPrev = busy, total
+		if !changed && quiet {
+			stable++
+			if stable >= 4 { // 2 s of both
+				return
+			}
+		} else {
+			stable = 0
+		}
+	}
+}
+
+// cpuBusy reads the host's busy and total CPU time from /proc/stat.
+func cpuBusy() (busy, total float64) {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, 0
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	for i, v := range f[1:] {
+		var x float64
+		fmt.Sscan(v, &x)
+		total += x
+		if i != 3 && i != 4 { // idle, iowait
+			busy += x
+		}
+	}
+	return busy, total
 }
 
 func (b *benchWorld) close(keep bool) {
@@ -322,40 +471,83 @@ func (s *sample) add(d []time.Duration, fails int, wall time.Duration) {
 	s.wall += wall
 }
 
+// benchSide is one of the two systems measured.
+type benchSide struct {
+	name string
+	// c sends Idempotency-Keys as the SDK does by default; bare does not.
+	c, bare *dsec.Client
+	ref     string
+	// pin places the one-at-a-time measures on one node: the hop to a
+	// remote edge is what they price, not 3 edges sharing 2 cores.
+	pin map[string]string
+}
+
 func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]clusterRow, error) {
-	sides := []struct {
-		name string
-		c    *dsec.Client
-		ref  string
-	}{{"dsec up", b.up, b.upRef}, {"cluster", b.cluster, b.clRef}}
-	var create, exec, burst, del [2]sample
+	sides := []benchSide{
+		{name: "dsec up", c: b.up, bare: b.upBare, ref: b.upRef},
+		{name: "cluster", c: b.cluster, bare: b.clusterBare, ref: b.clRef, pin: map[string]string{"zone": "bench1"}},
+	}
+	var create, createBare, exec, burst, del [2]sample
 	for i := range 2 {
 		burst[i].nodes = map[string]bool{}
 	}
+	// CPU seconds the daemons of each side spent in the bursts, by role.
+	cpu := map[string]float64{}
+	// The edge-side part of the one-at-a-time creates, per side.
+	var edgeSum, edgeN [2]float64
+	sideURLs := [2][]string{b.metrics[:1], b.metrics[1:2]}
+	seq := func(si int, side benchSide, c *dsec.Client, into *sample, what string) error {
+		b.settle(ctx)
+		fmt.Fprintf(os.Stderr, "bench cluster: %s: %d creates one at a time (%s)...\n", side.name, o.count, what)
+		ids := make([]string, o.count)
+		s0, n0 := createSeconds(sideURLs[si])
+		d, f, w, ferr := runParallel(o.count, 1, func(i int) error {
+			sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: side.ref, NodeSelector: side.pin, Labels: map[string]string{"bench": "seq"}})
+			if err == nil {
+				ids[i] = sb.ID
+			}
+			return err
+		})
+		if ferr != nil {
+			fmt.Fprintf(os.Stderr, "bench cluster: %s: first failure: %v\n", side.name, ferr)
+		}
+		into.add(d, f, w)
+		s1, n1 := createSeconds(sideURLs[si])
+		edgeSum[si] += s1 - s0
+		edgeN[si] += n1 - n0
+		_, _, _, _ = runParallel(o.count, 8, func(i int) error {
+			if ids[i] == "" {
+				return nil
+			}
+			return c.DeleteSandbox(ctx, ids[i])
+		})
+		return nil
+	}
 	for r := range o.rounds {
-		for si, side := range sides {
-			fmt.Fprintf(os.Stderr, "bench cluster: round %d, %s: %d creates one at a time...\n", r+1, side.name, o.count)
-			ids := make([]string, o.count)
-			d, f, w, _ := runParallel(o.count, 1, func(i int) error {
-				sb, err := side.c.CreateSandbox(ctx, api.SandboxSpec{Base: side.ref, Labels: map[string]string{"bench": "seq"}})
-				if err == nil {
-					ids[i] = sb.ID
-				}
-				return err
-			})
-			create[si].add(d, f, w)
-			_, _, _, _ = runParallel(o.count, 8, func(i int) error {
-				if ids[i] == "" {
-					return nil
-				}
-				return side.c.DeleteSandbox(ctx, ids[i])
-			})
-			sb, err := side.c.CreateSandbox(ctx, api.SandboxSpec{Base: side.ref})
+		// ABBA: each side goes first in every other round. A burst leaves
+		// the host with state the next one pays for (a node keeps emptied
+		// cgroups for reuse, each of which makes a new cpuset cgroup
+		// costlier to create; deleted files weigh on ext4's inode
+		// allocation), so the order alternates.
+		order := []int{0, 1}
+		if r%2 == 1 {
+			order = []int{1, 0}
+		}
+		for _, si := range order {
+			side := sides[si]
+			if err := seq(si, side, side.c, &create[si], "with idempotency keys"); err != nil {
+				return nil, err
+			}
+			if err := seq(si, side, side.bare, &createBare[si], "without keys"); err != nil {
+				return nil, err
+			}
+			sb, err := side.c.CreateSandbox(ctx, api.SandboxSpec{Base: side.ref, NodeSelector: side.pin})
 			if err != nil {
 				return nil, fmt.Errorf("%s: creating the exec sandbox: %w", side.name, err)
 			}
-			fmt.Fprintf(os.Stderr, "bench cluster: round %d, %s: %d execs of true one at a time...\n", r+1, side.name, o.count)
-			d, f, w, _ = runParallel(o.count, 1, func(int) error {
+			b.settle(ctx)
+			fmt.Fprintf(os.Stderr, "bench cluster: %s: %d execs of true one at a time...\n", side.name, o.count)
+			d, f, w, _ := runParallel(o.count, 1, func(int) error {
 				res, err := side.c.Exec(ctx, sb.ID, api.ExecRequest{Argv: []string{"true"}})
 				if err == nil && res.ExitCode != 0 {
 					err = fmt.Errorf("exit %d", res.ExitCode)
@@ -365,10 +557,20 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 			exec[si].add(d, f, w)
 			_ = side.c.DeleteSandbox(ctx, sb.ID)
 		}
-		for si, side := range sides {
+		for _, si := range order {
+			side := sides[si]
+			b.settle(ctx)
 			fmt.Fprintf(os.Stderr, "bench cluster: round %d, %s: a burst of %d creates, %d at a time...\n", r+1, side.name, o.burst, o.burstConc)
 			ids := make([]string, o.burst)
 			var mu sync.Mutex
+			roles := map[string][]int{"up": b.pids("up")}
+			if si == 1 {
+				roles = map[string][]int{"apiserver": b.pids("server"), "edges": b.pids("edge"), "etcd": b.etcd.Pids()}
+			}
+			before := map[string]float64{}
+			for role, pids := range roles {
+				before[role] = cpuSeconds(pids)
+			}
 			d, f, w, ferr := runParallel(o.burst, o.burstConc, func(i int) error {
 				sb, err := side.c.CreateSandbox(ctx, api.SandboxSpec{Base: side.ref, Labels: map[string]string{"bench": "burst"}})
 				if err == nil {
@@ -383,7 +585,9 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 				fmt.Fprintf(os.Stderr, "bench cluster: %s: first burst failure: %v\n", side.name, ferr)
 			}
 			burst[si].add(d, f, w)
-			burst[si].n += o.burst
+			for role, pids := range roles {
+				cpu[role] += cpuSeconds(pids) - before[role]
+			}
 			d, f, w, _ = runParallel(o.burst, o.burstConc, func(i int) error {
 				if ids[i] == "" {
 					return nil
@@ -391,7 +595,6 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 				return side.c.DeleteSandbox(ctx, ids[i])
 			})
 			del[si].add(d, f, w)
-			del[si].n += o.burst
 		}
 	}
 	mk := func(measure string, n, conc int, s [2]sample, target string, met func(clusterRow) bool) clusterRow {
@@ -402,13 +605,23 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 		r.TargetMet = met(r)
 		return r
 	}
+	none := func(clusterRow) bool { return false }
 	rows := []clusterRow{
 		mk("create, one at a time", o.count*o.rounds, 1, create, "cluster p50 ≤ up p50 + 2 ms", func(r clusterRow) bool { return r.ClFail == 0 && r.ClP50 <= r.UpP50+2 }),
+		mk("create, one at a time, no keys", o.count*o.rounds, 1, createBare, "cluster p50 ≤ up p50 + 2 ms", func(r clusterRow) bool { return r.ClFail == 0 && r.ClP50 <= r.UpP50+2 }),
 		mk("exec true, one at a time", o.count*o.rounds, 1, exec, "cluster p50 ≤ up p50 + 1 ms", func(r clusterRow) bool { return r.ClFail == 0 && r.ClP50 <= r.UpP50+1 }),
 		mk(fmt.Sprintf("burst of %d", o.burst), o.burst*o.rounds, o.burstConc, burst, "cluster rate ≥ 75% of up's, 0 failures", func(r clusterRow) bool {
 			return r.ClFail == 0 && r.UpFail == 0 && r.ClRate >= 0.75*r.UpRate
 		}),
-		mk("delete of the burst", o.burst*o.rounds, o.burstConc, del, "-", func(r clusterRow) bool { return r.ClFail == 0 }),
+		mk("delete of the burst", o.burst*o.rounds, o.burstConc, del, "-", none),
+	}
+	perCreate := func(role string) float64 { return 1000 * cpu[role] / float64(o.burst*o.rounds) }
+	rows = append(rows, clusterRow{Measure: "CPU ms per create in the burst", Count: o.burst * o.rounds, Conc: o.burstConc,
+		UpP50: perCreate("up"), ClP50: perCreate("apiserver") + perCreate("edges") + perCreate("etcd"),
+		Target: fmt.Sprintf("cluster: apiserver %.1f, edges %.1f, etcd %.1f", perCreate("apiserver"), perCreate("edges"), perCreate("etcd"))})
+	if edgeN[0] > 0 && edgeN[1] > 0 {
+		rows = append(rows, clusterRow{Measure: "edge-side part of a create (mean)", Count: int(edgeN[1]), Conc: 1,
+			UpP50: 1000 * edgeSum[0] / edgeN[0], ClP50: 1000 * edgeSum[1] / edgeN[1], Target: "-"})
 	}
 	return rows, nil
 }
@@ -424,7 +637,7 @@ func printClusterBench(rows []clusterRow, o benchClusterOpts) error {
 		if !r.TargetMet {
 			met = "no"
 		}
-		if r.Target == "-" {
+		if r.Target == "-" || strings.HasPrefix(r.Target, "cluster:") {
 			met = "-"
 		}
 		nodes := "-"

@@ -196,6 +196,8 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 		return fmt.Errorf("opening layer store: %w", err)
 	}
 	defer layers.Close()
+	// Creates resolve refs from memory, kept current by an etcd watch.
+	layers.WatchCatalog(ctx)
 	hc, err := edgeTransport(trust)
 	if err != nil {
 		return err

@@ -89,12 +89,14 @@ type node struct {
 	host   *host.Host
 	server *apiserver.Server
 	store  store.Store
+	idem   store.Store
 }
 
 func (n *node) Close() {
 	n.edge.Close()
 	n.host.Close()
 	_ = n.layers.Close()
+	_ = n.idem.Close()
 	_ = n.store.Close()
 }
 
@@ -132,13 +134,22 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	view := watcher.New(watcher.Static{ed}, watcher.Config{Log: log})
 	view.Sync(ctx)
 	go view.Run(ctx)
+	// Idempotency records are written twice per keyed call: they go to a
+	// file of their own that is not fsynced (a crash of dsec up keeps
+	// them; a crash of the host may lose the last ones).
+	idem, err := store.OpenBoltNoSync(filepath.Join(c.node.stateDir, "idempotency.db"))
+	if err != nil {
+		ed.Close()
+		h.Close()
+		return fail(err)
+	}
 	srv := apiserver.New(apiserver.Deps{
 		IAM: ident, Layers: layers, Nodes: view, Log: log,
 		Registry: reg, Gatherer: reg, Policy: sandbox.DefaultPolicy(), MaxLayerBytes: 64 << 30,
-		Store: st, Instance: cluster.NewInstance(),
+		Store: idem, Instance: cluster.NewInstance(),
 	})
 	go srv.Run(ctx)
-	return &node{layers: layers, edge: ed, host: h, server: srv, store: st}, ident, nil
+	return &node{layers: layers, edge: ed, host: h, server: srv, store: st, idem: idem}, ident, nil
 }
 
 func up(ctx context.Context, c upConfig, log *slog.Logger) error {

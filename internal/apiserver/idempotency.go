@@ -25,6 +25,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/store"
 )
 
 // idemBucket holds the records, by idemRecordKey.
@@ -39,9 +40,10 @@ const (
 	// DefaultIdempotencyTTL is how long a record answers repeats.
 	DefaultIdempotencyTTL = 24 * time.Hour
 	// maxRecordedBytes bounds the answer a record keeps (etcd takes
-	// requests of up to 1.5 MiB). A larger answer is recorded as done
-	// without its body: a repeat is told so rather than run again.
-	maxRecordedBytes = 1 << 20
+	// requests of up to 1.5 MiB, and the record holds the body in
+	// base64). A larger answer is recorded as done without its body: a
+	// repeat is told so rather than run again.
+	maxRecordedBytes = 768 << 10
 	// idemWait is how long a repeat waits for a pending call of a live
 	// apiserver before answering 409.
 	idemWait   = 60 * time.Second
@@ -119,7 +121,12 @@ func (s *Server) idempotent(creates bool, h http.HandlerFunc) http.HandlerFunc {
 		ic := &idemCtx{label: rk[:32], takeover: rec.takeover}
 		tee := &teeWriter{ResponseWriter: w, status: http.StatusOK}
 		h(tee, r.WithContext(context.WithValue(r.Context(), idemCtxKey{}, ic)))
-		s.finish(rk, hash, tee)
+		// The caller has its answer before the record is written: should
+		// this apiserver die in between, the record stays pending without
+		// a live owner, and a repeat takes it over (and finds what was
+		// made).
+		tee.Flush()
+		s.finish(rk, hash, rec.idemRecord, tee)
 	}
 }
 
@@ -161,6 +168,21 @@ type claimed struct {
 func (s *Server) claim(ctx context.Context, rk, hash string) (claimed, bool, error) {
 	deadline := time.Now().Add(idemWait)
 	nonce := newNonce()
+	// The common case, a new key, is one write.
+	{
+		now := time.Now()
+		mine := idemRecord{Hash: hash, Nonce: nonce, State: "pending", Owner: s.deps.Instance, Started: now, Expires: now.Add(s.idemTTL())}
+		b, err := json.Marshal(mine)
+		if err != nil {
+			return claimed{}, false, err
+		}
+		switch err := s.records.create(store.KV{Key: rk, Value: b}); {
+		case err == nil:
+			return claimed{idemRecord: mine}, true, nil
+		case !errors.Is(err, errdefs.ErrAlreadyExists):
+			return claimed{}, false, err
+		}
+	}
 	for {
 		now := time.Now()
 		mine := idemRecord{Hash: hash, Nonce: nonce, State: "pending", Owner: s.deps.Instance, Started: now, Expires: now.Add(s.idemTTL())}
@@ -266,7 +288,7 @@ func (s *Server) replay(w http.ResponseWriter, r *http.Request, rec claimed) {
 // something done (the edge was lost mid-call, an internal error) leaves
 // the record pending with no owner: a retry takes it over and, for a
 // create, first looks for what the first attempt made.
-func (s *Server) finish(rk, hash string, tee *teeWriter) {
+func (s *Server) finish(rk, hash string, claim idemRecord, tee *teeWriter) {
 	outcome := "done"
 	switch {
 	case tee.status >= 400 && tee.status < 500:
@@ -286,31 +308,28 @@ func (s *Server) finish(rk, hash string, tee *teeWriter) {
 		}
 		return
 	}
-	err := s.deps.Store.Update(idemBucket, rk, func(old []byte) ([]byte, error) {
-		var rec idemRecord
-		if old != nil {
-			if err := json.Unmarshal(old, &rec); err != nil {
-				return nil, err
-			}
-		}
-		if rec.Hash != hash || rec.Owner != s.deps.Instance {
-			return nil, errPending // taken over meanwhile: leave it be
-		}
-		if outcome == "orphan" {
-			rec.Owner = ""
-			return json.Marshal(rec)
-		}
+	// One write, not a compare-and-set: the record is this apiserver's
+	// (its claim made it) unless another took it over, which needs this
+	// one's liveness lease gone; and a taker-over's own finish leaves a
+	// record it does not own alone. Either answer is the same call's.
+	rec := claim
+	rec.Hash = hash
+	if outcome == "orphan" {
+		rec.Owner = ""
+	} else {
 		rec.State, rec.Status, rec.Type = "done", tee.status, tee.Header().Get("Content-Type")
 		if tee.over {
 			rec.TooLarge = tee.total
 		} else {
 			rec.Body = tee.buf.Bytes()
 		}
-		return json.Marshal(rec)
-	})
-	if err != nil && !errors.Is(err, errPending) {
-		s.log.Warn("recording an idempotent answer", "err", err)
 	}
+	b, err := json.Marshal(rec)
+	if err != nil {
+		s.log.Warn("recording an idempotent answer", "err", err)
+		return
+	}
+	s.records.put(store.KV{Key: rk, Value: b})
 }
 
 // teeWriter passes a response through and keeps a copy (up to

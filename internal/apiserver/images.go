@@ -392,7 +392,7 @@ func (e *eventWriter) sendLocked(ev api.ImageEvent) {
 // its validation refuses, a relative WorkingDir, a user that is not NAME, UID, NAME:GROUP
 // or UID:GID) are skipped. An unresolvable base is left for prepare to
 // report.
-func (s *Server) applyImageDefaults(spec *api.SandboxSpec) {
+func (s *Server) applyImageDefaults(spec *api.SandboxSpec, resolve func(string) (api.Layer, error)) {
 	ref := spec.Base
 	if ref == "" || spec.Image != "" {
 		if ref != "" {
@@ -403,7 +403,7 @@ func (s *Server) applyImageDefaults(spec *api.SandboxSpec) {
 	if ref == "" {
 		return
 	}
-	l, err := s.resolve(ref)
+	l, err := resolve(ref)
 	if err != nil || l.Kind != api.KindBase || l.Image == nil {
 		return
 	}

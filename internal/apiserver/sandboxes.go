@@ -42,9 +42,10 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 // snapshot on top; base, workspace and toolkits may then be omitted, and
 // must match the snapshot's if given.
 func (s *Server) prepare(spec *api.SandboxSpec) ([]string, error) {
+	resolve := s.memoResolve()
 	var snap *api.Layer
 	if spec.Snapshot != "" {
-		l, err := s.resolve(spec.Snapshot)
+		l, err := resolve(spec.Snapshot)
 		if err != nil {
 			return nil, err
 		}
@@ -66,7 +67,7 @@ func (s *Server) prepare(spec *api.SandboxSpec) ([]string, error) {
 		spec.Base, spec.Image, spec.Workspace, spec.Toolkits = from.Base, "", from.Workspace, from.Toolkits
 		snap = &l
 	}
-	s.applyImageDefaults(spec) // before Normalize fills user and workdir
+	s.applyImageDefaults(spec, resolve) // before Normalize fills user and workdir
 	if err := sandbox.Normalize(spec, s.deps.Policy); err != nil {
 		return nil, err
 	}
@@ -75,7 +76,7 @@ func (s *Server) prepare(spec *api.SandboxSpec) ([]string, error) {
 	}
 	var digests []string
 	add := func(field, ref, kind string) error {
-		l, err := s.resolve(ref)
+		l, err := resolve(ref)
 		if err != nil {
 			return err
 		}
@@ -99,6 +100,25 @@ func (s *Server) prepare(spec *api.SandboxSpec) ([]string, error) {
 		}
 	}
 	return digests, nil
+}
+
+// memoResolve is resolve for one request: each ref is read from the
+// catalog once (the base is looked at for its image defaults and for its
+// digest; with etcd each read is a round trip).
+func (s *Server) memoResolve() func(string) (api.Layer, error) {
+	type res struct {
+		l   api.Layer
+		err error
+	}
+	seen := map[string]res{}
+	return func(ref string) (api.Layer, error) {
+		if r, ok := seen[ref]; ok {
+			return r.l, r.err
+		}
+		l, err := s.resolve(ref)
+		seen[ref] = res{l, err}
+		return l, err
+	}
 }
 
 // resolve finds a layer by ref (kind/name:tag) or digest.

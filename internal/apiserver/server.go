@@ -63,6 +63,8 @@ type Server struct {
 	inflight *inflight
 	// pickMu serialises placement decisions (pick).
 	pickMu sync.Mutex
+	// records groups the idempotency records' writes.
+	records *groupCommit
 }
 
 // New builds the server and its routes.
@@ -72,6 +74,9 @@ func New(deps Deps) *Server {
 	}
 	s := &Server{deps: deps, log: deps.Log, mux: http.NewServeMux(), inflight: newInflight()}
 	s.metrics = newMetrics(deps.Registry, deps.Nodes)
+	if deps.Store != nil {
+		s.records = newGroupCommit(deps.Store, idemBucket, deps.Log)
+	}
 	s.routes()
 	return s
 }

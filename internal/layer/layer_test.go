@@ -2,6 +2,7 @@ package layer
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -15,6 +16,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/mountinfo"
 	"github.com/dsecproject/dsec/internal/store"
@@ -805,4 +807,44 @@ func TestSharedStoreStagingAndBlobs(t *testing.T) {
 		t.Fatalf("pin during a removal: %v after %v, want it to wait", err, time.Since(start))
 	}
 	unpin()
+}
+
+// TestCatalogCache: with a watchable store, a process resolves refs from
+// memory, sees other processes' writes and deletes, and reads the store
+// for a ref its cache does not know yet.
+func TestCatalogCache(t *testing.T) {
+	st := store.NewMemory()
+	a, err := NewStore(t.TempDir(), st, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	put := func(ref, digest string) {
+		b, _ := json.Marshal(api.Layer{Ref: ref, Digest: digest, Kind: "base"})
+		if err := st.Put(catalogBucket, ref, b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	put("base/old:1", "sha256:"+strings.Repeat("1", 64))
+	a.WatchCatalog(t.Context())
+	if l, err := a.Resolve("base/old:1"); err != nil || l.Digest[7] != '1' {
+		t.Fatalf("resolve from the listing: %+v %v", l, err)
+	}
+	// Another process re-points and deletes refs: the cache follows.
+	put("base/old:1", "sha256:"+strings.Repeat("2", 64))
+	if l, _ := a.Resolve("base/old:1"); l.Digest[7] != '2' {
+		t.Fatalf("re-pointed ref still resolves to %s", l.Digest)
+	}
+	if err := st.Delete(catalogBucket, "base/old:1"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Resolve("base/old:1"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("deleted ref: %v", err)
+	}
+	// The cache is what answers: a value the store no longer has but the
+	// cache holds is served from memory (no store read per resolve).
+	a.cache.put(api.Layer{Ref: "base/mem:1", Digest: "sha256:" + strings.Repeat("3", 64)})
+	if l, err := a.Resolve("base/mem:1"); err != nil || l.Digest[7] != '3' {
+		t.Fatalf("resolve from memory: %+v %v", l, err)
+	}
 }

@@ -106,6 +106,8 @@ type Store struct {
 	// mu serialises this process's publishing against its own Delete
 	// and GC; across processes the blob records in the store do.
 	mu sync.Mutex
+	// cache holds the catalog when the store can be watched (nil: none).
+	cache *catalogCache
 }
 
 // stageLockName is the lock file in a staging directory.
@@ -413,6 +415,7 @@ func (s *Store) publish(tmpPath string, l api.Layer, replace bool) (deduped bool
 		}
 		return false, fmt.Errorf("writing layer catalog: %w", err)
 	}
+	s.cache.put(l)
 	return deduped, nil
 }
 
@@ -439,6 +442,9 @@ func (s *Store) Resolve(ref string) (api.Layer, error) {
 	r, err := ParseRef(ref)
 	if err != nil {
 		return api.Layer{}, err
+	}
+	if l, ok := s.cache.get(r.String()); ok {
+		return l, nil
 	}
 	val, err := s.st.Get(catalogBucket, r.String())
 	if errors.Is(err, errdefs.ErrNotFound) {
@@ -506,6 +512,7 @@ func (s *Store) Delete(ref string, inUse func(digest string) (bool, error)) erro
 	if err := s.st.Delete(catalogBucket, r.String()); err != nil {
 		return fmt.Errorf("deleting layer %s: %w", r, err)
 	}
+	s.cache.del(r.String())
 	removed, err := s.collect(l.Digest)
 	if err != nil {
 		return fmt.Errorf("deleting layer %s: %w", r, err)

@@ -29,11 +29,19 @@ var _ Store = (*Bolt)(nil)
 // locked for the life of the Bolt: if another process holds it, OpenBolt fails
 // after a short wait with an error of class errdefs.ErrUnavailable.
 func OpenBolt(path string) (*Bolt, error) {
-	return openBolt(path, openTimeout)
+	return openBolt(path, openTimeout, false)
 }
 
-func openBolt(path string, timeout time.Duration) (*Bolt, error) {
-	db, err := bbolt.Open(path, 0o600, &bbolt.Options{Timeout: timeout})
+// OpenBoltNoSync is OpenBolt for state that may lose its last writes in a
+// crash of the host (not of the process: written pages are in the page
+// cache): writes are not fsynced, which takes a write from milliseconds to
+// tens of microseconds. dsec up keeps its idempotency records so.
+func OpenBoltNoSync(path string) (*Bolt, error) {
+	return openBolt(path, openTimeout, true)
+}
+
+func openBolt(path string, timeout time.Duration, noSync bool) (*Bolt, error) {
+	db, err := bbolt.Open(path, 0o600, &bbolt.Options{Timeout: timeout, NoSync: noSync, NoFreelistSync: noSync})
 	if errors.Is(err, bbolt.ErrTimeout) {
 		return nil, fmt.Errorf("opening store %s: %w: the file is locked by another process (is another dsec daemon running on it?)",
 			path, errdefs.ErrUnavailable)

@@ -45,8 +45,10 @@ type Etcd struct {
 }
 
 var (
-	_ Store  = (*Etcd)(nil)
-	_ Leaser = (*Etcd)(nil)
+	_ Store   = (*Etcd)(nil)
+	_ Leaser  = (*Etcd)(nil)
+	_ Watcher = (*Etcd)(nil)
+	_ Batcher = (*Etcd)(nil)
 )
 
 // updateRetries bounds the compare-and-set attempts of one Update.
@@ -352,6 +354,103 @@ func (e *Etcd) Hold(ctx context.Context, bucket, key string, val []byte, ttl tim
 		}
 	}()
 	return lost, nil
+}
+
+// Write implements Batcher: one transaction, compared on the create
+// revision of every key of creates. After a lost answer, keys all holding
+// exactly the values given are taken for the earlier attempt's write.
+func (e *Etcd) Write(bucket string, creates, puts []KV) error {
+	if len(creates)+len(puts) == 0 {
+		return nil
+	}
+	cmps := make([]clientv3.Cmp, 0, len(creates))
+	ops := make([]clientv3.Op, 0, len(creates)+len(puts))
+	for _, kv := range creates {
+		if err := checkEtcdName(bucket, kv.Key); err != nil {
+			return err
+		}
+		k := e.key(bucket, kv.Key)
+		cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(k), "=", 0))
+		ops = append(ops, clientv3.OpPut(k, string(kv.Value)))
+	}
+	for _, kv := range puts {
+		if err := checkEtcdName(bucket, kv.Key); err != nil {
+			return err
+		}
+		ops = append(ops, clientv3.OpPut(e.key(bucket, kv.Key), string(kv.Value)))
+	}
+	ctx, cancel := e.ctx()
+	defer cancel()
+	lost := false
+	r, err := again(ctx, func(ctx context.Context) (*clientv3.TxnResponse, error) {
+		r, err := e.c.Txn(ctx).If(cmps...).Then(ops...).Commit()
+		if status.Code(err) == codes.Unavailable {
+			lost = true
+		}
+		return r, err
+	})
+	if err != nil {
+		return e.classify(err)
+	}
+	if r.Succeeded {
+		return nil
+	}
+	if lost {
+		mine := true
+		for _, kv := range append(append([]KV(nil), creates...), puts...) {
+			cur, err := e.c.Get(ctx, e.key(bucket, kv.Key))
+			if err != nil || len(cur.Kvs) != 1 || !bytes.Equal(cur.Kvs[0].Value, kv.Value) {
+				mine = false
+				break
+			}
+		}
+		if mine {
+			return nil
+		}
+	}
+	return errdefs.AlreadyExists("%s: one of %d keys already exists", bucket, len(creates))
+}
+
+// WatchBucket implements Watcher with an etcd watch from the revision of
+// a listing, listing again whenever the watch breaks.
+func (e *Etcd) WatchBucket(ctx context.Context, bucket string, reset func([]KV), change func(key string, val []byte)) {
+	base := e.prefix + bucket + "/"
+	go func() {
+		for ctx.Err() == nil {
+			lctx, cancel := e.ctx()
+			r, err := e.c.Get(lctx, base, clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
+			cancel()
+			if err != nil {
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(time.Second):
+				}
+				continue
+			}
+			kvs := make([]KV, 0, len(r.Kvs))
+			for _, kv := range r.Kvs {
+				kvs = append(kvs, KV{Key: strings.TrimPrefix(string(kv.Key), base), Value: nonNil(bytes.Clone(kv.Value))})
+			}
+			reset(kvs)
+			wctx, wcancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+			for wr := range e.c.Watch(wctx, base, clientv3.WithPrefix(), clientv3.WithRev(r.Header.Revision+1)) {
+				if err := wr.Err(); err != nil {
+					e.log.Debug("store watch broken; listing again", "bucket", bucket, "err", err)
+					break
+				}
+				for _, ev := range wr.Events {
+					key := strings.TrimPrefix(string(ev.Kv.Key), base)
+					if ev.Type == clientv3.EventTypeDelete {
+						change(key, nil)
+					} else {
+						change(key, nonNil(bytes.Clone(ev.Kv.Value)))
+					}
+				}
+			}
+			wcancel()
+		}
+	}()
 }
 
 // Close implements Store.

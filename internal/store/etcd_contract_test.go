@@ -62,6 +62,18 @@ func TestEtcdLeaser(t *testing.T) {
 	storetest.RunLeaser(t, openEtcd(t, etcdEndpoints(t)))
 }
 
+func TestEtcdWatcher(t *testing.T) {
+	storetest.RunWatcher(t, openEtcd(t, etcdEndpoints(t)))
+}
+
+func TestEtcdBatcher(t *testing.T) {
+	storetest.RunBatcher(t, openEtcd(t, etcdEndpoints(t)))
+}
+
+func TestMemoryWatcher(t *testing.T) {
+	storetest.RunWatcher(t, store.NewMemory)
+}
+
 func TestMemoryLeaser(t *testing.T) {
 	storetest.RunLeaser(t, store.NewMemory)
 }

@@ -19,12 +19,19 @@ type memory struct {
 	buckets map[string]map[string][]byte
 	// holds names the live Hold of each held key (bucket + "/" + key).
 	holds map[string]*byte
+	// watches are the WatchBucket callbacks by bucket, called under mu.
+	watches map[string][]*memWatch
+}
+
+type memWatch struct {
+	ctx    context.Context
+	change func(key string, val []byte)
 }
 
 // NewMemory returns an empty in-memory Store for tests. Close is a no-op and
 // the store stays usable after it.
 func NewMemory() Store {
-	return &memory{buckets: make(map[string]map[string][]byte), holds: map[string]*byte{}}
+	return &memory{buckets: make(map[string]map[string][]byte), holds: map[string]*byte{}, watches: map[string][]*memWatch{}}
 }
 
 // Get implements Store.
@@ -78,7 +85,7 @@ func (m *memory) Update(bucket, key string, fn func(old []byte) ([]byte, error))
 		return err
 	}
 	if val == nil {
-		delete(m.buckets[bucket], key)
+		m.unset(bucket, key)
 		return nil
 	}
 	m.set(bucket, key, val)
@@ -92,7 +99,7 @@ func (m *memory) Delete(bucket, key string) error {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	delete(m.buckets[bucket], key)
+	m.unset(bucket, key)
 	return nil
 }
 
@@ -134,7 +141,7 @@ func (m *memory) Hold(ctx context.Context, bucket, key string, val []byte, ttl t
 		m.mu.Lock()
 		if m.holds[bucket+"/"+key] == token {
 			delete(m.holds, bucket+"/"+key)
-			delete(m.buckets[bucket], key)
+			m.unset(bucket, key)
 		}
 		m.mu.Unlock()
 		close(lost)
@@ -153,4 +160,45 @@ func (m *memory) set(bucket, key string, val []byte) {
 		m.buckets[bucket] = b
 	}
 	b[key] = append([]byte{}, val...)
+	m.notify(bucket, key, b[key])
+}
+
+// unset deletes key and tells the watches.
+//
+// Preconditions: m.mu is held.
+func (m *memory) unset(bucket, key string) {
+	if _, ok := m.buckets[bucket][key]; !ok {
+		return
+	}
+	delete(m.buckets[bucket], key)
+	m.notify(bucket, key, nil)
+}
+
+// notify tells the bucket's live watches about a write (val nil: deleted).
+//
+// Preconditions: m.mu is held.
+func (m *memory) notify(bucket, key string, val []byte) {
+	live := m.watches[bucket][:0]
+	for _, w := range m.watches[bucket] {
+		if w.ctx.Err() != nil {
+			continue
+		}
+		live = append(live, w)
+		w.change(key, bytes.Clone(val))
+	}
+	m.watches[bucket] = live
+}
+
+// WatchBucket implements Watcher. The callbacks run with the store's lock
+// held: they must not call the store.
+func (m *memory) WatchBucket(ctx context.Context, bucket string, reset func([]KV), change func(key string, val []byte)) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var kvs []KV
+	for k, v := range m.buckets[bucket] {
+		kvs = append(kvs, KV{Key: k, Value: bytes.Clone(v)})
+	}
+	sort.Slice(kvs, func(i, j int) bool { return kvs[i].Key < kvs[j].Key })
+	reset(kvs)
+	m.watches[bucket] = append(m.watches[bucket], &memWatch{ctx: ctx, change: change})
 }

@@ -69,3 +69,25 @@ func checkName(bucket, key string) error {
 	}
 	return nil
 }
+
+// Watcher is implemented by stores that tell about changes (etcd), so
+// that a process can keep a bucket in memory instead of reading it on
+// every request.
+type Watcher interface {
+	// WatchBucket calls reset with the whole bucket, then change with
+	// every later write (val nil: deleted) in order, until ctx ends. After
+	// a gap it cannot replay (a reconnect past a compaction), it calls
+	// reset again with the bucket as it is then. Both run on one
+	// goroutine of the store's; WatchBucket returns at once.
+	WatchBucket(ctx context.Context, bucket string, reset func([]KV), change func(key string, val []byte))
+}
+
+// Batcher is implemented by stores that can write many keys in one
+// transaction (etcd: one raft entry and one fsync for all), which callers
+// use to group concurrent writes.
+type Batcher interface {
+	// Write creates every key of creates (absent before) and sets every
+	// key of puts, in one transaction; if any key of creates exists,
+	// nothing is written (errdefs.ErrAlreadyExists).
+	Write(bucket string, creates, puts []KV) error
+}

@@ -24,6 +24,19 @@ func TestBoltContract(t *testing.T) {
 	})
 }
 
+func TestBoltNoSyncContract(t *testing.T) {
+	dir := t.TempDir()
+	n := 0
+	storetest.Run(t, func() store.Store {
+		n++
+		b, err := store.OpenBoltNoSync(filepath.Join(dir, fmt.Sprintf("nosync-%d.db", n)))
+		if err != nil {
+			panic(err)
+		}
+		return b
+	})
+}
+
 func TestMemoryContract(t *testing.T) {
 	storetest.Run(t, store.NewMemory)
 }

@@ -46,7 +46,7 @@ func TestBoltSecondOpenFailsFast(t *testing.T) {
 	// flock locks are per open file, so a second open in this process
 	// contends exactly like a second daemon would.
 	start := time.Now()
-	second, err := openBolt(path, 100*time.Millisecond)
+	second, err := openBolt(path, 100*time.Millisecond, false)
 	if err == nil {
 		second.Close()
 		t.Fatal("second open of a locked store succeeded")

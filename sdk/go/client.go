@@ -52,6 +52,8 @@ type Client struct {
 	userAgent string
 	// retries bounds the attempts of one call over all endpoints.
 	retries int
+	// noKeys turns off the automatic Idempotency-Keys.
+	noKeys bool
 }
 
 // Option configures a Client built by New or FromEnv.
@@ -78,6 +80,18 @@ func WithEndpoint(endpoint string) Option {
 		}
 		c.endpoints = eps
 		c.cur.Store(0)
+		return nil
+	}
+}
+
+// WithoutIdempotencyKeys stops the client from putting a fresh
+// Idempotency-Key on creates, batches, forks, snapshots and fncalls (each
+// costs the server a record write). Those calls are then sent again only
+// when the first attempt never left; a key given with WithIdempotencyKey
+// is still sent.
+func WithoutIdempotencyKeys() Option {
+	return func(c *Client) error {
+		c.noKeys = true
 		return nil
 	}
 }
@@ -242,7 +256,7 @@ func (c *Client) send(ctx context.Context, r request) (*http.Response, error) {
 	if r.keyed || r.keyedIfAsked {
 		if k, ok := ctx.Value(idemKey{}).(string); ok && k != "" {
 			key = k
-		} else if r.keyed {
+		} else if r.keyed && !c.noKeys {
 			key = newIdempotencyKey()
 		}
 	}
@@ -253,7 +267,7 @@ func (c *Client) send(ctx context.Context, r request) (*http.Response, error) {
 	if attempts == 0 {
 		attempts = max(3, 2*len(c.endpoints))
 	}
-	if !safe || !replayable {
+	if !replayable {
 		attempts = 1
 	}
 	start := int(c.cur.Load())
@@ -280,7 +294,9 @@ func (c *Client) send(ctx context.Context, r request) (*http.Response, error) {
 			return resp, nil
 		}
 		lastErr = err
-		if ctx.Err() != nil || !failover(err) {
+		// An unsafe call goes again only if it never left (no
+		// connection): the server did nothing of it.
+		if ctx.Err() != nil || !failover(err) || !safe && !neverSent(err) {
 			return nil, err
 		}
 	}
@@ -351,6 +367,13 @@ func failover(err error) bool {
 		}
 	}
 	return false
+}
+
+// neverSent reports whether err says the request could not be sent at
+// all (the connection was refused or could not be made).
+func neverSent(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial"
 }
 
 func backoff(attempt int) time.Duration {

@@ -89,10 +89,21 @@ func TestFailoverOnlyWhenSafe(t *testing.T) {
 	ok := newRecorder(t, func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, 200, api.PauseResult{})
 	})
-	c, _ := New(WithEndpoint(dead + "," + ok.URL))
+	// An unkeyed POST that reached an apiserver which then hung up is not
+	// sent again (it may have run); one that could not connect at all is.
+	hangup := newRecorder(t, func(w http.ResponseWriter, r *http.Request) {
+		conn, _, _ := http.NewResponseController(w).Hijack()
+		conn.Close()
+	})
+	c, _ := New(WithEndpoint(hangup.URL + "," + ok.URL))
 	if _, err := c.Pause(context.Background(), "sb-e1-x"); err == nil || ok.hits != 0 {
-		t.Fatalf("unkeyed POST was retried elsewhere: %v (hits %d)", err, ok.hits)
+		t.Fatalf("unkeyed POST was retried elsewhere after it was sent: %v (hits %d)", err, ok.hits)
 	}
+	c, _ = New(WithEndpoint(dead + "," + ok.URL))
+	if _, err := c.Pause(context.Background(), "sb-e1-x"); err != nil || ok.hits != 1 {
+		t.Fatalf("unkeyed POST that never left was not sent elsewhere: %v (hits %d)", err, ok.hits)
+	}
+	ok.hits = 0
 	// A streamed upload cannot be sent twice.
 	c, _ = New(WithEndpoint(dead + "," + ok.URL))
 	if err := c.WriteFile(context.Background(), "sb-e1-x", "/f", onlyReader{strings.NewReader("data")}, 0); err == nil || ok.hits != 0 {
@@ -130,5 +141,23 @@ func TestEndpointListParsing(t *testing.T) {
 	}
 	if _, err := New(WithEndpoint("a:1,ftp://b")); err == nil {
 		t.Fatal("a bad endpoint in the list was accepted")
+	}
+}
+
+func TestWithoutIdempotencyKeys(t *testing.T) {
+	rec := newRecorder(t, func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, 201, api.Sandbox{ID: "sb-e1-x"})
+	})
+	c, _ := New(WithEndpoint(deadEndpoint(t)+","+rec.URL), WithoutIdempotencyKeys())
+	// Without a key, a create is not sent twice... but a dial failure is
+	// a request that never left: the next endpoint gets it, keyless.
+	if _, err := c.CreateSandbox(context.Background(), api.SandboxSpec{Base: "base/x:1"}); err != nil {
+		t.Fatal(err)
+	}
+	if rec.keys[0] != "" {
+		t.Fatalf("key %q sent by a client without keys", rec.keys[0])
+	}
+	if _, err := c.CreateSandbox(WithIdempotencyKey(context.Background(), "mine"), api.SandboxSpec{Base: "base/x:1"}); err != nil || rec.keys[1] != "mine" {
+		t.Fatalf("a chosen key: %q %v", rec.keys[1], err)
 	}
 }

@@ -140,6 +140,19 @@ func (c *Cluster) Endpoints() []string {
 	return out
 }
 
+// Pids returns the process ids of the running members.
+func (c *Cluster) Pids() []int {
+	var out []int
+	for _, m := range c.members {
+		m.mu.Lock()
+		if m.cmd != nil && m.cmd.Process != nil {
+			out = append(out, m.cmd.Process.Pid)
+		}
+		m.mu.Unlock()
+	}
+	return out
+}
+
 // Kill stops member i with SIGKILL.
 func (c *Cluster) Kill(i int) {
 	m := c.members[i]

@@ -344,3 +344,94 @@ func RunLeaser(t *testing.T, open func() store.Store) {
 	}
 	wantValue(t, s, "nodes", "n1", "c")
 }
+
+// RunWatcher runs the contract of store.Watcher against a store made by
+// open: a reset with the bucket as it is, then every change in order, and
+// nothing of other buckets.
+func RunWatcher(t *testing.T, open func() store.Store) {
+	s := open()
+	t.Cleanup(func() { _ = s.Close() })
+	w, ok := s.(store.Watcher)
+	if !ok {
+		t.Fatalf("%T does not implement store.Watcher", s)
+	}
+	mustPut(t, s, "w", "a", "1")
+	mustPut(t, s, "w", "b", "2")
+	mustPut(t, s, "other", "x", "0")
+	type ev struct{ key, val string }
+	events := make(chan ev, 16)
+	resets := make(chan []store.KV, 4)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	w.WatchBucket(ctx, "w", func(kvs []store.KV) { resets <- kvs }, func(key string, val []byte) {
+		v := "<deleted>"
+		if val != nil {
+			v = string(val)
+		}
+		events <- ev{key, v}
+	})
+	select {
+	case kvs := <-resets:
+		if len(kvs) != 2 || kvs[0].Key != "a" || string(kvs[0].Value) != "1" || kvs[1].Key != "b" {
+			t.Fatalf("reset %v, want a=1 b=2", kvs)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no reset")
+	}
+	mustPut(t, s, "w", "c", "3")
+	mustPut(t, s, "other", "y", "0")
+	if err := s.Delete("w", "a"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Update("w", "b", func([]byte) ([]byte, error) { return []byte("22"), nil }); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []ev{{"c", "3"}, {"a", "<deleted>"}, {"b", "22"}} {
+		select {
+		case got := <-events:
+			if got != want {
+				t.Fatalf("change %v, want %v", got, want)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("no change %v", want)
+		}
+	}
+	select {
+	case got := <-events:
+		t.Fatalf("unexpected change %v", got)
+	case <-time.After(200 * time.Millisecond):
+	}
+}
+
+// RunBatcher runs the contract of store.Batcher.
+func RunBatcher(t *testing.T, open func() store.Store) {
+	s := open()
+	t.Cleanup(func() { _ = s.Close() })
+	b, ok := s.(store.Batcher)
+	if !ok {
+		t.Fatalf("%T does not implement store.Batcher", s)
+	}
+	kv := func(k, v string) store.KV { return store.KV{Key: k, Value: []byte(v)} }
+	if err := b.Write("b", []store.KV{kv("a", "1"), kv("b", "2")}, []store.KV{kv("p", "0")}); err != nil {
+		t.Fatalf("Write: %v", err)
+	}
+	wantValue(t, s, "b", "a", "1")
+	wantValue(t, s, "b", "b", "2")
+	wantValue(t, s, "b", "p", "0")
+	// One existing key among the creates: nothing is written.
+	if err := b.Write("b", []store.KV{kv("c", "3"), kv("a", "x")}, []store.KV{kv("p", "9")}); !errors.Is(err, errdefs.ErrAlreadyExists) {
+		t.Fatalf("Write over an existing key: %v, want ErrAlreadyExists", err)
+	}
+	wantNotFound(t, s, "b", "c")
+	wantValue(t, s, "b", "a", "1")
+	wantValue(t, s, "b", "p", "0")
+	// Puts alone overwrite.
+	if err := b.Write("b", nil, []store.KV{kv("a", "10"), kv("c", "30")}); err != nil {
+		t.Fatalf("Write of puts: %v", err)
+	}
+	wantValue(t, s, "b", "a", "10")
+	wantValue(t, s, "b", "c", "30")
+	if err := b.Write("b", []store.KV{kv("", "x")}, nil); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("Write with an empty key: %v", err)
+	}
+}

@@ -1,0 +1,169 @@
+package apiserver
+
+import (
+	"errors"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/store"
+)
+
+// groupCommit groups the idempotency records' writes into store
+// transactions, as databases group commits: claims (create if absent,
+// which the caller waits for) and answers (puts, which nobody waits for:
+// the caller already has its answer). A claim that finds no write in
+// flight goes at once, with whatever answers are queued; writes that
+// arrive while a transaction is in flight go together in the next one. An
+// answer alone waits up to linger for a claim to travel with (a client
+// sending creates one after another then costs one transaction, one raft
+// entry and one fsync per create, not two). A burst of creates costs one
+// per batch.
+//
+// An answer not yet written when the apiserver dies leaves its record
+// pending with a dead owner: a repeat takes the call over and finds what
+// it made, as for any call cut short.
+type groupCommit struct {
+	st       store.Store
+	batcher  store.Batcher // nil: the store writes one key at a time
+	bucket   string
+	linger   time.Duration
+	maxOps   int
+	maxBytes int
+	log      *slog.Logger
+
+	mu      sync.Mutex
+	queue   []*commitOp
+	running bool
+	kick    chan struct{}
+}
+
+type commitOp struct {
+	kv     store.KV
+	create bool
+	err    error
+	done   chan struct{} // nil for an answer
+}
+
+// Batch bounds: etcd takes up to 128 operations and 1.5 MiB per request.
+const (
+	commitMaxOps   = 64
+	commitMaxBytes = 1 << 20
+	commitLinger   = 5 * time.Millisecond
+)
+
+func newGroupCommit(st store.Store, bucket string, log *slog.Logger) *groupCommit {
+	g := &groupCommit{st: st, bucket: bucket, linger: commitLinger, maxOps: commitMaxOps, maxBytes: commitMaxBytes,
+		log: log, kick: make(chan struct{}, 1)}
+	g.batcher, _ = st.(store.Batcher)
+	if g.batcher == nil {
+		g.linger = 0 // nothing to group
+	}
+	return g
+}
+
+// create writes kv if its key is absent (errdefs.ErrAlreadyExists
+// otherwise) and waits for the write.
+func (g *groupCommit) create(kv store.KV) error {
+	op := &commitOp{kv: kv, create: true, done: make(chan struct{})}
+	g.enqueue(op)
+	<-op.done
+	return op.err
+}
+
+// put queues kv to be written soon and returns at once; a failure is
+// logged.
+func (g *groupCommit) put(kv store.KV) {
+	g.enqueue(&commitOp{kv: kv})
+}
+
+func (g *groupCommit) enqueue(op *commitOp) {
+	g.mu.Lock()
+	g.queue = append(g.queue, op)
+	if !g.running {
+		g.running = true
+		go g.drain()
+	}
+	g.mu.Unlock()
+	select {
+	case g.kick <- struct{}{}:
+	default:
+	}
+}
+
+// drain writes batches until the queue is empty.
+func (g *groupCommit) drain() {
+	lingered := false
+	for {
+		g.mu.Lock()
+		if len(g.queue) == 0 {
+			g.running = false
+			g.mu.Unlock()
+			return
+		}
+		claims := false
+		for _, op := range g.queue {
+			claims = claims || op.create
+		}
+		if !claims && !lingered && g.linger > 0 && len(g.queue) < g.maxOps {
+			g.mu.Unlock()
+			// Answers only: give a claim a moment to join them.
+			t := time.NewTimer(g.linger)
+			select {
+			case <-g.kick:
+			case <-t.C:
+			}
+			t.Stop()
+			lingered = true
+			continue
+		}
+		n, size := 0, 0
+		for n < len(g.queue) && n < g.maxOps && (n == 0 || size+len(g.queue[n].kv.Value) <= g.maxBytes) {
+			size += len(g.queue[n].kv.Value)
+			n++
+		}
+		batch := append([]*commitOp(nil), g.queue[:n]...)
+		g.queue = g.queue[n:]
+		g.mu.Unlock()
+		lingered = false
+		g.write(batch)
+		for _, op := range batch {
+			if op.done != nil {
+				close(op.done)
+			} else if op.err != nil {
+				g.log.Warn("recording an idempotent answer", "err", op.err)
+			}
+		}
+	}
+}
+
+// write stores a batch: in one transaction where the store allows it (the
+// claims created only if every one of them is absent), else one by one.
+func (g *groupCommit) write(batch []*commitOp) {
+	if g.batcher != nil && len(batch) > 1 {
+		var creates, puts []store.KV
+		for _, op := range batch {
+			if op.create {
+				creates = append(creates, op.kv)
+			} else {
+				puts = append(puts, op.kv)
+			}
+		}
+		err := g.batcher.Write(g.bucket, creates, puts)
+		if err == nil || !errors.Is(err, errdefs.ErrAlreadyExists) {
+			for _, op := range batch {
+				op.err = err
+			}
+			return
+		}
+		// A claim's key exists (a repeat): each on its own.
+	}
+	for _, op := range batch {
+		if op.create {
+			op.err = g.st.Create(g.bucket, op.kv.Key, op.kv.Value)
+		} else {
+			op.err = g.st.Put(g.bucket, op.kv.Key, op.kv.Value)
+		}
+	}
+}

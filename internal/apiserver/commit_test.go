@@ -1,0 +1,128 @@
+package apiserver
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/store"
+)
+
+// batchStore records the transactions a groupCommit makes, and can hold
+// the first one to let others queue behind it.
+type batchStore struct {
+	store.Store
+	mu      sync.Mutex
+	writes  []string // "c<creates>p<puts>" per transaction
+	hold    chan struct{}
+	holding bool
+}
+
+func (b *batchStore) Write(bucket string, creates, puts []store.KV) error {
+	b.mu.Lock()
+	b.writes = append(b.writes, fmt.Sprintf("c%dp%d", len(creates), len(puts)))
+	hold := b.hold != nil && !b.holding
+	b.holding = b.holding || hold
+	b.mu.Unlock()
+	if hold {
+		<-b.hold
+	}
+	for _, kv := range creates {
+		if _, err := b.Get(bucket, kv.Key); err == nil {
+			return errdefs.AlreadyExists("%s exists", kv.Key)
+		}
+	}
+	for _, kv := range append(append([]store.KV(nil), creates...), puts...) {
+		if err := b.Put(bucket, kv.Key, kv.Value); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (b *batchStore) Create(bucket, key string, val []byte) error {
+	b.mu.Lock()
+	b.writes = append(b.writes, "c1p0")
+	hold := b.hold != nil && !b.holding
+	b.holding = b.holding || hold
+	b.mu.Unlock()
+	if hold {
+		<-b.hold
+	}
+	return b.Store.Create(bucket, key, val)
+}
+
+func (b *batchStore) log() []string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return append([]string(nil), b.writes...)
+}
+
+// TestGroupCommit: a lone claim goes at once; claims arriving while one
+// is in flight go together, with the queued answers; a repeat among them
+// is refused alone; an answer waits for a claim to travel with.
+func TestGroupCommit(t *testing.T) {
+	bs := &batchStore{Store: store.NewMemory(), hold: make(chan struct{})}
+	g := newGroupCommit(bs, "b", slog.New(slog.DiscardHandler))
+	if err := bs.Put("b", "dup", []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, 6)
+	wg.Add(1)
+	go func() { defer wg.Done(); errs[0] = g.create(store.KV{Key: "k0", Value: []byte("v")}) }()
+	time.Sleep(50 * time.Millisecond) // k0's transaction is held
+	for i := 1; i < 5; i++ {
+		wg.Add(1)
+		go func() { defer wg.Done(); errs[i] = g.create(store.KV{Key: fmt.Sprint("k", i), Value: []byte("v")}) }()
+	}
+	g.put(store.KV{Key: "a0", Value: []byte("answer")})
+	time.Sleep(50 * time.Millisecond)
+	close(bs.hold)
+	wg.Wait()
+	if got := bs.log(); fmt.Sprint(got) != "[c1p0 c4p1]" {
+		t.Fatalf("transactions %v, want a lone claim, then four claims with the answer", got)
+	}
+	for i, err := range errs[:5] {
+		if err != nil {
+			t.Errorf("claim %d: %v", i, err)
+		}
+	}
+	// A repeat in a batch: the others still succeed, it alone is refused.
+	bs2 := &batchStore{Store: store.NewMemory(), hold: make(chan struct{})}
+	_ = bs2.Put("b", "dup", []byte("x"))
+	g2 := newGroupCommit(bs2, "b", slog.New(slog.DiscardHandler))
+	wg.Add(1)
+	go func() { defer wg.Done(); errs[0] = g2.create(store.KV{Key: "z0", Value: []byte("v")}) }()
+	time.Sleep(50 * time.Millisecond)
+	for i, k := range []string{"z1", "dup", "z2"} {
+		wg.Add(1)
+		go func() { defer wg.Done(); errs[i+1] = g2.create(store.KV{Key: k, Value: []byte("v")}) }()
+	}
+	time.Sleep(50 * time.Millisecond)
+	close(bs2.hold)
+	wg.Wait()
+	for i, err := range errs[:4] {
+		if (err != nil) != (i == 2) || i == 2 && !errors.Is(err, errdefs.ErrAlreadyExists) {
+			t.Errorf("claim %d: %v", i, err)
+		}
+	}
+	// An answer alone is written after the linger.
+	bs3 := &batchStore{Store: store.NewMemory()}
+	g3 := newGroupCommit(bs3, "b", slog.New(slog.DiscardHandler))
+	g3.put(store.KV{Key: "solo", Value: []byte("a")})
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		if _, err := bs3.Get("b", "solo"); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a lone answer was never written")
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
