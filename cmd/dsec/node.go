@@ -130,7 +130,7 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax, PoolMin: c.poolMin, CgroupPool: c.cgroupPool, SharedMemoryMB: c.sharedMemMB,
 		BundleDir: h.BundleDir(),
 	}, edge.Deps{
-		Backend: h.Backend, BlobPath: layers.BlobPath, Cgroups: h.Cgroups, Log: log,
+		Backend: h.Backend, Blobs: layers, Cgroups: h.Cgroups, Log: log,
 		Metrics: edge.NewMetrics(reg), Runtime: h.Runtime, Launcher: h.Backend.Launcher(), Layers: layers, Net: h.Net,
 	})
 	if err != nil {

@@ -93,11 +93,11 @@ type Config struct {
 // Deps are the edge's collaborators.
 type Deps struct {
 	Backend sandbox.Backend
-	// BlobPath maps a layer digest to its EROFS file on this node.
-	BlobPath func(digest string) string
-	Cgroups  *cgroup.Info
-	Log      *slog.Logger
-	Metrics  *Metrics
+	// Blobs provides layer images to mount (the layer store).
+	Blobs   layer.Source
+	Cgroups *cgroup.Info
+	Log     *slog.Logger
+	Metrics *Metrics
 	// Runtime names the OCI runtime in use, and Launcher what starts
 	// sandboxes ("dsec" or the runtime), for the node's info.
 	Runtime, Launcher string
@@ -219,7 +219,7 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 		pool:      newPool(),
 		deleteSem: make(chan struct{}, 4),
 	}
-	e.mounter = layer.NewMounter(filepath.Join(cfg.StateDir, "mnt"), deps.BlobPath, e.log)
+	e.mounter = layer.NewMounter(filepath.Join(cfg.StateDir, "mnt"), deps.Blobs, e.log)
 	if err := e.newCgroupTrees(); err != nil {
 		return nil, err
 	}

@@ -409,7 +409,7 @@ func TestApplyDiff(t *testing.T) {
 				return
 			}
 			s, _ := newTestStore(t)
-			m := NewMounter(filepath.Join(t.TempDir(), "mnt"), s.BlobPath, nil)
+			m := NewMounter(filepath.Join(t.TempDir(), "mnt"), s, nil)
 			flat2 := t.TempDir()
 			for i, d := range diffs {
 				l, err := s.BuildFromDir(context.Background(), mustRef(t, fmt.Sprintf("toolkit/step:%d", i)), d, BuildOptions{}, nil)

@@ -216,7 +216,7 @@ func TestLayersComposeInOverlay(t *testing.T) {
 	}
 
 	tmp := t.TempDir()
-	m := NewMounter(filepath.Join(tmp, "mnt"), s.BlobPath, nil)
+	m := NewMounter(filepath.Join(tmp, "mnt"), s, nil)
 	lowers := []string{acquire(t, m, tk), acquire(t, m, ws), acquire(t, m, base)}
 
 	upper, work, target := filepath.Join(tmp, "upper"), filepath.Join(tmp, "work"), filepath.Join(tmp, "rootfs")
@@ -320,7 +320,7 @@ func TestConcurrentAcquireMountsOnce(t *testing.T) {
 	needRootAndMkfs(t)
 	s, _ := newTestStore(t)
 	d := buildTree(t, s, "base/test-os:1", baseTree)
-	m := NewMounter(filepath.Join(t.TempDir(), "mnt"), s.BlobPath, nil)
+	m := NewMounter(filepath.Join(t.TempDir(), "mnt"), s, nil)
 	mp := m.Mountpoint(d)
 
 	const n = 32
@@ -410,7 +410,7 @@ func TestRecoverAdoptsAndReaps(t *testing.T) {
 
 	// A previous daemon left two mounts, a stacked duplicate and an
 	// empty directory behind.
-	old := NewMounter(mntDir, s.BlobPath, nil)
+	old := NewMounter(mntDir, s, nil)
 	for _, d := range []string{kept, stray} {
 		if _, err := old.Acquire(d); err != nil {
 			t.Fatal(err)
@@ -424,7 +424,7 @@ func TestRecoverAdoptsAndReaps(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	m := NewMounter(mntDir, s.BlobPath, nil)
+	m := NewMounter(mntDir, s, nil)
 	t.Cleanup(func() {
 		for d, n := range m.Refs() {
 			for range n {

@@ -1,6 +1,7 @@
 package layer
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -33,13 +34,15 @@ const erofsMountFlags = unix.MS_RDONLY | unix.MS_NOSUID | unix.MS_NODEV
 // blob's page cache survives the unmount, so immediacy (and a mount table
 // that says exactly what is in use) wins.
 type Mounter struct {
-	dir      string
-	blobPath func(digest string) string
-	log      *slog.Logger
+	dir string
+	src Source
+	log *slog.Logger
 
 	mu sync.Mutex
 	// mounts holds digests that are mounted or being mounted.
 	mounts map[string]*erofsMount
+	// releases give back what the source opened, per mounted digest.
+	releases map[string]func()
 	// closing holds digests being unmounted; the channel closes when done.
 	closing map[string]chan struct{}
 }
@@ -50,9 +53,20 @@ type erofsMount struct {
 	err  error         // result of the attempt; written before done closes
 }
 
-// NewMounter returns a Mounter that mounts under mntDir the blobs that
-// blobPath locates. Call Recover before the first Acquire after a restart.
-func NewMounter(mntDir string, blobPath func(digest string) string, log *slog.Logger) *Mounter {
+// Source is where a Mounter finds a layer's EROFS image as a file. The
+// layer directory (local, or a shared mount in a cluster) is one
+// (*Store); an on-demand source, a remote image read through a file of a
+// FUSE filesystem of the edge's own, fits the same shape.
+type Source interface {
+	// Open returns the path of digest's image, readable until release is
+	// called (once the image is unmounted). A missing image is
+	// errdefs.ErrNotFound.
+	Open(ctx context.Context, digest string) (path string, release func(), err error)
+}
+
+// NewMounter returns a Mounter that mounts under mntDir the images src
+// provides. Call Recover before the first Acquire after a restart.
+func NewMounter(mntDir string, src Source, log *slog.Logger) *Mounter {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -67,7 +81,8 @@ func NewMounter(mntDir string, blobPath func(digest string) string, log *slog.Lo
 	}
 	return &Mounter{
 		dir:      filepath.Clean(mntDir),
-		blobPath: blobPath,
+		src:      src,
+		releases: make(map[string]func()),
 		log:      log,
 		mounts:   make(map[string]*erofsMount),
 		closing:  make(map[string]chan struct{}),
@@ -133,16 +148,23 @@ func (m *Mounter) drop(digest string, mt *erofsMount) {
 // than stacking a second one on top.
 func (m *Mounter) mount(digest string) error {
 	target := m.Mountpoint(digest)
-	blob := m.blobPath(digest)
-	if blob == "" {
-		return errdefs.Invalid("mounting layer: no blob path for %s", digest)
+	if m.src == nil {
+		return errdefs.Precondition("mounting layer %s: this node has no layer source", digest)
 	}
-	if _, err := os.Stat(blob); err != nil {
-		if errors.Is(err, os.ErrNotExist) {
-			return errdefs.NotFound("mounting layer %s: blob %s is missing", digest, blob)
-		}
+	blob, release, err := m.src.Open(context.Background(), digest)
+	if err != nil {
 		return fmt.Errorf("mounting layer %s: %w", digest, err)
 	}
+	ok := false
+	defer func() {
+		if ok {
+			m.mu.Lock()
+			m.releases[digest] = release
+			m.mu.Unlock()
+		} else {
+			release()
+		}
+	}()
 	if err := os.MkdirAll(m.dir, 0o700); err != nil {
 		return fmt.Errorf("mounting layer %s: %w", digest, err)
 	}
@@ -155,6 +177,7 @@ func (m *Mounter) mount(digest string) error {
 	}
 	if mounted {
 		m.log.Warn("adopting existing layer mount", "digest", digest, "mountpoint", target)
+		ok = true
 		return nil
 	}
 	// File-backed EROFS (kernel 6.12+) needs no loop device.
@@ -162,6 +185,7 @@ func (m *Mounter) mount(digest string) error {
 		unix.Rmdir(target)
 		return fmt.Errorf("mounting layer %s: mount -t erofs %s %s: %w", digest, blob, target, err)
 	}
+	ok = true
 	return nil
 }
 
@@ -202,6 +226,13 @@ func (m *Mounter) unmount(digest string) error {
 	target := m.Mountpoint(digest)
 	if err := unmountAll(target); err != nil {
 		return fmt.Errorf("unmounting layer %s: %w", digest, err)
+	}
+	m.mu.Lock()
+	release := m.releases[digest]
+	delete(m.releases, digest)
+	m.mu.Unlock()
+	if release != nil {
+		release()
 	}
 	if err := unix.Rmdir(target); err != nil && !errors.Is(err, unix.ENOENT) {
 		return fmt.Errorf("unmounting layer %s: removing mountpoint: %w", digest, err)

@@ -237,6 +237,24 @@ func (s *Store) BlobPath(digest string) string {
 	return filepath.Join(s.blobDir(), strings.TrimPrefix(digest, "sha256:")+".erofs")
 }
 
+// Open implements Source: the image is the blob in the layer directory,
+// which needs nothing released.
+func (s *Store) Open(ctx context.Context, digest string) (string, func(), error) {
+	blob := s.BlobPath(digest)
+	if blob == "" {
+		return "", nil, errdefs.Invalid("no blob path for %q", digest)
+	}
+	if _, err := os.Stat(blob); err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return "", nil, errdefs.NotFound("blob %s is missing", blob)
+		}
+		return "", nil, err
+	}
+	return blob, func() {}, nil
+}
+
+var _ Source = (*Store)(nil)
+
 // BuildFromDir seals the tree at dir into an EROFS image and registers it as
 // ref. Owners, modes, xattrs, device nodes and mtimes are kept as found.
 // Progress lines go to progress if it is not nil.

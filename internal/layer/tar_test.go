@@ -99,7 +99,7 @@ func TestBuildFromTar(t *testing.T) {
 	}
 	assertStagingClean(t, dir)
 
-	m := NewMounter(filepath.Join(t.TempDir(), "mnt"), s.BlobPath, nil)
+	m := NewMounter(filepath.Join(t.TempDir(), "mnt"), s, nil)
 	mp := acquire(t, m, l.Digest)
 	check := func(p string, mode uint32, uid, gid uint32) unix.Stat_t {
 		t.Helper()
