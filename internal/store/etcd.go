@@ -40,7 +40,8 @@ type EtcdConfig struct {
 type Etcd struct {
 	c      *clientv3.Client
 	prefix string
-	opTO   time.Duration
+	opTO   time.Duration // one operation, all its tries
+	try    time.Duration // one try
 	log    *slog.Logger
 }
 
@@ -93,14 +94,14 @@ func OpenEtcd(cfg EtcdConfig) (*Etcd, error) {
 	if err != nil {
 		return nil, fmt.Errorf("connecting to etcd %s: %w", strings.Join(cfg.Endpoints, ","), err)
 	}
-	return &Etcd{c: c, prefix: cfg.Prefix, opTO: cfg.OpTimeout, log: cfg.Log}, nil
+	return &Etcd{c: c, prefix: cfg.Prefix, opTO: cfg.OpTimeout, try: tryTimeout(cfg.OpTimeout), log: cfg.Log}, nil
 }
 
 // Ping checks that etcd answers a linearizable read now.
 func (e *Etcd) Ping(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, e.opTO)
 	defer cancel()
-	_, err := again(ctx, func(ctx context.Context) (*clientv3.GetResponse, error) { return e.c.Get(ctx, e.prefix+"ping") })
+	_, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.GetResponse, error) { return e.c.Get(ctx, e.prefix+"ping") })
 	return e.classify(err)
 }
 
@@ -135,13 +136,24 @@ func (e *Etcd) ctx() (context.Context, context.CancelFunc) {
 
 // again runs op until it succeeds, fails for a reason other than the
 // connection to a member (a member that just died resets the call in
-// flight; the client then moves to another), or ctx ends. Only operations
-// that are safe to repeat go through it: reads, puts and deletes.
-func again[T any](ctx context.Context, op func(context.Context) (T, error)) (T, error) {
+// flight; the client then moves to another), or ctx ends. Each try gets
+// at most try of ctx's time: a write handed to a leader that then died is
+// never answered (the member that forwarded it waits out a request
+// timeout longer than ours), so a try that hangs is given up and made
+// again, by then on the new leader. Only operations that are safe to
+// repeat go through it: reads, puts, deletes, and creates that recognise
+// their own earlier write (see maybeApplied).
+func again[T any](ctx context.Context, try time.Duration, op func(context.Context) (T, error)) (T, error) {
 	for {
-		v, err := op(ctx)
-		if err == nil || status.Code(err) != codes.Unavailable || ctx.Err() != nil {
+		actx, cancel := context.WithTimeout(ctx, try)
+		v, err := op(actx)
+		hung := actx.Err() != nil
+		cancel()
+		if err == nil || ctx.Err() != nil || (status.Code(err) != codes.Unavailable && !hung) {
 			return v, err
+		}
+		if hung {
+			continue
 		}
 		select {
 		case <-ctx.Done():
@@ -151,6 +163,18 @@ func again[T any](ctx context.Context, op func(context.Context) (T, error)) (T, 
 	}
 }
 
+// maybeApplied tells whether a write that failed with err, in a try whose
+// context is tctx, may have been applied all the same: its answer was lost
+// with the member, or the try was given up while the write was in flight.
+func maybeApplied(tctx context.Context, err error) bool {
+	return err != nil && (status.Code(err) == codes.Unavailable || tctx.Err() != nil)
+}
+
+// tryTimeout is the share of the operation timeout one try may take.
+func tryTimeout(op time.Duration) time.Duration {
+	return max(op/3, 300*time.Millisecond)
+}
+
 // Get implements Store.
 func (e *Etcd) Get(bucket, key string) ([]byte, error) {
 	if err := checkEtcdName(bucket, key); err != nil {
@@ -158,7 +182,7 @@ func (e *Etcd) Get(bucket, key string) ([]byte, error) {
 	}
 	ctx, cancel := e.ctx()
 	defer cancel()
-	r, err := again(ctx, func(ctx context.Context) (*clientv3.GetResponse, error) { return e.c.Get(ctx, e.key(bucket, key)) })
+	r, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.GetResponse, error) { return e.c.Get(ctx, e.key(bucket, key)) })
 	if err != nil {
 		return nil, e.classify(err)
 	}
@@ -175,7 +199,7 @@ func (e *Etcd) Put(bucket, key string, val []byte) error {
 	}
 	ctx, cancel := e.ctx()
 	defer cancel()
-	_, err := again(ctx, func(ctx context.Context) (*clientv3.PutResponse, error) {
+	_, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.PutResponse, error) {
 		return e.c.Put(ctx, e.key(bucket, key), string(val))
 	})
 	return e.classify(err)
@@ -191,9 +215,9 @@ func (e *Etcd) Create(bucket, key string, val []byte) error {
 	defer cancel()
 	k := e.key(bucket, key)
 	lost := false // an earlier attempt's answer was lost
-	r, err := again(ctx, func(ctx context.Context) (*clientv3.TxnResponse, error) {
+	r, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.TxnResponse, error) {
 		r, err := e.c.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(k), "=", 0)).Then(clientv3.OpPut(k, string(val))).Commit()
-		if status.Code(err) == codes.Unavailable {
+		if maybeApplied(ctx, err) {
 			lost = true
 		}
 		return r, err
@@ -235,7 +259,7 @@ func (e *Etcd) Update(bucket, key string, fn func(old []byte) ([]byte, error)) e
 func (e *Etcd) updateOnce(k string, fn func(old []byte) ([]byte, error)) (bool, error) {
 	ctx, cancel := e.ctx()
 	defer cancel()
-	r, err := again(ctx, func(ctx context.Context) (*clientv3.GetResponse, error) { return e.c.Get(ctx, k) })
+	r, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.GetResponse, error) { return e.c.Get(ctx, k) })
 	if err != nil {
 		return false, e.classify(err)
 	}
@@ -255,8 +279,10 @@ func (e *Etcd) updateOnce(k string, fn func(old []byte) ([]byte, error)) (bool, 
 	if val != nil {
 		op = clientv3.OpPut(k, string(val))
 	}
-	tr, err := e.c.Txn(ctx).If(cmp).Then(op).Commit()
-	if status.Code(err) == codes.Unavailable && ctx.Err() == nil {
+	tctx, tcancel := context.WithTimeout(ctx, e.try)
+	defer tcancel()
+	tr, err := e.c.Txn(tctx).If(cmp).Then(op).Commit()
+	if maybeApplied(tctx, err) && ctx.Err() == nil {
 		return false, nil // lost: read again and decide again
 	}
 	if err != nil {
@@ -272,7 +298,7 @@ func (e *Etcd) Delete(bucket, key string) error {
 	}
 	ctx, cancel := e.ctx()
 	defer cancel()
-	_, err := again(ctx, func(ctx context.Context) (*clientv3.DeleteResponse, error) {
+	_, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.DeleteResponse, error) {
 		return e.c.Delete(ctx, e.key(bucket, key))
 	})
 	return e.classify(err)
@@ -289,7 +315,7 @@ func (e *Etcd) List(bucket, prefix string) ([]KV, error) {
 	ctx, cancel := e.ctx()
 	defer cancel()
 	base := e.prefix + bucket + "/"
-	r, err := again(ctx, func(ctx context.Context) (*clientv3.GetResponse, error) {
+	r, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.GetResponse, error) {
 		return e.c.Get(ctx, base+prefix, clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
 	})
 	if err != nil {
@@ -313,12 +339,13 @@ func (e *Etcd) Hold(ctx context.Context, bucket, key string, val []byte, ttl tim
 	}
 	octx, cancel := e.ctx()
 	defer cancel()
-	lease, err := e.c.Grant(octx, secs)
+	// A lease granted by a try that was given up expires unused.
+	lease, err := again(octx, e.try, func(ctx context.Context) (*clientv3.LeaseGrantResponse, error) { return e.c.Grant(ctx, secs) })
 	if err != nil {
 		return nil, e.classify(err)
 	}
 	k := e.key(bucket, key)
-	r, err := again(octx, func(ctx context.Context) (*clientv3.TxnResponse, error) {
+	r, err := again(octx, e.try, func(ctx context.Context) (*clientv3.TxnResponse, error) {
 		return e.c.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(k), "=", 0)).
 			Then(clientv3.OpPut(k, string(val), clientv3.WithLease(lease.ID))).Commit()
 	})
@@ -382,9 +409,9 @@ func (e *Etcd) Write(bucket string, creates, puts []KV) error {
 	ctx, cancel := e.ctx()
 	defer cancel()
 	lost := false
-	r, err := again(ctx, func(ctx context.Context) (*clientv3.TxnResponse, error) {
+	r, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.TxnResponse, error) {
 		r, err := e.c.Txn(ctx).If(cmps...).Then(ops...).Commit()
-		if status.Code(err) == codes.Unavailable {
+		if maybeApplied(ctx, err) {
 			lost = true
 		}
 		return r, err

@@ -196,13 +196,18 @@ func TestDrillServerKilled(t *testing.T) {
 	}
 }
 
-// TestDrillEtcdMemberKilled: one etcd member down changes nothing.
+// TestDrillEtcdMemberKilled: one etcd member down changes nothing, even
+// when it is the leader (writes in flight are made again on the new one).
 func TestDrillEtcdMemberKilled(t *testing.T) {
 	need(t)
-	c.etcd.Kill(1)
+	leader, err := c.etcd.Leader(10 * time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.etcd.Kill(leader)
 	t.Cleanup(func() {
-		if err := c.etcd.Restart(1); err != nil {
-			t.Errorf("restarting etcd m1: %v", err)
+		if err := c.etcd.Restart(leader); err != nil {
+			t.Errorf("restarting etcd m%d: %v", leader, err)
 		}
 		if err := c.etcd.WaitHealthy(30 * time.Second); err != nil {
 			t.Error(err)

@@ -6,6 +6,7 @@ package etcdtest
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
@@ -222,4 +223,50 @@ func (c *Cluster) Stop() {
 	for i := range c.members {
 		c.Kill(i)
 	}
+}
+
+// Leader returns the index of the member that is the raft leader now, as
+// the running members report it, waiting up to within for one to be.
+func (c *Cluster) Leader(within time.Duration) (int, error) {
+	deadline := time.Now().Add(within)
+	for {
+		for i, m := range c.members {
+			m.mu.Lock()
+			running := m.cmd != nil
+			m.mu.Unlock()
+			if !running {
+				continue
+			}
+			if id, leader, err := status(m.client); err == nil && leader != "" && leader != "0" && id == leader {
+				return i, nil
+			}
+		}
+		if time.Now().After(deadline) {
+			return -1, fmt.Errorf("no etcd member is the leader after %v", within)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// status asks a member, over etcd's JSON gateway, for its id and the
+// id of the leader it follows.
+func status(hostport string) (id, leader string, err error) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, "POST", "http://"+hostport+"/v3/maintenance/status", strings.NewReader("{}"))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return "", "", err
+	}
+	defer resp.Body.Close()
+	var st struct {
+		Header struct {
+			MemberID string `json:"member_id"`
+		} `json:"header"`
+		Leader string `json:"leader"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
+		return "", "", err
+	}
+	return st.Header.MemberID, st.Leader, nil
 }
