@@ -11,7 +11,10 @@ import (
 	"github.com/dsecproject/dsec/internal/store/storetest"
 )
 
-var etcdCluster *etcdtest.Cluster
+var (
+	etcdCluster *etcdtest.Cluster
+	etcdDir     string
+)
 
 // etcdEndpoints starts one 3-member etcd for the package's tests.
 func etcdEndpoints(t *testing.T) []string {
@@ -28,7 +31,7 @@ func etcdEndpoints(t *testing.T) []string {
 		if err != nil {
 			t.Fatal(err)
 		}
-		etcdCluster = c
+		etcdCluster, etcdDir = c, dir
 	}
 	return etcdCluster.Endpoints()
 }
@@ -37,6 +40,7 @@ func TestMain(m *testing.M) {
 	code := m.Run()
 	if etcdCluster != nil {
 		etcdCluster.Stop()
+		_ = os.RemoveAll(etcdDir)
 	}
 	os.Exit(code)
 }
