@@ -12,7 +12,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -120,15 +119,7 @@ type benchWorld struct {
 
 const benchKey = "bench-cluster-key-0123456789abcdef"
 
-func benchPort(host string) (string, error) {
-	ln, err := net.Listen("tcp", host+":0")
-	if err != nil {
-		return "", err
-	}
-	defer ln.Close()
-	_, p, _ := net.SplitHostPort(ln.Addr().String())
-	return p, nil
-}
+func benchPort(host string) (string, error) { return etcdtest.FreePort(host) }
 
 func (b *benchWorld) start(name string, args ...string) (*benchProc, error) {
 	p := &benchProc{name: name, log: filepath.Join(b.dir, name+".log")}

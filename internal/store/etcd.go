@@ -7,9 +7,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"strings"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -149,7 +151,7 @@ func again[T any](ctx context.Context, try time.Duration, op func(context.Contex
 		v, err := op(actx)
 		hung := actx.Err() != nil
 		cancel()
-		if err == nil || ctx.Err() != nil || (status.Code(err) != codes.Unavailable && !hung) {
+		if err == nil || ctx.Err() != nil || (code(err) != codes.Unavailable && !hung) {
 			return v, err
 		}
 		if hung {
@@ -167,7 +169,18 @@ func again[T any](ctx context.Context, try time.Duration, op func(context.Contex
 // context is tctx, may have been applied all the same: its answer was lost
 // with the member, or the try was given up while the write was in flight.
 func maybeApplied(tctx context.Context, err error) bool {
-	return err != nil && (status.Code(err) == codes.Unavailable || tctx.Err() != nil)
+	return err != nil && (code(err) == codes.Unavailable || tctx.Err() != nil)
+}
+
+// code is err's gRPC code. The client turns the server's own errors
+// ("etcdserver: leader changed", "request timed out", "no leader") into
+// rpctypes.EtcdError, which carries its code without being a gRPC status.
+func code(err error) codes.Code {
+	var ee rpctypes.EtcdError
+	if errors.As(err, &ee) {
+		return ee.Code()
+	}
+	return status.Code(err)
 }
 
 // tryTimeout is the share of the operation timeout one try may take.
@@ -247,11 +260,15 @@ func (e *Etcd) Update(bucket, key string, fn func(old []byte) ([]byte, error)) e
 		return err
 	}
 	k := e.key(bucket, key)
-	for range updateRetries {
+	for i := range updateRetries {
 		done, err := e.updateOnce(k, fn)
 		if err != nil || done {
 			return err
 		}
+		// Lost the race: wait a random while, growing with each loss,
+		// so that writers of one hot key take turns instead of all
+		// trying again at once.
+		time.Sleep(rand.N(min(time.Millisecond<<min(i, 6), 50*time.Millisecond)) + time.Microsecond)
 	}
 	return errdefs.Unavailable("store: %s/%s changed under %d updates in a row", bucket, key, updateRetries)
 }

@@ -147,12 +147,10 @@ func cidrs() []string {
 }
 
 func freePort(host string) string {
-	ln, err := net.Listen("tcp", host+":0")
+	p, err := etcdtest.FreePort(host)
 	if err != nil {
 		panic(err)
 	}
-	defer ln.Close()
-	_, p, _ := net.SplitHostPort(ln.Addr().String())
 	return p
 }
 

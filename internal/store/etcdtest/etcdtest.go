@@ -8,11 +8,13 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -42,26 +44,54 @@ type member struct {
 	dataDir, logPath string
 	mu               sync.Mutex
 	cmd              *exec.Cmd
+	exited           chan struct{} // closed when cmd has exited
 }
 
 // Start runs an etcd cluster of n members under dir (its data and logs)
-// and waits until it serves. The caller calls Stop.
+// and waits until it serves. The caller calls Stop. A member that cannot
+// bind the port picked for it (another process took it in between) fails
+// the attempt; a new one, on new ports and fresh data, follows, up to 3.
 func Start(dir string, n int) (*Cluster, error) {
 	bin, err := Binary()
 	if err != nil {
 		return nil, err
 	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, err
+	for attempt := 1; ; attempt++ {
+		if err := os.RemoveAll(dir); err != nil {
+			return nil, err
+		}
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			return nil, err
+		}
+		c, err := start(bin, dir, n)
+		switch {
+		case err == nil:
+			return c, nil
+		case c == nil || attempt == 3 || !c.bindFailed():
+			return nil, err
+		}
 	}
+}
+
+// bindFailed tells whether a member's log says its port was taken.
+func (c *Cluster) bindFailed() bool {
+	for _, m := range c.members {
+		if b, err := os.ReadFile(m.logPath); err == nil && strings.Contains(string(b), "address already in use") {
+			return true
+		}
+	}
+	return false
+}
+
+func start(bin, dir string, n int) (*Cluster, error) {
 	c := &Cluster{bin: bin, dir: dir, token: fmt.Sprintf("dsec-test-%d", time.Now().UnixNano())}
 	var initial []string
 	for i := range n {
-		cp, err := freePort()
+		cp, err := FreePort("127.0.0.1")
 		if err != nil {
 			return nil, err
 		}
-		pp, err := freePort()
+		pp, err := FreePort("127.0.0.1")
 		if err != nil {
 			return nil, err
 		}
@@ -78,24 +108,73 @@ func Start(dir string, n int) (*Cluster, error) {
 	for _, m := range c.members {
 		if err := c.start(m, strings.Join(initial, ",")); err != nil {
 			c.Stop()
-			return nil, err
+			return c, err
 		}
 	}
 	if err := c.WaitHealthy(30 * time.Second); err != nil {
 		c.Stop()
-		return nil, err
+		return c, err
 	}
 	return c, nil
 }
 
-func freePort() (string, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", err
+// FreePort returns a TCP port on host that nothing listens on now, from
+// below the kernel's ephemeral range: a port that the kernel handed out
+// for a moment (":0") may be given next to an outgoing connection as its
+// source port, and a daemon told to listen there then fails to bind; a
+// port picked from outside that range is only ever taken by a listener.
+func FreePort(host string) (string, error) {
+	given.Lock()
+	defer given.Unlock()
+	first := ephemeralStart()
+	lo, hi := max(first-10000, 10000), first
+	for range 200 {
+		if hi-lo < 100 {
+			break // an odd ephemeral range: fall back to the kernel's pick
+		}
+		p := lo + rand.IntN(hi-lo)
+		if given.ports[p] {
+			continue
+		}
+		ln, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(p)))
+		if err != nil {
+			continue
+		}
+		ln.Close()
+		given.ports[p] = true
+		return strconv.Itoa(p), nil
 	}
-	defer ln.Close()
-	_, p, _ := net.SplitHostPort(ln.Addr().String())
-	return p, nil
+	ln, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
+	if err == nil {
+		defer ln.Close()
+		_, p, _ := net.SplitHostPort(ln.Addr().String())
+		return p, nil
+	}
+	return "", fmt.Errorf("no free port on %s: %w", host, err)
+}
+
+// given holds the ports FreePort returned, none returned twice.
+var given = struct {
+	sync.Mutex
+	ports map[int]bool
+}{ports: map[int]bool{}}
+
+// ephemeralStart is the first port of net.ipv4.ip_local_port_range
+// (32768 if it cannot be read).
+func ephemeralStart() int {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		return 32768
+	}
+	f := strings.Fields(string(b))
+	if len(f) != 2 {
+		return 32768
+	}
+	first, err := strconv.Atoi(f[0])
+	if err != nil || first < 1024 {
+		return 32768
+	}
+	return first
 }
 
 func (c *Cluster) start(m *member, initial string) error {
@@ -125,10 +204,14 @@ func (c *Cluster) start(m *member, initial string) error {
 		return fmt.Errorf("starting etcd %s: %w", m.name, err)
 	}
 	logf.Close()
+	exited := make(chan struct{})
 	m.mu.Lock()
-	m.cmd = cmd
+	m.cmd, m.exited = cmd, exited
 	m.mu.Unlock()
-	go func() { _ = cmd.Wait() }()
+	go func() {
+		_ = cmd.Wait()
+		close(exited)
+	}()
 	return nil
 }
 
@@ -177,22 +260,31 @@ func (c *Cluster) Restart(i int) error {
 func (c *Cluster) WaitHealthy(within time.Duration) error {
 	deadline := time.Now().Add(within)
 	for {
-		bad := ""
+		var bad *member
 		for _, m := range c.members {
 			m.mu.Lock()
-			running := m.cmd != nil
+			running, exited := m.cmd != nil, m.exited
 			m.mu.Unlock()
-			if running && !healthy(m.client) {
-				bad = m.name
+			if !running {
+				continue
+			}
+			select {
+			case <-exited:
+				b, _ := os.ReadFile(m.logPath)
+				return fmt.Errorf("etcd member %s exited; its log: %s", m.name, lastLines(string(b), 10))
+			default:
+			}
+			if !healthy(m.client) {
+				bad = m
 				break
 			}
 		}
-		if bad == "" {
+		if bad == nil {
 			return nil
 		}
 		if time.Now().After(deadline) {
-			b, _ := os.ReadFile(c.members[0].logPath)
-			return fmt.Errorf("etcd member %s not healthy after %v; log of m0: %s", bad, within, lastLines(string(b), 10))
+			b, _ := os.ReadFile(bad.logPath)
+			return fmt.Errorf("etcd member %s not healthy after %v; its log: %s", bad.name, within, lastLines(string(b), 10))
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
