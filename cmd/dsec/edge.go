@@ -9,9 +9,7 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/signal"
 	"path/filepath"
-	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -78,13 +76,7 @@ func runEdgeDaemon(args []string) error {
 	if err != nil {
 		return err
 	}
-	log, err := newLogger(c.logFormat, c.logLevel)
-	if err != nil {
-		return err
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	return runEdge(ctx, c, log)
+	return daemon(c.logFormat, c.logLevel, func(ctx context.Context, log *slog.Logger) error { return runEdge(ctx, c, log) })
 }
 
 func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
@@ -148,28 +140,14 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 	})
 	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, TLSConfig: tlsCfg,
 		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
-	errc := make(chan error, 2)
-	go func() { errc <- hs.Serve(tls.NewListener(ln, tlsCfg)) }()
-	var ms *http.Server
+	servers := []serving{{hs, func() error { return hs.Serve(tls.NewListener(ln, tlsCfg)) }}}
 	if c.metricsListen != "" {
 		mmux := http.NewServeMux()
 		mmux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 		mmux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { fmt.Fprintln(w, `{"status":"ok"}`) })
-		ms = &http.Server{Addr: c.metricsListen, Handler: mmux, ReadHeaderTimeout: 10 * time.Second}
-		go func() { errc <- ms.ListenAndServe() }()
+		ms := &http.Server{Addr: c.metricsListen, Handler: mmux, ReadHeaderTimeout: 10 * time.Second}
+		servers = append(servers, serving{ms, ms.ListenAndServe})
 	}
 	log.Info("dsec edge: serving the internal API", "listen", ln.Addr().String(), "advertise", advertise, "cluster", trust.Info.ID)
-	select {
-	case <-ctx.Done():
-		log.Info("shutting down; sandboxes keep running and are re-adopted on the next start")
-	case err := <-errc:
-		return fmt.Errorf("serving: %w", err)
-	}
-	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	_ = hs.Shutdown(sctx)
-	if ms != nil {
-		_ = ms.Shutdown(sctx)
-	}
-	return nil
+	return serveUntilDone(ctx, log, "shutting down; sandboxes keep running and are re-adopted on the next start", servers...)
 }

@@ -8,9 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/signal"
 	"strconv"
-	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -130,13 +128,7 @@ func runServer(args []string) error {
 	if err != nil {
 		return err
 	}
-	log, err := newLogger(c.logFormat, c.logLevel)
-	if err != nil {
-		return err
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	return serve(ctx, c, pc, log)
+	return daemon(c.logFormat, c.logLevel, func(ctx context.Context, log *slog.Logger) error { return serve(ctx, c, pc, log) })
 }
 
 // edgeTransport is how an apiserver reaches edges: the cluster's mutual
@@ -222,18 +214,7 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 	})
 	go srv.Run(ctx)
 	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
-	errc := make(chan error, 1)
-	go func() { errc <- hs.Serve(ln) }()
 	nodes := len(view.Snapshot())
 	log.Info("dsec server: serving", "endpoint", "http://"+ln.Addr().String(), "cluster", trust.Info.ID, "instance", instance, "nodes", nodes)
-	select {
-	case <-ctx.Done():
-		log.Info("shutting down")
-	case err := <-errc:
-		return fmt.Errorf("serving: %w", err)
-	}
-	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	_ = hs.Shutdown(sctx)
-	return nil
+	return serveUntilDone(ctx, log, "shutting down", serving{hs, func() error { return hs.Serve(ln) }})
 }

@@ -58,13 +58,49 @@ func runUp(args []string) error {
 	if err := c.node.check(); err != nil {
 		return err
 	}
-	log, err := newLogger(c.logFormat, c.logLevel)
+	return daemon(c.logFormat, c.logLevel, func(ctx context.Context, log *slog.Logger) error { return up(ctx, c, log) })
+}
+
+// daemon runs fn with the logger the flags ask for and a context that
+// SIGINT and SIGTERM end: the start of dsec up, server and edge.
+func daemon(logFormat, logLevel string, fn func(context.Context, *slog.Logger) error) error {
+	log, err := newLogger(logFormat, logLevel)
 	if err != nil {
 		return err
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	return up(ctx, c, log)
+	return fn(ctx, log)
+}
+
+// serving is one HTTP server of a daemon and what runs it (Serve on its
+// listener).
+type serving struct {
+	srv *http.Server
+	run func() error
+}
+
+// serveUntilDone runs the servers until ctx ends, then logs stopping and
+// gives them 10 s to finish what they serve; a server that fails first
+// ends them all with its error.
+func serveUntilDone(ctx context.Context, log *slog.Logger, stopping string, servers ...serving) error {
+	errc := make(chan error, len(servers))
+	for _, s := range servers {
+		go func() { errc <- s.run() }()
+	}
+	var err error
+	select {
+	case <-ctx.Done():
+		log.Info(stopping)
+	case err = <-errc:
+		err = fmt.Errorf("serving: %w", err)
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for _, s := range servers {
+		_ = s.srv.Shutdown(sctx)
+	}
+	return err
 }
 
 func newLogger(format, level string) (*slog.Logger, error) {
@@ -206,17 +242,7 @@ func up(ctx context.Context, c upConfig, log *slog.Logger) error {
 		log.Info("wrote client config", "path", cfgPath)
 	}
 	hs := &http.Server{Handler: n.server.Handler(), ReadHeaderTimeout: 10 * time.Second}
-	errc := make(chan error, 1)
-	go func() { errc <- hs.Serve(ln) }()
 	log.Info("dsec up: serving", "endpoint", endpoint)
-	select {
-	case <-ctx.Done():
-		log.Info("shutting down; sandboxes keep running and are re-adopted on the next start")
-	case err := <-errc:
-		return fmt.Errorf("serving: %w", err)
-	}
-	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	_ = hs.Shutdown(sctx)
-	return nil
+	return serveUntilDone(ctx, log, "shutting down; sandboxes keep running and are re-adopted on the next start",
+		serving{hs, func() error { return hs.Serve(ln) }})
 }
