@@ -17,6 +17,7 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -74,8 +75,10 @@ type Watcher struct {
 	cfg Config
 	log *slog.Logger
 
-	// syncMu serialises rounds (Run's ticks and Refresh).
-	syncMu sync.Mutex
+	// syncMu serialises rounds (Run's ticks and Sync); refreshMu the
+	// source's listings (rounds and routing misses), so that misses at
+	// once share one listing and an older one is never merged last.
+	syncMu, refreshMu sync.Mutex
 
 	mu    sync.RWMutex
 	nodes map[string]*node
@@ -144,12 +147,15 @@ func (w *Watcher) Run(ctx context.Context) {
 func (w *Watcher) Sync(ctx context.Context) {
 	w.syncMu.Lock()
 	defer w.syncMu.Unlock()
+	w.refreshMu.Lock()
 	w.refresh(ctx)
+	w.refreshMu.Unlock()
 	w.pollAll(ctx)
 }
 
 // refresh merges the source's members into the view. A failing source
 // (etcd unreachable) leaves the view as it was.
+// Preconditions: w.refreshMu held.
 func (w *Watcher) refresh(ctx context.Context) {
 	members, err := w.src.Members(ctx)
 	now := time.Now()
@@ -285,15 +291,7 @@ func (w *Watcher) Snapshot() []View {
 		out = append(out, v)
 	}
 	w.mu.RUnlock()
-	slices.SortFunc(out, func(a, b View) int {
-		switch {
-		case a.Name < b.Name:
-			return -1
-		case a.Name > b.Name:
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(out, func(a, b View) int { return strings.Compare(a.Name, b.Name) })
 	return out
 }
 
@@ -309,7 +307,7 @@ func (w *Watcher) unhealthy(n *node, now time.Time) string {
 		return "not polled yet"
 	case n.suspect != nil:
 		return "unreachable: " + n.suspect.Error()
-	case n.fails >= 2 || now.Sub(n.lastOK) > w.cfg.DownAfter:
+	case w.missed(n, now):
 		msg := "no answer since " + n.lastOK.UTC().Format(time.RFC3339)
 		if n.lastErr != nil {
 			msg += ": " + n.lastErr.Error()
@@ -328,20 +326,33 @@ const refreshEvery = 200 * time.Millisecond
 // know makes it ask the source once (an edge that joined since the last
 // round), at most every refreshEvery.
 func (w *Watcher) Edge(ctx context.Context, name string) (edgeapi.Edge, error) {
+	if e := w.edge(name); e != nil {
+		return e, nil
+	}
+	// A miss waits for a listing in flight and makes one only if that
+	// is older than refreshEvery.
+	w.refreshMu.Lock()
 	w.mu.RLock()
-	n := w.nodes[name]
 	stale := time.Since(w.lastRefresh) > refreshEvery
 	w.mu.RUnlock()
-	if n == nil && stale {
+	if stale {
 		w.refresh(ctx)
-		w.mu.RLock()
-		n = w.nodes[name]
-		w.mu.RUnlock()
 	}
-	if n == nil {
-		return nil, errdefs.NotFound("unknown node %s", name)
+	w.refreshMu.Unlock()
+	if e := w.edge(name); e != nil {
+		return e, nil
 	}
-	return n.member.Edge, nil
+	return nil, errdefs.NotFound("unknown node %s", name)
+}
+
+// edge reads name's client under the lock (refresh replaces members).
+func (w *Watcher) edge(name string) edgeapi.Edge {
+	w.mu.RLock()
+	defer w.mu.RUnlock()
+	if n := w.nodes[name]; n != nil {
+		return n.member.Edge
+	}
+	return nil
 }
 
 // Edges returns every known edge (for calls that span nodes), with
@@ -354,15 +365,7 @@ func (w *Watcher) Edges() []Target {
 	for name, n := range w.nodes {
 		out = append(out, Target{Name: name, Edge: n.member.Edge, Down: w.down(n, now)})
 	}
-	slices.SortFunc(out, func(a, b Target) int {
-		switch {
-		case a.Name < b.Name:
-			return -1
-		case a.Name > b.Name:
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(out, func(a, b Target) int { return strings.Compare(a.Name, b.Name) })
 	return out
 }
 
@@ -373,6 +376,13 @@ func (w *Watcher) down(n *node, now time.Time) bool {
 	if !n.polled {
 		return n.lastErr != nil
 	}
+	return w.missed(n, now)
+}
+
+// missed says whether a node that answered before has failed its last
+// two polls or not answered for DownAfter.
+// Preconditions: w.mu held.
+func (w *Watcher) missed(n *node, now time.Time) bool {
 	return n.fails >= 2 || now.Sub(n.lastOK) > w.cfg.DownAfter
 }
 

@@ -15,14 +15,18 @@ import (
 
 // registry is a Source the test edits.
 type registry struct {
-	mu  sync.Mutex
-	m   map[string]Member
-	err error
+	mu    sync.Mutex
+	m     map[string]Member
+	err   error
+	lists int           // Members calls
+	slow  time.Duration // how long a listing takes
 }
 
 func (r *registry) Members(context.Context) (map[string]Member, error) {
+	time.Sleep(r.slow)
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	r.lists++
 	if r.err != nil {
 		return nil, r.err
 	}
@@ -158,6 +162,35 @@ func TestWatcherRoutesANewEdge(t *testing.T) {
 	time.Sleep(2 * refreshEvery)
 	if e, err := w.Edge(t.Context(), "late"); err != nil || e != c {
 		t.Fatalf("new edge not routed: %v", err)
+	}
+}
+
+// TestWatcherMissesShareAListing: many calls at once for IDs of a node
+// nobody knows (a flood of bad IDs, or a node long gone) make one listing
+// of the registry, not one each, and all get not_found.
+func TestWatcherMissesShareAListing(t *testing.T) {
+	reg := &registry{m: map[string]Member{}, slow: 50 * time.Millisecond}
+	w := New(reg, Config{})
+	w.Sync(t.Context())
+	time.Sleep(2 * refreshEvery)
+	reg.mu.Lock()
+	before := reg.lists
+	reg.mu.Unlock()
+	var wg sync.WaitGroup
+	for range 50 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := w.Edge(t.Context(), "gone"); !errors.Is(err, errdefs.ErrNotFound) {
+				t.Errorf("unknown node: %v, want not_found", err)
+			}
+		}()
+	}
+	wg.Wait()
+	reg.mu.Lock()
+	defer reg.mu.Unlock()
+	if n := reg.lists - before; n != 1 {
+		t.Fatalf("50 misses at once listed the registry %d times, want 1", n)
 	}
 }
 
