@@ -118,8 +118,13 @@ func (g *groupCommit) drain() {
 			lingered = true
 			continue
 		}
+		// A key goes into a transaction once (etcd refuses a repeat):
+		// a second write of it (a repeat's claim, or an answer and the
+		// next claim of its key) waits for the next.
 		n, size := 0, 0
-		for n < len(g.queue) && n < g.maxOps && (n == 0 || size+len(g.queue[n].kv.Value) <= g.maxBytes) {
+		keys := map[string]bool{}
+		for n < len(g.queue) && n < g.maxOps && (n == 0 || size+len(g.queue[n].kv.Value) <= g.maxBytes) && !keys[g.queue[n].kv.Key] {
+			keys[g.queue[n].kv.Key] = true
 			size += len(g.queue[n].kv.Value)
 			n++
 		}

@@ -23,6 +23,14 @@ type batchStore struct {
 }
 
 func (b *batchStore) Write(bucket string, creates, puts []store.KV) error {
+	// As etcd: a key at most once per transaction.
+	seen := map[string]bool{}
+	for _, kv := range append(append([]store.KV(nil), creates...), puts...) {
+		if seen[kv.Key] {
+			return errdefs.Invalid("duplicate key given in txn request")
+		}
+		seen[kv.Key] = true
+	}
 	b.mu.Lock()
 	b.writes = append(b.writes, fmt.Sprintf("c%dp%d", len(creates), len(puts)))
 	hold := b.hold != nil && !b.holding
@@ -111,6 +119,38 @@ func TestGroupCommit(t *testing.T) {
 			t.Errorf("claim %d: %v", i, err)
 		}
 	}
+	// The same key twice among the queued (a repeat's claim beside the
+	// first, an answer beside its key's next claim): never one
+	// transaction; the first claim wins, the repeat is refused, nothing
+	// else fails.
+	bs4 := &batchStore{Store: store.NewMemory(), hold: make(chan struct{})}
+	g4 := newGroupCommit(bs4, "b", slog.New(slog.DiscardHandler))
+	wg.Add(1)
+	go func() { defer wg.Done(); errs[0] = g4.create(store.KV{Key: "y0", Value: []byte("v")}) }()
+	time.Sleep(50 * time.Millisecond)
+	g4.put(store.KV{Key: "y1", Value: []byte("answer")})
+	for i, k := range []string{"y1", "same", "same", "y2"} {
+		wg.Add(1)
+		go func() { defer wg.Done(); errs[i+1] = g4.create(store.KV{Key: k, Value: []byte("v")}) }()
+		time.Sleep(5 * time.Millisecond) // queued in this order
+	}
+	time.Sleep(50 * time.Millisecond)
+	close(bs4.hold)
+	wg.Wait()
+	for i, err := range errs[:5] {
+		switch {
+		case i == 1 || i == 3: // y1 exists (the answer went first), "same" repeated
+			if !errors.Is(err, errdefs.ErrAlreadyExists) {
+				t.Errorf("claim %d: %v, want already exists", i, err)
+			}
+		case err != nil:
+			t.Errorf("claim %d: %v", i, err)
+		}
+	}
+	if v, err := bs4.Get("b", "y1"); err != nil || string(v) != "answer" {
+		t.Errorf("the answer for y1: %q, %v", v, err)
+	}
+
 	// An answer alone is written after the linger.
 	bs3 := &batchStore{Store: store.NewMemory()}
 	g3 := newGroupCommit(bs3, "b", slog.New(slog.DiscardHandler))

@@ -129,6 +129,12 @@ func (e *Etcd) classify(err error) error {
 	if errors.Is(err, errdefs.ErrInvalid) || errors.Is(err, errdefs.ErrNotFound) || errors.Is(err, errdefs.ErrAlreadyExists) {
 		return err
 	}
+	switch code(err) {
+	case codes.InvalidArgument: // a request etcd will never take: too large, a key twice
+		return errdefs.Invalid("control-plane store (etcd) refused the request: %v", err)
+	case codes.ResourceExhausted: // the database is full (its space quota)
+		return errdefs.Exhausted("control-plane store (etcd) is out of space: %v", err)
+	}
 	return errdefs.Unavailable("control-plane store (etcd) unreachable or without quorum: %v", err)
 }
 

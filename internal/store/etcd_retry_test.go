@@ -9,6 +9,8 @@ import (
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
 // The client hands the server's own errors back as rpctypes.EtcdError, not
@@ -53,5 +55,26 @@ func TestAgainRetriesServerErrorsOfAFailover(t *testing.T) {
 	})
 	if err != nil || n != 2 || time.Since(start) > time.Second {
 		t.Errorf("a hung try: %v after %d tries and %v, want success after 2", err, n, time.Since(start))
+	}
+}
+
+// What etcd will never take is the caller's to fix, a full database is
+// exhausted; only the rest is the store being unavailable (503, retry).
+func TestEtcdErrorClasses(t *testing.T) {
+	e := &Etcd{}
+	for _, c := range []struct {
+		err  error
+		want error
+	}{
+		{rpctypes.ErrRequestTooLarge, errdefs.ErrInvalid},
+		{rpctypes.ErrDuplicateKey, errdefs.ErrInvalid},
+		{rpctypes.ErrNoSpace, errdefs.ErrExhausted},
+		{rpctypes.ErrTimeout, errdefs.ErrUnavailable},
+		{rpctypes.ErrNoLeader, errdefs.ErrUnavailable},
+		{context.DeadlineExceeded, errdefs.ErrUnavailable},
+	} {
+		if got := e.classify(c.err); !errors.Is(got, c.want) {
+			t.Errorf("%v: classified %v, want %v", c.err, got, c.want)
+		}
 	}
 }
