@@ -81,7 +81,7 @@ func TestIdempotentTakeover(t *testing.T) {
 	spec := `{"base":"base/py:1"}`
 	// What apiserver "a" left: a pending record, and the sandbox it made.
 	rk := idemRecordKey(principalOf(t, f, f.admin), "k3")
-	hash := requestHash("POST", "/v1/sandboxes", "", spec)
+	hash := requestHash("POST", "/v1/sandboxes", "", []byte(spec))
 	pending, _ := json.Marshal(idemRecord{Hash: hash, State: "pending", Owner: "a", Started: time.Now(), Expires: time.Now().Add(time.Hour)})
 	if err := f.st.Put(idemBucket, rk, pending); err != nil {
 		t.Fatal(err)
@@ -103,7 +103,7 @@ func TestIdempotentTakeover(t *testing.T) {
 	// A batch of 3 of which the dead apiserver made 1.
 	rk = idemRecordKey(principalOf(t, f, f.admin), "k4")
 	batch := `{"count":3,"spec":{"base":"base/py:1"}}`
-	pending, _ = json.Marshal(idemRecord{Hash: requestHash("POST", "/v1/sandboxes:batch", "", batch), State: "pending", Owner: "dead", Started: time.Now(), Expires: time.Now().Add(time.Hour)})
+	pending, _ = json.Marshal(idemRecord{Hash: requestHash("POST", "/v1/sandboxes:batch", "", []byte(batch)), State: "pending", Owner: "dead", Started: time.Now(), Expires: time.Now().Add(time.Hour)})
 	if err := f.st.Put(idemBucket, rk, pending); err != nil {
 		t.Fatal(err)
 	}

@@ -480,7 +480,7 @@ func (c *Client) WriteTar(ctx context.Context, id, path string, w io.Writer) err
 		return err
 	}
 	defer resp.Body.Close()
-	if _, err := io.CopyBuffer(w, &bodyReader{c: c, rc: resp.Body}, make([]byte, 256<<10)); err != nil {
+	if _, err := io.Copy(w, &bodyReader{c: c, rc: resp.Body}); err != nil {
 		return err
 	}
 	if t := resp.Trailer.Get(trailerError); t != "" {

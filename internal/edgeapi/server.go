@@ -341,8 +341,15 @@ func (s *Server) port(w http.ResponseWriter, r *http.Request) {
 	splice(peer, brw.Reader, conn)
 }
 
+// spliceGrace is how long one side of a port connection may go on once
+// the other has ended its own.
+const spliceGrace = 5 * time.Second
+
 // splice copies both ways between the caller's connection (with what its
-// reader buffered) and the sandbox's, until either side ends.
+// reader buffered) and the sandbox's. When either side ends, the other
+// gets spliceGrace to finish, then both end: a quiet service that ignores
+// the caller's close cannot hold the connection (and keep its sandbox
+// from idling) for ever.
 func splice(peer net.Conn, buffered *bufio.Reader, conn net.Conn) {
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -350,12 +357,11 @@ func splice(peer net.Conn, buffered *bufio.Reader, conn net.Conn) {
 		defer wg.Done()
 		_, _ = io.Copy(conn, buffered)
 		closeWrite(conn)
+		_ = conn.SetReadDeadline(time.Now().Add(spliceGrace))
 	}()
 	_, _ = io.Copy(peer, conn)
 	closeWrite(peer)
-	// The sandbox closed its side: give the caller's remaining bytes a
-	// moment, then end both.
-	_ = peer.SetReadDeadline(time.Now().Add(5 * time.Second))
+	_ = peer.SetReadDeadline(time.Now().Add(spliceGrace))
 	wg.Wait()
 }
 
@@ -450,7 +456,7 @@ func (s *Server) readFile(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set(headerFileEntry, encodeHeaderJSON(fe))
 	w.Header().Set("Content-Length", strconv.FormatInt(fe.Size, 10))
 	w.WriteHeader(http.StatusOK)
-	_, _ = io.CopyBuffer(w, rc, make([]byte, 256<<10))
+	_, _ = io.Copy(w, rc) // the ResponseWriter reads from rc itself
 }
 
 func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) {

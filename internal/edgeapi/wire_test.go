@@ -8,7 +8,9 @@ import (
 	"net"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
@@ -206,6 +208,65 @@ func TestPortConnection(t *testing.T) {
 	}
 	if _, _, err := c.DialPort(t.Context(), "sb-n1-none", 8080); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("port of a missing sandbox: %v", err)
+	}
+}
+
+// TestPortConnectionQuietService: a caller that hangs up on a service
+// that ignores the close (reads nothing more, writes nothing, never
+// closes) does not hold the port connection open: it is released within
+// the grace.
+func TestPortConnectionQuietService(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	var held []net.Conn
+	var mu sync.Mutex
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, conn) // kept open, never read
+			mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range held {
+			c.Close()
+		}
+	})
+	fake := edgetest.NewFake("n1")
+	fake.PortAddr = ln.Addr().String()
+	c, _ := remote(t, fake)
+	id := newSandbox(t, c)
+	conn, done, err := c.DialPort(t.Context(), id, 8080)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Write([]byte("hi")); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(time.Second)
+	for fake.OpenPorts() != 1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d ports open, want 1", fake.OpenPorts())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	conn.Close()
+	done()
+	deadline = time.Now().Add(10 * time.Second)
+	for fake.OpenPorts() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the port connection is still held 10 s after the caller hung up")
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
 

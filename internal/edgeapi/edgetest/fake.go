@@ -49,6 +49,8 @@ type Fake struct {
 	Written []byte
 	// Creates counts Create calls (failed ones included), Execs Exec calls.
 	Creates, Execs int
+	// openPorts counts port connections not yet released (done).
+	openPorts int
 	// Refuse makes Create answer resource_exhausted.
 	Refuse bool
 }
@@ -65,6 +67,14 @@ func (f *Fake) Counts() (creates, execs int) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.Creates, f.Execs
+}
+
+// OpenPorts returns how many port connections are open (their done not
+// yet called).
+func (f *Fake) OpenPorts() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.openPorts
 }
 
 // SetRefuse makes Create answer resource_exhausted (or not).
@@ -345,7 +355,17 @@ func (f *Fake) DialPort(ctx context.Context, id string, port int) (net.Conn, fun
 	if err != nil {
 		return nil, nil, errdefs.Unavailable("nothing answers on port %d in sandbox %s: %v", port, id, err)
 	}
-	return c, func() {}, nil
+	f.mu.Lock()
+	f.openPorts++
+	f.mu.Unlock()
+	var once sync.Once
+	return c, func() {
+		once.Do(func() {
+			f.mu.Lock()
+			f.openPorts--
+			f.mu.Unlock()
+		})
+	}, nil
 }
 
 // Snapshot implements edgeapi.Edge.
