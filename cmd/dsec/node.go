@@ -133,14 +133,11 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 		Backend: h.Backend, Blobs: layers, Cgroups: h.Cgroups, Log: log,
 		Metrics: edge.NewMetrics(reg), Runtime: h.Runtime, Launcher: h.Backend.Launcher(), Layers: layers, Net: h.Net,
 	})
-	if err != nil {
-		if h.Net != nil {
-			h.Net.Close()
-		}
-		h.Close()
-		return nil, nil, err
+	if err == nil {
+		err = ed.Start(ctx)
 	}
-	if err := ed.Start(ctx); err != nil {
+	if err != nil {
+		// The edge closes the network when it closes; it never got that far.
 		if h.Net != nil {
 			h.Net.Close()
 		}

@@ -148,7 +148,11 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	if err != nil {
 		return nil, nil, err
 	}
+	var layers *layer.Store
 	fail := func(err error) (*node, *iam.IAM, error) {
+		if layers != nil {
+			_ = layers.Close()
+		}
 		_ = st.Close()
 		return nil, nil, err
 	}
@@ -156,12 +160,19 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	if err != nil {
 		return fail(fmt.Errorf("opening IAM: %w", err))
 	}
-	layers, err := layer.NewStore(filepath.Join(c.node.stateDir, "layers"), st, log)
-	if err != nil {
+	if layers, err = layer.NewStore(filepath.Join(c.node.stateDir, "layers"), st, log); err != nil {
 		return fail(fmt.Errorf("opening layer store: %w", err))
+	}
+	// Idempotency records are written twice per keyed call: they go to a
+	// file of their own that is not fsynced (a crash of dsec up keeps
+	// them; a crash of the host may lose the last ones).
+	idem, err := store.OpenBoltNoSync(filepath.Join(c.node.stateDir, "idempotency.db"))
+	if err != nil {
+		return fail(err)
 	}
 	ed, h, err := startEdge(ctx, c.node, filepath.Join(c.node.stateDir, "edge"), layers, log, reg)
 	if err != nil {
+		_ = idem.Close()
 		return fail(err)
 	}
 	// The watcher polls the in-process edge as it polls remote ones; its
@@ -170,15 +181,6 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	view := watcher.New(watcher.Static{ed}, watcher.Config{Log: log})
 	view.Sync(ctx)
 	go view.Run(ctx)
-	// Idempotency records are written twice per keyed call: they go to a
-	// file of their own that is not fsynced (a crash of dsec up keeps
-	// them; a crash of the host may lose the last ones).
-	idem, err := store.OpenBoltNoSync(filepath.Join(c.node.stateDir, "idempotency.db"))
-	if err != nil {
-		ed.Close()
-		h.Close()
-		return fail(err)
-	}
 	srv := apiserver.New(apiserver.Deps{
 		IAM: ident, Layers: layers, Nodes: view, Log: log,
 		Registry: reg, Gatherer: reg, Policy: sandbox.DefaultPolicy(), MaxLayerBytes: 64 << 30,

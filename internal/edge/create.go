@@ -44,6 +44,9 @@ func (e *Edge) create(ctx context.Context, req edgeapi.CreateRequest) (*api.Sand
 	if err := sandbox.Normalize(&spec, e.cfg.Policy); err != nil {
 		return nil, err
 	}
+	if err := e.checkSelector(spec); err != nil {
+		return nil, err // before the pool: a pooled sandbox is on this node too
+	}
 	k := keyOf(spec, req.Digests)
 	if v := e.claim(spec, req); v != nil {
 		e.pool.note(k, req, time.Now())
@@ -62,6 +65,16 @@ func (e *Edge) create(ctx context.Context, req edgeapi.CreateRequest) (*api.Sand
 	return &v, nil
 }
 
+// checkSelector refuses a spec whose node_selector this node does not
+// match. Placement saw other labels: another node may match, so the
+// refusal is resource_exhausted (the apiserver tries another).
+func (e *Edge) checkSelector(spec api.SandboxSpec) error {
+	if !sandbox.LabelsMatch(e.cfg.Labels, spec.NodeSelector) {
+		return errdefs.Exhausted("node %s does not carry the labels node_selector asks for (%v)", e.cfg.Name, spec.NodeSelector)
+	}
+	return nil
+}
+
 // createSbx does the work of a create; pooled makes a pool sandbox.
 func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled bool) (*sbx, error) {
 	spec := req.Spec
@@ -71,9 +84,8 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 	if len(req.Digests) == 0 {
 		return nil, errdefs.Invalid("no layers to compose")
 	}
-	if !sandbox.LabelsMatch(e.cfg.Labels, spec.NodeSelector) {
-		// Placement saw other labels: another node may match.
-		return nil, errdefs.Exhausted("node %s does not carry the labels node_selector asks for (%v)", e.cfg.Name, spec.NodeSelector)
+	if err := e.checkSelector(spec); err != nil {
+		return nil, err
 	}
 	for _, d := range req.Digests {
 		if !layer.IsDigest(d) {

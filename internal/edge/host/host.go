@@ -155,10 +155,11 @@ func Open(c Config, log *slog.Logger, reg prometheus.Registerer) (*Host, error) 
 	if pinned, err := h.Backend.Pinned(); !pinned {
 		log.Warn("runtime binary not pinned read-only; the runtime clones itself on every call (~3-5 ms)", "err", err)
 	}
-	if h.Net, err = newNetwork(c, log); err != nil {
+	// The probe first: networking, once up, is the edge's to close.
+	if h.DiskQuota, err = diskQuotaMode(c.DiskQuota, log); err != nil {
 		return nil, err
 	}
-	if h.DiskQuota, err = diskQuotaMode(c.DiskQuota, log); err != nil {
+	if h.Net, err = newNetwork(c, log); err != nil {
 		return nil, err
 	}
 	ok = true
