@@ -86,18 +86,8 @@ func (m *IAM) EnsureAdminKey(given string) (key string, created bool, err error)
 	if given != "" {
 		return m.registerGivenAdmin(given)
 	}
-	kvs, err := m.st.List(bucketKeys, "")
-	if err != nil {
-		return "", false, fmt.Errorf("listing keys: %w", err)
-	}
-	for _, kv := range kvs {
-		var p Principal
-		if err := json.Unmarshal(kv.Value, &p); err != nil {
-			return "", false, fmt.Errorf("decoding key %s: %w", kv.Key, err)
-		}
-		if p.Project == RootProject && p.Role == RoleAdmin {
-			return "", false, nil
-		}
+	if ok, err := AdminKeyExists(m.st); err != nil || ok {
+		return "", false, err
 	}
 	key, err = newKey()
 	if err != nil {

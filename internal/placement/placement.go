@@ -12,6 +12,7 @@ package placement
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"sort"
@@ -146,9 +147,13 @@ func Pick(nodes []Candidate, req Request, cfg Config, rng *rand.Rand) (string, e
 	eligible := regular
 	if len(overflow) > 0 {
 		// The overflow pools join only once every regular node is at or
-		// above the pool's threshold.
+		// above the pool's threshold (with no regular node, at once).
+		least := math.Inf(1)
+		for _, n := range regular {
+			least = min(least, n.utilization())
+		}
 		for _, n := range overflow {
-			if belowAll(regular, cfg.Overflow[n.Labels[PoolLabel]]) {
+			if least < cfg.Overflow[n.Labels[PoolLabel]] {
 				why[ReasonOverflow]++
 				continue
 			}
@@ -201,18 +206,6 @@ func selects(sel, labels map[string]string) bool {
 		}
 	}
 	return true
-}
-
-// belowAll reports whether some regular node is below utilization u (so
-// an overflow pool with threshold u stays out). With no regular node at
-// all, the overflow pool is all there is.
-func belowAll(regular []Candidate, u float64) bool {
-	for _, n := range regular {
-		if n.utilization() < u {
-			return true
-		}
-	}
-	return false
 }
 
 // better reports whether a should win over b for req.

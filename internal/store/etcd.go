@@ -225,36 +225,13 @@ func (e *Etcd) Put(bucket, key string, val []byte) error {
 }
 
 // Create implements Store: a transaction that writes only if the key has
-// never been created (create revision 0).
+// never been created (create revision 0), as Write makes it.
 func (e *Etcd) Create(bucket, key string, val []byte) error {
-	if err := checkEtcdName(bucket, key); err != nil {
-		return err
-	}
-	ctx, cancel := e.ctx()
-	defer cancel()
-	k := e.key(bucket, key)
-	lost := false // an earlier attempt's answer was lost
-	r, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.TxnResponse, error) {
-		r, err := e.c.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(k), "=", 0)).Then(clientv3.OpPut(k, string(val))).Commit()
-		if maybeApplied(ctx, err) {
-			lost = true
-		}
-		return r, err
-	})
-	if err != nil {
-		return e.classify(err)
-	}
-	if !r.Succeeded {
-		// After a lost answer, the key holding exactly our value is our
-		// own write.
-		if lost {
-			if cur, err := e.c.Get(ctx, k); err == nil && len(cur.Kvs) == 1 && bytes.Equal(cur.Kvs[0].Value, val) {
-				return nil
-			}
-		}
+	err := e.Write(bucket, []KV{{Key: key, Value: val}}, nil)
+	if errors.Is(err, errdefs.ErrAlreadyExists) {
 		return errdefs.AlreadyExists("%s/%s already exists", bucket, key)
 	}
-	return nil
+	return err
 }
 
 // Update implements Store: read, fn, then write only if the key's

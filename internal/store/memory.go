@@ -110,6 +110,12 @@ func (m *memory) List(bucket, prefix string) ([]KV, error) {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	return m.list(bucket, prefix), nil
+}
+
+// list copies bucket's keys under prefix, in key order.
+// Preconditions: m.mu held.
+func (m *memory) list(bucket, prefix string) []KV {
 	var out []KV
 	for k, v := range m.buckets[bucket] {
 		if strings.HasPrefix(k, prefix) {
@@ -118,7 +124,7 @@ func (m *memory) List(bucket, prefix string) ([]KV, error) {
 	}
 	// Go compares strings bytewise, which is bbolt's key order too.
 	sort.Slice(out, func(i, j int) bool { return out[i].Key < out[j].Key })
-	return out, nil
+	return out
 }
 
 // Close implements Store.
@@ -194,11 +200,6 @@ func (m *memory) notify(bucket, key string, val []byte) {
 func (m *memory) WatchBucket(ctx context.Context, bucket string, reset func([]KV), change func(key string, val []byte)) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	var kvs []KV
-	for k, v := range m.buckets[bucket] {
-		kvs = append(kvs, KV{Key: k, Value: bytes.Clone(v)})
-	}
-	sort.Slice(kvs, func(i, j int) bool { return kvs[i].Key < kvs[j].Key })
-	reset(kvs)
+	reset(m.list(bucket, ""))
 	m.watches[bucket] = append(m.watches[bucket], &memWatch{ctx: ctx, change: change})
 }
