@@ -285,6 +285,10 @@ func (c *Client) send(ctx context.Context, r request) (*http.Response, error) {
 		var rd io.Reader = r.body
 		if body != nil {
 			rd = bytes.NewReader(body)
+		} else if _, closes := r.body.(io.Closer); closes && replayable && attempts > 1 {
+			// The transport closes a body it is given, on failure too:
+			// a file to send again must stay open.
+			rd = struct{ io.Reader }{r.body}
 		}
 		resp, err := c.sendTo(ctx, c.endpoints[idx], r, rd, key)
 		if err == nil {
@@ -298,6 +302,11 @@ func (c *Client) send(ctx context.Context, r request) (*http.Response, error) {
 		// connection): the server did nothing of it.
 		if ctx.Err() != nil || !failover(err) || !safe && !neverSent(err) {
 			return nil, err
+		}
+		// The next calls start at the next endpoint too, rather than
+		// each trying this one first.
+		if failover(err) {
+			c.cur.CompareAndSwap(int32(idx), int32((idx+1)%len(c.endpoints)))
 		}
 	}
 	return nil, lastErr
