@@ -245,6 +245,18 @@ func checkParent(t *testing.T, info *Info, parent string) {
 				t.Errorf("EnsureParent: %s = %q, %v; want copied from the parent", f, v, err)
 			}
 		}
+		// A child made by mkdir alone has cpus and mems, with no write
+		// that would rebuild the scheduler domains.
+		probe := filepath.Join(root, parent, "clone-probe")
+		if err := os.Mkdir(probe, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		defer os.Remove(probe)
+		for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+			if v, err := readString(filepath.Join(probe, f)); err != nil || v == "" {
+				t.Errorf("a new child of the parent: %s = %q, %v; want the parent's (cgroup.clone_children)", f, v, err)
+			}
+		}
 	}
 	if info.Mode == V2 {
 		for _, dir := range []string{info.V2Root, filepath.Join(info.V2Root, parent)} {

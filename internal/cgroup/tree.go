@@ -25,7 +25,11 @@ var (
 // hierarchy so the runtime can create sandbox cgroups below it. It is
 // idempotent. On a v1 cpuset hierarchy it copies cpuset.cpus and
 // cpuset.mems from the parent, since a cpuset with empty ones accepts no
-// tasks and children would inherit the emptiness. On V2 it enables cpu,
+// tasks and children would inherit the emptiness, and sets
+// cgroup.clone_children, so that the kernel gives each new child the same
+// at mkdir: writing cpuset.cpus rebuilds the scheduler domains, which
+// walks every cpuset on the host (0.25 ms a sandbox among 1,000 others,
+// 0.6 ms among 5,000, measured here; issue 15's profile). On V2 it enables cpu,
 // memory, pids (and io when available) in cgroup.subtree_control of the
 // root and of every level down to rel. On failure, directories it created
 // are removed again.
@@ -76,6 +80,9 @@ func (i *Info) ensureParent(rel string, noMemory bool) error {
 			if isCpuset {
 				if err := inheritCpuset(root, dir); err != nil {
 					return err
+				}
+				if err := writeFile(filepath.Join(dir, "cgroup.clone_children"), "1"); err != nil {
+					return fmt.Errorf("setting cgroup.clone_children of %s: %w", dir, err)
 				}
 			}
 		}
