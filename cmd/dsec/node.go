@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/internal/edge"
 	"github.com/dsecproject/dsec/internal/edge/host"
@@ -38,6 +39,7 @@ type nodeConfig struct {
 	launcher     string
 	netnsPool    int
 	sharedMemMB  int64
+	outputMB     int64
 	labels       map[string]string
 }
 
@@ -63,6 +65,7 @@ func (c *nodeConfig) register(f *cmdFlags) {
 	f.StringVar(&c.launcher, "launcher", "auto", "what starts sandboxes: dsec (its own launcher: the runtime's mounts, namespaces, cgroups and seccomp without a runtime process), runtime (the OCI runtime's run), or auto (dsec where it can: root, cgo, the exec helper; user-namespace sandboxes always use the runtime)")
 	f.IntVar(&c.netnsPool, "netns-pool", 1024, "fresh network namespaces dsec's launcher keeps ready (at most --max-sandboxes), made in the background once creates and deletes pause: a create joins one instead of making one (0 = none)")
 	f.Int64Var(&c.sharedMemMB, "shared-memory-mb", 0, "memory limit of all memory_cgroup \"shared\" sandboxes together, in MiB (they have none each; past it the kernel's OOM killer picks among them); 0 = no limit")
+	f.Int64Var(&c.outputMB, "output-buffer-mb", 0, "output that one-shot execs, session runs and fncalls may buffer on this node at once, in MiB: each call holds 2 × its max_output_bytes while it runs, and one that does not fit is refused with resource_exhausted before it starts (streamed execs hold none); 0 = an eighth of the host's memory, 256 MiB to 8 GiB")
 	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of user-namespace sandboxes (spec userns: true), which get 65536 ids from it; 0 refuses userns")
 }
 
@@ -87,6 +90,9 @@ func (c *nodeConfig) check() error {
 	}
 	if c.sharedMemMB < 0 || (c.sharedMemMB > 0 && c.sharedMemMB < 64) {
 		return fmt.Errorf("--shared-memory-mb %d: want 0 (no limit) or at least 64", c.sharedMemMB)
+	}
+	if c.outputMB < 0 || (c.outputMB > 0 && c.outputMB < 16) {
+		return fmt.Errorf("--output-buffer-mb %d: want 0 (the default) or at least 16", c.outputMB)
 	}
 	if c.poolMax < 0 || c.poolMin < 0 || c.poolMin > c.poolMax {
 		return fmt.Errorf("--warm-pool-min %d, --warm-pool-max %d: want 0 <= min <= max", c.poolMin, c.poolMax)
@@ -122,13 +128,20 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 	if err != nil {
 		return nil, nil, err
 	}
+	outputMB := c.outputMB
+	if outputMB == 0 {
+		var si unix.Sysinfo_t
+		if err := unix.Sysinfo(&si); err == nil {
+			outputMB = edge.DefaultOutputBufferMB(si.Totalram * uint64(si.Unit))
+		}
+	}
 	ed, err := edge.New(edge.Config{
 		Name: c.nodeName, StateDir: edgeDir, Labels: c.labels,
 		MaxSandboxes: c.maxSandboxes, Policy: sandbox.DefaultPolicy(),
 		CgroupParent: h.CgroupParent, MaxPaused: c.maxPaused,
 		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth, DiskQuota: h.DiskQuota,
 		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax, PoolMin: c.poolMin, CgroupPool: c.cgroupPool, SharedMemoryMB: c.sharedMemMB,
-		BundleDir: h.BundleDir(),
+		OutputBufferMB: outputMB, BundleDir: h.BundleDir(),
 	}, edge.Deps{
 		Backend: h.Backend, Blobs: layers, Cgroups: h.Cgroups, Log: log,
 		Metrics: edge.NewMetrics(reg), Runtime: h.Runtime, Launcher: h.Backend.Launcher(), Layers: layers, Net: h.Net,

@@ -14,6 +14,7 @@ import (
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/heap"
 )
 
 // writeError writes the API error body for err. Classified errors carry
@@ -47,8 +48,20 @@ func (s *Server) noteUnreachable(err error) {
 func writeJSON(w http.ResponseWriter, status int, v any) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
-	enc := json.NewEncoder(w)
-	if err := enc.Encode(v); err != nil {
+	var err error
+	switch v := v.(type) {
+	case *api.ExecResult:
+		// Sandbox output: encoded in constant memory (api.WriteExecResult),
+		// and its buffers' memory given back to the OS once written.
+		err = api.WriteExecResult(w, v)
+		heap.Released(int64(len(v.Stdout) + len(v.Stderr) + len(v.StdoutB64) + len(v.StderrB64)))
+	case *api.FnCallResult:
+		err = api.WriteFnCallResult(w, v)
+		heap.Released(int64(len(v.Stdout) + len(v.Stderr) + len(v.StdoutB64) + len(v.StderrB64)))
+	default:
+		err = json.NewEncoder(w).Encode(v)
+	}
+	if err != nil {
 		slog.Debug("writing response", "err", err)
 	}
 }

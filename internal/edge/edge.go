@@ -66,6 +66,9 @@ type Config struct {
 	MaxUploadBytes int64
 	// MaxSessions bounds the open sessions of one sandbox.
 	MaxSessions int
+	// OutputBufferMB bounds the output one-shot execs, session runs and
+	// fncalls may buffer at once on this node (outputBudget; 0: 1 GiB).
+	OutputBufferMB int64
 	// CmdLog bounds each sandbox's command log (zero fields: defaults).
 	CmdLog CmdLogConfig
 	// MaxPaused stops a sandbox that stays paused longer (0: never).
@@ -118,6 +121,8 @@ type Edge struct {
 	// noDetached is set once the kernel refused a detached overlay: every
 	// rootfs is then mounted on the host (see detachedRootfs).
 	noDetached atomic.Bool
+	// output bounds the node's buffered command output.
+	output *outputBudget
 	// own and shared are the parent cgroups of sandboxes with a memory
 	// cgroup of their own and without (cgroups.go); nil without cgroups.
 	own, shared *cgroupTree
@@ -185,6 +190,9 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 	if cfg.MaxSessions == 0 {
 		cfg.MaxSessions = 64
 	}
+	if cfg.OutputBufferMB == 0 {
+		cfg.OutputBufferMB = 1 << 10
+	}
 	if deps.Log == nil {
 		deps.Log = slog.Default()
 	}
@@ -210,6 +218,7 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 	}
 	e := &Edge{
 		cfg:       cfg,
+		output:    &outputBudget{limit: cfg.OutputBufferMB << 20},
 		deps:      deps,
 		log:       deps.Log.With("node", cfg.Name),
 		metrics:   deps.Metrics,

@@ -1,6 +1,7 @@
 package edge
 
 import (
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
+	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/files"
 )
 
@@ -23,6 +25,27 @@ func TestCapBuffer(t *testing.T) {
 	b, tr := c.bytes()
 	if string(b) != "abcde" || !tr || c.total != 8 {
 		t.Fatalf("got %q truncated=%v total=%d", b, tr, c.total)
+	}
+}
+
+// TestCapBufferNeverGrowsPastCap: however the output arrives, a capped
+// stream's buffer holds at most its cap (append's doubling would reach
+// the next power of two, up to twice the cap).
+func TestCapBufferNeverGrowsPastCap(t *testing.T) {
+	for _, max := range []int64{1, 5 << 10, 1 << 20, 3<<20 + 7} {
+		for _, chunk := range []int{1, 4 << 10, 64 << 10, 1 << 20} {
+			c := &capBuffer{max: max}
+			p := make([]byte, chunk)
+			for c.total < 2*max+int64(chunk) {
+				_, _ = c.Write(p)
+				if int64(cap(c.buf)) > max {
+					t.Fatalf("max %d, writes of %d: buffer capacity %d after %d bytes", max, chunk, cap(c.buf), c.total)
+				}
+			}
+			if b, tr := c.bytes(); int64(len(b)) != max || !tr {
+				t.Fatalf("max %d, writes of %d: kept %d, truncated %v", max, chunk, len(b), tr)
+			}
+		}
 	}
 }
 
@@ -207,5 +230,43 @@ func TestListPages(t *testing.T) {
 		if got := ids(e.list(c.f)); got != c.want {
 			t.Errorf("List(%+v) = %s, want %s", c.f, got, c.want)
 		}
+	}
+}
+
+// TestOutputBudget: calls take their worst case until the node's budget is
+// spent; the next is refused as exhausted (retryable) and gets in once
+// another gives its share back, which it can do only once.
+func TestOutputBudget(t *testing.T) {
+	b := &outputBudget{limit: 10 << 20}
+	r1, err := b.take(4 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r2, err := b.take(6 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.take(1); !errors.Is(err, errdefs.ErrExhausted) || !strings.Contains(err.Error(), "--output-buffer-mb") {
+		t.Fatalf("take past the budget: %v; want exhausted, naming the flag", err)
+	}
+	r1()
+	r1() // a second release gives nothing back
+	if b.used != 6<<20 {
+		t.Fatalf("used %d after one release, want %d", b.used, 6<<20)
+	}
+	r3, err := b.take(4 << 20)
+	if err != nil {
+		t.Fatalf("take after a release: %v", err)
+	}
+	r2()
+	r3()
+	if b.used != 0 {
+		t.Fatalf("used %d after every release", b.used)
+	}
+	if got := DefaultOutputBufferMB(24 << 30); got != 3<<10 {
+		t.Fatalf("default for 24 GiB: %d MiB", got)
+	}
+	if DefaultOutputBufferMB(1<<30) != 256 || DefaultOutputBufferMB(1<<40) != 8<<10 {
+		t.Fatal("default not clamped to 256 MiB .. 8 GiB")
 	}
 }

@@ -67,6 +67,11 @@ func (e *Edge) Exec(ctx context.Context, id string, req api.ExecRequest, emit fu
 		outW, errW = &streamWriter{sink: sink}, &streamWriter{sink: sink, stderr: true}
 		p.Stdout, p.Stderr = outW, errW
 	} else {
+		release, err := e.output.take(2 * req.MaxOutputBytes)
+		if err != nil {
+			return nil, err
+		}
+		defer release()
 		outBuf, errBuf = &capBuffer{max: req.MaxOutputBytes}, &capBuffer{max: req.MaxOutputBytes}
 		p.Stdout, p.Stderr = outBuf, errBuf
 	}

@@ -31,6 +31,13 @@ func (e *Edge) FnCall(ctx context.Context, req api.FnCallRequest, cr edgeapi.Cre
 		}
 		files[name] = b
 	}
+	// The fetched files are buffered too (the command's output is
+	// counted by Exec).
+	release, err := e.output.take(sandbox.MaxFnCallFetchBytes)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	start := time.Now()
 	sb, err := e.Create(ctx, cr)
 	if err != nil {

@@ -1,11 +1,11 @@
 package edge
 
 import (
-	"encoding/base64"
 	"sync"
 	"unicode/utf8"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
 // capBuffer keeps the first max bytes written to it and counts the rest,
@@ -30,13 +30,28 @@ func (c *capBuffer) Write(p []byte) (int, error) {
 		}
 		return len(p), nil
 	}
+	keep := p
 	if int64(len(p)) > room {
-		c.buf = append(c.buf, p[:room]...)
+		keep = p[:room]
 		c.truncated = true
-		return len(p), nil
 	}
-	c.buf = append(c.buf, p...)
+	c.buf = appendCapped(c.buf, keep, c.max)
 	return len(p), nil
+}
+
+// appendCapped appends b to buf, which never holds more than max bytes
+// (len(buf)+len(b) <= limit): it grows as append does, by doubling, but not
+// past limit, so a capped stream costs at most limit bytes rather than the
+// next power of two.
+func appendCapped(buf, b []byte, limit int64) []byte {
+	if cap(buf)-len(buf) < len(b) {
+		// Not slices.Grow: append's growth rounds up past what was asked.
+		n := min(int64(max(2*cap(buf), len(buf)+len(b), 4<<10)), limit)
+		grown := make([]byte, len(buf), n)
+		copy(grown, buf)
+		buf = grown
+	}
+	return append(buf, b...)
 }
 
 func (c *capBuffer) bytes() ([]byte, bool) {
@@ -45,14 +60,10 @@ func (c *capBuffer) bytes() ([]byte, bool) {
 	return c.buf, c.truncated
 }
 
-// textFields returns output as a JSON-safe string and, when it is not valid
-// UTF-8, the exact bytes base64-encoded.
-func textFields(b []byte) (string, string) {
-	if utf8.Valid(b) {
-		return string(b), ""
-	}
-	return string([]rune(string(b))), base64.StdEncoding.EncodeToString(b)
-}
+// textFields returns output as a result's text (the bytes themselves, not
+// a copy: b must not change afterwards) and, when it is not valid UTF-8,
+// its exact bytes base64-encoded (api.OutputText).
+func textFields(b []byte) (string, string) { return api.OutputText(b) }
 
 // streamWriter turns one output stream into NDJSON events. Chunks that end
 // inside a UTF-8 sequence keep the tail for the next write, so text arrives
@@ -133,4 +144,45 @@ func (s *eventSink) send(stderr bool, data []byte) {
 		ev.Stdout = text
 	}
 	s.err = s.emit(ev)
+}
+
+// outputBudget is the node-wide bound on buffered command output. A
+// one-shot exec, a session run or a fncall collects its output in memory
+// until the command ends (capBuffer), up to max_output_bytes per stream;
+// each takes its worst case, 2 × max_output_bytes, from the budget
+// before the command starts and gives it back when the result has been
+// built. When the budget cannot hold it the call is refused before
+// anything runs (resource_exhausted, retryable), so the daemon's memory
+// for output stays bounded however many callers ask at once, whatever
+// the sandboxes write. Streamed execs buffer nothing and take none.
+type outputBudget struct {
+	mu    sync.Mutex
+	limit int64
+	used  int64
+}
+
+// DefaultOutputBufferMB is the budget for a host with memTotal bytes of
+// memory: an eighth of it, at least 256 MiB and at most 8 GiB.
+func DefaultOutputBufferMB(memTotal uint64) int64 {
+	return min(max(int64(memTotal>>20)/8, 256), 8<<10)
+}
+
+// take reserves n bytes (2 × max_output_bytes for a command); release
+// gives them back.
+func (b *outputBudget) take(n int64) (release func(), err error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.used+n > b.limit {
+		return nil, errdefs.Exhausted("the node's output buffers are taken: commands running now may buffer %d MiB of output and this one %d MiB more, past the node's %d MiB (--output-buffer-mb); retry later, stream the output (?stream=true) or ask for a lower max_output_bytes",
+			b.used>>20, n>>20, b.limit>>20)
+	}
+	b.used += n
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			b.mu.Lock()
+			b.used -= n
+			b.mu.Unlock()
+		})
+	}, nil
 }

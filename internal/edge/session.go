@@ -101,12 +101,12 @@ func (c *markerCapture) commit(b []byte) {
 	room := c.max - int64(len(c.buf))
 	if int64(len(b)) > room {
 		if room > 0 {
-			c.buf = append(c.buf, b[:room]...)
+			c.buf = appendCapped(c.buf, b[:room], c.max)
 		}
 		c.truncated = true
 		return
 	}
-	c.buf = append(c.buf, b...)
+	c.buf = appendCapped(c.buf, b, c.max)
 }
 
 func (c *markerCapture) signal() {
@@ -135,7 +135,9 @@ func (c *markerCapture) result() (buf []byte, truncated, done bool, code int) {
 		c.commit(c.win)
 		b = c.buf
 	}
-	c.prefix = nil
+	// The result owns the bytes now (its text aliases them): the capture
+	// keeps no reference, so they go with the result.
+	c.prefix, c.buf, c.win = nil, nil, nil
 	return b, c.truncated, c.done, c.code
 }
 
@@ -320,6 +322,11 @@ func (e *Edge) RunInSession(ctx context.Context, id, sid string, req api.Session
 	if se == nil {
 		return nil, errdefs.NotFound("session %s not found in sandbox %s", sid, id)
 	}
+	release, err := e.output.take(2 * req.MaxOutputBytes)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	res, err = se.run(ctx, req.Command, time.Duration(req.Timeout)*time.Second, req.MaxOutputBytes)
 	if err != nil {
 		return nil, err

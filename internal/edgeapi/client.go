@@ -147,6 +147,13 @@ func (c *Client) roundTrip(ctx context.Context, cl call, out any) error {
 	if out == nil || resp.StatusCode == http.StatusNoContent {
 		return nil
 	}
+	switch out.(type) {
+	case *api.ExecResult, *api.FnCallResult:
+		if err := readOutputFrame(resp, out); err != nil {
+			return &Unreachable{Node: c.name, Err: fmt.Errorf("reading the answer to %s %s: %w", cl.method, cl.path, err)}
+		}
+		return nil
+	}
 	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
 		return &Unreachable{Node: c.name, Err: fmt.Errorf("reading the answer to %s %s: %w", cl.method, cl.path, err)}
 	}

@@ -148,6 +148,11 @@ func (s *Server) routes() {
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
+	switch v.(type) {
+	case *api.ExecResult, *api.FnCallResult:
+		_ = writeOutputFrame(w, status, v)
+		return
+	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
 	_ = json.NewEncoder(w).Encode(v)

@@ -3,14 +3,17 @@ package edgeapi_test
 import (
 	"bytes"
 	"context"
+	"encoding/base64"
 	"errors"
 	"io"
 	"net"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
@@ -281,5 +284,55 @@ func TestUnreachable(t *testing.T) {
 	var u *edgeapi.Unreachable
 	if !errors.Is(err, errdefs.ErrUnavailable) || !errors.As(err, &u) || !u.NotSent || u.Node != "n1" {
 		t.Fatalf("closed edge: %v", err)
+	}
+}
+
+// TestExecOutputCrossesExactly: a one-shot result carrying output a
+// sandbox chose (NULs that JSON would escape to six bytes each, bytes
+// that are not UTF-8, a multi-byte rune cut in half) crosses the internal
+// API as an output frame, byte for byte, in both streams.
+func TestExecOutputCrossesExactly(t *testing.T) {
+	fake := edgetest.NewFake("n1")
+	c, srv := remote(t, fake)
+	id := newSandbox(t, c)
+	for _, out := range [][]byte{
+		nil, []byte("plain\n"), bytes.Repeat([]byte{0}, 1<<20), []byte("\xff\xfe\x00 not utf-8 \xe2\x82"),
+		[]byte("\x1b]52;c;aGk=\x07 \u2028 <&>"), bytes.Repeat([]byte("é\xc3"), 1000),
+	} {
+		res, err := c.Exec(t.Context(), id, api.ExecRequest{StdinB64: base64.StdEncoding.EncodeToString(out)}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rev := slices.Clone(out)
+		slices.Reverse(rev)
+		for _, s := range []struct {
+			name      string
+			text, b64 string
+			want      []byte
+		}{{"stdout", res.Stdout, res.StdoutB64, out}, {"stderr", res.Stderr, res.StderrB64, rev}} {
+			got := []byte(s.text)
+			if s.b64 != "" {
+				if got, err = base64.StdEncoding.DecodeString(s.b64); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if !bytes.Equal(got, s.want) || (s.b64 != "") == utf8.Valid(s.want) {
+				t.Fatalf("%s of %d bytes came back as %d bytes (b64 %v)", s.name, len(s.want), len(got), s.b64 != "")
+			}
+		}
+		if res.ExitCode != 3 {
+			t.Fatalf("exit code %d", res.ExitCode)
+		}
+	}
+	// It is a frame, not JSON: 1 MiB of NULs costs 1 MiB on the wire.
+	resp, err := srv.Client().Post(srv.URL+"/internal/v1/sandboxes/"+id+"/exec", "application/json",
+		strings.NewReader(`{"stdin_b64":"`+base64.StdEncoding.EncodeToString(make([]byte, 1<<20))+`"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, _ := io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if ct := resp.Header.Get("Content-Type"); ct != "application/vnd.dsec.output-frame" || n > 2<<20+4096 {
+		t.Fatalf("answer: Content-Type %q, %d bytes for 2 MiB of output", ct, n)
 	}
 }

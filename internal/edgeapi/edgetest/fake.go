@@ -5,10 +5,12 @@ package edgetest
 import (
 	"bytes"
 	"context"
+	"encoding/base64"
 	"fmt"
 	"io"
 	"net"
 	"os"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -219,6 +221,20 @@ func (f *Fake) Exec(ctx context.Context, id string, req api.ExecRequest, emit fu
 			return nil, errdefs.Precondition("sandbox %s stopped mid-command", id)
 		}
 		return &api.ExecResult{ExitCode: 3}, nil
+	}
+	if req.StdinB64 != "" {
+		// Echo: stdin's exact bytes come back as stdout, and reversed
+		// as stderr, in the edge's in-memory form (api.OutputText).
+		in, err := base64.StdEncoding.DecodeString(req.StdinB64)
+		if err != nil {
+			return nil, errdefs.Invalid("stdin_b64: %v", err)
+		}
+		rev := slices.Clone(in)
+		slices.Reverse(rev)
+		res := &api.ExecResult{ExitCode: 3}
+		res.Stdout, res.StdoutB64 = api.OutputText(in)
+		res.Stderr, res.StderrB64 = api.OutputText(rev)
+		return res, nil
 	}
 	return &api.ExecResult{ExitCode: 3, Stdout: req.Cmd}, nil
 }
