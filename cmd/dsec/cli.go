@@ -6,6 +6,7 @@ package main
 // server, edge) and bench live in their own files.
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -17,7 +18,6 @@ import (
 	"sort"
 	"strings"
 	"syscall"
-	"text/tabwriter"
 
 	dsec "github.com/dsecproject/dsec/sdk/go"
 )
@@ -218,14 +218,19 @@ func printJSONList[T any](v []T) error {
 	return printJSON(v)
 }
 
-// printJSON writes v indented to stdout, for --json.
+// printJSON writes v indented to stdout, for --json (escapeJSON'd on a
+// terminal).
 func printJSON(v any) error {
-	enc := json.NewEncoder(os.Stdout)
+	var buf bytes.Buffer
+	enc := json.NewEncoder(&buf)
 	enc.SetIndent("", "  ")
-	return enc.Encode(v)
-}
-
-// newTable returns a tabwriter on stdout; call Flush when done.
-func newTable() *tabwriter.Writer {
-	return tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	if err := enc.Encode(v); err != nil {
+		return err
+	}
+	b := buf.Bytes()
+	if isTerminal(os.Stdout) {
+		b = escapeJSON(b)
+	}
+	_, err := os.Stdout.Write(b)
+	return err
 }

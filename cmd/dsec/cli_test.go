@@ -27,13 +27,6 @@ func runCLI(t *testing.T, handler http.Handler, args ...string) (stdout string, 
 // runCLIStderr is runCLI capturing stderr too.
 func runCLIStderr(t *testing.T, handler http.Handler, args ...string) (stdout, stderr string, err error) {
 	t.Helper()
-	srv := httptest.NewServer(handler)
-	defer srv.Close()
-	t.Setenv("DSEC_ENDPOINT", srv.URL)
-	t.Setenv("DSEC_API_KEY", "test-key")
-	t.Setenv("DSEC_CONFIG", "")
-	t.Setenv("HOME", t.TempDir())
-
 	out, err := os.CreateTemp(t.TempDir(), "stdout")
 	if err != nil {
 		t.Fatal(err)
@@ -42,6 +35,25 @@ func runCLIStderr(t *testing.T, handler http.Handler, args ...string) (stdout, s
 	if err != nil {
 		t.Fatal(err)
 	}
+	err = runCLIOn(t, handler, out, errf, args...)
+	b, _ := os.ReadFile(out.Name())
+	e, _ := os.ReadFile(errf.Name())
+	out.Close()
+	errf.Close()
+	return string(b), string(e), err
+}
+
+// runCLIOn runs one client command against handler with stdout and stderr
+// going to out and errf.
+func runCLIOn(t *testing.T, handler http.Handler, out, errf *os.File, args ...string) error {
+	t.Helper()
+	srv := httptest.NewServer(handler)
+	defer srv.Close()
+	t.Setenv("DSEC_ENDPOINT", srv.URL)
+	t.Setenv("DSEC_API_KEY", "test-key")
+	t.Setenv("DSEC_CONFIG", "")
+	t.Setenv("HOME", t.TempDir())
+
 	oldOut, oldErr := os.Stdout, os.Stderr
 	os.Stdout, os.Stderr = out, errf
 	handled, err := runCommand(args[0], args[1:])
@@ -49,11 +61,7 @@ func runCLIStderr(t *testing.T, handler http.Handler, args ...string) (stdout, s
 	if !handled {
 		t.Fatalf("%s not handled", args[0])
 	}
-	b, _ := os.ReadFile(out.Name())
-	e, _ := os.ReadFile(errf.Name())
-	out.Close()
-	errf.Close()
-	return string(b), string(e), err
+	return err
 }
 
 func jsonReply(w http.ResponseWriter, status int, v any) {

@@ -33,6 +33,7 @@ func runExec(ctx context.Context, args []string) error {
 	stdin := fs.String("stdin", "", "send this `FILE` as the command's stdin ('-' = dsec's stdin)")
 	stream := fs.Bool("stream", false, "stream output as it is produced")
 	asJSON := fs.Bool("json", false, "print the result as JSON instead of the output (not with --stream)")
+	raw := rawFlag(fs)
 	pos, _, err := fs.parse(args)
 	if err != nil {
 		return err
@@ -67,17 +68,22 @@ func runExec(ctx context.Context, args []string) error {
 		return err
 	}
 	if *stream {
+		stdout, stderr := newStreamOut(os.Stdout, *raw), newStreamOut(os.Stderr, *raw)
 		final, err := c.ExecStream(ctx, id, req, func(ev api.ExecEvent) error {
 			if b := dsec.OutputBytes(ev.Stdout, ev.StdoutB64); len(b) > 0 {
-				if _, err := os.Stdout.Write(b); err != nil {
+				if _, err := stdout.Write(b); err != nil {
 					return err
 				}
 			}
 			if b := dsec.OutputBytes(ev.Stderr, ev.StderrB64); len(b) > 0 {
-				os.Stderr.Write(b)
+				stderr.Write(b)
 			}
 			return nil
 		})
+		stderr.Flush()
+		if ferr := stdout.Flush(); err == nil {
+			err = ferr
+		}
 		if err != nil {
 			return err
 		}
@@ -87,7 +93,13 @@ func runExec(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	return reportResult(res, *asJSON)
+	return reportResult(res, *asJSON, *raw)
+}
+
+// rawFlag defines --raw, for the commands that print a command's output
+// or a file.
+func rawFlag(fs *cmdFlags) *bool {
+	return fs.Bool("raw", false, "write the output unchanged even to a terminal (where control characters are shown escaped by default)")
 }
 
 // setStdin loads the command's stdin from a file or dsec's own stdin. The
@@ -120,17 +132,17 @@ func readStdin(name string) (text, b64 string, err error) {
 }
 
 // reportResult writes a finished command's output (or its JSON) and turns
-// its status into dsec's.
-func reportResult(res *api.ExecResult, asJSON bool) error {
+// its status into dsec's. raw is --raw.
+func reportResult(res *api.ExecResult, asJSON, raw bool) error {
 	if asJSON {
 		if err := printJSON(res); err != nil {
 			return err
 		}
 	} else {
-		if _, err := os.Stdout.Write(dsec.OutputBytes(res.Stdout, res.StdoutB64)); err != nil {
+		if err := copyStream(os.Stdout, raw, dsec.OutputBytes(res.Stdout, res.StdoutB64)); err != nil {
 			return err
 		}
-		os.Stderr.Write(dsec.OutputBytes(res.Stderr, res.StderrB64))
+		copyStream(os.Stderr, raw, dsec.OutputBytes(res.Stderr, res.StderrB64))
 	}
 	return commandStatus(res.ExitCode, res.TimedOut, res.Truncated)
 }
@@ -193,7 +205,7 @@ func sessionOpen(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	fmt.Println(sid)
+	printf(os.Stdout, "%s\n", sid)
 	return nil
 }
 
@@ -204,6 +216,7 @@ func sessionRun(ctx context.Context, args []string) error {
 	fs.Var(&timeout, "timeout", "kill the command after this long (`seconds` or duration)")
 	maxOut := fs.Int64("max-output-bytes", 0, "cap per output stream (0 = server default)")
 	asJSON := fs.Bool("json", false, "print the result as JSON instead of the output")
+	raw := rawFlag(fs)
 	pos, _, err := fs.parse(args)
 	if err != nil {
 		return err
@@ -221,7 +234,7 @@ func sessionRun(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	return reportResult(res, *asJSON)
+	return reportResult(res, *asJSON, *raw)
 }
 
 func sessionClose(ctx context.Context, args []string) error {

@@ -25,8 +25,10 @@ func runFiles(ctx context.Context, args []string) error {
 }
 
 func filesGet(ctx context.Context, args []string) error {
-	fs := newCmdFlags("files get", "[-o FILE] ID PATH", "Print a file of a sandbox, or save it with -o.")
+	fs := newCmdFlags("files get", "[-o FILE] [--raw] ID PATH",
+		"Print a file of a sandbox, or save it with -o. On a terminal its control\ncharacters are shown escaped unless --raw; a pipe or -o gets the exact bytes.")
 	out := fs.String("o", "", "write to `FILE` instead of stdout")
+	raw := rawFlag(fs)
 	pos, err := fs.parseN(args, 2, 2)
 	if err != nil {
 		return err
@@ -36,7 +38,11 @@ func filesGet(ctx context.Context, args []string) error {
 		return err
 	}
 	if *out == "" || *out == "-" {
-		_, err := c.ReadFileTo(ctx, pos[0], pos[1], os.Stdout)
+		stdout := newStreamOut(os.Stdout, *raw)
+		_, err := c.ReadFileTo(ctx, pos[0], pos[1], stdout)
+		if ferr := stdout.Flush(); err == nil {
+			err = ferr
+		}
 		return err
 	}
 	// Write next to the target and rename, so a failed download never
@@ -126,7 +132,7 @@ func filesLs(ctx context.Context, args []string) error {
 		return printJSONList(entries)
 	}
 	tw := newTable()
-	fmt.Fprintln(tw, "MODE\tSIZE\tMODIFIED\tPATH")
+	tw.printf("MODE\tSIZE\tMODIFIED\tPATH\n")
 	for _, e := range entries {
 		name := e.Path
 		if e.Type == "dir" {
@@ -135,7 +141,7 @@ func filesLs(ctx context.Context, args []string) error {
 		if e.LinkTarget != "" {
 			name += " -> " + e.LinkTarget
 		}
-		fmt.Fprintf(tw, "%s %s\t%d\t%s\t%s\n", typeLetter(e.Type), e.Mode, e.Size, e.MTime.Local().Format("2006-01-02 15:04"), name)
+		tw.printf("%s %s\t%d\t%s\t%s\n", typeLetter(e.Type), e.Mode, e.Size, e.MTime.Local().Format("2006-01-02 15:04"), name)
 	}
 	return tw.Flush()
 }
@@ -172,14 +178,14 @@ func filesStat(ctx context.Context, args []string) error {
 		return printJSON(e)
 	}
 	tw := newTable()
-	fmt.Fprintf(tw, "Path:\t%s\n", e.Path)
-	fmt.Fprintf(tw, "Type:\t%s\n", e.Type)
+	tw.printf("Path:\t%s\n", e.Path)
+	tw.printf("Type:\t%s\n", e.Type)
 	if e.LinkTarget != "" {
-		fmt.Fprintf(tw, "Target:\t%s\n", e.LinkTarget)
+		tw.printf("Target:\t%s\n", e.LinkTarget)
 	}
-	fmt.Fprintf(tw, "Size:\t%d (%s)\n", e.Size, humanBytes(e.Size))
-	fmt.Fprintf(tw, "Mode:\t%s\n", e.Mode)
-	fmt.Fprintf(tw, "Modified:\t%s\n", e.MTime.Local().Format("2006-01-02 15:04:05 MST"))
+	tw.printf("Size:\t%d (%s)\n", e.Size, humanBytes(e.Size))
+	tw.printf("Mode:\t%s\n", e.Mode)
+	tw.printf("Modified:\t%s\n", e.MTime.Local().Format("2006-01-02 15:04:05 MST"))
 	return tw.Flush()
 }
 
@@ -226,7 +232,7 @@ func filesPush(ctx context.Context, args []string) error {
 	if st.Skipped > 0 {
 		fmt.Fprintf(os.Stderr, "dsec: skipped %d sockets\n", st.Skipped)
 	}
-	fmt.Printf("uploaded %d files (%s) to %s\n", res.Files, humanBytes(res.Bytes), dest)
+	printf(os.Stdout, "uploaded %d files (%s) to %s\n", res.Files, humanBytes(res.Bytes), dest)
 	return nil
 }
 
@@ -272,7 +278,7 @@ func filesPull(ctx context.Context, args []string) error {
 	if st.Skipped > 0 {
 		fmt.Fprintf(os.Stderr, "dsec: skipped %d device or fifo entries\n", st.Skipped)
 	}
-	fmt.Printf("extracted %d entries (%s) into %s\n", st.Entries, humanBytes(st.Bytes), dir)
+	printf(os.Stdout, "extracted %d entries (%s) into %s\n", st.Entries, humanBytes(st.Bytes), dir)
 	return nil
 }
 

@@ -37,6 +37,7 @@ func runFnCall(ctx context.Context, args []string) error {
 	fs.Int64Var(&req.MaxOutputBytes, "max-output-bytes", 0, "cap per output stream (0 = server default)")
 	fs.Int64Var(&req.MemoryMB, "memory-mb", 0, "memory limit of the call's sandbox in MiB (0 = none)")
 	asJSON := fs.Bool("json", false, "print the whole result as JSON (fetched files base64 in it, none written)")
+	raw := rawFlag(fs)
 	pos, _, err := fs.parse(args)
 	if err != nil {
 		return err
@@ -109,10 +110,10 @@ func runFnCall(ctx context.Context, args []string) error {
 		}
 		return commandStatusHint(res.ExitCode, res.TimedOut, res.Truncated, hint)
 	}
-	if _, err := os.Stdout.Write(dsec.OutputBytes(res.Stdout, res.StdoutB64)); err != nil {
+	if err := copyStream(os.Stdout, *raw, dsec.OutputBytes(res.Stdout, res.StdoutB64)); err != nil {
 		return err
 	}
-	os.Stderr.Write(dsec.OutputBytes(res.Stderr, res.StderrB64))
+	copyStream(os.Stderr, *raw, dsec.OutputBytes(res.Stderr, res.StderrB64))
 	status := commandStatusHint(res.ExitCode, res.TimedOut, res.Truncated, hint)
 	if failed := writeFetched(root, *out, req.FetchFiles, res); failed > 0 && status == nil {
 		return fmt.Errorf("fncall: %d fetched file(s) could not be written", failed)
@@ -182,14 +183,14 @@ func writeFetched(root *os.Root, out string, names []string, res *api.FnCallResu
 		b64, ok := res.Files[name]
 		if !ok {
 			if missing[name] {
-				fmt.Fprintf(os.Stderr, "dsec: fncall: /work/%s was not a file when the command ended\n", name)
+				printf(os.Stderr, "dsec: fncall: /work/%s was not a file when the command ended\n", name)
 			} else {
-				fmt.Fprintf(os.Stderr, "dsec: fncall: the answer has no /work/%s\n", name)
+				printf(os.Stderr, "dsec: fncall: the answer has no /work/%s\n", name)
 			}
 			continue
 		}
 		if err := writeFetchedFile(root, name, b64); err != nil {
-			fmt.Fprintf(os.Stderr, "dsec: fncall: writing %s: %v\n", filepath.Join(out, name), err)
+			printf(os.Stderr, "dsec: fncall: writing %s: %v\n", filepath.Join(out, name), err)
 			failed++
 		}
 	}

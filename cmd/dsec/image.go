@@ -104,7 +104,7 @@ func imageImport(ctx context.Context, args []string) error {
 		Ref: *f.ref, Workspace: *f.workspace, Split: *f.split, Platform: *f.platform,
 	}, func(line string) {
 		stopUpload()
-		fmt.Fprintln(os.Stderr, line)
+		printf(os.Stderr, "%s\n", line)
 	})
 	stopUpload()
 	if err != nil {
@@ -161,7 +161,7 @@ func imagePull(ctx context.Context, args []string) error {
 		return err
 	}
 	start := time.Now()
-	res, err := c.PullImage(ctx, req, func(line string) { fmt.Fprintln(os.Stderr, line) })
+	res, err := c.PullImage(ctx, req, func(line string) { printf(os.Stderr, "%s\n", line) })
 	if err != nil {
 		return err
 	}
@@ -175,7 +175,7 @@ func printImageResult(res *api.ImageResult, asJSON bool, took time.Duration) err
 	fmt.Fprintf(os.Stderr, "%d image layers, %d files, %s unpacked; done in %s\n",
 		res.ImageLayers, res.Files, humanBytes(res.Bytes), took.Round(100*time.Millisecond))
 	for _, l := range res.Layers {
-		fmt.Printf("%s %s %s\n", l.Ref, l.Digest, humanBytes(l.SizeBytes))
+		printf(os.Stdout, "%s %s %s\n", l.Ref, l.Digest, humanBytes(l.SizeBytes))
 	}
 	return nil
 }
@@ -351,7 +351,7 @@ func imageBootstrap(ctx context.Context, args []string) error {
 	// does not re-point refs, and a delete first says what is meant.
 	switch l, err := c.GetLayer(ctx, cfg.ref()); {
 	case err == nil:
-		fmt.Fprintf(os.Stderr, "image bootstrap: %s already exists (%s, %s); nothing to do. To rebuild it: dsec layer delete %s\n",
+		printf(os.Stderr, "image bootstrap: %s already exists (%s, %s); nothing to do. To rebuild it: dsec layer delete %s\n",
 			l.Ref, shortDigest(l.Digest), humanBytes(l.SizeBytes), l.Ref)
 		return printBootstrapResult(l, cfg.asJSON)
 	case !errors.Is(err, dsec.ErrNotFound):
@@ -434,7 +434,7 @@ func printBootstrapResult(l *api.Layer, asJSON bool) error {
 	if asJSON {
 		return printJSON(l)
 	}
-	fmt.Printf("%s %s %s\n", l.Ref, l.Digest, humanBytes(l.SizeBytes))
+	printf(os.Stdout, "%s %s %s\n", l.Ref, l.Digest, humanBytes(l.SizeBytes))
 	return nil
 }
 

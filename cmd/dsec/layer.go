@@ -59,7 +59,7 @@ func layerBuild(ctx context.Context, args []string) error {
 	if *asJSON {
 		return printJSON(layer)
 	}
-	fmt.Printf("%s %s %s\n", layer.Ref, layer.Digest, humanBytes(layer.SizeBytes))
+	printf(os.Stdout, "%s %s %s\n", layer.Ref, layer.Digest, humanBytes(layer.SizeBytes))
 	return nil
 }
 
@@ -130,7 +130,7 @@ func showProgress(r *countingReader) (stop func()) {
 	start := time.Now()
 	quit := make(chan struct{})
 	var wg sync.WaitGroup
-	if stderrIsTerminal() {
+	if isTerminal(os.Stderr) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -155,11 +155,6 @@ func showProgress(r *countingReader) (stop func()) {
 	}
 }
 
-func stderrIsTerminal() bool {
-	fi, err := os.Stderr.Stat()
-	return err == nil && fi.Mode()&os.ModeCharDevice != 0
-}
-
 func layerList(ctx context.Context, args []string) error {
 	fs := newCmdFlags("layer list", "[--kind K] [--json]", "List the layer catalog.")
 	kind := fs.String("kind", "", "only this kind: "+strings.Join(layerKinds, " | "))
@@ -179,10 +174,10 @@ func layerList(ctx context.Context, args []string) error {
 		return printJSONList(layers)
 	}
 	tw := newTable()
-	fmt.Fprintln(tw, "REF\tDIGEST\tSIZE\tAGE")
+	tw.printf("REF\tDIGEST\tSIZE\tAGE\n")
 	now := time.Now()
 	for _, l := range layers {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", orDash(l.Ref), shortDigest(l.Digest), humanBytes(l.SizeBytes), humanAge(l.CreatedAt, now))
+		tw.printf("%s\t%s\t%s\t%s\n", orDash(l.Ref), shortDigest(l.Digest), humanBytes(l.SizeBytes), humanAge(l.CreatedAt, now))
 	}
 	return tw.Flush()
 }
@@ -215,12 +210,12 @@ func layerGet(ctx context.Context, args []string) error {
 		return printJSON(l)
 	}
 	tw := newTable()
-	fmt.Fprintf(tw, "Ref:\t%s\n", orDash(l.Ref))
-	fmt.Fprintf(tw, "Digest:\t%s\n", l.Digest)
-	fmt.Fprintf(tw, "Kind:\t%s\n", l.Kind)
-	fmt.Fprintf(tw, "Size:\t%s (%d bytes)\n", humanBytes(l.SizeBytes), l.SizeBytes)
+	tw.printf("Ref:\t%s\n", orDash(l.Ref))
+	tw.printf("Digest:\t%s\n", l.Digest)
+	tw.printf("Kind:\t%s\n", l.Kind)
+	tw.printf("Size:\t%s (%d bytes)\n", humanBytes(l.SizeBytes), l.SizeBytes)
 	if !l.CreatedAt.IsZero() {
-		fmt.Fprintf(tw, "Created:\t%s\n", l.CreatedAt.Local().Format(time.RFC3339))
+		tw.printf("Created:\t%s\n", l.CreatedAt.Local().Format(time.RFC3339))
 	}
 	return tw.Flush()
 }
@@ -256,7 +251,7 @@ func runNodes(ctx context.Context, args []string) error {
 		return printJSONList(nodes)
 	}
 	tw := newTable()
-	fmt.Fprintln(tw, "NAME\tSTATUS\tBACKENDS\tCPU\tMEMORY\tRUNNING\tSANDBOXES\tMAX")
+	tw.printf("NAME\tSTATUS\tBACKENDS\tCPU\tMEMORY\tRUNNING\tSANDBOXES\tMAX\n")
 	for _, n := range nodes {
 		status := "healthy"
 		if !n.Healthy {
@@ -266,7 +261,7 @@ func runNodes(ctx context.Context, args []string) error {
 		for _, v := range n.Counts {
 			total += v
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%g\t%s\t%d\t%d\t%d\n", n.Name, status, orDash(strings.Join(n.Backends, ",")),
+		tw.printf("%s\t%s\t%s\t%g\t%s\t%d\t%d\t%d\n", n.Name, status, orDash(strings.Join(n.Backends, ",")),
 			n.Capacity.CPU, humanBytes(n.Capacity.MemoryMB<<20), n.Counts[api.StateRunning], total, n.Capacity.MaxSandboxes)
 	}
 	return tw.Flush()

@@ -60,7 +60,7 @@ func main() {
 		os.Exit(ec.ExitCode()) // the sandboxed command's status; its output already went out
 	}
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "dsec: %v\n", err)
+		printf(os.Stderr, "dsec: %v\n", err) // errors quote what the server and sandboxes said
 		os.Exit(1)
 	}
 }

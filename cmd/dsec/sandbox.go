@@ -92,7 +92,7 @@ func sandboxCreate(ctx context.Context, args []string) error {
 		if *asJSON {
 			return printJSON(sb)
 		}
-		fmt.Println(sb.ID)
+		printf(os.Stdout, "%s\n", sb.ID)
 		return nil
 	}
 	res, err := c.CreateSandboxes(ctx, *count, spec)
@@ -105,10 +105,10 @@ func sandboxCreate(ctx context.Context, args []string) error {
 		}
 	} else {
 		for _, sb := range res.Sandboxes {
-			fmt.Println(sb.ID)
+			printf(os.Stdout, "%s\n", sb.ID)
 		}
 		for _, e := range res.Errors {
-			fmt.Fprintf(os.Stderr, "dsec: sandbox #%d: %s: %s\n", e.Index, e.Error.Code, e.Error.Message)
+			printf(os.Stderr, "dsec: sandbox #%d: %s: %s\n", e.Index, e.Error.Code, e.Error.Message)
 		}
 	}
 	if len(res.Errors) > 0 {
@@ -142,14 +142,14 @@ func sandboxList(ctx context.Context, args []string) error {
 		return printJSONList(all)
 	}
 	tw := newTable()
-	fmt.Fprintln(tw, "ID\tSTATE\tBASE\tAGE\tLABELS")
+	tw.printf("ID\tSTATE\tBASE\tAGE\tLABELS\n")
 	now := time.Now()
 	for _, sb := range all {
 		base := sb.Spec.Base
 		if base == "" {
 			base = sb.Spec.Image
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", sb.ID, sb.State, orDash(base),
+		tw.printf("%s\t%s\t%s\t%s\t%s\n", sb.ID, sb.State, orDash(base),
 			humanAge(sb.CreatedAt, now), orDash(formatKV(sb.Labels)))
 	}
 	return tw.Flush()
@@ -176,7 +176,7 @@ func sandboxGet(ctx context.Context, args []string) error {
 	tw := newTable()
 	row := func(k, v string) {
 		if v != "" {
-			fmt.Fprintf(tw, "%s:\t%s\n", k, v)
+			tw.printf("%s:\t%s\n", k, v)
 		}
 	}
 	row("ID", sb.ID)
@@ -255,11 +255,11 @@ func sandboxDelete(ctx context.Context, args []string) error {
 			if ctx.Err() != nil {
 				return err
 			}
-			fmt.Fprintf(os.Stderr, "dsec: %s: %v\n", id, err)
+			printf(os.Stderr, "dsec: %s: %v\n", id, err)
 			failed++
 			continue
 		}
-		fmt.Println(id)
+		printf(os.Stdout, "%s\n", id)
 	}
 	if failed > 0 {
 		return fmt.Errorf("%d of %d deletes failed", failed, len(ids))
@@ -289,10 +289,10 @@ func sandboxNetwork(ctx context.Context, args []string) error {
 		return err
 	}
 	if sb.Spec.Network == nil {
-		fmt.Printf("%s: loopback only\n", sb.ID)
+		printf(os.Stdout, "%s: loopback only\n", sb.ID)
 		return nil
 	}
-	fmt.Printf("%s: allow [%s] deny [%s]\n", sb.ID, strings.Join(sb.Spec.Network.Allow, ", "), strings.Join(sb.Spec.Network.Deny, ", "))
+	printf(os.Stdout, "%s: allow [%s] deny [%s]\n", sb.ID, strings.Join(sb.Spec.Network.Allow, ", "), strings.Join(sb.Spec.Network.Deny, ", "))
 	return nil
 }
 
@@ -314,7 +314,7 @@ func sandboxKeepalive(ctx context.Context, args []string) error {
 	if err := c.Keepalive(ctx, pos[0], time.Duration(ttl)*time.Second); err != nil {
 		return err
 	}
-	fmt.Printf("%s: expires in %ds\n", pos[0], int64(ttl))
+	printf(os.Stdout, "%s: expires in %ds\n", pos[0], int64(ttl))
 	return nil
 }
 
@@ -341,10 +341,10 @@ func sandboxStats(ctx context.Context, args []string) error {
 		mem += " / " + humanBytes(int64(st.MemoryMaxBytes))
 	}
 	tw := newTable()
-	fmt.Fprintf(tw, "CPU time:\t%s\n", time.Duration(st.CPUUsageNS).Round(time.Millisecond))
-	fmt.Fprintf(tw, "Memory:\t%s\n", mem)
-	fmt.Fprintf(tw, "Pids:\t%d\n", st.Pids)
-	fmt.Fprintf(tw, "Disk:\t%s\n", humanBytes(int64(st.DiskBytes)))
+	tw.printf("CPU time:\t%s\n", time.Duration(st.CPUUsageNS).Round(time.Millisecond))
+	tw.printf("Memory:\t%s\n", mem)
+	tw.printf("Pids:\t%d\n", st.Pids)
+	tw.printf("Disk:\t%s\n", humanBytes(int64(st.DiskBytes)))
 	return tw.Flush()
 }
 
@@ -401,7 +401,7 @@ func pauseOrResume(ctx context.Context, args []string, pause bool) error {
 			if res, err = c.Pause(ctx, id); err == nil {
 				out = res
 				if !*asJSON {
-					fmt.Printf("%s paused in %d ms, freed %s (%s -> %s)\n", id, res.DurationMS,
+					printf(os.Stdout, "%s paused in %d ms, freed %s (%s -> %s)\n", id, res.DurationMS,
 						humanBytes(int64(res.MemoryFreedBytes)), humanBytes(int64(res.MemoryBeforeBytes)), humanBytes(int64(res.MemoryAfterBytes)))
 				}
 			}
@@ -410,7 +410,7 @@ func pauseOrResume(ctx context.Context, args []string, pause bool) error {
 			if sb, err = c.Resume(ctx, id); err == nil {
 				out = sb
 				if !*asJSON {
-					fmt.Printf("%s %s\n", id, sb.State)
+					printf(os.Stdout, "%s %s\n", id, sb.State)
 				}
 			}
 		}
@@ -418,7 +418,7 @@ func pauseOrResume(ctx context.Context, args []string, pause bool) error {
 			if ctx.Err() != nil {
 				return err
 			}
-			fmt.Fprintf(os.Stderr, "dsec: %s: %v\n", id, err)
+			printf(os.Stderr, "dsec: %s: %v\n", id, err)
 			failed++
 			continue
 		}
@@ -463,7 +463,7 @@ func sandboxSnapshot(ctx context.Context, args []string) error {
 	if *asJSON {
 		return printJSON(l)
 	}
-	fmt.Printf("%s %s %s\n", l.Ref, l.Digest, humanBytes(l.SizeBytes))
+	printf(os.Stdout, "%s %s %s\n", l.Ref, l.Digest, humanBytes(l.SizeBytes))
 	return nil
 }
 
@@ -491,10 +491,10 @@ func sandboxFork(ctx context.Context, args []string) error {
 		return printJSON(res)
 	}
 	for _, sb := range res.Sandboxes {
-		fmt.Println(sb.ID)
+		printf(os.Stdout, "%s\n", sb.ID)
 	}
 	for _, e := range res.Errors {
-		fmt.Fprintf(os.Stderr, "dsec: fork %d: %s\n", e.Index, e.Error.Message)
+		printf(os.Stderr, "dsec: fork %d: %s\n", e.Index, e.Error.Message)
 	}
 	if len(res.Errors) > 0 {
 		return fmt.Errorf("%d of %d forks failed", len(res.Errors), *count)
@@ -528,9 +528,9 @@ func sandboxLog(ctx context.Context, args []string) error {
 		return printJSONList(entries)
 	}
 	tw := newTable()
-	fmt.Fprintln(tw, "SEQ\tTIME\tKIND\tREQUEST\tRESULT")
+	tw.printf("SEQ\tTIME\tKIND\tREQUEST\tRESULT\n")
 	for _, e := range entries {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\n", e.Seq, e.Time.Local().Format("15:04:05.000"), e.Kind,
+		tw.printf("%d\t%s\t%s\t%s\t%s\n", e.Seq, e.Time.Local().Format("15:04:05.000"), e.Kind,
 			orDash(oneLine(logRequestText(e))), orDash(oneLine(logResultText(e))))
 	}
 	return tw.Flush()
