@@ -26,9 +26,28 @@ func (s *Server) setNetwork(w http.ResponseWriter, r *http.Request) {
 	})
 }
 
+// Credentials never cross the ports proxy, either way. Whatever runs in
+// the sandbox is untrusted, and every sandbox's ports are served from the
+// API's own origin: a caller's credentials would be the sandbox's, and a
+// cookie or an HSTS, Alt-Svc or Clear-Site-Data header a sandbox sets would
+// apply to the API's origin, shared by every sandbox and by whatever else
+// runs there (docs/guide.md "Ports" says how a browser should reach
+// sandbox ports: an origin of their own).
+var (
+	// proxyDropRequest are the request headers that carry the caller's
+	// credentials to dsec or to anything else.
+	proxyDropRequest = []string{"Authorization", "Proxy-Authorization", "Cookie", "Cookie2",
+		"X-Api-Key", "X-Access-Token", "X-Auth-Token", "X-Csrf-Token", "X-Xsrf-Token"}
+	// proxyDropResponse are the response headers that would act on the
+	// API's origin rather than on one sandbox's response.
+	proxyDropResponse = []string{"Set-Cookie", "Set-Cookie2", "Strict-Transport-Security", "Alt-Svc",
+		"Clear-Site-Data", "Service-Worker-Allowed", "Public-Key-Pins", "Public-Key-Pins-Report-Only",
+		"Origin-Agent-Cluster", "Proxy-Authenticate", "WWW-Authenticate"}
+)
+
 // proxyPort forwards an HTTP request to a service listening on a port of
-// the sandbox's loopback. The caller's API key is not passed on: whatever
-// runs in the sandbox is untrusted. Upgrades (WebSocket) pass through.
+// the sandbox's loopback, with no credentials either way (above).
+// Upgrades (WebSocket) pass through.
 func (s *Server) proxyPort(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
 	port, err := strconv.Atoi(r.PathValue("port"))
@@ -84,9 +103,16 @@ func (s *Server) proxyPort(w http.ResponseWriter, r *http.Request) {
 			pr.Out.URL.Path = "/" + r.PathValue("path")
 			pr.Out.URL.RawPath = ""
 			pr.Out.Host = host
-			pr.Out.Header.Del("Authorization")
-			pr.Out.Header.Del("Proxy-Authorization")
+			for _, h := range proxyDropRequest {
+				pr.Out.Header.Del(h)
+			}
 			pr.SetXForwarded()
+		},
+		ModifyResponse: func(resp *http.Response) error {
+			for _, h := range proxyDropResponse {
+				resp.Header.Del(h)
+			}
+			return nil
 		},
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			if errors.Is(err, context.Canceled) {

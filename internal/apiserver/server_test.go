@@ -322,3 +322,63 @@ func TestExecStreamAndDownloadErrors(t *testing.T) {
 		wantError(t, resp, body, 404, "not_found")
 	})
 }
+
+// TestPortProxyDropsCredentials: a service in a sandbox sees none of the
+// caller's credentials (API key, cookies, tokens), and nothing it answers
+// can set a cookie or other origin-wide state on the API's origin, which
+// every sandbox's ports share.
+func TestPortProxyDropsCredentials(t *testing.T) {
+	bothWays(t, func(t *testing.T, f *fixture) {
+		var seen http.Header
+		svc := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			seen = r.Header.Clone()
+			for _, h := range []string{"Set-Cookie", "Set-Cookie2", "Strict-Transport-Security", "Alt-Svc",
+				"Clear-Site-Data", "Service-Worker-Allowed", "WWW-Authenticate"} {
+				w.Header().Set(h, "from-the-sandbox")
+			}
+			w.Header().Set("X-App", "kept")
+			_, _ = io.WriteString(w, "hello from "+r.URL.Path)
+		}))
+		t.Cleanup(svc.Close)
+		f.edge.PortAddr = svc.Listener.Addr().String()
+		resp, body := f.do(t, f.admin, "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
+		if resp.StatusCode != 201 {
+			t.Fatalf("create: %d %s", resp.StatusCode, body)
+		}
+		var sb api.Sandbox
+		_ = json.Unmarshal(body, &sb)
+		req, _ := http.NewRequest("GET", f.srv.URL+"/v1/sandboxes/"+sb.ID+"/ports/8080/app/x", nil)
+		req.Header.Set("Authorization", "Bearer "+f.admin)
+		for _, h := range proxyDropRequest[1:] {
+			req.Header.Set(h, "secret-"+h)
+		}
+		req.Header.Set("X-Trace", "kept")
+		r, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, _ := io.ReadAll(r.Body)
+		r.Body.Close()
+		if r.StatusCode != 200 || string(got) != "hello from /app/x" {
+			t.Fatalf("proxied: %d %q", r.StatusCode, got)
+		}
+		for name, v := range seen {
+			for _, x := range v {
+				if strings.Contains(x, "secret-") || strings.Contains(x, f.admin) {
+					t.Errorf("the sandbox's service saw %s: %s", name, x)
+				}
+			}
+		}
+		if seen.Get("X-Trace") != "kept" {
+			t.Errorf("an ordinary header was dropped: %v", seen)
+		}
+		for name := range r.Header {
+			if r.Header.Get(name) == "from-the-sandbox" {
+				t.Errorf("the sandbox set %s on the API's origin", name)
+			}
+		}
+		if r.Header.Get("X-App") != "kept" {
+			t.Errorf("an ordinary response header was dropped: %v", r.Header)
+		}
+	})
+}
