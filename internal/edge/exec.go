@@ -148,7 +148,12 @@ func (e *Edge) process(s *sbx, user, cwd string, env map[string]string) (sandbox
 	if err != nil {
 		return sandbox.Process{}, err
 	}
-	u, err := resolveUser(root, user)
+	var u userInfo
+	if user == spec.User {
+		u, err = e.defaultUser(s, root, user)
+	} else {
+		u, err = resolveUser(root, user)
+	}
 	if err != nil {
 		return sandbox.Process{}, err
 	}
@@ -245,6 +250,42 @@ type userInfo struct {
 	name     string
 	uid, gid uint32
 	home     string
+}
+
+// userRecord is a userInfo as a sandbox record keeps it.
+type userRecord struct {
+	Name string `json:"name,omitempty"`
+	UID  uint32 `json:"uid"`
+	GID  uint32 `json:"gid"`
+	Home string `json:"home"`
+}
+
+// defaultUser returns the identity of the spec's user, resolving it the
+// first time and keeping it in the record.
+func (e *Edge) defaultUser(s *sbx, root *files.Root, spec string) (userInfo, error) {
+	s.mu.Lock()
+	if du := s.rec.DefaultUser; du != nil {
+		s.mu.Unlock()
+		return userInfo{name: du.Name, uid: du.UID, gid: du.GID, home: du.Home}, nil
+	}
+	s.mu.Unlock()
+	u, err := resolveUser(root, spec)
+	if err != nil {
+		return u, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.rec.DefaultUser == nil {
+		s.rec.DefaultUser = &userRecord{Name: u.name, UID: u.uid, GID: u.gid, Home: u.home}
+		// No fsync: a daemon crash keeps the record (page cache); a host
+		// crash ends the sandbox anyway.
+		if err := writeRecordSync(s.dir, &s.rec, false); err != nil {
+			// Kept in memory all the same; a restart resolves it again.
+			e.log.Warn("keeping the default user in the record", "sandbox_id", s.rec.Sandbox.ID, "err", err)
+		}
+	}
+	du := s.rec.DefaultUser
+	return userInfo{name: du.Name, uid: du.UID, gid: du.GID, home: du.Home}, nil
 }
 
 // resolveUser maps NAME, UID, NAME:GROUP or UID:GID to ids using the

@@ -40,6 +40,12 @@ type record struct {
 	PrivateRootfs bool `json:"private_rootfs,omitempty"`
 	// Net is the sandbox's veth slot, once its policy let something out.
 	Net *netpolicy.Attachment `json:"net,omitempty"`
+	// DefaultUser is the identity of the spec's user, resolved against the
+	// sandbox's /etc/passwd by the first exec or session that runs as it
+	// (before anything of the agent's has run) and kept: an agent that
+	// later replaces /etc/passwd (a FIFO, a symlink, another uid) changes
+	// nothing for the default user.
+	DefaultUser *userRecord `json:"default_user,omitempty"`
 	// StoppedAt is when the sandbox stopped; its record is removed
 	// StoppedRetention later.
 	StoppedAt *time.Time `json:"stopped_at,omitempty"`

@@ -206,3 +206,48 @@ func TestRedteamForkBomb(t *testing.T) {
 		time.Sleep(500 * time.Millisecond)
 	}
 }
+
+// TestRedteamPasswdReplaced (issue 21, class 11): an agent replaces
+// /etc/passwd with a FIFO, a symlink to an endless file, or an entry that
+// gives the default user's name uid 0. The default user keeps the
+// identity its first exec found: exec goes on working, as that uid and
+// home, never as another; a lookup of another name is refused cleanly.
+func TestRedteamPasswdReplaced(t *testing.T) {
+	needDaemon(t)
+	sb := newSandbox(t, api.SandboxSpec{User: "user"})
+	// The uid from /proc: id(1) would read /etc/passwd itself, and block
+	// on the FIFO in the sandbox (that much is the agent's own doing).
+	const whoami = "awk '/^Uid:/{print $2}' /proc/self/status; echo $HOME"
+	if r := sh(t, sb.ID, whoami); r.Stdout != "1000\n/home/user\n" {
+		t.Fatalf("default user before: %q %q", r.Stdout, r.Stderr)
+	}
+	asRoot := func(cmd string) {
+		t.Helper()
+		// By number: after the first swap "root" cannot be looked up.
+		res, err := client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: cmd, User: "0"})
+		if err != nil || res.ExitCode != 0 {
+			t.Fatalf("as root %q: %v %+v", cmd, err, res)
+		}
+	}
+	for _, swap := range []string{
+		"rm /etc/passwd && mkfifo /etc/passwd",
+		"rm -f /etc/passwd && ln -s /dev/zero /etc/passwd",
+		"rm -f /etc/passwd && printf 'user:x:0:0::/root:/bin/sh\\nroot:x:0:0::/root:/bin/sh\\n' > /etc/passwd",
+	} {
+		asRoot(swap)
+		start := time.Now()
+		r, err := client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: whoami})
+		if err != nil || r.Stdout != "1000\n/home/user\n" {
+			t.Fatalf("after %q: default user exec: %v %+v", swap, err, r)
+		}
+		if el := time.Since(start); el > 5*time.Second {
+			t.Fatalf("after %q: exec took %v", swap, el)
+		}
+		_, err = client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "true", User: "nobody-here"})
+		wantCode(t, err, "invalid_argument")
+	}
+	// As a number, root needs no lookup at all.
+	if res, err := client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "awk '/^Uid:/{print $2}' /proc/self/status", User: "0"}); err != nil || res.Stdout != "0\n" {
+		t.Fatalf("as uid 0: %v %+v", err, res)
+	}
+}
