@@ -20,13 +20,15 @@ import (
 // filtering a second syscall table.
 
 // seccompData offsets (struct seccomp_data: nr, arch, ip, args[6]); the
-// low 32 bits of args[i] are at argLow(i) on little-endian machines.
+// low 32 bits of args[i] are at argLow(i) on little-endian machines, the
+// high 32 at argHigh(i).
 const (
 	offNr   = 0
 	offArch = 4
 )
 
-func argLow(i int) uint32 { return 16 + 8*uint32(i) }
+func argLow(i int) uint32  { return 16 + 8*uint32(i) }
+func argHigh(i int) uint32 { return argLow(i) + 4 }
 
 // x32SyscallBit marks an x32 syscall number on x86_64.
 const x32SyscallBit = 0x40000000
@@ -35,6 +37,8 @@ const x32SyscallBit = 0x40000000
 // architecture does not have (umount, which x86_64 only has as umount2)
 // are absent and skipped, as libseccomp does.
 var syscallNumbers = map[string]uint32{
+	"clone": unix.SYS_CLONE, "clone3": unix.SYS_CLONE3, "unshare": unix.SYS_UNSHARE,
+	"ioctl": unix.SYS_IOCTL, "socket": unix.SYS_SOCKET, "socketpair": unix.SYS_SOCKETPAIR,
 	"mount": unix.SYS_MOUNT, "umount2": unix.SYS_UMOUNT2, "pivot_root": unix.SYS_PIVOT_ROOT,
 	"fsopen": unix.SYS_FSOPEN, "fsconfig": unix.SYS_FSCONFIG, "fsmount": unix.SYS_FSMOUNT,
 	"move_mount": unix.SYS_MOVE_MOUNT, "open_tree": unix.SYS_OPEN_TREE, "fspick": unix.SYS_FSPICK,
@@ -78,6 +82,29 @@ func (p *bpfProgram) skipUnlessEq(k uint32, n int) {
 
 func errnoAction(e unix.Errno) uint32 {
 	return unix.SECCOMP_RET_ERRNO | uint32(e)&unix.SECCOMP_RET_DATA
+}
+
+// refuseOutside returns errno e unless argument i is one of allowed, and
+// falls through when it is. Like the profile's rules (seccomp.go's
+// refuseOutside) it compares all 64 bits: an upper half that is not zero
+// is refused.
+func (p *bpfProgram) refuseOutside(i int, allowed []uint64, e unix.Errno) {
+	n := len(allowed)
+	p.load(argHigh(i))
+	p.jump(unix.BPF_JMP|unix.BPF_JEQ|unix.BPF_K, 0, 0, uint8(n+1)) // to the ret
+	p.load(argLow(i))
+	for j, v := range allowed {
+		p.jump(unix.BPF_JMP|unix.BPF_JEQ|unix.BPF_K, uint32(v), uint8(n-j), 0) // past the ret
+	}
+	p.ret(errnoAction(e))
+}
+
+// block appends body as the rules of syscall nr: skipped for any other
+// syscall, and followed by a reload of the number for the next block.
+func (p *bpfProgram) block(nr uint32, body bpfProgram) {
+	p.skipUnlessEq(nr, len(body)+1)
+	*p = append(*p, body...)
+	p.load(offNr)
 }
 
 // seccompBPF compiles the profile. Each rule is a self-contained block that
@@ -130,6 +157,17 @@ func seccompBPF() ([]unix.SockFilter, error) {
 		p.ret(eperm)
 	}
 	p.load(offNr)
+	// socket: an allowed family, and for netlink an allowed protocol
+	// (argument 2); socketpair: an allowed family.
+	var sock, netlink, pair bpfProgram
+	netlink.refuseOutside(2, netlinkProtocols, errProtocol)
+	sock.refuseOutside(0, socketFamilies, errFamily)
+	sock.load(argLow(0))
+	sock.skipUnlessEq(unix.AF_NETLINK, len(netlink))
+	sock = append(sock, netlink...)
+	p.block(unix.SYS_SOCKET, sock)
+	pair.refuseOutside(0, socketpairFamilies, errFamily)
+	p.block(unix.SYS_SOCKETPAIR, pair)
 	p.ret(unix.SECCOMP_RET_ALLOW)
 	return p, nil
 }
