@@ -40,6 +40,14 @@ const (
 	wantNoData
 	// wantInfo: logged only; not part of the lead's profile.
 	wantInfo
+	// wantEAFNOSUPPORT, wantEPROTONOSUPPORT: a socket family, or a netlink
+	// protocol, off the profile's allow list. The profile answers what a
+	// kernel built without it would, and other refusals (EPERM for
+	// AF_PACKET without CAP_NET_RAW) show the call got past the filter.
+	wantEAFNOSUPPORT
+	wantEPROTONOSUPPORT
+	// wantOK: must succeed (what the allow lists are for).
+	wantOK
 )
 
 // proberExpect lists every probe the prober runs, in its order.
@@ -113,6 +121,33 @@ var proberExpect = []struct {
 	{"i386_ptrace_attach_child", wantFail},
 	{"i386_ioctl_setflags32_noatime", wantFail},
 	{"x32_unshare_newuser", wantFail},
+	// Sockets: an allow list of families (Unix, IPv4, IPv6, netlink) and
+	// netlink protocols (route, sock_diag). vsock is not confined by the
+	// network namespace, uevents are the host's, audit is the host's log.
+	// The *_hibits variants set bit 32, which the kernel ignores.
+	{"socket_unix", wantOK},
+	{"socket_inet", wantOK},
+	{"socket_inet6", wantOK},
+	{"socket_netlink_route", wantOK},
+	{"socket_netlink_sock_diag", wantOK},
+	{"socketpair_unix", wantOK},
+	{"socket_vsock", wantEAFNOSUPPORT},
+	{"socket_vsock_hibits", wantEAFNOSUPPORT},
+	{"socket_packet", wantEAFNOSUPPORT},
+	{"socket_alg", wantEAFNOSUPPORT},
+	{"socket_xdp", wantEAFNOSUPPORT},
+	{"socket_key", wantEAFNOSUPPORT},
+	{"socket_netlink_uevent", wantEPROTONOSUPPORT},
+	{"socket_netlink_audit", wantEPROTONOSUPPORT},
+	{"socket_netlink_generic", wantEPROTONOSUPPORT},
+	{"socket_netlink_netfilter", wantEPROTONOSUPPORT},
+	{"socket_netlink_xfrm", wantEPROTONOSUPPORT},
+	{"socket_netlink_route_hibits", wantEPROTONOSUPPORT},
+	{"socketpair_inet", wantEAFNOSUPPORT},
+	{"socketpair_netlink", wantEAFNOSUPPORT},
+	{"i386_socket_vsock", wantFail},
+	{"i386_socketcall_vsock", wantFail},
+	{"x32_socket_vsock", wantFail},
 	// CAP_MKNOD is granted: the device cgroup must stop the open.
 	{"open_blockdev", wantFail},
 	{"open_devmem", wantFail},
@@ -265,8 +300,20 @@ func TestSeccompBlocksDangerousSyscalls(t *testing.T) {
 			if l.ok {
 				t.Logf("note: %s is allowed (not in the profile): %q", e.name, l.raw)
 			}
+		case wantEAFNOSUPPORT:
+			if l.errno != 97 {
+				t.Errorf("%s: want EAFNOSUPPORT from the seccomp profile, got %q", e.name, l.raw)
+			}
+		case wantEPROTONOSUPPORT:
+			if l.errno != 93 {
+				t.Errorf("%s: want EPROTONOSUPPORT from the seccomp profile, got %q", e.name, l.raw)
+			}
+		case wantOK:
+			if !l.ok {
+				t.Errorf("%s: must be allowed, got %q", e.name, l.raw)
+			}
 		}
-		if l.ok && e.want != wantNoData && e.want != wantInfo {
+		if l.ok && e.want != wantNoData && e.want != wantInfo && e.want != wantOK {
 			succeeded = append(succeeded, e.name)
 		}
 	}

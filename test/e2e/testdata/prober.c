@@ -66,6 +66,33 @@
 #define P_PERF_COUNT_SW_CPU_CLOCK 0
 #define P_X32_SYSCALL_BIT 0x40000000L
 
+/* Address families and netlink protocols (<linux/socket.h>, <linux/netlink.h>). */
+#define P_AF_UNIX 1
+#define P_AF_INET 2
+#define P_AF_INET6 10
+#define P_AF_KEY 15
+#define P_AF_NETLINK 16
+#define P_AF_PACKET 17
+#define P_AF_ALG 38
+#define P_AF_VSOCK 40
+#define P_AF_XDP 44
+#define P_NETLINK_ROUTE 0
+#define P_NETLINK_SOCK_DIAG 4
+#define P_NETLINK_XFRM 6
+#define P_NETLINK_AUDIT 9
+#define P_NETLINK_NETFILTER 12
+#define P_NETLINK_KOBJECT_UEVENT 15
+#define P_NETLINK_GENERIC 16
+#define P_SOCK_STREAM 1
+#define P_SOCK_DGRAM 2
+#define P_SOCK_RAW 3
+#define P_SOCK_SEQPACKET 5
+#define P_SOCK_NONBLOCK 04000
+#define P_SOCK_CLOEXEC 02000000
+#define P_SYS_SOCKET 1 /* socketcall(2) call numbers */
+/* An upper-half bit in an int argument: the kernel reads the low 32 bits. */
+#define P_HIGH32 0x100000000L
+
 #define P_FS_IMMUTABLE_FL 0x00000010
 #define P_FS_NOATIME_FL 0x00000080
 #define P_FS_XFLAG_IMMUTABLE 0x00000008
@@ -126,6 +153,8 @@ _Static_assert(P_FS_IOC_FSSETXATTR == 0x401c5820UL, "FS_IOC_FSSETXATTR value");
 #define I386_PTRACE 26
 #define I386_IOCTL 54
 #define I386_UNSHARE 310
+#define I386_SOCKETCALL 102
+#define I386_SOCKET 359
 
 /* ---- helpers ---- */
 
@@ -134,6 +163,7 @@ typedef int (*probe_fn)(char *detail, size_t n);
 
 static volatile uint64_t g_word = 0x70726f6265720a00ULL; /* target of process_vm_* */
 static unsigned int g_flags32;                        /* below 4 GiB: static, non-PIE */
+static unsigned int g_sockargs[3];                    /* socketcall's arguments, likewise */
 
 static void emit(const char *line)
 {
@@ -702,6 +732,48 @@ static int p_ioctl_fssetxattr_noatime(char *d, size_t n)
 	return fssetxattr(P_FS_XFLAG_NOATIME);
 }
 
+/* ---- sockets: only the allowed families and netlink protocols open ---- */
+
+static int sock(long domain, long type, long proto)
+{
+	long fd = syscall(SYS_socket, domain, type, proto);
+	if (fd < 0)
+		return -1;
+	close((int)fd);
+	return 0;
+}
+
+static int sockpair(long domain, long type)
+{
+	int sv[2];
+	if (syscall(SYS_socketpair, domain, type, 0L, sv) < 0)
+		return -1;
+	close(sv[0]);
+	close(sv[1]);
+	return 0;
+}
+
+static int p_socket_unix(char *d, size_t n) { return sock(P_AF_UNIX, P_SOCK_STREAM | P_SOCK_CLOEXEC, 0); }
+static int p_socket_inet(char *d, size_t n) { return sock(P_AF_INET, P_SOCK_DGRAM | P_SOCK_NONBLOCK, 0); }
+static int p_socket_inet6(char *d, size_t n) { return sock(P_AF_INET6, P_SOCK_STREAM, 0); }
+static int p_socket_netlink_route(char *d, size_t n) { return sock(P_AF_NETLINK, P_SOCK_RAW | P_SOCK_CLOEXEC, P_NETLINK_ROUTE); }
+static int p_socket_netlink_sock_diag(char *d, size_t n) { return sock(P_AF_NETLINK, P_SOCK_DGRAM, P_NETLINK_SOCK_DIAG); }
+static int p_socketpair_unix(char *d, size_t n) { return sockpair(P_AF_UNIX, P_SOCK_STREAM); }
+static int p_socket_vsock(char *d, size_t n) { return sock(P_AF_VSOCK, P_SOCK_STREAM, 0); }
+static int p_socket_vsock_hibits(char *d, size_t n) { return sock(P_HIGH32 | P_AF_VSOCK, P_SOCK_STREAM, 0); }
+static int p_socket_packet(char *d, size_t n) { return sock(P_AF_PACKET, P_SOCK_RAW, 0); }
+static int p_socket_alg(char *d, size_t n) { return sock(P_AF_ALG, P_SOCK_SEQPACKET, 0); }
+static int p_socket_xdp(char *d, size_t n) { return sock(P_AF_XDP, P_SOCK_RAW, 0); }
+static int p_socket_key(char *d, size_t n) { return sock(P_AF_KEY, P_SOCK_RAW, 2 /* PF_KEY_V2 */); }
+static int p_socket_netlink_uevent(char *d, size_t n) { return sock(P_AF_NETLINK, P_SOCK_DGRAM, P_NETLINK_KOBJECT_UEVENT); }
+static int p_socket_netlink_audit(char *d, size_t n) { return sock(P_AF_NETLINK, P_SOCK_RAW, P_NETLINK_AUDIT); }
+static int p_socket_netlink_generic(char *d, size_t n) { return sock(P_AF_NETLINK, P_SOCK_RAW, P_NETLINK_GENERIC); }
+static int p_socket_netlink_netfilter(char *d, size_t n) { return sock(P_AF_NETLINK, P_SOCK_RAW, P_NETLINK_NETFILTER); }
+static int p_socket_netlink_xfrm(char *d, size_t n) { return sock(P_AF_NETLINK, P_SOCK_RAW, P_NETLINK_XFRM); }
+static int p_socket_netlink_route_hibits(char *d, size_t n) { return sock(P_AF_NETLINK, P_SOCK_RAW, P_HIGH32 | P_NETLINK_ROUTE); }
+static int p_socketpair_inet(char *d, size_t n) { return sockpair(P_AF_INET, P_SOCK_STREAM); }
+static int p_socketpair_netlink(char *d, size_t n) { return sockpair(P_AF_NETLINK, P_SOCK_RAW); }
+
 /* ---- other ABIs: a filter written for x86_64 numbers only ---- */
 
 static int p_i386_unshare_newuser(char *d, size_t n)
@@ -752,6 +824,43 @@ static int p_i386_ioctl_setflags32_noatime(char *d, size_t n)
 static int p_x32_unshare_newuser(char *d, size_t n)
 {
 	return sys(syscall(P_X32_SYSCALL_BIT | SYS_unshare, P_CLONE_NEWUSER));
+}
+
+/* i386 has socket(2) itself (since Linux 4.3) and the older socketcall(2),
+ * whose arguments are in memory where seccomp cannot read them. */
+static int i386_sock_ret(long r)
+{
+	if (int80ret(r) < 0)
+		return -1;
+	close((int)r);
+	return 0;
+}
+
+static int p_i386_socket_vsock(char *d, size_t n)
+{
+	return i386_sock_ret(int80(I386_SOCKET, P_AF_VSOCK, P_SOCK_STREAM, 0));
+}
+
+static int p_i386_socketcall_vsock(char *d, size_t n)
+{
+	if ((uintptr_t)g_sockargs > 0xffffffffUL) {
+		snprintf(d, n, "(binary above 4GiB: not testable)");
+		errno = EFAULT;
+		return -1;
+	}
+	g_sockargs[0] = P_AF_VSOCK;
+	g_sockargs[1] = P_SOCK_STREAM;
+	g_sockargs[2] = 0;
+	return i386_sock_ret(int80(I386_SOCKETCALL, P_SYS_SOCKET, (long)(uintptr_t)g_sockargs, 0));
+}
+
+static int p_x32_socket_vsock(char *d, size_t n)
+{
+	long fd = syscall(P_X32_SYSCALL_BIT | SYS_socket, P_AF_VSOCK, P_SOCK_STREAM, 0);
+	if (fd < 0)
+		return -1;
+	close((int)fd);
+	return 0;
 }
 
 /* ---- devices (CAP_MKNOD is granted; the device cgroup must stop opens) ---- */
@@ -972,6 +1081,29 @@ static const struct probe probes[] = {
 	{"i386_ptrace_attach_child", p_i386_ptrace_attach_child},
 	{"i386_ioctl_setflags32_noatime", p_i386_ioctl_setflags32_noatime},
 	{"x32_unshare_newuser", p_x32_unshare_newuser},
+	{"socket_unix", p_socket_unix},
+	{"socket_inet", p_socket_inet},
+	{"socket_inet6", p_socket_inet6},
+	{"socket_netlink_route", p_socket_netlink_route},
+	{"socket_netlink_sock_diag", p_socket_netlink_sock_diag},
+	{"socketpair_unix", p_socketpair_unix},
+	{"socket_vsock", p_socket_vsock},
+	{"socket_vsock_hibits", p_socket_vsock_hibits},
+	{"socket_packet", p_socket_packet},
+	{"socket_alg", p_socket_alg},
+	{"socket_xdp", p_socket_xdp},
+	{"socket_key", p_socket_key},
+	{"socket_netlink_uevent", p_socket_netlink_uevent},
+	{"socket_netlink_audit", p_socket_netlink_audit},
+	{"socket_netlink_generic", p_socket_netlink_generic},
+	{"socket_netlink_netfilter", p_socket_netlink_netfilter},
+	{"socket_netlink_xfrm", p_socket_netlink_xfrm},
+	{"socket_netlink_route_hibits", p_socket_netlink_route_hibits},
+	{"socketpair_inet", p_socketpair_inet},
+	{"socketpair_netlink", p_socketpair_netlink},
+	{"i386_socket_vsock", p_i386_socket_vsock},
+	{"i386_socketcall_vsock", p_i386_socketcall_vsock},
+	{"x32_socket_vsock", p_x32_socket_vsock},
 	{"open_blockdev", p_open_blockdev},
 	{"open_devmem", p_open_devmem},
 	{"read_proc_kcore", p_read_proc_kcore},
