@@ -109,3 +109,19 @@ func (i *Info) freezerDir(rel string) (string, bool, error) {
 	}
 	return dir, v1, nil
 }
+
+// Frozen reports whether cgroup rel is frozen or freezing: a freeze was
+// asked for and not undone (v1 freezer.state FROZEN or FREEZING; on the
+// cgroup2 tree, cgroup.freeze 1).
+func (i *Info) Frozen(rel string) (bool, error) {
+	dir, v1, err := i.freezerDir(rel)
+	if err != nil {
+		return false, err
+	}
+	if v1 {
+		state, err := readString(filepath.Join(dir, "freezer.state"))
+		return state == "FROZEN" || state == "FREEZING", err
+	}
+	v, err := readString(filepath.Join(dir, "cgroup.freeze"))
+	return v == "1", err
+}

@@ -178,8 +178,14 @@ func lifecycle(t *testing.T, info *Info, ensure bool) {
 	}
 
 	ctx := context.Background()
+	if f, err := info.Frozen(child); err != nil || f {
+		t.Fatalf("Frozen before Freeze = %v, %v", f, err)
+	}
 	if err := info.Freeze(ctx, child); err != nil {
 		t.Fatalf("Freeze(%s): %v", child, err)
+	}
+	if f, err := info.Frozen(child); err != nil || !f {
+		t.Fatalf("Frozen after Freeze = %v, %v", f, err)
 	}
 	if s := procState(t, spinner.pid); s == "R" {
 		t.Errorf("spinner state %s after Freeze, want stopped", s)
@@ -193,6 +199,9 @@ func lifecycle(t *testing.T, info *Info, ensure bool) {
 
 	if err := info.Thaw(child); err != nil {
 		t.Fatalf("Thaw(%s): %v", child, err)
+	}
+	if f, err := info.Frozen(child); err != nil || f {
+		t.Fatalf("Frozen after Thaw = %v, %v", f, err)
 	}
 	waitFor(t, "spinner to run after Thaw", func() bool { return cpuTicks(t, spinner.pid) > before })
 

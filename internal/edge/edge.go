@@ -250,19 +250,34 @@ func (e *Edge) Start(ctx context.Context) error {
 			return fmt.Errorf("preparing cgroup parent %s: %w", e.cfg.CgroupParent, err)
 		}
 	}
+	started := time.Now()
 	if err := e.recover(ctx); err != nil {
 		return fmt.Errorf("recovering sandboxes: %w", err)
 	}
+	var adopted []*sbx
+	e.mu.RLock()
+	for _, s := range e.sandboxes {
+		s.mu.Lock()
+		if holdsResources(s.rec.Sandbox.State) {
+			adopted = append(adopted, s)
+		}
+		s.mu.Unlock()
+	}
+	e.mu.RUnlock()
 	if err := e.ensureSharedAtStart(); err != nil {
 		return err
 	}
 	if err := e.restoreNetwork(ctx); err != nil {
 		return fmt.Errorf("recovering sandbox networks: %w", err)
 	}
-	e.wg.Add(2)
+	e.wg.Add(3)
 	go func() {
 		defer e.wg.Done()
 		e.reapLoop()
+	}()
+	go func() {
+		defer e.wg.Done()
+		e.sweepTemps(adopted, started)
 	}()
 	go func() {
 		defer e.wg.Done()

@@ -15,6 +15,7 @@ type Metrics struct {
 	resumeSeconds  prometheus.Histogram
 	pauseFreed     prometheus.Histogram
 	poolClaims     *prometheus.CounterVec
+	strayThaws     prometheus.Counter
 }
 
 // NewMetrics creates the edge's metrics and registers them on reg (nil:
@@ -54,6 +55,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "dsec_pool_claims_total",
 			Help: "Creates served from a warm pool (hit) or not (miss), when pools are on.",
 		}, []string{"result"}),
+		strayThaws: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "dsec_sandbox_stray_thaws_total",
+			Help: "Running sandboxes found frozen (a pause or snapshot cut short by a crash) and thawed.",
+		}),
 		pauseFreed: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "dsec_sandbox_pause_freed_bytes",
 			Help:    "Memory given back by reclaim when a sandbox is paused.",
@@ -62,7 +67,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.createSeconds, m.execSeconds, m.createFailures, m.reaped,
-			m.pauseSeconds, m.resumeSeconds, m.pauseFreed, m.poolClaims)
+			m.pauseSeconds, m.resumeSeconds, m.pauseFreed, m.poolClaims, m.strayThaws)
 	}
 	return m
 }

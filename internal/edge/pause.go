@@ -86,6 +86,9 @@ func (e *Edge) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
 	s.mu.Unlock()
 	switch state {
 	case api.StateRunning:
+		// Running, unless a pause or snapshot was cut short after its
+		// freeze: then resume is what thaws it.
+		e.thawStray(s, "resume")
 		v := s.view()
 		return &v, nil
 	case api.StatePaused:
@@ -168,4 +171,75 @@ func (e *Edge) byLabels(ctx context.Context, sel map[string]string, state string
 		}
 	}
 	return n, first
+}
+
+// thawStray thaws a sandbox whose record says running but whose cgroup is
+// frozen: a pause or a snapshot cut short between its freeze and its
+// record write or thaw (the edge killed in between), which would
+// otherwise hang every exec for good. The caller holds s.life, so no
+// pause, resume or snapshot of the sandbox is under way. It reports
+// whether it thawed anything.
+func (e *Edge) thawStray(s *sbx, why string) bool {
+	if e.deps.Cgroups == nil {
+		return false
+	}
+	s.mu.Lock()
+	state, cg, id := s.rec.Sandbox.State, s.rec.CgroupPath, s.rec.Sandbox.ID
+	s.mu.Unlock()
+	if state != api.StateRunning || cg == "" {
+		return false
+	}
+	frozen, err := e.deps.Cgroups.Frozen(cg)
+	if err != nil || !frozen {
+		return false
+	}
+	if err := e.deps.Cgroups.Thaw(cg); err != nil {
+		e.log.Warn("thawing a running sandbox left frozen", "sandbox_id", id, "why", why, "err", err)
+		return false
+	}
+	e.metrics.strayThaws.Inc()
+	e.log.Warn("thawed a running sandbox left frozen (an interrupted pause or snapshot)", "sandbox_id", id, "why", why)
+	return true
+}
+
+// strayFreezeEvery is how many reaper ticks pass between checks that no
+// running sandbox is frozen (a cgroup file read each).
+const strayFreezeEvery = 10
+
+// checkStrayFreezes thaws every running sandbox left frozen, skipping
+// those a pause, resume or snapshot holds now.
+func (e *Edge) checkStrayFreezes(all []*sbx) {
+	for _, s := range all {
+		if !s.life.TryLock() {
+			continue
+		}
+		e.thawStray(s, "liveness check")
+		s.life.Unlock()
+	}
+}
+
+// reconcileFreezer brings an adopted sandbox's record and its freezer
+// into agreement after a restart: running but frozen (a pause or snapshot
+// cut short after its freeze) is thawed; paused but thawed (a resume cut
+// short after its thaw) is running, as the resume asked.
+func (e *Edge) reconcileFreezer(s *sbx) {
+	if e.deps.Cgroups == nil {
+		return
+	}
+	if e.thawStray(s, "recovery") {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.rec.Sandbox.State != api.StatePaused || s.rec.CgroupPath == "" {
+		return
+	}
+	if frozen, err := e.deps.Cgroups.Frozen(s.rec.CgroupPath); err != nil || frozen {
+		return
+	}
+	s.rec.Sandbox.State, s.rec.Sandbox.PausedAt = api.StateRunning, nil
+	if err := s.persistLocked(); err != nil {
+		e.log.Warn("persisting a sandbox found thawed", "sandbox_id", s.rec.Sandbox.ID, "err", err)
+	}
+	e.log.Warn("a paused sandbox was found thawed (a resume cut short): running", "sandbox_id", s.rec.Sandbox.ID)
 }

@@ -3,8 +3,10 @@ package edge
 import (
 	"context"
 	"errors"
+	"io/fs"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"time"
 
@@ -125,6 +127,9 @@ func (e *Edge) recover(ctx context.Context) error {
 		}
 		s := &sbx{dir: sdir, rec: *rec}
 		s.touch()
+		if live[id] {
+			e.reconcileFreezer(s)
+		}
 		e.mu.Lock()
 		e.sandboxes[id] = s
 		if holdsResources(rec.Sandbox.State) {
@@ -242,6 +247,15 @@ func (e *Edge) reapLoop() {
 			return
 		case <-t.C:
 			e.reapOnce(time.Now(), tick%livenessEvery == 0)
+			if tick%strayFreezeEvery == 0 {
+				e.mu.RLock()
+				all := make([]*sbx, 0, len(e.sandboxes))
+				for _, s := range e.sandboxes {
+					all = append(all, s)
+				}
+				e.mu.RUnlock()
+				e.checkStrayFreezes(all)
+			}
 		}
 	}
 }
@@ -343,4 +357,68 @@ func (e *Edge) forget(s *sbx) {
 	e.mu.Lock()
 	delete(e.sandboxes, id)
 	e.mu.Unlock()
+}
+
+// A file write goes to a temporary file beside its target, renamed over it
+// at the end (files.Root.WriteFile): an edge killed mid-write leaves the
+// temporary in the sandbox for good (41 MB in the red team's run).
+// tempName is how each one's name ends: ".dsec-tmp-" and 16 hex digits.
+var tempName = regexp.MustCompile(`\.dsec-tmp-[0-9a-f]{16}$`)
+
+// maxTempSweep bounds the entries one sandbox's sweep looks at.
+const maxTempSweep = 1 << 20
+
+// sweepTemps removes from the writable layers of the sandboxes adopted at
+// start the temporary files of writes the last run left unfinished:
+// regular files named as files.Root.WriteFile names them and older than
+// this run (a write of this run's is left alone). The walk is on the host
+// and follows no symlink; each removal goes through the sandbox's
+// confined root, so a sandbox swapping a directory for a symlink
+// meanwhile can make it remove nothing outside.
+func (e *Edge) sweepTemps(adopted []*sbx, since time.Time) {
+	for _, s := range adopted {
+		select {
+		case <-e.stop:
+			return
+		default:
+		}
+		upper := s.upperDir()
+		var found []string
+		seen := 0
+		_ = filepath.WalkDir(upper, func(p string, d fs.DirEntry, err error) error {
+			if err != nil {
+				return nil
+			}
+			if seen++; seen > maxTempSweep {
+				return filepath.SkipAll
+			}
+			if !d.Type().IsRegular() || !tempName.MatchString(d.Name()) {
+				return nil
+			}
+			if info, err := d.Info(); err != nil || !info.ModTime().Before(since) {
+				return nil
+			}
+			if rel, err := filepath.Rel(upper, p); err == nil {
+				found = append(found, "/"+rel)
+			}
+			return nil
+		})
+		if len(found) == 0 {
+			continue
+		}
+		root, err := e.root(s)
+		if err != nil {
+			continue
+		}
+		removed := 0
+		for _, p := range found {
+			if err := root.Remove(p, false); err == nil {
+				removed++
+			}
+		}
+		s.mu.Lock()
+		id := s.rec.Sandbox.ID
+		s.mu.Unlock()
+		e.log.Info("removed the temporary files of interrupted file writes", "sandbox_id", id, "files", removed)
+	}
 }
