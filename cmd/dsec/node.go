@@ -28,6 +28,7 @@ type nodeConfig struct {
 	network      string
 	sandboxCIDR  string
 	dnsUpstream  string
+	dnsPrivate   string
 	netPresets   string
 	diskQuota    string
 	usernsBase   uint
@@ -55,6 +56,7 @@ func (c *nodeConfig) register(f *cmdFlags) {
 	f.StringVar(&c.network, "network", "auto", "sandbox egress: auto (on where nft and nftables work), on, or off (every sandbox loopback-only)")
 	f.StringVar(&c.sandboxCIDR, "sandbox-cidr", netpolicy.DefaultPool.String(), "address pool of sandbox veths (a /30 each; two edges on one host need two pools)")
 	f.StringVar(&c.dnsUpstream, "dns-upstream", "", "DNS servers (host:port, comma-separated) the edge's DNS proxy asks for permitted names (default: the host's /etc/resolv.conf)")
+	f.StringVar(&c.dnsPrivate, "dns-admit-private", "", "private IPv4 ranges (comma-separated, inside 10/8, 172.16/12, 192.168/16 or 100.64/10) whose addresses an answer for a permitted name may admit, e.g. an internal mirror's network (default: none, only globally routable addresses; sandbox pools and the host's own addresses never)")
 	f.StringVar(&c.netPresets, "net-presets", "", "JSON file of network presets {\"name\": {\"domains\": [...], \"ports\": [\"443/tcp\"]}}, added to (and overriding) the built-in pypi, npm, github, debian, goproxy")
 	f.StringVar(&c.diskQuota, "disk-quota", "auto", "how disk_mb is enforced: loop (a sparse ext4 disk per sandbox that asks for one), off (disk_mb refused), auto (loop where mkfs.ext4 and loop devices exist)")
 	f.IntVar(&c.poolMax, "warm-pool-max", 8, "most ready sandboxes kept per environment class for fast creates and fncall (pools follow demand; 0 = no pools)")
@@ -123,7 +125,7 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 		Runtime: c.runtime, Launcher: c.launcher, RuntimeExec: c.runtimeExec, DynMods: c.dynMods,
 		CgroupPool: c.cgroupPool, NetnsPool: c.netnsPool,
 		Network: c.network, SandboxCIDR: c.sandboxCIDR, DNSUpstream: c.dnsUpstream, NetPresets: c.netPresets,
-		DiskQuota: c.diskQuota,
+		DNSAdmitPrivate: c.dnsPrivate, DiskQuota: c.diskQuota,
 	}, log, reg)
 	if err != nil {
 		return nil, nil, err

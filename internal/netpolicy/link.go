@@ -204,3 +204,25 @@ func poolInUse(pool netip.Prefix, ourPrefix string, dns netip.Addr) (string, err
 	}
 	return "", nil
 }
+
+// hostAddrs lists the addresses of every interface of the host (of the
+// calling thread's network namespace), in one netlink dump.
+func hostAddrs() ([]ifAddr, error) {
+	addrs, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
+	if err != nil {
+		return nil, fmt.Errorf("listing addresses: %w", err)
+	}
+	out := make([]ifAddr, 0, len(addrs))
+	for _, a := range addrs {
+		if a.IPNet == nil {
+			continue
+		}
+		ip, ok := netip.AddrFromSlice(a.IP)
+		if !ok {
+			continue
+		}
+		ones, _ := a.Mask.Size()
+		out = append(out, ifAddr{Prefix: netip.PrefixFrom(ip.Unmap(), ones), Label: a.Label})
+	}
+	return out, nil
+}

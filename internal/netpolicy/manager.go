@@ -28,6 +28,12 @@ type Config struct {
 	// Upstreams are the DNS servers ("host:port") permitted names are
 	// resolved with.
 	Upstreams []string
+	// AdmitPrivate are ranges that are not globally routable whose
+	// addresses an answer for a permitted name may still admit (an
+	// internal package mirror's network); see CheckAdmitPrivate. Without
+	// them only globally routable addresses are admitted. Sandbox pools
+	// and the host's own addresses never are.
+	AdmitPrivate []netip.Prefix
 	// Presets are the named domain lists policies may use.
 	Presets map[string]Preset
 	// MinAdmit is how long an address a permitted name resolved to stays
@@ -51,9 +57,10 @@ type Attachment struct {
 // Manager owns the networking of one edge's sandboxes. Safe for concurrent
 // use; calls for one sandbox must be serialised by the caller.
 type Manager struct {
-	cfg Config
-	l   layout
-	log *slog.Logger
+	cfg    Config
+	l      layout
+	log    *slog.Logger
+	filter *addrFilter // what DNS answers may admit
 
 	mu      sync.Mutex
 	slots   map[int]*slot
@@ -92,6 +99,11 @@ func New(cfg Config) (*Manager, error) {
 	if err := CheckPool(cfg.Pool); err != nil {
 		return nil, err
 	}
+	for _, p := range cfg.AdmitPrivate {
+		if err := CheckAdmitPrivate(p); err != nil {
+			return nil, err
+		}
+	}
 	if cfg.Presets == nil {
 		cfg.Presets = DefaultPresets()
 	}
@@ -111,7 +123,8 @@ func New(cfg Config) (*Manager, error) {
 	}
 	return &Manager{
 		cfg: cfg, l: layout{instance: cfg.Instance, pool: cfg.Pool.Masked()}, log: cfg.Log,
-		slots: map[int]*slot{}, bySrc: map[netip.Addr]*slot{}, next: 1,
+		filter: newAddrFilter(cfg.Pool, cfg.AdmitPrivate),
+		slots:  map[int]*slot{}, bySrc: map[netip.Addr]*slot{}, next: 1,
 	}, nil
 }
 

@@ -316,12 +316,10 @@ func normalizePattern(s string) (string, error) {
 // Match reports the port sets a resolved name may be reached on; ok is
 // false when the name is not permitted (or is denied).
 func (p *Policy) Match(name string) (ports []Ports, ok bool) {
-	name = strings.TrimSuffix(strings.ToLower(name), ".")
-	for _, d := range p.DenyNames {
-		if nameMatches(d, name) {
-			return nil, false
-		}
+	if p.denies(name) {
+		return nil, false
 	}
+	name = strings.TrimSuffix(strings.ToLower(name), ".")
 	for _, r := range p.Names {
 		if nameMatches(r.Pattern, name) && !slices.Contains(ports, r.Ports) {
 			ports = append(ports, r.Ports)
@@ -335,4 +333,38 @@ func nameMatches(pattern, name string) bool {
 		return strings.HasSuffix(name, "."+base)
 	}
 	return pattern == name
+}
+
+// denies reports whether a deny entry names name (whatever permits it).
+func (p *Policy) denies(name string) bool {
+	name = strings.TrimSuffix(strings.ToLower(name), ".")
+	for _, d := range p.DenyNames {
+		if nameMatches(d, name) {
+			return true
+		}
+	}
+	return false
+}
+
+// wildcardPart returns the labels of name in front of the base domain of
+// the most specific wildcard pattern that matches it ("a.b" for
+// "a.b.example.com" under "*.example.com"), and false when an exact name
+// rule names it or no wildcard matches: the part a sandbox chooses, and
+// hence what a query can carry to the zone's servers.
+func (p *Policy) wildcardPart(name string) (string, bool) {
+	name = strings.TrimSuffix(strings.ToLower(name), ".")
+	part, wild := "", false
+	for _, r := range p.Names {
+		if r.Pattern == name {
+			return "", false
+		}
+		base, ok := strings.CutPrefix(r.Pattern, "*.")
+		if !ok || !strings.HasSuffix(name, "."+base) {
+			continue
+		}
+		if pp := strings.TrimSuffix(name, "."+base); !wild || len(pp) < len(part) {
+			part, wild = pp, true
+		}
+	}
+	return part, wild
 }

@@ -88,7 +88,10 @@ func netSetup() []string {
 		netw.skip = err.Error()
 		return []string{"--network", "off"}
 	}
-	return []string{"--network", "on", "--sandbox-cidr", netPool, "--dns-upstream", netw.dnsAddr, "--net-presets", pf}
+	// The world's addresses are private: the proxy admits them only
+	// because this range is opened.
+	return []string{"--network", "on", "--sandbox-cidr", netPool, "--dns-upstream", netw.dnsAddr, "--net-presets", pf,
+		"--dns-admit-private", netSubnet + ".0/24"}
 }
 
 func run1(name string, args ...string) error {

@@ -45,8 +45,10 @@ type Config struct {
 	CgroupPool        int
 	NetnsPool         int
 	// Network is auto, on or off; SandboxCIDR the veth address pool;
-	// DNSUpstream comma-separated servers; NetPresets a JSON file.
-	Network, SandboxCIDR, DNSUpstream, NetPresets string
+	// DNSUpstream comma-separated servers; NetPresets a JSON file;
+	// DNSAdmitPrivate comma-separated private prefixes DNS answers may
+	// admit.
+	Network, SandboxCIDR, DNSUpstream, NetPresets, DNSAdmitPrivate string
 	// DiskQuota is auto, loop or off.
 	DiskQuota string
 }
@@ -285,8 +287,19 @@ func newNetwork(c Config, log *slog.Logger) (*netpolicy.Manager, error) {
 	} else {
 		ups = netpolicy.UpstreamsFromResolvConf("/etc/resolv.conf")
 	}
+	var admit []netip.Prefix
+	for _, s := range strings.Split(c.DNSAdmitPrivate, ",") {
+		if s = strings.TrimSpace(s); s == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(s)
+		if err != nil {
+			return nil, fmt.Errorf("--dns-admit-private %q: %w", s, err)
+		}
+		admit = append(admit, p)
+	}
 	m, err := netpolicy.New(netpolicy.Config{
-		Instance: InstanceID(c.StateDir), Pool: pool, Upstreams: ups, Presets: presets, Log: log,
+		Instance: InstanceID(c.StateDir), Pool: pool, Upstreams: ups, AdmitPrivate: admit, Presets: presets, Log: log,
 	})
 	if err != nil {
 		return nil, err
