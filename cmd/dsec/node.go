@@ -41,6 +41,7 @@ type nodeConfig struct {
 	netnsPool    int
 	sharedMemMB  int64
 	outputMB     int64
+	minFreeMB    int64
 	labels       map[string]string
 }
 
@@ -68,6 +69,7 @@ func (c *nodeConfig) register(f *cmdFlags) {
 	f.IntVar(&c.netnsPool, "netns-pool", 1024, "fresh network namespaces dsec's launcher keeps ready (at most --max-sandboxes), made in the background once creates and deletes pause: a create joins one instead of making one (0 = none)")
 	f.Int64Var(&c.sharedMemMB, "shared-memory-mb", 0, "memory limit of all memory_cgroup \"shared\" sandboxes together, in MiB (they have none each; past it the kernel's OOM killer picks among them); 0 = no limit")
 	f.Int64Var(&c.outputMB, "output-buffer-mb", 0, "output that one-shot execs, session runs and fncalls may buffer on this node at once, in MiB: each call holds 2 × its max_output_bytes while it runs, and one that does not fit is refused with resource_exhausted before it starts (streamed execs hold none); 0 = an eighth of the host's memory, 256 MiB to 8 GiB")
+	f.Int64Var(&c.minFreeMB, "min-free-disk-mb", -1, "floor of free space on the state filesystem, in MiB: below it creates and file uploads are refused with resource_exhausted (a sandbox without disk_mb writes to that filesystem); -1 = 2% of it, 1 to 20 GiB; 0 = no floor")
 	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of user-namespace sandboxes (spec userns: true), which get 65536 ids from it; 0 refuses userns")
 }
 
@@ -92,6 +94,9 @@ func (c *nodeConfig) check() error {
 	}
 	if c.sharedMemMB < 0 || (c.sharedMemMB > 0 && c.sharedMemMB < 64) {
 		return fmt.Errorf("--shared-memory-mb %d: want 0 (no limit) or at least 64", c.sharedMemMB)
+	}
+	if c.minFreeMB < -1 {
+		return fmt.Errorf("--min-free-disk-mb %d: want -1 (2%% of the filesystem), 0 (no floor) or more", c.minFreeMB)
 	}
 	if c.outputMB < 0 || (c.outputMB > 0 && c.outputMB < 16) {
 		return fmt.Errorf("--output-buffer-mb %d: want 0 (the default) or at least 16", c.outputMB)
@@ -143,7 +148,7 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 		CgroupParent: h.CgroupParent, MaxPaused: c.maxPaused,
 		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth, DiskQuota: h.DiskQuota,
 		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax, PoolMin: c.poolMin, CgroupPool: c.cgroupPool, SharedMemoryMB: c.sharedMemMB,
-		OutputBufferMB: outputMB, BundleDir: h.BundleDir(),
+		OutputBufferMB: outputMB, MinFreeDiskMB: c.minFreeMB, BundleDir: h.BundleDir(),
 	}, edge.Deps{
 		Backend: h.Backend, Blobs: layers, Cgroups: h.Cgroups, Log: log,
 		Metrics: edge.NewMetrics(reg), Runtime: h.Runtime, Launcher: h.Backend.Launcher(), Layers: layers, Net: h.Net,

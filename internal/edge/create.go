@@ -126,6 +126,9 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 	s.touch()
 	s.life.Lock()
 	defer s.life.Unlock()
+	if err := e.checkDiskFloor(); err != nil {
+		return nil, err
+	}
 	e.mu.Lock()
 	if e.live >= e.cfg.MaxSandboxes {
 		e.mu.Unlock()

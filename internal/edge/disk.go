@@ -1,6 +1,7 @@
 package edge
 
 import (
+	"golang.org/x/sys/unix"
 	"path/filepath"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
@@ -67,4 +68,29 @@ func hasDiskMount(dir string) bool {
 		}
 	}
 	return false
+}
+
+// checkDiskFloor refuses, with resource_exhausted, an operation that would
+// write to the state filesystem (a create, a file or tar upload) while it
+// has less free than the node's floor (Config.MinFreeDiskMB): a sandbox
+// without a disk of its own writes to that filesystem, and a full one
+// stops every sandbox's writes and the daemon's records alike. What a
+// running sandbox writes itself is bounded only by disk_mb.
+func (e *Edge) checkDiskFloor() error {
+	floor := e.cfg.MinFreeDiskMB << 20
+	if floor == 0 {
+		return nil
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(e.cfg.StateDir, &st); err != nil {
+		return nil // the write itself will say what is wrong
+	}
+	size, free := int64(st.Blocks)*st.Bsize, int64(st.Bavail)*st.Bsize
+	if floor < 0 {
+		floor = min(max(size/50, 1<<30), 20<<30)
+	}
+	if free < floor {
+		return errdefs.Exhausted("node %s: its state filesystem has %d MiB free, below the floor of %d MiB (--min-free-disk-mb): creates and file uploads are refused until sandboxes free space", e.cfg.Name, free>>20, floor>>20)
+	}
+	return nil
 }

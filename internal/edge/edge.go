@@ -66,6 +66,10 @@ type Config struct {
 	MaxUploadBytes int64
 	// MaxSessions bounds the open sessions of one sandbox.
 	MaxSessions int
+	// MinFreeDiskMB is the state filesystem's floor: creates and file
+	// writes are refused while less is free (0: no floor; -1: 2% of the
+	// filesystem, 1 to 20 GiB).
+	MinFreeDiskMB int64
 	// OutputBufferMB bounds the output one-shot execs, session runs and
 	// fncalls may buffer at once on this node (outputBudget; 0: 1 GiB).
 	OutputBufferMB int64

@@ -50,6 +50,9 @@ func (e *Edge) ReadFile(ctx context.Context, id, path string) (io.ReadCloser, ap
 // WriteFile writes a file (parents created), bounded by MaxUploadBytes.
 func (e *Edge) WriteFile(ctx context.Context, id, path string, data io.Reader, mode os.FileMode) (api.FileEntry, error) {
 	var fe api.FileEntry
+	if err := e.checkDiskFloor(); err != nil {
+		return fe, err
+	}
 	err := e.withRoot(id, api.LogFilesWrite, api.LogRequest{Path: path, Mode: modeString(mode)}, func(r *files.Root, res *api.LogResult) error {
 		if _, err := r.WriteFile(path, data, mode, e.cfg.MaxUploadBytes); err != nil {
 			return err
@@ -110,6 +113,9 @@ func (e *Edge) WriteTar(ctx context.Context, id, path string, w io.Writer) error
 // the archive: uploads come from API callers, not layer builders.
 func (e *Edge) ExtractTar(ctx context.Context, id, path string, rd io.Reader) (api.TarResult, error) {
 	var tr api.TarResult
+	if err := e.checkDiskFloor(); err != nil {
+		return tr, err
+	}
 	err := e.withRoot(id, api.LogFilesTarIn, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) (err error) {
 		tr, err = r.ExtractTar(path, rd, files.TarOptions{MaxBytes: e.cfg.MaxUploadBytes, MaxFiles: 1 << 20})
 		if err == nil {

@@ -83,6 +83,7 @@ func Open(c Config, log *slog.Logger, reg prometheus.Registerer) (*Host, error) 
 		return nil, fmt.Errorf("--launcher %q: want auto, dsec or runtime", c.Launcher)
 	}
 	raiseNoFile(log)
+	shieldFromOOM(log)
 	logCoreScheduling(log)
 	if err := os.MkdirAll(c.StateDir, 0o700); err != nil {
 		return nil, fmt.Errorf("creating state dir: %w", err)
@@ -359,6 +360,22 @@ func logCoreScheduling(log *slog.Logger) {
 
 // raiseNoFile lifts the soft open-files limit to the hard one: the edge
 // holds pipes and fds for many sandboxes at once.
+// daemonOOMScoreAdj keeps the kernel's OOM killer off the node daemon: a
+// sandbox running the host out of memory must lose its own processes, not
+// the daemon that serves every sandbox (and would leave them unmanaged).
+// Not -1000 (never): a daemon leaking memory should still be stoppable.
+// The sandboxes' processes are set back to 0 as they start (the launcher,
+// the exec helper and the OCI spec's oomScoreAdj).
+const daemonOOMScoreAdj = "-999"
+
+func shieldFromOOM(log *slog.Logger) {
+	if err := os.WriteFile("/proc/self/oom_score_adj", []byte(daemonOOMScoreAdj), 0); err != nil {
+		log.Warn("could not shield the daemon from the OOM killer", "err", err)
+		return
+	}
+	log.Debug("oom_score_adj", "value", daemonOOMScoreAdj)
+}
+
 func raiseNoFile(log *slog.Logger) {
 	var lim unix.Rlimit
 	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {

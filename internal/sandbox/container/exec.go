@@ -66,6 +66,7 @@ func (c *Container) Exec(ctx context.Context, id string, p sandbox.Process) (san
 		Cwd:             cwd,
 		User:            specs.User{UID: p.UID, GID: p.GID, AdditionalGids: p.AdditionalGIDs},
 		NoNewPrivileges: true,
+		OOMScoreAdj:     &sandboxOOMScoreAdj,
 		Capabilities:    caps(p.UID),
 		Rlimits:         rlimits(),
 	}

@@ -181,6 +181,7 @@ func (c *Container) spec(cfg sandbox.Config) *specs.Spec {
 			Env:             []string{defaultPath},
 			Cwd:             "/",
 			NoNewPrivileges: true,
+			OOMScoreAdj:     &sandboxOOMScoreAdj,
 			Capabilities:    caps(0),
 			Rlimits:         rlimits(),
 		},
@@ -227,6 +228,10 @@ func rlimits() []specs.POSIXRlimit {
 	}
 	return []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Hard: n, Soft: n}}
 }
+
+// sandboxOOMScoreAdj is every sandbox process's OOM score adjustment: the
+// default, not the daemon's (host.Open shields the daemon with -999).
+var sandboxOOMScoreAdj = 0
 
 func resources(l sandbox.Limits) *specs.LinuxResources {
 	r := &specs.LinuxResources{

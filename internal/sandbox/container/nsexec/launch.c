@@ -351,6 +351,20 @@ static void loopback_up(struct dsec_launch *l) {
 	close(s);
 }
 
+// reset_oom_score gives the sandbox the default OOM score adjustment (0),
+// not the daemon's -999 it inherited: the daemon is shielded from the OOM
+// killer, its sandboxes are not. Written while CAP_SYS_RESOURCE is still
+// held, it is also the floor: the sandbox (without that capability)
+// cannot lower it again.
+static void reset_oom_score(struct dsec_launch *l) {
+	int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+	if (fd < 0)
+		fail(l, "opening oom_score_adj", NULL, errno);
+	if (write(fd, "0", 1) != 1)
+		fail(l, "writing oom_score_adj", NULL, errno);
+	close(fd);
+}
+
 static void drop_caps(struct dsec_launch *l) {
 	for (int cap = 0; cap <= l->last_cap; cap++) {
 		if (cap < 64 && (l->caps & (1ULL << cap)))
@@ -376,6 +390,8 @@ static int child(void *arg) {
 	// Ctrl-C on the terminal that started dsec would reach every sandbox.
 	if (setsid() < 0)
 		fail(l, "setsid", NULL, errno);
+	// Still on the host's /proc here.
+	reset_oom_score(l);
 	umask(022);
 	// stdio is the edge's read-only /dev/null (launch.go): through a
 	// read-only mount, so that root inside cannot chmod or chown the

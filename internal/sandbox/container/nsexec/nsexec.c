@@ -199,9 +199,20 @@ static void set_caps(uint64_t caps) {
 		fail("setup", "clearing ambient capabilities: %s", strerror(errno));
 }
 
+// reset_oom_score: the command gets the default OOM score adjustment (0),
+// not the daemon's -999, written while CAP_SYS_RESOURCE is held so that
+// the sandbox cannot lower it again.
+static void reset_oom_score(void) {
+	int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+	if (fd < 0 || write(fd, "0", 1) != 1)
+		fail("setup", "resetting oom_score_adj: %s", strerror(errno));
+	close(fd);
+}
+
 static void child(struct config *c, char **argv) {
 	if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
 		fail("setup", "prctl dumpable: %s", strerror(errno));
+	reset_oom_score();
 	drop_bounding(c->bounding);
 	if (setgroups(c->ngroups, c->groups) < 0)
 		fail("setup", "setgroups: %s", strerror(errno));
