@@ -42,6 +42,8 @@ type nodeConfig struct {
 	sharedMemMB  int64
 	outputMB     int64
 	minFreeMB    int64
+	reserveMB    int64
+	reservePids  int64
 	labels       map[string]string
 }
 
@@ -70,6 +72,8 @@ func (c *nodeConfig) register(f *cmdFlags) {
 	f.Int64Var(&c.sharedMemMB, "shared-memory-mb", 0, "memory limit of all memory_cgroup \"shared\" sandboxes together, in MiB (they have none each; past it the kernel's OOM killer picks among them); 0 = no limit")
 	f.Int64Var(&c.outputMB, "output-buffer-mb", 0, "output that one-shot execs, session runs and fncalls may buffer on this node at once, in MiB: each call holds 2 × its max_output_bytes while it runs, and one that does not fit is refused with resource_exhausted before it starts (streamed execs hold none); 0 = an eighth of the host's memory, 256 MiB to 8 GiB")
 	f.Int64Var(&c.minFreeMB, "min-free-disk-mb", -1, "floor of free space on the state filesystem, in MiB: below it creates and file uploads are refused with resource_exhausted (a sandbox without disk_mb writes to that filesystem); -1 = 2% of it, 1 to 20 GiB; 0 = no floor")
+	f.Int64Var(&c.reserveMB, "host-reserve-mb", -1, "memory the host keeps whatever sandboxes do, in MiB: the top dsec cgroup (every instance's sandboxes) is limited to the rest, so a sandbox without a memory limit is OOM-killed inside it rather than the host running out; -1 = the larger of 2 GiB and 1/16 of the host's memory; 0 = no limit")
+	f.Int64Var(&c.reservePids, "host-reserve-pids", -1, "pids the host keeps whatever sandboxes do: the top dsec cgroup is limited to kernel.pid_max less this; -1 = the larger of 4096 and 1/8 of kernel.pid_max; 0 = no limit")
 	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of user-namespace sandboxes (spec userns: true), which get 65536 ids from it; 0 refuses userns")
 }
 
@@ -94,6 +98,9 @@ func (c *nodeConfig) check() error {
 	}
 	if c.sharedMemMB < 0 || (c.sharedMemMB > 0 && c.sharedMemMB < 64) {
 		return fmt.Errorf("--shared-memory-mb %d: want 0 (no limit) or at least 64", c.sharedMemMB)
+	}
+	if c.reserveMB < -1 || c.reservePids < -1 {
+		return fmt.Errorf("--host-reserve-mb %d, --host-reserve-pids %d: want -1 (the default), 0 (no limit) or more", c.reserveMB, c.reservePids)
 	}
 	if c.minFreeMB < -1 {
 		return fmt.Errorf("--min-free-disk-mb %d: want -1 (2%% of the filesystem), 0 (no floor) or more", c.minFreeMB)
@@ -149,6 +156,7 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth, DiskQuota: h.DiskQuota,
 		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax, PoolMin: c.poolMin, CgroupPool: c.cgroupPool, SharedMemoryMB: c.sharedMemMB,
 		OutputBufferMB: outputMB, MinFreeDiskMB: c.minFreeMB, BundleDir: h.BundleDir(),
+		HostReserveMB: c.reserveMB, HostReservePids: c.reservePids,
 	}, edge.Deps{
 		Backend: h.Backend, Blobs: layers, Cgroups: h.Cgroups, Log: log,
 		Metrics: edge.NewMetrics(reg), Runtime: h.Runtime, Launcher: h.Backend.Launcher(), Layers: layers, Net: h.Net,

@@ -408,3 +408,12 @@ func (i *Info) RemoveParent(rel string) (bool, error) {
 	}
 	return gone, nil
 }
+
+// SetLimits writes l to the existing cgroup rel (a parent: its children
+// count against it), leaving what l does not set as it is.
+func (i *Info) SetLimits(rel string, l Limits) error {
+	if err := checkRel(rel); err != nil {
+		return err
+	}
+	return i.writeLimits(rel, l)
+}

@@ -66,6 +66,13 @@ type Config struct {
 	MaxUploadBytes int64
 	// MaxSessions bounds the open sessions of one sandbox.
 	MaxSessions int
+	// HostReserveMB and HostReservePids are what the host keeps of its
+	// memory and pids whatever the sandboxes do: the top dsec cgroup
+	// (the first level of CgroupParent, shared by every instance on the
+	// host) gets the rest as its limit (0: no limit; -1: the defaults,
+	// see reserve.go).
+	HostReserveMB   int64
+	HostReservePids int64
 	// MinFreeDiskMB is the state filesystem's floor: creates and file
 	// writes are refused while less is free (0: no floor; -1: 2% of the
 	// filesystem, 1 to 20 GiB).
@@ -253,6 +260,7 @@ func (e *Edge) Start(ctx context.Context) error {
 		if err := e.deps.Cgroups.EnsureParent(e.cfg.CgroupParent); err != nil {
 			return fmt.Errorf("preparing cgroup parent %s: %w", e.cfg.CgroupParent, err)
 		}
+		e.reserveForHost()
 	}
 	started := time.Now()
 	if err := e.recover(ctx); err != nil {

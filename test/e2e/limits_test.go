@@ -485,3 +485,79 @@ func TestSharedMemoryCgroup(t *testing.T) {
 	}
 	assertNodeConsistent(t, []string{a.ID, b.ID})
 }
+
+// dsecTopFile returns the path of file (v1 name, v2 name) of the top dsec
+// cgroup in the hierarchy holding ctrl.
+func dsecTopFile(t *testing.T, ctrl, v1File, v2File string) string {
+	t.Helper()
+	for _, m := range hostCgroupMounts() {
+		if !m.v2 && m.has(ctrl) {
+			return filepath.Join(m.root, "dsec", v1File)
+		}
+	}
+	for _, m := range hostCgroupMounts() {
+		if m.v2 && m.has(ctrl) {
+			return filepath.Join(m.root, "dsec", v2File)
+		}
+	}
+	t.Skipf("no %s controller", ctrl)
+	return ""
+}
+
+func readInt(t *testing.T, path string) int64 {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+	if err != nil {
+		t.Fatalf("%s: %q", path, b)
+	}
+	return n
+}
+
+// TestRedteamHostReserve (issue 21, class 8): the host keeps memory and
+// pids whatever the sandboxes do. By default the top dsec cgroup is
+// limited to the host's memory less 2 GiB (or 1/16) and kernel.pid_max
+// less 4,096 (or 1/8). With the reserve raised so that sandboxes have
+// only ~400 MiB more than they use now, a sandbox without a memory limit
+// that asks for 1 GiB is OOM-killed inside its cgroup: the daemon and a
+// neighbour live on.
+func TestRedteamHostReserve(t *testing.T) {
+	needDaemon(t)
+	memLimit := dsecTopFile(t, "memory", "memory.limit_in_bytes", "memory.max")
+	pidsLimit := dsecTopFile(t, "pids", "pids.max", "pids.max")
+	var memTotal int64
+	if b, err := os.ReadFile("/proc/meminfo"); err == nil {
+		for _, line := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(line, "MemTotal:"); ok {
+				kb, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+				memTotal = kb << 10
+			}
+		}
+	}
+	pidMax := readInt(t, "/proc/sys/kernel/pid_max")
+	wantMem := memTotal - max(2<<30, memTotal/16)
+	if got := readInt(t, memLimit); got > wantMem || got < wantMem-(1<<20) {
+		t.Errorf("default memory limit of the top dsec cgroup: %d, want %d (page-rounded)", got, wantMem)
+	}
+	if got := readInt(t, pidsLimit); got != pidMax-max(4096, pidMax/8) {
+		t.Errorf("default pids limit of the top dsec cgroup: %d, want %d", got, pidMax-max(4096, pidMax/8))
+	}
+
+	usage := readInt(t, strings.Replace(strings.Replace(memLimit, "limit_in_bytes", "usage_in_bytes", 1), "memory.max", "memory.current", 1))
+	reserveMB := (memTotal - usage - 400<<20) >> 20
+	withPoolFlags(t, "--host-reserve-mb", strconv.FormatInt(reserveMB, 10))
+	by := newBystander(t)
+	sb := newSandbox(t, api.SandboxSpec{})
+	res, err := client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "dd if=/dev/zero of=/dev/null bs=1024M count=1 2>&1; echo survived", Timeout: 60})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(res.Stdout, "1+0 records") {
+		t.Fatalf("a 1 GiB buffer fitted in a ~400 MiB reserve: %q", res.Stdout)
+	}
+	t.Logf("1 GiB under the reserve: exit %d, %q", res.ExitCode, res.Stdout)
+	by.check(t)
+}

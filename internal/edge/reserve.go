@@ -1,0 +1,85 @@
+package edge
+
+import (
+	"bufio"
+	"os"
+	"strconv"
+	"strings"
+
+	"github.com/dsecproject/dsec/internal/cgroup"
+)
+
+// What the host keeps for itself. Without a limit above the sandboxes, one
+// sandbox without a memory limit could run the whole host out of memory
+// (a global OOM kills whatever it picks, the daemon included), and eight
+// default sandboxes (4,096 pids each) exhausted a host's 32,768 pids. So
+// the top dsec cgroup (the first level of Config.CgroupParent: every
+// instance's sandboxes, both trees, are below it) gets the host's memory
+// and pids less a reserve as its limits: past them the kernel refuses
+// forks and OOM-kills inside the sandboxes, and the daemon (outside that
+// cgroup) and the rest of the host keep theirs.
+//
+// The defaults: memory, the larger of 2 GiB and 1/16 of the host's; pids,
+// the larger of 4,096 and 1/8 of kernel.pid_max.
+func reserveDefaults(memTotal, pidMax int64) (memReserve, pidsReserve int64) {
+	return max(2<<30, memTotal/16), max(4096, pidMax/8)
+}
+
+// reserveForHost applies the reserve to the top dsec cgroup. Best effort:
+// a limit the kernel refuses (usage above it already) is logged.
+func (e *Edge) reserveForHost() {
+	top := "/" + strings.SplitN(strings.TrimPrefix(e.cfg.CgroupParent, "/"), "/", 2)[0]
+	if top == "/" {
+		return
+	}
+	memTotal, pidMax := hostMemTotal(), hostPidMax()
+	memRes, pidsRes := reserveDefaults(memTotal, pidMax)
+	if e.cfg.HostReserveMB >= 0 {
+		memRes = e.cfg.HostReserveMB << 20
+	}
+	if e.cfg.HostReservePids >= 0 {
+		pidsRes = e.cfg.HostReservePids
+	}
+	var l cgroup.Limits
+	if memRes > 0 && memTotal > memRes {
+		l.MemoryBytes = memTotal - memRes
+	}
+	if pidsRes > 0 && pidMax > pidsRes {
+		l.Pids = pidMax - pidsRes
+	}
+	if l.MemoryBytes == 0 && l.Pids == 0 {
+		return
+	}
+	if err := e.deps.Cgroups.SetLimits(top, l); err != nil {
+		e.log.Warn("could not keep a reserve for the host", "cgroup", top, "err", err)
+		return
+	}
+	e.log.Info("host reserve", "cgroup", top, "sandbox_memory_limit_mib", l.MemoryBytes>>20, "sandbox_pids_limit", l.Pids)
+}
+
+// hostMemTotal is /proc/meminfo's MemTotal in bytes (0 if unknown).
+func hostMemTotal() int64 {
+	f, err := os.Open("/proc/meminfo")
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "MemTotal:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+			return kb << 10
+		}
+	}
+	return 0
+}
+
+// hostPidMax is kernel.pid_max (0 if unknown).
+func hostPidMax() int64 {
+	b, err := os.ReadFile("/proc/sys/kernel/pid_max")
+	if err != nil {
+		return 0
+	}
+	n, _ := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+	return n
+}
