@@ -17,15 +17,20 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/dsecproject/dsec/internal/cluster"
+	"github.com/dsecproject/dsec/internal/conns"
 	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/layer"
 )
+
+// metricsConns bounds the connections of --metrics-listen.
+const metricsConns = 64
 
 type edgeCmdConfig struct {
 	clusterFlags
 	listen        string
 	advertise     string
 	metricsListen string
+	maxConns      int
 	node          nodeConfig
 }
 
@@ -40,6 +45,7 @@ func parseEdge(args []string) (edgeCmdConfig, error) {
 	f.StringVar(&c.listen, "listen", "", "address of the internal API (required), e.g. 10.0.0.5:7071")
 	f.StringVar(&c.advertise, "advertise", "", "address apiservers reach the internal API at (default: --listen, which must then name a host)")
 	f.StringVar(&c.metricsListen, "metrics-listen", "", "also serve /metrics and /healthz without TLS on this address (e.g. 127.0.0.1:9101 for Prometheus)")
+	f.IntVar(&c.maxConns, "max-connections", 0, "most connections the internal API keeps open at once (0 = a quarter of the open-files limit, 64 to 16384); at most half may be connections whose mutual-TLS handshake has not completed, and a new connection past that closes the oldest of those")
 	f.StringVar(&c.node.stateDir, "state-dir", "", "state directory of this edge (required; one per edge)")
 	f.StringVar(&c.node.nodeName, "node-name", "", "this node's name, unique in the cluster (required; part of every sandbox id)")
 	f.Var(kvListFlag(c.node.labels), "node-labels", "labels of this node, `k=v,...` (node_selector matches them; pool=NAME names its pool)")
@@ -57,6 +63,9 @@ func parseEdge(args []string) (edgeCmdConfig, error) {
 		}
 	}
 	if err := c.node.check(); err != nil {
+		return c, err
+	}
+	if err := checkMaxConns(c.maxConns); err != nil {
 		return c, err
 	}
 	if c.advertise == "" {
@@ -138,15 +147,30 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintf(w, "{\"status\":\"ok\",\"node\":%q}\n", c.node.nodeName)
 	})
-	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, TLSConfig: tlsCfg,
-		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
-	servers := []serving{{hs, func() error { return hs.Serve(tls.NewListener(ln, tlsCfg)) }}}
+	// Only the cluster's apiservers get past the handshake (a client
+	// certificate of the cluster's CA is required): every request that
+	// reaches the mux is trusted.
+	lim := limitConns(ln, c.maxConns, "internal", log, reg)
+	hs := lim.Server(conns.Trusting(mux))
+	hs.TLSConfig = tlsCfg
+	hs.ErrorLog = slog.NewLogLogger(log.Handler(), slog.LevelDebug)
+	servers := []serving{{hs, func() error { return hs.Serve(tls.NewListener(lim, tlsCfg)) }}}
 	if c.metricsListen != "" {
+		mln, err := net.Listen("tcp", c.metricsListen)
+		if err != nil {
+			return fmt.Errorf("listening on %s: %w", c.metricsListen, err)
+		}
+		defer mln.Close()
 		mmux := http.NewServeMux()
 		mmux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 		mmux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { fmt.Fprintln(w, `{"status":"ok"}`) })
-		ms := &http.Server{Addr: c.metricsListen, Handler: mmux, ReadHeaderTimeout: 10 * time.Second}
-		servers = append(servers, serving{ms, ms.ListenAndServe})
+		// Nobody authenticates here: a few connections, the oldest
+		// closed for a new one, so a flood costs the daemon 64
+		// descriptors at most.
+		ml := conns.Listen(mln, conns.Config{Max: metricsConns, MaxUntrusted: metricsConns, WriteStall: conns.DefaultWriteStall,
+			ReadHeaderTimeout: conns.DefaultReadHeaderTimeout, IdleTimeout: conns.DefaultIdleTimeout})
+		ms := ml.Server(mmux)
+		servers = append(servers, serving{ms, func() error { return ms.Serve(ml) }})
 	}
 	log.Info("dsec edge: serving the internal API", "listen", ln.Addr().String(), "advertise", advertise, "cluster", trust.Info.ID)
 	return serveUntilDone(ctx, log, "shutting down; sandboxes keep running and are re-adopted on the next start", servers...)

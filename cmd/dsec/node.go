@@ -44,6 +44,8 @@ type nodeConfig struct {
 	minFreeMB    int64
 	reserveMB    int64
 	reservePids  int64
+	maxSessions  int
+	maxStreams   int
 	labels       map[string]string
 }
 
@@ -74,6 +76,8 @@ func (c *nodeConfig) register(f *cmdFlags) {
 	f.Int64Var(&c.minFreeMB, "min-free-disk-mb", -1, "floor of free space on the state filesystem, in MiB: below it creates and file uploads are refused with resource_exhausted (a sandbox without disk_mb writes to that filesystem); -1 = 2% of it, 1 to 20 GiB; 0 = no floor")
 	f.Int64Var(&c.reserveMB, "host-reserve-mb", -1, "memory the host keeps whatever sandboxes do, in MiB: the top dsec cgroup (every instance's sandboxes) is limited to the rest, so a sandbox without a memory limit is OOM-killed inside it rather than the host running out; -1 = the larger of 2 GiB and 1/16 of the host's memory; 0 = no limit")
 	f.Int64Var(&c.reservePids, "host-reserve-pids", -1, "pids the host keeps whatever sandboxes do: the top dsec cgroup is limited to kernel.pid_max less this; -1 = the larger of 4096 and 1/8 of kernel.pid_max; 0 = no limit")
+	f.IntVar(&c.maxSessions, "max-sessions-total", 0, "sessions open on this node at once, across its sandboxes (each holds a shell and ~4 descriptors of the daemon's); past it an open is refused with resource_exhausted; 0 = a sixteenth of the open-files limit, 64 to 16384")
+	f.IntVar(&c.maxStreams, "max-streams", 0, "commands (exec, streamed or not, and fncall) and port connections running on this node at once (each holds pipes or a socket of the daemon's); past it a call is refused with resource_exhausted before it starts; 0 = a sixteenth of the open-files limit, 64 to 16384")
 	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of user-namespace sandboxes (spec userns: true), which get 65536 ids from it; 0 refuses userns")
 }
 
@@ -111,6 +115,9 @@ func (c *nodeConfig) check() error {
 	if c.poolMax < 0 || c.poolMin < 0 || c.poolMin > c.poolMax {
 		return fmt.Errorf("--warm-pool-min %d, --warm-pool-max %d: want 0 <= min <= max", c.poolMin, c.poolMax)
 	}
+	if c.maxSessions < 0 || c.maxStreams < 0 {
+		return fmt.Errorf("--max-sessions-total %d, --max-streams %d: want 0 (the default) or more", c.maxSessions, c.maxStreams)
+	}
 	if c.cgroupPool < 0 {
 		return fmt.Errorf("--cgroup-pool %d: want 0 or more", c.cgroupPool)
 	}
@@ -142,6 +149,16 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 	if err != nil {
 		return nil, nil, err
 	}
+	// host.Open raised the open-files limit: the defaults are shares of
+	// what it got.
+	nofile := openFilesLimit()
+	maxSessions, maxStreams := c.maxSessions, c.maxStreams
+	if maxSessions == 0 {
+		maxSessions = edge.DefaultMaxSessionsTotal(nofile)
+	}
+	if maxStreams == 0 {
+		maxStreams = edge.DefaultMaxStreams(nofile)
+	}
 	outputMB := c.outputMB
 	if outputMB == 0 {
 		var si unix.Sysinfo_t
@@ -156,6 +173,7 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth, DiskQuota: h.DiskQuota,
 		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax, PoolMin: c.poolMin, CgroupPool: c.cgroupPool, SharedMemoryMB: c.sharedMemMB,
 		OutputBufferMB: outputMB, MinFreeDiskMB: c.minFreeMB, BundleDir: h.BundleDir(),
+		MaxSessionsTotal: maxSessions, MaxStreams: maxStreams,
 		HostReserveMB: c.reserveMB, HostReservePids: c.reservePids,
 	}, edge.Deps{
 		Backend: h.Backend, Blobs: layers, Cgroups: h.Cgroups, Log: log,
@@ -172,6 +190,7 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 		h.Close()
 		return nil, nil, err
 	}
-	log.Info("edge ready", "node", c.nodeName, "runtime", h.Runtime, "state_dir", c.stateDir, "cgroup_parent", h.CgroupParent)
+	log.Info("edge ready", "node", c.nodeName, "runtime", h.Runtime, "state_dir", c.stateDir, "cgroup_parent", h.CgroupParent,
+		"open_files_limit", nofile, "max_sessions_total", maxSessions, "max_streams", maxStreams)
 	return ed, h, nil
 }

@@ -89,6 +89,7 @@ type serverConfig struct {
 	apiKey     string
 	placementK int
 	overflow   kvListFlag
+	maxConns   int
 }
 
 // parseServer parses and checks `dsec server`'s flags.
@@ -101,6 +102,7 @@ func parseServer(args []string) (serverConfig, placement.Config, error) {
 	f.StringVar(&c.listen, "listen", "127.0.0.1:7070", "address to serve the public API on")
 	f.StringVar(&c.apiKey, "api-key", os.Getenv(dsec.EnvAPIKey), "admin API key to register in etcd (default: $DSEC_API_KEY; the first server of a cluster needs one; idempotent)")
 	f.IntVar(&c.placementK, "placement-k", placement.DefaultK, "nodes sampled per placement (power of k choices)")
+	f.IntVar(&c.maxConns, "max-connections", 0, maxConnsHelp)
 	f.Var(c.overflow, "overflow-pool", "`pool=utilization` (repeatable or comma-separated): nodes labelled pool=NAME take sandboxes only once every other node is at least that full, e.g. cloud=0.8")
 	c.clusterFlags.register(f)
 	if _, err := f.parseN(args, 0, 0); err != nil {
@@ -111,6 +113,9 @@ func parseServer(args []string) (serverConfig, placement.Config, error) {
 	}
 	if c.placementK < 1 {
 		return c, placement.Config{}, fmt.Errorf("--placement-k %d: want at least 1", c.placementK)
+	}
+	if err := checkMaxConns(c.maxConns); err != nil {
+		return c, placement.Config{}, err
 	}
 	overflow := map[string]float64{}
 	for pool, v := range c.overflow {
@@ -213,8 +218,10 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 		Alive: func(other string) (bool, error) { return cluster.ServerAlive(st, other) },
 	})
 	go srv.Run(ctx)
-	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	lim := limitConns(ln, c.maxConns, "api", log, reg)
+	hs := lim.Server(srv.Handler())
+	hs.ErrorLog = slog.NewLogLogger(log.Handler(), slog.LevelDebug)
 	nodes := len(view.Snapshot())
 	log.Info("dsec server: serving", "endpoint", "http://"+ln.Addr().String(), "cluster", trust.Info.ID, "instance", instance, "nodes", nodes)
-	return serveUntilDone(ctx, log, "shutting down", serving{hs, func() error { return hs.Serve(ln) }})
+	return serveUntilDone(ctx, log, "shutting down", serving{hs, func() error { return hs.Serve(lim) }})
 }

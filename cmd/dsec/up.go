@@ -16,9 +16,11 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/internal/apiserver"
 	"github.com/dsecproject/dsec/internal/cluster"
+	"github.com/dsecproject/dsec/internal/conns"
 	"github.com/dsecproject/dsec/internal/edge"
 	"github.com/dsecproject/dsec/internal/edge/host"
 	"github.com/dsecproject/dsec/internal/iam"
@@ -36,6 +38,7 @@ type upConfig struct {
 	configPath string
 	logFormat  string
 	logLevel   string
+	maxConns   int
 	node       nodeConfig
 }
 
@@ -48,6 +51,7 @@ func runUp(args []string) error {
 	f.StringVar(&c.node.stateDir, "state-dir", "/var/lib/dsec", "state directory (store, layers, sandboxes)")
 	f.StringVar(&c.apiKey, "api-key", os.Getenv(dsec.EnvAPIKey), "admin API key to accept (default: $DSEC_API_KEY, else generated once)")
 	f.StringVar(&c.node.nodeName, "node-name", "local", "this node's name (part of every sandbox id)")
+	f.IntVar(&c.maxConns, "max-connections", 0, maxConnsHelp)
 	c.node.register(f)
 	f.StringVar(&c.configPath, "config", "", "client config file to write (default ~/.config/dsec/config.json or $DSEC_CONFIG)")
 	f.StringVar(&c.logFormat, "log-format", "text", "log format: text or json")
@@ -56,6 +60,9 @@ func runUp(args []string) error {
 		return err
 	}
 	if err := c.node.check(); err != nil {
+		return err
+	}
+	if err := checkMaxConns(c.maxConns); err != nil {
 		return err
 	}
 	return daemon(c.logFormat, c.logLevel, func(ctx context.Context, log *slog.Logger) error { return up(ctx, c, log) })
@@ -101,6 +108,53 @@ func serveUntilDone(ctx context.Context, log *slog.Logger, stopping string, serv
 		_ = s.srv.Shutdown(sctx)
 	}
 	return err
+}
+
+// maxConnsHelp describes --max-connections, the same for every daemon.
+const maxConnsHelp = "most connections the API keeps open at once (0 = a quarter of the open-files limit, 64 to 16384); at most half may be connections that have not yet carried an authenticated request, and a new connection past that closes the oldest of those"
+
+func checkMaxConns(n int) error {
+	if n != 0 && n < 16 {
+		return fmt.Errorf("--max-connections %d: want 0 (the default) or at least 16", n)
+	}
+	return nil
+}
+
+// openFilesLimit is the process's soft RLIMIT_NOFILE (1024 if unknown).
+func openFilesLimit() uint64 {
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		return 1024
+	}
+	return lim.Cur
+}
+
+// limitConns wraps a daemon's listener in its connection limits
+// (internal/conns): maxConns, or a share of the open-files limit, half of
+// them for connections not yet authenticated; the default timeouts; and
+// the listener's gauges on reg, labelled name.
+func limitConns(ln net.Listener, maxConns int, name string, log *slog.Logger, reg prometheus.Registerer) *conns.Listener {
+	nofile := openFilesLimit()
+	if maxConns == 0 {
+		maxConns = conns.DefaultMax(nofile)
+	}
+	l := conns.Listen(ln, conns.Config{
+		Max: maxConns, MaxUntrusted: maxConns / 2, WriteStall: conns.DefaultWriteStall,
+		ReadHeaderTimeout: conns.DefaultReadHeaderTimeout, IdleTimeout: conns.DefaultIdleTimeout,
+	})
+	if reg != nil {
+		labels := prometheus.Labels{"listener": name}
+		reg.MustRegister(
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "dsec_connections_open", Help: "Connections open on the listener (bounded by --max-connections).", ConstLabels: labels},
+				func() float64 { open, _, _ := l.Stats(); return float64(open) }),
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "dsec_connections_untrusted", Help: "Open connections that have not carried an authenticated request (at most half of --max-connections).", ConstLabels: labels},
+				func() float64 { _, untrusted, _ := l.Stats(); return float64(untrusted) }),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "dsec_connections_evicted_total", Help: "Unauthenticated connections closed to make room for new ones.", ConstLabels: labels},
+				func() float64 { _, _, evicted := l.Stats(); return float64(evicted) }),
+		)
+	}
+	log.Info("connection limits", "listener", name, "max_connections", maxConns, "max_unauthenticated", maxConns/2, "open_files_limit", nofile)
+	return l
 }
 
 func newLogger(format, level string) (*slog.Logger, error) {
@@ -243,8 +297,12 @@ func up(ctx context.Context, c upConfig, log *slog.Logger) error {
 		}
 		log.Info("wrote client config", "path", cfgPath)
 	}
-	hs := &http.Server{Handler: n.server.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	// Wrapped once the edge has raised the open-files limit the default
+	// is a share of.
+	lim := limitConns(ln, c.maxConns, "api", log, reg)
+	hs := lim.Server(n.server.Handler())
+	hs.ErrorLog = slog.NewLogLogger(log.Handler(), slog.LevelDebug)
 	log.Info("dsec up: serving", "endpoint", endpoint)
 	return serveUntilDone(ctx, log, "shutting down; sandboxes keep running and are re-adopted on the next start",
-		serving{hs, func() error { return hs.Serve(ln) }})
+		serving{hs, func() error { return hs.Serve(lim) }})
 }

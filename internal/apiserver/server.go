@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/conns"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/iam"
 	"github.com/dsecproject/dsec/internal/layer"
@@ -154,15 +155,20 @@ func (s *Server) handle(pattern string, action iam.Action, h http.HandlerFunc) {
 		key, ok := bearer(r)
 		if !ok {
 			rec.Header().Set("WWW-Authenticate", `Bearer realm="dsec"`)
+			hangUp(rec)
 			s.writeError(rec, r, errdefs.Unauthenticated("missing Authorization: Bearer <api key> header"))
 			return
 		}
 		p, err := s.deps.IAM.Authenticate(key)
 		if err != nil {
 			rec.Header().Set("WWW-Authenticate", `Bearer realm="dsec", error="invalid_token"`)
+			hangUp(rec)
 			s.writeError(rec, r, err)
 			return
 		}
+		// The connection has carried an authenticated request: a flood
+		// of connections that have not may no longer push it out.
+		conns.Trust(r.Context())
 		if action != "" {
 			if err := s.deps.IAM.Authorize(p, action); err != nil {
 				s.writeError(rec, r, err)
@@ -171,6 +177,16 @@ func (s *Server) handle(pattern string, action iam.Action, h http.HandlerFunc) {
 		}
 		h(rec, r.WithContext(context.WithValue(r.Context(), principalKey{}, p)))
 	}))
+}
+
+// hangUp makes the connection of an unauthenticated request close once
+// it is answered: it is not kept alive for the next request, and what is
+// left of its body is not read (the server would read up to 256 KiB of it
+// to reuse the connection, with no deadline, for as long as a client
+// holding it back liked).
+func hangUp(w http.ResponseWriter) {
+	w.Header().Set("Connection", "close")
+	_ = http.NewResponseController(w).SetReadDeadline(time.Now())
 }
 
 func bearer(r *http.Request) (string, bool) {

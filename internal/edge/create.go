@@ -156,7 +156,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("creating sandbox dir: %w", err)
 	}
-	undo.Add(func() { _ = os.RemoveAll(dir) })
+	undo.Add(func() { _ = e.removeTree(dir) })
 	if rec.UserNS {
 		if err := groupSearchable(dir, e.cfg.UserNSBase); err != nil {
 			return nil, err
@@ -469,7 +469,7 @@ func (e *Edge) stopSandbox(ctx context.Context, s *sbx, final, reason string) {
 	// The writable layer goes with the runtime: a stopped sandbox cannot be
 	// restarted, so keeping it would only leak disk.
 	for _, d := range []string{"upper", "work", "rootfs", "bundle", "vol", "disk.img", "lower"} {
-		_ = os.RemoveAll(filepath.Join(s.dir, d))
+		_ = e.removeTree(filepath.Join(s.dir, d))
 	}
 	now := time.Now().UTC()
 	s.mu.Lock()

@@ -77,6 +77,12 @@ type Config struct {
 	// writes are refused while less is free (0: no floor; -1: 2% of the
 	// filesystem, 1 to 20 GiB).
 	MinFreeDiskMB int64
+	// MaxSessionsTotal bounds the open sessions of the whole node (slots;
+	// 0: 4096).
+	MaxSessionsTotal int
+	// MaxStreams bounds the commands (exec, streamed or not, and fncall)
+	// and port connections running on the node at once (slots; 0: 4096).
+	MaxStreams int
 	// OutputBufferMB bounds the output one-shot execs, session runs and
 	// fncalls may buffer at once on this node (outputBudget; 0: 1 GiB).
 	OutputBufferMB int64
@@ -134,6 +140,9 @@ type Edge struct {
 	noDetached atomic.Bool
 	// output bounds the node's buffered command output.
 	output *outputBudget
+	// sessions and streams bound the node's open sessions and its running
+	// commands and port connections (slots.go).
+	sessions, streams *slots
 	// own and shared are the parent cgroups of sandboxes with a memory
 	// cgroup of their own and without (cgroups.go); nil without cgroups.
 	own, shared *cgroupTree
@@ -158,6 +167,10 @@ type Edge struct {
 	// trashKick wakes the janitor (trash.go); trashSeq names trash entries.
 	trashKick chan struct{}
 	trashSeq  atomic.Uint64
+	// trashRetries are the trash entries that failed to go, owned by
+	// emptyTrash; rmTree replaces files.RemoveAll in tests.
+	trashRetries map[string]*trashRetry
+	rmTree       func(string) error
 
 	stop chan struct{}
 	wg   sync.WaitGroup
@@ -201,6 +214,12 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 	if cfg.MaxSessions == 0 {
 		cfg.MaxSessions = 64
 	}
+	if cfg.MaxSessionsTotal == 0 {
+		cfg.MaxSessionsTotal = 4096
+	}
+	if cfg.MaxStreams == 0 {
+		cfg.MaxStreams = 4096
+	}
 	if cfg.OutputBufferMB == 0 {
 		cfg.OutputBufferMB = 1 << 10
 	}
@@ -228,16 +247,19 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 		}
 	}
 	e := &Edge{
-		cfg:       cfg,
-		output:    &outputBudget{limit: cfg.OutputBufferMB << 20},
-		deps:      deps,
-		log:       deps.Log.With("node", cfg.Name),
-		metrics:   deps.Metrics,
-		sandboxes: map[string]*sbx{},
-		stop:      make(chan struct{}),
-		trashKick: make(chan struct{}, 1),
-		pool:      newPool(),
-		deleteSem: make(chan struct{}, 4),
+		cfg:          cfg,
+		output:       &outputBudget{limit: cfg.OutputBufferMB << 20},
+		sessions:     newSlots(cfg.MaxSessionsTotal),
+		streams:      newSlots(cfg.MaxStreams),
+		deps:         deps,
+		log:          deps.Log.With("node", cfg.Name),
+		metrics:      deps.Metrics,
+		sandboxes:    map[string]*sbx{},
+		stop:         make(chan struct{}),
+		trashKick:    make(chan struct{}, 1),
+		trashRetries: map[string]*trashRetry{},
+		pool:         newPool(),
+		deleteSem:    make(chan struct{}, 4),
 	}
 	e.mounter = layer.NewMounter(filepath.Join(cfg.StateDir, "mnt"), deps.Blobs, e.log)
 	if err := e.newCgroupTrees(); err != nil {

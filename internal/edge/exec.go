@@ -39,6 +39,11 @@ func (e *Edge) Exec(ctx context.Context, id string, req api.ExecRequest, emit fu
 	defer func() {
 		e.record(s, api.LogExec, start, execRequestLog(req, emit != nil), execResultLog(res, outHead, errHead), err)
 	}()
+	release, ok := e.streams.take()
+	if !ok {
+		return nil, e.streamsFull()
+	}
+	defer release()
 	p, err := e.process(s, req.User, req.Cwd, req.Env)
 	if err != nil {
 		return nil, err

@@ -83,6 +83,14 @@ func (m *Metrics) bind(e *Edge) {
 		Name: "dsec_cgroup_slots_free",
 		Help: "Emptied sandbox cgroups kept for the next sandboxes (--cgroup-pool).",
 	}, func() float64 { return float64(e.freeCgroupSlots()) }))
+	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "dsec_sessions_open",
+		Help: "Sessions open on this node (bounded by --max-sessions-total).",
+	}, func() float64 { return float64(e.sessions.inUse()) }))
+	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "dsec_streams_open",
+		Help: "Commands and port connections running on this node (bounded by --max-streams).",
+	}, func() float64 { return float64(e.streams.inUse()) }))
 }
 
 type stateCollector struct {

@@ -100,9 +100,18 @@ func (e *Edge) DialPort(ctx context.Context, id string, port int) (net.Conn, fun
 	if port < 1 || port > 65535 {
 		return nil, nil, errdefs.Invalid("port must be between 1 and 65535, got %d", port)
 	}
-	_, done, err := e.begin(id)
+	_, end, err := e.begin(id)
 	if err != nil {
 		return nil, nil, err
+	}
+	release, ok := e.streams.take()
+	if !ok {
+		end()
+		return nil, nil, e.streamsFull()
+	}
+	done := func() {
+		release()
+		end()
 	}
 	pid, err := e.initPid(ctx, id)
 	if err != nil {

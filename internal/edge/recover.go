@@ -112,7 +112,7 @@ func (e *Edge) recover(ctx context.Context) error {
 				e.log.Warn("removing the disk of a dead sandbox", "sandbox_id", id, "err", err)
 			}
 			for _, d := range []string{"upper", "work", "rootfs", "bundle", "vol", "lower"} {
-				_ = os.RemoveAll(filepath.Join(sdir, d))
+				_ = e.removeTree(filepath.Join(sdir, d))
 			}
 			now := time.Now().UTC()
 			rec.Sandbox.State = api.StateFailed
@@ -218,8 +218,8 @@ func (e *Edge) reapDir(ctx context.Context, id, sdir string, rootfsMounted bool)
 		e.log.Warn("removing orphan sandbox disk", "sandbox_id", id, "err", err)
 		return
 	}
-	if err := os.RemoveAll(sdir); err != nil && !errors.Is(err, os.ErrNotExist) {
-		e.log.Warn("removing orphan sandbox dir", "sandbox_id", id, "err", err)
+	if err := e.removeTree(sdir); err != nil {
+		e.log.Warn("removing orphan sandbox dir", "sandbox_id", id, "err", clip(err.Error(), maxLoggedError))
 	}
 }
 
@@ -343,15 +343,17 @@ func (e *Edge) initAlive(id string) bool {
 	return err != nil || st.Running
 }
 
-// forget removes a stopped sandbox's record.
+// forget removes a stopped sandbox's record. Its directory goes to the
+// trash, whose janitor retries what it cannot remove with a growing pause
+// (the reaper would try again every second).
 func (e *Edge) forget(s *sbx) {
 	s.life.Lock()
 	defer s.life.Unlock()
 	s.mu.Lock()
 	id := s.rec.Sandbox.ID
 	s.mu.Unlock()
-	if err := os.RemoveAll(s.dir); err != nil {
-		e.log.Warn("removing stopped sandbox", "sandbox_id", id, "err", err)
+	if err := e.discard(s.dir); err != nil {
+		e.log.Warn("removing stopped sandbox", "sandbox_id", id, "err", clip(err.Error(), maxLoggedError))
 		return
 	}
 	e.mu.Lock()

@@ -42,6 +42,8 @@ type session struct {
 	shellPid int
 	// bash sessions survive a timeout (see bashSetup); others end.
 	bash bool
+	// release gives back the session's node-wide slot (slots.go).
+	release func()
 
 	runMu sync.Mutex // one run at a time
 }
@@ -229,11 +231,30 @@ func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionReques
 		}
 	}
 	s.mu.Lock()
-	if len(s.sessions) >= e.cfg.MaxSessions {
+	if len(s.sessions)+s.opening >= e.cfg.MaxSessions {
 		s.mu.Unlock()
 		return nil, errdefs.Exhausted("sandbox %s already has %d sessions", id, e.cfg.MaxSessions)
 	}
+	// The open counts against both limits from here, before its shell
+	// starts: a burst of opens cannot pass them together.
+	s.opening++
 	s.mu.Unlock()
+	release, ok := e.sessions.take()
+	opened := false
+	defer func() {
+		if opened {
+			return
+		}
+		s.mu.Lock()
+		s.opening--
+		s.mu.Unlock()
+		if ok {
+			release()
+		}
+	}()
+	if !ok {
+		return nil, e.sessionsFull()
+	}
 
 	p, err := e.process(s, req.User, req.Cwd, req.Env)
 	if err != nil {
@@ -245,7 +266,7 @@ func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionReques
 		return nil, fmt.Errorf("creating session pipe: %w", err)
 	}
 	se := &session{id: "ss-" + nonce()[:16], stdin: w, out: newCapture(), err: newCapture(),
-		exited: make(chan struct{}), bash: strings.Contains(path.Base(shell), "bash")}
+		exited: make(chan struct{}), bash: strings.Contains(path.Base(shell), "bash"), release: release}
 	p.Stdin, p.Stdout, p.Stderr = r, se.out, se.err
 	proc, err := e.deps.Backend.Exec(ctx, id, p)
 	r.Close()
@@ -288,6 +309,8 @@ func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionReques
 		s.sessions = map[string]*session{}
 	}
 	s.sessions[se.id] = se
+	s.opening--
+	opened = true
 	s.mu.Unlock()
 	return &api.Session{SessionID: se.id}, nil
 }
@@ -375,6 +398,7 @@ func (se *session) close() {
 	case <-se.exited:
 	case <-time.After(5 * time.Second):
 	}
+	se.release()
 }
 
 // run sends one command and waits for its markers.

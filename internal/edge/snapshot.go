@@ -203,8 +203,8 @@ func (e *Edge) newStage(cl *cleanup.Stack) (string, error) {
 		return "", fmt.Errorf("staging snapshot layers: %w", err)
 	}
 	cl.Add(func() {
-		if err := os.RemoveAll(dir); err != nil {
-			e.log.Warn("removing snapshot staging", "dir", dir, "err", err)
+		if err := e.removeTree(dir); err != nil {
+			e.log.Warn("removing snapshot staging", "dir", dir, "err", clip(err.Error(), maxLoggedError))
 		}
 	})
 	return dir, nil
@@ -254,8 +254,8 @@ func (e *Edge) clearStaleStages(root string) {
 		if strings.HasPrefix(ent.Name(), mine) {
 			continue
 		}
-		if err := os.RemoveAll(filepath.Join(root, ent.Name())); err != nil {
-			e.log.Warn("removing stale snapshot staging", "dir", ent.Name(), "err", err)
+		if err := e.removeTree(filepath.Join(root, ent.Name())); err != nil {
+			e.log.Warn("removing stale snapshot staging", "dir", ent.Name(), "err", clip(err.Error(), maxLoggedError))
 			continue
 		}
 		e.log.Info("removed stale snapshot staging", "dir", ent.Name())

@@ -66,6 +66,9 @@ type sbx struct {
 	rec      record
 	root     *files.Root // opened lazily on the rootfs
 	sessions map[string]*session
+	// opening counts sessions being started, which count against
+	// MaxSessions with those open.
+	opening int
 	// going is set while the sandbox is being stopped or deleted: new
 	// operations are refused.
 	going bool

@@ -1,10 +1,19 @@
 package edge
 
 import (
+	"bytes"
+	"errors"
+	"log/slog"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/internal/files"
 )
 
 // TestTrash: a discarded sandbox dir leaves its place at once, the janitor
@@ -53,4 +62,161 @@ func TestTrash(t *testing.T) {
 	}
 	close(e.stop)
 	<-done
+}
+
+// TestTrashDeepTree: a deleted sandbox whose upper dir is a 5,000-level
+// tree goes from the trash in one pass while the daemon could open only
+// MaxRemoveFDs+2 more descriptors. (os.RemoveAll holds one per level: it ran
+// the daemon out of descriptors and left the tree in the trash for good.)
+func TestTrashDeepTree(t *testing.T) {
+	const depth = 5000
+	state := t.TempDir()
+	var logs bytes.Buffer
+	e, err := New(Config{Name: "n1", StateDir: state}, Deps{Log: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(state, "sandboxes", "sb-n1-deep")
+	if err := os.MkdirAll(filepath.Join(dir, "upper"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	fd, err := unix.Open(filepath.Join(dir, "upper"), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for level := 0; level < depth; level++ {
+		if err := unix.Mkdirat(fd, "d", 0o755); err != nil {
+			t.Fatal(err)
+		}
+		next, err := unix.Openat(fd, "d", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		unix.Close(fd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fd = next
+	}
+	unix.Close(fd)
+	if err := e.discard(dir); err != nil {
+		t.Fatal(err)
+	}
+	withFDHeadroom(t, files.MaxRemoveFDs+2, func() { e.emptyTrash() })
+	ents, err := os.ReadDir(e.trashDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ents) != 0 {
+		t.Fatalf("trash not emptied: %v; log:\n%.2000s", ents, logs.String())
+	}
+}
+
+// TestTrashRetriesBackOff: an entry that cannot be removed is logged once
+// with its error cut short (a failure deep in a hostile tree was a 40 KB
+// line per attempt), is not tried again before its pause ends, and is
+// logged again only when its failure changes.
+func TestTrashRetriesBackOff(t *testing.T) {
+	state := t.TempDir()
+	var logs bytes.Buffer
+	e, err := New(Config{Name: "n1", StateDir: state}, Deps{Log: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Join(e.trashDir(), "sb-stuck.1"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	calls := 0
+	failure := errors.New("removing: " + strings.Repeat("d/", 20000) + ": too many open files")
+	e.rmTree = func(string) error { calls++; return failure }
+	warnings := func() []string {
+		var out []string
+		for _, l := range strings.Split(logs.String(), "\n") {
+			if strings.Contains(l, "level=WARN") {
+				out = append(out, l)
+			}
+		}
+		return out
+	}
+	for range 10 {
+		e.emptyTrash()
+	}
+	if calls != 1 {
+		t.Fatalf("tried %d times within the pause, want 1", calls)
+	}
+	w := warnings()
+	if len(w) != 1 || len(w[0]) > maxLoggedError+300 {
+		t.Fatalf("want one bounded warning, got %d, longest %d bytes", len(w), longest(w))
+	}
+	r := e.trashRetries["sb-stuck.1"]
+	if r == nil || time.Until(r.next) < trashRetryMin/2 {
+		t.Fatalf("no pause before the next attempt: %+v", r)
+	}
+	first := r.wait
+	r.next = time.Now().Add(-time.Second)
+	e.emptyTrash()
+	if calls != 2 || len(warnings()) != 1 || r.wait != 2*first {
+		t.Fatalf("second attempt: calls %d, warnings %d, pause %v (first %v)", calls, len(warnings()), r.wait, first)
+	}
+	r.next = time.Now().Add(-time.Second)
+	failure = errors.New("another failure")
+	e.emptyTrash()
+	if len(warnings()) != 2 {
+		t.Fatalf("a changed failure was not logged: %d warnings", len(warnings()))
+	}
+	r.next = time.Now().Add(-time.Second)
+	e.rmTree = nil
+	e.emptyTrash()
+	if _, ok := e.trashRetries["sb-stuck.1"]; ok {
+		t.Fatal("a removed entry is still waiting for a retry")
+	}
+	if ents, _ := os.ReadDir(e.trashDir()); len(ents) != 0 {
+		t.Fatalf("trash not emptied: %v", ents)
+	}
+}
+
+func longest(ss []string) int {
+	n := 0
+	for _, s := range ss {
+		n = max(n, len(s))
+	}
+	return n
+}
+
+// withFDHeadroom runs fn with the soft open-files limit set so that fn
+// can open at most headroom descriptors at once, then restores it.
+func withFDHeadroom(t *testing.T, headroom int, fn func()) {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Skipf("needs /proc/self/fd: %v", err)
+	}
+	// The limit is the lowest with exactly headroom free descriptors
+	// below it (the kernel gives the lowest free number; there are gaps,
+	// and the listing's own descriptor is closed by now).
+	open := map[int]bool{}
+	for _, e := range ents {
+		n, err := strconv.Atoi(e.Name())
+		if _, lerr := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && lerr == nil {
+			open[n] = true
+		}
+	}
+	limit, free := 0, 0
+	for ; free < headroom; limit++ {
+		if !open[limit] {
+			free++
+		}
+	}
+	var old unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &old); err != nil {
+		t.Fatal(err)
+	}
+	low := old
+	low.Cur = uint64(limit)
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &low); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &old); err != nil {
+			t.Fatal(err)
+		}
+	}()
+	fn()
 }
