@@ -114,6 +114,13 @@ var proberExpect = []struct {
 	{"ioctl_setflags32_noatime", wantFail},
 	{"ioctl_fssetxattr_immutable", wantEPERM},
 	{"ioctl_fssetxattr_noatime", wantEPERM},
+	// Physical layout of the host's disk: a file in the sandbox (the
+	// overlay's upper is the host's filesystem), a host file bound in.
+	{"ioctl_fiemap", wantEPERM},
+	{"ioctl_fiemap_hibits", wantEPERM},
+	{"ioctl_fiemap_host_bind", wantEPERM},
+	{"ioctl_fibmap", wantEPERM},
+	{"ioctl_getfsmap", wantEPERM},
 	// The same calls through the i386 (int $0x80) and x32 entry points: a
 	// profile written for x86_64 numbers only must not let them through.
 	{"i386_unshare_newuser", wantFail},
@@ -160,6 +167,22 @@ var proberExpect = []struct {
 	{"read_proc_sched_debug", wantNoData},
 	{"read_proc_keys", wantNoData},
 	{"read_proc_kallsyms", wantNoData},
+	// Host-wide allocator state and the physical memory map (spec.go's
+	// maskedPaths says why); what tools read stays.
+	{"read_proc_slabinfo", wantNoData},
+	{"read_proc_vmallocinfo", wantNoData},
+	{"read_proc_pagetypeinfo", wantNoData},
+	{"read_proc_zoneinfo", wantNoData},
+	{"read_proc_buddyinfo", wantNoData},
+	{"read_proc_iomem", wantNoData},
+	{"read_proc_ioports", wantNoData},
+	{"read_proc_mtrr", wantNoData},
+	{"read_proc_meminfo", wantOK},
+	{"read_proc_cpuinfo", wantOK},
+	{"read_proc_stat", wantOK},
+	{"read_proc_loadavg", wantOK},
+	// A cgroup namespace: no host cgroup path, v1 hierarchies included.
+	{"proc_self_cgroup_root", wantOK},
 	{"list_sys_firmware", wantNoData},
 	// Read-only /proc/sys and /proc/sysrq-trigger.
 	{"write_sysrq_trigger", wantFail},

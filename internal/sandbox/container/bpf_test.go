@@ -58,6 +58,10 @@ var seccompProbes = []struct {
 	{"ioctl-setflags", unix.EPERM},
 	{"ioctl-setflags-junk-high-bits", unix.EPERM},
 	{"ioctl-fsxattr", unix.EPERM},
+	{"ioctl-fiemap", unix.EPERM},
+	{"ioctl-fiemap-junk-high-bits", unix.EPERM},
+	{"ioctl-fibmap", unix.EPERM},
+	{"ioctl-getfsmap", unix.EPERM},
 	{"ioctl-fionread", 0},
 }
 
@@ -145,6 +149,10 @@ func seccompChild() {
 	defer os.Remove(f.Name())
 	fd := f.Fd()
 	var flags int
+	// Headers asking for nothing (fm_extent_count, fmh_count 0): were
+	// the filter to let them through, the kernel would only count.
+	var fiemap [32]byte
+	var fsmap [192]byte
 	sys := func(nr uintptr, a ...uintptr) unix.Errno {
 		var args [6]uintptr
 		copy(args[:], a)
@@ -177,6 +185,10 @@ func seccompChild() {
 		"ioctl-setflags":                sys(unix.SYS_IOCTL, fd, ioctlFSSetFlags, uintptr(unsafe.Pointer(&flags))),
 		"ioctl-setflags-junk-high-bits": sys(unix.SYS_IOCTL, fd, 0xffff_ffff_0000_0000|ioctlFSSetFlags, uintptr(unsafe.Pointer(&flags))),
 		"ioctl-fsxattr":                 sys(unix.SYS_IOCTL, fd, ioctlFSSetXattr, 0),
+		"ioctl-fiemap":                  sys(unix.SYS_IOCTL, fd, ioctlFIEMAP, uintptr(unsafe.Pointer(&fiemap))),
+		"ioctl-fiemap-junk-high-bits":   sys(unix.SYS_IOCTL, fd, 0xffff_ffff_0000_0000|ioctlFIEMAP, uintptr(unsafe.Pointer(&fiemap))),
+		"ioctl-fibmap":                  sys(unix.SYS_IOCTL, fd, ioctlFIBMAP, uintptr(unsafe.Pointer(&flags))),
+		"ioctl-getfsmap":                sys(unix.SYS_IOCTL, fd, ioctlGetFSMap, uintptr(unsafe.Pointer(&fsmap))),
 		"ioctl-fionread":                sys(unix.SYS_IOCTL, fd, unix.TIOCINQ, uintptr(unsafe.Pointer(&flags))),
 	}
 	for _, p := range socketProbes {

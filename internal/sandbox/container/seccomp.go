@@ -53,14 +53,30 @@ var namespaceFlags = []uint64{
 }
 
 // Dangerous ioctl requests (the request is argument 1).
+//
+// The last three tell where files lie on the host's disk: FIEMAP and
+// FIBMAP map a file's extents or blocks to physical offsets (a sandbox's
+// files are the host's, through the overlay's upper and the bind mounts),
+// and GETFSMAP maps the whole filesystem, every owner's extents. That is
+// the host's layout, and the map a rowhammer or disk-side attack needs.
+// FIBMAP also needs CAP_SYS_RAWIO, which sandboxes lack; its request, 1,
+// is refused on every fd, and no device a sandbox opens uses it for
+// anything else. cp (coreutils before 9.0) tries FIEMAP for sparse files
+// and copies plainly when it fails; filefrag and xfs_io fiemap fail.
 const (
 	ioctlXFSSwapExt   = 0xC0C0586D // _IOWR('X', 109, struct xfs_swapext)
 	ioctlFSSetFlags   = 0x40086602 // _IOW('f', 2, long): chattr +i/+a
 	ioctlFSSetFlags32 = 0x40046602 // _IOW('f', 2, int)
 	ioctlFSSetXattr   = 0x401C5820 // _IOW('X', 32, struct fsxattr)
+	ioctlFIEMAP       = 0xC020660B // _IOWR('f', 11, struct fiemap)
+	ioctlFIBMAP       = 0x00000001 // _IO(0x00, 1)
+	ioctlGetFSMap     = 0xC0C0583B // _IOWR('X', 59, struct fsmap_head)
 )
 
-var dangerousIoctls = []uint32{ioctlXFSSwapExt, ioctlFSSetFlags, ioctlFSSetFlags32, ioctlFSSetXattr}
+var dangerousIoctls = []uint32{
+	ioctlXFSSwapExt, ioctlFSSetFlags, ioctlFSSetFlags32, ioctlFSSetXattr,
+	ioctlFIEMAP, ioctlFIBMAP, ioctlGetFSMap,
+}
 
 // What a sandbox may open sockets of: an allow list, because each address
 // family and netlink protocol is kernel code that socket(2) reaches, and

@@ -48,11 +48,25 @@ func capMask(names []string) uint64 {
 // maskedPaths hides kernel interfaces a sandbox has no business reading;
 // /proc/kpage* are there because reading them has crashed kernels
 // (DSEC-FACTS.md §7, incident 7).
+//
+// The second line is host-wide allocator and address-space state, which
+// /proc does not namespace: slabinfo (object counts per slab cache),
+// vmallocinfo (vmalloc areas and their callers), pagetypeinfo, zoneinfo
+// and buddyinfo (free pages per order and zone) are what a kernel exploit
+// reads to time and check its heap grooming, and what a side channel
+// reads to watch other sandboxes allocate; iomem, ioports and mtrr are
+// the machine's physical memory and I/O map. No tool a sandbox runs
+// needs them: free, top, ps, vmstat and nproc read meminfo, stat,
+// loadavg, vmstat and cpuinfo, which stay (docs/architecture.md, "What a
+// sandbox can see of the host"). Each one missing on a kernel is skipped.
 var maskedPaths = []string{
 	"/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys",
 	"/proc/latency_stats", "/proc/timer_list", "/proc/timer_stats",
 	"/proc/sched_debug", "/proc/scsi", "/proc/kpagecgroup", "/proc/kpageflags",
-	"/proc/kpagecount", "/proc/kallsyms", "/sys/firmware",
+	"/proc/kpagecount", "/proc/kallsyms",
+	"/proc/slabinfo", "/proc/vmallocinfo", "/proc/pagetypeinfo", "/proc/zoneinfo",
+	"/proc/buddyinfo", "/proc/iomem", "/proc/ioports", "/proc/mtrr",
+	"/sys/firmware",
 	"/sys/devices/virtual/powercap", "/sys/kernel/debug", "/sys/kernel/tracing",
 }
 

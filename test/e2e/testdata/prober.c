@@ -144,6 +144,14 @@ struct p_fsxattr {
 _Static_assert(P_FS_IOC_SETFLAGS == 0x40086602UL, "FS_IOC_SETFLAGS value");
 _Static_assert(P_FS_IOC_FSSETXATTR == 0x401c5820UL, "FS_IOC_FSSETXATTR value");
 
+/* Where a file lies on the disk (struct fiemap is 32 bytes, struct
+ * fsmap_head 192): the profile refuses all three. */
+#define P_FS_IOC_FIEMAP P_IOWR('f', 11, 32)
+#define P_FIBMAP 1UL
+#define P_FS_IOC_GETFSMAP P_IOWR('X', 59, 192)
+_Static_assert(P_FS_IOC_FIEMAP == 0xc020660bUL, "FS_IOC_FIEMAP value");
+_Static_assert(P_FS_IOC_GETFSMAP == 0xc0c0583bUL, "FS_IOC_GETFSMAP value");
+
 /* Upper 32 bits set: the kernel's ioctl takes `unsigned int cmd` and drops
  * them, a seccomp rule comparing all 64 bits does not. */
 #define HIBITS 0xffffffff00000000UL
@@ -732,6 +740,55 @@ static int p_ioctl_fssetxattr_noatime(char *d, size_t n)
 	return fssetxattr(P_FS_XFLAG_NOATIME);
 }
 
+/* A file with one written, synced block: unfiltered, FIEMAP would map it
+ * to its physical offset on the host's disk. */
+static int written_fd(void)
+{
+	int fd = tmpfile_fd();
+	if (fd >= 0 && (write(fd, "prober\n", 7) != 7 || fsync(fd) < 0)) {
+		close(fd);
+		return -1;
+	}
+	return fd;
+}
+
+static int fiemap(int fd, unsigned long cmd)
+{
+	/* fm_start 0, fm_length ~0, no extents asked: the kernel would count. */
+	uint64_t fm[4] = {0, ~0ULL, 0, 0};
+	if (fd < 0)
+		return -1;
+	return sys(syscall(SYS_ioctl, fd, cmd, fm));
+}
+
+static int p_ioctl_fiemap(char *d, size_t n) { return fiemap(written_fd(), P_FS_IOC_FIEMAP); }
+static int p_ioctl_fiemap_hibits(char *d, size_t n) { return fiemap(written_fd(), HIBITS | P_FS_IOC_FIEMAP); }
+
+/* The pinned shell is a bind mount of a host file. */
+static int p_ioctl_fiemap_host_bind(char *d, size_t n)
+{
+	return fiemap(open("/dev/sh", O_RDONLY), P_FS_IOC_FIEMAP);
+}
+
+static int p_ioctl_fibmap(char *d, size_t n)
+{
+	int fd = written_fd();
+	int block = 0;
+	if (fd < 0)
+		return -1;
+	return sys(syscall(SYS_ioctl, fd, P_FIBMAP, &block));
+}
+
+static int p_ioctl_getfsmap(char *d, size_t n)
+{
+	/* A zeroed head (fmh_count 0): the kernel would count the records. */
+	static unsigned char head[192];
+	int fd = written_fd();
+	if (fd < 0)
+		return -1;
+	return sys(syscall(SYS_ioctl, fd, P_FS_IOC_GETFSMAP, head));
+}
+
 /* ---- sockets: only the allowed families and netlink protocols open ---- */
 
 static int sock(long domain, long type, long proto)
@@ -933,6 +990,58 @@ static int p_read_proc_timer_list(char *d, size_t n) { return readn("/proc/timer
 static int p_read_proc_sched_debug(char *d, size_t n) { return readn("/proc/sched_debug", 8, d, n); }
 static int p_read_proc_keys(char *d, size_t n) { return readn("/proc/keys", 8, d, n); }
 static int p_read_proc_kallsyms(char *d, size_t n) { return readn("/proc/kallsyms", 8, d, n); }
+static int p_read_proc_slabinfo(char *d, size_t n) { return readn("/proc/slabinfo", 8, d, n); }
+static int p_read_proc_vmallocinfo(char *d, size_t n) { return readn("/proc/vmallocinfo", 8, d, n); }
+static int p_read_proc_pagetypeinfo(char *d, size_t n) { return readn("/proc/pagetypeinfo", 8, d, n); }
+static int p_read_proc_zoneinfo(char *d, size_t n) { return readn("/proc/zoneinfo", 8, d, n); }
+static int p_read_proc_buddyinfo(char *d, size_t n) { return readn("/proc/buddyinfo", 8, d, n); }
+static int p_read_proc_iomem(char *d, size_t n) { return readn("/proc/iomem", 8, d, n); }
+static int p_read_proc_ioports(char *d, size_t n) { return readn("/proc/ioports", 8, d, n); }
+static int p_read_proc_mtrr(char *d, size_t n) { return readn("/proc/mtrr", 8, d, n); }
+
+/* What tools read must stay: 0 bytes (a /dev/null mask) is ENODATA. */
+static int readkept(const char *path, char *d, size_t n)
+{
+	if (readn(path, 8, d, n) < 0)
+		return -1;
+	if (strcmp(d, "bytes=0") == 0) {
+		errno = ENODATA;
+		return -1;
+	}
+	return 0;
+}
+
+static int p_read_proc_meminfo(char *d, size_t n) { return readkept("/proc/meminfo", d, n); }
+static int p_read_proc_cpuinfo(char *d, size_t n) { return readkept("/proc/cpuinfo", d, n); }
+static int p_read_proc_stat(char *d, size_t n) { return readkept("/proc/stat", d, n); }
+static int p_read_proc_loadavg(char *d, size_t n) { return readkept("/proc/loadavg", d, n); }
+
+/* /proc/self/cgroup names the sandbox's cgroup as "/" in every hierarchy
+ * (a cgroup namespace), not the host's path: ENOTRECOVERABLE otherwise,
+ * with the first line that names one. */
+static int p_proc_self_cgroup_root(char *d, size_t n)
+{
+	char line[512];
+	FILE *f = fopen("/proc/self/cgroup", "r");
+	if (!f)
+		return -1;
+	int lines = 0;
+	while (fgets(line, sizeof line, f)) {
+		line[strcspn(line, "\n")] = 0;
+		char *path = strchr(line, ':');
+		path = path ? strchr(path + 1, ':') : NULL;
+		if (!path || strcmp(path + 1, "/") != 0) {
+			snprintf(d, n, "line=%s", line);
+			fclose(f);
+			errno = ENOTRECOVERABLE;
+			return -1;
+		}
+		lines++;
+	}
+	fclose(f);
+	snprintf(d, n, "lines=%d", lines);
+	return 0;
+}
 
 static int p_list_sys_firmware(char *d, size_t n)
 {
@@ -1076,6 +1185,11 @@ static const struct probe probes[] = {
 	{"ioctl_setflags32_noatime", p_ioctl_setflags32_noatime},
 	{"ioctl_fssetxattr_immutable", p_ioctl_fssetxattr_immutable},
 	{"ioctl_fssetxattr_noatime", p_ioctl_fssetxattr_noatime},
+	{"ioctl_fiemap", p_ioctl_fiemap},
+	{"ioctl_fiemap_hibits", p_ioctl_fiemap_hibits},
+	{"ioctl_fiemap_host_bind", p_ioctl_fiemap_host_bind},
+	{"ioctl_fibmap", p_ioctl_fibmap},
+	{"ioctl_getfsmap", p_ioctl_getfsmap},
 	{"i386_unshare_newuser", p_i386_unshare_newuser},
 	{"i386_mount_tmpfs", p_i386_mount_tmpfs},
 	{"i386_ptrace_attach_child", p_i386_ptrace_attach_child},
@@ -1114,6 +1228,19 @@ static const struct probe probes[] = {
 	{"read_proc_sched_debug", p_read_proc_sched_debug},
 	{"read_proc_keys", p_read_proc_keys},
 	{"read_proc_kallsyms", p_read_proc_kallsyms},
+	{"read_proc_slabinfo", p_read_proc_slabinfo},
+	{"read_proc_vmallocinfo", p_read_proc_vmallocinfo},
+	{"read_proc_pagetypeinfo", p_read_proc_pagetypeinfo},
+	{"read_proc_zoneinfo", p_read_proc_zoneinfo},
+	{"read_proc_buddyinfo", p_read_proc_buddyinfo},
+	{"read_proc_iomem", p_read_proc_iomem},
+	{"read_proc_ioports", p_read_proc_ioports},
+	{"read_proc_mtrr", p_read_proc_mtrr},
+	{"read_proc_meminfo", p_read_proc_meminfo},
+	{"read_proc_cpuinfo", p_read_proc_cpuinfo},
+	{"read_proc_stat", p_read_proc_stat},
+	{"read_proc_loadavg", p_read_proc_loadavg},
+	{"proc_self_cgroup_root", p_proc_self_cgroup_root},
 	{"list_sys_firmware", p_list_sys_firmware},
 	{"write_sysrq_trigger", p_write_sysrq_trigger},
 	{"write_proc_sys_hostname", p_write_proc_sys_hostname},
