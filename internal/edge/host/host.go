@@ -117,12 +117,17 @@ func Open(c Config, log *slog.Logger, reg prometheus.Registerer) (*Host, error) 
 			h.Close()
 		}
 	}()
+	// CgroupNS on every layout, v1 and hybrid too: the kernel roots each
+	// hierarchy, v1 ones included, at the cgroup the process is in when
+	// it unshares, and the launcher (launch.c), runc and crun all unshare
+	// after joining the sandbox's cgroups. Without it /proc/self/cgroup
+	// shows the host's cgroup paths on v1 and hybrid hosts.
 	h.Backend, err = container.New(container.Config{
 		Runtime:     rt,
 		StateRoot:   filepath.Join(h.RunDir, rt),
 		PinPath:     filepath.Join(c.StateDir, "bin", rt),
 		MaskDir:     filepath.Join(c.StateDir, "mask"),
-		CgroupNS:    cg.Mode == cgroup.V2,
+		CgroupNS:    true,
 		Cgroups:     cg,
 		KeepCgroups: c.CgroupPool > 0,
 		RuntimeExec: c.RuntimeExec,
