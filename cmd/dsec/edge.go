@@ -139,6 +139,7 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 	}
 	defer h.Close()
 	defer ed.Close()
+	defer cleanupOnExit(c.node, ed, log)
 
 	mux := http.NewServeMux()
 	mux.Handle(edgeapi.Prefix+"/", edgeapi.NewServer(ed, log))

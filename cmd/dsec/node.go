@@ -44,6 +44,7 @@ type nodeConfig struct {
 	minFreeMB    int64
 	reserveMB    int64
 	reservePids  int64
+	cleanupExit  bool
 	maxSessions  int
 	maxStreams   int
 	labels       map[string]string
@@ -78,6 +79,7 @@ func (c *nodeConfig) register(f *cmdFlags) {
 	f.Int64Var(&c.reservePids, "host-reserve-pids", -1, "pids the host keeps whatever sandboxes do: the top dsec cgroup is limited to kernel.pid_max less this; -1 = the larger of 4096 and 1/8 of kernel.pid_max; 0 = no limit")
 	f.IntVar(&c.maxSessions, "max-sessions-total", 0, "sessions open on this node at once, across its sandboxes (each holds a shell and ~4 descriptors of the daemon's); past it an open is refused with resource_exhausted; 0 = a sixteenth of the open-files limit, 64 to 16384")
 	f.IntVar(&c.maxStreams, "max-streams", 0, "commands (exec, streamed or not, and fncall) and port connections running on this node at once (each holds pipes or a socket of the daemon's); past it a call is refused with resource_exhausted before it starts; 0 = a sixteenth of the open-files limit, 64 to 16384")
+	f.BoolVar(&c.cleanupExit, "cleanup-on-exit", false, "on shutdown, delete every sandbox of this node first, so that the daemon leaves nothing on the host (mounts, cgroups, veths, nft table, DNS address); without it sandboxes keep running and the next start adopts them")
 	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of user-namespace sandboxes (spec userns: true), which get 65536 ids from it; 0 refuses userns")
 }
 
@@ -193,4 +195,21 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 	log.Info("edge ready", "node", c.nodeName, "runtime", h.Runtime, "state_dir", c.stateDir, "cgroup_parent", h.CgroupParent,
 		"open_files_limit", nofile, "max_sessions_total", maxSessions, "max_streams", maxStreams)
 	return ed, h, nil
+}
+
+// cleanupOnExit deletes every sandbox of ed when c asks for it, before the
+// edge closes (which then removes what the instance put on the host).
+func cleanupOnExit(c nodeConfig, ed *edge.Edge, log *slog.Logger) {
+	if !c.cleanupExit {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	log.Info("deleting every sandbox before exiting (--cleanup-on-exit)")
+	n, err := ed.DeleteAll(ctx)
+	if err != nil {
+		log.Warn("deleting sandboxes before exiting", "deleted", n, "err", err)
+		return
+	}
+	log.Info("deleted every sandbox", "deleted", n)
 }

@@ -258,6 +258,7 @@ func up(ctx context.Context, c upConfig, log *slog.Logger) error {
 		return err
 	}
 	defer n.Close()
+	defer cleanupOnExit(c.node, n.edge, log)
 
 	key, created, err := ident.EnsureAdminKey(c.apiKey)
 	if err != nil {

@@ -490,6 +490,15 @@ func (e *Edge) DeleteByLabels(ctx context.Context, sel map[string]string) (int, 
 	if len(sel) == 0 {
 		return 0, errdefs.Invalid("labels are required (refusing to delete every sandbox)")
 	}
+	return e.deleteMatching(ctx, sel)
+}
+
+// DeleteAll deletes every sandbox of the node (--cleanup-on-exit).
+func (e *Edge) DeleteAll(ctx context.Context) (int, error) { return e.deleteMatching(ctx, nil) }
+
+// deleteMatching deletes the sandboxes whose labels contain sel (every
+// one for an empty sel).
+func (e *Edge) deleteMatching(ctx context.Context, sel map[string]string) (int, error) {
 	// Several at a time: one delete mostly waits (for init to die, for
 	// the kernel's cgroup_mutex), and the backend bounds its own work.
 	ids := make(chan string)

@@ -1,0 +1,90 @@
+package e2e
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/hostfs"
+)
+
+// TestCleanupOnExit (issue 21, class 9): `dsec up --cleanup-on-exit`
+// deletes its sandboxes when it stops, networked and running ones
+// included, and leaves nothing on the host: no mount under its state
+// dir, no nft table, no DNS address on lo, no cgroup, no sandbox dir.
+func TestCleanupOnExit(t *testing.T) {
+	needDaemon(t)
+	if netw.skip != "" {
+		t.Skip(netw.skip)
+	}
+	tablesBefore := nftTables(t)
+	in := startInstance(t, "--cleanup-on-exit", "--sandbox-cidr", "10.213.0.0/16", "--warm-pool-max", "0")
+	base := filepath.Join(in.dir, "base")
+	if err := hostfs.Build(base, hostfs.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if out, errOut, err := in.cli("layer", "build", "--kind", "base", "--name", "c", "--tag", "v1", base); err != nil {
+		t.Fatalf("layer build: %v: %s %s", err, out, errOut)
+	}
+	var ids []string
+	for range 2 {
+		sb, err := in.client.CreateSandbox(ctx(t), api.SandboxSpec{Base: "base/c:v1"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, sb.ID)
+		if _, err := in.client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "sleep 100000 >/dev/null 2>&1 &"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := in.client.SetNetwork(ctx(t), ids[0], api.NetworkPolicy{Allow: []string{"192.0.2.1/32"}}); err != nil {
+		t.Fatal(err)
+	}
+	if len(nftTables(t)) <= len(tablesBefore) || !loHas(t, "10.213.") {
+		t.Fatalf("the instance's networking is not up: tables %v, lo %v", nftTables(t), loHas(t, "10.213."))
+	}
+	in.stop()
+
+	if m := hostMounts(in.dir + "/"); len(m) > 0 {
+		t.Errorf("mounts left under the state dir: %v", m)
+	}
+	if after := nftTables(t); len(after) != len(tablesBefore) {
+		t.Errorf("nft tables before %v, after %v", tablesBefore, after)
+	}
+	if loHas(t, "10.213.") {
+		t.Errorf("the DNS address is still on lo")
+	}
+	for _, root := range cgroupHierarchies() {
+		if _, err := os.Stat(filepath.Join(root, in.cgroupParent())); err == nil {
+			t.Errorf("cgroup left: %s", filepath.Join(root, in.cgroupParent()))
+		}
+	}
+	if left, _ := os.ReadDir(filepath.Join(in.state, "edge", "sandboxes")); len(left) > 0 {
+		t.Errorf("sandbox dirs left: %d", len(left))
+	}
+	b, _ := os.ReadFile(in.logPath)
+	if !strings.Contains(string(b), "deleted every sandbox") {
+		t.Errorf("the log does not say the sandboxes were deleted")
+	}
+}
+
+func nftTables(t *testing.T) []string {
+	t.Helper()
+	out, err := exec.Command("nft", "list", "tables").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.Fields(strings.TrimSpace(string(out)))
+}
+
+func loHas(t *testing.T, prefix string) bool {
+	t.Helper()
+	out, err := exec.Command("ip", "-4", "-o", "addr", "show", "dev", "lo").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.Contains(string(out), "inet "+prefix)
+}
