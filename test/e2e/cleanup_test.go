@@ -4,6 +4,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
 
@@ -20,7 +22,6 @@ func TestCleanupOnExit(t *testing.T) {
 	if netw.skip != "" {
 		t.Skip(netw.skip)
 	}
-	tablesBefore := nftTables(t)
 	in := startInstance(t, "--cleanup-on-exit", "--sandbox-cidr", "10.213.0.0/16", "--warm-pool-max", "0")
 	base := filepath.Join(in.dir, "base")
 	if err := hostfs.Build(base, hostfs.Options{}); err != nil {
@@ -43,16 +44,24 @@ func TestCleanupOnExit(t *testing.T) {
 	if _, err := in.client.SetNetwork(ctx(t), ids[0], api.NetworkPolicy{Allow: []string{"192.0.2.1/32"}}); err != nil {
 		t.Fatal(err)
 	}
-	if len(nftTables(t)) <= len(tablesBefore) || !loHas(t, "10.213.") {
-		t.Fatalf("the instance's networking is not up: tables %v, lo %v", nftTables(t), loHas(t, "10.213."))
+	// The instance's own table, named in its log (other daemons on the
+	// host may add and remove theirs meanwhile).
+	logged, _ := os.ReadFile(in.logPath)
+	m := regexp.MustCompile(`table="inet (dsec_[0-9a-f]+)"`).FindSubmatch(logged)
+	if m == nil {
+		t.Fatalf("the instance's log names no nft table")
+	}
+	table := "table inet " + string(m[1])
+	if !slices.Contains(nftTableLines(t), table) || !loHas(t, "10.213.") {
+		t.Fatalf("the instance's networking is not up: tables %v, lo %v", nftTableLines(t), loHas(t, "10.213."))
 	}
 	in.stop()
 
 	if m := hostMounts(in.dir + "/"); len(m) > 0 {
 		t.Errorf("mounts left under the state dir: %v", m)
 	}
-	if after := nftTables(t); len(after) != len(tablesBefore) {
-		t.Errorf("nft tables before %v, after %v", tablesBefore, after)
+	if slices.Contains(nftTableLines(t), table) {
+		t.Errorf("%s is still there", table)
 	}
 	if loHas(t, "10.213.") {
 		t.Errorf("the DNS address is still on lo")
@@ -71,13 +80,13 @@ func TestCleanupOnExit(t *testing.T) {
 	}
 }
 
-func nftTables(t *testing.T) []string {
+func nftTableLines(t *testing.T) []string {
 	t.Helper()
 	out, err := exec.Command("nft", "list", "tables").Output()
 	if err != nil {
 		t.Fatal(err)
 	}
-	return strings.Fields(strings.TrimSpace(string(out)))
+	return strings.Split(strings.TrimSpace(string(out)), "\n")
 }
 
 func loHas(t *testing.T, prefix string) bool {
