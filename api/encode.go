@@ -41,15 +41,7 @@ func OutputText(out []byte) (text, b64 string) {
 // json.Encoder.Encode writes), with a buffer of constant size.
 func WriteExecResult(w io.Writer, r *ExecResult) error {
 	e := newStreamEncoder(w)
-	e.raw("{\"exit_code\":")
-	e.int(int64(r.ExitCode))
-	e.outputFields(r.Stdout, r.Stderr, r.StdoutB64, r.StderrB64)
-	e.raw(",\"timed_out\":")
-	e.bool(r.TimedOut)
-	e.raw(",\"truncated\":")
-	e.bool(r.Truncated)
-	e.raw(",\"duration_ms\":")
-	e.int(r.DurationMS)
+	e.resultHead(r.ExitCode, r.Stdout, r.Stderr, r.StdoutB64, r.StderrB64, r.TimedOut, r.Truncated, r.DurationMS)
 	e.raw("}\n")
 	return e.flush()
 }
@@ -58,15 +50,7 @@ func WriteExecResult(w io.Writer, r *ExecResult) error {
 // base64 already (ASCII, no escaping) and bounded by MaxFnCallFetchBytes.
 func WriteFnCallResult(w io.Writer, r *FnCallResult) error {
 	e := newStreamEncoder(w)
-	e.raw("{\"exit_code\":")
-	e.int(int64(r.ExitCode))
-	e.outputFields(r.Stdout, r.Stderr, r.StdoutB64, r.StderrB64)
-	e.raw(",\"timed_out\":")
-	e.bool(r.TimedOut)
-	e.raw(",\"truncated\":")
-	e.bool(r.Truncated)
-	e.raw(",\"duration_ms\":")
-	e.int(r.DurationMS)
+	e.resultHead(r.ExitCode, r.Stdout, r.Stderr, r.StdoutB64, r.StderrB64, r.TimedOut, r.Truncated, r.DurationMS)
 	if len(r.Files) > 0 {
 		e.raw(",\"files\":{")
 		first := true
@@ -121,6 +105,20 @@ func (e *streamEncoder) flush() error {
 		return e.err
 	}
 	return e.w.Flush()
+}
+
+// resultHead opens a result object and writes the fields ExecResult and
+// FnCallResult share.
+func (e *streamEncoder) resultHead(exitCode int, stdout, stderr, stdoutB64, stderrB64 string, timedOut, truncated bool, durationMS int64) {
+	e.raw("{\"exit_code\":")
+	e.int(int64(exitCode))
+	e.outputFields(stdout, stderr, stdoutB64, stderrB64)
+	e.raw(",\"timed_out\":")
+	e.bool(timedOut)
+	e.raw(",\"truncated\":")
+	e.bool(truncated)
+	e.raw(",\"duration_ms\":")
+	e.int(durationMS)
 }
 
 // outputFields writes ,"stdout":…,"stderr":… and the base64 fields that

@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/internal/edge"
 	"github.com/dsecproject/dsec/internal/edge/host"
@@ -161,20 +160,13 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 	if maxStreams == 0 {
 		maxStreams = edge.DefaultMaxStreams(nofile)
 	}
-	outputMB := c.outputMB
-	if outputMB == 0 {
-		var si unix.Sysinfo_t
-		if err := unix.Sysinfo(&si); err == nil {
-			outputMB = edge.DefaultOutputBufferMB(si.Totalram * uint64(si.Unit))
-		}
-	}
 	ed, err := edge.New(edge.Config{
 		Name: c.nodeName, StateDir: edgeDir, Labels: c.labels,
 		MaxSandboxes: c.maxSandboxes, Policy: sandbox.DefaultPolicy(),
 		CgroupParent: h.CgroupParent, MaxPaused: c.maxPaused,
 		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth, DiskQuota: h.DiskQuota,
 		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax, PoolMin: c.poolMin, CgroupPool: c.cgroupPool, SharedMemoryMB: c.sharedMemMB,
-		OutputBufferMB: outputMB, MinFreeDiskMB: c.minFreeMB, BundleDir: h.BundleDir(),
+		OutputBufferMB: c.outputMB, MinFreeDiskMB: c.minFreeMB, BundleDir: h.BundleDir(),
 		MaxSessionsTotal: maxSessions, MaxStreams: maxStreams,
 		HostReserveMB: c.reserveMB, HostReservePids: c.reservePids,
 	}, edge.Deps{

@@ -84,7 +84,8 @@ type Config struct {
 	// and port connections running on the node at once (slots; 0: 4096).
 	MaxStreams int
 	// OutputBufferMB bounds the output one-shot execs, session runs and
-	// fncalls may buffer at once on this node (outputBudget; 0: 1 GiB).
+	// fncalls may buffer at once on this node (outputBudget; 0:
+	// DefaultOutputBufferMB of the host's memory).
 	OutputBufferMB int64
 	// CmdLog bounds each sandbox's command log (zero fields: defaults).
 	CmdLog CmdLogConfig
@@ -221,7 +222,7 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 		cfg.MaxStreams = 4096
 	}
 	if cfg.OutputBufferMB == 0 {
-		cfg.OutputBufferMB = 1 << 10
+		cfg.OutputBufferMB = DefaultOutputBufferMB(uint64(hostMemTotal()))
 	}
 	if deps.Log == nil {
 		deps.Log = slog.Default()
@@ -289,15 +290,13 @@ func (e *Edge) Start(ctx context.Context) error {
 		return fmt.Errorf("recovering sandboxes: %w", err)
 	}
 	var adopted []*sbx
-	e.mu.RLock()
-	for _, s := range e.sandboxes {
+	for _, s := range e.allSandboxes() {
 		s.mu.Lock()
 		if holdsResources(s.rec.Sandbox.State) {
 			adopted = append(adopted, s)
 		}
 		s.mu.Unlock()
 	}
-	e.mu.RUnlock()
 	if err := e.ensureSharedAtStart(); err != nil {
 		return err
 	}

@@ -248,13 +248,7 @@ func (e *Edge) reapLoop() {
 		case <-t.C:
 			e.reapOnce(time.Now(), tick%livenessEvery == 0)
 			if tick%strayFreezeEvery == 0 {
-				e.mu.RLock()
-				all := make([]*sbx, 0, len(e.sandboxes))
-				for _, s := range e.sandboxes {
-					all = append(all, s)
-				}
-				e.mu.RUnlock()
-				e.checkStrayFreezes(all)
+				e.checkStrayFreezes(e.allSandboxes())
 			}
 		}
 	}
@@ -266,12 +260,7 @@ const livenessEvery = 5
 
 // reapOnce stops what has expired or died and forgets old records.
 func (e *Edge) reapOnce(now time.Time, checkLiveness bool) {
-	e.mu.RLock()
-	all := make([]*sbx, 0, len(e.sandboxes))
-	for _, s := range e.sandboxes {
-		all = append(all, s)
-	}
-	e.mu.RUnlock()
+	all := e.allSandboxes()
 	sem := make(chan struct{}, 8)
 	for _, s := range all {
 		s.mu.Lock()
@@ -423,4 +412,16 @@ func (e *Edge) sweepTemps(adopted []*sbx, since time.Time) {
 		s.mu.Unlock()
 		e.log.Info("removed the temporary files of interrupted file writes", "sandbox_id", id, "files", removed)
 	}
+}
+
+// allSandboxes returns the node's sandboxes as they are now, for a walk
+// that must not hold e.mu.
+func (e *Edge) allSandboxes() []*sbx {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	all := make([]*sbx, 0, len(e.sandboxes))
+	for _, s := range e.sandboxes {
+		all = append(all, s)
+	}
+	return all
 }

@@ -6,14 +6,12 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/dsecproject/dsec/internal/files"
+	"github.com/dsecproject/dsec/internal/files/filestest"
 )
 
 // TestTrash: a discarded sandbox dir leaves its place at once, the janitor
@@ -80,26 +78,11 @@ func TestTrashDeepTree(t *testing.T) {
 	if err := os.MkdirAll(filepath.Join(dir, "upper"), 0o700); err != nil {
 		t.Fatal(err)
 	}
-	fd, err := unix.Open(filepath.Join(dir, "upper"), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for level := 0; level < depth; level++ {
-		if err := unix.Mkdirat(fd, "d", 0o755); err != nil {
-			t.Fatal(err)
-		}
-		next, err := unix.Openat(fd, "d", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-		unix.Close(fd)
-		if err != nil {
-			t.Fatal(err)
-		}
-		fd = next
-	}
-	unix.Close(fd)
+	filestest.DeepTree(t, filepath.Join(dir, "upper"), depth, nil)
 	if err := e.discard(dir); err != nil {
 		t.Fatal(err)
 	}
-	withFDHeadroom(t, files.MaxRemoveFDs+2, func() { e.emptyTrash() })
+	filestest.WithFDHeadroom(t, files.MaxRemoveFDs+2, func() { e.emptyTrash() })
 	ents, err := os.ReadDir(e.trashDir())
 	if err != nil {
 		t.Fatal(err)
@@ -178,45 +161,4 @@ func longest(ss []string) int {
 		n = max(n, len(s))
 	}
 	return n
-}
-
-// withFDHeadroom runs fn with the soft open-files limit set so that fn
-// can open at most headroom descriptors at once, then restores it.
-func withFDHeadroom(t *testing.T, headroom int, fn func()) {
-	t.Helper()
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Skipf("needs /proc/self/fd: %v", err)
-	}
-	// The limit is the lowest with exactly headroom free descriptors
-	// below it (the kernel gives the lowest free number; there are gaps,
-	// and the listing's own descriptor is closed by now).
-	open := map[int]bool{}
-	for _, e := range ents {
-		n, err := strconv.Atoi(e.Name())
-		if _, lerr := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && lerr == nil {
-			open[n] = true
-		}
-	}
-	limit, free := 0, 0
-	for ; free < headroom; limit++ {
-		if !open[limit] {
-			free++
-		}
-	}
-	var old unix.Rlimit
-	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &old); err != nil {
-		t.Fatal(err)
-	}
-	low := old
-	low.Cur = uint64(limit)
-	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &low); err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &old); err != nil {
-			t.Fatal(err)
-		}
-	}()
-	fn()
 }
