@@ -72,16 +72,20 @@ func startInstance(t *testing.T, flags ...string) *instance {
 			t.Logf("second instance log (tail):\n%s", b)
 		}
 	})
+	// Ready once it serves: it listens before recovery and writes the
+	// client config (which in.cli reads) just before serving.
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		c, err := net.DialTimeout("tcp", in.listen, 200*time.Millisecond)
 		if err == nil {
 			c.Close()
-			break
+			if _, err := os.Stat(in.cfg); err == nil {
+				break
+			}
 		}
 		if time.Now().After(deadline) {
 			b, _ := os.ReadFile(in.logPath)
-			t.Fatalf("second instance did not listen within 30s:\n%s", b)
+			t.Fatalf("second instance did not serve within 30s:\n%s", b)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
