@@ -848,3 +848,42 @@ func TestCatalogCache(t *testing.T) {
 		t.Fatalf("resolve from memory: %+v %v", l, err)
 	}
 }
+
+// TestStoresStartingTogether: processes that start at once on one layer
+// directory (a cluster's edges and apiservers) sweep each other's staging
+// directories as they make their own; every one must come up holding a
+// staging directory that still exists, whichever order their steps run in.
+func TestStoresStartingTogether(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "layers")
+	st := store.NewMemory()
+	const workers, rounds = 12, 25
+	var wg sync.WaitGroup
+	errs := make(chan error, workers*rounds)
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range rounds {
+				s, err := NewStore(dir, st, nil)
+				if err != nil {
+					errs <- err
+					return
+				}
+				// Another store's sweep may run now: the claimed directory
+				// and its lock must survive it.
+				if _, err := os.Stat(filepath.Join(s.StagingDir(), stageLockName)); err != nil {
+					errs <- fmt.Errorf("a started store's staging lock is gone: %w", err)
+				} else if err := os.WriteFile(filepath.Join(s.StagingDir(), "build"), nil, 0o600); err != nil {
+					errs <- fmt.Errorf("a started store cannot stage: %w", err)
+				}
+				_ = os.Remove(filepath.Join(s.StagingDir(), "build"))
+				s.Close()
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+}

@@ -124,9 +124,7 @@ func NewStore(dir string, st store.Store, log *slog.Logger) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("opening layer store: %w", err)
 	}
-	var idb [6]byte
-	_, _ = rand.Read(idb[:])
-	s := &Store{dir: dir, st: st, log: log, instance: hex.EncodeToString(idb[:])}
+	s := &Store{dir: dir, st: st, log: log}
 	if err := os.MkdirAll(s.blobDir(), 0o755); err != nil {
 		return nil, fmt.Errorf("opening layer store: %w", err)
 	}
@@ -144,18 +142,66 @@ func NewStore(dir string, st store.Store, log *slog.Logger) (*Store, error) {
 	} else if n > 0 {
 		log.Info("cleared interrupted layer builds", "count", n)
 	}
-	if err := os.Mkdir(s.stagingDir(), 0o700); err != nil {
-		return nil, fmt.Errorf("opening layer store: %w", err)
-	}
-	lock, err := os.OpenFile(filepath.Join(s.stagingDir(), stageLockName), os.O_CREATE|os.O_RDWR, 0o600)
-	if err == nil {
-		err = unix.Flock(int(lock.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-	}
-	if err != nil {
+	if s.instance, s.stageLock, err = claimStaging(root); err != nil {
 		return nil, fmt.Errorf("opening layer store: locking staging: %w", err)
 	}
-	s.stageLock = lock
 	return s, nil
+}
+
+// claimStaging makes this process's staging directory under root and
+// returns its name with the held lock.
+//
+// Every process on a shared layer directory sweeps the staging root when
+// it starts, so another one may remove the new directory between its
+// mkdir and its lock (or take the lock first, to sweep it): the claim
+// holds only when, with the lock taken, the lock file is still the one
+// at the path. A lost race is retried under a new name.
+func claimStaging(root string) (string, *os.File, error) {
+	var lastErr error
+	for range 8 {
+		var idb [6]byte
+		_, _ = rand.Read(idb[:])
+		instance := hex.EncodeToString(idb[:])
+		dir := filepath.Join(root, instance)
+		if err := os.Mkdir(dir, 0o700); err != nil {
+			if errors.Is(err, fs.ErrExist) {
+				lastErr = err
+				continue
+			}
+			return "", nil, err
+		}
+		lockPath := filepath.Join(dir, stageLockName)
+		lock, err := os.OpenFile(lockPath, os.O_CREATE|os.O_RDWR, 0o600)
+		if errors.Is(err, fs.ErrNotExist) {
+			lastErr = err // swept before the lock was made
+			continue
+		}
+		if err != nil {
+			return "", nil, err
+		}
+		// Blocking: nobody else uses this fresh name, so only a sweeper
+		// can hold the lock, and only while it removes the directory.
+		if err := unix.Flock(int(lock.Fd()), unix.LOCK_EX); err != nil {
+			lock.Close()
+			return "", nil, err
+		}
+		if sameFile(lock, lockPath) {
+			return instance, lock, nil
+		}
+		lock.Close()
+		lastErr = fmt.Errorf("%s was removed by another process's sweep", dir)
+	}
+	return "", nil, fmt.Errorf("no staging directory could be claimed: %w", lastErr)
+}
+
+// sameFile reports whether path names the file f has open.
+func sameFile(f *os.File, path string) bool {
+	a, err := f.Stat()
+	if err != nil {
+		return false
+	}
+	b, err := os.Lstat(path)
+	return err == nil && os.SameFile(a, b)
 }
 
 // sweepStaging removes the entries of the staging root that no live
@@ -170,16 +216,35 @@ func sweepStaging(root string) (int, error) {
 	for _, e := range left {
 		p := filepath.Join(root, e.Name())
 		if e.IsDir() {
-			f, err := os.Open(filepath.Join(p, stageLockName))
-			if err == nil {
-				err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-				f.Close()
-				if errors.Is(err, unix.EWOULDBLOCK) {
-					continue // a live process builds there
-				}
+			// The lock is taken (made, if the directory has none yet: its
+			// owner may be between its mkdir and its lock) and held while
+			// the directory is removed, so its owner, which checks the
+			// lock file is still there once it holds the lock, knows.
+			f, err := os.OpenFile(filepath.Join(p, stageLockName), os.O_CREATE|os.O_RDWR, 0o600)
+			if errors.Is(err, fs.ErrNotExist) {
+				continue // removed meanwhile by another sweep
 			}
+			if err != nil {
+				return n, err
+			}
+			err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+			if errors.Is(err, unix.EWOULDBLOCK) {
+				f.Close()
+				continue // a live process builds there
+			}
+			if err == nil {
+				err = os.RemoveAll(p)
+			}
+			f.Close()
+			// ENOTEMPTY: another sweep made the lock file again in the
+			// middle of this removal; that one removes the rest.
+			if err != nil && !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, unix.ENOTEMPTY) {
+				return n, err
+			}
+			n++
+			continue
 		}
-		if err := os.RemoveAll(p); err != nil {
+		if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return n, err
 		}
 		n++
