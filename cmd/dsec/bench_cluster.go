@@ -3,9 +3,10 @@ package main
 // `dsec bench cluster` prices the cluster's extra hop: it starts a `dsec
 // up` and, beside it on the same machine, a cluster (etcd, apiservers,
 // edges on loopback addresses of their own), and measures the same calls
-// on both in one run, alternating, so that a noisy machine weighs on both
-// alike: sequential create and exec latency, and a burst of creates spread
-// over the edges against the same burst on the single node.
+// on both in one run, so that a noisy machine weighs on both alike:
+// sequential create and exec latency (the two sides interleaved call by
+// call), and a burst of creates spread over the edges against the same
+// burst on the single node (the side going first alternating by round).
 
 import (
 	"context"
@@ -488,32 +489,65 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 	// The edge-side part of the one-at-a-time creates, per side.
 	var edgeSum, edgeN [2]float64
 	sideURLs := [2][]string{b.metrics[:1], b.metrics[1:2]}
-	seq := func(si int, side benchSide, c *dsec.Client, into *sample, what string) error {
+	// seq measures one-at-a-time calls on both sides interleaved, call by
+	// call, the side going first alternating: on a shared, noisy machine
+	// the two are then measured over the same seconds (blocks of one
+	// side's calls after the other's measured the noise as much as the
+	// hop). call returns the sandbox it made, if any; they are deleted
+	// after the measure.
+	seq := func(what string, into *[2]sample, call func(si int, side benchSide) (string, error)) {
 		b.settle(ctx)
-		fmt.Fprintf(os.Stderr, "bench cluster: %s: %d creates one at a time (%s)...\n", side.name, o.count, what)
-		ids := make([]string, o.count)
-		s0, n0 := createSeconds(sideURLs[si])
-		d, f, w, ferr := runParallel(o.count, 1, func(i int) error {
-			sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: side.ref, NodeSelector: side.pin, Labels: map[string]string{"bench": "seq"}})
-			if err == nil {
-				ids[i] = sb.ID
-			}
-			return err
-		})
-		if ferr != nil {
-			fmt.Fprintf(os.Stderr, "bench cluster: %s: first failure: %v\n", side.name, ferr)
+		fmt.Fprintf(os.Stderr, "bench cluster: %d %s one at a time on each side, interleaved...\n", o.count, what)
+		var ids [2][]string
+		var firstErr [2]error
+		var s0, n0 [2]float64
+		for si := range sides {
+			s0[si], n0[si] = createSeconds(sideURLs[si])
 		}
-		into.add(d, f, w)
-		s1, n1 := createSeconds(sideURLs[si])
-		edgeSum[si] += s1 - s0
-		edgeN[si] += n1 - n0
-		_, _, _, _ = runParallel(o.count, 8, func(i int) error {
-			if ids[i] == "" {
-				return nil
+		for i := range o.count {
+			for k := range 2 {
+				si := (i + k) % 2
+				t0 := time.Now()
+				id, err := call(si, sides[si])
+				d := time.Since(t0)
+				into[si].wall += d
+				if err != nil {
+					into[si].fails++
+					if firstErr[si] == nil {
+						firstErr[si] = err
+					}
+					continue
+				}
+				into[si].durs = append(into[si].durs, d)
+				if id != "" {
+					ids[si] = append(ids[si], id)
+				}
 			}
-			return c.DeleteSandbox(ctx, ids[i])
-		})
-		return nil
+		}
+		for si, side := range sides {
+			if firstErr[si] != nil {
+				fmt.Fprintf(os.Stderr, "bench cluster: %s: first failure: %v\n", side.name, firstErr[si])
+			}
+			if len(ids[si]) > 0 {
+				s1, n1 := createSeconds(sideURLs[si])
+				edgeSum[si] += s1 - s0[si]
+				edgeN[si] += n1 - n0[si]
+			}
+			_, _, _, _ = runParallel(len(ids[si]), 8, func(i int) error { return side.c.DeleteSandbox(ctx, ids[si][i]) })
+		}
+	}
+	createWith := func(keyed bool) func(int, benchSide) (string, error) {
+		return func(_ int, side benchSide) (string, error) {
+			c := side.bare
+			if keyed {
+				c = side.c
+			}
+			sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: side.ref, NodeSelector: side.pin, Labels: map[string]string{"bench": "seq"}})
+			if err != nil {
+				return "", err
+			}
+			return sb.ID, nil
+		}
 	}
 	// A warm-up, not measured: a node recycles the cgroups of deleted
 	// sandboxes, so the first creates on a fresh node make theirs and the
@@ -545,29 +579,25 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 		if r%2 == 1 {
 			order = []int{1, 0}
 		}
-		for _, si := range order {
-			side := sides[si]
-			if err := seq(si, side, side.c, &create[si], "with idempotency keys"); err != nil {
-				return nil, err
-			}
-			if err := seq(si, side, side.bare, &createBare[si], "without keys"); err != nil {
-				return nil, err
-			}
+		seq("creates with idempotency keys", &create, createWith(true))
+		seq("creates without keys", &createBare, createWith(false))
+		var execIn [2]string
+		for si, side := range sides {
 			sb, err := side.c.CreateSandbox(ctx, api.SandboxSpec{Base: side.ref, NodeSelector: side.pin})
 			if err != nil {
 				return nil, fmt.Errorf("%s: creating the exec sandbox: %w", side.name, err)
 			}
-			b.settle(ctx)
-			fmt.Fprintf(os.Stderr, "bench cluster: %s: %d execs of true one at a time...\n", side.name, o.count)
-			d, f, w, _ := runParallel(o.count, 1, func(int) error {
-				res, err := side.c.Exec(ctx, sb.ID, api.ExecRequest{Argv: []string{"true"}})
-				if err == nil && res.ExitCode != 0 {
-					err = fmt.Errorf("exit %d", res.ExitCode)
-				}
-				return err
-			})
-			exec[si].add(d, f, w)
-			_ = side.c.DeleteSandbox(ctx, sb.ID)
+			execIn[si] = sb.ID
+		}
+		seq("execs of true", &exec, func(si int, side benchSide) (string, error) {
+			res, err := side.c.Exec(ctx, execIn[si], api.ExecRequest{Argv: []string{"true"}})
+			if err == nil && res.ExitCode != 0 {
+				err = fmt.Errorf("exit %d", res.ExitCode)
+			}
+			return "", err
+		})
+		for si, side := range sides {
+			_ = side.c.DeleteSandbox(ctx, execIn[si])
 		}
 		for _, si := range order {
 			side := sides[si]
