@@ -68,6 +68,9 @@ type SandboxSpec struct {
 	// shared with the other "shared" sandboxes: about 4x less host memory
 	// per idle sandbox, see docs/operating.md "Density").
 	MemoryCgroup string `json:"memory_cgroup,omitempty"`
+	// Project is the project the sandbox belongs to: the caller's key's
+	// project when empty, or one below it.
+	Project string `json:"project,omitempty"`
 }
 
 // Values of SandboxSpec.MemoryCgroup.
@@ -80,6 +83,7 @@ const (
 type Sandbox struct {
 	ID           string            `json:"id"`
 	Node         string            `json:"node"`
+	Project      string            `json:"project,omitempty"`
 	Backend      string            `json:"backend"`
 	State        string            `json:"state"`
 	Spec         SandboxSpec       `json:"spec"`
@@ -549,4 +553,117 @@ type ImageEvent struct {
 	Progress string       `json:"progress,omitempty"`
 	Result   *ImageResult `json:"result,omitempty"`
 	Error    *ErrorDetail `json:"error,omitempty"`
+}
+
+// ProjectQuota is a project's limits (POST and PATCH /v1/projects). A zero
+// field sets no limit of its own: the project is then bound by its
+// nearest ancestor that sets one.
+type ProjectQuota struct {
+	Sandboxes int     `json:"sandboxes"`
+	CPU       float64 `json:"cpu"`
+	MemoryMB  int64   `json:"memory_mb"`
+	DiskMB    int64   `json:"disk_mb"`
+}
+
+// ProjectUsage is what a project and all its descendants hold now: the
+// live sandboxes (creating, running, paused) and the resources their
+// specs ask for.
+type ProjectUsage struct {
+	Sandboxes int     `json:"sandboxes"`
+	CPU       float64 `json:"cpu"`
+	MemoryMB  int64   `json:"memory_mb"`
+	DiskMB    int64   `json:"disk_mb"`
+}
+
+// Add adds o to u.
+func (u *ProjectUsage) Add(o ProjectUsage) {
+	u.Sandboxes += o.Sandboxes
+	u.CPU += o.CPU
+	u.MemoryMB += o.MemoryMB
+	u.DiskMB += o.DiskMB
+}
+
+// Project is a node of the project tree.
+type Project struct {
+	ID     string `json:"id"`
+	Name   string `json:"name"`
+	Parent string `json:"parent,omitempty"`
+	// Path is the project's lineage from the root, "/"-separated
+	// ("root/team-a/job-7").
+	Path           string       `json:"path"`
+	Quota          ProjectQuota `json:"quota"`
+	Usage          ProjectUsage `json:"usage"`
+	Children       []string     `json:"children"`
+	DedicatedNodes bool         `json:"dedicated_nodes"`
+	CreatedAt      time.Time    `json:"created_at"`
+}
+
+// CreateProjectRequest is the body of POST /v1/projects.
+type CreateProjectRequest struct {
+	// Parent is a project ID or "root".
+	Parent         string       `json:"parent"`
+	Name           string       `json:"name"`
+	Quota          ProjectQuota `json:"quota"`
+	DedicatedNodes bool         `json:"dedicated_nodes,omitempty"`
+}
+
+// UpdateProjectRequest is the body of PATCH /v1/projects/{id}: the fields
+// given are changed.
+type UpdateProjectRequest struct {
+	Quota          *ProjectQuota `json:"quota,omitempty"`
+	DedicatedNodes *bool         `json:"dedicated_nodes,omitempty"`
+}
+
+// ProjectList is returned by GET /v1/projects.
+type ProjectList struct {
+	Projects      []Project `json:"projects"`
+	NextPageToken string    `json:"next_page_token,omitempty"`
+}
+
+// CreateKeyRequest is the body of POST /v1/projects/{id}/keys.
+type CreateKeyRequest struct {
+	Role string `json:"role"`
+	Name string `json:"name,omitempty"`
+	// ExpiresIn is the key's lifetime in seconds (0: it does not expire).
+	ExpiresIn int64 `json:"expires_in,omitempty"`
+}
+
+// APIKey describes a key. Key, the secret, is set only in the answer to
+// the create; it is stored hashed and never shown again.
+type APIKey struct {
+	ID        string     `json:"id"`
+	Key       string     `json:"key,omitempty"`
+	Name      string     `json:"name,omitempty"`
+	Project   string     `json:"project"`
+	Role      string     `json:"role"`
+	CreatedAt time.Time  `json:"created_at"`
+	ExpiresAt *time.Time `json:"expires_at,omitempty"`
+}
+
+// KeyList is returned by GET /v1/projects/{id}/keys.
+type KeyList struct {
+	Keys []APIKey `json:"keys"`
+}
+
+// WhoAmI is returned by GET /v1/whoami.
+type WhoAmI struct {
+	Principal   string   `json:"principal"`
+	Project     string   `json:"project"`
+	Role        string   `json:"role"`
+	Permissions []string `json:"permissions"`
+}
+
+// AuditEntry is one management action (GET /v1/audit).
+type AuditEntry struct {
+	Time      time.Time `json:"time"`
+	Principal string    `json:"principal"`
+	Project   string    `json:"project"`
+	Action    string    `json:"action"`
+	Target    string    `json:"target"`
+	Detail    string    `json:"detail,omitempty"`
+}
+
+// AuditList is returned by GET /v1/audit.
+type AuditList struct {
+	Entries []AuditEntry `json:"entries"`
 }
