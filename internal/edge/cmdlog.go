@@ -324,7 +324,7 @@ func (e *Edge) ReadLog(ctx context.Context, id string, sinceSeq int64, limit int
 	if limit < 0 || limit > edgeapi.MaxLogLimit {
 		return nil, errdefs.Invalid("limit must be between 1 and %d, got %d", edgeapi.MaxLogLimit, limit)
 	}
-	s, err := e.get(id)
+	s, err := e.get(ctx, id)
 	if err != nil {
 		return nil, err
 	}

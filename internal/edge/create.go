@@ -111,13 +111,14 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 	exp := now.Add(time.Duration(spec.TTL) * time.Second)
 	rec := record{
 		Sandbox: api.Sandbox{
-			ID: id, Node: e.cfg.Name, Backend: spec.Backend, State: api.StateCreating,
+			ID: id, Node: e.cfg.Name, Project: spec.Project, Backend: spec.Backend, State: api.StateCreating,
 			Spec: spec, CreatedAt: now, ExpiresAt: &exp, Labels: spec.Labels, Layers: req.Digests,
 		},
-		Digests: req.Digests,
-		Disk:    spec.DiskMB > 0,
-		UserNS:  spec.UserNS,
-		Pooled:  pooled,
+		ProjectPath: req.ProjectPath,
+		Digests:     req.Digests,
+		Disk:        spec.DiskMB > 0,
+		UserNS:      spec.UserNS,
+		Pooled:      pooled,
 	}
 	// Admission counts sandboxes holding resources, this one included from
 	// here on. It is visible as "creating" (and its layers as in use) while
@@ -342,17 +343,11 @@ func (e *Edge) destroyRuntime(ctx context.Context, id, cgroupPath string) {
 // sandbox succeeds (idempotent). A delete that arrives while the reaper
 // stops the sandbox waits for it, then removes the record too.
 func (e *Edge) Delete(ctx context.Context, id string) error {
-	e.mu.RLock()
-	s := e.sandboxes[id]
-	e.mu.RUnlock()
-	if s == nil {
+	s, err := e.get(ctx, id)
+	if err != nil {
+		// Absent, pooled (not handed out: not the caller's) or another
+		// tenant's: already gone, as far as the caller can tell.
 		return nil
-	}
-	s.mu.Lock()
-	pooled := s.pooled
-	s.mu.Unlock()
-	if pooled {
-		return nil // not handed out: not the caller's
 	}
 	return e.remove(ctx, s)
 }
@@ -522,7 +517,7 @@ func (e *Edge) deleteMatching(ctx context.Context, sel map[string]string) (int, 
 			}
 		}()
 	}
-	for _, v := range e.list(edgeapi.ListFilter{Labels: sel}) {
+	for _, v := range e.list(ctx, edgeapi.ListFilter{Labels: sel}) {
 		if ctx.Err() != nil {
 			break
 		}

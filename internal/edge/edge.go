@@ -396,15 +396,19 @@ func (e *Edge) newID() string {
 
 // get returns the sandbox or NotFound (also for a pooled one: it is not
 // anybody's yet).
-func (e *Edge) get(id string) (*sbx, error) {
+//
+// A sandbox outside the scope of ctx (edgeapi.WithScope: another
+// tenant's) is not found either: every call that names a sandbox looks
+// it up here.
+func (e *Edge) get(ctx context.Context, id string) (*sbx, error) {
 	e.mu.RLock()
 	s := e.sandboxes[id]
 	e.mu.RUnlock()
 	if s != nil {
 		s.mu.Lock()
-		pooled := s.pooled
+		ok := !s.pooled && edgeapi.InScope(ctx, s.rec.ProjectPath)
 		s.mu.Unlock()
-		if !pooled {
+		if ok {
 			return s, nil
 		}
 	}
@@ -417,18 +421,18 @@ func (e *Edge) get(id string) (*sbx, error) {
 // being stopped or deleted, and counts the operation as in flight (the
 // idle reaper does not stop a sandbox while a command runs in it). Call the
 // returned func when the operation ends.
-func (e *Edge) begin(id string) (*sbx, func(), error) {
-	return e.admit(id, true)
+func (e *Edge) begin(ctx context.Context, id string) (*sbx, func(), error) {
+	return e.admit(ctx, id, true)
 }
 
 // beginNoWake is begin for calls that leave a paused sandbox paused
 // (keepalive, stats).
-func (e *Edge) beginNoWake(id string) (*sbx, func(), error) {
-	return e.admit(id, false)
+func (e *Edge) beginNoWake(ctx context.Context, id string) (*sbx, func(), error) {
+	return e.admit(ctx, id, false)
 }
 
-func (e *Edge) admit(id string, wake bool) (*sbx, func(), error) {
-	s, err := e.get(id)
+func (e *Edge) admit(ctx context.Context, id string, wake bool) (*sbx, func(), error) {
+	s, err := e.get(ctx, id)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -436,7 +440,7 @@ func (e *Edge) admit(id string, wake bool) (*sbx, func(), error) {
 	state := s.rec.Sandbox.State
 	s.mu.Unlock()
 	if state == api.StatePaused && wake {
-		if _, err := e.Resume(context.Background(), id); err != nil {
+		if _, err := e.Resume(ctx, id); err != nil {
 			return nil, nil, err
 		}
 	}
@@ -468,7 +472,7 @@ func (e *Edge) admit(id string, wake bool) (*sbx, func(), error) {
 
 // Get returns one sandbox.
 func (e *Edge) Get(ctx context.Context, id string) (*api.Sandbox, error) {
-	s, err := e.get(id)
+	s, err := e.get(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -478,13 +482,15 @@ func (e *Edge) Get(ctx context.Context, id string) (*api.Sandbox, error) {
 
 // List returns the sandboxes matching f, sorted by id.
 func (e *Edge) List(ctx context.Context, f edgeapi.ListFilter) ([]api.Sandbox, error) {
-	return e.list(f), nil
+	return e.list(ctx, f), nil
 }
 
 // list is List. It sorts ids and filters on the records, building the API
 // view of only the sandboxes it returns: a page of 100 out of 10,000 costs
 // no 10,000 views.
-func (e *Edge) list(f edgeapi.ListFilter) []api.Sandbox {
+//
+// Sandboxes outside the scope of ctx are left out.
+func (e *Edge) list(ctx context.Context, f edgeapi.ListFilter) []api.Sandbox {
 	type entry struct {
 		id string
 		s  *sbx
@@ -502,7 +508,8 @@ func (e *Edge) list(f edgeapi.ListFilter) []api.Sandbox {
 	for _, en := range all {
 		s := en.s
 		s.mu.Lock()
-		ok := !s.pooled && (f.State == "" || s.rec.Sandbox.State == f.State) && sandbox.LabelsMatch(s.rec.Sandbox.Labels, f.Labels)
+		ok := !s.pooled && (f.State == "" || s.rec.Sandbox.State == f.State) && sandbox.LabelsMatch(s.rec.Sandbox.Labels, f.Labels) &&
+			edgeapi.InScope(ctx, s.rec.ProjectPath)
 		var v api.Sandbox
 		if ok {
 			v = s.viewLocked()
@@ -612,7 +619,7 @@ func (e *Edge) Keepalive(ctx context.Context, id string, ttl int64) (*api.Sandbo
 	if ttl < 0 || ttl > e.cfg.Policy.MaxTTL {
 		return nil, errdefs.Invalid("ttl must be between 0 and %d seconds, got %d", e.cfg.Policy.MaxTTL, ttl)
 	}
-	s, done, err := e.beginNoWake(id)
+	s, done, err := e.beginNoWake(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -634,7 +641,7 @@ func (e *Edge) Keepalive(ctx context.Context, id string, ttl int64) (*api.Sandbo
 
 // Stats returns a sandbox's resource use.
 func (e *Edge) Stats(ctx context.Context, id string) (*api.Stats, error) {
-	s, done, err := e.beginNoWake(id)
+	s, done, err := e.beginNoWake(ctx, id)
 	if err != nil {
 		return nil, err
 	}

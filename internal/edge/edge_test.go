@@ -1,6 +1,7 @@
 package edge
 
 import (
+	"context"
 	"errors"
 	"os"
 	"os/exec"
@@ -227,7 +228,7 @@ func TestListPages(t *testing.T) {
 		{edgeapi.ListFilter{After: "sb-n-02", Limit: 2}, "sb-n-03,sb-n-05"},
 		{edgeapi.ListFilter{After: "sb-n-05"}, ""},
 	} {
-		if got := ids(e.list(c.f)); got != c.want {
+		if got := ids(e.list(context.Background(), c.f)); got != c.want {
 			t.Errorf("List(%+v) = %s, want %s", c.f, got, c.want)
 		}
 	}

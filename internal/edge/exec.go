@@ -29,7 +29,7 @@ func (e *Edge) Exec(ctx context.Context, id string, req api.ExecRequest, emit fu
 	if err := sandbox.NormalizeExec(&req); err != nil {
 		return nil, err
 	}
-	s, done, err := e.begin(id)
+	s, done, err := e.begin(ctx, id)
 	if err != nil {
 		return nil, err
 	}

@@ -17,8 +17,8 @@ import (
 
 // withRoot runs fn on the confined root of a running sandbox and records
 // the call as kind with req; fn fills in the result summary.
-func (e *Edge) withRoot(id, kind string, req api.LogRequest, fn func(r *files.Root, res *api.LogResult) error) error {
-	s, done, err := e.begin(id)
+func (e *Edge) withRoot(ctx context.Context, id, kind string, req api.LogRequest, fn func(r *files.Root, res *api.LogResult) error) error {
+	s, done, err := e.begin(ctx, id)
 	if err != nil {
 		return err
 	}
@@ -37,7 +37,7 @@ func (e *Edge) withRoot(id, kind string, req api.LogRequest, fn func(r *files.Ro
 func (e *Edge) ReadFile(ctx context.Context, id, path string) (io.ReadCloser, api.FileEntry, error) {
 	var rc io.ReadCloser
 	var fe api.FileEntry
-	err := e.withRoot(id, api.LogFilesRead, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) (err error) {
+	err := e.withRoot(ctx, id, api.LogFilesRead, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) (err error) {
 		rc, fe, err = r.ReadFile(path)
 		if err == nil {
 			res.Size = &fe.Size
@@ -53,7 +53,7 @@ func (e *Edge) WriteFile(ctx context.Context, id, path string, data io.Reader, m
 	if err := e.checkDiskFloor(); err != nil {
 		return fe, err
 	}
-	err := e.withRoot(id, api.LogFilesWrite, api.LogRequest{Path: path, Mode: modeString(mode)}, func(r *files.Root, res *api.LogResult) error {
+	err := e.withRoot(ctx, id, api.LogFilesWrite, api.LogRequest{Path: path, Mode: modeString(mode)}, func(r *files.Root, res *api.LogResult) error {
 		if _, err := r.WriteFile(path, data, mode, e.cfg.MaxUploadBytes); err != nil {
 			return err
 		}
@@ -69,7 +69,7 @@ func (e *Edge) WriteFile(ctx context.Context, id, path string, data io.Reader, m
 // StatFile describes one path (symlinks not followed).
 func (e *Edge) StatFile(ctx context.Context, id, path string) (api.FileEntry, error) {
 	var fe api.FileEntry
-	err := e.withRoot(id, api.LogFilesStat, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) (err error) {
+	err := e.withRoot(ctx, id, api.LogFilesStat, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) (err error) {
 		if fe, err = r.Stat(path); err == nil {
 			res.Type, res.Size = fe.Type, &fe.Size
 		}
@@ -81,7 +81,7 @@ func (e *Edge) StatFile(ctx context.Context, id, path string) (api.FileEntry, er
 // ListFiles lists a directory to depth levels.
 func (e *Edge) ListFiles(ctx context.Context, id, path string, depth int) ([]api.FileEntry, error) {
 	var out []api.FileEntry
-	err := e.withRoot(id, api.LogFilesList, api.LogRequest{Path: path, Depth: depth}, func(r *files.Root, res *api.LogResult) (err error) {
+	err := e.withRoot(ctx, id, api.LogFilesList, api.LogRequest{Path: path, Depth: depth}, func(r *files.Root, res *api.LogResult) (err error) {
 		if out, err = r.List(path, depth); err == nil {
 			n := len(out)
 			res.Entries = &n
@@ -93,14 +93,14 @@ func (e *Edge) ListFiles(ctx context.Context, id, path string, depth int) ([]api
 
 // RemoveFile removes a path.
 func (e *Edge) RemoveFile(ctx context.Context, id, path string, recursive bool) error {
-	return e.withRoot(id, api.LogFilesRemove, api.LogRequest{Path: path, Recursive: recursive}, func(r *files.Root, _ *api.LogResult) error {
+	return e.withRoot(ctx, id, api.LogFilesRemove, api.LogRequest{Path: path, Recursive: recursive}, func(r *files.Root, _ *api.LogResult) error {
 		return r.Remove(path, recursive)
 	})
 }
 
 // WriteTar streams a tar of path to w.
 func (e *Edge) WriteTar(ctx context.Context, id, path string, w io.Writer) error {
-	return e.withRoot(id, api.LogFilesTarOut, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) error {
+	return e.withRoot(ctx, id, api.LogFilesTarOut, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) error {
 		cw := &countWriter{w: w}
 		err := r.WriteTar(path, cw)
 		res.Bytes = &cw.n
@@ -116,7 +116,7 @@ func (e *Edge) ExtractTar(ctx context.Context, id, path string, rd io.Reader) (a
 	if err := e.checkDiskFloor(); err != nil {
 		return tr, err
 	}
-	err := e.withRoot(id, api.LogFilesTarIn, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) (err error) {
+	err := e.withRoot(ctx, id, api.LogFilesTarIn, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) (err error) {
 		tr, err = r.ExtractTar(path, rd, files.TarOptions{MaxBytes: e.cfg.MaxUploadBytes, MaxFiles: 1 << 20})
 		if err == nil {
 			res.Files, res.Bytes = &tr.Files, &tr.Bytes

@@ -47,7 +47,7 @@ func (e *Edge) SetNetwork(ctx context.Context, id string, np api.NetworkPolicy) 
 	if err != nil {
 		return nil, err
 	}
-	s, done, err := e.beginNoWake(id)
+	s, done, err := e.beginNoWake(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -100,7 +100,7 @@ func (e *Edge) DialPort(ctx context.Context, id string, port int) (net.Conn, fun
 	if port < 1 || port > 65535 {
 		return nil, nil, errdefs.Invalid("port must be between 1 and 65535, got %d", port)
 	}
-	_, end, err := e.begin(id)
+	_, end, err := e.begin(ctx, id)
 	if err != nil {
 		return nil, nil, err
 	}

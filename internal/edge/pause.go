@@ -16,7 +16,7 @@ import (
 // commands in flight are frozen with the sandbox and finish (or time out)
 // after it resumes.
 func (e *Edge) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
-	s, err := e.get(id)
+	s, err := e.get(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -74,7 +74,7 @@ func (e *Edge) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
 // readahead) and thaws it; its expiry moves later by the time it was
 // paused. Resuming a running sandbox succeeds and does nothing.
 func (e *Edge) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
-	s, err := e.get(id)
+	s, err := e.get(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -147,7 +147,7 @@ func (e *Edge) byLabels(ctx context.Context, sel map[string]string, state string
 	if len(sel) == 0 {
 		return 0, errdefs.Invalid("labels are required")
 	}
-	list := e.list(edgeapi.ListFilter{State: state, Labels: sel})
+	list := e.list(ctx, edgeapi.ListFilter{State: state, Labels: sel})
 	errs := make([]error, len(list))
 	sem := make(chan struct{}, 8)
 	var wg sync.WaitGroup

@@ -152,6 +152,7 @@ func (e *Edge) claim(spec api.SandboxSpec, req edgeapi.CreateRequest) *api.Sandb
 			exp := now.Add(time.Duration(spec.TTL) * time.Second)
 			s.rec.Sandbox.Spec = spec
 			s.rec.Sandbox.Labels = spec.Labels
+			s.rec.Sandbox.Project, s.rec.ProjectPath = spec.Project, req.ProjectPath
 			s.rec.Sandbox.CreatedAt, s.rec.Sandbox.ExpiresAt = now, &exp
 			s.rec.Pooled = false
 			if err := s.persistClaimLocked(); err != nil {

@@ -184,7 +184,7 @@ func markerPrefix(n string) []byte { return []byte("\x1eDSEC:" + n + ":") }
 // OpenSession starts a shell in the sandbox. The call goes in the command
 // log.
 func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionRequest) (out *api.Session, err error) {
-	s, done, err := e.begin(id)
+	s, done, err := e.begin(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -328,7 +328,7 @@ func (e *Edge) RunInSession(ctx context.Context, id, sid string, req api.Session
 	if err := sandbox.NormalizeRun(&req); err != nil {
 		return nil, err
 	}
-	s, done, err := e.begin(id)
+	s, done, err := e.begin(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -371,7 +371,7 @@ func (e *Edge) RunInSession(ctx context.Context, id, sid string, req api.Session
 // CloseSession kills a session's shell and everything it started. A close
 // goes in the command log; closing an unknown session does not.
 func (e *Edge) CloseSession(ctx context.Context, id, sid string) error {
-	s, err := e.get(id)
+	s, err := e.get(ctx, id)
 	if err != nil {
 		return err
 	}

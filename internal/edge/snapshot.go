@@ -56,12 +56,12 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOption
 	if ref.Kind != api.KindSnapshot {
 		return nil, errdefs.Invalid("snapshot ref %s must be of kind snapshot (snapshot/NAME:TAG)", req.Ref)
 	}
-	if e.deps.Layers == nil {
-		return nil, errdefs.Precondition("this edge cannot build layers")
-	}
-	s, err := e.get(id)
+	s, err := e.get(ctx, id)
 	if err != nil {
 		return nil, err
+	}
+	if e.deps.Layers == nil {
+		return nil, errdefs.Precondition("this edge cannot build layers")
 	}
 	s.life.Lock()
 	defer s.life.Unlock()

@@ -29,6 +29,9 @@ type record struct {
 	// Disk is set when the writable layer is on the sandbox's own disk
 	// (disk_mb > 0; see disk.go).
 	Disk bool `json:"disk,omitempty"`
+	// ProjectPath is the path of the sandbox's project in the project
+	// tree (edgeapi/scope.go); empty: the root's.
+	ProjectPath string `json:"project_path,omitempty"`
 	// Pooled is set while the sandbox waits in a warm pool (pool.go).
 	Pooled bool `json:"pooled,omitempty"`
 	// UserNS is set for a sandbox in a user namespace (userns.go).

@@ -104,6 +104,9 @@ func (c *Client) do(ctx context.Context, cl call) (*http.Response, error) {
 	for k, v := range cl.header {
 		req.Header[k] = v
 	}
+	if sc := ScopeOf(ctx); sc != "" {
+		req.Header.Set(ScopeHeader, sc)
+	}
 	if cl.json != nil {
 		req.Header.Set("Content-Type", "application/json")
 	}

@@ -78,6 +78,9 @@ type Edge interface {
 type CreateRequest struct {
 	Spec    api.SandboxSpec `json:"spec"`
 	Digests []string        `json:"digests"`
+	// ProjectPath is the path of Spec.Project in the project tree
+	// (scope.go); empty: the root's.
+	ProjectPath string `json:"project_path,omitempty"`
 }
 
 // ListFilter selects sandboxes.

@@ -108,7 +108,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			writeError(w, errors.New("internal error (logged by the edge)"))
 		}
 	}()
-	s.mux.ServeHTTP(w, r)
+	s.mux.ServeHTTP(w, scopeFromRequest(r))
 }
 
 func (s *Server) routes() {

@@ -336,3 +336,33 @@ func TestExecOutputCrossesExactly(t *testing.T) {
 		t.Fatalf("answer: Content-Type %q, %d bytes for 2 MiB of output", ct, n)
 	}
 }
+
+// TestScopeCrossesTheWire: the scope of a call reaches the edge behind
+// the internal API, so a remote node hides other tenants' sandboxes as
+// an in-process one does.
+func TestScopeCrossesTheWire(t *testing.T) {
+	fake := edgetest.NewFake("n1")
+	c, _ := remote(t, fake)
+	a := edgeapi.WithScope(t.Context(), "root/team-a")
+	b := edgeapi.WithScope(t.Context(), "root/team-b")
+	sb, err := c.Create(a, edgeapi.CreateRequest{Spec: api.SandboxSpec{Backend: "container", Project: "team-a"},
+		Digests: []string{"sha256:" + strings.Repeat("a", 64)}, ProjectPath: "root/team-a"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Get(a, sb.ID); err != nil {
+		t.Fatalf("its tenant cannot see it: %v", err)
+	}
+	if _, err := c.Get(b, sb.ID); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("another tenant's Get over the wire: %v, want not found", err)
+	}
+	if _, err := c.Exec(b, sb.ID, api.ExecRequest{Argv: []string{"true"}}, nil); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("another tenant's Exec over the wire: %v, want not found", err)
+	}
+	if l, err := c.List(b, edgeapi.ListFilter{}); err != nil || len(l) != 0 {
+		t.Fatalf("another tenant's List over the wire: %v, %v", l, err)
+	}
+	if _, err := c.Get(t.Context(), sb.ID); err != nil {
+		t.Fatalf("an unscoped (control plane) call: %v", err)
+	}
+}

@@ -39,7 +39,11 @@ type Fake struct {
 
 	mu        sync.Mutex
 	sandboxes map[string]api.Sandbox
-	n         int
+	// paths are the sandboxes' project paths (CreateRequest.ProjectPath):
+	// Get, List, Delete and Exec honour the caller's scope as the real
+	// edge does (edgeapi.WithScope).
+	paths map[string]string
+	n     int
 	// ExecErr fails every exec; PanicOn panics a Get of that id.
 	ExecErr error
 	PanicOn string
@@ -63,7 +67,7 @@ var _ edgeapi.Edge = (*Fake)(nil)
 
 // NewFake returns an empty fake edge named name.
 func NewFake(name string) *Fake {
-	return &Fake{name: name, MaxSandboxes: 100, sandboxes: map[string]api.Sandbox{}, File: []byte("data")}
+	return &Fake{name: name, MaxSandboxes: 100, sandboxes: map[string]api.Sandbox{}, paths: map[string]string{}, File: []byte("data")}
 }
 
 // Counts returns how many Create and Exec calls the fake has had.
@@ -141,8 +145,9 @@ func (f *Fake) Create(ctx context.Context, req edgeapi.CreateRequest) (*api.Sand
 	}
 	f.n++
 	sb := api.Sandbox{ID: fmt.Sprintf("sb-%s-%04d", f.name, f.n), Node: f.name, State: "running", Backend: req.Spec.Backend,
-		Spec: req.Spec, Labels: req.Spec.Labels, Layers: req.Digests, CreatedAt: time.Now()}
+		Spec: req.Spec, Labels: req.Spec.Labels, Layers: req.Digests, CreatedAt: time.Now(), Project: req.Spec.Project}
 	f.sandboxes[sb.ID] = sb
+	f.paths[sb.ID] = req.ProjectPath
 	return &sb, nil
 }
 
@@ -154,7 +159,7 @@ func (f *Fake) Get(ctx context.Context, id string) (*api.Sandbox, error) {
 		panic("boom")
 	}
 	sb, ok := f.sandboxes[id]
-	if !ok {
+	if !ok || !edgeapi.InScope(ctx, f.paths[id]) {
 		return nil, errdefs.NotFound("sandbox %s not found", id)
 	}
 	return &sb, nil
@@ -166,7 +171,8 @@ func (f *Fake) List(ctx context.Context, flt edgeapi.ListFilter) ([]api.Sandbox,
 	defer f.mu.Unlock()
 	out := []api.Sandbox{}
 	for _, s := range f.sandboxes {
-		if sandbox.LabelsMatch(s.Labels, flt.Labels) && (flt.State == "" || flt.State == s.State) && s.ID > flt.After {
+		if sandbox.LabelsMatch(s.Labels, flt.Labels) && (flt.State == "" || flt.State == s.State) && s.ID > flt.After &&
+			edgeapi.InScope(ctx, f.paths[s.ID]) {
 			out = append(out, s)
 		}
 	}
@@ -181,7 +187,10 @@ func (f *Fake) List(ctx context.Context, flt edgeapi.ListFilter) ([]api.Sandbox,
 func (f *Fake) Delete(ctx context.Context, id string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	delete(f.sandboxes, id)
+	if edgeapi.InScope(ctx, f.paths[id]) {
+		delete(f.sandboxes, id)
+		delete(f.paths, id)
+	}
 	return nil
 }
 
@@ -209,6 +218,9 @@ func (f *Fake) Stats(ctx context.Context, id string) (*api.Stats, error) {
 
 // Exec implements edgeapi.Edge.
 func (f *Fake) Exec(ctx context.Context, id string, req api.ExecRequest, emit func(api.ExecEvent) error) (*api.ExecResult, error) {
+	if _, err := f.Get(ctx, id); err != nil {
+		return nil, err
+	}
 	f.mu.Lock()
 	f.Execs++
 	f.mu.Unlock()
