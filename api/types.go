@@ -448,6 +448,10 @@ type Node struct {
 	// by backend, and Jobs by the value of their "job" label.
 	BackendCounts map[string]int `json:"backend_counts,omitempty"`
 	Jobs          map[string]int `json:"jobs,omitempty"`
+	// Projects is what the live sandboxes hold, by the path of their
+	// project ("root/team-a"; the project's own sandboxes, not its
+	// descendants').
+	Projects map[string]ProjectUsage `json:"projects,omitempty"`
 	// Labels are the node's labels (dsec edge --node-labels), which
 	// spec.node_selector selects on.
 	Labels map[string]string `json:"labels,omitempty"`

@@ -578,6 +578,17 @@ func (e *Edge) Info(ctx context.Context) (api.Node, error) {
 				n.BackendCounts = map[string]int{}
 			}
 			n.BackendCounts[s.rec.Sandbox.Backend]++
+			path := s.rec.ProjectPath
+			if path == "" {
+				path = edgeapi.RootPath
+			}
+			if n.Projects == nil {
+				n.Projects = map[string]api.ProjectUsage{}
+			}
+			u := n.Projects[path]
+			sp := s.rec.Sandbox.Spec
+			u.Add(api.ProjectUsage{Sandboxes: 1, CPU: sp.CPU, MemoryMB: sp.MemoryMB, DiskMB: sp.DiskMB})
+			n.Projects[path] = u
 			if job := s.rec.Sandbox.Labels[api.JobLabel]; job != "" {
 				if n.Jobs == nil {
 					n.Jobs = map[string]int{}

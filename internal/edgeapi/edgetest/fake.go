@@ -113,8 +113,18 @@ func (f *Fake) Name() string { return f.name }
 func (f *Fake) Info(ctx context.Context) (api.Node, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	projects := map[string]api.ProjectUsage{}
+	for id, sb := range f.sandboxes {
+		path := f.paths[id]
+		if path == "" {
+			path = edgeapi.RootPath
+		}
+		u := projects[path]
+		u.Add(api.ProjectUsage{Sandboxes: 1, CPU: sb.Spec.CPU, MemoryMB: sb.Spec.MemoryMB, DiskMB: sb.Spec.DiskMB})
+		projects[path] = u
+	}
 	return api.Node{Name: f.name, Healthy: true, Backends: []string{"container"}, Labels: f.Labels,
-		Capacity: api.Capacity{MaxSandboxes: f.MaxSandboxes}, Counts: map[string]int{"running": len(f.sandboxes)}}, nil
+		Capacity: api.Capacity{MaxSandboxes: f.MaxSandboxes}, Counts: map[string]int{"running": len(f.sandboxes)}, Projects: projects}, nil
 }
 
 // LayerUsers implements edgeapi.Edge.
