@@ -54,14 +54,7 @@ type idemRecord struct {
 	Hash string `json:"hash"`
 	// Nonce names the attempt that wrote a pending record, so that a
 	// store retry of that write knows it as its own.
-	Nonce string `json:"nonce,omitempty"`
-	// Attempt names what the call made: the sandboxes carry it in their
-	// IdempotencyLabel (idemLabel), and a takeover keeps it, so that it
-	// adopts what every earlier holder of the record made and nothing
-	// else (not what a speculative create that lost the claim made).
-	// Empty in records of earlier versions: the label is then the key
-	// alone.
-	Attempt string    `json:"attempt,omitempty"`
+	Nonce   string    `json:"nonce,omitempty"`
 	State   string    `json:"state"` // pending | done
 	Owner   string    `json:"owner"` // apiserver instance running it
 	Started time.Time `json:"started"`
@@ -125,7 +118,7 @@ func (s *Server) idempotent(creates bool, h http.HandlerFunc) http.HandlerFunc {
 			s.replay(w, r, rec)
 			return
 		}
-		ic := &idemCtx{label: idemLabel(rk, rec.Attempt), takeover: rec.takeover}
+		ic := &idemCtx{label: rk[:32], takeover: rec.takeover}
 		tee := &teeWriter{ResponseWriter: w, status: http.StatusOK}
 		h(tee, r.WithContext(context.WithValue(r.Context(), idemCtxKey{}, ic)))
 		// The caller has its answer before the record is written: should
@@ -135,121 +128,6 @@ func (s *Server) idempotent(creates bool, h http.HandlerFunc) http.HandlerFunc {
 		tee.Flush()
 		s.finish(rk, hash, rec.idemRecord, tee)
 	}
-}
-
-// idempotentCreate is idempotent(true, h) for a call that makes one
-// sandbox (POST /v1/sandboxes), with the claim written while the create
-// runs instead of before it: a keyed create then costs what the slower
-// of the two costs, not their sum (with etcd, the claim is a raft round
-// and an fsync, a third of a create). The answer is held until the claim
-// is in. If the claim finds a record (a repeat, which is rare), what this
-// attempt made is deleted (it carries this attempt's label, which no
-// takeover adopts) and the call goes on as any keyed call that finds a
-// record: replayed, waited for, or taken over. A repeat that comes after
-// the record is written (the usual retry) is seen before anything runs.
-func (s *Server) idempotentCreate(h http.HandlerFunc) http.HandlerFunc {
-	slow := s.idempotent(true, h)
-	return func(w http.ResponseWriter, r *http.Request) {
-		key := r.Header.Get("Idempotency-Key")
-		if key == "" || s.deps.Store == nil || len(key) > maxIdemKey || !printable(key) {
-			slow(w, r)
-			return
-		}
-		body, err := io.ReadAll(http.MaxBytesReader(nil, r.Body, maxJSONBody))
-		if err != nil {
-			s.writeError(w, r, errdefs.Invalid("request body larger than %d bytes", maxJSONBody))
-			return
-		}
-		hash := requestHash(r.Method, r.URL.Path, r.URL.RawQuery, body)
-		rk := idemRecordKey(principalID(r), key)
-		// A repeat (a retry after a lost answer) finds the record here
-		// and runs nothing. A local read: one that misses a record
-		// written a moment ago costs a create and its undo, no more.
-		if _, err := store.GetLocal(s.deps.Store, idemBucket, rk); !errors.Is(err, errdefs.ErrNotFound) {
-			r.Body = io.NopCloser(bytes.NewReader(body))
-			slow(w, r)
-			return
-		}
-		mine := s.newClaim(hash, newNonce())
-		claimed := make(chan error, 1)
-		go func() { claimed <- s.records.create(mine.kv(rk)) }()
-		held := newHeldResponse()
-		r.Body = io.NopCloser(bytes.NewReader(body))
-		ic := &idemCtx{label: idemLabel(rk, mine.Attempt)}
-		h(held, r.WithContext(context.WithValue(r.Context(), idemCtxKey{}, ic)))
-		err = <-claimed
-		if err == nil {
-			tee := &teeWriter{ResponseWriter: w, status: http.StatusOK}
-			held.writeTo(tee)
-			tee.Flush()
-			s.finish(rk, hash, mine, tee)
-			return
-		}
-		if id := held.createdID(); id != "" {
-			if uerr := s.undoCreate(r.Context(), id); uerr != nil {
-				s.log.Warn("deleting the sandbox of a keyed create that lost its claim", "sandbox_id", id, "err", uerr)
-				s.writeError(w, r, errdefs.Unavailable("a request with this Idempotency-Key is already recorded, and the sandbox this attempt made (%s) could not be deleted: %v; retry", id, uerr))
-				return
-			}
-			s.log.Info("a keyed create lost its claim to an earlier attempt; its sandbox was deleted", "sandbox_id", id)
-		}
-		if !errors.Is(err, errdefs.ErrAlreadyExists) {
-			s.writeError(w, r, err)
-			return
-		}
-		r.Body = io.NopCloser(bytes.NewReader(body))
-		slow(w, r)
-	}
-}
-
-// undoCreate deletes a sandbox a call made but must not answer with.
-func (s *Server) undoCreate(ctx context.Context, id string) error {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-	defer cancel()
-	e, err := s.edgeOf(ctx, id)
-	if err != nil {
-		return err
-	}
-	return e.Delete(ctx, id)
-}
-
-// heldResponse keeps a small answer (a create's) until it may be sent.
-type heldResponse struct {
-	header http.Header
-	status int
-	body   bytes.Buffer
-}
-
-func newHeldResponse() *heldResponse {
-	return &heldResponse{header: http.Header{}, status: http.StatusOK}
-}
-
-func (h *heldResponse) Header() http.Header { return h.header }
-
-func (h *heldResponse) WriteHeader(code int) { h.status = code }
-
-func (h *heldResponse) Write(b []byte) (int, error) { return h.body.Write(b) }
-
-func (h *heldResponse) writeTo(w http.ResponseWriter) {
-	for k, v := range h.header {
-		w.Header()[k] = v
-	}
-	w.WriteHeader(h.status)
-	_, _ = w.Write(h.body.Bytes())
-}
-
-// createdID is the id of the sandbox a 201 answer describes.
-func (h *heldResponse) createdID() string {
-	if h.status != http.StatusCreated {
-		return ""
-	}
-	var sb struct {
-		ID string `json:"id"`
-	}
-	if json.Unmarshal(h.body.Bytes(), &sb) != nil {
-		return ""
-	}
-	return sb.ID
 }
 
 // requestHash identifies a request: the same key with another hash is
@@ -287,15 +165,6 @@ type claimed struct {
 	takeover bool
 }
 
-// idemLabel is the IdempotencyLabel value of what the holder of record
-// rk's attempt makes.
-func idemLabel(rk, attempt string) string {
-	if attempt == "" {
-		return rk[:32]
-	}
-	return rk[:32] + "-" + attempt
-}
-
 // claim makes this apiserver the runner of rk, or returns the record to
 // answer from (run false). It waits while a live apiserver runs it.
 func (s *Server) claim(ctx context.Context, rk, hash string) (claimed, bool, error) {
@@ -303,34 +172,22 @@ func (s *Server) claim(ctx context.Context, rk, hash string) (claimed, bool, err
 	nonce := newNonce()
 	// The common case, a new key, is one write.
 	{
-		mine := s.newClaim(hash, nonce)
-		switch err := s.records.create(mine.kv(rk)); {
+		now := time.Now()
+		mine := idemRecord{Hash: hash, Nonce: nonce, State: "pending", Owner: s.deps.Instance, Started: now, Expires: now.Add(s.idemTTL())}
+		b, err := json.Marshal(mine)
+		if err != nil {
+			return claimed{}, false, err
+		}
+		switch err := s.records.create(store.KV{Key: rk, Value: b}); {
 		case err == nil:
 			return claimed{idemRecord: mine}, true, nil
 		case !errors.Is(err, errdefs.ErrAlreadyExists):
 			return claimed{}, false, err
 		}
 	}
-	return s.claimSlow(ctx, rk, hash, nonce, deadline)
-}
-
-// newClaim is the pending record of a new attempt.
-func (s *Server) newClaim(hash, nonce string) idemRecord {
-	now := time.Now()
-	return idemRecord{Hash: hash, Nonce: nonce, Attempt: nonce, State: "pending", Owner: s.deps.Instance, Started: now, Expires: now.Add(s.idemTTL())}
-}
-
-func (r idemRecord) kv(rk string) store.KV {
-	b, _ := json.Marshal(r) // plain fields: cannot fail
-	return store.KV{Key: rk, Value: b}
-}
-
-// claimSlow is claim once the key has a record: answer from it, wait for
-// its live owner, or take it over from a dead one.
-func (s *Server) claimSlow(ctx context.Context, rk, hash, nonce string, deadline time.Time) (claimed, bool, error) {
 	for {
-		mine := s.newClaim(hash, nonce)
-		now := mine.Started
+		now := time.Now()
+		mine := idemRecord{Hash: hash, Nonce: nonce, State: "pending", Owner: s.deps.Instance, Started: now, Expires: now.Add(s.idemTTL())}
 		var got claimed
 		run := false
 		err := s.deps.Store.Update(idemBucket, rk, func(old []byte) ([]byte, error) {
@@ -353,10 +210,9 @@ func (s *Server) claimSlow(ctx context.Context, rk, hash, nonce string, deadline
 			case got.State == "done":
 				return nil, errAnswered
 			case got.Owner != s.deps.Instance && !s.alive(got.Owner):
-				// Its apiserver is gone: take the call over, with
-				// what its attempt made.
+				// Its apiserver is gone: take the call over.
 				run = true
-				mine.Started, mine.Attempt = got.Started, got.Attempt
+				mine.Started = got.Started
 				b, err := json.Marshal(mine)
 				got.takeover = true
 				return b, err

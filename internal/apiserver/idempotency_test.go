@@ -3,14 +3,10 @@ package apiserver
 import (
 	"encoding/json"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/dsecproject/dsec/api"
-	"github.com/dsecproject/dsec/internal/errdefs"
-	"github.com/dsecproject/dsec/internal/store"
 )
 
 func decodeSandbox(t *testing.T, body []byte) api.Sandbox {
@@ -152,101 +148,4 @@ func principalOf(t *testing.T, f *fixture, key string) string {
 		t.Fatal(err)
 	}
 	return p.ID
-}
-
-// staleStore is a store whose local reads lag behind: every GetLocal
-// misses (a member that has not seen the latest writes yet).
-type staleStore struct{ store.Store }
-
-func (staleStore) GetLocal(bucket, key string) ([]byte, error) {
-	return nil, errdefs.NotFound("%s/%s not found", bucket, key)
-}
-
-// TestIdempotentCreateLosesClaim: a repeat whose first look misses the
-// record (a stale local read) runs its create speculatively, loses the
-// claim, deletes what it made and answers with the recorded sandbox.
-func TestIdempotentCreateLosesClaim(t *testing.T) {
-	f := newFixture(t, false)
-	spec := `{"base":"base/py:1"}`
-	resp, body := f.doAt(t, f.srv, f.admin, "k5", "POST", "/v1/sandboxes", spec)
-	if resp.StatusCode != 201 {
-		t.Fatalf("create: %d %s", resp.StatusCode, body)
-	}
-	first := decodeSandbox(t, body)
-	stale := f.apiserverOn(t, "b", staleStore{f.st})
-	resp, body = f.doAt(t, stale, f.admin, "k5", "POST", "/v1/sandboxes", spec)
-	if resp.StatusCode != 201 || decodeSandbox(t, body).ID != first.ID || resp.Header.Get("Idempotent-Replayed") != "true" {
-		t.Fatalf("repeat through a stale read: %d %s", resp.StatusCode, body)
-	}
-	if creates, _ := f.edge.Counts(); creates != 2 {
-		t.Fatalf("%d creates, want the first and the speculative one", creates)
-	}
-	if n := f.edge.Len(); n != 1 {
-		t.Fatalf("%d sandboxes left, want 1: the speculative one must be deleted", n)
-	}
-}
-
-// TestIdempotentTakeoverAdoptsOnlyItsAttempt: a takeover adopts what the
-// record's attempt made, not a sandbox of another attempt of the same key
-// (a speculative create that lost its claim and whose apiserver died
-// before deleting it).
-func TestIdempotentTakeoverAdoptsOnlyItsAttempt(t *testing.T) {
-	f := newFixture(t, false)
-	spec := `{"base":"base/py:1"}`
-	rk := idemRecordKey(principalOf(t, f, f.admin), "k6")
-	hash := requestHash("POST", "/v1/sandboxes", "", []byte(spec))
-	pending, _ := json.Marshal(idemRecord{Hash: hash, State: "pending", Owner: "dead", Attempt: "a1", Started: time.Now(), Expires: time.Now().Add(time.Hour)})
-	if err := f.st.Put(idemBucket, rk, pending); err != nil {
-		t.Fatal(err)
-	}
-	// The loser's id sorts first: adopting by label alone would pick it.
-	f.edge.Put(api.Sandbox{ID: "sb-n1-aaa-loser", Node: "n1", State: api.StateRunning, Labels: map[string]string{IdempotencyLabel: idemLabel(rk, "zz")}})
-	f.edge.Put(api.Sandbox{ID: "sb-n1-made", Node: "n1", State: api.StateRunning, Labels: map[string]string{IdempotencyLabel: idemLabel(rk, "a1")}})
-	resp, body := f.doAt(t, f.srv, f.admin, "k6", "POST", "/v1/sandboxes", spec)
-	if resp.StatusCode != 201 || decodeSandbox(t, body).ID != "sb-n1-made" {
-		t.Fatalf("takeover: %d %s", resp.StatusCode, body)
-	}
-	if creates, _ := f.edge.Counts(); creates != 0 {
-		t.Fatalf("takeover made %d sandboxes, want none", creates)
-	}
-}
-
-// slowClaims holds every claim (a create of a record) until the edge has
-// been asked for the sandbox, or 5 s: with the claim written before the
-// create, it would wait the whole 5 s.
-type slowClaims struct {
-	store.Store
-	created chan struct{}
-	waited  atomic.Bool
-}
-
-func (s *slowClaims) Create(bucket, key string, val []byte) error {
-	select {
-	case <-s.created:
-	case <-time.After(5 * time.Second):
-		s.waited.Store(true)
-	}
-	return s.Store.Create(bucket, key, val)
-}
-
-// TestIdempotentCreateClaimsWhileCreating: a keyed create's claim is
-// written while the create runs, not before it.
-func TestIdempotentCreateClaimsWhileCreating(t *testing.T) {
-	f := newFixture(t, false)
-	st := &slowClaims{Store: f.st, created: make(chan struct{})}
-	var once sync.Once
-	f.edge.OnCreate = func() { once.Do(func() { close(st.created) }) }
-	srv := f.apiserverOn(t, "b", st)
-	resp, body := f.doAt(t, srv, f.admin, "k7", "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
-	if resp.StatusCode != 201 {
-		t.Fatalf("create: %d %s", resp.StatusCode, body)
-	}
-	if st.waited.Load() {
-		t.Fatal("the claim was written before the create started")
-	}
-	// And the record is the answer's.
-	resp, body2 := f.doAt(t, f.srv, f.admin, "k7", "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
-	if resp.StatusCode != 201 || decodeSandbox(t, body2).ID != decodeSandbox(t, body).ID {
-		t.Fatalf("repeat: %d %s", resp.StatusCode, body2)
-	}
 }

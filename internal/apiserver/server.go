@@ -100,7 +100,7 @@ func (s *Server) routes() {
 	}
 	s.handle("GET /v1/openapi.yaml", "", s.openapi)
 
-	s.handle("POST /v1/sandboxes", iam.SandboxCreate, s.idempotentCreate(s.createSandbox))
+	s.handle("POST /v1/sandboxes", iam.SandboxCreate, s.idempotent(true, s.createSandbox))
 	s.handle("POST /v1/sandboxes:batch", iam.SandboxCreate, s.idempotent(true, s.batchCreate))
 	s.handle("GET /v1/sandboxes", iam.SandboxRead, s.listSandboxes)
 	s.handle("POST /v1/sandboxes:delete", iam.SandboxWrite, s.deleteByLabels)

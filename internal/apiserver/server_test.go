@@ -89,15 +89,9 @@ func newFixture(t *testing.T, wire bool) *fixture {
 // apiserver starts another apiserver named instance over the fixture's
 // store, IAM and edge (a cluster's apiservers share etcd).
 func (f *fixture) apiserver(t *testing.T, instance string) *httptest.Server {
-	return f.apiserverOn(t, instance, f.st)
-}
-
-// apiserverOn is apiserver with st (a wrapper of the fixture's store) as
-// its store.
-func (f *fixture) apiserverOn(t *testing.T, instance string, st store.Store) *httptest.Server {
 	f.setAlive(instance, true)
 	s := New(Deps{IAM: f.iam, Layers: f.layers, Nodes: f.view, Policy: sandbox.DefaultPolicy(),
-		Log: slog.New(slog.NewTextHandler(io.Discard, nil)), Store: st, Instance: instance,
+		Log: slog.New(slog.NewTextHandler(io.Discard, nil)), Store: f.st, Instance: instance,
 		Alive: func(other string) (bool, error) {
 			f.aliveMu.Lock()
 			defer f.aliveMu.Unlock()

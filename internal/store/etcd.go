@@ -211,26 +211,6 @@ func (e *Etcd) Get(bucket, key string) ([]byte, error) {
 	return nonNil(bytes.Clone(r.Kvs[0].Value)), nil
 }
 
-// GetLocal implements LocalReader: a serializable read, answered by the
-// member the client talks to without a round of the cluster.
-func (e *Etcd) GetLocal(bucket, key string) ([]byte, error) {
-	if err := checkEtcdName(bucket, key); err != nil {
-		return nil, err
-	}
-	ctx, cancel := e.ctx()
-	defer cancel()
-	r, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.GetResponse, error) {
-		return e.c.Get(ctx, e.key(bucket, key), clientv3.WithSerializable())
-	})
-	if err != nil {
-		return nil, e.classify(err)
-	}
-	if len(r.Kvs) == 0 {
-		return nil, errdefs.NotFound("%s/%s not found", bucket, key)
-	}
-	return nonNil(bytes.Clone(r.Kvs[0].Value)), nil
-}
-
 // Put implements Store.
 func (e *Etcd) Put(bucket, key string, val []byte) error {
 	if err := checkEtcdName(bucket, key); err != nil {

@@ -1,13 +1,11 @@
 package store_test
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"testing"
 	"time"
 
-	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/store"
 	"github.com/dsecproject/dsec/internal/store/etcdtest"
 	"github.com/dsecproject/dsec/internal/store/storetest"
@@ -82,32 +80,4 @@ func TestMemoryWatcher(t *testing.T) {
 
 func TestMemoryLeaser(t *testing.T) {
 	storetest.RunLeaser(t, store.NewMemory)
-}
-
-// TestGetLocal: a local read sees what was written through the same
-// member and says NotFound for what is missing, on etcd (serializable
-// reads) and on the stores without replicas (plain Get).
-func TestGetLocal(t *testing.T) {
-	check := func(t *testing.T, st store.Store) {
-		if err := st.Put("b", "k", []byte("v")); err != nil {
-			t.Fatal(err)
-		}
-		if v, err := store.GetLocal(st, "b", "k"); err != nil || string(v) != "v" {
-			t.Fatalf("GetLocal after Put: %q, %v", v, err)
-		}
-		if _, err := store.GetLocal(st, "b", "missing"); !errors.Is(err, errdefs.ErrNotFound) {
-			t.Fatalf("GetLocal of a missing key: %v, want not found", err)
-		}
-		if _, err := store.GetLocal(st, "", "k"); !errors.Is(err, errdefs.ErrInvalid) {
-			t.Fatalf("GetLocal with an empty bucket: %v, want invalid", err)
-		}
-	}
-	t.Run("memory", func(t *testing.T) { check(t, store.NewMemory()) })
-	t.Run("etcd", func(t *testing.T) {
-		st := openEtcd(t, etcdEndpoints(t))()
-		if _, ok := st.(store.LocalReader); !ok {
-			t.Fatal("the etcd store has no local reads")
-		}
-		check(t, st)
-	})
 }

@@ -82,23 +82,6 @@ type Watcher interface {
 	WatchBucket(ctx context.Context, bucket string, reset func([]KV), change func(key string, val []byte))
 }
 
-// LocalReader is implemented by replicated stores that can answer a read
-// from the member at hand, without a round of the cluster (etcd's
-// serializable reads): cheaper, and possibly behind the latest writes.
-// Callers use it where a stale answer costs only some work, never
-// correctness.
-type LocalReader interface {
-	GetLocal(bucket, key string) ([]byte, error)
-}
-
-// GetLocal reads key with st's LocalReader if it has one, else with Get.
-func GetLocal(st Store, bucket, key string) ([]byte, error) {
-	if lr, ok := st.(LocalReader); ok {
-		return lr.GetLocal(bucket, key)
-	}
-	return st.Get(bucket, key)
-}
-
 // Batcher is implemented by stores that can write many keys in one
 // transaction (etcd: one raft entry and one fsync for all), which callers
 // use to group concurrent writes.

@@ -59,8 +59,6 @@ type Fake struct {
 	openPorts int
 	// Refuse makes Create answer resource_exhausted.
 	Refuse bool
-	// OnCreate, if set, is called at the start of every Create.
-	OnCreate func()
 }
 
 var _ edgeapi.Edge = (*Fake)(nil)
@@ -144,9 +142,6 @@ func (f *Fake) LayerUsers(ctx context.Context, digest string) (int, error) {
 
 // Create implements edgeapi.Edge.
 func (f *Fake) Create(ctx context.Context, req edgeapi.CreateRequest) (*api.Sandbox, error) {
-	if f.OnCreate != nil {
-		f.OnCreate()
-	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.Creates++
