@@ -39,9 +39,10 @@ const UserAgent = "dsec-go/1"
 // one apiserver (connection refused or lost, a gateway error) is sent to
 // the next, and the client then stays with the one that answered. Calls
 // that change state are retried only when that is safe: reads, deletes
-// and PUTs are idempotent, and every create, batch, fork, snapshot and
-// fncall carries an Idempotency-Key (the server answers a repeat with the
-// recorded result instead of running it again). Exec and session runs
+// and PUTs are idempotent, and every sandbox create, batch, fork, snapshot
+// and fncall carries an Idempotency-Key (the server answers a repeat with
+// the recorded result instead of running it again; project and key
+// creates carry none, see CreateProject). Exec and session runs
 // carry one only when the caller gives it (WithIdempotencyKey), and are
 // otherwise sent again only when the first attempt never left.
 type Client struct {
