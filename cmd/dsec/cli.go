@@ -1,9 +1,10 @@
 package main
 
 // The client subcommands of dsec (sandbox, exec, session, files, layer,
-// nodes, health). They talk to the API through sdk/go only, so everything the
-// CLI can do an SDK user can do too. main calls runCommand; daemons (up,
-// server, edge) and bench live in their own files.
+// image, nodes, health, project, key, whoami, audit). They talk to the
+// API through sdk/go only, so everything the CLI can do an SDK user can do
+// too. main calls runCommand; daemons (up, server, edge) and bench live in
+// their own files.
 
 import (
 	"bytes"
@@ -23,7 +24,8 @@ import (
 )
 
 // clientCommands maps a top-level name to its handler. Group commands
-// (sandbox, session, files, layer) dispatch again on their first argument.
+// (sandbox, session, files, layer, project, key) dispatch again on their
+// first argument.
 var clientCommands = map[string]struct {
 	summary string
 	run     func(ctx context.Context, args []string) error
@@ -37,6 +39,10 @@ var clientCommands = map[string]struct {
 	"image":   {"import, pull and bootstrap container images as layers", runImage},
 	"nodes":   {"list the edges of the cluster", runNodes},
 	"health":  {"check that the API endpoint answers", runHealth},
+	"project": {"create, list, change and delete projects (quotas)", runProject},
+	"key":     {"mint, list and revoke API keys of a project", runKey},
+	"whoami":  {"show the API key in use: project, role, permissions", runWhoAmI},
+	"audit":   {"list recorded project and key changes", runAudit},
 }
 
 // runCommand runs the client subcommand name with its arguments. handled is

@@ -183,6 +183,23 @@ func hostileAPI(v string) *http.ServeMux {
 	mux.HandleFunc("GET /v1/nodes", func(w http.ResponseWriter, r *http.Request) {
 		jsonReply(w, 200, api.NodeList{Nodes: []api.Node{{Name: v, Backends: []string{v}}}})
 	})
+	proj := api.Project{ID: v, Name: v, Parent: v, Path: v, Children: []string{v}}
+	mux.HandleFunc("GET /v1/projects", func(w http.ResponseWriter, r *http.Request) {
+		jsonReply(w, 200, api.ProjectList{Projects: []api.Project{proj}})
+	})
+	mux.HandleFunc("GET /v1/projects/{id}", func(w http.ResponseWriter, r *http.Request) { jsonReply(w, 200, proj) })
+	mux.HandleFunc("PATCH /v1/projects/{id}", func(w http.ResponseWriter, r *http.Request) { jsonReply(w, 200, proj) })
+	key := api.APIKey{ID: v, Key: v, Name: v, Project: v, Role: v}
+	mux.HandleFunc("POST /v1/projects/{id}/keys", func(w http.ResponseWriter, r *http.Request) { jsonReply(w, 201, key) })
+	mux.HandleFunc("GET /v1/projects/{id}/keys", func(w http.ResponseWriter, r *http.Request) {
+		jsonReply(w, 200, api.KeyList{Keys: []api.APIKey{key}})
+	})
+	mux.HandleFunc("GET /v1/whoami", func(w http.ResponseWriter, r *http.Request) {
+		jsonReply(w, 200, api.WhoAmI{Principal: v, Project: v, Role: v, Permissions: []string{v}})
+	})
+	mux.HandleFunc("GET /v1/audit", func(w http.ResponseWriter, r *http.Request) {
+		jsonReply(w, 200, api.AuditList{Entries: []api.AuditEntry{{Principal: v, Project: v, Action: v, Target: v, Detail: v}}})
+	})
 	return mux
 }
 
@@ -204,6 +221,13 @@ func TestCLIFieldsEscapedOnTerminal(t *testing.T) {
 		{"layer", "list"},
 		{"layer", "get", "base/x:1"},
 		{"nodes"},
+		{"project", "list"},
+		{"project", "show", "p"},
+		{"project", "update", "p", "--dedicated-nodes=true"},
+		{"key", "create", "p", "--role", "member"},
+		{"key", "list", "p"},
+		{"whoami"},
+		{"audit"},
 	} {
 		name := strings.Join(args, " ")
 		// To a pipe, tables are what they always were: the cells' bytes,
