@@ -42,6 +42,8 @@ from .errors import (
 )
 from .sandbox import Command, ExecStream, Sandbox, Session
 from .types import (
+    APIKey,
+    AuditEntry,
     DSecContainerRunArgs,
     ExecChunk,
     ExecResult,
@@ -52,9 +54,13 @@ from .types import (
     LogPage,
     Node,
     PauseResult,
+    Project,
+    ProjectQuota,
+    ProjectUsage,
     SandboxInfo,
     Stats,
     TarResult,
+    WhoAmI,
 )
 
 __version__ = "0.1.0"
@@ -80,6 +86,12 @@ __all__ = [
     "LogEntry",
     "LogPage",
     "Node",
+    "Project",
+    "ProjectQuota",
+    "ProjectUsage",
+    "APIKey",
+    "WhoAmI",
+    "AuditEntry",
     "Config",
     "DEFAULT_ENDPOINT",
     "resolve_config",

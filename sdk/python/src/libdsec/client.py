@@ -18,6 +18,7 @@ import math
 import random
 import secrets
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Generator, Mapping, Optional, Sequence, Union
 from urllib.parse import quote, urlencode, urlsplit
 
@@ -34,7 +35,7 @@ from .errors import (
     error_from_response,
 )
 from .sandbox import Sandbox
-from .types import DSecContainerRunArgs, Layer, Node, SandboxInfo
+from .types import APIKey, AuditEntry, DSecContainerRunArgs, Layer, Node, Project, ProjectQuota, SandboxInfo, WhoAmI
 
 __all__ = ["DSecClient", "BatchResult", "USER_AGENT", "idempotency_key"]
 
@@ -630,6 +631,155 @@ class DSecClient:
         """The edges the apiserver knows."""
         doc = await self._call("GET", "/v1/nodes") or {}
         return [Node.from_json(d) for d in doc.get("nodes") or []]
+
+    # -- projects, keys and audit ---------------------------------------
+    #
+    # The server enforces the roles (viewer < member < builder < admin) and
+    # the scope rule: a key acts on its own project and those below it.
+    # Project and key creates carry no Idempotency-Key: the server would
+    # keep the answer for repeats, and a key's answer holds its secret. So
+    # they are sent again only when the connection could not be opened; a
+    # create left without an answer is checked with get_project or
+    # list_keys before it is tried again.
+
+    async def create_project(
+        self,
+        name: str,
+        *,
+        parent: str,
+        quota: Optional[ProjectQuota] = None,
+        dedicated_nodes: bool = False,
+    ) -> Project:
+        """Create project ``name`` below ``parent`` (a project id or
+        ``"root"``). ``quota`` bounds the project with its descendants;
+        none, or a zero field, sets no limit of its own."""
+        if not name:
+            raise InvalidArgument("a project needs a name")
+        _need_id("parent project", parent)
+        body: dict[str, Any] = {"parent": parent, "name": name, "quota": (quota or ProjectQuota()).to_json()}
+        if dedicated_nodes:
+            body["dedicated_nodes"] = True
+        return Project.from_json(await self._call("POST", "/v1/projects", json_body=body))
+
+    async def get_project(self, project_id: str) -> Project:
+        """One project; its ``usage`` counts it with all its descendants."""
+        _need_id("project", project_id)
+        return Project.from_json(await self._call("GET", f"/v1/projects/{esc(project_id)}"))
+
+    async def list_projects(self, parent: Optional[str] = None, *, page_size: Optional[int] = None) -> "list[Project]":
+        """The children of ``parent``, or every project the caller can see
+        when it is None, following pagination to the end."""
+        out: list[Project] = []
+        token = ""
+        seen: set[str] = set()
+        while True:
+            q: list[tuple[str, str]] = []
+            if parent:
+                q.append(("parent", parent))
+            if page_size:
+                q.append(("limit", str(page_size)))
+            if token:
+                q.append(("page_token", token))
+            doc = await self._call("GET", "/v1/projects", query=q) or {}
+            out.extend(Project.from_json(d) for d in doc.get("projects") or [])
+            token = doc.get("next_page_token") or ""
+            if not token:
+                return out
+            if token in seen:  # a server repeating itself would loop us forever
+                raise ProtocolError(f"server repeated page token {token!r}")
+            seen.add(token)
+
+    async def update_project(
+        self,
+        project_id: str,
+        *,
+        quota: Optional[ProjectQuota] = None,
+        dedicated_nodes: Optional[bool] = None,
+    ) -> Project:
+        """Change what is given (None leaves it as it is) and return the
+        project as it now is. ``quota`` replaces the whole quota: to change
+        one limit, start from ``(await get_project(id)).quota``."""
+        _need_id("project", project_id)
+        body: dict[str, Any] = {}
+        if quota is not None:
+            body["quota"] = quota.to_json()
+        if dedicated_nodes is not None:
+            body["dedicated_nodes"] = bool(dedicated_nodes)
+        if not body:
+            raise InvalidArgument("update_project: nothing to change (give quota or dedicated_nodes)")
+        return Project.from_json(await self._call("PATCH", f"/v1/projects/{esc(project_id)}", json_body=body))
+
+    async def delete_project(self, project_id: str, *, cascade: bool = False) -> None:
+        """Delete a project; with ``cascade`` the server deletes the
+        projects below it too, without it refuses one that has any."""
+        _need_id("project", project_id)
+        q = [("cascade", "true")] if cascade else None
+        await self._call("DELETE", f"/v1/projects/{esc(project_id)}", query=q)
+
+    async def create_key(
+        self,
+        project_id: str,
+        role: str,
+        *,
+        name: Optional[str] = None,
+        expires_in: float = 0,
+    ) -> APIKey:
+        """Mint an API key of ``project_id`` with ``role`` (no higher than
+        the caller's own). The answer's ``key`` is the secret, shown only
+        here: keep it now. ``expires_in`` is its lifetime in seconds
+        (rounded up; 0: it does not expire)."""
+        _need_id("project", project_id)
+        if not role:
+            raise InvalidArgument("a key needs a role")
+        if expires_in < 0:
+            raise InvalidArgument("a key's lifetime must not be negative")
+        body: dict[str, Any] = {"role": role}
+        if name:
+            body["name"] = name
+        if expires_in:
+            body["expires_in"] = math.ceil(expires_in)
+        return APIKey.from_json(await self._call("POST", f"/v1/projects/{esc(project_id)}/keys", json_body=body))
+
+    async def list_keys(self, project_id: str) -> "list[APIKey]":
+        """The keys of a project, without their secrets."""
+        _need_id("project", project_id)
+        doc = await self._call("GET", f"/v1/projects/{esc(project_id)}/keys") or {}
+        return [APIKey.from_json(d) for d in doc.get("keys") or []]
+
+    async def revoke_key(self, project_id: str, key_id: str) -> None:
+        """Revoke a key of a project: calls made with it fail from then on."""
+        _need_id("project", project_id)
+        _need_id("key", key_id)
+        await self._call("DELETE", f"/v1/projects/{esc(project_id)}/keys/{esc(key_id)}")
+
+    async def whoami(self) -> WhoAmI:
+        """The caller's key: principal, project, role and permissions."""
+        return WhoAmI.from_json(await self._call("GET", "/v1/whoami") or {})
+
+    async def list_audit(self, since: "datetime | str | None" = None, *, limit: int = 0) -> "list[AuditEntry]":
+        """The recorded management actions (project and key changes) the
+        caller may see, since ``since`` (a datetime, a naive one taken as
+        local time, or an RFC 3339 string; None: from the oldest kept), at
+        most ``limit`` (0: the server's default). A datetime is sent in UTC
+        whole seconds, rounded down, so no entry after it is missed."""
+        if limit < 0:
+            raise InvalidArgument("limit must not be negative")
+        q: list[tuple[str, str]] = []
+        if isinstance(since, datetime):
+            q.append(("since", since.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")))
+        elif since:
+            q.append(("since", since))
+        if limit:
+            q.append(("limit", str(int(limit))))
+        doc = await self._call("GET", "/v1/audit", query=q) or {}
+        return [AuditEntry.from_json(d) for d in doc.get("entries") or []]
+
+
+def _need_id(what: str, value: str) -> None:
+    """Refuse an empty path segment, which would address the collection
+    instead of one of its members."""
+    if not value:
+        raise InvalidArgument(f"empty {what} id")
 
 
 async def _read_bounded(resp: _http.Response, limit: int) -> bytes:

@@ -288,6 +288,16 @@ class DSecClient:
     get_layer = _fwd("get_layer", _aclient.DSecClient)
     delete_layer = _fwd("delete_layer", _aclient.DSecClient)
     nodes = _fwd("nodes", _aclient.DSecClient)
+    create_project = _fwd("create_project", _aclient.DSecClient)
+    get_project = _fwd("get_project", _aclient.DSecClient)
+    list_projects = _fwd("list_projects", _aclient.DSecClient)
+    update_project = _fwd("update_project", _aclient.DSecClient)
+    delete_project = _fwd("delete_project", _aclient.DSecClient)
+    create_key = _fwd("create_key", _aclient.DSecClient)
+    list_keys = _fwd("list_keys", _aclient.DSecClient)
+    revoke_key = _fwd("revoke_key", _aclient.DSecClient)
+    whoami = _fwd("whoami", _aclient.DSecClient)
+    list_audit = _fwd("list_audit", _aclient.DSecClient)
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
         """A handle on an existing sandbox, without asking the server."""

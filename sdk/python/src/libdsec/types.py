@@ -11,6 +11,8 @@ import base64
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .errors import InvalidArgument
+
 __all__ = [
     "DSecContainerRunArgs",
     "SandboxInfo",
@@ -25,6 +27,12 @@ __all__ = [
     "LogEntry",
     "LogPage",
     "Node",
+    "ProjectQuota",
+    "ProjectUsage",
+    "Project",
+    "APIKey",
+    "WhoAmI",
+    "AuditEntry",
 ]
 
 
@@ -55,6 +63,8 @@ class DSecContainerRunArgs:
     ``userns``                ``userns`` (root inside unprivileged on the host)
     ``memory_cgroup``         ``memory_cgroup``: ``"own"`` (default) or
                               ``"shared"`` (denser; no ``memory_mb``)
+    ``project``               ``project`` (default: the key's own; one
+                              below it is allowed)
     ========================  ==========================================
 
     ``ttl_running_stop`` is the *idle* timeout: the sandbox is stopped after
@@ -88,6 +98,7 @@ class DSecContainerRunArgs:
     backend: Optional[str] = None
     userns: bool = False
     memory_cgroup: Optional[str] = None
+    project: Optional[str] = None
 
     def to_spec(self) -> dict[str, Any]:
         """Return the REST ``SandboxSpec`` (a JSON-ready dict)."""
@@ -140,6 +151,8 @@ class DSecContainerRunArgs:
             spec["qos"] = self.qos
         if self.memory_cgroup:
             spec["memory_cgroup"] = self.memory_cgroup
+        if self.project:
+            spec["project"] = self.project
         return spec
 
 
@@ -168,6 +181,7 @@ class SandboxInfo:
 
     id: str
     node: str = ""
+    project: str = ""
     backend: str = ""
     state: str = ""
     spec: dict[str, Any] = field(default_factory=dict)
@@ -185,6 +199,7 @@ class SandboxInfo:
         return cls(
             id=_s(d, "id"),
             node=_s(d, "node"),
+            project=_s(d, "project"),
             backend=_s(d, "backend"),
             state=_s(d, "state"),
             spec=dict(d.get("spec") or {}),
@@ -421,4 +436,146 @@ class Node:
             capacity=dict(d.get("capacity") or {}),
             counts=dict(d.get("counts") or {}),
             raw=d,
+        )
+
+
+def _f(d: dict, k: str) -> float:
+    v = d.get(k)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+
+@dataclass
+class ProjectQuota:
+    """A project's limits, for it and all its descendants together. A zero
+    field sets no limit of its own: the nearest ancestor's applies."""
+
+    sandboxes: int = 0
+    cpu: float = 0.0
+    memory_mb: int = 0
+    disk_mb: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The API's ``ProjectQuota``; every field is sent (zero included)."""
+        for name in ("sandboxes", "cpu", "memory_mb", "disk_mb"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"ProjectQuota.{name} must be a number, got {v!r}")
+            if v < 0:
+                raise InvalidArgument(f"quota {name} must not be negative, got {v!r}")
+        return {"sandboxes": int(self.sandboxes), "cpu": float(self.cpu), "memory_mb": int(self.memory_mb), "disk_mb": int(self.disk_mb)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ProjectQuota":
+        return cls(sandboxes=_i(d, "sandboxes"), cpu=_f(d, "cpu"), memory_mb=_i(d, "memory_mb"), disk_mb=_i(d, "disk_mb"))
+
+
+@dataclass
+class ProjectUsage:
+    """What a project and all its descendants hold now: live sandboxes
+    (creating, running, paused) and what their specs ask for."""
+
+    sandboxes: int = 0
+    cpu: float = 0.0
+    memory_mb: int = 0
+    disk_mb: int = 0
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ProjectUsage":
+        return cls(sandboxes=_i(d, "sandboxes"), cpu=_f(d, "cpu"), memory_mb=_i(d, "memory_mb"), disk_mb=_i(d, "disk_mb"))
+
+
+@dataclass
+class Project:
+    """A node of the project tree. ``path`` is its lineage from the root
+    (``root/team-a/job-7``); ``usage`` counts it with its descendants."""
+
+    id: str
+    name: str = ""
+    parent: str = ""
+    path: str = ""
+    quota: ProjectQuota = field(default_factory=ProjectQuota)
+    usage: ProjectUsage = field(default_factory=ProjectUsage)
+    children: list[str] = field(default_factory=list)
+    dedicated_nodes: bool = False
+    created_at: str = ""
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Project":
+        return cls(
+            id=_s(d, "id"),
+            name=_s(d, "name"),
+            parent=_s(d, "parent"),
+            path=_s(d, "path"),
+            quota=ProjectQuota.from_json(d.get("quota") or {}),
+            usage=ProjectUsage.from_json(d.get("usage") or {}),
+            children=list(d.get("children") or []),
+            dedicated_nodes=bool(d.get("dedicated_nodes")),
+            created_at=_s(d, "created_at"),
+            raw=d,
+        )
+
+
+@dataclass
+class APIKey:
+    """An API key of a project. ``key``, the secret, is set only in the
+    answer to ``create_key``: the server keeps its hash and never shows it
+    again. ``expires_at`` is empty for a key that does not expire."""
+
+    id: str
+    project: str = ""
+    role: str = ""
+    name: str = ""
+    key: str = field(default="", repr=False)
+    created_at: str = ""
+    expires_at: str = ""
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "APIKey":
+        return cls(
+            id=_s(d, "id"),
+            project=_s(d, "project"),
+            role=_s(d, "role"),
+            name=_s(d, "name"),
+            key=_s(d, "key"),
+            created_at=_s(d, "created_at"),
+            expires_at=_s(d, "expires_at"),
+        )
+
+
+@dataclass
+class WhoAmI:
+    """The caller's key: its principal, project, role and what the role
+    permits."""
+
+    principal: str = ""
+    project: str = ""
+    role: str = ""
+    permissions: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "WhoAmI":
+        return cls(principal=_s(d, "principal"), project=_s(d, "project"), role=_s(d, "role"), permissions=list(d.get("permissions") or []))
+
+
+@dataclass
+class AuditEntry:
+    """One recorded management action (a project or key change)."""
+
+    time: str = ""
+    principal: str = ""
+    project: str = ""
+    action: str = ""
+    target: str = ""
+    detail: str = ""
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "AuditEntry":
+        return cls(
+            time=_s(d, "time"),
+            principal=_s(d, "principal"),
+            project=_s(d, "project"),
+            action=_s(d, "action"),
+            target=_s(d, "target"),
+            detail=_s(d, "detail"),
         )
