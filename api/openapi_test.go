@@ -2,6 +2,7 @@ package api
 
 import (
 	"bytes"
+	"fmt"
 	"go/ast"
 	"go/parser"
 	"go/token"
@@ -19,7 +20,8 @@ import (
 // a small outline parser that understands the subset the document is written
 // in: block mappings, block sequences, block scalars (| and >), flow lists
 // ([a, b]) and single-line scalars. Anything else is reported as an error, so
-// the document stays in that subset.
+// the document stays in that subset; so is a plain (unquoted) scalar that a
+// YAML parser would read otherwise (see plainScalarProblem).
 
 // outline is the block structure of a YAML document: every mapping key and
 // sequence item (named "-0", "-1", ...) by its path from the root.
@@ -118,12 +120,19 @@ func parseOutline(t *testing.T, doc string) *outline {
 		key, value, ok := splitKey(rest)
 		if !ok {
 			if isItem {
+				if p := plainScalarProblem(rest); p != "" {
+					t.Errorf("openapi.yaml:%d: %s (quote the value)", lineNo, p)
+				}
 				o.values[join(path())] = unquote(rest)
 				continue
 			}
 			t.Errorf("openapi.yaml:%d: cannot read %q", lineNo, line)
 			continue
 		}
+		if p := plainScalarProblem(value); p != "" {
+			t.Errorf("openapi.yaml:%d: %s (quote the value)", lineNo, p)
+		}
+		value = unquote(value)
 		pop(col)
 		push(lineNo, col, key, value)
 		switch value {
@@ -135,8 +144,8 @@ func parseOutline(t *testing.T, doc string) *outline {
 	return o
 }
 
-// splitKey splits "key: value" (key possibly quoted); ok is false for a line
-// that is not a mapping entry.
+// splitKey splits "key: value" (key possibly quoted; value as written, quotes
+// included); ok is false for a line that is not a mapping entry.
 func splitKey(s string) (key, value string, ok bool) {
 	if s[0] == '"' || s[0] == '\'' {
 		end := strings.IndexByte(s[1:], s[0])
@@ -147,15 +156,46 @@ func splitKey(s string) (key, value string, ok bool) {
 		if after != ":" && !strings.HasPrefix(after, ": ") {
 			return "", "", false
 		}
-		return key, unquote(strings.TrimSpace(after[1:])), true
+		return key, strings.TrimSpace(after[1:]), true
 	}
 	if i := strings.Index(s, ": "); i >= 0 {
-		return s[:i], unquote(strings.TrimSpace(s[i+2:])), true
+		return s[:i], strings.TrimSpace(s[i+2:]), true
 	}
 	if strings.HasSuffix(s, ":") {
 		return s[:len(s)-1], "", true
 	}
 	return "", "", false
+}
+
+// plainScalarProblem says why the single-line value v, as written, would not
+// be read by a YAML parser as the text it shows ("" when it would be): an
+// unquoted ": " starts a nested mapping (an error), " #" a comment, and some
+// characters may not start a plain scalar. Quoted values, flow lists and
+// block scalar indicators are left alone.
+func plainScalarProblem(v string) string {
+	if v == "" {
+		return ""
+	}
+	switch v[0] {
+	case '"', '\'', '[', '|', '>':
+		return ""
+	case '{', '`', '@', '*', '&', '!', '%', ',', ']', '}':
+		return fmt.Sprintf("plain scalar %q starts with %q", cutText(v), v[0])
+	}
+	switch {
+	case strings.Contains(v, ": ") || strings.HasSuffix(v, ":"):
+		return fmt.Sprintf("plain scalar %q contains \": \"", cutText(v))
+	case strings.Contains(v, " #"):
+		return fmt.Sprintf("plain scalar %q contains \" #\", which starts a comment", cutText(v))
+	}
+	return ""
+}
+
+func cutText(s string) string {
+	if len(s) > 60 {
+		return s[:60] + "..."
+	}
+	return s
 }
 
 func unquote(s string) string {
@@ -251,6 +291,12 @@ var implemented = map[string][]string{
 	"/v1/images:pull":                        {"post"},
 	"/v1/nodes":                              {"get"},
 	"/v1/fncall":                             {"post"},
+	"/v1/projects":                           {"get", "post"},
+	"/v1/projects/{id}":                      {"delete", "get", "patch"},
+	"/v1/projects/{id}/keys":                 {"get", "post"},
+	"/v1/projects/{id}/keys/{key_id}":        {"delete"},
+	"/v1/whoami":                             {"get"},
+	"/v1/audit":                              {"get"},
 }
 
 var httpMethods = map[string]bool{
@@ -434,6 +480,8 @@ var wireTypes = []any{
 	SnapshotInfo{}, SnapshotRequest{}, ForkRequest{},
 	ImageConfig{}, ImageResult{}, ImagePullRequest{}, ImageEvent{}, FnCallRequest{}, FnCallResult{},
 	Node{}, Capacity{}, NodeList{}, ErrorDetail{}, ErrorBody{},
+	ProjectQuota{}, ProjectUsage{}, Project{}, CreateProjectRequest{}, UpdateProjectRequest{},
+	ProjectList{}, CreateKeyRequest{}, APIKey{}, KeyList{}, WhoAmI{}, AuditEntry{}, AuditList{},
 }
 
 func TestOpenAPIWireTypesListed(t *testing.T) {
@@ -611,6 +659,15 @@ func TestOpenAPIDefaults(t *testing.T) {
 		{[]string{"paths", "/v1/sandboxes", "get", "parameters", "-2", "schema", "maximum"}, "1000"},
 		{[]string{"paths", "/v1/sandboxes/{id}/files", "put", "parameters", "-0", "name"}, "mode"},
 		{[]string{"paths", "/v1/sandboxes/{id}/files", "put", "parameters", "-0", "schema", "default"}, "0644"},
+		{[]string{"paths", "/v1/projects", "get", "parameters", "-1", "name"}, "limit"},
+		{[]string{"paths", "/v1/projects", "get", "parameters", "-1", "schema", "default"}, "100"},
+		{[]string{"paths", "/v1/projects", "get", "parameters", "-1", "schema", "maximum"}, "1000"},
+		{[]string{"paths", "/v1/audit", "get", "parameters", "-1", "name"}, "limit"},
+		{[]string{"paths", "/v1/audit", "get", "parameters", "-1", "schema", "default"}, "100"},
+		{[]string{"paths", "/v1/audit", "get", "parameters", "-1", "schema", "maximum"}, "1000"},
+		{s("CreateKeyRequest", "properties", "expires_in", "maximum"), "315360000"},
+		{s("CreateProjectRequest", "properties", "name", "maxLength"), "63"},
+		{[]string{"paths", "/v1/projects/{id}/keys", "post", "responses", "201", "headers", "Cache-Control", "schema", "enum"}, "[no-store]"},
 	} {
 		if got := o.value(c.path...); got != c.want {
 			t.Errorf("%s = %q, want %q", strings.Join(c.path, "."), got, c.want)
@@ -625,6 +682,9 @@ func TestOpenAPIDefaults(t *testing.T) {
 		{s("SandboxSpec", "properties", "network"), "loopback-only"},
 		{s("NetworkPolicy"), "failed_precondition"},
 		{s("SandboxSpec", "properties", "backend"), "only `container`"},
+		{s("SandboxSpec", "properties", "project"), "not_found"},
+		{[]string{"components", "responses", "NotFound"}, "another tenant's"},
+		{s("Role"), "builder"},
 	} {
 		if d := o.value(append(c.prop, "description")...); !strings.Contains(d, c.want) {
 			t.Errorf("%s.description does not mention %q", strings.Join(c.prop, "."), c.want)
