@@ -51,7 +51,7 @@ func newFixture(t *testing.T, wire bool) *fixture {
 	if err != nil {
 		t.Fatal(err)
 	}
-	viewer, err := ident.CreateKey(p, iam.RootProject, iam.RoleViewer)
+	viewer, _, err := ident.CreateKey(p, iam.RootProject, iam.RoleViewer, "viewer", 0)
 	if err != nil {
 		t.Fatal(err)
 	}

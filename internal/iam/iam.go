@@ -1,17 +1,32 @@
 // Package iam owns who may do what: principals (API keys), the project tree,
-// project quotas as configured limits, and permission checks. It keeps its
-// state in a store.Store and caches key lookups in memory. The apiserver and
+// project quotas as configured limits, permission checks and the audit log
+// of management actions. It keeps its state in a store.Store and serves the
+// hot questions (Authenticate, scope checks) from memory. The apiserver and
 // `dsec up` import it; the edge never does (it trusts the apiserver).
 //
 // Scope rule: a principal acts on its own project and every project below it.
-// Delegation rule: a principal grants only roles it holds, and a subproject's
-// quota never exceeds what its ancestors allow.
+//
+// Delegation rules: a principal grants only roles it holds; a key never
+// outlives the key that created it; a principal changes or deletes only
+// projects strictly below its own (no one raises its own quota), and the
+// root project is never changed or deleted.
+//
+// Quota rules: a zero field sets no limit of its own. A project's effective
+// limit is, per field, the smallest non-zero limit on its path to the root.
+// Setting a quota (create or update) must fit the parent's effective limit,
+// but siblings may together be given more than the parent (overcommit, as
+// with cgroups): the apiserver's check at sandbox create counts usage
+// against every ancestor. Lowering a quota below what its subprojects were
+// given, or below what its subtree uses now, is allowed: it stops new
+// sandboxes being created there and leaves running ones alone.
 package iam
 
 import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -27,18 +42,23 @@ const RootProject = "root"
 const (
 	bucketProjects = "iam_projects" // project ID → JSON Project
 	bucketKeys     = "iam_keys"     // hex SHA-256 of an API key → JSON Principal
+	bucketAudit    = "iam_audit"    // time-ordered key → JSON auditRecord
 )
 
-// maxDepth bounds the project tree. It keeps the ancestor walk (done on every
+// maxDepth bounds the project tree: the deepest project is maxDepth levels
+// below the root, so a lineage (a project and its ancestors, root included)
+// has at most maxDepth+1 entries. It keeps the ancestor walk (done on every
 // scoped check) short, and stops it if the store ever held a cycle.
-const maxDepth = 16
+const maxDepth = 64
 
 // Principal is the identity behind one API key.
 type Principal struct {
-	ID        string    `json:"id"`
-	Project   string    `json:"project"`
-	Role      Role      `json:"role"`
-	CreatedAt time.Time `json:"created_at"`
+	ID        string     `json:"id"`
+	Name      string     `json:"name,omitempty"`
+	Project   string     `json:"project"`
+	Role      Role       `json:"role"`
+	CreatedAt time.Time  `json:"created_at"`
+	ExpiresAt *time.Time `json:"expires_at,omitempty"` // nil: never
 }
 
 // Quota is a project's configured limits. A zero field sets no limit of its
@@ -47,36 +67,52 @@ type Quota struct {
 	Sandboxes int     `json:"sandboxes"`
 	CPU       float64 `json:"cpu"`
 	MemoryMB  int64   `json:"memory_mb"`
+	DiskMB    int64   `json:"disk_mb"`
 }
 
 // Project is a node of the project tree. Its ID is its name: names are unique
-// across the whole tree, so an ID alone addresses a project in the API.
+// across the whole tree, so an ID alone addresses a project in the API. A
+// project's parent never changes.
 type Project struct {
 	ID     string `json:"id"`
 	Parent string `json:"parent,omitempty"` // empty only for RootProject
 	Name   string `json:"name"`
 	Quota  Quota  `json:"quota"`
+	// DedicatedNodes asks placement to keep the project's sandboxes on
+	// nodes reserved for it; IAM only records it.
+	DedicatedNodes bool      `json:"dedicated_nodes,omitempty"`
+	CreatedAt      time.Time `json:"created_at"`
 }
 
-// cacheTTL bounds how long a cached key stays valid without a store read.
-// Revocation through this IAM evicts at once; the TTL covers a key revoked
-// by another apiserver sharing the same etcd.
-const cacheTTL = 30 * time.Second
-
-type cacheEntry struct {
-	p       Principal
-	expires time.Time
-}
-
-// IAM answers authentication and authorization questions and manages keys
-// and projects. It is safe for concurrent use.
+// IAM answers authentication and authorization questions and manages keys,
+// projects and the audit log. It is safe for concurrent use.
+//
+// Reads are served from memory in one of two ways. With a store that can
+// be watched (etcd) and Watch called, both buckets are mirrored and every
+// lookup reads the mirror, falling back to one store read for what it does
+// not hold yet (written a moment ago on another apiserver). Otherwise
+// projects are read from the store (the local bbolt file) and keys are
+// cached for at most cacheTTL.
 type IAM struct {
 	st  store.Store
 	now func() time.Time
 
-	mu    sync.RWMutex
-	cache map[string]cacheEntry // by key hash; only keys that exist
-	gen   uint64                // bumped by every eviction
+	// mu guards what follows. It is never held across a store call: a
+	// store may run watch callbacks, which take mu, under its own lock.
+	mu sync.RWMutex
+	// The mirror (see Watch): used while both buckets are synced.
+	watching               bool
+	projSynced, keysSynced bool
+	tree                   *tree
+	keys                   map[digest]Principal
+	// cache serves keys while there is no mirror; it holds only keys
+	// that existed when read.
+	cache map[digest]cacheEntry
+	// gen counts changes to the mirror and evictions from the cache. A
+	// store read or write notes it first and puts its result in memory
+	// only if it is unchanged, so that a result overtaken by a deletion
+	// (a revocation) is never put back.
+	gen uint64
 }
 
 // New returns an IAM over st, creating the root project if it is missing.
@@ -89,7 +125,7 @@ func New(st store.Store) (*IAM, error) {
 	if err != nil && !errors.Is(err, errdefs.ErrAlreadyExists) {
 		return nil, fmt.Errorf("creating root project: %w", err)
 	}
-	return &IAM{st: st, now: time.Now, cache: make(map[string]cacheEntry)}, nil
+	return &IAM{st: st, now: time.Now, cache: make(map[digest]cacheEntry)}, nil
 }
 
 // Authorize reports whether p's role permits action, as an
@@ -105,78 +141,61 @@ func (m *IAM) AuthorizeIn(p Principal, action Action, project string) error {
 	if err := authorize(p, action); err != nil {
 		return err
 	}
-	_, err := m.scoped(p, project)
-	return err
-}
-
-// CreateProject creates a subproject of parent. p must be an admin over
-// parent, and quota must fit within what parent's lineage allows.
-func (m *IAM) CreateProject(p Principal, parent, name string, quota Quota) (Project, error) {
-	if err := validName(name); err != nil {
-		return Project{}, err
-	}
-	if err := quota.validate(); err != nil {
-		return Project{}, err
-	}
-	if err := authorize(p, ProjectAdmin); err != nil {
-		return Project{}, err
-	}
-	lineage, err := m.scoped(p, parent)
-	if err != nil {
-		return Project{}, err
-	}
-	if len(lineage) >= maxDepth {
-		return Project{}, errdefs.Invalid("project %q is %d levels deep; no deeper nesting allowed", parent, len(lineage))
-	}
-	if err := quota.fits(effectiveQuota(lineage)); err != nil {
-		return Project{}, err
-	}
-	proj := Project{ID: name, Parent: parent, Name: name, Quota: quota}
-	val, err := json.Marshal(proj)
-	if err != nil {
-		return Project{}, err
-	}
-	if err := m.st.Create(bucketProjects, proj.ID, val); err != nil {
-		if errors.Is(err, errdefs.ErrAlreadyExists) {
-			return Project{}, errdefs.AlreadyExists("project %q already exists", name)
-		}
-		return Project{}, fmt.Errorf("storing project %s: %w", name, err)
-	}
-	return proj, nil
+	return m.inScope(p, project)
 }
 
 // GetProject returns project id, if p may read it.
 func (m *IAM) GetProject(p Principal, id string) (Project, error) {
-	if err := authorize(p, ProjectRead); err != nil {
+	if err := m.AuthorizeIn(p, ProjectRead, id); err != nil {
 		return Project{}, err
 	}
-	lineage, err := m.scoped(p, id)
-	if err != nil {
-		return Project{}, err
-	}
-	return lineage[0], nil
+	return m.project(id)
 }
 
-// Children returns the direct subprojects of id in ID order, if p may read id.
-func (m *IAM) Children(p Principal, id string) ([]Project, error) {
-	if err := m.AuthorizeIn(p, ProjectRead, id); err != nil {
-		return nil, err
-	}
-	kvs, err := m.st.List(bucketProjects, "")
+// Lineage returns project id followed by its ancestors, the root last. The
+// caller authorizes (the apiserver checks quota along it).
+func (m *IAM) Lineage(id string) ([]Project, error) {
+	return m.lineage(id)
+}
+
+// Path returns the lineage of project id from the root, "/"-separated
+// ("root/team-a/job-7").
+func (m *IAM) Path(id string) (string, error) {
+	lineage, err := m.lineage(id)
 	if err != nil {
-		return nil, fmt.Errorf("listing projects: %w", err)
+		return "", err
 	}
-	var out []Project
-	for _, kv := range kvs {
-		var proj Project
-		if err := json.Unmarshal(kv.Value, &proj); err != nil {
-			return nil, fmt.Errorf("decoding project %s: %w", kv.Key, err)
-		}
-		if proj.Parent == id {
-			out = append(out, proj)
-		}
+	ids := make([]string, len(lineage))
+	for i, proj := range lineage {
+		ids[len(lineage)-1-i] = proj.ID
 	}
-	return out, nil
+	return strings.Join(ids, "/"), nil
+}
+
+// inScope checks the scope rule for p and project without building the
+// lineage: it stops at p's project. It walks at most maxDepth+1 projects.
+func (m *IAM) inScope(p Principal, project string) error {
+	if project == "" {
+		return errdefs.Invalid("empty project ID")
+	}
+	id := project
+	for depth := 0; depth <= maxDepth; depth++ {
+		proj, err := m.project(id)
+		if err != nil {
+			if depth > 0 && errors.Is(err, errdefs.ErrNotFound) {
+				return fmt.Errorf("project %q: ancestor %q missing (corrupt store?)", project, id)
+			}
+			return err
+		}
+		if id == p.Project {
+			return nil
+		}
+		if proj.Parent == "" {
+			return errdefs.PermissionDenied("project %q is outside the scope of project %q", project, p.Project)
+		}
+		id = proj.Parent
+	}
+	return fmt.Errorf("project %q: ancestry deeper than %d (corrupt store?)", project, maxDepth)
 }
 
 // scoped returns the lineage of project (see lineage) if p's project is in
@@ -194,27 +213,80 @@ func (m *IAM) scoped(p Principal, project string) ([]Project, error) {
 	return nil, errdefs.PermissionDenied("project %q is outside the scope of project %q", project, p.Project)
 }
 
+// below returns the lineage of project if it is strictly below p's project:
+// the rule for changing and deleting a project.
+func (m *IAM) below(p Principal, project string) ([]Project, error) {
+	lineage, err := m.scoped(p, project)
+	if err != nil {
+		return nil, err
+	}
+	if project == p.Project {
+		return nil, errdefs.PermissionDenied("project %q is the caller's own project: only an admin of a project above it may change or delete it", project)
+	}
+	return lineage, nil
+}
+
 // lineage returns project followed by its ancestors up to the root.
 func (m *IAM) lineage(project string) ([]Project, error) {
+	return walkLineage(project, m.project)
+}
+
+// walkLineage returns project followed by its ancestors, reading each with
+// get. It fails, rather than loops or answers wrongly, on a corrupt store:
+// a cycle or a chain longer than maxDepth, a missing ancestor, or a chain
+// that ends elsewhere than at the root.
+func walkLineage(project string, get func(id string) (Project, error)) ([]Project, error) {
 	if project == "" {
 		return nil, errdefs.Invalid("empty project ID")
 	}
-	var out []Project
+	out := make([]Project, 0, 8)
 	for id := project; id != ""; {
-		if len(out) >= maxDepth {
+		if len(out) > maxDepth {
 			return nil, fmt.Errorf("project %q: ancestry deeper than %d (corrupt store?)", project, maxDepth)
 		}
-		proj, err := m.project(id)
+		proj, err := get(id)
 		if err != nil {
+			if len(out) > 0 && errors.Is(err, errdefs.ErrNotFound) {
+				return nil, fmt.Errorf("project %q: ancestor %q missing (corrupt store?)", project, id)
+			}
 			return nil, err
 		}
 		out = append(out, proj)
 		id = proj.Parent
 	}
+	if top := out[len(out)-1].ID; top != RootProject {
+		return nil, fmt.Errorf("project %q: ancestry ends at %q, not at the root (corrupt store?)", project, top)
+	}
 	return out, nil
 }
 
+// project returns project id from the mirror, or from the store when the
+// mirror is off or does not hold it yet.
 func (m *IAM) project(id string) (Project, error) {
+	m.mu.RLock()
+	if m.mirrored() {
+		proj, ok := m.tree.byID[id]
+		gen := m.gen
+		m.mu.RUnlock()
+		if ok {
+			return proj, nil
+		}
+		proj, err := m.readProject(id)
+		if err != nil {
+			return Project{}, err
+		}
+		m.learnProject(proj, gen)
+		return proj, nil
+	}
+	m.mu.RUnlock()
+	return m.readProject(id)
+}
+
+// readProject reads project id from the store.
+func (m *IAM) readProject(id string) (Project, error) {
+	if id == "" {
+		return Project{}, errdefs.Invalid("empty project ID")
+	}
 	val, err := m.st.Get(bucketProjects, id)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return Project{}, errdefs.NotFound("project %q not found", id)
@@ -222,11 +294,56 @@ func (m *IAM) project(id string) (Project, error) {
 	if err != nil {
 		return Project{}, fmt.Errorf("reading project %s: %w", id, err)
 	}
+	return decodeProject(id, val)
+}
+
+func decodeProject(key string, val []byte) (Project, error) {
 	var proj Project
 	if err := json.Unmarshal(val, &proj); err != nil {
-		return Project{}, fmt.Errorf("decoding project %s: %w", id, err)
+		return Project{}, fmt.Errorf("decoding project %s: %w", key, err)
+	}
+	if proj.ID != key {
+		return Project{}, fmt.Errorf("decoding project %s: it names itself %q (corrupt store?)", key, proj.ID)
 	}
 	return proj, nil
+}
+
+// storeTree indexes every project in the store. Like the mirror, it leaves
+// out records that do not decode: reading one fails, and one must not make
+// every listing fail.
+func (m *IAM) storeTree() (*tree, error) {
+	kvs, err := m.st.List(bucketProjects, "")
+	if err != nil {
+		return nil, fmt.Errorf("listing projects: %w", err)
+	}
+	projects := make([]Project, 0, len(kvs))
+	for _, kv := range kvs {
+		if proj, err := decodeProject(kv.Key, kv.Value); err == nil {
+			projects = append(projects, proj)
+		}
+	}
+	return treeOf(projects), nil
+}
+
+// withTree runs fn over the mirror's tree, under the read lock, while the
+// mirror is synced, and otherwise over a tree built from a listing of the
+// store (without a mirror the store is the local bbolt file: cheap).
+//
+// Preconditions: fn does not call the store or take m.mu.
+func (m *IAM) withTree(fn func(*tree)) error {
+	m.mu.RLock()
+	if m.mirrored() {
+		defer m.mu.RUnlock()
+		fn(m.tree)
+		return nil
+	}
+	m.mu.RUnlock()
+	t, err := m.storeTree()
+	if err != nil {
+		return err
+	}
+	fn(t)
+	return nil
 }
 
 // validName accepts DNS-label-like names (lower-case letters, digits and
@@ -243,4 +360,10 @@ func validName(name string) error {
 		return errdefs.Invalid("project name %q: want 1-63 lower-case letters, digits and inner hyphens", name)
 	}
 	return nil
+}
+
+// sortedByID sorts principals by ID.
+func sortedByID(ps []Principal) []Principal {
+	slices.SortFunc(ps, func(a, b Principal) int { return strings.Compare(a.ID, b.ID) })
+	return ps
 }

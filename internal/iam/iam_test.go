@@ -56,24 +56,39 @@ func newIAM(t *testing.T, st store.Store) *IAM {
 
 var rootAdmin = Principal{ID: "key-test", Project: RootProject, Role: RoleAdmin}
 
-// newTree returns an IAM with projects root → team-a → a-sub and root → team-b.
-func newTree(t *testing.T) *IAM {
+// newTeams returns an IAM with projects root → team-a → a-sub and root → team-b.
+func newTeams(t *testing.T) *IAM {
 	t.Helper()
-	m := newIAM(t, store.NewMemory())
+	return newTeamsOn(t, store.NewMemory())
+}
+
+func newTeamsOn(t *testing.T, st store.Store) *IAM {
+	t.Helper()
+	m := newIAM(t, st)
 	for _, p := range []struct{ parent, name string }{
 		{RootProject, "team-a"}, {"team-a", "a-sub"}, {RootProject, "team-b"},
 	} {
-		if _, err := m.CreateProject(rootAdmin, p.parent, p.name, Quota{}); err != nil {
+		if _, err := m.CreateProject(rootAdmin, p.parent, p.name, Quota{}, false); err != nil {
 			t.Fatalf("CreateProject(%s): %v", p.name, err)
 		}
 	}
 	return m
 }
 
+// mustKey mints a key of role in project by p, without name or expiry.
+func mustKey(t *testing.T, m *IAM, p Principal, project string, role Role) (string, Principal) {
+	t.Helper()
+	key, pr, err := m.CreateKey(p, project, role, "", 0)
+	if err != nil {
+		t.Fatalf("CreateKey(%s in %s): %v", role, project, err)
+	}
+	return key, pr
+}
+
 func TestNewCreatesRootOnce(t *testing.T) {
 	st := store.NewMemory()
 	m := newIAM(t, st)
-	if _, err := m.CreateProject(rootAdmin, RootProject, "team-a", Quota{}); err != nil {
+	if _, err := m.CreateProject(rootAdmin, RootProject, "team-a", Quota{}, false); err != nil {
 		t.Fatal(err)
 	}
 	m = newIAM(t, st) // a restart must neither fail nor reset the tree
@@ -145,11 +160,8 @@ func TestEnsureAdminKeyGiven(t *testing.T) {
 
 func TestEnsureAdminKeyGivenClashesWithLesserKey(t *testing.T) {
 	m := newIAM(t, store.NewMemory())
-	member, err := m.CreateKey(rootAdmin, RootProject, RoleMember)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, _, err = m.EnsureAdminKey(member)
+	member, _ := mustKey(t, m, rootAdmin, RootProject, RoleMember)
+	_, _, err := m.EnsureAdminKey(member)
 	wantErr(t, "EnsureAdminKey(member key)", err, errdefs.ErrPrecondition)
 	if p, _ := m.Authenticate(member); p.Role != RoleMember {
 		t.Errorf("member key became %q", p.Role)
@@ -178,10 +190,7 @@ func TestKeysStoredOnlyHashed(t *testing.T) {
 	if _, _, err := m.EnsureAdminKey(given); err != nil {
 		t.Fatal(err)
 	}
-	minted, err := m.CreateKey(rootAdmin, RootProject, RoleViewer)
-	if err != nil {
-		t.Fatal(err)
-	}
+	minted, _ := mustKey(t, m, rootAdmin, RootProject, RoleViewer)
 	secrets := []string{admin, given, minted}
 
 	// Every write, and the final contents, are free of every plaintext key
@@ -213,14 +222,18 @@ func TestKeysStoredOnlyHashed(t *testing.T) {
 		}
 	}
 	// And the store does hold the hashes.
-	if _, err := spy.Get(bucketKeys, hashKey(minted)); err != nil {
+	if _, err := spy.Get(bucketKeys, hashKey(minted).hex()); err != nil {
 		t.Errorf("minted key not stored under its hash: %v", err)
 	}
 }
 
+// TestCreateKeyDelegation: only admins mint keys (KeyCreate), of roles they
+// hold, in their scope. Members could mint keys before the four-role model;
+// they no longer can.
 func TestCreateKeyDelegation(t *testing.T) {
-	m := newTree(t)
+	m := newTeams(t)
 	admin := Principal{ID: "key-a", Project: "team-a", Role: RoleAdmin}
+	builder := Principal{ID: "key-b", Project: "team-a", Role: RoleBuilder}
 	member := Principal{ID: "key-m", Project: "team-a", Role: RoleMember}
 	viewer := Principal{ID: "key-v", Project: "team-a", Role: RoleViewer}
 	tests := []struct {
@@ -232,40 +245,42 @@ func TestCreateKeyDelegation(t *testing.T) {
 	}{
 		{"admin mints admin in own project", admin, "team-a", RoleAdmin, nil},
 		{"admin mints admin in subproject", admin, "a-sub", RoleAdmin, nil},
+		{"admin mints builder", admin, "team-a", RoleBuilder, nil},
 		{"admin mints viewer", admin, "team-a", RoleViewer, nil},
 		{"admin in sibling project", admin, "team-b", RoleMember, errdefs.ErrPermissionDenied},
 		{"admin in parent project", admin, RootProject, RoleViewer, errdefs.ErrPermissionDenied},
 		{"admin in missing project", admin, "nope", RoleViewer, errdefs.ErrNotFound},
-		{"member mints member", member, "team-a", RoleMember, nil},
-		{"member mints viewer in subproject", member, "a-sub", RoleViewer, nil},
+		{"builder mints viewer", builder, "team-a", RoleViewer, errdefs.ErrPermissionDenied},
+		{"member mints member", member, "team-a", RoleMember, errdefs.ErrPermissionDenied},
+		{"member mints viewer in subproject", member, "a-sub", RoleViewer, errdefs.ErrPermissionDenied},
 		{"member mints admin", member, "team-a", RoleAdmin, errdefs.ErrPermissionDenied},
-		{"member mints admin in subproject", member, "a-sub", RoleAdmin, errdefs.ErrPermissionDenied},
 		{"viewer mints viewer", viewer, "team-a", RoleViewer, errdefs.ErrPermissionDenied},
 		{"unknown role", admin, "team-a", "owner", errdefs.ErrInvalid},
+		{"empty role", admin, "team-a", "", errdefs.ErrInvalid},
 		{"root admin anywhere", rootAdmin, "a-sub", RoleAdmin, nil},
 	}
 	for _, tc := range tests {
-		key, err := m.CreateKey(tc.by, tc.project, tc.role)
+		key, pr, err := m.CreateKey(tc.by, tc.project, tc.role, tc.name, 0)
 		wantErr(t, tc.name, err, tc.want)
 		if err != nil {
-			if key != "" {
+			if key != "" || pr != (Principal{}) {
 				t.Errorf("%s: failed CreateKey returned a key", tc.name)
 			}
 			continue
 		}
 		p, err := m.Authenticate(key)
-		if err != nil || p.Project != tc.project || p.Role != tc.role {
-			t.Errorf("%s: Authenticate(minted) = %+v, %v; want %s in %s", tc.name, p, err, tc.role, tc.project)
+		if err != nil || p.Project != tc.project || p.Role != tc.role || p.Name != tc.name || p.ID != pr.ID || p.ExpiresAt != nil {
+			t.Errorf("%s: Authenticate(minted) = %+v, %v; want %s in %s named %q, as returned (%+v)", tc.name, p, err, tc.role, tc.project, tc.name, pr)
 		}
 	}
 }
 
 func TestCreateProject(t *testing.T) {
 	m := newIAM(t, store.NewMemory())
-	if _, err := m.CreateProject(rootAdmin, RootProject, "team-a", Quota{Sandboxes: 100, CPU: 50, MemoryMB: 65536}); err != nil {
+	if _, err := m.CreateProject(rootAdmin, RootProject, "team-a", Quota{Sandboxes: 100, CPU: 50, MemoryMB: 65536, DiskMB: 1 << 20}, false); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := m.CreateProject(rootAdmin, RootProject, "team-b", Quota{}); err != nil {
+	if _, err := m.CreateProject(rootAdmin, RootProject, "team-b", Quota{}, false); err != nil {
 		t.Fatal(err)
 	}
 	adminA := Principal{Project: "team-a", Role: RoleAdmin}
@@ -275,52 +290,91 @@ func TestCreateProject(t *testing.T) {
 		by           Principal
 		parent, proj string
 		quota        Quota
+		dedicated    bool
 		want         error
 	}{
-		{"within parent's quota", adminA, "team-a", "a-1", Quota{Sandboxes: 100, CPU: 50, MemoryMB: 65536}, nil},
-		{"inherits", adminA, "team-a", "a-2", Quota{}, nil},
-		{"more sandboxes than parent", adminA, "team-a", "a-3", Quota{Sandboxes: 101}, errdefs.ErrQuota},
-		{"more cpu than parent", rootAdmin, "team-a", "a-4", Quota{CPU: 50.5}, errdefs.ErrQuota},
-		{"grandparent still binds", adminA, "a-2", "a-2-1", Quota{MemoryMB: 65537}, errdefs.ErrQuota},
-		{"under unlimited parent", rootAdmin, "team-b", "b-1", Quota{Sandboxes: 1 << 30}, nil},
-		{"member may not", memberA, "team-a", "a-5", Quota{}, errdefs.ErrPermissionDenied},
-		{"admin outside scope", adminA, "team-b", "b-2", Quota{}, errdefs.ErrPermissionDenied},
-		{"admin above scope", adminA, RootProject, "r-1", Quota{}, errdefs.ErrPermissionDenied},
-		{"name taken anywhere", rootAdmin, "team-b", "a-1", Quota{}, errdefs.ErrAlreadyExists},
-		{"bad name", adminA, "team-a", "A_1", Quota{}, errdefs.ErrInvalid},
-		{"negative quota", adminA, "team-a", "a-6", Quota{CPU: -1}, errdefs.ErrInvalid},
-		{"NaN quota", adminA, "team-a", "a-7", Quota{CPU: math.NaN()}, errdefs.ErrInvalid},
-		{"missing parent", rootAdmin, "nope", "a-8", Quota{}, errdefs.ErrNotFound},
+		{"within parent's quota", adminA, "team-a", "a-1", Quota{Sandboxes: 100, CPU: 50, MemoryMB: 65536, DiskMB: 1 << 20}, true, nil},
+		{"inherits", adminA, "team-a", "a-2", Quota{}, false, nil},
+		{"more sandboxes than parent", adminA, "team-a", "a-3", Quota{Sandboxes: 101}, false, errdefs.ErrQuota},
+		{"more cpu than parent", rootAdmin, "team-a", "a-4", Quota{CPU: 50.5}, false, errdefs.ErrQuota},
+		{"grandparent still binds", adminA, "a-2", "a-2-1", Quota{MemoryMB: 65537}, false, errdefs.ErrQuota},
+		{"under unlimited parent", rootAdmin, "team-b", "b-1", Quota{Sandboxes: 1 << 30}, false, nil},
+		{"member may not", memberA, "team-a", "a-5", Quota{}, false, errdefs.ErrPermissionDenied},
+		{"admin outside scope", adminA, "team-b", "b-2", Quota{}, false, errdefs.ErrPermissionDenied},
+		{"admin above scope", adminA, RootProject, "r-1", Quota{}, false, errdefs.ErrPermissionDenied},
+		{"name taken anywhere", rootAdmin, "team-b", "a-1", Quota{}, false, errdefs.ErrAlreadyExists},
+		{"bad name", adminA, "team-a", "A_1", Quota{}, false, errdefs.ErrInvalid},
+		{"negative quota", adminA, "team-a", "a-6", Quota{CPU: -1}, false, errdefs.ErrInvalid},
+		{"NaN quota", adminA, "team-a", "a-7", Quota{CPU: math.NaN()}, false, errdefs.ErrInvalid},
+		{"missing parent", rootAdmin, "nope", "a-8", Quota{}, false, errdefs.ErrNotFound},
+		{"more disk than parent", adminA, "team-a", "a-9", Quota{DiskMB: 1<<20 + 1}, false, errdefs.ErrQuota},
+		{"negative disk", adminA, "team-a", "a-10", Quota{DiskMB: -1}, false, errdefs.ErrInvalid},
+		{"root's name", rootAdmin, "team-b", RootProject, Quota{}, false, errdefs.ErrAlreadyExists},
 	}
 	for _, tc := range tests {
-		proj, err := m.CreateProject(tc.by, tc.parent, tc.proj, tc.quota)
+		proj, err := m.CreateProject(tc.by, tc.parent, tc.proj, tc.quota, tc.dedicated)
 		wantErr(t, tc.name, err, tc.want)
 		if err != nil {
 			continue
 		}
 		got, err := m.GetProject(tc.by, tc.proj)
-		if err != nil || got != proj || got.Parent != tc.parent || got.Quota != tc.quota {
+		if err != nil || got != proj || got.Parent != tc.parent || got.Quota != tc.quota || got.DedicatedNodes != tc.dedicated || got.CreatedAt.IsZero() {
 			t.Errorf("%s: GetProject = %+v, %v; want %+v", tc.name, got, err, proj)
 		}
 	}
 }
 
+// TestProjectDepthLimit: a chain of maxDepth (64) projects below the root
+// can be created, and every scoped question about its deepest project
+// works; a 65th level is refused.
 func TestProjectDepthLimit(t *testing.T) {
-	m := newIAM(t, store.NewMemory())
-	parent := RootProject
-	for i := 1; i < maxDepth; i++ {
-		name := fmt.Sprintf("p%d", i)
-		if _, err := m.CreateProject(rootAdmin, parent, name, Quota{}); err != nil {
-			t.Fatalf("depth %d: %v", i, err)
-		}
-		parent = name
+	if maxDepth != 64 {
+		t.Fatalf("maxDepth = %d; the issue asks for 64 levels below the root", maxDepth)
 	}
-	_, err := m.CreateProject(rootAdmin, parent, "too-deep", Quota{})
-	wantErr(t, "beyond maxDepth", err, errdefs.ErrInvalid)
+	for _, mode := range storeModes {
+		t.Run(mode.name, func(t *testing.T) {
+			m := mode.iam(t)
+			parent := RootProject
+			for i := 1; i <= maxDepth; i++ {
+				name := fmt.Sprintf("p%d", i)
+				if _, err := m.CreateProject(rootAdmin, parent, name, Quota{}, false); err != nil {
+					t.Fatalf("depth %d: %v", i, err)
+				}
+				parent = name
+			}
+			deepest := parent
+			_, err := m.CreateProject(rootAdmin, deepest, "too-deep", Quota{}, false)
+			wantErr(t, "beyond maxDepth", err, errdefs.ErrInvalid)
+
+			lineage, err := m.Lineage(deepest)
+			if err != nil || len(lineage) != maxDepth+1 {
+				t.Fatalf("Lineage(deepest) = %d projects, %v; want %d", len(lineage), err, maxDepth+1)
+			}
+			path, err := m.Path(deepest)
+			if err != nil || !strings.HasPrefix(path, "root/p1/p2/") || !strings.HasSuffix(path, "/p63/p64") || strings.Count(path, "/") != maxDepth {
+				t.Errorf("Path(deepest) = %q, %v", path, err)
+			}
+			wantErr(t, "root admin in deepest", m.AuthorizeIn(rootAdmin, SandboxCreate, deepest), nil)
+			deep := Principal{Project: deepest, Role: RoleAdmin}
+			wantErr(t, "deepest in own", m.AuthorizeIn(deep, SandboxCreate, deepest), nil)
+			wantErr(t, "deepest in parent", m.AuthorizeIn(deep, SandboxCreate, "p63"), errdefs.ErrPermissionDenied)
+			if _, err := m.UpdateProject(rootAdmin, deepest, &Quota{CPU: 1}, nil); err != nil {
+				t.Errorf("UpdateProject(deepest): %v", err)
+			}
+			ids, err := m.SubtreeIDs("p1")
+			if err != nil || len(ids) != maxDepth {
+				t.Errorf("SubtreeIDs(p1) = %d IDs, %v; want %d", len(ids), err, maxDepth)
+			}
+			deleted, err := m.DeleteProject(rootAdmin, "p1", true)
+			if err != nil || len(deleted) != maxDepth || deleted[0] != deepest || deleted[maxDepth-1] != "p1" {
+				t.Errorf("DeleteProject(p1, cascade) = %v, %v; want p64 … p1", deleted, err)
+			}
+		})
+	}
 }
 
 func TestGetProjectAndChildrenScope(t *testing.T) {
-	m := newTree(t)
+	m := newTeams(t)
 	viewerA := Principal{Project: "team-a", Role: RoleViewer}
 	for _, tc := range []struct {
 		id   string
@@ -352,7 +406,7 @@ func TestGetProjectAndChildrenScope(t *testing.T) {
 }
 
 func TestAuthorizeIn(t *testing.T) {
-	m := newTree(t)
+	m := newTeams(t)
 	memberA := Principal{Project: "team-a", Role: RoleMember}
 	wantErr(t, "create in own", m.AuthorizeIn(memberA, SandboxCreate, "team-a"), nil)
 	wantErr(t, "create in sub", m.AuthorizeIn(memberA, SandboxCreate, "a-sub"), nil)
@@ -360,35 +414,40 @@ func TestAuthorizeIn(t *testing.T) {
 	wantErr(t, "admin in own", m.AuthorizeIn(memberA, ProjectAdmin, "team-a"), errdefs.ErrPermissionDenied)
 }
 
+// TestRevokeKey: admins revoke keys of their scope, named by project and
+// ID. Members could revoke before (KeyCreate was member's); they no longer
+// can.
 func TestRevokeKey(t *testing.T) {
-	m := newTree(t)
+	m := newTeams(t)
 	adminA := Principal{Project: "team-a", Role: RoleAdmin}
 	memberA := Principal{Project: "team-a", Role: RoleMember}
-	adminKey, err := m.CreateKey(adminA, "team-a", RoleAdmin)
-	if err != nil {
-		t.Fatal(err)
-	}
-	memberKey, err := m.CreateKey(adminA, "a-sub", RoleMember)
-	if err != nil {
-		t.Fatal(err)
-	}
-	adminP, _ := m.Authenticate(adminKey)
-	memberP, _ := m.Authenticate(memberKey)
+	adminKey, adminP := mustKey(t, m, adminA, "team-a", RoleAdmin)
+	memberKey, memberP := mustKey(t, m, adminA, "a-sub", RoleMember)
 
-	wantErr(t, "member revokes admin", m.RevokeKey(memberA, adminP.ID), errdefs.ErrPermissionDenied)
-	wantErr(t, "outsider revokes", m.RevokeKey(Principal{Project: "team-b", Role: RoleAdmin}, memberP.ID), errdefs.ErrPermissionDenied)
-	wantErr(t, "malformed ID", m.RevokeKey(adminA, "key-xyz"), errdefs.ErrInvalid)
-	wantErr(t, "unknown ID", m.RevokeKey(adminA, "key-"+strings.Repeat("0", idHashLen)), errdefs.ErrNotFound)
+	wantErr(t, "member revokes member", m.RevokeKey(memberA, "a-sub", memberP.ID), errdefs.ErrPermissionDenied)
+	wantErr(t, "outsider revokes", m.RevokeKey(Principal{Project: "team-b", Role: RoleAdmin}, "a-sub", memberP.ID), errdefs.ErrPermissionDenied)
+	wantErr(t, "malformed ID", m.RevokeKey(adminA, "team-a", "key-xyz"), errdefs.ErrInvalid)
+	wantErr(t, "unknown ID", m.RevokeKey(adminA, "team-a", "key-"+strings.Repeat("0", idHashLen)), errdefs.ErrNotFound)
+	wantErr(t, "wrong project (the parent)", m.RevokeKey(adminA, "team-a", memberP.ID), errdefs.ErrNotFound)
+	wantErr(t, "wrong project (a child)", m.RevokeKey(rootAdmin, "a-sub", adminP.ID), errdefs.ErrNotFound)
+	wantErr(t, "missing project", m.RevokeKey(adminA, "nope", memberP.ID), errdefs.ErrNotFound)
+	if _, err := m.Authenticate(memberKey); err != nil {
+		t.Fatalf("refused revocations revoked: %v", err)
+	}
 
 	// The key is cached (we just authenticated it); revocation must still
 	// take effect at once.
-	wantErr(t, "member revokes member in subproject", m.RevokeKey(memberA, memberP.ID), nil)
-	_, err = m.Authenticate(memberKey)
+	wantErr(t, "admin revokes member in subproject", m.RevokeKey(adminA, "a-sub", memberP.ID), nil)
+	_, err := m.Authenticate(memberKey)
 	wantErr(t, "Authenticate(revoked)", err, errdefs.ErrUnauthenticated)
-	wantErr(t, "revoke twice", m.RevokeKey(memberA, memberP.ID), errdefs.ErrNotFound)
+	wantErr(t, "revoke twice", m.RevokeKey(adminA, "a-sub", memberP.ID), errdefs.ErrNotFound)
 	if _, err := m.Authenticate(adminKey); err != nil {
 		t.Errorf("unrelated key stopped working: %v", err)
 	}
+	// An admin may revoke its own key.
+	wantErr(t, "revoke own key", m.RevokeKey(adminP, "team-a", adminP.ID), nil)
+	_, err = m.Authenticate(adminKey)
+	wantErr(t, "Authenticate(self-revoked)", err, errdefs.ErrUnauthenticated)
 }
 
 func TestCacheExpiresForOutsideRevocation(t *testing.T) {
@@ -396,10 +455,7 @@ func TestCacheExpiresForOutsideRevocation(t *testing.T) {
 	m := newIAM(t, st)
 	now := time.Unix(1_700_000_000, 0)
 	m.now = func() time.Time { return now }
-	key, err := m.CreateKey(rootAdmin, RootProject, RoleMember)
-	if err != nil {
-		t.Fatal(err)
-	}
+	key, _ := mustKey(t, m, rootAdmin, RootProject, RoleMember)
 	if _, err := m.Authenticate(key); err != nil {
 		t.Fatal(err)
 	}
@@ -410,7 +466,7 @@ func TestCacheExpiresForOutsideRevocation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := other.RevokeKey(rootAdmin, p.ID); err != nil {
+	if err := other.RevokeKey(rootAdmin, RootProject, p.ID); err != nil {
 		t.Fatal(err)
 	}
 
@@ -447,12 +503,8 @@ func TestAuthenticateConcurrent(t *testing.T) {
 		}()
 	}
 	for range 20 {
-		k, err := m.CreateKey(rootAdmin, RootProject, RoleViewer)
-		if err != nil {
-			t.Fatal(err)
-		}
-		p, _ := m.Authenticate(k)
-		if err := m.RevokeKey(rootAdmin, p.ID); err != nil {
+		_, p := mustKey(t, m, rootAdmin, RootProject, RoleViewer)
+		if err := m.RevokeKey(rootAdmin, RootProject, p.ID); err != nil {
 			t.Fatal(err)
 		}
 	}

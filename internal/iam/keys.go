@@ -9,6 +9,9 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/store"
@@ -26,19 +29,46 @@ const (
 	maxKeyLen      = 256
 )
 
+// maxKeyNameLen bounds a key's name, in characters.
+const maxKeyNameLen = 64
+
 // idHashLen is how many hex digits of the key hash a principal ID carries:
 // 96 bits, enough that two keys never share an ID.
 const idHashLen = 24
+
+// cacheTTL bounds how long a key stays cached without a store read when
+// there is no mirror. Revocation through this IAM evicts at once; the TTL
+// bounds how long a key deleted behind its back (another process on the
+// same store, an operator) keeps working: the issue allows 2 s.
+const cacheTTL = time.Second
+
+type cacheEntry struct {
+	p       Principal
+	expires time.Time
+}
+
+// digest is the SHA-256 of an API key: the in-memory index of keys (an
+// array, so that a lookup allocates nothing). The store key is its hex.
+type digest [sha256.Size]byte
+
+func (d digest) hex() string { return hex.EncodeToString(d[:]) }
 
 // lowerBase32 is RFC 4648 base32 in lower case without padding: a key is
 // then one word (double-click selects it) and safe in headers and shells.
 var lowerBase32 = base32.NewEncoding("abcdefghijklmnopqrstuvwxyz234567").WithPadding(base32.NoPadding)
 
-// hashKey returns the store key for an API key. Only this digest is stored;
+// hashKey returns the digest of an API key. Only this digest is stored;
 // the plaintext never leaves the caller.
-func hashKey(key string) string {
-	sum := sha256.Sum256([]byte(key))
-	return hex.EncodeToString(sum[:])
+//
+// It runs on every request; the copy into an array on the stack keeps the
+// hash from allocating (a []byte(key) conversion escapes into SHA-256).
+func hashKey(key string) digest {
+	var buf [maxKeyLen]byte
+	if len(key) > len(buf) {
+		return sha256.Sum256([]byte(key))
+	}
+	n := copy(buf[:], key)
+	return sha256.Sum256(buf[:n])
 }
 
 func newKey() (string, error) {
@@ -51,19 +81,26 @@ func newKey() (string, error) {
 
 func principalID(hash string) string { return "key-" + hash[:idHashLen] }
 
-// AdminKeyExists reports whether st holds an admin key of the root
-// project. It only reads (a server checks it before it changes anything).
+// expired reports whether p's key has expired at now.
+func (p Principal) expired(now time.Time) bool {
+	return p.ExpiresAt != nil && !now.Before(*p.ExpiresAt)
+}
+
+// AdminKeyExists reports whether st holds an unexpired admin key of the
+// root project. It only reads (a server checks it before it changes
+// anything).
 func AdminKeyExists(st store.Store) (bool, error) {
 	kvs, err := st.List(bucketKeys, "")
 	if err != nil {
 		return false, fmt.Errorf("listing keys: %w", err)
 	}
+	now := time.Now()
 	for _, kv := range kvs {
 		var p Principal
 		if err := json.Unmarshal(kv.Value, &p); err != nil {
 			return false, fmt.Errorf("decoding key %s: %w", kv.Key, err)
 		}
-		if p.Project == RootProject && p.Role == RoleAdmin {
+		if p.Project == RootProject && p.Role == RoleAdmin && !p.expired(now) {
 			return true, nil
 		}
 	}
@@ -75,10 +112,10 @@ func AdminKeyExists(st store.Store) (bool, error) {
 //
 // If given is not empty it is registered as an admin key of the root project
 // (idempotently) and returned, with created reporting whether it was new. If
-// given is empty and some root admin key exists, it returns ("", false, nil):
-// the caller uses the key it saved when the key was created. Otherwise it
-// generates a key, registers it and returns it with created true; this is
-// the only time the plaintext is available.
+// given is empty and some unexpired root admin key exists, it returns ("",
+// false, nil): the caller uses the key it saved when the key was created.
+// Otherwise it generates a key, registers it and returns it with created
+// true; this is the only time the plaintext is available.
 //
 // Two servers bootstrapping one empty store at once may each create a key;
 // both are valid root admin keys.
@@ -93,7 +130,7 @@ func (m *IAM) EnsureAdminKey(given string) (key string, created bool, err error)
 	if err != nil {
 		return "", false, err
 	}
-	if _, err := m.register(key, RootProject, RoleAdmin); err != nil {
+	if _, err := m.register(key, Principal{Project: RootProject, Role: RoleAdmin}); err != nil {
 		return "", false, err
 	}
 	return key, true, nil
@@ -103,14 +140,14 @@ func (m *IAM) registerGivenAdmin(given string) (string, bool, error) {
 	if err := checkGivenKey(given); err != nil {
 		return "", false, err
 	}
-	_, err := m.register(given, RootProject, RoleAdmin)
+	_, err := m.register(given, Principal{Project: RootProject, Role: RoleAdmin})
 	if err == nil {
 		return given, true, nil
 	}
 	if !errors.Is(err, errdefs.ErrAlreadyExists) {
 		return "", false, err
 	}
-	p, err := m.lookup(hashKey(given))
+	p, err := m.lookup(hashKey(given).hex())
 	if err != nil {
 		return "", false, err
 	}
@@ -133,9 +170,9 @@ func checkGivenKey(key string) error {
 }
 
 // Authenticate returns the principal behind an API key (the bearer token,
-// without "Bearer "). A missing or unknown key yields an
-// errdefs.ErrUnauthenticated error. It runs on every request: known keys are
-// served from memory.
+// without "Bearer "). A missing, unknown or expired key yields an
+// errdefs.ErrUnauthenticated error. It runs on every request: known keys
+// are served from memory (the mirror, or the cache).
 //
 // The key is looked up by its SHA-256 digest, so no comparison ever touches
 // the secret: a timing difference can reveal at most how much of a digest
@@ -148,19 +185,48 @@ func (m *IAM) Authenticate(key string) (Principal, error) {
 	if len(key) > maxKeyLen {
 		return Principal{}, errdefs.Unauthenticated("unknown API key")
 	}
-	h := hashKey(key)
-	now := m.now()
+	d := hashKey(key)
+	p, err := m.authenticate(d)
+	if err != nil {
+		return Principal{}, err
+	}
+	if p.ExpiresAt != nil && p.expired(m.now()) {
+		return Principal{}, errdefs.Unauthenticated("API key expired")
+	}
+	return p, nil
+}
+
+func (m *IAM) authenticate(d digest) (Principal, error) {
 	m.mu.RLock()
-	e, ok := m.cache[h]
+	if m.mirrored() {
+		p, ok := m.keys[d]
+		gen := m.gen
+		m.mu.RUnlock()
+		if ok {
+			return p, nil
+		}
+		// Not in the mirror: maybe created on another apiserver a
+		// moment ago, its watch event still on the way.
+		p, err := m.lookup(d.hex())
+		if errors.Is(err, errdefs.ErrNotFound) {
+			return Principal{}, errdefs.Unauthenticated("unknown API key")
+		}
+		if err != nil {
+			return Principal{}, err
+		}
+		m.learnKey(d, p, gen)
+		return p, nil
+	}
+	e, ok := m.cache[d]
 	gen := m.gen
 	m.mu.RUnlock()
-	if ok && now.Before(e.expires) {
+	if ok && m.now().Before(e.expires) {
 		return e.p, nil
 	}
-	p, err := m.lookup(h)
+	p, err := m.lookup(d.hex())
 	if errors.Is(err, errdefs.ErrNotFound) {
 		if ok { // revoked elsewhere after we cached it
-			m.evict(h)
+			m.forgetKey(d)
 		}
 		return Principal{}, errdefs.Unauthenticated("unknown API key")
 	}
@@ -173,53 +239,160 @@ func (m *IAM) Authenticate(key string) (Principal, error) {
 		}
 		return Principal{}, err
 	}
-	m.rememberIf(h, p, gen)
+	m.learnKey(d, p, gen)
 	return p, nil
 }
 
-// CreateKey mints a key with role in project and returns it; this is the
-// only time the plaintext is available. p must hold KeyCreate over project
-// and at least role itself.
-func (m *IAM) CreateKey(p Principal, project string, role Role) (string, error) {
+// CreateKey mints a key with role in project and returns it with its
+// principal; this is the only time the plaintext is available.
+//
+// p must be an admin (KeyCreate) over project and hold at least role. The
+// key never outlives p's: with p's key expiring, the new key expires at
+// the earlier of p's expiry and now+expiresIn (expiresIn 0: no expiry of
+// its own). name is a label for people, at most 64 printable characters.
+func (m *IAM) CreateKey(p Principal, project string, role Role, name string, expiresIn time.Duration) (string, Principal, error) {
+	if err := validKeyName(name); err != nil {
+		return "", Principal{}, err
+	}
+	if expiresIn < 0 {
+		return "", Principal{}, errdefs.Invalid("key lifetime %v: want a positive duration, or 0 for none", expiresIn)
+	}
 	if err := m.mayGrant(p, project, role); err != nil {
-		return "", err
+		return "", Principal{}, err
+	}
+	now := m.now().UTC()
+	expires, err := keyExpiry(now, p.ExpiresAt, expiresIn)
+	if err != nil {
+		return "", Principal{}, err
 	}
 	key, err := newKey()
 	if err != nil {
-		return "", err
+		return "", Principal{}, err
 	}
-	if _, err := m.register(key, project, role); err != nil {
-		return "", err
+	created, err := m.register(key, Principal{Name: name, Project: project, Role: role, ExpiresAt: expires})
+	if err != nil {
+		return "", Principal{}, err
 	}
-	return key, nil
+	// DeleteProject on another apiserver may have removed the project
+	// between the check above and the write: it sweeps keys again after
+	// deleting the project, and this read, after the write, sees that
+	// deletion if the sweep may have missed the key.
+	if _, err := m.readProject(project); err != nil {
+		h := hashKey(key)
+		if derr := m.st.Delete(bucketKeys, h.hex()); derr != nil {
+			return "", Principal{}, fmt.Errorf("withdrawing key %s: %w (after: %w)", created.ID, derr, err)
+		}
+		m.forgetKey(h)
+		return "", Principal{}, err
+	}
+	return key, created, nil
 }
 
-// RevokeKey deletes the key whose principal ID is id. p must be allowed to
-// create such a key (see CreateKey). Other apiservers sharing the store stop
-// accepting the key within cacheTTL.
-func (m *IAM) RevokeKey(p Principal, id string) error {
-	hashPrefix, ok := strings.CutPrefix(id, "key-")
+// keyExpiry is the expiry of a key created at now with lifetime expiresIn
+// (0: none) by a key expiring at creator (nil: never): never later than
+// creator.
+func keyExpiry(now time.Time, creator *time.Time, expiresIn time.Duration) (*time.Time, error) {
+	if creator != nil && !now.Before(*creator) {
+		return nil, errdefs.Unauthenticated("API key expired")
+	}
+	var exp *time.Time
+	if expiresIn > 0 {
+		t := now.Add(expiresIn).UTC()
+		exp = &t
+	}
+	if creator != nil && (exp == nil || creator.Before(*exp)) {
+		t := creator.UTC()
+		exp = &t
+	}
+	return exp, nil
+}
+
+// validKeyName accepts an empty name or up to maxKeyNameLen printable
+// characters (unicode.IsPrint: no control or format characters, so a name
+// cannot break a log line or reorder text around it).
+func validKeyName(name string) error {
+	if !utf8.ValidString(name) || utf8.RuneCountInString(name) > maxKeyNameLen {
+		return errdefs.Invalid("key name %q: want at most %d printable characters", name, maxKeyNameLen)
+	}
+	for _, r := range name {
+		if !unicode.IsPrint(r) {
+			return errdefs.Invalid("key name %q: want at most %d printable characters", name, maxKeyNameLen)
+		}
+	}
+	return nil
+}
+
+// ListKeys returns the keys of project (not those of its subprojects),
+// sorted by ID, without secrets (only hashes are stored). p must be an
+// admin over project.
+func (m *IAM) ListKeys(p Principal, project string) ([]Principal, error) {
+	if err := m.AuthorizeIn(p, KeyCreate, project); err != nil {
+		return nil, err
+	}
+	out := []Principal{}
+	m.mu.RLock()
+	if m.mirrored() {
+		for _, k := range m.keys {
+			if k.Project == project {
+				out = append(out, k)
+			}
+		}
+		m.mu.RUnlock()
+		return sortedByID(out), nil
+	}
+	m.mu.RUnlock()
+	kvs, err := m.st.List(bucketKeys, "")
+	if err != nil {
+		return nil, fmt.Errorf("listing keys: %w", err)
+	}
+	for _, kv := range kvs {
+		var k Principal
+		if err := json.Unmarshal(kv.Value, &k); err != nil {
+			return nil, fmt.Errorf("decoding key %s: %w", kv.Key, err)
+		}
+		if k.Project == project {
+			out = append(out, k)
+		}
+	}
+	return sortedByID(out), nil
+}
+
+// RevokeKey deletes the key of project whose principal ID is keyID. A key
+// of another project, even one below, is not found: the project in the
+// request names the key. p must be allowed to create such a key (see
+// CreateKey). Other apiservers stop accepting the key when their mirror
+// hears of it, or within cacheTTL without one.
+func (m *IAM) RevokeKey(p Principal, project, keyID string) error {
+	if err := m.AuthorizeIn(p, KeyCreate, project); err != nil {
+		return err
+	}
+	hashPrefix, ok := strings.CutPrefix(keyID, "key-")
 	if !ok || len(hashPrefix) != idHashLen {
-		return errdefs.Invalid("malformed key ID %q", id)
+		return errdefs.Invalid("malformed key ID %q", keyID)
 	}
 	kvs, err := m.st.List(bucketKeys, hashPrefix)
 	if err != nil {
-		return fmt.Errorf("looking up key %s: %w", id, err)
+		return fmt.Errorf("looking up key %s: %w", keyID, err)
 	}
 	if len(kvs) != 1 {
-		return errdefs.NotFound("key %q not found", id)
+		return errdefs.NotFound("key %q not found in project %q", keyID, project)
 	}
 	var target Principal
 	if err := json.Unmarshal(kvs[0].Value, &target); err != nil {
-		return fmt.Errorf("decoding key %s: %w", id, err)
+		return fmt.Errorf("decoding key %s: %w", keyID, err)
 	}
-	if err := m.mayGrant(p, target.Project, target.Role); err != nil {
+	if target.Project != project {
+		return errdefs.NotFound("key %q not found in project %q", keyID, project)
+	}
+	if err := canGrant(p.Role, target.Role); err != nil {
 		return err
 	}
 	if err := m.st.Delete(bucketKeys, kvs[0].Key); err != nil {
-		return fmt.Errorf("deleting key %s: %w", id, err)
+		return fmt.Errorf("deleting key %s: %w", keyID, err)
 	}
-	m.evict(kvs[0].Key)
+	if d, ok := parseDigest(kvs[0].Key); ok {
+		m.forgetKey(d)
+	}
 	return nil
 }
 
@@ -234,26 +407,29 @@ func (m *IAM) mayGrant(p Principal, project string, role Role) error {
 	if err := canGrant(p.Role, role); err != nil {
 		return err
 	}
-	_, err := m.scoped(p, project)
-	return err
+	return m.inScope(p, project)
 }
 
-// register stores a new principal for key and caches it. It fails with
+// register stores tmpl, completed with its ID and creation time, as the
+// principal of key, and puts it in memory. It fails with
 // errdefs.ErrAlreadyExists if the key is already registered.
-func (m *IAM) register(key, project string, role Role) (Principal, error) {
-	h := hashKey(key)
-	p := Principal{ID: principalID(h), Project: project, Role: role, CreatedAt: m.now().UTC()}
+func (m *IAM) register(key string, tmpl Principal) (Principal, error) {
+	d := hashKey(key)
+	h := d.hex()
+	p := tmpl
+	p.ID, p.CreatedAt = principalID(h), m.now().UTC()
 	val, err := json.Marshal(p)
 	if err != nil {
 		return Principal{}, err
 	}
+	gen := m.generation()
 	if err := m.st.Create(bucketKeys, h, val); err != nil {
 		if errors.Is(err, errdefs.ErrAlreadyExists) {
 			return Principal{}, err
 		}
 		return Principal{}, fmt.Errorf("storing key %s: %w", p.ID, err)
 	}
-	m.remember(h, p)
+	m.learnKey(d, p, gen)
 	return p, nil
 }
 
@@ -269,27 +445,28 @@ func (m *IAM) lookup(hash string) (Principal, error) {
 	return p, nil
 }
 
-func (m *IAM) remember(hash string, p Principal) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	m.cache[hash] = cacheEntry{p: p, expires: m.now().Add(cacheTTL)}
-}
-
-// rememberIf caches p unless an eviction happened since gen was read: a
-// lookup that raced with RevokeKey may have read the key just before its
-// deletion, and must not put it back for a whole TTL.
-func (m *IAM) rememberIf(hash string, p Principal, gen uint64) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.gen != gen {
-		return
+// deleteKeysOf deletes every key of the projects in set, reading the store
+// (not the mirror, which may not hold a key created elsewhere a moment
+// ago).
+func (m *IAM) deleteKeysOf(set map[string]int) error {
+	kvs, err := m.st.List(bucketKeys, "")
+	if err != nil {
+		return fmt.Errorf("listing keys: %w", err)
 	}
-	m.cache[hash] = cacheEntry{p: p, expires: m.now().Add(cacheTTL)}
-}
-
-func (m *IAM) evict(hash string) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	delete(m.cache, hash)
-	m.gen++
+	for _, kv := range kvs {
+		var k Principal
+		if json.Unmarshal(kv.Value, &k) != nil {
+			continue // authenticates no one (lookup fails to decode it)
+		}
+		if _, ok := set[k.Project]; !ok {
+			continue
+		}
+		if err := m.st.Delete(bucketKeys, kv.Key); err != nil {
+			return fmt.Errorf("deleting key %s of project %s: %w", k.ID, k.Project, err)
+		}
+		if d, ok := parseDigest(kv.Key); ok {
+			m.forgetKey(d)
+		}
+	}
+	return nil
 }

@@ -7,7 +7,7 @@ import (
 )
 
 func (q Quota) validate() error {
-	if q.Sandboxes < 0 || q.CPU < 0 || q.MemoryMB < 0 ||
+	if q.Sandboxes < 0 || q.CPU < 0 || q.MemoryMB < 0 || q.DiskMB < 0 ||
 		math.IsNaN(q.CPU) || math.IsInf(q.CPU, 0) {
 		return errdefs.Invalid("quota %+v: limits must be finite and non-negative (0 means inherit)", q)
 	}
@@ -16,22 +16,27 @@ func (q Quota) validate() error {
 
 // effectiveQuota folds a lineage (a project, then its ancestors) into the
 // limits that actually bind the first project: per field, the smallest
-// non-zero limit anywhere on the path, or zero if none sets one.
+// non-zero limit anywhere on the path, or zero if none sets one. It is the
+// minimum, not the nearest limit, because an ancestor's quota may have been
+// lowered below a descendant's since (see UpdateProject).
 func effectiveQuota(lineage []Project) Quota {
 	var eff Quota
 	for _, proj := range lineage {
 		q := proj.Quota
-		if q.Sandboxes > 0 && (eff.Sandboxes == 0 || q.Sandboxes < eff.Sandboxes) {
-			eff.Sandboxes = q.Sandboxes
-		}
-		if q.CPU > 0 && (eff.CPU == 0 || q.CPU < eff.CPU) {
-			eff.CPU = q.CPU
-		}
-		if q.MemoryMB > 0 && (eff.MemoryMB == 0 || q.MemoryMB < eff.MemoryMB) {
-			eff.MemoryMB = q.MemoryMB
-		}
+		eff.Sandboxes = tighter(eff.Sandboxes, q.Sandboxes)
+		eff.CPU = tighter(eff.CPU, q.CPU)
+		eff.MemoryMB = tighter(eff.MemoryMB, q.MemoryMB)
+		eff.DiskMB = tighter(eff.DiskMB, q.DiskMB)
 	}
 	return eff
+}
+
+// tighter returns the smaller non-zero limit of a and b (0: no limit).
+func tighter[T int | int64 | float64](a, b T) T {
+	if b > 0 && (a == 0 || b < a) {
+		return b
+	}
+	return a
 }
 
 // fits reports, as an errdefs.ErrQuota error, a field of q above the
@@ -47,6 +52,9 @@ func (q Quota) fits(limit Quota) error {
 	}
 	if limit.MemoryMB > 0 && q.MemoryMB > limit.MemoryMB {
 		return errdefs.Quota("memory_mb quota %d exceeds the parent's limit of %d", q.MemoryMB, limit.MemoryMB)
+	}
+	if limit.DiskMB > 0 && q.DiskMB > limit.DiskMB {
+		return errdefs.Quota("disk_mb quota %d exceeds the parent's limit of %d", q.DiskMB, limit.DiskMB)
 	}
 	return nil
 }
