@@ -193,8 +193,11 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 		return fmt.Errorf("opening layer store: %w", err)
 	}
 	defer layers.Close()
-	// Creates resolve refs from memory, kept current by an etcd watch.
+	// Creates resolve refs from memory, kept current by an etcd watch;
+	// keys and projects too (a key revoked through another apiserver
+	// stops working here as soon as the watch says so).
 	layers.WatchCatalog(ctx)
+	ident.Watch(ctx)
 	hc, err := edgeTransport(trust)
 	if err != nil {
 		return err

@@ -22,7 +22,12 @@ func (s *Server) fncall(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	spec := api.SandboxSpec{Base: req.Base, MemoryMB: req.MemoryMB, Labels: map[string]string{"dsec.fncall": "true"}}
-	digests, err := s.prepare(&spec)
+	digests, err := s.prepare(r.Context(), &spec)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	path, err := s.pathOf(spec.Project)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -30,7 +35,7 @@ func (s *Server) fncall(w http.ResponseWriter, r *http.Request) {
 	var res *api.FnCallResult
 	err = s.onSomeNode(r.Context(), spec, digests, func(ctx context.Context, e edgeapi.Edge) error {
 		var err error
-		res, err = e.FnCall(ctx, req, edgeapi.CreateRequest{Spec: spec, Digests: digests})
+		res, err = e.FnCall(ctx, req, edgeapi.CreateRequest{Spec: spec, Digests: digests, ProjectPath: path})
 		return err
 	})
 	if err != nil {

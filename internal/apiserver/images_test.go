@@ -1,6 +1,7 @@
 package apiserver
 
 import (
+	"context"
 	"encoding/json"
 	"io"
 	"log/slog"
@@ -54,7 +55,7 @@ func TestImageDefaultsApplied(t *testing.T) {
 	}
 	for _, c := range cases {
 		spec := c.spec
-		if _, err := s.prepare(&spec); err != nil {
+		if _, err := s.prepare(context.Background(), &spec); err != nil {
 			t.Fatalf("%s: %v", c.name, err)
 		}
 		if !reflect.DeepEqual(spec.Env, c.env) || spec.User != c.user || spec.Workdir != c.wd {

@@ -19,10 +19,14 @@ const maxPlaceAttempts = 3
 
 // place creates a prepared sandbox on a node placement picks.
 func (s *Server) place(ctx context.Context, spec api.SandboxSpec, digests []string) (*api.Sandbox, error) {
+	path, err := s.pathOf(spec.Project)
+	if err != nil {
+		return nil, err
+	}
 	var sb *api.Sandbox
-	err := s.onSomeNode(ctx, spec, digests, func(ctx context.Context, e edgeapi.Edge) error {
+	err = s.onSomeNode(ctx, spec, digests, func(ctx context.Context, e edgeapi.Edge) error {
 		var err error
-		sb, err = e.Create(ctx, edgeapi.CreateRequest{Spec: spec, Digests: digests})
+		sb, err = e.Create(ctx, edgeapi.CreateRequest{Spec: spec, Digests: digests, ProjectPath: path})
 		return err
 	})
 	return sb, err

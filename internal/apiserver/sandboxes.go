@@ -41,7 +41,13 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 // record (base, workspace, toolkits and earlier snapshots) and stacks the
 // snapshot on top; base, workspace and toolkits may then be omitted, and
 // must match the snapshot's if given.
-func (s *Server) prepare(spec *api.SandboxSpec) ([]string, error) {
+//
+// It also settles the sandbox's project (sandboxProject): the caller's,
+// or one below it that the spec names.
+func (s *Server) prepare(ctx context.Context, spec *api.SandboxSpec) ([]string, error) {
+	if _, err := s.sandboxProject(ctx, spec); err != nil {
+		return nil, err
+	}
 	resolve := s.memoResolve()
 	var snap *api.Layer
 	if spec.Snapshot != "" {
@@ -135,7 +141,7 @@ func (s *Server) resolve(ref string) (api.Layer, error) {
 // create places a prepared sandbox, retrying on other nodes when an edge
 // rejects it for capacity.
 func (s *Server) create(ctx context.Context, spec api.SandboxSpec) (*api.Sandbox, error) {
-	digests, err := s.prepare(&spec)
+	digests, err := s.prepare(ctx, &spec)
 	if err != nil {
 		return nil, err
 	}
@@ -197,7 +203,7 @@ func (s *Server) batchCreate(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	spec := req.Spec
-	digests, err := s.prepare(&spec)
+	digests, err := s.prepare(r.Context(), &spec)
 	if err != nil {
 		s.writeError(w, r, err)
 		return

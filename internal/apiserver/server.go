@@ -19,6 +19,7 @@ import (
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/conns"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/iam"
 	"github.com/dsecproject/dsec/internal/layer"
@@ -66,6 +67,10 @@ type Server struct {
 	pickMu sync.Mutex
 	// records groups the idempotency records' writes.
 	records *groupCommit
+	// paths caches project paths by id (pathOf).
+	paths pathCache
+	// actions is the permission each route needs (the route table).
+	actions map[string]iam.Action
 }
 
 // New builds the server and its routes.
@@ -85,8 +90,28 @@ func New(deps Deps) *Server {
 // Run does the server's background work (expiring idempotency records)
 // until ctx ends.
 func (s *Server) Run(ctx context.Context) {
+	go s.auditJanitor(ctx)
 	if s.deps.Store != nil {
 		s.idemJanitor(ctx)
+	}
+}
+
+// auditJanitor trims audit entries older than iam.AuditRetention, hourly.
+// Every apiserver runs one; trimming twice is harmless.
+func (s *Server) auditJanitor(ctx context.Context) {
+	t := time.NewTicker(time.Hour)
+	defer t.Stop()
+	for {
+		if n, err := s.deps.IAM.TrimAudit(time.Now().Add(-iam.AuditRetention)); err != nil {
+			s.log.Warn("trimming the audit log", "err", err)
+		} else if n > 0 {
+			s.log.Info("old audit entries removed", "count", n)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
 	}
 }
 
@@ -138,6 +163,17 @@ func (s *Server) routes() {
 	s.handle("POST /v1/images:pull", iam.LayerWrite, s.pullImage)
 
 	s.handle("GET /v1/nodes", iam.SandboxRead, s.listNodes)
+
+	s.handle("POST /v1/projects", iam.ProjectAdmin, s.createProject)
+	s.handle("GET /v1/projects", iam.ProjectRead, s.listProjects)
+	s.handle("GET /v1/projects/{id}", iam.ProjectRead, s.getProject)
+	s.handle("PATCH /v1/projects/{id}", iam.ProjectAdmin, s.updateProject)
+	s.handle("DELETE /v1/projects/{id}", iam.ProjectAdmin, s.deleteProject)
+	s.handle("POST /v1/projects/{id}/keys", iam.KeyCreate, s.createKey)
+	s.handle("GET /v1/projects/{id}/keys", iam.KeyCreate, s.listKeys)
+	s.handle("DELETE /v1/projects/{id}/keys/{key_id}", iam.KeyCreate, s.revokeKey)
+	s.handle("GET /v1/whoami", "", s.whoami)
+	s.handle("GET /v1/audit", iam.AuditRead, s.listAudit)
 	// Anything else under /v1 is a JSON 404, not the mux's text page.
 	s.handle("/v1/", "", func(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, errdefs.NotFound("no such endpoint: %s %s", r.Method, r.URL.Path))
@@ -149,6 +185,10 @@ type principalKey struct{}
 // handle registers an authenticated route that needs action ("" = any
 // authenticated principal).
 func (s *Server) handle(pattern string, action iam.Action, h http.HandlerFunc) {
+	if s.actions == nil {
+		s.actions = map[string]iam.Action{}
+	}
+	s.actions[pattern] = action
 	s.mux.Handle(pattern, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		rec := &statusRecorder{ResponseWriter: w, status: http.StatusOK}
 		defer func() { s.metrics.requests.WithLabelValues(pattern, strconv.Itoa(rec.status)).Inc() }()
@@ -175,7 +215,16 @@ func (s *Server) handle(pattern string, action iam.Action, h http.HandlerFunc) {
 				return
 			}
 		}
-		h(rec, r.WithContext(context.WithValue(r.Context(), principalKey{}, p)))
+		// Every edge call made for this request carries the caller's
+		// scope: the edges answer only about sandboxes of its project
+		// and below (edgeapi/scope.go).
+		scope, err := s.pathOf(p.Project)
+		if err != nil {
+			s.writeError(rec, r, err)
+			return
+		}
+		ctx := edgeapi.WithScope(context.WithValue(r.Context(), principalKey{}, p), scope)
+		h(rec, r.WithContext(ctx))
 	}))
 }
 

@@ -81,7 +81,7 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 		labels[k] = v
 	}
 	spec.Labels = labels
-	digests, err := s.prepare(&spec)
+	digests, err := s.prepare(r.Context(), &spec)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
