@@ -206,7 +206,9 @@ func parseEntry(s string, presets map[string]Preset) ([]Entry, []NameRule, error
 	if host == "" {
 		return nil, nil, bad("missing address or name")
 	}
-	if c := host[0]; c >= '0' && c <= '9' && !strings.ContainsAny(host, "abcdefghijklmnopqrstuvwxyz*") {
+	// An address is all digits and dots: a name may start with a digit too
+	// ("1password.com"), in either letter case.
+	if c := host[0]; c >= '0' && c <= '9' && !strings.ContainsAny(strings.ToLower(host), "abcdefghijklmnopqrstuvwxyz*") {
 		pfx, err := parsePrefix(host)
 		if err != nil {
 			return nil, nil, bad("%v", err)

@@ -33,6 +33,7 @@ func TestCompile(t *testing.T) {
 		{in: "Example.COM.", names: []NameRule{{"example.com", AllPorts}}},
 		{in: "*.example.com:443/tcp", names: []NameRule{{"*.example.com", Ports{ProtoTCP, 443, 443}}}},
 		{in: "123.example.com", names: []NameRule{{"123.example.com", AllPorts}}},
+		{in: "1PASSWORD.COM:443/tcp", names: []NameRule{{"1password.com", Ports{ProtoTCP, 443, 443}}}},
 		{in: "pypi", names: []NameRule{
 			{"pypi.org", Ports{ProtoTCP, 443, 443}}, {"pypi.org", Ports{ProtoTCP, 80, 80}},
 			{"files.pythonhosted.org", Ports{ProtoTCP, 443, 443}}, {"files.pythonhosted.org", Ports{ProtoTCP, 80, 80}},
