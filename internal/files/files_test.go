@@ -110,7 +110,7 @@ func (f *fixture) symlink(t *testing.T, target, p string) {
 	must(t, os.Symlink(target, f.host(p)))
 }
 
-func must(t *testing.T, err error) {
+func must(t testing.TB, err error) {
 	t.Helper()
 	if err != nil {
 		t.Fatal(err)

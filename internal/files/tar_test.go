@@ -42,7 +42,7 @@ func special(typ byte, name string, major, minor int64) tarEntry {
 	return tarEntry{hdr: tar.Header{Typeflag: typ, Name: name, Mode: 0666, Devmajor: major, Devminor: minor}}
 }
 
-func mkTar(t *testing.T, entries ...tarEntry) []byte {
+func mkTar(t testing.TB, entries ...tarEntry) []byte {
 	t.Helper()
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
@@ -56,7 +56,7 @@ func mkTar(t *testing.T, entries ...tarEntry) []byte {
 	return buf.Bytes()
 }
 
-func gz(t *testing.T, b []byte) []byte {
+func gz(t testing.TB, b []byte) []byte {
 	t.Helper()
 	var buf bytes.Buffer
 	zw := gzip.NewWriter(&buf)
