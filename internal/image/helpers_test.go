@@ -71,14 +71,14 @@ func device(typ byte, name string, major, minor int64) entry {
 // whiteoutEntry is how layer tars spell a deletion: an empty file.
 func whiteoutEntry(name string) entry { return file(name, "") }
 
-func must(t *testing.T, err error) {
+func must(t testing.TB, err error) {
 	t.Helper()
 	if err != nil {
 		t.Fatal(err)
 	}
 }
 
-func layerTar(t *testing.T, entries ...entry) []byte {
+func layerTar(t testing.TB, entries ...entry) []byte {
 	t.Helper()
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
@@ -92,7 +92,7 @@ func layerTar(t *testing.T, entries ...entry) []byte {
 	return buf.Bytes()
 }
 
-func gz(t *testing.T, b []byte) []byte {
+func gz(t testing.TB, b []byte) []byte {
 	t.Helper()
 	var buf bytes.Buffer
 	zw := gzip.NewWriter(&buf)
@@ -131,7 +131,7 @@ var testConfig = Config{
 
 // buildImage builds a one-platform image from uncompressed layer tars,
 // gzipping them when compress is set.
-func buildImage(t *testing.T, arch string, compress bool, tars ...[]byte) *testImage {
+func buildImage(t testing.TB, arch string, compress bool, tars ...[]byte) *testImage {
 	t.Helper()
 	img := &testImage{blobs: map[string][]byte{}}
 	var layerDescs []descriptor
@@ -171,7 +171,7 @@ func buildImage(t *testing.T, arch string, compress bool, tars ...[]byte) *testI
 }
 
 // multiArch builds an index over an arm64 image (of other) and img.
-func multiArch(t *testing.T, img, other *testImage) *testImage {
+func multiArch(t testing.TB, img, other *testImage) *testImage {
 	t.Helper()
 	out := &testImage{blobs: map[string][]byte{}, manifest: img.manifest, config: img.config, layers: img.layers, diffIDs: img.diffIDs}
 	for _, src := range []*testImage{img, other} {
@@ -190,7 +190,7 @@ func multiArch(t *testing.T, img, other *testImage) *testImage {
 	return out
 }
 
-func mustJSON(t *testing.T, v any) []byte {
+func mustJSON(t testing.TB, v any) []byte {
 	t.Helper()
 	b, err := json.Marshal(v)
 	must(t, err)
@@ -203,7 +203,7 @@ type archiveFile struct {
 	data []byte
 }
 
-func writeArchive(t *testing.T, p string, files []archiveFile) string {
+func writeArchive(t testing.TB, p string, files []archiveFile) string {
 	t.Helper()
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
@@ -218,7 +218,7 @@ func writeArchive(t *testing.T, p string, files []archiveFile) string {
 }
 
 // ociLayout writes img as an OCI image layout tar.
-func ociLayout(t *testing.T, p string, img *testImage) string {
+func ociLayout(t testing.TB, p string, img *testImage) string {
 	t.Helper()
 	top := img.top
 	top.Annotations = map[string]string{annotationRefName: "test"}
@@ -239,7 +239,7 @@ func ociLayout(t *testing.T, p string, img *testImage) string {
 
 // dockerSave writes img (uncompressed layers) as the classic `docker save`
 // tar: <hex>.json config, <n>/layer.tar layers, manifest.json.
-func dockerSave(t *testing.T, p string, img *testImage) string {
+func dockerSave(t testing.TB, p string, img *testImage) string {
 	t.Helper()
 	cfgName := digestHex(sha(img.config)) + ".json"
 	files := []archiveFile{{cfgName, img.config}}

@@ -44,6 +44,8 @@ func TestParseReference(t *testing.T) {
 		{in: "alpine", want: Reference{Registry: "docker.io", Repository: "library/alpine", Tag: "latest"}},
 		{in: "alpine:3.20", want: Reference{Registry: "docker.io", Repository: "library/alpine", Tag: "3.20"}},
 		{in: "user/app:v1", want: Reference{Registry: "docker.io", Repository: "user/app", Tag: "v1"}},
+		{in: "docker.io/alpine:3.20", want: Reference{Registry: "docker.io", Repository: "library/alpine", Tag: "3.20"}},
+		{in: "docker.io/user/app", want: Reference{Registry: "docker.io", Repository: "user/app", Tag: "latest"}},
 		{in: "ghcr.io/org/app/sub:1.0", want: Reference{Registry: "ghcr.io", Repository: "org/app/sub", Tag: "1.0"}},
 		{in: "127.0.0.1:5000/x:y", want: Reference{Registry: "127.0.0.1:5000", Repository: "x", Tag: "y"}},
 		{in: "localhost/x", want: Reference{Registry: "localhost", Repository: "x", Tag: "latest"}},

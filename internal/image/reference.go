@@ -21,8 +21,9 @@ type Reference struct {
 
 // ParseReference parses REGISTRY/REPO[:TAG][@DIGEST] the way Docker does:
 // the first component is a registry if it has a dot or a port or is
-// "localhost", else the reference is Docker Hub's (and a one-component
-// repository is in "library/"). Every part is checked against the
+// "localhost", else the reference is Docker Hub's; a one-component Docker
+// Hub repository, named with "docker.io/" or not, is in "library/". Every
+// part is checked against the
 // distribution grammar, since they all end up in URL paths.
 func ParseReference(s string) (Reference, error) {
 	var r Reference
@@ -45,9 +46,11 @@ func ParseReference(s string) (Reference, error) {
 		r.Registry, rest = first, more
 	} else {
 		r.Registry = dockerHub
-		if !strings.Contains(rest, "/") {
-			rest = "library/" + rest
-		}
+	}
+	// Docker Hub's official images live under "library/", whether or not
+	// the reference names the registry: "docker.io/alpine" is library/alpine.
+	if r.Registry == dockerHub && !strings.Contains(rest, "/") {
+		rest = "library/" + rest
 	}
 	if !validHost(r.Registry) {
 		return Reference{}, errdefs.Invalid("reference %q: bad registry %q", s, r.Registry)
