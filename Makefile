@@ -1,6 +1,7 @@
 # dsec — the two commands a newcomer runs:
 #   make run    install what is missing, build, start `dsec up`, run the demo
-#   make test   install what is missing, build, run every test (as root: all of them)
+#   make test   install what is missing, build, run every test (as root: all of them),
+#               then each fuzz target for a few seconds
 
 export PATH := /usr/local/go/bin:$(PATH)
 GO ?= go
@@ -8,7 +9,7 @@ BIN := bin/dsec
 STATE_DIR ?= /var/lib/dsec
 LISTEN ?= 127.0.0.1:7070
 
-.PHONY: all build deps deps-test run demo test test-unit vet bench clean
+.PHONY: all build deps deps-test run demo test test-unit vet fuzz bench clean
 
 all: build
 
@@ -35,9 +36,17 @@ vet:
 test-unit:
 	$(GO) test -count=1 ./internal/... ./sdk/... ./api/... ./cmd/...
 
-# Everything, including the end-to-end tests against a real `dsec up`.
+# Everything, including the end-to-end tests against a real `dsec up`, then
+# a short run of every fuzz target (about a minute in all).
 test: deps-test vet build
 	$(GO) test -count=1 -timeout 30m ./...
+	FUZZTIME=3s ./scripts/fuzz.sh
+
+# Every fuzz target for FUZZTIME each, one after the other (scripts/fuzz.sh).
+# The long run: make fuzz FUZZTIME=10m (about two hours for all of them).
+FUZZTIME ?= 3s
+fuzz:
+	FUZZTIME=$(FUZZTIME) ./scripts/fuzz.sh
 
 bench: build
 	$(BIN) bench create --count 100 --concurrency 8 --state-dir $(STATE_DIR)
