@@ -71,6 +71,8 @@ type Server struct {
 	paths pathCache
 	// actions is the permission each route needs (the route table).
 	actions map[string]iam.Action
+	// authFails limits failed authentication per source address.
+	authFails *authLimiter
 }
 
 // New builds the server and its routes.
@@ -78,7 +80,7 @@ func New(deps Deps) *Server {
 	if deps.Log == nil {
 		deps.Log = slog.Default()
 	}
-	s := &Server{deps: deps, log: deps.Log, mux: http.NewServeMux(), inflight: newInflight()}
+	s := &Server{deps: deps, log: deps.Log, mux: http.NewServeMux(), inflight: newInflight(), authFails: newAuthLimiter()}
 	s.metrics = newMetrics(deps.Registry, deps.Nodes)
 	if deps.Store != nil {
 		s.records = newGroupCommit(deps.Store, idemBucket, deps.Log)
@@ -192,6 +194,14 @@ func (s *Server) handle(pattern string, action iam.Action, h http.HandlerFunc) {
 	s.mux.Handle(pattern, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		rec := &statusRecorder{ResponseWriter: w, status: http.StatusOK}
 		defer func() { s.metrics.requests.WithLabelValues(pattern, strconv.Itoa(rec.status)).Inc() }()
+		addr := peer(r)
+		if d := s.authFails.wait(addr); d > 0 {
+			rec.Header().Set("Retry-After", retryAfter(d))
+			rec.Header().Set("WWW-Authenticate", `Bearer realm="dsec"`)
+			hangUp(rec)
+			s.writeError(rec, r, errdefs.Unauthenticated("too many failed authentications from %s; retry in %s s", addr, retryAfter(d)))
+			return
+		}
 		key, ok := bearer(r)
 		if !ok {
 			rec.Header().Set("WWW-Authenticate", `Bearer realm="dsec"`)
@@ -201,6 +211,9 @@ func (s *Server) handle(pattern string, action iam.Action, h http.HandlerFunc) {
 		}
 		p, err := s.deps.IAM.Authenticate(key)
 		if err != nil {
+			if errdefs.Code(err) == "unauthenticated" {
+				s.authFails.fail(addr)
+			}
 			rec.Header().Set("WWW-Authenticate", `Bearer realm="dsec", error="invalid_token"`)
 			hangUp(rec)
 			s.writeError(rec, r, err)

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/dsecproject/dsec/api"
 	dsec "github.com/dsecproject/dsec/sdk/go"
@@ -85,11 +86,16 @@ func TestAuthRequiredOnEveryV1Route(t *testing.T) {
 		"token scheme":   "Token " + d.key,
 	}
 	body := []byte(`{"base":"` + baseRef + `","cmd":"touch /tmp/pwned","count":1,"labels":{"x":"y"}}`)
+	limited := 0
+	t.Cleanup(func() { waitAuthLimit(t) })
 	for _, rt := range authRoutes(sb.ID) {
 		for name, auth := range badAuth {
 			what := name + ": " + rt[0] + " " + rt[1]
 			r := wireCallAuth(t, rt[0], rt[1], body, auth)
 			wireWantError(t, what, r, 401, "unauthenticated")
+			if bytes.Contains(r.Body, []byte("too many failed authentications")) {
+				limited++
+			}
 			if wa := r.Header.Get("WWW-Authenticate"); !strings.HasPrefix(wa, "Bearer") {
 				t.Errorf("%s: WWW-Authenticate %q, want a Bearer challenge", what, wa)
 			}
@@ -98,6 +104,12 @@ func TestAuthRequiredOnEveryV1Route(t *testing.T) {
 			}
 		}
 	}
+	// The wrong keys were rate limited past the burst (a key is looked
+	// at again once the address's bucket refills, about a second).
+	if limited == 0 {
+		t.Error("hundreds of wrong keys from one address were never rate limited")
+	}
+	waitAuthLimit(t)
 	// None of it had an effect.
 	res := sh(t, sb.ID, "test -e "+marker+" && echo written; test -e /tmp/pwned && echo ran; test -e /etc/passwd || echo deleted")
 	if res.Stdout != "" {
@@ -123,6 +135,20 @@ func TestAuthRequiredOnEveryV1Route(t *testing.T) {
 	}
 	_, err = bad.GetSandbox(ctx(t), sb.ID)
 	wantCode(t, err, "unauthenticated")
+}
+
+// waitAuthLimit waits until this address may authenticate again after a
+// test's wrong keys (the rate limit of failed authentication).
+func waitAuthLimit(t *testing.T) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if r := wireCallAuth(t, "GET", "/v1/whoami", nil, "Bearer "+d.key); r.Status == 200 {
+			return
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	t.Fatal("the admin key is still refused 10 s after the wrong keys")
 }
 
 func TestAuthHealthzAndMetricsAreOpen(t *testing.T) {

@@ -1,0 +1,87 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	dsec "github.com/dsecproject/dsec/sdk/go"
+)
+
+// TestTenantsOnOneNode: two projects' member keys on the real daemon.
+// Each sees, drives and deletes only its own sandboxes: the other's
+// answers not found to every call and is left out of its lists; a member
+// cannot snapshot, a builder can; a revoked key stops at once.
+func TestTenantsOnOneNode(t *testing.T) {
+	needDaemon(t)
+	n := time.Now().UnixNano() % 1e9
+	pa, pb := fmt.Sprintf("tenant-a-%d", n), fmt.Sprintf("tenant-b-%d", n)
+	for _, p := range []string{pa, pb} {
+		if _, err := client.CreateProject(ctx(t), api.CreateProjectRequest{Parent: "root", Name: p}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = client.DeleteProject(context.Background(), p, true) })
+	}
+	keyed := func(project, role string) (*dsec.Client, string) {
+		t.Helper()
+		k, err := client.CreateKey(ctx(t), project, api.CreateKeyRequest{Role: role})
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := dsec.New(dsec.WithEndpoint("http://"+d.listen), dsec.WithAPIKey(k.Key))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c, k.ID
+	}
+	ca, idA := keyed(pa, "member")
+	cb, _ := keyed(pb, "member")
+	builder, _ := keyed(pa, "builder")
+
+	sb, err := ca.CreateSandbox(ctx(t), api.SandboxSpec{Base: baseRef, Labels: map[string]string{"tenant": "a"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = client.DeleteSandbox(context.Background(), sb.ID) })
+	if sb.Project != pa {
+		t.Fatalf("sandbox of project %q, want %s", sb.Project, pa)
+	}
+	if res, err := ca.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "echo mine"}); err != nil || res.ExitCode != 0 {
+		t.Fatalf("its owner cannot exec: %v %v", res, err)
+	}
+	_, err = cb.GetSandbox(ctx(t), sb.ID)
+	wantCode(t, err, "not_found")
+	_, err = cb.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "echo theirs"})
+	wantCode(t, err, "not_found")
+	err = cb.WriteFile(ctx(t), sb.ID, "/tmp/x", strings.NewReader("x"), 0o644)
+	wantCode(t, err, "not_found")
+	if err := cb.DeleteSandbox(ctx(t), sb.ID); err != nil {
+		t.Fatalf("a delete of another's sandbox: %v, want nothing done", err)
+	}
+	if _, err := ca.GetSandbox(ctx(t), sb.ID); err != nil {
+		t.Fatalf("another tenant's delete removed it: %v", err)
+	}
+	if l, err := cb.ListSandboxes(ctx(t), dsec.ListOptions{}); err != nil || len(l.Sandboxes) != 0 {
+		t.Fatalf("tenant b lists %v, %v", l, err)
+	}
+	if n, err := cb.DeleteSandboxes(ctx(t), map[string]string{"tenant": "a"}); err != nil || n != 0 {
+		t.Fatalf("tenant b deleted %v by labels (%v)", n, err)
+	}
+
+	_, err = ca.Snapshot(ctx(t), sb.ID, api.SnapshotRequest{Ref: fmt.Sprintf("snapshot/t%d:1", n)})
+	wantCode(t, err, "permission_denied")
+	l, err := builder.Snapshot(ctx(t), sb.ID, api.SnapshotRequest{Ref: fmt.Sprintf("snapshot/t%d:1", n)})
+	if err != nil {
+		t.Fatalf("a builder's snapshot: %v", err)
+	}
+	t.Cleanup(func() { _ = client.DeleteLayer(context.Background(), l.Ref) })
+
+	if err := client.RevokeKey(ctx(t), pa, idA); err != nil {
+		t.Fatal(err)
+	}
+	_, err = ca.GetSandbox(ctx(t), sb.ID)
+	wantCode(t, err, "unauthenticated")
+}
