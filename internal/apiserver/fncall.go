@@ -32,12 +32,19 @@ func (s *Server) fncall(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
+	t, err := s.quotas.admit(r.Context(), spec)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
 	var res *api.FnCallResult
 	err = s.onSomeNode(r.Context(), spec, digests, func(ctx context.Context, e edgeapi.Edge) error {
 		var err error
 		res, err = e.FnCall(ctx, req, edgeapi.CreateRequest{Spec: spec, Digests: digests, ProjectPath: path})
 		return err
 	})
+	// The call's sandbox is gone once it answers.
+	settle(t, nil, err)
 	if err != nil {
 		s.writeError(w, r, err)
 		return

@@ -23,13 +23,31 @@ func (s *Server) place(ctx context.Context, spec api.SandboxSpec, digests []stri
 	if err != nil {
 		return nil, err
 	}
+	t, err := s.quotas.admit(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
 	var sb *api.Sandbox
 	err = s.onSomeNode(ctx, spec, digests, func(ctx context.Context, e edgeapi.Edge) error {
 		var err error
 		sb, err = e.Create(ctx, edgeapi.CreateRequest{Spec: spec, Digests: digests, ProjectPath: path})
 		return err
 	})
+	settle(t, sb, err)
 	return sb, err
+}
+
+// settle ends a create's quota reservation: its sandbox is made, or the
+// create failed. A create whose node was lost after the request left may
+// have made one: the reservation then stays until it expires.
+func settle(t *ticket, sb *api.Sandbox, err error) {
+	switch {
+	case err == nil && sb != nil:
+		t.done(sb.Node)
+	case edgeapi.IsUnreachable(err):
+	default:
+		t.release()
+	}
 }
 
 // onSomeNode runs fn (a create of spec) on a node placement picks. A node

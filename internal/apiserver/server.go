@@ -73,6 +73,8 @@ type Server struct {
 	actions map[string]iam.Action
 	// authFails limits failed authentication per source address.
 	authFails *authLimiter
+	// quotas admits creates against project quotas (quota.go).
+	quotas *quotas
 }
 
 // New builds the server and its routes.
@@ -82,6 +84,7 @@ func New(deps Deps) *Server {
 	}
 	s := &Server{deps: deps, log: deps.Log, mux: http.NewServeMux(), inflight: newInflight(), authFails: newAuthLimiter()}
 	s.metrics = newMetrics(deps.Registry, deps.Nodes)
+	s.quotas = newQuotas(s, deps.Store)
 	if deps.Store != nil {
 		s.records = newGroupCommit(deps.Store, idemBucket, deps.Log)
 	}

@@ -2,7 +2,10 @@ package cluster
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -97,4 +100,64 @@ func TestTenantsAcrossServers(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 	t.Logf("revocation seen by the other apiserver after %v", time.Since(start).Round(time.Millisecond))
+}
+
+// TestQuotaBurstThroughTwoServers: a job key whose project allows 100
+// sandboxes sends a burst of 1,000 creates, half through each apiserver,
+// 64 at a time: exactly 100 are made, the rest refused with
+// quota_exceeded.
+func TestQuotaBurstThroughTwoServers(t *testing.T) {
+	need(t)
+	n := time.Now().UnixNano() % 1e9
+	p := fmt.Sprintf("cl-quota-%d", n)
+	if _, err := c.perServer[0].CreateProject(ctx(t), api.CreateProjectRequest{Parent: "root", Name: p, Quota: api.ProjectQuota{Sandboxes: 100}}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.client.DeleteProject(context.Background(), p, true) })
+	k, err := c.perServer[0].CreateKey(ctx(t), p, api.CreateKeyRequest{Role: "member"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var per []*dsec.Client
+	for _, s := range c.servers {
+		cl, err := dsec.New(dsec.WithEndpoint("http://"+s.addr), dsec.WithAPIKey(k.Key), dsec.WithRetries(1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		per = append(per, cl)
+	}
+	var made, refused, other atomic.Int32
+	var firstOther atomic.Value
+	sem := make(chan struct{}, 64)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i := range 1000 {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			_, err := per[i%2].CreateSandbox(ctx(t), api.SandboxSpec{Base: baseRef, Labels: map[string]string{"job": p}})
+			var e *dsec.Error
+			switch {
+			case err == nil:
+				made.Add(1)
+			case errors.As(err, &e) && e.Code == "quota_exceeded":
+				refused.Add(1)
+			default:
+				other.Add(1)
+				firstOther.CompareAndSwap(nil, err.Error())
+			}
+		}()
+	}
+	wg.Wait()
+	t.Logf("a burst of 1000 against a quota of 100 through two apiservers: %d made, %d refused (quota_exceeded), %d other errors, in %v",
+		made.Load(), refused.Load(), other.Load(), time.Since(start).Round(time.Millisecond))
+	if made.Load() != 100 || refused.Load() != 900 {
+		t.Fatalf("%d made, %d refused, %d other (first: %v); want 100 and 900", made.Load(), refused.Load(), other.Load(), firstOther.Load())
+	}
+	l, err := c.client.ListAllSandboxes(ctx(t), dsec.ListOptions{Labels: map[string]string{"job": p}})
+	if err != nil || len(l) != 100 {
+		t.Fatalf("the nodes hold %d of the project's sandboxes (%v), want 100", len(l), err)
+	}
 }

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -84,4 +85,39 @@ func TestTenantsOnOneNode(t *testing.T) {
 	}
 	_, err = ca.GetSandbox(ctx(t), sb.ID)
 	wantCode(t, err, "unauthenticated")
+}
+
+// TestQuotaOnOneNode: a project allowing 3 sandboxes gets 3 of a burst of
+// 20 on the real daemon, the rest refused with quota_exceeded; a batch
+// past the quota is partly made.
+func TestQuotaOnOneNode(t *testing.T) {
+	needDaemon(t)
+	p := fmt.Sprintf("quota-%d", time.Now().UnixNano()%1e9)
+	if _, err := client.CreateProject(ctx(t), api.CreateProjectRequest{Parent: "root", Name: p, Quota: api.ProjectQuota{Sandboxes: 3}}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = client.DeleteProject(context.Background(), p, true) })
+	made, refused := 0, 0
+	for range 5 {
+		_, err := client.CreateSandbox(ctx(t), api.SandboxSpec{Base: baseRef, Project: p})
+		var e *dsec.Error
+		switch {
+		case err == nil:
+			made++
+		case errors.As(err, &e) && e.Code == "quota_exceeded":
+			refused++
+		default:
+			t.Fatal(err)
+		}
+	}
+	if made != 3 || refused != 2 {
+		t.Fatalf("%d made, %d refused; want 3 and 2", made, refused)
+	}
+	pr, err := client.GetProject(ctx(t), p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pr.Quota.Sandboxes != 3 {
+		t.Fatalf("project view: %+v", pr)
+	}
 }
