@@ -41,6 +41,9 @@ type benchOpts struct {
 	allow       stringList
 	poolGap     time.Duration
 	userns      bool
+	// nestedDepth > 0 compares creates with the caller's key against
+	// creates with a member key of a project that many levels deep.
+	nestedDepth int
 }
 
 // benchRow is one measure of the report.
@@ -105,12 +108,16 @@ func runBench(args []string) error {
 	f.Int64Var(&o.diskMB, "disk-mb", 0, "create: give each sandbox a disk of this many MiB (disk_mb)")
 	f.DurationVar(&o.poolGap, "pool-gap", 100*time.Millisecond, "pool: pause between measured creates (lets the pool refill)")
 	f.BoolVar(&o.userns, "userns", false, "create: user-namespace sandboxes")
+	f.IntVar(&o.nestedDepth, "nested-key-depth", 0, "create: also create with a member key of a project this many levels below root (0-64), and with a quota on that chain, interleaved one at a time with the caller's key: the price of authorization and quotas")
 	f.Var(&o.allow, "allow", "create: egress allow rule for each sandbox (repeatable; gives it a veth)")
 	if _, err := f.parseN(args[1:], 0, 0); err != nil {
 		return err
 	}
 	if o.count < 1 || o.concurrency < 1 || o.concurrency > 1024 {
 		return errors.New("bench: --count must be ≥ 1 and --concurrency between 1 and 1024")
+	}
+	if o.nestedDepth < 0 || o.nestedDepth > 64 || o.nestedDepth > 0 && sub != "create" {
+		return errors.New("bench: --nested-key-depth is 0-64, for bench create only")
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -133,6 +140,10 @@ func runBench(args []string) error {
 	var rows []benchRow
 	switch sub {
 	case "create":
+		if o.nestedDepth > 0 {
+			rows, err = benchCreateNested(ctx, c, o, ref)
+			break
+		}
 		rows, err = benchCreate(ctx, c, o, ref, digest, rt)
 	case "exec":
 		rows, err = benchExec(ctx, c, o, ref, digest, rt)

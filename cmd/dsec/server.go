@@ -217,7 +217,7 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 	srv := apiserver.New(apiserver.Deps{
 		IAM: ident, Layers: layers, Nodes: view, Placement: pc, Log: log.With("apiserver", instance),
 		Registry: reg, Gatherer: reg, Policy: sandbox.DefaultPolicy(), MaxLayerBytes: 64 << 30,
-		Store: st, Instance: instance,
+		Store: st, QuotaStore: st, Instance: instance,
 		Alive: func(other string) (bool, error) { return cluster.ServerAlive(st, other) },
 	})
 	go srv.Run(ctx)

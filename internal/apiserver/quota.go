@@ -14,9 +14,10 @@ package apiserver
 //     a limited ancestor shares that ledger, since the path above the
 //     ancestor is common), so two apiservers admitting at once cannot
 //     both take the last unit: the quota is never exceeded;
-//   - once the sandbox exists, its reservation is marked done with its
-//     node, and counts only for an apiserver whose view of that node
-//     polled before it was done (plus a margin for clock skew); after
+//   - once the sandbox exists, its reservation becomes a done entry of
+//     its node (summed with the others of its node, project and tenth of
+//     a second), which counts only for an apiserver whose view of that
+//     node polled before it (plus a margin for clock skew); after
 //     reservationDoneTTL every view has polled since, and it is dropped;
 //     a failed create drops its reservation at once;
 //   - a reservation of an apiserver that died mid-create expires after
@@ -65,17 +66,31 @@ const (
 	quotaLinger = 20 * time.Millisecond
 )
 
+// reservation is a create in flight.
 type reservation struct {
 	ID      string           `json:"id"`
 	Path    string           `json:"path"`
 	Amount  api.ProjectUsage `json:"amount"`
-	Node    string           `json:"node,omitempty"`
-	Done    *time.Time       `json:"done,omitempty"`
 	Expires time.Time        `json:"expires"`
 }
 
+// doneEntry is what the creates of a project that were done on a node
+// within one doneBucket hold, with At the bucket's end: one entry per
+// node, project and tenth of a second, however many creates (the ledger
+// stays small at any create rate).
+type doneEntry struct {
+	Node   string           `json:"node"`
+	Path   string           `json:"path"`
+	Amount api.ProjectUsage `json:"amount"`
+	At     time.Time        `json:"at"`
+}
+
+// doneBucket is the time resolution of done entries.
+const doneBucket = 100 * time.Millisecond
+
 type quotaLedger struct {
-	Reservations []reservation `json:"reservations"`
+	InFlight []reservation `json:"in_flight,omitempty"`
+	Done     []doneEntry   `json:"done,omitempty"`
 }
 
 // limit is one project of a lineage that sets a quota.
@@ -265,44 +280,63 @@ func (q *quotas) write(ledger string, batch []*quotaOp) {
 			}
 		}
 		now := time.Now()
+		bucketEnd := now.Truncate(doneBucket).Add(doneBucket)
 		byID := map[string]int{}
-		for i, r := range l.Reservations {
+		for i, r := range l.InFlight {
 			byID[r.ID] = i
 		}
-		drop := map[string]bool{}
+		gone := map[string]bool{}
 		for _, op := range batch {
-			if op.add != nil {
+			i, ok := byID[op.id]
+			if op.add != nil || !ok || gone[op.id] {
 				continue
 			}
-			i, ok := byID[op.id]
-			switch {
-			case !ok:
-			case op.node == "":
-				drop[op.id] = true
-			default:
-				t := now
-				l.Reservations[i].Node, l.Reservations[i].Done = op.node, &t
-				l.Reservations[i].Expires = now.Add(reservationDoneTTL)
+			gone[op.id] = true
+			if op.node == "" {
+				continue // released
 			}
-		}
-		kept := l.Reservations[:0]
-		for _, r := range l.Reservations {
-			if !drop[r.ID] && now.Before(r.Expires) {
-				kept = append(kept, r)
-			}
-		}
-		l.Reservations = kept
-		// What counts: in flight, or done after this view's poll of its node.
-		reserved := map[string]api.ProjectUsage{}
-		for _, r := range l.Reservations {
-			if r.Done != nil {
-				if at, ok := polled[r.Node]; ok && at.After(r.Done.Add(pollMargin)) {
-					continue
+			r := l.InFlight[i]
+			merged := false
+			for j := range l.Done {
+				if d := &l.Done[j]; d.Node == op.node && d.Path == r.Path && d.At.Equal(bucketEnd) {
+					d.Amount.Add(r.Amount)
+					merged = true
+					break
 				}
 			}
-			u := reserved[r.Path]
-			u.Add(r.Amount)
-			reserved[r.Path] = u
+			if !merged {
+				l.Done = append(l.Done, doneEntry{Node: op.node, Path: r.Path, Amount: r.Amount, At: bucketEnd})
+			}
+		}
+		inFlight := l.InFlight[:0]
+		for _, r := range l.InFlight {
+			if !gone[r.ID] && now.Before(r.Expires) {
+				inFlight = append(inFlight, r)
+			}
+		}
+		l.InFlight = inFlight
+		done := l.Done[:0]
+		for _, d := range l.Done {
+			if now.Before(d.At.Add(reservationDoneTTL)) {
+				done = append(done, d)
+			}
+		}
+		l.Done = done
+		// What counts: in flight, or done after this view's poll of its
+		// node (plus the margin for clocks).
+		reserved := map[string]api.ProjectUsage{}
+		count := func(path string, a api.ProjectUsage) {
+			u := reserved[path]
+			u.Add(a)
+			reserved[path] = u
+		}
+		for _, r := range l.InFlight {
+			count(r.Path, r.Amount)
+		}
+		for _, d := range l.Done {
+			if at, ok := polled[d.Node]; !ok || !at.After(d.At.Add(pollMargin)) {
+				count(d.Path, d.Amount)
+			}
 		}
 		for i, op := range batch {
 			if op.add == nil {
@@ -314,12 +348,10 @@ func (q *quotas) write(ledger string, batch []*quotaOp) {
 			}
 			r := *op.add
 			r.Expires = now.Add(reservationTTL)
-			l.Reservations = append(l.Reservations, r)
-			u := reserved[r.Path]
-			u.Add(r.Amount)
-			reserved[r.Path] = u
+			l.InFlight = append(l.InFlight, r)
+			count(r.Path, r.Amount)
 		}
-		if len(l.Reservations) == 0 {
+		if len(l.InFlight) == 0 && len(l.Done) == 0 {
 			return nil, nil
 		}
 		return json.Marshal(l)

@@ -47,6 +47,10 @@ type Deps struct {
 	MaxLayerBytes int64
 	// Store keeps idempotency records (nil: Idempotency-Key ignored).
 	Store store.Store
+	// QuotaStore shares quota reservations between the apiservers of a
+	// cluster (etcd); nil keeps them in this process (dsec up: the only
+	// apiserver).
+	QuotaStore store.Store
 	// Instance names this apiserver (the owner of records it runs), and
 	// Alive tells whether another instance still runs (nil: only this
 	// one does, as in dsec up).
@@ -84,7 +88,7 @@ func New(deps Deps) *Server {
 	}
 	s := &Server{deps: deps, log: deps.Log, mux: http.NewServeMux(), inflight: newInflight(), authFails: newAuthLimiter()}
 	s.metrics = newMetrics(deps.Registry, deps.Nodes)
-	s.quotas = newQuotas(s, deps.Store)
+	s.quotas = newQuotas(s, deps.QuotaStore)
 	if deps.Store != nil {
 		s.records = newGroupCommit(deps.Store, idemBucket, deps.Log)
 	}

@@ -91,7 +91,7 @@ func newFixture(t *testing.T, wire bool) *fixture {
 func (f *fixture) apiserver(t *testing.T, instance string) *httptest.Server {
 	f.setAlive(instance, true)
 	s := New(Deps{IAM: f.iam, Layers: f.layers, Nodes: f.view, Policy: sandbox.DefaultPolicy(),
-		Log: slog.New(slog.NewTextHandler(io.Discard, nil)), Store: f.st, Instance: instance,
+		Log: slog.New(slog.NewTextHandler(io.Discard, nil)), Store: f.st, QuotaStore: f.st, Instance: instance,
 		Alive: func(other string) (bool, error) {
 			f.aliveMu.Lock()
 			defer f.aliveMu.Unlock()
