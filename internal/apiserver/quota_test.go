@@ -28,7 +28,9 @@ func (f *fixture) burst(t *testing.T, servers []*httptest.Server, key, body stri
 			case 201:
 				mk.Add(1)
 			case 429:
-				var e struct{ Error struct{ Code, Message string } }
+				var e struct {
+					Error struct{ Code, Message string }
+				}
 				if json.Unmarshal(b, &e) != nil || e.Error.Code != "quota_exceeded" || !strings.Contains(e.Error.Message, "quota") {
 					t.Errorf("refusal: %s", b)
 				}
