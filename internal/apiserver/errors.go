@@ -30,7 +30,8 @@ func (s *Server) writeError(w http.ResponseWriter, r *http.Request, err error) {
 		var b [6]byte
 		_, _ = rand.Read(b[:])
 		ref := hex.EncodeToString(b[:])
-		s.log.Error("request failed", "ref", ref, "method", r.Method, "path", r.URL.Path, "err", err)
+		p := principal(r.Context())
+		s.log.Error("request failed", "ref", ref, "method", r.Method, "path", r.URL.Path, "principal", p.ID, "project", p.Project, "err", err)
 		msg = "internal error (ref " + ref + "; the server log has the details)"
 	}
 	writeJSON(w, st, api.ErrorBody{Error: api.ErrorDetail{Code: code, Message: msg}})

@@ -2,7 +2,10 @@ package apiserver
 
 import (
 	"context"
+	"fmt"
 	"net/http"
+	"sort"
+	"strings"
 	"sync/atomic"
 
 	"github.com/dsecproject/dsec/api"
@@ -60,5 +63,20 @@ func (s *Server) byLabels(w http.ResponseWriter, r *http.Request, fn func(edgeap
 		s.writeError(w, r, err)
 		return
 	}
+	s.audit(r, "sandboxes"+strings.TrimPrefix(r.URL.Path, "/v1/sandboxes"), formatLabels(req.Labels),
+		fmt.Sprintf("count=%d unreachable=%s", total.Load(), strings.Join(skipped, ",")))
 	writeJSON(w, http.StatusOK, result(int(total.Load()), skipped))
+}
+
+// formatLabels renders a selector as k=v,k=v in key order.
+func formatLabels(l map[string]string) string {
+	keys := make([]string, 0, len(l))
+	for k := range l {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for i, k := range keys {
+		keys[i] = k + "=" + l[k]
+	}
+	return strings.Join(keys, ",")
 }

@@ -214,6 +214,7 @@ func TestKeyRevocationAndProjectDelete(t *testing.T) {
 	resp, body = f.do(t, k2, "GET", "/v1/whoami", "")
 	wantError(t, resp, body, 401, "unauthenticated")
 
+	f.do(t, f.admin, "POST", "/v1/sandboxes:delete", `{"labels":{"job":"x"}}`)
 	resp, body = f.do(t, f.admin, "GET", "/v1/audit", "")
 	var al api.AuditList
 	if resp.StatusCode != http.StatusOK || json.Unmarshal(body, &al) != nil {
@@ -224,7 +225,7 @@ func TestKeyRevocationAndProjectDelete(t *testing.T) {
 		actions = append(actions, e.Action+":"+e.Target)
 	}
 	got := strings.Join(actions, " ")
-	for _, want := range []string{"project.create:team", "key.create:" + id1, "key.revoke:" + id1, "project.delete:team"} {
+	for _, want := range []string{"project.create:team", "key.create:" + id1, "key.revoke:" + id1, "project.delete:team", "sandboxes:delete:job=x"} {
 		if !strings.Contains(got, want) {
 			t.Errorf("audit log %q lacks %s", got, want)
 		}

@@ -288,7 +288,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 	s.rec = rec
 	s.mu.Unlock()
 	undo.Release()
-	e.log.Info("sandbox created", "sandbox_id", id, "base", spec.Base, "layers", len(req.Digests), "for_pool", pooled)
+	e.log.Info("sandbox created", "sandbox_id", id, "project", spec.Project, "base", spec.Base, "layers", len(req.Digests), "for_pool", pooled)
 	return s, nil
 }
 
@@ -377,7 +377,10 @@ func (e *Edge) remove(ctx context.Context, s *sbx) error {
 	e.mu.Lock()
 	delete(e.sandboxes, id)
 	e.mu.Unlock()
-	e.log.Info("sandbox deleted", "sandbox_id", id)
+	s.mu.Lock()
+	project := s.rec.Sandbox.Project
+	s.mu.Unlock()
+	e.log.Info("sandbox deleted", "sandbox_id", id, "project", project)
 	return nil
 }
 

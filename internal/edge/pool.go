@@ -170,7 +170,7 @@ func (e *Edge) claim(spec api.SandboxSpec, req edgeapi.CreateRequest) *api.Sandb
 		}
 		s.touch()
 		e.metrics.poolClaims.WithLabelValues("hit").Inc()
-		e.log.Info("sandbox created", "sandbox_id", v.ID, "base", spec.Base, "pooled", true)
+		e.log.Info("sandbox created", "sandbox_id", v.ID, "project", spec.Project, "base", spec.Base, "pooled", true)
 		return &v
 	}
 }
