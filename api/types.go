@@ -452,6 +452,10 @@ type Node struct {
 	// project ("root/team-a"; the project's own sandboxes, not its
 	// descendants').
 	Projects map[string]ProjectUsage `json:"projects,omitempty"`
+	// DedicatedTo is the path of the project with dedicated nodes whose
+	// sandboxes this node holds (it then holds no other's); "" when it
+	// holds none of such a project.
+	DedicatedTo string `json:"dedicated_to,omitempty"`
 	// Labels are the node's labels (dsec edge --node-labels), which
 	// spec.node_selector selects on.
 	Labels map[string]string `json:"labels,omitempty"`

@@ -32,15 +32,20 @@ func (s *Server) fncall(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
+	dedicated, err := s.dedicatedOf(spec.Project)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
 	t, err := s.quotas.admit(r.Context(), spec)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
 	}
 	var res *api.FnCallResult
-	err = s.onSomeNode(r.Context(), spec, digests, func(ctx context.Context, e edgeapi.Edge) error {
+	err = s.onSomeNode(r.Context(), spec, digests, dedicated, func(ctx context.Context, e edgeapi.Edge) error {
 		var err error
-		res, err = e.FnCall(ctx, req, edgeapi.CreateRequest{Spec: spec, Digests: digests, ProjectPath: path})
+		res, err = e.FnCall(ctx, req, edgeapi.CreateRequest{Spec: spec, Digests: digests, ProjectPath: path, Dedicated: dedicated})
 		return err
 	})
 	// The call's sandbox is gone once it answers.

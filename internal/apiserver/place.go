@@ -23,18 +23,37 @@ func (s *Server) place(ctx context.Context, spec api.SandboxSpec, digests []stri
 	if err != nil {
 		return nil, err
 	}
+	dedicated, err := s.dedicatedOf(spec.Project)
+	if err != nil {
+		return nil, err
+	}
 	t, err := s.quotas.admit(ctx, spec)
 	if err != nil {
 		return nil, err
 	}
 	var sb *api.Sandbox
-	err = s.onSomeNode(ctx, spec, digests, func(ctx context.Context, e edgeapi.Edge) error {
+	err = s.onSomeNode(ctx, spec, digests, dedicated, func(ctx context.Context, e edgeapi.Edge) error {
 		var err error
-		sb, err = e.Create(ctx, edgeapi.CreateRequest{Spec: spec, Digests: digests, ProjectPath: path})
+		sb, err = e.Create(ctx, edgeapi.CreateRequest{Spec: spec, Digests: digests, ProjectPath: path, Dedicated: dedicated})
 		return err
 	})
 	settle(t, sb, err)
 	return sb, err
+}
+
+// dedicatedOf is the path of the nearest project on project's lineage
+// that asks for dedicated nodes, "" if none does.
+func (s *Server) dedicatedOf(project string) (string, error) {
+	lineage, err := s.deps.IAM.Lineage(project)
+	if err != nil {
+		return "", err
+	}
+	for _, p := range lineage {
+		if p.DedicatedNodes {
+			return s.pathOf(p.ID)
+		}
+	}
+	return "", nil
 }
 
 // settle ends a create's quota reservation: its sandbox is made, or the
@@ -54,9 +73,9 @@ func settle(t *ticket, sb *api.Sandbox, err error) {
 // that refuses for capacity, or that could not be reached before the
 // request was sent, is left out and another is tried (at most
 // maxPlaceAttempts in all); then the answer is 503 with what each said.
-func (s *Server) onSomeNode(ctx context.Context, spec api.SandboxSpec, digests []string, fn func(context.Context, edgeapi.Edge) error) error {
+func (s *Server) onSomeNode(ctx context.Context, spec api.SandboxSpec, digests []string, dedicated string, fn func(context.Context, edgeapi.Edge) error) error {
 	req := placement.Request{Backend: spec.Backend, Selector: spec.NodeSelector, Layers: digests,
-		Job: spec.Labels[api.JobLabel], Exclude: map[string]bool{}}
+		Job: spec.Labels[api.JobLabel], Exclude: map[string]bool{}, Dedicated: dedicated}
 	var said []string
 	for attempt := 0; attempt < maxPlaceAttempts; attempt++ {
 		node, undo, err := s.pick(req)
@@ -113,8 +132,8 @@ func (s *Server) pick(req placement.Request) (node string, undo func(), err erro
 	defer s.pickMu.Unlock()
 	cands := make([]placement.Candidate, len(snap))
 	for i, v := range snap {
-		n, nj := s.inflight.since(v.Name, req.Job, v.PolledAt)
-		cands[i] = placement.Candidate{Node: v.Node, InFlight: n, InFlightJob: nj}
+		n, nj, no := s.inflight.since(v.Name, req.Job, req.Dedicated, v.PolledAt)
+		cands[i] = placement.Candidate{Node: v.Node, InFlight: n, InFlightJob: nj, InFlightOther: no}
 	}
 	node, err = placement.Pick(cands, req, s.deps.Placement, nil)
 	var nn *placement.NoNode
@@ -125,7 +144,7 @@ func (s *Server) pick(req placement.Request) (node string, undo func(), err erro
 	if err != nil {
 		return "", nil, err
 	}
-	return node, s.inflight.add(node, req.Job), nil
+	return node, s.inflight.add(node, req.Job, req.Dedicated), nil
 }
 
 // runOn runs fn on node; a failure takes its in-flight placement back.
@@ -152,8 +171,9 @@ type inflight struct {
 }
 
 type placed struct {
-	t   time.Time
-	job string
+	t       time.Time
+	job     string
+	tenancy string
 }
 
 // inflightKeep is how long a placement is remembered: far longer than a
@@ -164,7 +184,7 @@ func newInflight() *inflight { return &inflight{at: map[string][]placed{}} }
 
 // add records a placement of job on node now; the returned func takes it
 // back.
-func (f *inflight) add(node, job string) func() {
+func (f *inflight) add(node, job, tenancy string) func() {
 	now := time.Now()
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -173,7 +193,7 @@ func (f *inflight) add(node, job string) func() {
 	for cut < len(l) && now.Sub(l[cut].t) > inflightKeep {
 		cut++
 	}
-	f.at[node] = append(l[cut:], placed{t: now, job: job})
+	f.at[node] = append(l[cut:], placed{t: now, job: job, tenancy: tenancy})
 	return func() {
 		f.mu.Lock()
 		defer f.mu.Unlock()
@@ -189,7 +209,7 @@ func (f *inflight) add(node, job string) func() {
 
 // since counts the placements on node made after t (a poll's start), and
 // how many of them were of job.
-func (f *inflight) since(node, job string, t time.Time) (n, ofJob int) {
+func (f *inflight) since(node, job, tenancy string, t time.Time) (n, ofJob, other int) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	l := f.at[node]
@@ -198,6 +218,9 @@ func (f *inflight) since(node, job string, t time.Time) (n, ofJob int) {
 		if job != "" && l[i].job == job {
 			ofJob++
 		}
+		if l[i].tenancy != tenancy {
+			other++
+		}
 	}
-	return n, ofJob
+	return n, ofJob, other
 }

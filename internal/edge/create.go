@@ -115,6 +115,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 			Spec: spec, CreatedAt: now, ExpiresAt: &exp, Labels: spec.Labels, Layers: req.Digests,
 		},
 		ProjectPath: req.ProjectPath,
+		Dedicated:   req.Dedicated,
 		Digests:     req.Digests,
 		Disk:        spec.DiskMB > 0,
 		UserNS:      spec.UserNS,
@@ -135,12 +136,21 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 		e.mu.Unlock()
 		return nil, errdefs.Exhausted("node %s is full (%d sandboxes)", e.cfg.Name, e.cfg.MaxSandboxes)
 	}
+	if !pooled {
+		if err := e.tenancyAdmitLocked(req.Dedicated); err != nil {
+			e.mu.Unlock()
+			return nil, err
+		}
+	}
 	e.live++
 	e.sandboxes[id] = s
 	e.mu.Unlock()
 	undo.Add(func() {
 		e.mu.Lock()
 		e.live--
+		if !pooled {
+			e.tenancyAddLocked(req.Dedicated, -1)
+		}
 		delete(e.sandboxes, id)
 		e.mu.Unlock()
 	})
@@ -431,8 +441,14 @@ func (e *Edge) teardown(ctx context.Context, s *sbx, remove bool) error {
 				e.log.Warn("releasing layer", "sandbox_id", id, "digest", d, "err", err)
 			}
 		}
+		s.mu.Lock()
+		pooled := s.pooled
+		s.mu.Unlock()
 		e.mu.Lock()
 		e.live--
+		if !pooled {
+			e.tenancyAddLocked(rec.Dedicated, -1)
+		}
 		e.mu.Unlock()
 	}
 	if remove {

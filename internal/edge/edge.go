@@ -153,6 +153,9 @@ type Edge struct {
 	// live counts sandboxes holding node resources (creating, running,
 	// paused): what admission checks against MaxSandboxes.
 	live int
+	// tenancy counts them by record.Dedicated (pooled ones excluded):
+	// tenancy.go.
+	tenancy map[string]int
 
 	// idmap is the user namespace idmapped layer mounts use, made on the
 	// first user-namespace sandbox.
@@ -598,6 +601,7 @@ func (e *Edge) Info(ctx context.Context) (api.Node, error) {
 		}
 		s.mu.Unlock()
 	}
+	n.DedicatedTo = e.dedicatedToLocked()
 	e.mu.RUnlock()
 	for d := range e.mounter.Refs() {
 		n.Layers = append(n.Layers, d)

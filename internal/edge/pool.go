@@ -140,8 +140,20 @@ func (p *pool) take(k poolKey) *sbx {
 func (e *Edge) claim(spec api.SandboxSpec, req edgeapi.CreateRequest) *api.Sandbox {
 	k := keyOf(spec, req.Digests)
 	for {
+		// The tenancy is taken before the sandbox is (e.mu is not taken
+		// under s.mu); refused, the create goes on and is refused the
+		// same way.
+		e.mu.Lock()
+		terr := e.tenancyAdmitLocked(req.Dedicated)
+		e.mu.Unlock()
+		if terr != nil {
+			return nil
+		}
 		s := e.pool.take(k)
 		if s == nil {
+			e.mu.Lock()
+			e.tenancyAddLocked(req.Dedicated, -1)
+			e.mu.Unlock()
 			return nil
 		}
 		s.life.Lock()
@@ -152,7 +164,7 @@ func (e *Edge) claim(spec api.SandboxSpec, req edgeapi.CreateRequest) *api.Sandb
 			exp := now.Add(time.Duration(spec.TTL) * time.Second)
 			s.rec.Sandbox.Spec = spec
 			s.rec.Sandbox.Labels = spec.Labels
-			s.rec.Sandbox.Project, s.rec.ProjectPath = spec.Project, req.ProjectPath
+			s.rec.Sandbox.Project, s.rec.ProjectPath, s.rec.Dedicated = spec.Project, req.ProjectPath, req.Dedicated
 			s.rec.Sandbox.CreatedAt, s.rec.Sandbox.ExpiresAt = now, &exp
 			s.rec.Pooled = false
 			if err := s.persistClaimLocked(); err != nil {
@@ -166,6 +178,9 @@ func (e *Edge) claim(spec api.SandboxSpec, req edgeapi.CreateRequest) *api.Sandb
 		s.mu.Unlock()
 		s.life.Unlock()
 		if !ok {
+			e.mu.Lock()
+			e.tenancyAddLocked(req.Dedicated, -1)
+			e.mu.Unlock()
 			continue // died or being removed: try the next one
 		}
 		s.touch()

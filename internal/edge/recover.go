@@ -134,6 +134,7 @@ func (e *Edge) recover(ctx context.Context) error {
 		e.sandboxes[id] = s
 		if holdsResources(rec.Sandbox.State) {
 			e.live++
+			e.tenancyAddLocked(rec.Dedicated, 1)
 		}
 		e.mu.Unlock()
 	}

@@ -32,6 +32,8 @@ type record struct {
 	// ProjectPath is the path of the sandbox's project in the project
 	// tree (edgeapi/scope.go); empty: the root's.
 	ProjectPath string `json:"project_path,omitempty"`
+	// Dedicated is CreateRequest.Dedicated (tenancy.go).
+	Dedicated string `json:"dedicated,omitempty"`
 	// Pooled is set while the sandbox waits in a warm pool (pool.go).
 	Pooled bool `json:"pooled,omitempty"`
 	// UserNS is set for a sandbox in a user namespace (userns.go).

@@ -81,6 +81,11 @@ type CreateRequest struct {
 	// ProjectPath is the path of Spec.Project in the project tree
 	// (scope.go); empty: the root's.
 	ProjectPath string `json:"project_path,omitempty"`
+	// Dedicated is the path of the nearest project on the lineage that
+	// asks for dedicated nodes ("" for none): the node refuses the
+	// sandbox while it holds sandboxes of another (or shared ones), and
+	// holding it, refuses every other tenant's.
+	Dedicated string `json:"dedicated,omitempty"`
 }
 
 // ListFilter selects sandboxes.

@@ -51,6 +51,9 @@ type Candidate struct {
 	InFlight int
 	// InFlightJob is how many of InFlight carry the request's job label.
 	InFlightJob int
+	// InFlightOther is how many of InFlight belong to another tenancy
+	// than the request's (Request.Dedicated).
+	InFlightOther int
 }
 
 // Request is what placement needs to know about a sandbox.
@@ -67,6 +70,11 @@ type Request struct {
 	// IgnoreCapacity keeps nodes the view shows as full: the view may be
 	// up to a poll old, and the edge has the final say.
 	IgnoreCapacity bool
+	// Dedicated is the path of the project with dedicated nodes the
+	// sandbox belongs to ("" for none): it goes only to a node that holds
+	// that project's sandboxes or nothing, and a sandbox of no such
+	// project never goes to a node that holds one's.
+	Dedicated string
 }
 
 // Load is the number of sandboxes holding resources on n, as the view has
@@ -122,6 +130,7 @@ const (
 	ReasonFull      = "full"
 	ReasonTried     = "already tried"
 	ReasonOverflow  = "in an overflow pool the others leave unused"
+	ReasonTenancy   = "holding another tenant's sandboxes (dedicated nodes)"
 )
 
 // Pick returns the name of the chosen node. rng may be nil (default source).
@@ -195,8 +204,23 @@ func leftOut(n Candidate, req Request) string {
 		return ReasonSelector
 	case !req.IgnoreCapacity && n.Capacity.MaxSandboxes > 0 && n.load() >= n.Capacity.MaxSandboxes:
 		return ReasonFull
+	case !tenancyFits(n, req):
+		return ReasonTenancy
 	}
 	return ""
+}
+
+// tenancyFits reports whether n may take a sandbox of req's tenancy
+// (dedicated nodes): the node holds and is being given sandboxes of that
+// tenancy only, or, for a dedicated project, nothing at all.
+func tenancyFits(n Candidate, req Request) bool {
+	if n.InFlightOther > 0 {
+		return false
+	}
+	if req.Dedicated == "" {
+		return n.DedicatedTo == ""
+	}
+	return n.DedicatedTo == req.Dedicated || n.DedicatedTo == "" && Load(n.Node) == 0
 }
 
 func selects(sel, labels map[string]string) bool {
@@ -210,6 +234,17 @@ func selects(sel, labels map[string]string) bool {
 
 // better reports whether a should win over b for req.
 func better(a, b Candidate, req Request) bool {
+	// A dedicated project fills the nodes it holds before it takes an
+	// empty one: every node it takes is lost to everyone else.
+	if req.Dedicated != "" {
+		// Its own: the view says so, or this apiserver placed some of it
+		// there since.
+		oa := a.DedicatedTo == req.Dedicated || a.InFlight > a.InFlightOther
+		ob := b.DedicatedTo == req.Dedicated || b.InFlight > b.InFlightOther
+		if oa != ob {
+			return oa
+		}
+	}
 	if req.Job != "" {
 		ja, jb := a.Jobs[req.Job]+a.InFlightJob, b.Jobs[req.Job]+b.InFlightJob
 		if ja != jb {

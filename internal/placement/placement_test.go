@@ -3,6 +3,7 @@ package placement
 import (
 	"errors"
 	"math/rand/v2"
+	"strings"
 	"testing"
 
 	"github.com/dsecproject/dsec/api"
@@ -175,5 +176,43 @@ func TestPickOverflowThreshold(t *testing.T) {
 	// At the threshold it joins, and being idle it wins.
 	if got := share(t, []Candidate{node("a", 8, 10, true), c}, Request{Backend: "container"}, cloud, 1000); got["c"] != 1000 {
 		t.Fatalf("regular node at 80%%: cloud chosen %d/1000 times, want every time", got["c"])
+	}
+}
+
+// TestPickDedicatedNodes: a dedicated project's sandbox goes to a node of
+// its own or an empty one, never to a node with others' sandboxes or
+// others' placements in flight; anyone else's never to a dedicated node.
+func TestPickDedicatedNodes(t *testing.T) {
+	ded := func(c Candidate, to string) Candidate { c.DedicatedTo = to; return c }
+	other := func(c Candidate, n int) Candidate { c.InFlight += n; c.InFlightOther = n; return c }
+	for _, c := range []struct {
+		name      string
+		nodes     []Candidate
+		dedicated string
+		want      string // "" for no node
+	}{
+		{"dedicated takes its own node", []Candidate{node("shared", 1, 10, true), ded(node("mine", 3, 10, true), "root/a")}, "root/a", "mine"},
+		{"dedicated fills its own node before an empty one", []Candidate{node("empty", 0, 10, true), ded(node("mine", 8, 10, true), "root/a")}, "root/a", "mine"},
+		{"dedicated fills a node it is being given", []Candidate{node("empty", 0, 10, true), func() Candidate { c := node("mine", 0, 10, true); c.InFlight = 2; return c }()}, "root/a", "mine"},
+		{"dedicated takes an empty node", []Candidate{node("shared", 1, 10, true), node("empty", 0, 10, true)}, "root/a", "empty"},
+		{"dedicated never shares", []Candidate{node("shared", 1, 10, true), ded(node("theirs", 1, 10, true), "root/b")}, "root/a", ""},
+		{"an empty node with others in flight", []Candidate{other(node("empty", 0, 10, true), 1)}, "root/a", ""},
+		{"shared never on a dedicated node", []Candidate{ded(node("theirs", 1, 10, true), "root/b"), node("shared", 5, 10, true)}, "", "shared"},
+		{"shared, only dedicated nodes", []Candidate{ded(node("theirs", 1, 10, true), "root/b")}, "", ""},
+		{"shared beside a dedicated placement in flight", []Candidate{other(node("empty", 0, 10, true), 1)}, "", ""},
+	} {
+		for range 20 {
+			got, err := Pick(c.nodes, Request{Backend: "container", Dedicated: c.dedicated}, Config{K: 2}, nil)
+			if c.want == "" {
+				if err == nil || !strings.Contains(err.Error(), ReasonTenancy) {
+					t.Errorf("%s: picked %q (%v), want no node for tenancy", c.name, got, err)
+				}
+				break
+			}
+			if err != nil || got != c.want {
+				t.Errorf("%s: picked %q (%v), want %s", c.name, got, err, c.want)
+				break
+			}
+		}
 	}
 }

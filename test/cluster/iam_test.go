@@ -161,3 +161,104 @@ func TestQuotaBurstThroughTwoServers(t *testing.T) {
 		t.Fatalf("the nodes hold %d of the project's sandboxes (%v), want 100", len(l), err)
 	}
 }
+
+// TestDedicatedNodes: a project that asks for dedicated nodes never shares
+// a node with another project's sandboxes, whichever apiserver places
+// them, while both create at once.
+func TestDedicatedNodes(t *testing.T) {
+	need(t)
+	n := time.Now().UnixNano() % 1e9
+	ded, shared := fmt.Sprintf("cl-ded-%d", n), fmt.Sprintf("cl-shared-%d", n)
+	if _, err := c.perServer[0].CreateProject(ctx(t), api.CreateProjectRequest{Parent: "root", Name: ded, DedicatedNodes: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.perServer[0].CreateProject(ctx(t), api.CreateProjectRequest{Parent: "root", Name: shared}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = c.client.DeleteProject(context.Background(), ded, true)
+		_ = c.client.DeleteProject(context.Background(), shared, true)
+	})
+	// A dedicated project needs an empty node to start on: wait until the
+	// views show one (earlier tests' sandboxes are gone within a poll).
+	// A view polled before the last test's sandboxes were made would look
+	// idle too: only polls that ended a second after the wait began count.
+	began := time.Now()
+	deadline := began.Add(15 * time.Second)
+	for {
+		l, err := c.perServer[0].ListNodes(ctx(t))
+		idle := 0
+		for _, nd := range l {
+			if nd.DedicatedTo == "" && nd.Counts["running"]+nd.Counts["creating"]+nd.Counts["paused"] == 0 &&
+				nd.LastSeen != nil && nd.LastSeen.After(began.Add(time.Second)) {
+				idle++
+			}
+		}
+		if err == nil && idle == len(l) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the nodes are not idle after 15 s: %v (%v)", l, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	var mu sync.Mutex
+	nodes := map[string]map[string]bool{} // project → nodes
+	// The dedicated project takes a node first (a dedicated project
+	// needs an empty node to start on); then both create at once.
+	first, err := c.perServer[0].CreateSandbox(ctx(t), api.SandboxSpec{Base: baseRef, Project: ded})
+	if err != nil {
+		l, _ := c.perServer[0].ListNodes(ctx(t))
+		t.Fatalf("the first sandbox of a dedicated project on an idle cluster: %v (nodes %+v)", err, l)
+	}
+	nodes[ded] = map[string]bool{first.Node: true}
+	var wg sync.WaitGroup
+	errs := make(chan error, 12)
+	for i := range 12 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			p, labels := shared, map[string]string{"job": shared}
+			if i%3 == 0 {
+				p, labels = ded, nil
+			}
+			// Two apiservers placing at once on views a poll old may both
+			// pick a node the other just gave to another tenancy; its edge
+			// refuses (resource_exhausted), and the client retries.
+			var sb *api.Sandbox
+			var err error
+			for try := 0; try < 5; try++ {
+				sb, err = c.perServer[i%2].CreateSandbox(ctx(t), api.SandboxSpec{Base: baseRef, Project: p, Labels: labels})
+				var e *dsec.Error
+				if err == nil || !errors.As(err, &e) || e.Code != "resource_exhausted" {
+					break
+				}
+				time.Sleep(500 * time.Millisecond)
+			}
+			if err != nil {
+				errs <- fmt.Errorf("create in %s: %w", p, err)
+				return
+			}
+			mu.Lock()
+			if nodes[p] == nil {
+				nodes[p] = map[string]bool{}
+			}
+			nodes[p][sb.Node] = true
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	for node := range nodes[ded] {
+		if nodes[shared][node] {
+			t.Errorf("node %s holds sandboxes of the dedicated project and of another (%v)", node, nodes)
+		}
+	}
+	if len(nodes[ded]) == 0 || len(nodes[shared]) == 0 {
+		t.Fatalf("placements: %v", nodes)
+	}
+	t.Logf("dedicated project on %v, the other on %v", nodes[ded], nodes[shared])
+}
