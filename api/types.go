@@ -391,6 +391,10 @@ type Layer struct {
 	// Image is the configuration of the image a base layer was imported
 	// from; sandboxes on the base take their defaults from it.
 	Image *ImageConfig `json:"image,omitempty"`
+	// Project is the project of the key that published the layer
+	// (absent: root's). A key sees the layers of its project, of the
+	// projects above it (what it inherits) and of those below it.
+	Project string `json:"project,omitempty"`
 }
 
 // SnapshotInfo is the record of a pack_diff snapshot: the sandbox it was

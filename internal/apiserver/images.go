@@ -43,6 +43,8 @@ type imageJob struct {
 	workspace *layer.Ref
 	split     int
 	platform  string
+	// project owns the layers built.
+	project string
 }
 
 // newImageJob checks refs and the split before anything is read or
@@ -132,14 +134,14 @@ func (s *Server) runImageJob(ctx context.Context, j *imageJob, unpack unpackFunc
 		Digest: res.Digest, Platform: res.Platform, Config: cfg, ImageLayers: len(res.Layers),
 		Files: res.Files, Bytes: res.Bytes,
 	}
-	base, err := s.deps.Layers.BuildFromDir(ctx, j.base, root, layer.BuildOptions{Image: &cfg}, progress)
+	base, err := s.deps.Layers.BuildFromDir(ctx, j.base, root, layer.BuildOptions{Image: &cfg, Project: j.project}, progress)
 	if err != nil {
 		return nil, err
 	}
 	out.Layers = append(out.Layers, base)
 	if j.workspace != nil {
 		out.Split = j.split
-		ws, err := s.deps.Layers.BuildFromDir(ctx, *j.workspace, opts.UpperDir, layer.BuildOptions{}, progress)
+		ws, err := s.deps.Layers.BuildFromDir(ctx, *j.workspace, opts.UpperDir, layer.BuildOptions{Project: j.project}, progress)
 		if err != nil {
 			// The base alone is half an import: take it back.
 			if derr := s.deps.Layers.Delete(j.base.String(), func(d string) (bool, error) { return s.inUse(ctx, d) }); derr != nil {
@@ -176,6 +178,9 @@ func (s *Server) importImage(w http.ResponseWriter, r *http.Request) {
 		split = n
 	}
 	job, err := s.newImageJob(q.Get("ref"), q.Get("workspace"), split, q.Get("platform"))
+	if job != nil {
+		job.project = s.callerProject(r.Context())
+	}
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -230,6 +235,9 @@ func (s *Server) pullImage(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	job, err := s.newImageJob(req.Ref, req.Workspace, req.Split, req.Platform)
+	if job != nil {
+		job.project = s.callerProject(r.Context())
+	}
 	if err != nil {
 		s.writeError(w, r, err)
 		return

@@ -1,11 +1,15 @@
 package apiserver
 
 import (
+	"context"
 	"io"
 	"net/http"
+	"strings"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/iam"
 	"github.com/dsecproject/dsec/internal/layer"
 )
 
@@ -27,7 +31,8 @@ func (s *Server) buildLayer(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	l, err := s.deps.Layers.BuildFromTar(r.Context(), ref, r.Body, layer.BuildOptions{Replace: replace, MaxBytes: s.deps.MaxLayerBytes}, nil)
+	l, err := s.deps.Layers.BuildFromTar(r.Context(), ref, r.Body, layer.BuildOptions{Replace: replace, MaxBytes: s.deps.MaxLayerBytes,
+		Project: s.callerProject(r.Context()), MayReplace: s.mayReplace(r.Context())}, nil)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -43,19 +48,22 @@ func (s *Server) listLayers(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, badQuery("kind", kind, "want base, workspace, toolkit or snapshot"))
 		return
 	}
-	ls, err := s.deps.Layers.List(kind)
+	all, err := s.deps.Layers.List(kind)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
 	}
-	if ls == nil {
-		ls = []api.Layer{}
+	ls := []api.Layer{}
+	for _, l := range all {
+		if s.layerVisible(r.Context(), l) {
+			ls = append(ls, l)
+		}
 	}
 	writeJSON(w, http.StatusOK, api.LayerList{Layers: ls})
 }
 
 func (s *Server) getLayer(w http.ResponseWriter, r *http.Request) {
-	l, err := s.resolve(r.PathValue("ref"))
+	l, err := s.resolveFor(r.Context(), r.PathValue("ref"))
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -64,6 +72,15 @@ func (s *Server) getLayer(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) deleteLayer(w http.ResponseWriter, r *http.Request) {
+	l, err := s.resolveFor(r.Context(), r.PathValue("ref"))
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if err := s.mayReplace(r.Context())(l); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
 	if err := s.deps.Layers.Delete(r.PathValue("ref"), func(d string) (bool, error) { return s.inUse(r.Context(), d) }); err != nil {
 		s.writeError(w, r, err)
 		return
@@ -74,4 +91,53 @@ func (s *Server) deleteLayer(w http.ResponseWriter, r *http.Request) {
 // copyBuffer copies with a 256 KiB buffer (files are often large).
 func copyBuffer(w io.Writer, r io.Reader) (int64, error) {
 	return io.CopyBuffer(w, r, make([]byte, 256<<10))
+}
+
+// Layers belong to the project of the key that published them. A key sees
+// the layers of its project, of the projects above it (the images it
+// inherits: root's are everyone's) and of the projects below it; it may
+// re-point or delete only those of its project and below. Refs are one
+// namespace for the whole tree: a ref another tenant holds is taken.
+
+// callerProject is the project of the caller of ctx (root without one).
+func (s *Server) callerProject(ctx context.Context) string {
+	if p := principal(ctx).Project; p != "" {
+		return p
+	}
+	return iam.RootProject
+}
+
+// layerPath is the path of the project owning l. A project deleted since
+// is placed right below the root, where only root's keys see it.
+func (s *Server) layerPath(l api.Layer) string {
+	p, err := s.pathOf(l.Project)
+	if err != nil {
+		return edgeapi.RootPath + "/" + l.Project
+	}
+	return p
+}
+
+// layerVisible reports whether the caller of ctx may see l.
+func (s *Server) layerVisible(ctx context.Context, l api.Layer) bool {
+	caller, err := s.pathOf(s.callerProject(ctx))
+	if err != nil {
+		return false
+	}
+	lp := s.layerPath(l)
+	return edgeapi.PathIn(caller, lp) || edgeapi.PathIn(lp, caller)
+}
+
+// mayReplace refuses to re-point or delete a layer of a project outside
+// the caller's.
+func (s *Server) mayReplace(ctx context.Context) func(api.Layer) error {
+	return func(l api.Layer) error {
+		caller, err := s.pathOf(s.callerProject(ctx))
+		if err != nil {
+			return err
+		}
+		if lp := s.layerPath(l); !edgeapi.PathIn(lp, caller) {
+			return errdefs.PermissionDenied("layer %s belongs to project %s, which is not yours or below yours", l.Ref, strings.TrimPrefix(lp, edgeapi.RootPath+"/"))
+		}
+		return nil
+	}
 }

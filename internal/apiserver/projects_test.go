@@ -248,3 +248,53 @@ func TestEveryRouteDeclaresItsPermission(t *testing.T) {
 		}
 	}
 }
+
+// TestLayersOfTenants: a key sees the layers of its project, of those
+// above it (root's base is everyone's) and below it, and no other
+// tenant's: not in lists, not by ref, not as a layer of a new sandbox;
+// it may delete only its own project's (and below).
+func TestLayersOfTenants(t *testing.T) {
+	f := newFixture(t, false)
+	f.mkProject(t, f.admin, "root", "team-a", "")
+	f.mkProject(t, f.admin, "root", "team-b", "")
+	for _, l := range []api.Layer{
+		{Digest: fmt.Sprintf("sha256:%064x", 11), Ref: "toolkit/a:1", Kind: "toolkit", Project: "team-a"},
+		{Digest: fmt.Sprintf("sha256:%064x", 12), Ref: "toolkit/b:1", Kind: "toolkit", Project: "team-b"},
+	} {
+		b, _ := json.Marshal(l)
+		if err := f.st.Put("layers", l.Ref, b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a, _ := f.mkKey(t, f.admin, "team-a", "builder")
+	refs := func(key string) string {
+		t.Helper()
+		resp, body := f.do(t, key, "GET", "/v1/layers", "")
+		var l api.LayerList
+		if resp.StatusCode != 200 || json.Unmarshal(body, &l) != nil {
+			t.Fatalf("list layers: %d %s", resp.StatusCode, body)
+		}
+		var out []string
+		for _, x := range l.Layers {
+			out = append(out, x.Ref)
+		}
+		return strings.Join(out, ",")
+	}
+	if got := refs(a); strings.Contains(got, "toolkit/b:1") || !strings.Contains(got, "toolkit/a:1") || !strings.Contains(got, "base/py:1") {
+		t.Fatalf("team-a sees layers %s", got)
+	}
+	if got := refs(f.admin); !strings.Contains(got, "toolkit/b:1") || !strings.Contains(got, "toolkit/a:1") {
+		t.Fatalf("the root admin sees layers %s", got)
+	}
+	resp, body := f.do(t, a, "GET", "/v1/layers/toolkit/b:1", "")
+	wantError(t, resp, body, 404, "not_found")
+	resp, body = f.do(t, a, "POST", "/v1/sandboxes", `{"base":"base/py:1","toolkits":["toolkit/b:1"]}`)
+	wantError(t, resp, body, 404, "not_found")
+	if resp, body := f.do(t, a, "POST", "/v1/sandboxes", `{"base":"base/py:1","toolkits":["toolkit/a:1"]}`); resp.StatusCode != 201 {
+		t.Fatalf("a sandbox on its own toolkit: %d %s", resp.StatusCode, body)
+	}
+	resp, body = f.do(t, a, "DELETE", "/v1/layers/toolkit/b:1", "")
+	wantError(t, resp, body, 404, "not_found")
+	resp, body = f.do(t, a, "DELETE", "/v1/layers/base/py:1", "")
+	wantError(t, resp, body, 403, "permission_denied")
+}

@@ -48,7 +48,7 @@ func (s *Server) prepare(ctx context.Context, spec *api.SandboxSpec) ([]string, 
 	if _, err := s.sandboxProject(ctx, spec); err != nil {
 		return nil, err
 	}
-	resolve := s.memoResolve()
+	resolve := s.memoResolve(ctx)
 	var snap *api.Layer
 	if spec.Snapshot != "" {
 		l, err := resolve(spec.Snapshot)
@@ -111,7 +111,7 @@ func (s *Server) prepare(ctx context.Context, spec *api.SandboxSpec) ([]string, 
 // memoResolve is resolve for one request: each ref is read from the
 // catalog once (the base is looked at for its image defaults and for its
 // digest; with etcd each read is a round trip).
-func (s *Server) memoResolve() func(string) (api.Layer, error) {
+func (s *Server) memoResolve(ctx context.Context) func(string) (api.Layer, error) {
 	type res struct {
 		l   api.Layer
 		err error
@@ -121,10 +121,23 @@ func (s *Server) memoResolve() func(string) (api.Layer, error) {
 		if r, ok := seen[ref]; ok {
 			return r.l, r.err
 		}
-		l, err := s.resolve(ref)
+		l, err := s.resolveFor(ctx, ref)
 		seen[ref] = res{l, err}
 		return l, err
 	}
+}
+
+// resolveFor is resolve for the caller of ctx: a layer it may not see is
+// not found.
+func (s *Server) resolveFor(ctx context.Context, ref string) (api.Layer, error) {
+	l, err := s.resolve(ref)
+	if err != nil {
+		return l, err
+	}
+	if !s.layerVisible(ctx, l) {
+		return api.Layer{}, errdefs.NotFound("layer %s not found", ref)
+	}
+	return l, nil
 }
 
 // resolve finds a layer by ref (kind/name:tag) or digest.

@@ -35,7 +35,7 @@ func (s *Server) snapshot(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	s.forward(w, r, http.StatusCreated, func(e edgeapi.Edge, id string) (any, error) {
-		return e.Snapshot(r.Context(), id, edgeapi.SnapshotOptions{Request: req, Principal: principalID(r)})
+		return e.Snapshot(r.Context(), id, edgeapi.SnapshotOptions{Request: req, Principal: principalID(r), Project: s.callerProject(r.Context())})
 	})
 }
 
@@ -66,7 +66,7 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 	// The fork's snapshot is an ordinary catalogued layer: forks keep it in
 	// use, and it can be forked from again or deleted once unused.
 	ref := fmt.Sprintf("snapshot/fork-%s:%d", strings.ToLower(strings.TrimPrefix(id, "sb-")), time.Now().UnixNano())
-	l, err := e.Snapshot(r.Context(), id, edgeapi.SnapshotOptions{Request: api.SnapshotRequest{Ref: ref}, Principal: principalID(r)})
+	l, err := e.Snapshot(r.Context(), id, edgeapi.SnapshotOptions{Request: api.SnapshotRequest{Ref: ref}, Principal: principalID(r), Project: s.callerProject(r.Context())})
 	if err != nil {
 		s.writeError(w, r, err)
 		return

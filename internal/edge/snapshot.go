@@ -151,7 +151,7 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOption
 		}
 		src = stage
 	}
-	l, err := e.deps.Layers.BuildFromDir(ctx, ref, src, layer.BuildOptions{Exclude: excludes, Snapshot: info}, nil)
+	l, err := e.deps.Layers.BuildFromDir(ctx, ref, src, layer.BuildOptions{Exclude: excludes, Snapshot: info, Project: o.Project}, nil)
 	if err != nil {
 		return nil, err
 	}

@@ -101,8 +101,10 @@ type ListFilter struct {
 // SnapshotOptions carry what the apiserver knows about a snapshot request.
 type SnapshotOptions struct {
 	Request api.SnapshotRequest `json:"request"`
-	// Principal names who asks, recorded with the snapshot.
+	// Principal names who asks, recorded with the snapshot, and Project
+	// is its project, which owns the layer.
 	Principal string `json:"principal,omitempty"`
+	Project   string `json:"project,omitempty"`
 }
 
 // Command log page bounds (GET /v1/sandboxes/{id}/log?limit=).

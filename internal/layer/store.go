@@ -64,6 +64,11 @@ type BuildOptions struct {
 	// Replace lets a build re-point an existing ref; without it that is
 	// errdefs.ErrAlreadyExists. The previous blob stays until GC.
 	Replace bool
+	// MayReplace, if set, is asked before an existing ref is re-pointed
+	// (in the same compare-and-set as the write): an error refuses it.
+	MayReplace func(old api.Layer) error
+	// Project is recorded as the layer's owner (api.Layer.Project).
+	Project string
 	// MaxBytes and MaxFiles bound what a tar may extract to; zero means
 	// DefaultMaxBytes and DefaultMaxFiles.
 	MaxBytes int64
@@ -433,8 +438,8 @@ func (s *Store) build(ctx context.Context, ref Ref, src string, opts BuildOption
 	}
 	printf(progress, "mkfs.erofs: %s, image %s\n", mkfsTime.Round(time.Millisecond), humanBytes(size))
 
-	l := api.Layer{Digest: digest, Ref: ref.String(), Kind: ref.Kind, SizeBytes: size, CreatedAt: time.Now().UTC(), Snapshot: opts.Snapshot, Image: opts.Image}
-	deduped, err := s.publish(tmpPath, l, opts.Replace)
+	l := api.Layer{Digest: digest, Ref: ref.String(), Kind: ref.Kind, SizeBytes: size, CreatedAt: time.Now().UTC(), Snapshot: opts.Snapshot, Image: opts.Image, Project: opts.Project}
+	deduped, err := s.publish(tmpPath, l, opts.Replace, opts.MayReplace)
 	if err != nil {
 		return api.Layer{}, err
 	}
@@ -452,7 +457,7 @@ func (s *Store) build(ctx context.Context, ref Ref, src string, opts BuildOption
 // is already stored) and then writes the catalog entry: the catalog never
 // names a blob that is not in place. A pin in the store keeps any process
 // from removing the blob between the two.
-func (s *Store) publish(tmpPath string, l api.Layer, replace bool) (deduped bool, err error) {
+func (s *Store) publish(tmpPath string, l api.Layer, replace bool, mayReplace func(api.Layer) error) (deduped bool, err error) {
 	val, err := json.Marshal(l)
 	if err != nil {
 		return false, fmt.Errorf("encoding layer %s: %w", l.Ref, err)
@@ -484,7 +489,18 @@ func (s *Store) publish(tmpPath string, l api.Layer, replace bool) (deduped bool
 	}
 
 	if replace {
-		err = s.st.Put(catalogBucket, l.Ref, val)
+		err = s.st.Update(catalogBucket, l.Ref, func(old []byte) ([]byte, error) {
+			if old != nil && mayReplace != nil {
+				var prev api.Layer
+				if err := json.Unmarshal(old, &prev); err != nil {
+					return nil, fmt.Errorf("decoding layer %s: %w", l.Ref, err)
+				}
+				if err := mayReplace(prev); err != nil {
+					return nil, err
+				}
+			}
+			return val, nil
+		})
 	} else {
 		err = s.st.Create(catalogBucket, l.Ref, val)
 	}

@@ -1,6 +1,8 @@
 package e2e
 
 import (
+	"archive/tar"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -26,6 +28,7 @@ func TestTenantsOnOneNode(t *testing.T) {
 		}
 		t.Cleanup(func() { _ = client.DeleteProject(context.Background(), p, true) })
 	}
+	var secrets = map[*dsec.Client]string{}
 	keyed := func(project, role string) (*dsec.Client, string) {
 		t.Helper()
 		k, err := client.CreateKey(ctx(t), project, api.CreateKeyRequest{Role: role})
@@ -36,11 +39,34 @@ func TestTenantsOnOneNode(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		secrets[c] = k.Key
 		return c, k.ID
 	}
 	ca, idA := keyed(pa, "member")
 	cb, _ := keyed(pb, "member")
 	builder, _ := keyed(pa, "builder")
+	builderB, _ := keyed(pb, "builder")
+
+	// Layers: a's toolkit is a's; b neither sees it nor re-points it.
+	tk := tarOf(t, []*tar.Header{{Name: "tool.txt", Typeflag: tar.TypeReg, Mode: 0o644}}, map[string][]byte{"tool.txt": []byte("a's")})
+	tname := fmt.Sprintf("ten-%d", n)
+	tl, err := builder.BuildLayer(ctx(t), "toolkit", tname, "1", bytes.NewReader(tk))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = client.DeleteLayer(context.Background(), tl.Ref) })
+	if tl.Project != pa {
+		t.Fatalf("layer of project %q, want %s", tl.Project, pa)
+	}
+	_, err = builderB.GetLayer(ctx(t), tl.Ref)
+	wantCode(t, err, "not_found")
+	r := wireCallAuth(t, "POST", "/v1/layers?kind=toolkit&name="+tname+"&tag=1&replace=true", tk, "Bearer "+secrets[builderB])
+	wireWantError(t, "another tenant re-pointing the ref", r, 403, "permission_denied")
+	if got, err := builder.GetLayer(ctx(t), tl.Ref); err != nil || got.Digest != tl.Digest {
+		t.Fatalf("after another tenant's replace: %v %v", got, err)
+	}
+	_, err = cb.CreateSandbox(ctx(t), api.SandboxSpec{Base: baseRef, Toolkits: []string{tl.Ref}})
+	wantCode(t, err, "not_found")
 
 	sb, err := ca.CreateSandbox(ctx(t), api.SandboxSpec{Base: baseRef, Labels: map[string]string{"tenant": "a"}})
 	if err != nil {
