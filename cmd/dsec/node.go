@@ -43,6 +43,7 @@ type nodeConfig struct {
 	minFreeMB    int64
 	reserveMB    int64
 	reservePids  int64
+	pidMax       int64
 	cleanupExit  bool
 	maxSessions  int
 	maxStreams   int
@@ -75,6 +76,7 @@ func (c *nodeConfig) register(f *cmdFlags) {
 	f.Int64Var(&c.outputMB, "output-buffer-mb", 0, "output that one-shot execs, session runs and fncalls may buffer on this node at once, in MiB: each call holds 2 × its max_output_bytes while it runs, and one that does not fit is refused with resource_exhausted before it starts (streamed execs hold none); 0 = an eighth of the host's memory, 256 MiB to 8 GiB")
 	f.Int64Var(&c.minFreeMB, "min-free-disk-mb", -1, "floor of free space on the state filesystem, in MiB: below it creates and file uploads are refused with resource_exhausted (a sandbox without disk_mb writes to that filesystem); -1 = 2% of it, 1 to 20 GiB; 0 = no floor")
 	f.Int64Var(&c.reserveMB, "host-reserve-mb", -1, "memory the host keeps whatever sandboxes do, in MiB: the top dsec cgroup (every instance's sandboxes) is limited to the rest, so a sandbox without a memory limit is OOM-killed inside it rather than the host running out; -1 = the larger of 2 GiB and 1/16 of the host's memory; 0 = no limit")
+	f.Int64Var(&c.pidMax, "pid-max", edge.DefaultPidMax, "raise kernel.pid_max to this at start if it is lower (a host setting that outlives dsec; the kernel's usual 32768 is eight default sandboxes); 0 leaves it as it is")
 	f.Int64Var(&c.reservePids, "host-reserve-pids", -1, "pids the host keeps whatever sandboxes do: the top dsec cgroup is limited to kernel.pid_max less this; -1 = the larger of 4096 and 1/8 of kernel.pid_max; 0 = no limit")
 	f.IntVar(&c.maxSessions, "max-sessions-total", 0, "sessions open on this node at once, across its sandboxes (each holds a shell and ~4 descriptors of the daemon's); past it an open is refused with resource_exhausted; 0 = a sixteenth of the open-files limit, 64 to 16384")
 	f.IntVar(&c.maxStreams, "max-streams", 0, "commands (exec, streamed or not, and fncall) and port connections running on this node at once (each holds pipes or a socket of the daemon's); past it a call is refused with resource_exhausted before it starts; 0 = a sixteenth of the open-files limit, 64 to 16384")
@@ -103,6 +105,9 @@ func (c *nodeConfig) check() error {
 	}
 	if c.sharedMemMB < 0 || (c.sharedMemMB > 0 && c.sharedMemMB < 64) {
 		return fmt.Errorf("--shared-memory-mb %d: want 0 (no limit) or at least 64", c.sharedMemMB)
+	}
+	if c.pidMax < 0 || c.pidMax > edge.DefaultPidMax {
+		return fmt.Errorf("--pid-max %d: want 0 (leave kernel.pid_max alone) to %d", c.pidMax, edge.DefaultPidMax)
 	}
 	if c.reserveMB < -1 || c.reservePids < -1 {
 		return fmt.Errorf("--host-reserve-mb %d, --host-reserve-pids %d: want -1 (the default), 0 (no limit) or more", c.reserveMB, c.reservePids)
@@ -168,7 +173,7 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax, PoolMin: c.poolMin, CgroupPool: c.cgroupPool, SharedMemoryMB: c.sharedMemMB,
 		OutputBufferMB: c.outputMB, MinFreeDiskMB: c.minFreeMB, BundleDir: h.BundleDir(),
 		MaxSessionsTotal: maxSessions, MaxStreams: maxStreams,
-		HostReserveMB: c.reserveMB, HostReservePids: c.reservePids,
+		HostReserveMB: c.reserveMB, HostReservePids: c.reservePids, PidMax: c.pidMax,
 	}, edge.Deps{
 		Backend: h.Backend, Blobs: layers, Cgroups: h.Cgroups, Log: log,
 		Metrics: edge.NewMetrics(reg), Runtime: h.Runtime, Launcher: h.Backend.Launcher(), Layers: layers, Net: h.Net,

@@ -73,6 +73,10 @@ type Config struct {
 	// see reserve.go).
 	HostReserveMB   int64
 	HostReservePids int64
+	// PidMax is what kernel.pid_max is raised to at start if it is lower
+	// (0: left as it is): the kernel's default of 32,768 is eight
+	// default sandboxes.
+	PidMax int64
 	// MinFreeDiskMB is the state filesystem's floor: creates and file
 	// writes are refused while less is free (0: no floor; -1: 2% of the
 	// filesystem, 1 to 20 GiB).
@@ -286,6 +290,7 @@ func (e *Edge) Start(ctx context.Context) error {
 		if err := e.deps.Cgroups.EnsureParent(e.cfg.CgroupParent); err != nil {
 			return fmt.Errorf("preparing cgroup parent %s: %w", e.cfg.CgroupParent, err)
 		}
+		e.raisePidMax()
 		e.reserveForHost()
 	}
 	started := time.Now()

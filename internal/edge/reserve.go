@@ -25,6 +25,28 @@ func reserveDefaults(memTotal, pidMax int64) (memReserve, pidsReserve int64) {
 	return max(2<<30, memTotal/16), max(4096, pidMax/8)
 }
 
+// DefaultPidMax is what dsec raises kernel.pid_max to: the largest the
+// kernel takes on 64-bit hosts.
+const DefaultPidMax = 1 << 22
+
+// raisePidMax raises kernel.pid_max to Config.PidMax if it is lower (a
+// host setting: it outlives the daemon). Best effort, logged.
+func (e *Edge) raisePidMax() {
+	want := e.cfg.PidMax
+	if want <= 0 {
+		return
+	}
+	have := hostPidMax()
+	if have >= want {
+		return
+	}
+	if err := os.WriteFile("/proc/sys/kernel/pid_max", []byte(strconv.FormatInt(want, 10)), 0o644); err != nil {
+		e.log.Warn("could not raise kernel.pid_max", "from", have, "to", want, "err", err)
+		return
+	}
+	e.log.Info("raised kernel.pid_max", "from", have, "to", want)
+}
+
 // reserveForHost applies the reserve to the top dsec cgroup. Best effort:
 // a limit the kernel refuses (usage above it already) is logged.
 func (e *Edge) reserveForHost() {

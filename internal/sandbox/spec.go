@@ -11,17 +11,21 @@ import (
 
 // Policy holds the bounds a node or platform puts on specs.
 type Policy struct {
-	Backends      []string // backends this node offers
-	DefaultTTL    int64    // seconds, applied when spec.TTL == 0
-	MaxTTL        int64
-	MaxCPU        float64
-	MaxMemoryMB   int64
-	MaxPids       int64
-	DefaultPids   int64 // applied when spec.Pids == 0
-	MaxEnv        int
-	MaxLabels     int
-	MaxIdleTimout int64
-	MaxDiskMB     int64
+	Backends    []string // backends this node offers
+	DefaultTTL  int64    // seconds, applied when spec.TTL == 0
+	MaxTTL      int64
+	MaxCPU      float64
+	MaxMemoryMB int64
+	MaxPids     int64
+	DefaultPids int64 // applied when spec.Pids == 0
+	// DefaultMemoryMB is applied when spec.MemoryMB == 0 and the sandbox
+	// has a memory cgroup of its own: no sandbox is without a limit
+	// unless it asks for a shared memory cgroup.
+	DefaultMemoryMB int64
+	MaxEnv          int
+	MaxLabels       int
+	MaxIdleTimout   int64
+	MaxDiskMB       int64
 }
 
 // MinDiskMB is the smallest writable-layer limit a spec may ask for.
@@ -30,17 +34,21 @@ const MinDiskMB = 16
 // DefaultPolicy is the policy of `dsec up` unless flags change it.
 func DefaultPolicy() Policy {
 	return Policy{
-		Backends:      []string{api.BackendContainer},
-		DefaultTTL:    3600,
-		MaxTTL:        7 * 24 * 3600,
-		MaxCPU:        256,
-		MaxMemoryMB:   1 << 20, // 1 TiB
-		MaxPids:       1 << 20,
-		DefaultPids:   4096,
-		MaxEnv:        1024,
-		MaxLabels:     64,
-		MaxIdleTimout: 7 * 24 * 3600,
-		MaxDiskMB:     1 << 20, // 1 TiB
+		Backends:    []string{api.BackendContainer},
+		DefaultTTL:  3600,
+		MaxTTL:      7 * 24 * 3600,
+		MaxCPU:      256,
+		MaxMemoryMB: 1 << 20, // 1 TiB
+		MaxPids:     1 << 20,
+		DefaultPids: 4096,
+		// A sandbox that asks for nothing may use 4 GiB: one runaway
+		// agent cannot take the node's memory (the host reserve on the
+		// instance's cgroup bounds all of them together).
+		DefaultMemoryMB: 4096,
+		MaxEnv:          1024,
+		MaxLabels:       64,
+		MaxIdleTimout:   7 * 24 * 3600,
+		MaxDiskMB:       1 << 20, // 1 TiB
 	}
 }
 
@@ -155,9 +163,11 @@ func Normalize(spec *api.SandboxSpec, p Policy) error {
 		return err
 	}
 	switch spec.MemoryCgroup {
-	case "":
+	case "", api.MemoryCgroupOwn:
 		spec.MemoryCgroup = api.MemoryCgroupOwn
-	case api.MemoryCgroupOwn:
+		if spec.MemoryMB == 0 {
+			spec.MemoryMB = min(p.DefaultMemoryMB, p.MaxMemoryMB)
+		}
 	case api.MemoryCgroupShared:
 		if spec.MemoryMB > 0 {
 			return errdefs.Invalid("memory_mb needs memory_cgroup %q: a shared memory cgroup has no limit per sandbox", api.MemoryCgroupOwn)

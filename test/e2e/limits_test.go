@@ -220,8 +220,8 @@ func TestSandboxStats(t *testing.T) {
 	if st.DiskBytes < 1000000 {
 		t.Errorf("disk_bytes = %d after writing 1 MB", st.DiskBytes)
 	}
-	if st.MemoryMaxBytes != 0 {
-		t.Errorf("memory_limit_bytes = %d without a memory limit", st.MemoryMaxBytes)
+	if st.MemoryMaxBytes != 4096<<20 {
+		t.Errorf("memory_limit_bytes = %d for a spec without memory_mb, want the default 4 GiB", st.MemoryMaxBytes)
 	}
 	// The raw wire names of the contract.
 	code, body := rawAPI(t, "GET", "/v1/sandboxes/"+sb.ID+"/stats", nil)
@@ -330,7 +330,7 @@ func TestReusedCgroupStartsClean(t *testing.T) {
 		}
 	}
 	for _, f := range [][4]string{
-		{"memory", "memory.limit_in_bytes", "memory.max", "unlimited"},
+		{"memory", "memory.limit_in_bytes", "memory.max", "4294967296"}, // the policy's default, 4 GiB
 		{"cpu", "cpu.cfs_quota_us", "cpu.max", "unlimited"},
 		{"cpu", "cpu.shares", "cpu.weight", "default"},
 		{"cpu", "cpu.idle", "cpu.idle", "0"},
@@ -364,8 +364,8 @@ func TestReusedCgroupStartsClean(t *testing.T) {
 	if stB.CPUUsageNS >= stA.CPUUsageNS/2 {
 		t.Errorf("b's cpu usage %d ns counts a's %d", stB.CPUUsageNS, stA.CPUUsageNS)
 	}
-	if stB.MemoryMaxBytes != 0 {
-		t.Errorf("b's memory limit %d, want none", stB.MemoryMaxBytes)
+	if stB.MemoryMaxBytes != 4096<<20 {
+		t.Errorf("b's memory limit %d, want the default 4 GiB (not a's)", stB.MemoryMaxBytes)
 	}
 	if stB.MemoryBytes > 16<<20 {
 		t.Errorf("b's memory %d bytes right after creation: a's charges left?", stB.MemoryBytes)
@@ -521,9 +521,10 @@ func readInt(t *testing.T, path string) int64 {
 // pids whatever the sandboxes do. By default the top dsec cgroup is
 // limited to the host's memory less 2 GiB (or 1/16) and kernel.pid_max
 // less 4,096 (or 1/8). With the reserve raised so that sandboxes have
-// only ~400 MiB more than they use now, a sandbox without a memory limit
-// that asks for 1 GiB is OOM-killed inside its cgroup: the daemon and a
-// neighbour live on.
+// only ~400 MiB more than they use now, a sandbox with the default limit
+// (4 GiB) that asks for 1 GiB is OOM-killed inside the top cgroup: the
+// daemon and a neighbour live on. And kernel.pid_max was raised from the
+// kernel's 32,768.
 func TestRedteamHostReserve(t *testing.T) {
 	needDaemon(t)
 	memLimit := dsecTopFile(t, "memory", "memory.limit_in_bytes", "memory.max")
@@ -538,6 +539,9 @@ func TestRedteamHostReserve(t *testing.T) {
 		}
 	}
 	pidMax := readInt(t, "/proc/sys/kernel/pid_max")
+	if pidMax < 1<<22 {
+		t.Errorf("kernel.pid_max is %d: the daemon raises it to %d at start (--pid-max)", pidMax, 1<<22)
+	}
 	wantMem := memTotal - max(2<<30, memTotal/16)
 	if got := readInt(t, memLimit); got > wantMem || got < wantMem-(1<<20) {
 		t.Errorf("default memory limit of the top dsec cgroup: %d, want %d (page-rounded)", got, wantMem)
