@@ -214,6 +214,8 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	if err != nil {
 		return fail(fmt.Errorf("opening IAM: %w", err))
 	}
+	// Keys and projects from memory: the bbolt file tells of its writes.
+	ident.Watch(ctx)
 	if layers, err = layer.NewStore(filepath.Join(c.node.stateDir, "layers"), st, log); err != nil {
 		return fail(fmt.Errorf("opening layer store: %w", err))
 	}

@@ -2,8 +2,10 @@ package store
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"go.etcd.io/bbolt"
@@ -19,11 +21,21 @@ const openTimeout = time.Second
 
 // Bolt is a Store in a single bbolt file, for `dsec up` and single-node
 // servers. Writes are fsynced before they return (bbolt's defaults).
+//
+// It is a Watcher too: the file is locked for one process, so every write
+// goes through this Bolt, which tells the watches after it commits. Writes
+// and notices go in order under wmu (bbolt has a single writer anyway).
 type Bolt struct {
 	db *bbolt.DB
+
+	wmu     sync.Mutex
+	watches map[string][]*memWatch
 }
 
-var _ Store = (*Bolt)(nil)
+var (
+	_ Store   = (*Bolt)(nil)
+	_ Watcher = (*Bolt)(nil)
+)
 
 // OpenBolt opens (creating if needed) the bbolt file at path. The file is
 // locked for the life of the Bolt: if another process holds it, OpenBolt fails
@@ -49,7 +61,51 @@ func openBolt(path string, timeout time.Duration, noSync bool) (*Bolt, error) {
 	if err != nil {
 		return nil, fmt.Errorf("opening store %s: %w", path, err)
 	}
-	return &Bolt{db: db}, nil
+	return &Bolt{db: db, watches: map[string][]*memWatch{}}, nil
+}
+
+// write runs fn in a write transaction and, once it has committed, tells
+// the bucket's watches what it changed (fn reports it through set).
+func (b *Bolt) write(bucket string, fn func(tx *bbolt.Tx, set func(key string, val []byte)) error) error {
+	b.wmu.Lock()
+	defer b.wmu.Unlock()
+	type change struct {
+		key string
+		val []byte
+	}
+	var changes []change
+	err := b.db.Update(func(tx *bbolt.Tx) error {
+		changes = changes[:0] // bbolt does not retry, but be exact
+		return fn(tx, func(key string, val []byte) { changes = append(changes, change{key, bytes.Clone(val)}) })
+	})
+	if err != nil || len(b.watches[bucket]) == 0 {
+		return err
+	}
+	live := b.watches[bucket][:0]
+	for _, w := range b.watches[bucket] {
+		if w.ctx.Err() != nil {
+			continue
+		}
+		live = append(live, w)
+		for _, c := range changes {
+			w.change(c.key, bytes.Clone(c.val))
+		}
+	}
+	b.watches[bucket] = live
+	return nil
+}
+
+// WatchBucket implements Watcher. The callbacks run with the store's write
+// lock held: they must not call the store.
+func (b *Bolt) WatchBucket(ctx context.Context, bucket string, reset func([]KV), change func(key string, val []byte)) {
+	b.wmu.Lock()
+	defer b.wmu.Unlock()
+	kvs, err := b.List(bucket, "")
+	if err != nil {
+		kvs = nil
+	}
+	reset(kvs)
+	b.watches[bucket] = append(b.watches[bucket], &memWatch{ctx: ctx, change: change})
 }
 
 // Get implements Store.
@@ -74,11 +130,12 @@ func (b *Bolt) Put(bucket, key string, val []byte) error {
 	if err := checkName(bucket, key); err != nil {
 		return err
 	}
-	return b.db.Update(func(tx *bbolt.Tx) error {
+	return b.write(bucket, func(tx *bbolt.Tx, set func(string, []byte)) error {
 		bk, err := tx.CreateBucketIfNotExists([]byte(bucket))
 		if err != nil {
 			return fmt.Errorf("creating bucket %s: %w", bucket, err)
 		}
+		set(key, nonNilValue(val))
 		return putCopy(bk, key, val)
 	})
 }
@@ -88,7 +145,7 @@ func (b *Bolt) Create(bucket, key string, val []byte) error {
 	if err := checkName(bucket, key); err != nil {
 		return err
 	}
-	return b.db.Update(func(tx *bbolt.Tx) error {
+	return b.write(bucket, func(tx *bbolt.Tx, set func(string, []byte)) error {
 		bk, err := tx.CreateBucketIfNotExists([]byte(bucket))
 		if err != nil {
 			return fmt.Errorf("creating bucket %s: %w", bucket, err)
@@ -96,6 +153,7 @@ func (b *Bolt) Create(bucket, key string, val []byte) error {
 		if _, ok := lookup(bk, key); ok {
 			return errdefs.AlreadyExists("%s/%s already exists", bucket, key)
 		}
+		set(key, nonNilValue(val))
 		return putCopy(bk, key, val)
 	})
 }
@@ -106,19 +164,23 @@ func (b *Bolt) Update(bucket, key string, fn func(old []byte) ([]byte, error)) e
 	if err := checkName(bucket, key); err != nil {
 		return err
 	}
-	return b.db.Update(func(tx *bbolt.Tx) error {
+	return b.write(bucket, func(tx *bbolt.Tx, set func(string, []byte)) error {
 		bk, err := tx.CreateBucketIfNotExists([]byte(bucket))
 		if err != nil {
 			return fmt.Errorf("creating bucket %s: %w", bucket, err)
 		}
-		old, _ := lookup(bk, key)
+		old, had := lookup(bk, key)
 		val, err := fn(old)
 		if err != nil {
 			return err
 		}
 		if val == nil {
+			if had {
+				set(key, nil)
+			}
 			return deleteKey(bk, key)
 		}
+		set(key, nonNilValue(val))
 		return putCopy(bk, key, val)
 	})
 }
@@ -128,10 +190,13 @@ func (b *Bolt) Delete(bucket, key string) error {
 	if err := checkName(bucket, key); err != nil {
 		return err
 	}
-	return b.db.Update(func(tx *bbolt.Tx) error {
+	return b.write(bucket, func(tx *bbolt.Tx, set func(string, []byte)) error {
 		bk := tx.Bucket([]byte(bucket))
 		if bk == nil {
 			return nil
+		}
+		if _, ok := lookup(bk, key); ok {
+			set(key, nil)
 		}
 		return deleteKey(bk, key)
 	})
@@ -201,4 +266,13 @@ func nonNil(b []byte) []byte {
 		return []byte{}
 	}
 	return b
+}
+
+// nonNilValue is what a watch is told a key now holds: an empty value
+// reads back as present, so it is not passed as nil (deleted).
+func nonNilValue(val []byte) []byte {
+	if val == nil {
+		return []byte{}
+	}
+	return val
 }

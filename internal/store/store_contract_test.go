@@ -40,3 +40,18 @@ func TestBoltNoSyncContract(t *testing.T) {
 func TestMemoryContract(t *testing.T) {
 	storetest.Run(t, store.NewMemory)
 }
+
+// TestBoltWatcher: bbolt's file belongs to one process, so its own writes
+// are all there is to watch; the watch contract holds as for etcd.
+func TestBoltWatcher(t *testing.T) {
+	dir := t.TempDir()
+	n := 0
+	storetest.RunWatcher(t, func() store.Store {
+		n++
+		b, err := store.OpenBolt(filepath.Join(dir, fmt.Sprintf("watch-%d.db", n)))
+		if err != nil {
+			panic(err)
+		}
+		return b
+	})
+}
