@@ -9,7 +9,7 @@ BIN := bin/dsec
 STATE_DIR ?= /var/lib/dsec
 LISTEN ?= 127.0.0.1:7070
 
-.PHONY: all build deps deps-test run demo test test-unit vet fuzz bench clean
+.PHONY: all build deps deps-test run demo test test-unit vet fuzz bench soak clean
 
 all: build
 
@@ -57,6 +57,10 @@ bench: build
 	$(BIN) bench pool --count 50
 	$(BIN) bench envsetup --count 20 --concurrency 4 --state-dir $(STATE_DIR)
 	$(BIN) bench density --count 1000 --concurrency 16 --state-dir $(STATE_DIR)
+
+# Hours, not minutes: not part of make bench.
+soak: build
+	$(BIN) bench soak --cycles 10000 --concurrency 8 --state-dir $(STATE_DIR)
 
 clean:
 	rm -rf bin

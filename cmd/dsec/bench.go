@@ -66,7 +66,7 @@ type benchRow struct {
 
 func runBench(args []string) error {
 	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" {
-		fmt.Print("usage: dsec bench create|exec|pause|snapshot|fork|envsetup|density [flags]\n\n" +
+		fmt.Print("usage: dsec bench create|exec|pause|snapshot|fork|pool|envsetup|density|soak|cluster [flags]\n\n" +
 			"  create  create → ready latency and throughput through the API, then delete\n" +
 			"  exec    exec round trip of `true` through the API\n" +
 			"  pause   pause (freeze + reclaim) and resume latency, memory freed per pause\n" +
@@ -77,6 +77,9 @@ func runBench(args []string) error {
 			"            sequence, against tar.gz extraction per sandbox (DSec §8 E2)\n" +
 			"  density   fill the node with idle sandboxes: memory, tasks, daemon RSS/fds\n" +
 			"            per sandbox, exec latency at density, teardown rate, leak check\n" +
+			"  soak      create, use and delete in a loop with adversarial workloads mixed in\n" +
+			"            (floods, fork bombs, deep trees, disk fill, memory hog, open sessions),\n" +
+			"            then check mounts, cgroups, loops, veths, nft, fds, RSS, disk are back\n" +
 			"  cluster   start a dsec up and a cluster side by side and price the extra hop:\n" +
 			"            create and exec latency, a burst over the edges (its own daemons)\n\n" +
 			"Each prints the same measure for the bare OCI runtime (crun/runc run -d,\n" +
@@ -95,6 +98,8 @@ func runBench(args []string) error {
 		return runBenchEnv(args[1:])
 	case "density":
 		return runBenchDensity(args[1:])
+	case "soak":
+		return runBenchSoak(args[1:])
 	}
 	sub := args[0]
 	var o benchOpts
@@ -156,7 +161,7 @@ func runBench(args []string) error {
 	case "pool":
 		rows, err = benchPool(ctx, c, o, ref)
 	default:
-		return fmt.Errorf("bench: unknown subcommand %q (want create, exec, pause, snapshot, fork, pool, envsetup or density)", sub)
+		return fmt.Errorf("bench: unknown subcommand %q (want create, exec, pause, snapshot, fork, pool, envsetup, density, soak or cluster)", sub)
 	}
 	if err != nil {
 		return err

@@ -286,7 +286,12 @@ type hostSample struct {
 	cgroupMem   int64 // memory charged to the parent cgroup in bytes, -1 if unknown
 	ownSockets  int   // this process's sockets: each is a connection the daemon holds too
 	sandboxes   int   // live on the node, by the API
-	sampleError error
+	pooled      int   // waiting in the node's warm pools, by the API
+	// heldMounts and heldBusyCgroups are the mounts and busy cgroups of
+	// the sandboxes of sampleHost's held (0 without).
+	heldMounts      int
+	heldBusyCgroups int
+	sampleError     error
 }
 
 // densityResult is one side's figures.
@@ -478,6 +483,26 @@ type densityRun struct {
 // sample reads the host, the daemon's /metrics and, through the API, the
 // node's sandbox count.
 func (d *densityRun) sample(ctx context.Context) hostSample {
+	parent := host.CgroupParent(d.node.Name, d.o.stateDir)
+	if d.o.memoryCgroup == api.MemoryCgroupShared {
+		parent += "-shared" // edge/cgroups.go
+	}
+	return sampleHost(ctx, d.c, d.o.stateDir, parent, d.ids, heldSet{})
+}
+
+// heldSet names what the sandboxes a node holds at a reading hold: their
+// ids (a path element of their mounts) and the names of their cgroups.
+// bench soak counts only what none of them holds; density passes none.
+type heldSet struct {
+	ids     map[string]bool
+	cgroups map[string]bool
+}
+
+// sampleHost reads the host (memory, tasks, the mounts under stateDir and
+// the children of the parent cgroup), the daemon's /metrics and, through
+// the API, the node's sandbox count. ids are the bench's sandboxes
+// (ourMounts); the mounts and busy cgroups of held are counted apart.
+func sampleHost(ctx context.Context, c *dsec.Client, stateDir, parent string, ids map[string]bool, held heldSet) hostSample {
 	var s hostSample
 	var err error
 	if s.mem, err = readMeminfo(); err != nil {
@@ -486,22 +511,22 @@ func (d *densityRun) sample(ctx context.Context) hostSample {
 	if s.tasks, err = hostTasks(); err != nil {
 		s.sampleError = err
 	}
-	s.metrics = daemonMetrics(ctx, d.c.Endpoint())
+	s.metrics = daemonMetrics(ctx, c.Endpoint())
 	s.ownSockets = ownSockets()
 	if mi, err := os.ReadFile("/proc/self/mountinfo"); err == nil {
-		abs, _ := filepath.Abs(d.o.stateDir)
-		s.mounts, s.ourMounts = countMounts(string(mi), abs, d.ids)
+		abs, _ := filepath.Abs(stateDir)
+		s.mounts, s.ourMounts = countMounts(string(mi), abs, ids)
+		if len(held.ids) > 0 {
+			_, s.heldMounts = countMounts(string(mi), abs, held.ids)
+		}
 	}
-	parent := host.CgroupParent(d.node.Name, d.o.stateDir)
-	if d.o.memoryCgroup == api.MemoryCgroupShared {
-		parent += "-shared" // edge/cgroups.go
-	}
-	s.cgroups, s.busyCgroups = countCgroups(parent)
+	s.cgroups, s.busyCgroups, s.heldBusyCgroups = countCgroupsHeld(parent, held.cgroups)
 	s.hierarchies = len(cgroupParentDirs(parent))
 	s.cgroupPids = cgroupValue(parent, "pids.current")
 	s.cgroupMem = cgroupValue(parent, "memory.usage_in_bytes", "memory.current")
-	if nodes, err := d.c.ListNodes(ctx); err == nil && len(nodes) > 0 {
+	if nodes, err := c.ListNodes(ctx); err == nil && len(nodes) > 0 {
 		s.sandboxes = liveSandboxes(nodes[0].Counts)
+		s.pooled = nodes[0].Counts["pooled"]
 	}
 	return s
 }
@@ -548,6 +573,13 @@ func cgroupParentDirs(parent string) []string {
 // hierarchy, and those holding processes. The edge keeps emptied cgroups
 // of deleted sandboxes for reuse, so only a busy one is a leak.
 func countCgroups(parent string) (total, busy int) {
+	total, busy, _ = countCgroupsHeld(parent, nil)
+	return total, busy
+}
+
+// countCgroupsHeld is countCgroups that also counts the busy children
+// named in held.
+func countCgroupsHeld(parent string, held map[string]bool) (total, busy, heldBusy int) {
 	for _, d := range cgroupParentDirs(parent) {
 		ents, _ := os.ReadDir(d)
 		for _, e := range ents {
@@ -557,10 +589,13 @@ func countCgroups(parent string) (total, busy int) {
 			total++
 			if b, _ := os.ReadFile(filepath.Join(d, e.Name(), "cgroup.procs")); len(bytes.TrimSpace(b)) > 0 {
 				busy++
+				if held[e.Name()] {
+					heldBusy++
+				}
 			}
 		}
 	}
-	return total, busy
+	return total, busy, heldBusy
 }
 
 // cgroupValue reads the first of files found in the parent cgroup's
@@ -933,23 +968,40 @@ func leaks(before, end hostSample) []string {
 	if end.busyCgroups > before.busyCgroups {
 		out = append(out, fmt.Sprintf("cgroups under the parent holding processes %d, %d before", end.busyCgroups, before.busyCgroups))
 	}
-	// Empty ones are the edge's free slots, in every hierarchy, plus at
-	// most one the reaper is removing; more is a leak (a slot the edge
-	// lost track of).
-	if free, ok := end.metrics["dsec_cgroup_slots_free"]; ok && end.hierarchies > 0 {
-		if idle := end.cgroups - end.busyCgroups; idle > (int(free)+1)*end.hierarchies {
-			out = append(out, fmt.Sprintf("%d empty cgroups under the parent over %d hierarchies, but the edge keeps %.0f free slots", idle, end.hierarchies, free))
-		}
+	if idle, most, ok := emptyCgroups(end); ok && idle > most {
+		out = append(out, fmt.Sprintf("%d empty cgroups under the parent over %d hierarchies, but the edge keeps %.0f free slots", idle, end.hierarchies, end.metrics["dsec_cgroup_slots_free"]))
 	}
-	if before.metrics != nil && end.metrics != nil {
-		// Net of the connections this client holds open to the daemon.
-		fb := before.metrics["process_open_fds"] - float64(before.ownSockets)
-		fe := end.metrics["process_open_fds"] - float64(end.ownSockets)
-		if fe > fb+4 {
-			out = append(out, fmt.Sprintf("daemon fds %.0f, %.0f before (not counting this client's connections)", fe, fb))
-		}
+	fb, okb := daemonFDs(before)
+	fe, oke := daemonFDs(end)
+	if okb && oke && fe > fb+daemonFDSlack {
+		out = append(out, fmt.Sprintf("daemon fds %.0f, %.0f before (not counting this client's connections)", fe, fb))
 	}
 	return out
+}
+
+// daemonFDSlack is how many more fds than before the daemon may hold
+// after a teardown: descriptors the runtime opens and closes meanwhile.
+const daemonFDSlack = 4
+
+// emptyCgroups returns the children of the parent cgroup holding no
+// process and the most there may be: the edge's free slots in every
+// hierarchy, plus at most one the reaper is removing; more is a leak (a
+// slot the edge lost track of). ok is false without the metric.
+func emptyCgroups(s hostSample) (idle, most int, ok bool) {
+	free, ok := s.metrics["dsec_cgroup_slots_free"]
+	if !ok || s.hierarchies == 0 {
+		return 0, 0, false
+	}
+	return s.cgroups - s.busyCgroups, (int(free) + 1) * s.hierarchies, true
+}
+
+// daemonFDs returns the daemon's open fds net of the connections this
+// client holds open to it; ok is false without /metrics.
+func daemonFDs(s hostSample) (float64, bool) {
+	if s.metrics == nil {
+		return 0, false
+	}
+	return s.metrics["process_open_fds"] - float64(s.ownSockets), true
 }
 
 // densityBaseline is the same fill with the bare runtime: `run -d` on an
