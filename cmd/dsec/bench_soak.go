@@ -684,10 +684,14 @@ func (s *soakRun) forkBomb(ctx context.Context, id string) (*soakVerdict, error)
 	return &soakVerdict{n < soakPids && st.Pids <= soakPids, detail}, nil
 }
 
-// deepTree makes a directory tree soakTreeDepth levels deep (beyond
-// PATH_MAX), 100 levels per mkdir -p; the delete must remove it.
+// deepTree makes a directory tree soakTreeDepth levels deep, far beyond
+// PATH_MAX; the delete must remove it. No path the shell uses may be
+// longer than PATH_MAX (its cd goes by the whole path), so the tree grows
+// from the top: each round makes 100 new levels and moves the tree so far
+// under them.
 func (s *soakRun) deepTree(ctx context.Context, id string, del func() error) (*soakVerdict, error) {
-	cmd := fmt.Sprintf(`cd /tmp && c=d && j=1 && while [ $j -lt 100 ]; do c=$c/d; j=$((j+1)); done; n=0; while [ $n -lt %d ]; do mkdir -p $c && cd $c || break; n=$((n+100)); done; echo $n`, soakTreeDepth)
+	cmd := fmt.Sprintf(`cd /tmp && c=d && j=1 && while [ $j -lt 100 ]; do c=$c/d; j=$((j+1)); done; `+
+		`mkdir -p t/$c && n=100 && while [ $n -lt %d ]; do mkdir -p u/$c && mv t/d u/$c/ && rmdir t && mv u t || break; n=$((n+100)); done; echo $n`, soakTreeDepth)
 	r, err := s.c.Exec(ctx, id, api.ExecRequest{Cmd: cmd, Timeout: 120, MaxOutputBytes: 4096})
 	if err != nil {
 		return nil, err
