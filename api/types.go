@@ -81,9 +81,13 @@ const (
 
 // Sandbox is the API's view of one sandbox.
 type Sandbox struct {
-	ID           string            `json:"id"`
-	Node         string            `json:"node"`
-	Project      string            `json:"project,omitempty"`
+	ID      string `json:"id"`
+	Node    string `json:"node"`
+	Project string `json:"project,omitempty"`
+	// CreateSeq is the node's sequence number of the sandbox's create
+	// (Node.CreateSeq): a node's view with a CreateSeq at least this
+	// counts the sandbox. Quotas use it.
+	CreateSeq    uint64            `json:"create_seq,omitempty"`
 	Backend      string            `json:"backend"`
 	State        string            `json:"state"`
 	Spec         SandboxSpec       `json:"spec"`
@@ -460,6 +464,10 @@ type Node struct {
 	// sandboxes this node holds (it then holds no other's); "" when it
 	// holds none of such a project.
 	DedicatedTo string `json:"dedicated_to,omitempty"`
+	// CreateSeq is the sequence number of the last create the node's
+	// counts include: it grows with every create, across restarts of the
+	// node.
+	CreateSeq uint64 `json:"create_seq,omitempty"`
 	// Labels are the node's labels (dsec edge --node-labels), which
 	// spec.node_selector selects on.
 	Labels map[string]string `json:"labels,omitempty"`

@@ -62,7 +62,7 @@ func (s *Server) dedicatedOf(project string) (string, error) {
 func settle(t *ticket, sb *api.Sandbox, err error) {
 	switch {
 	case err == nil && sb != nil:
-		t.done(sb.Node)
+		t.done(sb.Node, sb.CreateSeq)
 	case edgeapi.IsUnreachable(err):
 	default:
 		t.release()

@@ -14,10 +14,11 @@ package apiserver
 //     a limited ancestor shares that ledger, since the path above the
 //     ancestor is common), so two apiservers admitting at once cannot
 //     both take the last unit: the quota is never exceeded;
-//   - once the sandbox exists, its reservation becomes a done entry of
-//     its node (summed with the others of its node, project and tenth of
-//     a second), which counts only for an apiserver whose view of that
-//     node polled before it (plus a margin for clock skew); after
+//   - once the sandbox exists, its reservation becomes a done entry with
+//     the node's sequence number of the create (api.Sandbox.CreateSeq),
+//     which counts only for an apiserver whose view of that node has a
+//     lower api.Node.CreateSeq, i.e. does not count the sandbox yet: no
+//     clocks are compared, and nothing counts twice; after
 //     reservationDoneTTL every view has polled since, and it is dropped;
 //     a failed create drops its reservation at once;
 //   - a reservation of an apiserver that died mid-create expires after
@@ -27,9 +28,8 @@ package apiserver
 // compare-and-set (a burst costs a store write per batch, not per create).
 // A project whose lineage sets no limit costs nothing.
 //
-// Counting errs on the side of refusing: a sandbox deleted a moment ago
-// still counts until the next poll of its node, and a done reservation
-// may count once more while the view already has its sandbox.
+// Counting errs on the side of refusing in one way only: a sandbox
+// deleted a moment ago still counts until the next poll of its node.
 
 import (
 	"context"
@@ -55,10 +55,6 @@ const (
 	// reservationTTL bounds a reservation whose create never finished
 	// (its apiserver died).
 	reservationTTL = 2 * time.Minute
-	// pollMargin is how much later than a reservation's completion a
-	// poll must have started to be known to include its sandbox: room
-	// for the clocks of two apiservers to differ.
-	pollMargin = 250 * time.Millisecond
 	// quotaBatch bounds the admissions of one compare-and-set.
 	quotaBatch = 256
 	// quotaLinger is how long a lone completion waits for an admission
@@ -74,19 +70,15 @@ type reservation struct {
 	Expires time.Time        `json:"expires"`
 }
 
-// doneEntry is what the creates of a project that were done on a node
-// within one doneBucket hold, with At the bucket's end: one entry per
-// node, project and tenth of a second, however many creates (the ledger
-// stays small at any create rate).
+// doneEntry is a create that was done on Node as its sequence number Seq,
+// and when (for its expiry).
 type doneEntry struct {
 	Node   string           `json:"node"`
+	Seq    uint64           `json:"seq"`
 	Path   string           `json:"path"`
 	Amount api.ProjectUsage `json:"amount"`
 	At     time.Time        `json:"at"`
 }
-
-// doneBucket is the time resolution of done entries.
-const doneBucket = 100 * time.Millisecond
 
 type quotaLedger struct {
 	InFlight []reservation `json:"in_flight,omitempty"`
@@ -103,8 +95,10 @@ type quotaOp struct {
 	// An admission: add, if it fits every limit.
 	add    *reservation
 	limits []limit
-	// Or a completion (node set) or a release of reservation id.
+	// Or a completion (node set, seq its create's number there) or a
+	// release of reservation id.
 	id, node string
+	seq      uint64
 	err      error
 	done     chan struct{} // admissions only
 }
@@ -135,13 +129,13 @@ type ticket struct {
 	settled bool
 }
 
-// done marks the reservation's sandbox made on node.
-func (t *ticket) done(node string) {
+// done marks the reservation's sandbox made on node as its create seq.
+func (t *ticket) done(node string, seq uint64) {
 	if t == nil || t.ledger == "" || t.settled {
 		return
 	}
 	t.settled = true
-	t.q.enqueue(t.ledger, &quotaOp{id: t.id, node: node})
+	t.q.enqueue(t.ledger, &quotaOp{id: t.id, node: node, seq: seq})
 }
 
 // release drops the reservation of a create that failed.
@@ -280,7 +274,6 @@ func (q *quotas) write(ledger string, batch []*quotaOp) {
 			}
 		}
 		now := time.Now()
-		bucketEnd := now.Truncate(doneBucket).Add(doneBucket)
 		byID := map[string]int{}
 		for i, r := range l.InFlight {
 			byID[r.ID] = i
@@ -296,17 +289,7 @@ func (q *quotas) write(ledger string, batch []*quotaOp) {
 				continue // released
 			}
 			r := l.InFlight[i]
-			merged := false
-			for j := range l.Done {
-				if d := &l.Done[j]; d.Node == op.node && d.Path == r.Path && d.At.Equal(bucketEnd) {
-					d.Amount.Add(r.Amount)
-					merged = true
-					break
-				}
-			}
-			if !merged {
-				l.Done = append(l.Done, doneEntry{Node: op.node, Path: r.Path, Amount: r.Amount, At: bucketEnd})
-			}
+			l.Done = append(l.Done, doneEntry{Node: op.node, Seq: op.seq, Path: r.Path, Amount: r.Amount, At: now})
 		}
 		inFlight := l.InFlight[:0]
 		for _, r := range l.InFlight {
@@ -322,8 +305,8 @@ func (q *quotas) write(ledger string, batch []*quotaOp) {
 			}
 		}
 		l.Done = done
-		// What counts: in flight, or done after this view's poll of its
-		// node (plus the margin for clocks).
+		// What counts: in flight, or done but not yet in this view of its
+		// node.
 		reserved := map[string]api.ProjectUsage{}
 		count := func(path string, a api.ProjectUsage) {
 			u := reserved[path]
@@ -334,7 +317,9 @@ func (q *quotas) write(ledger string, batch []*quotaOp) {
 			count(r.Path, r.Amount)
 		}
 		for _, d := range l.Done {
-			if at, ok := polled[d.Node]; !ok || !at.After(d.At.Add(pollMargin)) {
+			// Seq 0: a node that does not number its creates; counted
+			// until the entry expires.
+			if seen, ok := polled[d.Node]; !ok || d.Seq == 0 || seen < d.Seq {
 				count(d.Path, d.Amount)
 			}
 		}
@@ -373,13 +358,13 @@ func (q *quotas) write(ledger string, batch []*quotaOp) {
 	}
 }
 
-// view is the usage the nodes report, by project path, and when each
-// node's poll that gave it started.
-func (q *quotas) view() (map[string]api.ProjectUsage, map[string]time.Time) {
+// view is the usage the nodes report, by project path, and the last
+// create each node's counts include.
+func (q *quotas) view() (map[string]api.ProjectUsage, map[string]uint64) {
 	byPath := map[string]api.ProjectUsage{}
-	polled := map[string]time.Time{}
+	polled := map[string]uint64{}
 	for _, v := range q.s.deps.Nodes.Snapshot() {
-		polled[v.Name] = v.PolledAt
+		polled[v.Name] = v.CreateSeq
 		for path, u := range v.Projects {
 			t := byPath[path]
 			t.Add(u)

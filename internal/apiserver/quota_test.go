@@ -60,11 +60,10 @@ func TestQuotaAcrossApiservers(t *testing.T) {
 	}
 	// Done, but not yet in any view of the node: the reservations still
 	// count.
-	time.Sleep(100 * time.Millisecond)
+	time.Sleep(100 * time.Millisecond) // the completions are written
 	resp, body := f.do(t, key, "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
 	wantError(t, resp, body, 429, "quota_exceeded")
 	// After the nodes were polled, the view holds what reservations did.
-	time.Sleep(pollMargin + doneBucket + 50*time.Millisecond)
 	f.view.Sync(t.Context())
 	if made, _ := f.burst(t, servers, key, `{"base":"base/py:1"}`, 10); made != 0 {
 		t.Fatalf("%d more made over a full quota", made)
@@ -83,7 +82,6 @@ func TestQuotaAcrossApiservers(t *testing.T) {
 		t.Fatalf("%d made after 2 deletes, want 2", made)
 	}
 	// A create the node refuses gives its reservation back.
-	time.Sleep(pollMargin + doneBucket + 50*time.Millisecond)
 	f.view.Sync(t.Context())
 	for _, sb := range l.Sandboxes[2:3] {
 		f.do(t, key, "DELETE", "/v1/sandboxes/"+sb.ID, "")
@@ -122,7 +120,6 @@ func TestQuotaUpTheLineage(t *testing.T) {
 		t.Fatalf("job-a made %d, want 1 (team's 3, job-b has 2)", made)
 	}
 	// cpu: 3 sandboxes of 1 CPU hold 3 of team's 4.
-	time.Sleep(pollMargin + doneBucket + 50*time.Millisecond)
 	f.view.Sync(t.Context())
 	resp, body = f.do(t, f.admin, "GET", "/v1/projects/team", "")
 	if resp.StatusCode != 200 || !strings.Contains(string(body), `"usage":{"sandboxes":3,"cpu":3`) {

@@ -143,6 +143,12 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 		}
 	}
 	e.live++
+	if !pooled {
+		// In the node's counts (as creating) from now on: numbered so.
+		e.createSeq++
+		rec.Sandbox.CreateSeq = e.createSeq
+		s.rec.Sandbox.CreateSeq = e.createSeq
+	}
 	e.sandboxes[id] = s
 	e.mu.Unlock()
 	undo.Add(func() {

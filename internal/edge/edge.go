@@ -160,6 +160,10 @@ type Edge struct {
 	// tenancy counts them by record.Dedicated (pooled ones excluded):
 	// tenancy.go.
 	tenancy map[string]int
+	// createSeq numbers the sandboxes handed to a project, in the order
+	// they join the node's counts (Info reports the last): it starts at
+	// the edge's start time in microseconds, so it grows across restarts.
+	createSeq uint64
 
 	// idmap is the user namespace idmapped layer mounts use, made on the
 	// first user-namespace sandbox.
@@ -254,7 +258,7 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 			return nil, fmt.Errorf("writing resolv.conf: %w", err)
 		}
 	}
-	e := &Edge{
+	e := &Edge{createSeq: uint64(time.Now().UnixMicro()),
 		cfg:          cfg,
 		output:       &outputBudget{limit: cfg.OutputBufferMB << 20},
 		sessions:     newSlots(cfg.MaxSessionsTotal),
@@ -607,6 +611,7 @@ func (e *Edge) Info(ctx context.Context) (api.Node, error) {
 		s.mu.Unlock()
 	}
 	n.DedicatedTo = e.dedicatedToLocked()
+	n.CreateSeq = e.createSeq
 	e.mu.RUnlock()
 	for d := range e.mounter.Refs() {
 		n.Layers = append(n.Layers, d)

@@ -183,6 +183,15 @@ func (e *Edge) claim(spec api.SandboxSpec, req edgeapi.CreateRequest) *api.Sandb
 			e.mu.Unlock()
 			continue // died or being removed: try the next one
 		}
+		// In the node's counts from now on: numbered after that.
+		e.mu.Lock()
+		e.createSeq++
+		seq := e.createSeq
+		e.mu.Unlock()
+		s.mu.Lock()
+		s.rec.Sandbox.CreateSeq = seq
+		s.mu.Unlock()
+		v.CreateSeq = seq
 		s.touch()
 		e.metrics.poolClaims.WithLabelValues("hit").Inc()
 		e.log.Info("sandbox created", "sandbox_id", v.ID, "project", spec.Project, "base", spec.Base, "pooled", true)

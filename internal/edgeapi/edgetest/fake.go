@@ -122,7 +122,8 @@ func (f *Fake) Info(ctx context.Context) (api.Node, error) {
 		projects[path] = u
 	}
 	return api.Node{Name: f.name, Healthy: true, Backends: []string{"container"}, Labels: f.Labels,
-		Capacity: api.Capacity{MaxSandboxes: f.MaxSandboxes}, Counts: map[string]int{"running": len(f.sandboxes)}, Projects: projects}, nil
+		Capacity: api.Capacity{MaxSandboxes: f.MaxSandboxes}, Counts: map[string]int{"running": len(f.sandboxes)}, Projects: projects,
+		CreateSeq: uint64(f.n)}, nil
 }
 
 // LayerUsers implements edgeapi.Edge.
@@ -150,7 +151,8 @@ func (f *Fake) Create(ctx context.Context, req edgeapi.CreateRequest) (*api.Sand
 	}
 	f.n++
 	sb := api.Sandbox{ID: fmt.Sprintf("sb-%s-%04d", f.name, f.n), Node: f.name, State: "running", Backend: req.Spec.Backend,
-		Spec: req.Spec, Labels: req.Spec.Labels, Layers: req.Digests, CreatedAt: time.Now(), Project: req.Spec.Project}
+		Spec: req.Spec, Labels: req.Spec.Labels, Layers: req.Digests, CreatedAt: time.Now(), Project: req.Spec.Project,
+		CreateSeq: uint64(f.n)}
 	f.sandboxes[sb.ID] = sb
 	f.paths[sb.ID] = req.ProjectPath
 	return &sb, nil
