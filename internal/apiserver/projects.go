@@ -187,14 +187,10 @@ func hideScope(err error, id string) error {
 
 func (s *Server) listProjects(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	limit := 0
-	if v := q.Get("limit"); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 || n > 1000 {
-			s.writeError(w, r, errdefs.Invalid("limit must be between 1 and 1000, got %q", v))
-			return
-		}
-		limit = n
+	limit, err := pageLimit(r)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
 	}
 	p := principal(r.Context())
 	projs, next, err := s.deps.IAM.ListProjects(p, q.Get("parent"), q.Get("page_token"), limit)
@@ -409,6 +405,20 @@ func (s *Server) revokeKey(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
+// pageLimit is the ?limit= of a paged list of projects or audit entries:
+// 1 to 1000, 0 when absent (the default page).
+func pageLimit(r *http.Request) (int, error) {
+	v := r.URL.Query().Get("limit")
+	if v == "" {
+		return 0, nil
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 1 || n > 1000 {
+		return 0, errdefs.Invalid("limit must be between 1 and 1000, got %q", v)
+	}
+	return n, nil
+}
+
 func (s *Server) whoami(w http.ResponseWriter, r *http.Request) {
 	p := principal(r.Context())
 	writeJSON(w, http.StatusOK, api.WhoAmI{Principal: p.ID, Project: p.Project, Role: string(p.Role), Permissions: iam.Permissions(p.Role)})
@@ -425,14 +435,10 @@ func (s *Server) listAudit(w http.ResponseWriter, r *http.Request) {
 		}
 		since = t
 	}
-	limit := 0
-	if v := q.Get("limit"); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 || n > 1000 {
-			s.writeError(w, r, errdefs.Invalid("limit must be between 1 and 1000, got %q", v))
-			return
-		}
-		limit = n
+	limit, err := pageLimit(r)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
 	}
 	entries, err := s.deps.IAM.ListAudit(principal(r.Context()), since, limit)
 	if err != nil {

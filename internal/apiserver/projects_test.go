@@ -298,3 +298,18 @@ func TestLayersOfTenants(t *testing.T) {
 	resp, body = f.do(t, a, "DELETE", "/v1/layers/base/py:1", "")
 	wantError(t, resp, body, 403, "permission_denied")
 }
+
+// TestPageLimits: a list's limit is 1 to 1000; anything else is refused
+// before anything is read.
+func TestPageLimits(t *testing.T) {
+	f := newFixture(t, false)
+	for _, path := range []string{"/v1/projects?limit=0", "/v1/projects?limit=1001", "/v1/projects?limit=x", "/v1/audit?limit=-1", "/v1/audit?limit=5000"} {
+		resp, body := f.do(t, f.admin, "GET", path, "")
+		wantError(t, resp, body, 400, "invalid_argument")
+	}
+	for _, path := range []string{"/v1/projects?limit=1", "/v1/audit?limit=1000"} {
+		if resp, body := f.do(t, f.admin, "GET", path, ""); resp.StatusCode != 200 {
+			t.Errorf("%s: %d %s", path, resp.StatusCode, body)
+		}
+	}
+}
