@@ -32,12 +32,17 @@ func (s *Server) fncall(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	dedicated, err := s.dedicatedOf(spec.Project)
+	lineage, err := s.deps.IAM.Lineage(spec.Project)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
 	}
-	t, err := s.quotas.admit(r.Context(), spec)
+	dedicated, err := s.dedicatedOf(lineage)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	t, err := s.quotas.admit(r.Context(), spec, lineage)
 	if err != nil {
 		s.writeError(w, r, err)
 		return

@@ -11,6 +11,7 @@ import (
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/iam"
 	"github.com/dsecproject/dsec/internal/placement"
 )
 
@@ -23,11 +24,15 @@ func (s *Server) place(ctx context.Context, spec api.SandboxSpec, digests []stri
 	if err != nil {
 		return nil, err
 	}
-	dedicated, err := s.dedicatedOf(spec.Project)
+	lineage, err := s.deps.IAM.Lineage(spec.Project)
 	if err != nil {
 		return nil, err
 	}
-	t, err := s.quotas.admit(ctx, spec)
+	dedicated, err := s.dedicatedOf(lineage)
+	if err != nil {
+		return nil, err
+	}
+	t, err := s.quotas.admit(ctx, spec, lineage)
 	if err != nil {
 		return nil, err
 	}
@@ -41,13 +46,9 @@ func (s *Server) place(ctx context.Context, spec api.SandboxSpec, digests []stri
 	return sb, err
 }
 
-// dedicatedOf is the path of the nearest project on project's lineage
-// that asks for dedicated nodes, "" if none does.
-func (s *Server) dedicatedOf(project string) (string, error) {
-	lineage, err := s.deps.IAM.Lineage(project)
-	if err != nil {
-		return "", err
-	}
+// dedicatedOf is the path of the nearest project on lineage (a project,
+// then its ancestors) that asks for dedicated nodes, "" if none does.
+func (s *Server) dedicatedOf(lineage []iam.Project) (string, error) {
 	for _, p := range lineage {
 		if p.DedicatedNodes {
 			return s.pathOf(p.ID)

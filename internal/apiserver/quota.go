@@ -148,12 +148,9 @@ func (t *ticket) release() {
 }
 
 // admit reserves what a sandbox of spec (normalized) takes against every
-// quota on its project's lineage, or refuses with quota_exceeded.
-func (q *quotas) admit(ctx context.Context, spec api.SandboxSpec) (*ticket, error) {
-	lineage, err := q.s.deps.IAM.Lineage(spec.Project)
-	if err != nil {
-		return nil, err
-	}
+// quota on lineage (spec.Project's, from IAM.Lineage), or refuses with
+// quota_exceeded.
+func (q *quotas) admit(ctx context.Context, spec api.SandboxSpec, lineage []iam.Project) (*ticket, error) {
 	amount := api.ProjectUsage{Sandboxes: 1, CPU: spec.CPU, MemoryMB: spec.MemoryMB, DiskMB: spec.DiskMB}
 	var limits []limit
 	top := ""
