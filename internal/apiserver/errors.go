@@ -27,14 +27,20 @@ func (s *Server) writeError(w http.ResponseWriter, r *http.Request, err error) {
 	st := errdefs.HTTPStatus(code)
 	msg := err.Error()
 	if st == http.StatusInternalServerError {
-		var b [6]byte
-		_, _ = rand.Read(b[:])
-		ref := hex.EncodeToString(b[:])
-		p := principal(r.Context())
-		s.log.Error("request failed", "ref", ref, "method", r.Method, "path", r.URL.Path, "principal", p.ID, "project", p.Project, "err", err)
-		msg = "internal error (ref " + ref + "; the server log has the details)"
+		msg = s.internalRef(r, err)
 	}
 	writeJSON(w, st, api.ErrorBody{Error: api.ErrorDetail{Code: code, Message: msg}})
+}
+
+// internalRef logs an internal error under a fresh reference and returns
+// the message the caller gets instead of its detail.
+func (s *Server) internalRef(r *http.Request, err error) string {
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	ref := hex.EncodeToString(b[:])
+	p := principal(r.Context())
+	s.log.Error("request failed", "ref", ref, "method", r.Method, "path", r.URL.Path, "principal", p.ID, "project", p.Project, "err", err)
+	return "internal error (ref " + ref + "; the server log has the details)"
 }
 
 // noteUnreachable tells the view about an edge a call could not reach, so

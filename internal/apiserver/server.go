@@ -79,6 +79,8 @@ type Server struct {
 	authFails *authLimiter
 	// quotas admits creates against project quotas (quota.go).
 	quotas *quotas
+	// e2bKey is the E2B access tokens' secret, once read (e2b.go).
+	e2bKey e2bSecretState
 }
 
 // New builds the server and its routes.
@@ -184,6 +186,7 @@ func (s *Server) routes() {
 	s.handle("GET /v1/whoami", "", s.whoami)
 	s.handle("GET /v1/audit", iam.AuditRead, s.listAudit)
 	// Anything else under /v1 is a JSON 404, not the mux's text page.
+	s.e2bRoutes()
 	s.handle("/v1/", "", func(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, errdefs.NotFound("no such endpoint: %s %s", r.Method, r.URL.Path))
 	})
@@ -201,51 +204,69 @@ func (s *Server) handle(pattern string, action iam.Action, h http.HandlerFunc) {
 	s.mux.Handle(pattern, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		rec := &statusRecorder{ResponseWriter: w, status: http.StatusOK}
 		defer func() { s.metrics.requests.WithLabelValues(pattern, strconv.Itoa(rec.status)).Inc() }()
-		addr := peer(r)
-		if d := s.authFails.wait(addr); d > 0 {
-			rec.Header().Set("Retry-After", retryAfter(d))
-			rec.Header().Set("WWW-Authenticate", `Bearer realm="dsec"`)
-			hangUp(rec)
-			s.writeError(rec, r, errdefs.Unauthenticated("too many failed authentications from %s; retry in %s s", addr, retryAfter(d)))
-			return
-		}
 		key, ok := bearer(r)
+		ctx, ok := s.admit(rec, r, key, ok, action, `Bearer realm="dsec"`, s.writeError)
 		if !ok {
-			rec.Header().Set("WWW-Authenticate", `Bearer realm="dsec"`)
-			hangUp(rec)
-			s.writeError(rec, r, errdefs.Unauthenticated("missing Authorization: Bearer <api key> header"))
 			return
 		}
-		p, err := s.deps.IAM.Authenticate(key)
-		if err != nil {
-			if errdefs.Code(err) == "unauthenticated" {
-				s.authFails.fail(addr)
-			}
-			rec.Header().Set("WWW-Authenticate", `Bearer realm="dsec", error="invalid_token"`)
-			hangUp(rec)
-			s.writeError(rec, r, err)
-			return
-		}
-		// The connection has carried an authenticated request: a flood
-		// of connections that have not may no longer push it out.
-		conns.Trust(r.Context())
-		if action != "" {
-			if err := s.deps.IAM.Authorize(p, action); err != nil {
-				s.writeError(rec, r, err)
-				return
-			}
-		}
-		// Every edge call made for this request carries the caller's
-		// scope: the edges answer only about sandboxes of its project
-		// and below (edgeapi/scope.go).
-		scope, err := s.pathOf(p.Project)
-		if err != nil {
-			s.writeError(rec, r, err)
-			return
-		}
-		ctx := edgeapi.WithScope(context.WithValue(r.Context(), principalKey{}, p), scope)
 		h(rec, r.WithContext(ctx))
 	}))
+}
+
+// admit authenticates the key of a request (found: whether the request
+// carried one) and authorizes action ("" = any principal), writing the
+// refusal with fail. On success it returns the request's context with
+// the principal and its scope: every edge call made for the request
+// carries the scope, and the edges answer only about sandboxes of the
+// principal's project and below (edgeapi/scope.go). challenge is the
+// WWW-Authenticate value of a refusal ("" for none).
+func (s *Server) admit(w http.ResponseWriter, r *http.Request, key string, found bool, action iam.Action, challenge string,
+	fail func(http.ResponseWriter, *http.Request, error)) (context.Context, bool) {
+	addr := peer(r)
+	if d := s.authFails.wait(addr); d > 0 {
+		w.Header().Set("Retry-After", retryAfter(d))
+		if challenge != "" {
+			w.Header().Set("WWW-Authenticate", challenge)
+		}
+		hangUp(w)
+		fail(w, r, errdefs.Unauthenticated("too many failed authentications from %s; retry in %s s", addr, retryAfter(d)))
+		return nil, false
+	}
+	if !found {
+		if challenge != "" {
+			w.Header().Set("WWW-Authenticate", challenge)
+		}
+		hangUp(w)
+		fail(w, r, errdefs.Unauthenticated("missing API key (Authorization: Bearer <api key>, or X-API-KEY on the E2B API)"))
+		return nil, false
+	}
+	p, err := s.deps.IAM.Authenticate(key)
+	if err != nil {
+		if errdefs.Code(err) == "unauthenticated" {
+			s.authFails.fail(addr)
+		}
+		if challenge != "" {
+			w.Header().Set("WWW-Authenticate", challenge+`, error="invalid_token"`)
+		}
+		hangUp(w)
+		fail(w, r, err)
+		return nil, false
+	}
+	// The connection has carried an authenticated request: a flood of
+	// connections that have not may no longer push it out.
+	conns.Trust(r.Context())
+	if action != "" {
+		if err := s.deps.IAM.Authorize(p, action); err != nil {
+			fail(w, r, err)
+			return nil, false
+		}
+	}
+	scope, err := s.pathOf(p.Project)
+	if err != nil {
+		fail(w, r, err)
+		return nil, false
+	}
+	return edgeapi.WithScope(context.WithValue(r.Context(), principalKey{}, p), scope), true
 }
 
 // hangUp makes the connection of an unauthenticated request close once
