@@ -224,4 +224,7 @@ func (s *Server) envdEdge(ctx context.Context) (edgeapi.Edge, string, error) {
 
 // e2bRoutes registers the E2B dialect's routes.
 func (s *Server) e2bRoutes() {
+	s.e2bControlRoutes()  // e2b_sandboxes.go
+	s.envdProcessRoutes() // envd_process.go
+	s.envdFilesRoutes()   // envd_files.go
 }

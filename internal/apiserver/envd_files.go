@@ -1,0 +1,3 @@
+package apiserver
+
+func (s *Server) envdFilesRoutes() {}
