@@ -353,6 +353,7 @@ type LogRequest struct {
 	Mode       string   `json:"mode,omitempty"`
 	Recursive  bool     `json:"recursive,omitempty"`
 	Depth      int      `json:"depth,omitempty"`
+	Tag        string   `json:"tag,omitempty"`
 }
 
 // LogResult summarises how an operation ended: the error, or what it
@@ -366,6 +367,7 @@ type LogResult struct {
 	StderrHead   string       `json:"stderr_head,omitempty"`
 	SessionID    string       `json:"session_id,omitempty"`
 	SessionEnded bool         `json:"session_ended,omitempty"`
+	PID          *int         `json:"pid,omitempty"`
 	Type         string       `json:"type,omitempty"`
 	Size         *int64       `json:"size,omitempty"`
 	Entries      *int         `json:"entries,omitempty"`

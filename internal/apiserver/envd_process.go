@@ -1,3 +1,330 @@
 package apiserver
 
-func (s *Server) envdProcessRoutes() {}
+// envd's process service (E2B's process.Process over Connect RPC), mapped
+// onto the edges' processes (edgeapi.Edge.StartProcess and the rest).
+//
+// Lifetime: a process started here is not bound to its stream. The
+// Connect-Timeout-Ms header the SDK sends (its timeoutMs, 60 s by
+// default; 0 for none) bounds the process itself: when it passes, the
+// process's tree is killed and the stream ends with deadline_exceeded.
+// Closing the stream earlier (the SDK's disconnect) leaves the process
+// running; commands.connect attaches again.
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/e2b/processpb"
+	"github.com/dsecproject/dsec/internal/e2b/processpb/processpbconnect"
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+func (s *Server) envdProcessRoutes() {
+	path, h := processpbconnect.NewProcessHandler(&envdProcess{s: s}, connect.WithReadMaxBytes(4<<20))
+	s.envdHandle(path, h, s.connectRefusal)
+}
+
+// envdProcess implements processpbconnect.ProcessHandler.
+type envdProcess struct {
+	processpbconnect.UnimplementedProcessHandler
+	s *Server
+}
+
+var _ processpbconnect.ProcessHandler = (*envdProcess)(nil)
+
+// keepaliveInterval is how often a silent stream sends a keepalive: the
+// Keepalive-Ping-Interval header's seconds (the SDK sends 50), within
+// 1 s..5 min, 50 s when absent.
+func keepaliveInterval(h http.Header) time.Duration {
+	n, err := strconv.Atoi(h.Get("Keepalive-Ping-Interval"))
+	if err != nil || n <= 0 {
+		n = 50
+	}
+	return time.Duration(min(max(n, 1), 300)) * time.Second
+}
+
+// processTimeout is the process's lifetime the request asks for.
+func processTimeout(h http.Header) (int64, error) {
+	v := h.Get("Connect-Timeout-Ms")
+	if v == "" {
+		return 0, nil
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n < 0 {
+		return 0, errdefs.Invalid("Connect-Timeout-Ms=%q is not a number of milliseconds", v)
+	}
+	return n, nil
+}
+
+// eventSender sends a stream's events and, while it is silent, its
+// keepalives; Send is not safe for concurrent use, so one mutex orders
+// both.
+type eventSender struct {
+	mu   sync.Mutex
+	send func(*processpb.ProcessEvent) error
+	last time.Time
+}
+
+func (es *eventSender) emit(ev *processpb.ProcessEvent) error {
+	es.mu.Lock()
+	defer es.mu.Unlock()
+	es.last = time.Now()
+	return es.send(ev)
+}
+
+// keepalive sends keepalives every interval of silence until ctx ends.
+func (es *eventSender) keepalive(ctx context.Context, interval time.Duration) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			es.mu.Lock()
+			if time.Since(es.last) >= interval-time.Millisecond {
+				es.last = time.Now()
+				if es.send(&processpb.ProcessEvent{Event: &processpb.ProcessEvent_Keepalive{Keepalive: &processpb.ProcessEvent_KeepAlive{}}}) != nil {
+					es.mu.Unlock()
+					return
+				}
+			}
+			es.mu.Unlock()
+		}
+	}
+}
+
+// toProcessEvent maps an edge event to envd's.
+func toProcessEvent(ev api.ProcessEvent) *processpb.ProcessEvent {
+	switch {
+	case ev.Start != nil:
+		return &processpb.ProcessEvent{Event: &processpb.ProcessEvent_Start{Start: &processpb.ProcessEvent_StartEvent{Pid: uint32(ev.Start.PID)}}}
+	case ev.End != nil:
+		end := &processpb.ProcessEvent_EndEvent{ExitCode: int32(ev.End.ExitCode), Exited: ev.End.Exited, Status: ev.End.Status}
+		if ev.End.Error != "" {
+			end.Error = &ev.End.Error
+		}
+		return &processpb.ProcessEvent{Event: &processpb.ProcessEvent_End{End: end}}
+	case ev.PTY != nil:
+		return dataEvent(&processpb.ProcessEvent_DataEvent{Output: &processpb.ProcessEvent_DataEvent_Pty{Pty: ev.PTY}})
+	case ev.Stderr != nil:
+		return dataEvent(&processpb.ProcessEvent_DataEvent{Output: &processpb.ProcessEvent_DataEvent_Stderr{Stderr: ev.Stderr}})
+	default:
+		return dataEvent(&processpb.ProcessEvent_DataEvent{Output: &processpb.ProcessEvent_DataEvent_Stdout{Stdout: ev.Stdout}})
+	}
+}
+
+func dataEvent(d *processpb.ProcessEvent_DataEvent) *processpb.ProcessEvent {
+	return &processpb.ProcessEvent{Event: &processpb.ProcessEvent_Data{Data: d}}
+}
+
+// stream runs an edge stream call, sending its events (and keepalives)
+// with send. A stream that ends because the Connect deadline passed
+// answers deadline_exceeded.
+func (p *envdProcess) stream(ctx context.Context, h http.Header, send func(*processpb.ProcessEvent) error,
+	run func(ctx context.Context, emit func(api.ProcessEvent) error) error) error {
+	es := &eventSender{send: send, last: time.Now()}
+	kctx, stop := context.WithCancel(ctx)
+	defer stop()
+	started := false
+	err := run(ctx, func(ev api.ProcessEvent) error {
+		if ev.Start != nil && !started {
+			started = true
+			go es.keepalive(kctx, keepaliveInterval(h))
+		}
+		return es.emit(toProcessEvent(ev))
+	})
+	stop()
+	if err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return connect.NewError(connect.CodeDeadlineExceeded, errors.New("the command's timeout passed: it was killed"))
+	}
+	return p.s.toConnect(ctx, err)
+}
+
+func (p *envdProcess) Start(ctx context.Context, req *connect.Request[processpb.StartRequest], st *connect.ServerStream[processpb.StartResponse]) error {
+	e, id, err := p.s.envdEdge(ctx)
+	if err != nil {
+		return p.s.toConnect(ctx, err)
+	}
+	user, err := envdUser(req.Header())
+	if err != nil {
+		return p.s.toConnect(ctx, err)
+	}
+	timeout, err := processTimeout(req.Header())
+	if err != nil {
+		return p.s.toConnect(ctx, err)
+	}
+	m := req.Msg
+	if m.GetProcess() == nil || m.GetProcess().GetCmd() == "" {
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("process.cmd is required"))
+	}
+	pr := api.ProcessRequest{
+		Argv:      append([]string{m.GetProcess().GetCmd()}, m.GetProcess().GetArgs()...),
+		Env:       m.GetProcess().GetEnvs(),
+		Cwd:       m.GetProcess().GetCwd(),
+		User:      user,
+		Tag:       m.GetTag(),
+		Stdin:     m.GetStdin(),
+		TimeoutMS: timeout,
+	}
+	if m.Pty != nil {
+		sz := m.GetPty().GetSize()
+		pr.PTY = &api.PTYSize{Cols: clampSize(sz.GetCols()), Rows: clampSize(sz.GetRows())}
+	}
+	send := func(ev *processpb.ProcessEvent) error { return st.Send(&processpb.StartResponse{Event: ev}) }
+	return p.stream(ctx, req.Header(), send, func(ctx context.Context, emit func(api.ProcessEvent) error) error {
+		return e.StartProcess(ctx, id, pr, emit)
+	})
+}
+
+// clampSize makes a terminal dimension fit the edge's type; the edge
+// refuses 0 and anything past 4096.
+func clampSize(v uint32) uint16 { return uint16(min(v, 65535)) }
+
+func selector(sel *processpb.ProcessSelector) (api.ProcessSelector, error) {
+	switch v := sel.GetSelector().(type) {
+	case *processpb.ProcessSelector_Pid:
+		if v.Pid == 0 {
+			return api.ProcessSelector{}, connect.NewError(connect.CodeInvalidArgument, errors.New("pid 0 names no process"))
+		}
+		return api.ProcessSelector{PID: int(v.Pid)}, nil
+	case *processpb.ProcessSelector_Tag:
+		if v.Tag == "" {
+			return api.ProcessSelector{}, connect.NewError(connect.CodeInvalidArgument, errors.New("an empty tag names no process"))
+		}
+		return api.ProcessSelector{Tag: v.Tag}, nil
+	}
+	return api.ProcessSelector{}, connect.NewError(connect.CodeInvalidArgument, errors.New("name the process by pid or tag"))
+}
+
+func (p *envdProcess) Connect(ctx context.Context, req *connect.Request[processpb.ConnectRequest], st *connect.ServerStream[processpb.ConnectResponse]) error {
+	e, id, err := p.s.envdEdge(ctx)
+	if err != nil {
+		return p.s.toConnect(ctx, err)
+	}
+	sel, err := selector(req.Msg.GetProcess())
+	if err != nil {
+		return err
+	}
+	send := func(ev *processpb.ProcessEvent) error { return st.Send(&processpb.ConnectResponse{Event: ev}) }
+	return p.stream(ctx, req.Header(), send, func(ctx context.Context, emit func(api.ProcessEvent) error) error {
+		return e.ConnectProcess(ctx, id, sel, emit)
+	})
+}
+
+func (p *envdProcess) List(ctx context.Context, req *connect.Request[processpb.ListRequest]) (*connect.Response[processpb.ListResponse], error) {
+	e, id, err := p.s.envdEdge(ctx)
+	if err != nil {
+		return nil, p.s.toConnect(ctx, err)
+	}
+	l, err := e.ListProcesses(ctx, id)
+	if err != nil {
+		return nil, p.s.toConnect(ctx, err)
+	}
+	out := &processpb.ListResponse{Processes: make([]*processpb.ProcessInfo, 0, len(l))}
+	for _, pi := range l {
+		info := &processpb.ProcessInfo{Pid: uint32(pi.PID), Config: &processpb.ProcessConfig{Envs: pi.Env}}
+		if len(pi.Argv) > 0 {
+			info.Config.Cmd, info.Config.Args = pi.Argv[0], pi.Argv[1:]
+		}
+		if pi.Cwd != "" {
+			cwd := pi.Cwd
+			info.Config.Cwd = &cwd
+		}
+		if pi.Tag != "" {
+			tag := pi.Tag
+			info.Tag = &tag
+		}
+		out.Processes = append(out.Processes, info)
+	}
+	return connect.NewResponse(out), nil
+}
+
+func (p *envdProcess) SendInput(ctx context.Context, req *connect.Request[processpb.SendInputRequest]) (*connect.Response[processpb.SendInputResponse], error) {
+	e, id, err := p.s.envdEdge(ctx)
+	if err != nil {
+		return nil, p.s.toConnect(ctx, err)
+	}
+	sel, err := selector(req.Msg.GetProcess())
+	if err != nil {
+		return nil, err
+	}
+	var data []byte
+	switch v := req.Msg.GetInput().GetInput().(type) {
+	case *processpb.ProcessInput_Stdin:
+		data = v.Stdin
+	case *processpb.ProcessInput_Pty:
+		data = v.Pty
+	default:
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("input must be stdin or pty"))
+	}
+	if err := e.ProcessInput(ctx, id, sel, data); err != nil {
+		return nil, p.s.toConnect(ctx, err)
+	}
+	return connect.NewResponse(&processpb.SendInputResponse{}), nil
+}
+
+func (p *envdProcess) SendSignal(ctx context.Context, req *connect.Request[processpb.SendSignalRequest]) (*connect.Response[processpb.SendSignalResponse], error) {
+	e, id, err := p.s.envdEdge(ctx)
+	if err != nil {
+		return nil, p.s.toConnect(ctx, err)
+	}
+	sel, err := selector(req.Msg.GetProcess())
+	if err != nil {
+		return nil, err
+	}
+	var sig int
+	switch req.Msg.GetSignal() {
+	case processpb.Signal_SIGNAL_SIGKILL:
+		sig = int(unix.SIGKILL)
+	case processpb.Signal_SIGNAL_SIGTERM:
+		sig = int(unix.SIGTERM)
+	default:
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("signal must be SIGTERM or SIGKILL"))
+	}
+	if err := e.SignalProcess(ctx, id, sel, sig); err != nil {
+		return nil, p.s.toConnect(ctx, err)
+	}
+	return connect.NewResponse(&processpb.SendSignalResponse{}), nil
+}
+
+func (p *envdProcess) CloseStdin(ctx context.Context, req *connect.Request[processpb.CloseStdinRequest]) (*connect.Response[processpb.CloseStdinResponse], error) {
+	e, id, err := p.s.envdEdge(ctx)
+	if err != nil {
+		return nil, p.s.toConnect(ctx, err)
+	}
+	sel, err := selector(req.Msg.GetProcess())
+	if err != nil {
+		return nil, err
+	}
+	if err := e.CloseProcessStdin(ctx, id, sel); err != nil {
+		return nil, p.s.toConnect(ctx, err)
+	}
+	return connect.NewResponse(&processpb.CloseStdinResponse{}), nil
+}
+
+func (p *envdProcess) Update(ctx context.Context, req *connect.Request[processpb.UpdateRequest]) (*connect.Response[processpb.UpdateResponse], error) {
+	e, id, err := p.s.envdEdge(ctx)
+	if err != nil {
+		return nil, p.s.toConnect(ctx, err)
+	}
+	sel, err := selector(req.Msg.GetProcess())
+	if err != nil {
+		return nil, err
+	}
+	if req.Msg.Pty != nil {
+		sz := req.Msg.GetPty().GetSize()
+		if err := e.ResizeProcess(ctx, id, sel, api.PTYSize{Cols: clampSize(sz.GetCols()), Rows: clampSize(sz.GetRows())}); err != nil {
+			return nil, p.s.toConnect(ctx, err)
+		}
+	}
+	return connect.NewResponse(&processpb.UpdateResponse{}), nil
+}

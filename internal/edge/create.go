@@ -405,6 +405,7 @@ func (e *Edge) remove(ctx context.Context, s *sbx) error {
 // a stopped sandbox.
 func (e *Edge) teardown(ctx context.Context, s *sbx, remove bool) error {
 	s.closeSessions()
+	s.killProcs()
 	s.mu.Lock()
 	rec := s.rec
 	if s.root != nil {

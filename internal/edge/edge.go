@@ -351,6 +351,7 @@ func (e *Edge) Close() {
 	networked := 0
 	for _, s := range e.sandboxes {
 		s.closeSessions()
+		s.killProcs()
 		s.mu.Lock()
 		if s.rec.Net != nil && holdsResources(s.rec.Sandbox.State) {
 			networked++

@@ -71,6 +71,10 @@ type sbx struct {
 	rec      record
 	root     *files.Root // opened lazily on the rootfs
 	sessions map[string]*session
+	// procs are the sandbox's processes by pid (process.go); procSeq
+	// numbers those whose pid could not be read.
+	procs   map[int]*mproc
+	procSeq int
 	// opening counts sessions being started, which count against
 	// MaxSessions with those open.
 	opening int

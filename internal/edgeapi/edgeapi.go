@@ -70,6 +70,22 @@ type Edge interface {
 	// ReadLog returns the command log entries with seq > sinceSeq, at most
 	// limit; it serves stopped and failed sandboxes too.
 	ReadLog(ctx context.Context, id string, sinceSeq int64, limit int) (*api.LogPage, error)
+
+	// Processes (api.ProcessRequest): long-lived commands with input,
+	// terminals, and streams that may detach and attach again.
+
+	// StartProcess starts a process and passes its events to emit (start
+	// first, end last). When ctx ends or emit fails the stream detaches
+	// and the process goes on.
+	StartProcess(ctx context.Context, id string, req api.ProcessRequest, emit func(api.ProcessEvent) error) error
+	// ConnectProcess attaches a stream to a process: start, its output
+	// from now on, its end.
+	ConnectProcess(ctx context.Context, id string, sel api.ProcessSelector, emit func(api.ProcessEvent) error) error
+	ListProcesses(ctx context.Context, id string) ([]api.ProcessInfo, error)
+	ProcessInput(ctx context.Context, id string, sel api.ProcessSelector, data []byte) error
+	CloseProcessStdin(ctx context.Context, id string, sel api.ProcessSelector) error
+	SignalProcess(ctx context.Context, id string, sel api.ProcessSelector, signal int) error
+	ResizeProcess(ctx context.Context, id string, sel api.ProcessSelector, size api.PTYSize) error
 }
 
 // CreateRequest is a sandbox to create: a normalized spec plus the layer

@@ -142,6 +142,7 @@ func (s *Server) routes() {
 	s.mux.HandleFunc("GET "+p+"/sandboxes/{id}/files:tar", s.writeTar)
 	s.mux.HandleFunc("PUT "+p+"/sandboxes/{id}/files:tar", s.extractTar)
 	s.mux.HandleFunc("GET "+p+"/sandboxes/{id}/log", s.readLog)
+	s.processRoutes(p)
 	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, errdefs.NotFound("no such internal endpoint: %s %s", r.Method, r.URL.Path))
 	})

@@ -105,6 +105,11 @@ type Process struct {
 	Stdin          io.Reader
 	Stdout         io.Writer
 	Stderr         io.Writer
+	// TTY says Stdin, Stdout and Stderr are one terminal (the slave of a
+	// pseudo-terminal, an *os.File): the process leads a new session with
+	// it as its controlling terminal. Backends that cannot do that refuse
+	// the process with errdefs.ErrPrecondition.
+	TTY bool
 }
 
 // Proc is a started process.

@@ -59,6 +59,9 @@ type Fake struct {
 	openPorts int
 	// Refuse makes Create answer resource_exhausted.
 	Refuse bool
+	// procs are the processes by sandbox (process.go); pids numbers them.
+	procs map[string][]*fakeProc
+	pids  int
 }
 
 var _ edgeapi.Edge = (*Fake)(nil)

@@ -34,7 +34,10 @@ type Config struct {
 	Caps, Bounding uint64
 	// NoFile is the open-files limit, soft and hard (0 = inherit).
 	NoFile uint64
-	Cwd    string
+	// TTY says stdin is a terminal: the command leads a new session with
+	// it as its controlling terminal.
+	TTY bool
+	Cwd string
 	// Filter is the seccomp program, installed last before exec.
 	Filter []unix.SockFilter
 }
@@ -59,7 +62,7 @@ func (c *Config) encode() ([]byte, error) {
 		b.WriteString(s)
 		return nil
 	}
-	b.WriteString("DSX1")
+	b.WriteString("DSX2")
 	u32(c.UID)
 	u32(c.GID)
 	u32(uint32(len(c.Groups)))
@@ -70,6 +73,11 @@ func (c *Config) encode() ([]byte, error) {
 	u64(c.Caps)
 	u64(c.Bounding)
 	u64(c.NoFile)
+	var flags uint32
+	if c.TTY {
+		flags |= 1 // FLAG_TTY
+	}
+	u32(flags)
 	if err := str(c.Cwd); err != nil {
 		return nil, err
 	}

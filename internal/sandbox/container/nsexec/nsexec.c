@@ -34,6 +34,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -47,6 +48,14 @@
 
 enum { FD_PIDFD = 3, FD_CONFIG = 4, FD_ERR = 5 };
 
+// Config flags.
+enum {
+	// FLAG_TTY: stdin is a terminal; the command leads a new session with
+	// it as the controlling terminal (an interactive shell's job control
+	// needs that).
+	FLAG_TTY = 1,
+};
+
 #define MAX_CONFIG (4 << 20)
 #define MAX_GROUPS 256
 #define MAX_CGROUPS 64
@@ -56,6 +65,7 @@ struct config {
 	gid_t groups[MAX_GROUPS];
 	uint32_t nsflags;
 	uint64_t caps, bounding, nofile;
+	uint32_t flags;
 	char *cwd;
 	uint32_t ncgroups;
 	char *cgroups[MAX_CGROUPS];
@@ -115,8 +125,9 @@ static char *getstr(struct reader *r) {
 	return s;
 }
 
-// read_config parses, in little-endian: "DSX1", uid, gid, ngroups,
-// groups[ngroups], nsflags (u32); caps, bounding, nofile (u64); cwd
+// read_config parses, in little-endian: "DSX2", uid, gid, ngroups,
+// groups[ngroups], nsflags (u32); caps, bounding, nofile (u64); flags
+// (u32); cwd
 // (u32 length + bytes); ncgroups (u32) and each cgroup.procs path; nfilter
 // (u32) and nfilter struct sock_filter (8 bytes each).
 static void read_config(struct config *c) {
@@ -138,7 +149,7 @@ static void read_config(struct config *c) {
 	}
 	close(FD_CONFIG);
 	struct reader r = {buf, buf + len};
-	if (len < 4 || memcmp(buf, "DSX1", 4) != 0)
+	if (len < 4 || memcmp(buf, "DSX2", 4) != 0)
 		fail("setup", "config: bad magic");
 	r.p += 4;
 	c->uid = get32(&r);
@@ -152,6 +163,7 @@ static void read_config(struct config *c) {
 	c->caps = get64(&r);
 	c->bounding = get64(&r);
 	c->nofile = get64(&r);
+	c->flags = get32(&r);
 	c->cwd = getstr(&r);
 	c->ncgroups = get32(&r);
 	if (c->ncgroups > MAX_CGROUPS)
@@ -226,6 +238,15 @@ static void child(struct config *c, char **argv) {
 	struct rlimit rl = {c->nofile, c->nofile};
 	if (c->nofile && setrlimit(RLIMIT_NOFILE, &rl) < 0)
 		fail("setup", "setting open files limit: %s", strerror(errno));
+	// The helper leads its own process group, so its child may start a
+	// session; the terminal is attached before the user changes, while
+	// the capability to steal it is not needed (it is no one's yet).
+	if (c->flags & FLAG_TTY) {
+		if (setsid() < 0)
+			fail("setup", "setsid: %s", strerror(errno));
+		if (ioctl(0, TIOCSCTTY, 0) < 0)
+			fail("setup", "attaching the terminal: %s", strerror(errno));
+	}
 	if (chdir(c->cwd) < 0)
 		fail("cwd", "working directory %s: %s", c->cwd, strerror(errno));
 	umask(022);
