@@ -32,6 +32,7 @@ var clientCommands = map[string]struct {
 }{
 	"sandbox": {"create, list, inspect and delete sandboxes", runSandbox},
 	"exec":    {"run a command in a sandbox", runExec},
+	"shell":   {"open an interactive terminal in a sandbox", runShell},
 	"fncall":  {"run a stateless job in a fresh sandbox, files in and out", runFnCall},
 	"session": {"open, use and close persistent shells", runSession},
 	"files":   {"read, write and list files in a sandbox", runFiles},

@@ -32,6 +32,7 @@ func runExec(ctx context.Context, args []string) error {
 	fs.Int64Var(&req.MaxOutputBytes, "max-output-bytes", 0, "cap per output stream (0 = server default)")
 	stdin := fs.String("stdin", "", "send this `FILE` as the command's stdin ('-' = dsec's stdin)")
 	stream := fs.Bool("stream", false, "stream output as it is produced")
+	tty := fs.Bool("t", false, "run the command under a terminal, interactively (as dsec shell does)")
 	asJSON := fs.Bool("json", false, "print the result as JSON instead of the output (not with --stream)")
 	raw := rawFlag(fs)
 	pos, _, err := fs.parse(args)
@@ -49,6 +50,22 @@ func runExec(ctx context.Context, args []string) error {
 		return fmt.Errorf("exec: give either --cmd or ARGV, not both")
 	case *stream && *asJSON:
 		return fmt.Errorf("exec: --json and --stream do not mix")
+	}
+	if *tty {
+		if *stream || *asJSON || *stdin != "" || timeout != 0 {
+			return fmt.Errorf("exec: -t does not mix with --stream, --json, --stdin or --timeout")
+		}
+		cmd := req.Cmd
+		if cmd == "" {
+			cmd = "exec " + shellJoin(argv)
+		}
+		if req.Cwd != "" {
+			cmd = "cd " + shellJoin([]string{req.Cwd}) + " && " + cmd
+		}
+		for k, v := range env {
+			cmd = "export " + shellJoin([]string{k + "=" + v}) + "; " + cmd
+		}
+		return runTerminal(ctx, id, dsec.TerminalOptions{Cmd: cmd, User: req.User})
 	}
 	if len(argv) > 0 {
 		req.Argv = argv

@@ -238,4 +238,3 @@ func TestEnvdProcessBadEnvelopes(t *testing.T) {
 }
 
 func optional[T any](v T) *T { return &v }
-

@@ -158,6 +158,7 @@ func (s *Server) routes() {
 	s.handle("POST /v1/sandboxes/{id}/sessions", iam.SandboxWrite, s.openSession)
 	s.handle("POST /v1/sandboxes/{id}/sessions/{sid}/run", iam.SandboxWrite, s.idempotent(false, s.runSession))
 	s.handle("DELETE /v1/sandboxes/{id}/sessions/{sid}", iam.SandboxWrite, s.closeSession)
+	s.handle("GET /v1/sandboxes/{id}/pty", iam.SandboxWrite, s.pty)
 	s.handle("GET /v1/sandboxes/{id}/files", iam.SandboxRead, s.readFile)
 	s.handle("PUT /v1/sandboxes/{id}/files", iam.SandboxWrite, s.writeFile)
 	s.handle("DELETE /v1/sandboxes/{id}/files", iam.SandboxWrite, s.removeFile)
