@@ -442,6 +442,28 @@ type LayerList struct {
 	Layers []Layer `json:"layers"`
 }
 
+// Template is an alias the E2B API's templateID may name (docs/e2b.md):
+// a stack of layer refs and a user, as a sandbox spec gives them. POST
+// /v1/templates takes Name, Base, Workspace, Toolkits and User; the
+// server fills Project and CreatedAt.
+type Template struct {
+	Name      string   `json:"name"`
+	Base      string   `json:"base"`
+	Workspace string   `json:"workspace,omitempty"`
+	Toolkits  []string `json:"toolkits,omitempty"`
+	// User runs the sandbox's processes; empty: the base image's user.
+	User string `json:"user,omitempty"`
+	// Project is the project of the key that made the alias; it is seen
+	// as layers are (its project, those above and those below it).
+	Project   string    `json:"project,omitempty"`
+	CreatedAt time.Time `json:"created_at"`
+}
+
+// TemplateList is returned by GET /v1/templates.
+type TemplateList struct {
+	Templates []Template `json:"templates"`
+}
+
 // Node is an edge as seen by the apiserver.
 type Node struct {
 	Name     string   `json:"name"`

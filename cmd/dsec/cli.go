@@ -1,10 +1,10 @@
 package main
 
 // The client subcommands of dsec (sandbox, exec, session, files, layer,
-// image, nodes, health, project, key, whoami, audit). They talk to the
-// API through sdk/go only, so everything the CLI can do an SDK user can do
-// too. main calls runCommand; daemons (up, server, edge) and bench live in
-// their own files.
+// template, image, nodes, health, project, key, whoami, audit). They talk
+// to the API through sdk/go only, so everything the CLI can do an SDK user
+// can do too. main calls runCommand; daemons (up, server, edge) and bench
+// live in their own files.
 
 import (
 	"bytes"
@@ -30,20 +30,21 @@ var clientCommands = map[string]struct {
 	summary string
 	run     func(ctx context.Context, args []string) error
 }{
-	"sandbox": {"create, list, inspect and delete sandboxes", runSandbox},
-	"exec":    {"run a command in a sandbox", runExec},
-	"shell":   {"open an interactive terminal in a sandbox", runShell},
-	"fncall":  {"run a stateless job in a fresh sandbox, files in and out", runFnCall},
-	"session": {"open, use and close persistent shells", runSession},
-	"files":   {"read, write and list files in a sandbox", runFiles},
-	"layer":   {"build, list and delete layers", runLayer},
-	"image":   {"import, pull and bootstrap container images as layers", runImage},
-	"nodes":   {"list the edges of the cluster", runNodes},
-	"health":  {"check that the API endpoint answers", runHealth},
-	"project": {"create, list, change and delete projects (quotas)", runProject},
-	"key":     {"mint, list and revoke API keys of a project", runKey},
-	"whoami":  {"show the API key in use: project, role, permissions", runWhoAmI},
-	"audit":   {"list recorded project and key changes", runAudit},
+	"sandbox":  {"create, list, inspect and delete sandboxes", runSandbox},
+	"exec":     {"run a command in a sandbox", runExec},
+	"shell":    {"open an interactive terminal in a sandbox", runShell},
+	"fncall":   {"run a stateless job in a fresh sandbox, files in and out", runFnCall},
+	"session":  {"open, use and close persistent shells", runSession},
+	"files":    {"read, write and list files in a sandbox", runFiles},
+	"layer":    {"build, list and delete layers", runLayer},
+	"template": {"name layer stacks as E2B templates (alias, list, rm)", runTemplate},
+	"image":    {"import, pull and bootstrap container images as layers", runImage},
+	"nodes":    {"list the edges of the cluster", runNodes},
+	"health":   {"check that the API endpoint answers", runHealth},
+	"project":  {"create, list, change and delete projects (quotas)", runProject},
+	"key":      {"mint, list and revoke API keys of a project", runKey},
+	"whoami":   {"show the API key in use: project, role, permissions", runWhoAmI},
+	"audit":    {"list recorded project and key changes", runAudit},
 }
 
 // runCommand runs the client subcommand name with its arguments. handled is

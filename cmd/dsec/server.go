@@ -90,6 +90,8 @@ type serverConfig struct {
 	placementK int
 	overflow   kvListFlag
 	maxConns   int
+	// e2bDefaultTemplate is --e2b-default-template (up.go).
+	e2bDefaultTemplate string
 }
 
 // parseServer parses and checks `dsec server`'s flags.
@@ -103,6 +105,7 @@ func parseServer(args []string) (serverConfig, placement.Config, error) {
 	f.StringVar(&c.apiKey, "api-key", os.Getenv(dsec.EnvAPIKey), "admin API key to register in etcd (default: $DSEC_API_KEY; the first server of a cluster needs one; idempotent)")
 	f.IntVar(&c.placementK, "placement-k", placement.DefaultK, "nodes sampled per placement (power of k choices)")
 	f.IntVar(&c.maxConns, "max-connections", 0, maxConnsHelp)
+	f.StringVar(&c.e2bDefaultTemplate, "e2b-default-template", defaultE2BTemplate, e2bDefaultTemplateHelp)
 	f.Var(c.overflow, "overflow-pool", "`pool=utilization` (repeatable or comma-separated): nodes labelled pool=NAME take sandboxes only once every other node is at least that full, e.g. cloud=0.8")
 	c.clusterFlags.register(f)
 	if _, err := f.parseN(args, 0, 0); err != nil {
@@ -217,7 +220,7 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 	srv := apiserver.New(apiserver.Deps{
 		IAM: ident, Layers: layers, Nodes: view, Placement: pc, Log: log.With("apiserver", instance),
 		Registry: reg, Gatherer: reg, Policy: sandbox.DefaultPolicy(), MaxLayerBytes: 64 << 30,
-		Store: st, QuotaStore: st, Instance: instance,
+		Store: st, QuotaStore: st, Instance: instance, E2BDefaultTemplate: c.e2bDefaultTemplate,
 		Alive: func(other string) (bool, error) { return cluster.ServerAlive(st, other) },
 	})
 	go srv.Run(ctx)

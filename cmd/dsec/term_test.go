@@ -194,6 +194,9 @@ func hostileAPI(v string) *http.ServeMux {
 	mux.HandleFunc("GET /v1/projects/{id}/keys", func(w http.ResponseWriter, r *http.Request) {
 		jsonReply(w, 200, api.KeyList{Keys: []api.APIKey{key}})
 	})
+	mux.HandleFunc("GET /v1/templates", func(w http.ResponseWriter, r *http.Request) {
+		jsonReply(w, 200, api.TemplateList{Templates: []api.Template{{Name: v, Base: v, Workspace: v, Toolkits: []string{v}, User: v, Project: v}}})
+	})
 	mux.HandleFunc("GET /v1/whoami", func(w http.ResponseWriter, r *http.Request) {
 		jsonReply(w, 200, api.WhoAmI{Principal: v, Project: v, Role: v, Permissions: []string{v}})
 	})
@@ -220,6 +223,7 @@ func TestCLIFieldsEscapedOnTerminal(t *testing.T) {
 		{"files", "stat", "sb-1", "/x"},
 		{"layer", "list"},
 		{"layer", "get", "base/x:1"},
+		{"template", "list"},
 		{"nodes"},
 		{"project", "list"},
 		{"project", "show", "p"},

@@ -40,7 +40,21 @@ type upConfig struct {
 	logLevel   string
 	maxConns   int
 	node       nodeConfig
+	// e2bDefaultTemplate is what the E2B API's template "base" stands
+	// for when no alias of that name exists.
+	e2bDefaultTemplate string
 }
+
+// defaultE2BTemplate is the default of --e2b-default-template: the Debian
+// base that `make run` bootstraps (and the README's example builds). dsec
+// up imports no base of its own; without this layer in the catalog, or an
+// alias named base, an E2B create of the default template is not found,
+// with a message that names the flag.
+const defaultE2BTemplate = "base/debian:12"
+
+// e2bDefaultTemplateHelp describes --e2b-default-template, the same for
+// dsec up and dsec server.
+const e2bDefaultTemplateHelp = "layer `REF` or template alias that the E2B API's template \"base\" (the E2B SDK's default) stands for when there is no alias named base (\"\" for none)"
 
 func runUp(args []string) error {
 	var c upConfig
@@ -52,6 +66,7 @@ func runUp(args []string) error {
 	f.StringVar(&c.apiKey, "api-key", os.Getenv(dsec.EnvAPIKey), "admin API key to accept (default: $DSEC_API_KEY, else generated once)")
 	f.StringVar(&c.node.nodeName, "node-name", "local", "this node's name (part of every sandbox id)")
 	f.IntVar(&c.maxConns, "max-connections", 0, maxConnsHelp)
+	f.StringVar(&c.e2bDefaultTemplate, "e2b-default-template", defaultE2BTemplate, e2bDefaultTemplateHelp)
 	c.node.register(f)
 	f.StringVar(&c.configPath, "config", "", "client config file to write (default ~/.config/dsec/config.json or $DSEC_CONFIG)")
 	f.StringVar(&c.logFormat, "log-format", "text", "log format: text or json")
@@ -240,7 +255,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	srv := apiserver.New(apiserver.Deps{
 		IAM: ident, Layers: layers, Nodes: view, Log: log,
 		Registry: reg, Gatherer: reg, Policy: sandbox.DefaultPolicy(), MaxLayerBytes: 64 << 30,
-		Store: idem, Instance: cluster.NewInstance(),
+		Store: idem, Instance: cluster.NewInstance(), E2BDefaultTemplate: c.e2bDefaultTemplate,
 	})
 	go srv.Run(ctx)
 	return &node{layers: layers, edge: ed, host: h, server: srv, store: st, idem: idem}, ident, nil

@@ -78,10 +78,18 @@ const maxJSONBody = 32 << 20
 
 // decode reads a JSON body strictly: unknown fields, trailing data and wrong
 // types are errors that name the problem.
-func decode(r *http.Request, v any) error {
+func decode(r *http.Request, v any) error { return decodeJSON(r, v, true) }
+
+// decodeLoose is decode that ignores unknown fields: the E2B API's
+// clients send fields dsec has no use for.
+func decodeLoose(r *http.Request, v any) error { return decodeJSON(r, v, false) }
+
+func decodeJSON(r *http.Request, v any, strict bool) error {
 	body := http.MaxBytesReader(nil, r.Body, maxJSONBody)
 	dec := json.NewDecoder(body)
-	dec.DisallowUnknownFields()
+	if strict {
+		dec.DisallowUnknownFields()
+	}
 	if err := dec.Decode(v); err != nil {
 		var se *json.SyntaxError
 		var te *json.UnmarshalTypeError
@@ -111,11 +119,16 @@ func decode(r *http.Request, v any) error {
 }
 
 // decodeOptional is decode for endpoints whose body may be empty.
-func decodeOptional(r *http.Request, v any) error {
+func decodeOptional(r *http.Request, v any) error { return decodeOptionalJSON(r, v, true) }
+
+// decodeLooseOptional is decodeLoose for endpoints whose body may be empty.
+func decodeLooseOptional(r *http.Request, v any) error { return decodeOptionalJSON(r, v, false) }
+
+func decodeOptionalJSON(r *http.Request, v any, strict bool) error {
 	if r.ContentLength == 0 {
 		return nil
 	}
-	err := decode(r, v)
+	err := decodeJSON(r, v, strict)
 	if err != nil && strings.Contains(err.Error(), "request body is empty") {
 		return nil
 	}

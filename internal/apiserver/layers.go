@@ -107,37 +107,50 @@ func (s *Server) callerProject(ctx context.Context) string {
 	return iam.RootProject
 }
 
-// layerPath is the path of the project owning l. A project deleted since
-// is placed right below the root, where only root's keys see it.
-func (s *Server) layerPath(l api.Layer) string {
-	p, err := s.pathOf(l.Project)
+// ownerPath is the path of project, the owner of a layer or template
+// alias. A project deleted since is placed right below the root, where
+// only root's keys see it.
+func (s *Server) ownerPath(project string) string {
+	p, err := s.pathOf(project)
 	if err != nil {
-		return edgeapi.RootPath + "/" + l.Project
+		return edgeapi.RootPath + "/" + project
 	}
 	return p
 }
 
-// layerVisible reports whether the caller of ctx may see l.
-func (s *Server) layerVisible(ctx context.Context, l api.Layer) bool {
+// visibleTo reports whether the caller of ctx may see what project owns
+// (its project, those above it and those below it).
+func (s *Server) visibleTo(ctx context.Context, project string) bool {
 	caller, err := s.pathOf(s.callerProject(ctx))
 	if err != nil {
 		return false
 	}
-	lp := s.layerPath(l)
-	return edgeapi.PathIn(caller, lp) || edgeapi.PathIn(lp, caller)
+	op := s.ownerPath(project)
+	return edgeapi.PathIn(caller, op) || edgeapi.PathIn(op, caller)
+}
+
+// mayChange refuses to re-point or delete what belongs to a project
+// outside the caller's (what is named what, for the message).
+func (s *Server) mayChange(ctx context.Context, project, what string) error {
+	caller, err := s.pathOf(s.callerProject(ctx))
+	if err != nil {
+		return err
+	}
+	if op := s.ownerPath(project); !edgeapi.PathIn(op, caller) {
+		return errdefs.PermissionDenied("%s belongs to project %s, which is not yours or below yours", what, strings.TrimPrefix(op, edgeapi.RootPath+"/"))
+	}
+	return nil
+}
+
+// layerVisible reports whether the caller of ctx may see l.
+func (s *Server) layerVisible(ctx context.Context, l api.Layer) bool {
+	return s.visibleTo(ctx, l.Project)
 }
 
 // mayReplace refuses to re-point or delete a layer of a project outside
 // the caller's.
 func (s *Server) mayReplace(ctx context.Context) func(api.Layer) error {
 	return func(l api.Layer) error {
-		caller, err := s.pathOf(s.callerProject(ctx))
-		if err != nil {
-			return err
-		}
-		if lp := s.layerPath(l); !edgeapi.PathIn(lp, caller) {
-			return errdefs.PermissionDenied("layer %s belongs to project %s, which is not yours or below yours", l.Ref, strings.TrimPrefix(lp, edgeapi.RootPath+"/"))
-		}
-		return nil
+		return s.mayChange(ctx, l.Project, "layer "+l.Ref)
 	}
 }

@@ -260,42 +260,74 @@ func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 		}
 		limit = n
 	}
-	after := ""
-	if tok := q.Get("page_token"); tok != "" {
-		b, err := base64.RawURLEncoding.DecodeString(tok)
-		if err != nil {
-			s.writeError(w, r, badQuery("page_token", tok, "not a token returned by this API"))
-			return
-		}
-		after = string(b)
-	}
-	// Each edge returns its first limit+1 after the token: enough to fill
-	// the page and to tell whether there is more. The token is an id, so
-	// it pages the same on any apiserver, across nodes.
-	var mu sync.Mutex
-	var all []api.Sandbox
-	skipped, err := s.fanOut(r.Context(), func(ctx context.Context, e edgeapi.Edge) error {
-		l, err := e.List(ctx, edgeapi.ListFilter{State: state, Labels: sel, After: after, Limit: limit + 1})
-		mu.Lock()
-		all = append(all, l...)
-		mu.Unlock()
-		return err
-	})
+	after, err := pageAfter("page_token", q.Get("page_token"))
 	if err != nil {
 		s.writeError(w, r, err)
 		return
 	}
+	page, more, skipped, err := s.listPage(r.Context(), []string{state}, sel, after, limit)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	out := api.SandboxList{Sandboxes: page, UnreachableNodes: skipped}
+	if more {
+		out.NextPageToken = pageToken(page[len(page)-1].ID)
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+// pageToken is the token of the page after the sandbox id.
+func pageToken(id string) string { return base64.RawURLEncoding.EncodeToString([]byte(id)) }
+
+// pageAfter reads the page token tok of query parameter name: the id the
+// page starts after ("" for the first page).
+func pageAfter(name, tok string) (string, error) {
+	b, err := base64.RawURLEncoding.DecodeString(tok)
+	if err != nil {
+		return "", badQuery(name, tok, "not a token returned by this API")
+	}
+	return string(b), nil
+}
+
+// listPage is one page of the sandboxes of every edge: those in any of
+// states ("" = any state) whose labels hold sel, ordered by id, after the
+// id after, at most limit of them (0: all). more says whether another
+// page follows; skipped are the nodes that could not be asked (their
+// sandboxes are left out).
+func (s *Server) listPage(ctx context.Context, states []string, sel map[string]string, after string, limit int) (page []api.Sandbox, more bool, skipped []string, err error) {
+	// Each edge returns its first limit+1 after the token, per state:
+	// enough to fill the page and to tell whether there is more. The
+	// token is an id, so it pages the same on any apiserver, across nodes.
+	n := 0
+	if limit > 0 {
+		n = limit + 1
+	}
+	var mu sync.Mutex
+	var all []api.Sandbox
+	skipped, err = s.fanOut(ctx, func(ctx context.Context, e edgeapi.Edge) error {
+		for _, st := range states {
+			l, err := e.List(ctx, edgeapi.ListFilter{State: st, Labels: sel, After: after, Limit: n})
+			mu.Lock()
+			all = append(all, l...)
+			mu.Unlock()
+			if err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, false, nil, err
+	}
 	sort.Slice(all, func(i, j int) bool { return all[i].ID < all[j].ID })
 	// An edge client that ignores After still pages right.
 	start := sort.Search(len(all), func(i int) bool { return all[i].ID > after })
-	page := all[start:]
-	out := api.SandboxList{Sandboxes: []api.Sandbox{}, UnreachableNodes: skipped}
-	if len(page) > limit {
-		page = page[:limit]
-		out.NextPageToken = base64.RawURLEncoding.EncodeToString([]byte(page[len(page)-1].ID))
+	page = append([]api.Sandbox{}, all[start:]...)
+	if limit > 0 && len(page) > limit {
+		page, more = page[:limit], true
 	}
-	out.Sandboxes = append(out.Sandboxes, page...)
-	writeJSON(w, http.StatusOK, out)
+	return page, more, skipped, nil
 }
 
 func (s *Server) deleteSandbox(w http.ResponseWriter, r *http.Request) {

@@ -58,6 +58,10 @@ type Deps struct {
 	Alive    func(instance string) (bool, error)
 	// IdempotencyTTL is how long a record answers (0: 24 h).
 	IdempotencyTTL time.Duration
+	// E2BDefaultTemplate is what the E2B API's template "base" (the E2B
+	// SDK's default) stands for when no alias of that name exists: a
+	// layer ref or an alias name ("" for none: "base" is then not found).
+	E2BDefaultTemplate string
 }
 
 // Server serves the REST API.
@@ -173,6 +177,10 @@ func (s *Server) routes() {
 	s.handle("DELETE /v1/layers/{ref...}", iam.LayerWrite, s.deleteLayer)
 	s.handle("POST /v1/images:import", iam.LayerWrite, s.importImage)
 	s.handle("POST /v1/images:pull", iam.LayerWrite, s.pullImage)
+	s.handle("POST /v1/templates", iam.LayerWrite, s.createTemplate)
+	s.handle("GET /v1/templates", iam.LayerRead, s.listTemplates)
+	s.handle("GET /v1/templates/{name}", iam.LayerRead, s.getTemplate)
+	s.handle("DELETE /v1/templates/{name}", iam.LayerWrite, s.deleteTemplate)
 
 	s.handle("GET /v1/nodes", iam.SandboxRead, s.listNodes)
 

@@ -89,14 +89,23 @@ func newFixture(t *testing.T, wire bool) *fixture {
 // apiserver starts another apiserver named instance over the fixture's
 // store, IAM and edge (a cluster's apiservers share etcd).
 func (f *fixture) apiserver(t *testing.T, instance string) *httptest.Server {
+	return f.apiserverWith(t, instance, nil)
+}
+
+// apiserverWith is apiserver with its Deps changed by tune first.
+func (f *fixture) apiserverWith(t *testing.T, instance string, tune func(*Deps)) *httptest.Server {
 	f.setAlive(instance, true)
-	s := New(Deps{IAM: f.iam, Layers: f.layers, Nodes: f.view, Policy: sandbox.DefaultPolicy(),
+	deps := Deps{IAM: f.iam, Layers: f.layers, Nodes: f.view, Policy: sandbox.DefaultPolicy(),
 		Log: slog.New(slog.NewTextHandler(io.Discard, nil)), Store: f.st, QuotaStore: f.st, Instance: instance,
 		Alive: func(other string) (bool, error) {
 			f.aliveMu.Lock()
 			defer f.aliveMu.Unlock()
 			return f.alive[other], nil
-		}})
+		}}
+	if tune != nil {
+		tune(&deps)
+	}
+	s := New(deps)
 	srv := httptest.NewServer(s.Handler())
 	t.Cleanup(srv.Close)
 	return srv

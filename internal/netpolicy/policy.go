@@ -102,6 +102,7 @@ var (
 //
 //	pypi                      a preset
 //	pypi.org  *.example.com   a name, or every name below a domain
+//	*                         every name (with 0.0.0.0/0: the whole internet)
 //	10.1.2.0/24  10.1.2.3     an IPv4 prefix or address
 //	...:443  ...:8000-8100    with a port or port range (tcp and udp)
 //	.../tcp  .../udp  .../icmp  with a protocol
@@ -295,10 +296,19 @@ func parsePorts(s string) (Ports, error) {
 	return p, nil
 }
 
+// anyName is the pattern that permits every name. An address rule cannot
+// say "every name": without it a sandbox allowed 0.0.0.0/0 could reach
+// any address but look up none.
+const anyName = "*"
+
 // normalizePattern lower-cases a domain pattern and checks it: labels of
-// letters, digits and hyphens; at least two labels; "*." only in front.
+// letters, digits and hyphens; at least two labels; "*." only in front;
+// or anyName alone.
 func normalizePattern(s string) (string, error) {
 	s = strings.TrimSuffix(strings.ToLower(s), ".")
+	if s == anyName {
+		return s, nil
+	}
 	rest := strings.TrimPrefix(s, "*.")
 	if len(rest) > 253 {
 		return "", fmt.Errorf("name too long")
@@ -331,6 +341,9 @@ func (p *Policy) Match(name string) (ports []Ports, ok bool) {
 }
 
 func nameMatches(pattern, name string) bool {
+	if pattern == anyName {
+		return true
+	}
 	if base, ok := strings.CutPrefix(pattern, "*."); ok {
 		return strings.HasSuffix(name, "."+base)
 	}
@@ -352,12 +365,14 @@ func (p *Policy) denies(name string) bool {
 // the most specific wildcard pattern that matches it ("a.b" for
 // "a.b.example.com" under "*.example.com"), and false when an exact name
 // rule names it or no wildcard matches: the part a sandbox chooses, and
-// hence what a query can carry to the zone's servers.
+// hence what a query can carry to the zone's servers. anyName counts as
+// naming every name exactly: a sandbox that may look up any name has no
+// zone to keep its queries short for.
 func (p *Policy) wildcardPart(name string) (string, bool) {
 	name = strings.TrimSuffix(strings.ToLower(name), ".")
 	part, wild := "", false
 	for _, r := range p.Names {
-		if r.Pattern == name {
+		if r.Pattern == name || r.Pattern == anyName {
 			return "", false
 		}
 		base, ok := strings.CutPrefix(r.Pattern, "*.")

@@ -94,6 +94,7 @@ func FuzzCompile(f *testing.F) {
 	f.Add("8.8.8.8/icmp\n8.8.8.8:1/icmp\n8.8.8.8/32", "", "", uint32(0x08080808))
 	f.Add("1password.com:443\nEXAMPLE.ORG./tcp\n*.*.com", "1PASSWORD.COM", "1password.com", uint32(0xffffffff))
 	f.Add("debian\nnpm\ngoproxy\nnone", "pypi", "deb.debian.org", uint32(0xc0a80001))
+	f.Add("*\n0.0.0.0/0\n*:443/tcp", "*.example.com\n*", "a.example.com", uint32(0x08080808))
 	presets := DefaultPresets()
 	f.Fuzz(func(t *testing.T, allow, deny, name string, addr uint32) {
 		p, err := Compile(lines(allow), lines(deny), presets)

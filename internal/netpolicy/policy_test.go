@@ -34,6 +34,8 @@ func TestCompile(t *testing.T) {
 		{in: "*.example.com:443/tcp", names: []NameRule{{"*.example.com", Ports{ProtoTCP, 443, 443}}}},
 		{in: "123.example.com", names: []NameRule{{"123.example.com", AllPorts}}},
 		{in: "1PASSWORD.COM:443/tcp", names: []NameRule{{"1password.com", Ports{ProtoTCP, 443, 443}}}},
+		{in: "*", names: []NameRule{{"*", AllPorts}}},
+		{in: "*:443/tcp", names: []NameRule{{"*", Ports{ProtoTCP, 443, 443}}}},
 		{in: "pypi", names: []NameRule{
 			{"pypi.org", Ports{ProtoTCP, 443, 443}}, {"pypi.org", Ports{ProtoTCP, 80, 80}},
 			{"files.pythonhosted.org", Ports{ProtoTCP, 443, 443}}, {"files.pythonhosted.org", Ports{ProtoTCP, 80, 80}},
@@ -50,6 +52,8 @@ func TestCompile(t *testing.T) {
 		{in: "1.2.3.4:80/icmp", err: true},
 		{in: "exa_mple.com", err: true},
 		{in: "a.*.com", err: true},
+		{in: "*.*", err: true},
+		{in: "**", err: true},
 		{in: "-bad.com", err: true},
 		{in: "10.1.2.3/sctp", err: true},
 		{in: strings.Repeat("a", 300) + ".com", err: true},
@@ -100,6 +104,27 @@ func TestMatch(t *testing.T) {
 		if len(ports) != want || ok != (want > 0) {
 			t.Errorf("Match(%q) = %v %v, want %d port sets", name, ports, ok, want)
 		}
+	}
+}
+
+// TestMatchAnyName: "*" permits every name, a deny entry still wins, and
+// no wildcard limit shortens what it permits.
+func TestMatchAnyName(t *testing.T) {
+	p, err := Compile([]string{"*", "*.example.com"}, []string{"evil.example.com"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	long := strings.Repeat("a", 63) + ".example.com"
+	for name, want := range map[string]bool{"pypi.org": true, "a.b.c.d.net.": true, long: true, "evil.example.com": false} {
+		if _, ok := p.Match(name); ok != want {
+			t.Errorf("Match(%q) = %v, want %v", name, ok, want)
+		}
+	}
+	if part, wild := p.wildcardPart(long); wild {
+		t.Errorf("wildcardPart(%q) = %q: the wildcard limit applies under \"*\"", long, part)
+	}
+	if p, err := Compile(nil, []string{"*"}, nil); err != nil || len(p.DenyNames) != 1 || !p.denies("pypi.org") {
+		t.Errorf("deny \"*\": %+v, %v", p, err)
 	}
 }
 

@@ -29,7 +29,9 @@ import (
 //   - Exec of "fail-after-output" streams one event, then fails;
 //   - ReadFile serves File (default "data");
 //   - WriteTar of "/nope" is not found, of "/broken" fails after 10 bytes;
-//   - DialPort connects to PortAddr if set.
+//   - DialPort connects to PortAddr if set;
+//   - Pause, Resume and Keepalive change the state and expiry as an edge
+//     does (pausing a paused sandbox, or resuming a running one, succeeds).
 type Fake struct {
 	name string
 	// MaxSandboxes is the capacity Info reports (default 100).
@@ -156,6 +158,10 @@ func (f *Fake) Create(ctx context.Context, req edgeapi.CreateRequest) (*api.Sand
 	sb := api.Sandbox{ID: fmt.Sprintf("sb-%s-%04d", f.name, f.n), Node: f.name, State: "running", Backend: req.Spec.Backend,
 		Spec: req.Spec, Labels: req.Spec.Labels, Layers: req.Digests, CreatedAt: time.Now(), Project: req.Spec.Project,
 		CreateSeq: uint64(f.n)}
+	if req.Spec.TTL > 0 {
+		exp := sb.CreatedAt.Add(time.Duration(req.Spec.TTL) * time.Second)
+		sb.ExpiresAt = &exp
+	}
 	f.sandboxes[sb.ID] = sb
 	f.paths[sb.ID] = req.ProjectPath
 	return &sb, nil
@@ -213,9 +219,29 @@ func (f *Fake) DeleteByLabels(ctx context.Context, sel map[string]string) (int, 
 	return len(l), nil
 }
 
-// Keepalive implements edgeapi.Edge.
+// Keepalive implements edgeapi.Edge: the sandbox expires ttl seconds
+// from now (its spec's ttl when 0).
 func (f *Fake) Keepalive(ctx context.Context, id string, ttl int64) (*api.Sandbox, error) {
-	return f.Get(ctx, id)
+	return f.update(ctx, id, func(sb *api.Sandbox) {
+		if ttl == 0 {
+			ttl = sb.Spec.TTL
+		}
+		exp := time.Now().Add(time.Duration(ttl) * time.Second)
+		sb.ExpiresAt = &exp
+	})
+}
+
+// update applies fn to sandbox id as the caller of ctx sees it.
+func (f *Fake) update(ctx context.Context, id string, fn func(*api.Sandbox)) (*api.Sandbox, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	sb, ok := f.sandboxes[id]
+	if !ok || !edgeapi.InScope(ctx, f.paths[id]) {
+		return nil, errdefs.NotFound("sandbox %s not found", id)
+	}
+	fn(&sb)
+	f.sandboxes[id] = sb
+	return &sb, nil
 }
 
 // Stats implements edgeapi.Edge.
@@ -349,18 +375,24 @@ func (f *Fake) ReadLog(ctx context.Context, id string, sinceSeq int64, limit int
 	return page, nil
 }
 
-// Pause implements edgeapi.Edge.
+// Pause implements edgeapi.Edge. As on a real edge, pausing a paused
+// sandbox succeeds.
 func (f *Fake) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
-	sb, err := f.Get(ctx, id)
+	sb, err := f.update(ctx, id, func(sb *api.Sandbox) {
+		if sb.State != api.StatePaused {
+			now := time.Now()
+			sb.State, sb.PausedAt = api.StatePaused, &now
+		}
+	})
 	if err != nil {
 		return nil, err
 	}
 	return &api.PauseResult{Sandbox: *sb}, nil
 }
 
-// Resume implements edgeapi.Edge.
+// Resume implements edgeapi.Edge. Resuming a running sandbox succeeds.
 func (f *Fake) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
-	return f.Get(ctx, id)
+	return f.update(ctx, id, func(sb *api.Sandbox) { sb.State, sb.PausedAt = api.StateRunning, nil })
 }
 
 // PauseByLabels implements edgeapi.Edge.
