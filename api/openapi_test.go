@@ -475,7 +475,7 @@ var wireTypes = []any{
 	NetworkPolicy{}, SandboxSpec{}, Sandbox{}, BatchCreateRequest{}, BatchError{},
 	BatchResult{}, SandboxList{}, LabelsRequest{}, DeleteResult{}, KeepaliveRequest{},
 	Stats{}, ExecRequest{}, ExecResult{}, ExecEvent{}, SessionRequest{}, Session{},
-	SessionRunRequest{}, FileEntry{}, FileList{}, TarResult{}, LogEntry{}, LogRequest{},
+	SessionRunRequest{}, FileEntry{}, FileEvent{}, FileList{}, TarResult{}, LogEntry{}, LogRequest{},
 	LogResult{}, LogPage{}, Layer{}, LayerList{}, PauseResult{}, CountResult{},
 	SnapshotInfo{}, SnapshotRequest{}, ForkRequest{},
 	ImageConfig{}, ImageResult{}, ImagePullRequest{}, ImageEvent{}, FnCallRequest{}, FnCallResult{},
