@@ -66,6 +66,23 @@ type Edge interface {
 	// written means w holds a broken archive.
 	WriteTar(ctx context.Context, id, path string, w io.Writer) error
 	ExtractTar(ctx context.Context, id, path string, rd io.Reader) (api.TarResult, error)
+	// MakeDir creates the directory path and its missing parents. A
+	// directory already there is an errdefs.ErrAlreadyExists error.
+	MakeDir(ctx context.Context, id, path string) (api.FileEntry, error)
+	// MoveFile renames src to dst as rename(2) does (a file, or an empty
+	// directory, at dst is replaced), creating dst's missing parents, and
+	// describes the entry at dst.
+	MoveFile(ctx context.Context, id, src, dst string) (api.FileEntry, error)
+	// WatchDir reports the changes below the directory path (its
+	// children; with recursive, its tree to a bounded depth) to emit
+	// until ctx ends. An error setting the watch up (no such directory,
+	// too many entries to watch) is returned before anything is
+	// emitted; once the watch is set up, the first event is one of type
+	// api.FileEventStart. It returns ctx's error when ctx ends, emit's
+	// error, or what ended the watch: the directory gone (not found),
+	// grown past the bound (invalid), the sandbox no longer running
+	// (unavailable).
+	WatchDir(ctx context.Context, id, path string, recursive bool, emit func(api.FileEvent) error) error
 
 	// ReadLog returns the command log entries with seq > sinceSeq, at most
 	// limit; it serves stopped and failed sandboxes too.
