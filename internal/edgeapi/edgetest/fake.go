@@ -25,7 +25,8 @@ import (
 //   - Exec of "fail-after-output" streams one event, then fails;
 //   - the file calls act on a small in-memory tree per sandbox (files.go),
 //     except that ReadFile of a path nothing was written to serves File
-//     (default "data") unless the path is under /nope;
+//     (default "data") unless the path is under /nope, and WriteFile
+//     under /full fails as on a full disk;
 //   - WriteTar of "/nope" is not found, of "/broken" fails after 10 bytes;
 //   - DialPort connects to PortAddr if set.
 type Fake struct {

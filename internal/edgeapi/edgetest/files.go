@@ -18,7 +18,8 @@ import (
 // The fake's file calls act on an in-memory tree per sandbox: what
 // WriteFile and MakeDir put there, Stat, List, Remove and MoveFile see,
 // and WatchDir reports, as the real edge would (paths must be absolute
-// and are cleaned; ".." cannot climb above "/").
+// and are cleaned; ".." cannot climb above "/"). A write under /full
+// fails as a full disk does (resource_exhausted).
 
 // fakeFile is one entry of a fake tree.
 type fakeFile struct {
@@ -167,6 +168,9 @@ func (f *Fake) WriteFile(ctx context.Context, id, p string, data io.Reader, mode
 	clean, err := cleanPath(p)
 	if err != nil {
 		return api.FileEntry{}, err
+	}
+	if clean == "/full" || strings.HasPrefix(clean, "/full/") {
+		return api.FileEntry{}, errdefs.Exhausted("writing %s: no space left on device", clean)
 	}
 	b, err := io.ReadAll(data)
 	if err != nil {
