@@ -1,6 +1,7 @@
 // Package files performs file operations on a sandbox's root filesystem from
 // the host side, confined to that root. The edge imports it to serve the
-// files API (read, write, stat, list, remove, tar in and out); the layer
+// files API (read, write, stat, list, remove, tar in and out, and for the
+// E2B dialect mkdir, rename and directory watches); the layer
 // builder imports it to extract archives into a staging directory.
 //
 // The sandbox's code is untrusted root: it can plant absolute and relative
