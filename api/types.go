@@ -293,7 +293,33 @@ type FileEntry struct {
 	Mode       string    `json:"mode"` // octal permission bits, e.g. "0644"
 	MTime      time.Time `json:"mtime"`
 	LinkTarget string    `json:"link_target,omitempty"`
+	// UID and GID own the entry, as the sandbox sees them (a user
+	// namespace's IDs, not the host's).
+	UID uint32 `json:"uid"`
+	GID uint32 `json:"gid"`
 }
+
+// FileEvent is one change under a watched directory (the edge's WatchDir,
+// served to E2B clients as envd's WatchDir stream). Name is the path
+// relative to the watched directory ("a.txt", "sub/a.txt"); Entry
+// describes the name after the change (absent for remove and for the old
+// name of a rename).
+type FileEvent struct {
+	Name  string     `json:"name"`
+	Type  string     `json:"type"`
+	Entry *FileEntry `json:"entry,omitempty"`
+}
+
+// File event types (FileEvent.Type). A watch begins with one start event,
+// which names nothing: from then on, changes are reported.
+const (
+	FileEventStart  = "start"
+	FileEventCreate = "create"
+	FileEventWrite  = "write"
+	FileEventRemove = "remove"
+	FileEventRename = "rename"
+	FileEventChmod  = "chmod"
+)
 
 // FileList is returned by files:list.
 type FileList struct {
@@ -319,6 +345,9 @@ const (
 	LogFilesRemove   = "files.remove"
 	LogFilesTarOut   = "files.tar_out"
 	LogFilesTarIn    = "files.tar_in"
+	LogFilesMkdir    = "files.mkdir"
+	LogFilesMove     = "files.move"
+	LogFilesWatch    = "files.watch"
 	LogTruncatedKind = "log.truncated"
 )
 
@@ -350,6 +379,7 @@ type LogRequest struct {
 	SessionID  string   `json:"session_id,omitempty"`
 	Command    string   `json:"command,omitempty"`
 	Path       string   `json:"path,omitempty"`
+	Dest       string   `json:"dest,omitempty"`
 	Mode       string   `json:"mode,omitempty"`
 	Recursive  bool     `json:"recursive,omitempty"`
 	Depth      int      `json:"depth,omitempty"`

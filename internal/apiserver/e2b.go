@@ -22,14 +22,11 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/base64"
-	"encoding/json"
 	"errors"
 	"net/http"
 	"strconv"
 	"strings"
 	"sync"
-
-	"connectrpc.com/connect"
 
 	"github.com/dsecproject/dsec/internal/conns"
 	"github.com/dsecproject/dsec/internal/edgeapi"
@@ -230,110 +227,4 @@ func (s *Server) e2bRoutes() {
 	s.e2bControlRoutes()  // e2b_sandboxes.go
 	s.envdProcessRoutes() // envd_process.go
 	s.envdFilesRoutes()   // envd_files.go
-}
-
-// envdUser is the user an envd request names: E2B sends it as
-// Authorization: Basic base64("<user>:"). "" means the sandbox's default
-// user.
-func envdUser(h http.Header) (string, error) {
-	v := h.Get("Authorization")
-	if v == "" {
-		return "", nil
-	}
-	scheme, rest, _ := strings.Cut(v, " ")
-	if !strings.EqualFold(scheme, "Basic") {
-		return "", errdefs.Invalid("Authorization on envd calls must be Basic base64(\"<user>:\")")
-	}
-	b, err := base64.StdEncoding.DecodeString(strings.TrimSpace(rest))
-	if err != nil {
-		return "", errdefs.Invalid("Authorization: the Basic credentials are not base64")
-	}
-	user, _, _ := strings.Cut(string(b), ":")
-	return user, nil
-}
-
-// connectCode maps an error class to its Connect code.
-func connectCode(err error) connect.Code {
-	switch errdefs.Code(err) {
-	case "invalid_argument":
-		return connect.CodeInvalidArgument
-	case "unauthenticated":
-		return connect.CodeUnauthenticated
-	case "permission_denied":
-		return connect.CodePermissionDenied
-	case "not_found":
-		return connect.CodeNotFound
-	case "already_exists":
-		return connect.CodeAlreadyExists
-	case "failed_precondition":
-		return connect.CodeFailedPrecondition
-	case "quota_exceeded", "resource_exhausted":
-		return connect.CodeResourceExhausted
-	case "unavailable":
-		return connect.CodeUnavailable
-	}
-	switch {
-	case errors.Is(err, context.DeadlineExceeded):
-		return connect.CodeDeadlineExceeded
-	case errors.Is(err, context.Canceled):
-		return connect.CodeCanceled
-	}
-	return connect.CodeInternal
-}
-
-// toConnect turns an error into a Connect error. Internal errors keep
-// their detail in the server's log, as on /v1.
-func (s *Server) toConnect(ctx context.Context, err error) error {
-	if err == nil {
-		return nil
-	}
-	var ce *connect.Error
-	if errors.As(err, &ce) {
-		return err
-	}
-	code := connectCode(err)
-	if code == connect.CodeInternal {
-		var b [6]byte
-		_, _ = rand.Read(b[:])
-		ref := base64.RawURLEncoding.EncodeToString(b[:])
-		s.log.Error("envd request failed", "ref", ref, "sandbox_id", envdSandbox(ctx), "err", err)
-		return connect.NewError(code, errors.New("internal error (ref "+ref+"; the server log has the details)"))
-	}
-	return connect.NewError(code, err)
-}
-
-// connectRefusal writes a refusal of an envd Connect call (before it
-// reaches its handler) in the Connect protocol's error shape.
-func (s *Server) connectRefusal(w http.ResponseWriter, r *http.Request, err error) {
-	ce := connect.NewError(connectCode(err), err)
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(connectHTTPStatus(ce.Code()))
-	_ = json.NewEncoder(w).Encode(map[string]string{"code": ce.Code().String(), "message": err.Error()})
-}
-
-// connectHTTPStatus is the HTTP status the Connect protocol gives a code.
-func connectHTTPStatus(c connect.Code) int {
-	switch c {
-	case connect.CodeInvalidArgument, connect.CodeFailedPrecondition, connect.CodeOutOfRange:
-		return http.StatusBadRequest
-	case connect.CodeUnauthenticated:
-		return http.StatusUnauthorized
-	case connect.CodePermissionDenied:
-		return http.StatusForbidden
-	case connect.CodeNotFound:
-		return http.StatusNotFound
-	case connect.CodeAlreadyExists, connect.CodeAborted:
-		return http.StatusConflict
-	case connect.CodeResourceExhausted:
-		return http.StatusTooManyRequests
-	case connect.CodeUnimplemented:
-		return http.StatusNotImplemented
-	case connect.CodeUnavailable:
-		return http.StatusServiceUnavailable
-	case connect.CodeDeadlineExceeded:
-		return http.StatusGatewayTimeout
-	case connect.CodeCanceled:
-		return 499
-	}
-	return http.StatusInternalServerError
 }

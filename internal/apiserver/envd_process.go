@@ -21,15 +21,15 @@ import (
 	"connectrpc.com/connect"
 	"golang.org/x/sys/unix"
 
-	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/e2b/processpb"
 	"github.com/dsecproject/dsec/internal/e2b/processpb/processpbconnect"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
 func (s *Server) envdProcessRoutes() {
 	path, h := processpbconnect.NewProcessHandler(&envdProcess{s: s}, connect.WithReadMaxBytes(4<<20))
-	s.envdHandle(path, h, s.connectRefusal)
+	s.envdHandle(path, h, s.connectError)
 }
 
 // envdProcess implements processpbconnect.ProcessHandler.
@@ -40,15 +40,12 @@ type envdProcess struct {
 
 var _ processpbconnect.ProcessHandler = (*envdProcess)(nil)
 
-// keepaliveInterval is how often a silent stream sends a keepalive: the
-// Keepalive-Ping-Interval header's seconds (the SDK sends 50), within
-// 1 s..5 min, 50 s when absent.
-func keepaliveInterval(h http.Header) time.Duration {
-	n, err := strconv.Atoi(h.Get("Keepalive-Ping-Interval"))
-	if err != nil || n <= 0 {
-		n = 50
+// fail makes err (nil: none) a Connect error.
+func (p *envdProcess) fail(ctx context.Context, err error) error {
+	if err == nil {
+		return nil
 	}
-	return time.Duration(min(max(n, 1), 300)) * time.Second
+	return p.s.toConnect(ctx, "process", err)
 }
 
 // processTimeout is the process's lifetime the request asks for.
@@ -103,7 +100,7 @@ func (es *eventSender) keepalive(ctx context.Context, interval time.Duration) {
 }
 
 // toProcessEvent maps an edge event to envd's.
-func toProcessEvent(ev api.ProcessEvent) *processpb.ProcessEvent {
+func toProcessEvent(ev edgeapi.ProcessEvent) *processpb.ProcessEvent {
 	switch {
 	case ev.Start != nil:
 		return &processpb.ProcessEvent{Event: &processpb.ProcessEvent_Start{Start: &processpb.ProcessEvent_StartEvent{Pid: uint32(ev.Start.PID)}}}
@@ -130,12 +127,12 @@ func dataEvent(d *processpb.ProcessEvent_DataEvent) *processpb.ProcessEvent {
 // with send. A stream that ends because the Connect deadline passed
 // answers deadline_exceeded.
 func (p *envdProcess) stream(ctx context.Context, h http.Header, send func(*processpb.ProcessEvent) error,
-	run func(ctx context.Context, emit func(api.ProcessEvent) error) error) error {
+	run func(ctx context.Context, emit func(edgeapi.ProcessEvent) error) error) error {
 	es := &eventSender{send: send, last: time.Now()}
 	kctx, stop := context.WithCancel(ctx)
 	defer stop()
 	started := false
-	err := run(ctx, func(ev api.ProcessEvent) error {
+	err := run(ctx, func(ev edgeapi.ProcessEvent) error {
 		if ev.Start != nil && !started {
 			started = true
 			go es.keepalive(kctx, keepaliveInterval(h))
@@ -146,27 +143,27 @@ func (p *envdProcess) stream(ctx context.Context, h http.Header, send func(*proc
 	if err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
 		return connect.NewError(connect.CodeDeadlineExceeded, errors.New("the command's timeout passed: it was killed"))
 	}
-	return p.s.toConnect(ctx, err)
+	return p.fail(ctx, err)
 }
 
 func (p *envdProcess) Start(ctx context.Context, req *connect.Request[processpb.StartRequest], st *connect.ServerStream[processpb.StartResponse]) error {
 	e, id, err := p.s.envdEdge(ctx)
 	if err != nil {
-		return p.s.toConnect(ctx, err)
+		return p.fail(ctx, err)
 	}
-	user, err := envdUser(req.Header())
+	user, err := basicUser(req.Header())
 	if err != nil {
-		return p.s.toConnect(ctx, err)
+		return p.fail(ctx, err)
 	}
 	timeout, err := processTimeout(req.Header())
 	if err != nil {
-		return p.s.toConnect(ctx, err)
+		return p.fail(ctx, err)
 	}
 	m := req.Msg
 	if m.GetProcess() == nil || m.GetProcess().GetCmd() == "" {
 		return connect.NewError(connect.CodeInvalidArgument, errors.New("process.cmd is required"))
 	}
-	pr := api.ProcessRequest{
+	pr := edgeapi.ProcessRequest{
 		Argv:      append([]string{m.GetProcess().GetCmd()}, m.GetProcess().GetArgs()...),
 		Env:       m.GetProcess().GetEnvs(),
 		Cwd:       m.GetProcess().GetCwd(),
@@ -177,10 +174,10 @@ func (p *envdProcess) Start(ctx context.Context, req *connect.Request[processpb.
 	}
 	if m.Pty != nil {
 		sz := m.GetPty().GetSize()
-		pr.PTY = &api.PTYSize{Cols: clampSize(sz.GetCols()), Rows: clampSize(sz.GetRows())}
+		pr.PTY = &edgeapi.PTYSize{Cols: clampSize(sz.GetCols()), Rows: clampSize(sz.GetRows())}
 	}
 	send := func(ev *processpb.ProcessEvent) error { return st.Send(&processpb.StartResponse{Event: ev}) }
-	return p.stream(ctx, req.Header(), send, func(ctx context.Context, emit func(api.ProcessEvent) error) error {
+	return p.stream(ctx, req.Header(), send, func(ctx context.Context, emit func(edgeapi.ProcessEvent) error) error {
 		return e.StartProcess(ctx, id, pr, emit)
 	})
 }
@@ -189,33 +186,33 @@ func (p *envdProcess) Start(ctx context.Context, req *connect.Request[processpb.
 // refuses 0 and anything past 4096.
 func clampSize(v uint32) uint16 { return uint16(min(v, 65535)) }
 
-func selector(sel *processpb.ProcessSelector) (api.ProcessSelector, error) {
+func selector(sel *processpb.ProcessSelector) (edgeapi.ProcessSelector, error) {
 	switch v := sel.GetSelector().(type) {
 	case *processpb.ProcessSelector_Pid:
 		if v.Pid == 0 {
-			return api.ProcessSelector{}, connect.NewError(connect.CodeInvalidArgument, errors.New("pid 0 names no process"))
+			return edgeapi.ProcessSelector{}, connect.NewError(connect.CodeInvalidArgument, errors.New("pid 0 names no process"))
 		}
-		return api.ProcessSelector{PID: int(v.Pid)}, nil
+		return edgeapi.ProcessSelector{PID: int(v.Pid)}, nil
 	case *processpb.ProcessSelector_Tag:
 		if v.Tag == "" {
-			return api.ProcessSelector{}, connect.NewError(connect.CodeInvalidArgument, errors.New("an empty tag names no process"))
+			return edgeapi.ProcessSelector{}, connect.NewError(connect.CodeInvalidArgument, errors.New("an empty tag names no process"))
 		}
-		return api.ProcessSelector{Tag: v.Tag}, nil
+		return edgeapi.ProcessSelector{Tag: v.Tag}, nil
 	}
-	return api.ProcessSelector{}, connect.NewError(connect.CodeInvalidArgument, errors.New("name the process by pid or tag"))
+	return edgeapi.ProcessSelector{}, connect.NewError(connect.CodeInvalidArgument, errors.New("name the process by pid or tag"))
 }
 
 func (p *envdProcess) Connect(ctx context.Context, req *connect.Request[processpb.ConnectRequest], st *connect.ServerStream[processpb.ConnectResponse]) error {
 	e, id, err := p.s.envdEdge(ctx)
 	if err != nil {
-		return p.s.toConnect(ctx, err)
+		return p.fail(ctx, err)
 	}
 	sel, err := selector(req.Msg.GetProcess())
 	if err != nil {
 		return err
 	}
 	send := func(ev *processpb.ProcessEvent) error { return st.Send(&processpb.ConnectResponse{Event: ev}) }
-	return p.stream(ctx, req.Header(), send, func(ctx context.Context, emit func(api.ProcessEvent) error) error {
+	return p.stream(ctx, req.Header(), send, func(ctx context.Context, emit func(edgeapi.ProcessEvent) error) error {
 		return e.ConnectProcess(ctx, id, sel, emit)
 	})
 }
@@ -223,11 +220,11 @@ func (p *envdProcess) Connect(ctx context.Context, req *connect.Request[processp
 func (p *envdProcess) List(ctx context.Context, req *connect.Request[processpb.ListRequest]) (*connect.Response[processpb.ListResponse], error) {
 	e, id, err := p.s.envdEdge(ctx)
 	if err != nil {
-		return nil, p.s.toConnect(ctx, err)
+		return nil, p.fail(ctx, err)
 	}
 	l, err := e.ListProcesses(ctx, id)
 	if err != nil {
-		return nil, p.s.toConnect(ctx, err)
+		return nil, p.fail(ctx, err)
 	}
 	out := &processpb.ListResponse{Processes: make([]*processpb.ProcessInfo, 0, len(l))}
 	for _, pi := range l {
@@ -251,7 +248,7 @@ func (p *envdProcess) List(ctx context.Context, req *connect.Request[processpb.L
 func (p *envdProcess) SendInput(ctx context.Context, req *connect.Request[processpb.SendInputRequest]) (*connect.Response[processpb.SendInputResponse], error) {
 	e, id, err := p.s.envdEdge(ctx)
 	if err != nil {
-		return nil, p.s.toConnect(ctx, err)
+		return nil, p.fail(ctx, err)
 	}
 	sel, err := selector(req.Msg.GetProcess())
 	if err != nil {
@@ -267,7 +264,7 @@ func (p *envdProcess) SendInput(ctx context.Context, req *connect.Request[proces
 		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("input must be stdin or pty"))
 	}
 	if err := e.ProcessInput(ctx, id, sel, data); err != nil {
-		return nil, p.s.toConnect(ctx, err)
+		return nil, p.fail(ctx, err)
 	}
 	return connect.NewResponse(&processpb.SendInputResponse{}), nil
 }
@@ -275,7 +272,7 @@ func (p *envdProcess) SendInput(ctx context.Context, req *connect.Request[proces
 func (p *envdProcess) SendSignal(ctx context.Context, req *connect.Request[processpb.SendSignalRequest]) (*connect.Response[processpb.SendSignalResponse], error) {
 	e, id, err := p.s.envdEdge(ctx)
 	if err != nil {
-		return nil, p.s.toConnect(ctx, err)
+		return nil, p.fail(ctx, err)
 	}
 	sel, err := selector(req.Msg.GetProcess())
 	if err != nil {
@@ -291,7 +288,7 @@ func (p *envdProcess) SendSignal(ctx context.Context, req *connect.Request[proce
 		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("signal must be SIGTERM or SIGKILL"))
 	}
 	if err := e.SignalProcess(ctx, id, sel, sig); err != nil {
-		return nil, p.s.toConnect(ctx, err)
+		return nil, p.fail(ctx, err)
 	}
 	return connect.NewResponse(&processpb.SendSignalResponse{}), nil
 }
@@ -299,14 +296,14 @@ func (p *envdProcess) SendSignal(ctx context.Context, req *connect.Request[proce
 func (p *envdProcess) CloseStdin(ctx context.Context, req *connect.Request[processpb.CloseStdinRequest]) (*connect.Response[processpb.CloseStdinResponse], error) {
 	e, id, err := p.s.envdEdge(ctx)
 	if err != nil {
-		return nil, p.s.toConnect(ctx, err)
+		return nil, p.fail(ctx, err)
 	}
 	sel, err := selector(req.Msg.GetProcess())
 	if err != nil {
 		return nil, err
 	}
 	if err := e.CloseProcessStdin(ctx, id, sel); err != nil {
-		return nil, p.s.toConnect(ctx, err)
+		return nil, p.fail(ctx, err)
 	}
 	return connect.NewResponse(&processpb.CloseStdinResponse{}), nil
 }
@@ -314,7 +311,7 @@ func (p *envdProcess) CloseStdin(ctx context.Context, req *connect.Request[proce
 func (p *envdProcess) Update(ctx context.Context, req *connect.Request[processpb.UpdateRequest]) (*connect.Response[processpb.UpdateResponse], error) {
 	e, id, err := p.s.envdEdge(ctx)
 	if err != nil {
-		return nil, p.s.toConnect(ctx, err)
+		return nil, p.fail(ctx, err)
 	}
 	sel, err := selector(req.Msg.GetProcess())
 	if err != nil {
@@ -322,8 +319,8 @@ func (p *envdProcess) Update(ctx context.Context, req *connect.Request[processpb
 	}
 	if req.Msg.Pty != nil {
 		sz := req.Msg.GetPty().GetSize()
-		if err := e.ResizeProcess(ctx, id, sel, api.PTYSize{Cols: clampSize(sz.GetCols()), Rows: clampSize(sz.GetRows())}); err != nil {
-			return nil, p.s.toConnect(ctx, err)
+		if err := e.ResizeProcess(ctx, id, sel, edgeapi.PTYSize{Cols: clampSize(sz.GetCols()), Rows: clampSize(sz.GetRows())}); err != nil {
+			return nil, p.fail(ctx, err)
 		}
 	}
 	return connect.NewResponse(&processpb.UpdateResponse{}), nil

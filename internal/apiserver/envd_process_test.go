@@ -3,7 +3,6 @@ package apiserver
 import (
 	"context"
 	"io"
-	"log/slog"
 	"net/http"
 	"strings"
 	"testing"
@@ -13,7 +12,6 @@ import (
 
 	"github.com/dsecproject/dsec/internal/e2b/processpb"
 	"github.com/dsecproject/dsec/internal/e2b/processpb/processpbconnect"
-	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
 // envdClient returns a Connect client of the process service that names
@@ -33,18 +31,6 @@ func (h headerTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 		}
 	}
 	return http.DefaultTransport.RoundTrip(r)
-}
-
-// envdTokenOf is the access token the fixture's apiservers give id.
-func (f *fixture) envdTokenOf(t *testing.T, id string) string {
-	t.Helper()
-	s := New(Deps{IAM: f.iam, Layers: f.layers, Nodes: f.view, Policy: sandbox.DefaultPolicy(), Store: f.st,
-		Log: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	tok, err := s.envdToken(id)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tok
 }
 
 func (f *fixture) sandboxFor(t *testing.T) string {

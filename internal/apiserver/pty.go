@@ -21,14 +21,14 @@ import (
 	"github.com/coder/websocket"
 	"golang.org/x/sys/unix"
 
-	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
 // ptyMessage is a text frame of a terminal's socket.
 type ptyMessage struct {
-	Resize *api.PTYSize `json:"resize,omitempty"`
+	Resize *edgeapi.PTYSize `json:"resize,omitempty"`
 }
 
 // ptyExit is the server's last text frame.
@@ -47,7 +47,7 @@ const ptyWriteWait = 30 * time.Second
 
 func (s *Server) pty(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	size := api.PTYSize{Cols: 80, Rows: 24}
+	size := edgeapi.PTYSize{Cols: 80, Rows: 24}
 	for name, dst := range map[string]*uint16{"cols": &size.Cols, "rows": &size.Rows} {
 		if v := q.Get(name); v != "" {
 			n, err := strconv.ParseUint(v, 10, 16)
@@ -87,12 +87,12 @@ func (s *Server) pty(w http.ResponseWriter, r *http.Request) {
 	c.SetReadLimit(1 << 20)
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
-	req := api.ProcessRequest{Argv: argv, PTY: &size, Env: map[string]string{"TERM": "xterm-256color"}, User: q.Get("user")}
+	req := edgeapi.ProcessRequest{Argv: argv, PTY: &size, Env: map[string]string{"TERM": "xterm-256color"}, User: q.Get("user")}
 	started := make(chan int, 1)
 	done := make(chan error, 1)
-	var end *api.ProcessEnd
+	var end *edgeapi.ProcessEnd
 	go func() {
-		done <- e.StartProcess(ctx, id, req, func(ev api.ProcessEvent) error {
+		done <- e.StartProcess(ctx, id, req, func(ev edgeapi.ProcessEvent) error {
 			switch {
 			case ev.Start != nil:
 				started <- ev.Start.PID
@@ -116,7 +116,7 @@ func (s *Server) pty(w http.ResponseWriter, r *http.Request) {
 		c.Close(websocket.StatusInternalError, truncateReason(errdefs.Code(err)+": "+err.Error()))
 		return
 	}
-	sel := api.ProcessSelector{PID: pid}
+	sel := edgeapi.ProcessSelector{PID: pid}
 	// Only the control plane may end the shell once the caller is gone.
 	kill := func() {
 		kctx, kcancel := context.WithTimeout(context.WithoutCancel(r.Context()), 10*time.Second)

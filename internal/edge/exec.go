@@ -204,6 +204,7 @@ func (e *Edge) root(s *sbx) (*files.Root, error) {
 	if s.rec.UserNS {
 		base := int(e.cfg.UserNSBase)
 		r.SetOwner(files.Owner{UID: base, GID: base})
+		r.SetIDMap(e.cfg.UserNSBase, UserNSSize)
 	}
 	s.root = r
 	return r, nil

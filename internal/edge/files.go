@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/files"
 )
 
@@ -124,4 +125,150 @@ func (e *Edge) ExtractTar(ctx context.Context, id, path string, rd io.Reader) (a
 		return err
 	})
 	return tr, err
+}
+
+// MakeDir creates a directory and its missing parents; one already there
+// is already_exists.
+func (e *Edge) MakeDir(ctx context.Context, id, path string) (api.FileEntry, error) {
+	var fe api.FileEntry
+	err := e.withRoot(ctx, id, api.LogFilesMkdir, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) (err error) {
+		if fe, err = r.Mkdir(path); err == nil {
+			res.Type = fe.Type
+		}
+		return err
+	})
+	return fe, err
+}
+
+// MoveFile renames src to dst inside the sandbox, creating dst's missing
+// parents.
+func (e *Edge) MoveFile(ctx context.Context, id, src, dst string) (api.FileEntry, error) {
+	var fe api.FileEntry
+	err := e.withRoot(ctx, id, api.LogFilesMove, api.LogRequest{Path: src, Dest: dst}, func(r *files.Root, res *api.LogResult) (err error) {
+		if fe, err = r.Rename(src, dst); err == nil {
+			res.Type, res.Size = fe.Type, &fe.Size
+		}
+		return err
+	})
+	return fe, err
+}
+
+// Directory watches (WatchDir) poll: every watchInterval the watched tree
+// is scanned through the confined root and compared with the last scan
+// (files.Watch). An inotify watch from the host would be cheaper, but it
+// does not see what a sandbox writes through a mount of its own namespace
+// (a private rootfs) or inside a microVM's disk; a scan sees every backend
+// alike. The cost is bounded: at most watchMaxEntries names per watch,
+// watchMaxDepth levels for a recursive one, maxWatches per sandbox.
+const (
+	watchInterval   = 200 * time.Millisecond
+	watchMaxEntries = 10000
+	watchMaxDepth   = 32
+	maxWatches      = 16
+)
+
+// WatchDir reports the changes below the directory path to emit, after a
+// first start event, until ctx ends. A watch is not an operation in
+// flight once it has started: it does not keep an idle sandbox from its
+// idle timeout, and it ends (unavailable) when the sandbox stops running.
+// It goes in the command log once, when it ends, with the number of
+// changes it reported.
+func (e *Edge) WatchDir(ctx context.Context, id, path string, recursive bool, emit func(api.FileEvent) error) error {
+	s, done, err := e.begin(ctx, id)
+	if err != nil {
+		return err
+	}
+	start := time.Now()
+	req := api.LogRequest{Path: path, Recursive: recursive}
+	w, err := e.startWatch(s, path, recursive)
+	done()
+	if err != nil {
+		e.record(s, api.LogFilesWatch, start, req, api.LogResult{}, err)
+		return err
+	}
+	defer func() {
+		s.mu.Lock()
+		s.watches--
+		s.mu.Unlock()
+	}()
+	n := 0
+	err = e.runWatch(ctx, s, id, w, emit, &n)
+	logged := err
+	if ctx.Err() != nil {
+		logged = nil // the caller ended it: the normal end of a watch
+	}
+	e.record(s, api.LogFilesWatch, start, req, api.LogResult{Entries: &n}, logged)
+	return err
+}
+
+// startWatch counts a new watch of s and takes its first scan.
+func (e *Edge) startWatch(s *sbx, path string, recursive bool) (*files.Watch, error) {
+	s.mu.Lock()
+	if s.watches >= maxWatches {
+		s.mu.Unlock()
+		return nil, errdefs.Exhausted("sandbox %s already has %d directory watches, the most it may have; stop one first", s.rec.Sandbox.ID, maxWatches)
+	}
+	s.watches++
+	s.mu.Unlock()
+	depth := 1
+	if recursive {
+		depth = watchMaxDepth
+	}
+	r, err := e.root(s)
+	var w *files.Watch
+	if err == nil {
+		w, err = r.Watch(path, depth, watchMaxEntries)
+	}
+	if err != nil {
+		s.mu.Lock()
+		s.watches--
+		s.mu.Unlock()
+		return nil, err
+	}
+	return w, nil
+}
+
+// runWatch emits the start event, then polls w until ctx ends or the
+// sandbox stops running; n counts the changes emitted.
+func (e *Edge) runWatch(ctx context.Context, s *sbx, id string, w *files.Watch, emit func(api.FileEvent) error, n *int) error {
+	if err := emit(api.FileEvent{Type: api.FileEventStart}); err != nil {
+		return err
+	}
+	t := time.NewTicker(watchInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+		if err := stillRunning(s, id); err != nil {
+			return err
+		}
+		evs, err := w.Poll()
+		if err != nil {
+			// A root closed under the scan means the sandbox stopped.
+			if serr := stillRunning(s, id); serr != nil {
+				return serr
+			}
+			return err
+		}
+		for _, ev := range evs {
+			if err := emit(ev); err != nil {
+				return err
+			}
+			*n++
+		}
+	}
+}
+
+// stillRunning fails with unavailable once s is no longer running.
+func stillRunning(s *sbx, id string) error {
+	s.mu.Lock()
+	state, going := s.rec.Sandbox.State, s.going
+	s.mu.Unlock()
+	if state != api.StateRunning || going {
+		return errdefs.Unavailable("sandbox %s is no longer running (%s): the watch ended", id, state)
+	}
+	return nil
 }

@@ -17,12 +17,13 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/proctree"
 	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
-// Processes (api.ProcessRequest) are commands the edge keeps in a table
+// Processes (edgeapi.ProcessRequest) are commands the edge keeps in a table
 // per sandbox while they run, so that callers can attach to their output,
 // detach, attach again, send input, resize their terminal and signal
 // them. A process's output goes to the streams attached to it at the
@@ -58,7 +59,7 @@ const LogProcessStart = "process.start"
 
 // mproc is one process of the table.
 type mproc struct {
-	info api.ProcessInfo
+	info edgeapi.ProcessInfo
 	proc sandbox.Proc
 	// pidfd is the command's own process (the exec helper's child), for
 	// signals that must reach it and not its whole tree; nil if unknown.
@@ -74,7 +75,7 @@ type mproc struct {
 	// done is closed once the process has exited and its output is
 	// drained; end is its end then.
 	done    chan struct{}
-	end     api.ProcessEnd
+	end     edgeapi.ProcessEnd
 	endedAt time.Time
 	// killedBy says why the edge killed it ("timeout", "sandbox ended").
 	killedBy string
@@ -83,7 +84,7 @@ type mproc struct {
 
 // procSub is one stream attached to a process.
 type procSub struct {
-	ch chan api.ProcessEvent
+	ch chan edgeapi.ProcessEvent
 	// gone is closed when the stream goes away (detach) or is cut (slow).
 	gone     chan struct{}
 	goneOnce sync.Once
@@ -102,7 +103,7 @@ func (m *mproc) subscribe() (*procSub, bool) {
 		return nil, false
 	default:
 	}
-	su := &procSub{ch: make(chan api.ProcessEvent, subBuffer), gone: make(chan struct{})}
+	su := &procSub{ch: make(chan edgeapi.ProcessEvent, subBuffer), gone: make(chan struct{})}
 	if m.subs == nil {
 		m.subs = map[*procSub]struct{}{}
 	}
@@ -119,7 +120,7 @@ func (m *mproc) unsubscribe(su *procSub) {
 
 // publish hands an output event to every attached stream, waiting for a
 // full one at most slowReader before cutting it.
-func (m *mproc) publish(ev api.ProcessEvent) {
+func (m *mproc) publish(ev edgeapi.ProcessEvent) {
 	m.mu.Lock()
 	subs := make([]*procSub, 0, len(m.subs))
 	for su := range m.subs {
@@ -157,9 +158,9 @@ type procWriter struct {
 
 func (w procWriter) Write(p []byte) (int, error) {
 	b := slices.Clone(p)
-	ev := api.ProcessEvent{Stdout: b}
+	ev := edgeapi.ProcessEvent{Stdout: b}
 	if w.stderr {
-		ev = api.ProcessEvent{Stderr: b}
+		ev = edgeapi.ProcessEvent{Stderr: b}
 	}
 	w.m.publish(ev)
 	return len(p), nil
@@ -169,7 +170,7 @@ func (w procWriter) Write(p []byte) (int, error) {
 // (with its pid) first, then its output, then its end. If the caller
 // goes away (ctx ends) or emit fails, the stream detaches and the
 // process goes on; StartProcess then returns ctx's error or emit's.
-func (e *Edge) StartProcess(ctx context.Context, id string, req api.ProcessRequest, emit func(api.ProcessEvent) error) (err error) {
+func (e *Edge) StartProcess(ctx context.Context, id string, req edgeapi.ProcessRequest, emit func(edgeapi.ProcessEvent) error) (err error) {
 	if err := validateProcess(&req); err != nil {
 		return err
 	}
@@ -192,7 +193,7 @@ func (e *Edge) StartProcess(ctx context.Context, id string, req api.ProcessReque
 	return e.follow(ctx, m, su, emit)
 }
 
-func validateProcess(req *api.ProcessRequest) error {
+func validateProcess(req *edgeapi.ProcessRequest) error {
 	if len(req.Argv) == 0 || req.Argv[0] == "" {
 		return errdefs.Invalid("argv must name a command")
 	}
@@ -233,7 +234,7 @@ func validateProcess(req *api.ProcessRequest) error {
 
 // startProcess starts req in sandbox s with a stream attached (so no
 // output is missed) and enters it in the table.
-func (e *Edge) startProcess(ctx context.Context, s *sbx, id string, req api.ProcessRequest) (*mproc, *procSub, error) {
+func (e *Edge) startProcess(ctx context.Context, s *sbx, id string, req edgeapi.ProcessRequest) (*mproc, *procSub, error) {
 	s.mu.Lock()
 	if len(s.sessions)+s.opening+s.liveProcs() >= e.cfg.MaxSessions {
 		s.mu.Unlock()
@@ -260,7 +261,7 @@ func (e *Edge) startProcess(ctx context.Context, s *sbx, id string, req api.Proc
 	}
 	p.Args = req.Argv
 	m := &mproc{done: make(chan struct{}), release: release,
-		info: api.ProcessInfo{Tag: req.Tag, Argv: req.Argv, Env: req.Env, Cwd: p.Cwd, PTY: req.PTY != nil, StartedAt: time.Now().UTC()}}
+		info: edgeapi.ProcessInfo{Tag: req.Tag, Argv: req.Argv, Env: req.Env, Cwd: p.Cwd, PTY: req.PTY != nil, StartedAt: time.Now().UTC()}}
 	su, _ := m.subscribe()
 	var closeAfter []*os.File
 	defer func() {
@@ -359,7 +360,7 @@ func (e *Edge) reap(m *mproc, timer *time.Timer) {
 			for {
 				n, err := m.tty.Read(buf)
 				if n > 0 {
-					m.publish(api.ProcessEvent{PTY: slices.Clone(buf[:n])})
+					m.publish(edgeapi.ProcessEvent{PTY: slices.Clone(buf[:n])})
 				}
 				if err != nil {
 					// EIO once no process holds the terminal.
@@ -396,7 +397,7 @@ func (e *Edge) reap(m *mproc, timer *time.Timer) {
 	if m.pidfd != nil {
 		m.pidfd.Close()
 	}
-	end := api.ProcessEnd{ExitCode: code, Exited: code < 128, Status: "exit status " + strconv.Itoa(code)}
+	end := edgeapi.ProcessEnd{ExitCode: code, Exited: code < 128, Status: "exit status " + strconv.Itoa(code)}
 	if code >= 128 {
 		end.Status = "signal: " + unix.SignalName(syscall.Signal(code-128))
 	}
@@ -430,8 +431,8 @@ func (m *mproc) kill(why string) {
 }
 
 // follow streams m's events to emit until it ends or the caller goes.
-func (e *Edge) follow(ctx context.Context, m *mproc, su *procSub, emit func(api.ProcessEvent) error) error {
-	if err := emit(api.ProcessEvent{Start: &api.ProcessStarted{PID: m.info.PID}}); err != nil {
+func (e *Edge) follow(ctx context.Context, m *mproc, su *procSub, emit func(edgeapi.ProcessEvent) error) error {
+	if err := emit(edgeapi.ProcessEvent{Start: &edgeapi.ProcessStarted{PID: m.info.PID}}); err != nil {
 		if su != nil {
 			m.unsubscribe(su)
 		}
@@ -441,7 +442,7 @@ func (e *Edge) follow(ctx context.Context, m *mproc, su *procSub, emit func(api.
 		// It had ended already.
 		<-m.done
 		end := m.end
-		return emit(api.ProcessEvent{End: &end})
+		return emit(edgeapi.ProcessEvent{End: &end})
 	}
 	defer m.unsubscribe(su)
 	for {
@@ -449,7 +450,7 @@ func (e *Edge) follow(ctx context.Context, m *mproc, su *procSub, emit func(api.
 		case ev, ok := <-su.ch:
 			if !ok {
 				end := m.end
-				return emit(api.ProcessEvent{End: &end})
+				return emit(edgeapi.ProcessEvent{End: &end})
 			}
 			if err := emit(ev); err != nil {
 				return err
@@ -468,7 +469,7 @@ func (e *Edge) follow(ctx context.Context, m *mproc, su *procSub, emit func(api.
 // ConnectProcess attaches a stream to a running process (or, within
 // endedRetention of its end, to an ended one): start, then its output
 // from now on, then its end.
-func (e *Edge) ConnectProcess(ctx context.Context, id string, sel api.ProcessSelector, emit func(api.ProcessEvent) error) error {
+func (e *Edge) ConnectProcess(ctx context.Context, id string, sel edgeapi.ProcessSelector, emit func(edgeapi.ProcessEvent) error) error {
 	s, done, err := e.begin(ctx, id)
 	if err != nil {
 		return err
@@ -483,7 +484,7 @@ func (e *Edge) ConnectProcess(ctx context.Context, id string, sel api.ProcessSel
 }
 
 // ListProcesses lists the sandbox's running processes by pid.
-func (e *Edge) ListProcesses(ctx context.Context, id string) ([]api.ProcessInfo, error) {
+func (e *Edge) ListProcesses(ctx context.Context, id string) ([]edgeapi.ProcessInfo, error) {
 	s, done, err := e.beginNoWake(ctx, id)
 	if err != nil {
 		return nil, err
@@ -491,7 +492,7 @@ func (e *Edge) ListProcesses(ctx context.Context, id string) ([]api.ProcessInfo,
 	defer done()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	out := []api.ProcessInfo{}
+	out := []edgeapi.ProcessInfo{}
 	for _, m := range s.procs {
 		select {
 		case <-m.done:
@@ -505,7 +506,7 @@ func (e *Edge) ListProcesses(ctx context.Context, id string) ([]api.ProcessInfo,
 }
 
 // ProcessInput writes to a process's terminal or stdin.
-func (e *Edge) ProcessInput(ctx context.Context, id string, sel api.ProcessSelector, data []byte) error {
+func (e *Edge) ProcessInput(ctx context.Context, id string, sel edgeapi.ProcessSelector, data []byte) error {
 	if len(data) > maxProcessInput {
 		return errdefs.Invalid("input of %d bytes: at most %d per call", len(data), maxProcessInput)
 	}
@@ -540,7 +541,7 @@ func (e *Edge) ProcessInput(ctx context.Context, id string, sel api.ProcessSelec
 
 // CloseProcessStdin closes a process's stdin (EOF); on a terminal it
 // sends the end-of-file character instead.
-func (e *Edge) CloseProcessStdin(ctx context.Context, id string, sel api.ProcessSelector) error {
+func (e *Edge) CloseProcessStdin(ctx context.Context, id string, sel edgeapi.ProcessSelector) error {
 	s, done, err := e.begin(ctx, id)
 	if err != nil {
 		return err
@@ -575,7 +576,7 @@ var processSignals = map[int]bool{
 // SignalProcess sends a signal to a process. SIGKILL kills its whole
 // tree (what it started that is still its descendant), as a killed exec
 // does; other signals go to the process alone.
-func (e *Edge) SignalProcess(ctx context.Context, id string, sel api.ProcessSelector, sig int) error {
+func (e *Edge) SignalProcess(ctx context.Context, id string, sel edgeapi.ProcessSelector, sig int) error {
 	if !processSignals[sig] {
 		return errdefs.Invalid("signal %d is not one a process may be sent (HUP, INT, QUIT, KILL, USR1, USR2, TERM, CONT, STOP, WINCH)", sig)
 	}
@@ -610,7 +611,7 @@ func (e *Edge) SignalProcess(ctx context.Context, id string, sel api.ProcessSele
 }
 
 // ResizeProcess sets the size of a process's terminal.
-func (e *Edge) ResizeProcess(ctx context.Context, id string, sel api.ProcessSelector, size api.PTYSize) error {
+func (e *Edge) ResizeProcess(ctx context.Context, id string, sel edgeapi.ProcessSelector, size edgeapi.PTYSize) error {
 	if size.Cols == 0 || size.Rows == 0 || size.Cols > 4096 || size.Rows > 4096 {
 		return errdefs.Invalid("terminal size %dx%d: columns and rows must be 1..4096", size.Cols, size.Rows)
 	}
@@ -632,7 +633,7 @@ func (e *Edge) ResizeProcess(ctx context.Context, id string, sel api.ProcessSele
 }
 
 // findProc finds a process by pid or tag; ended ones only if ended.
-func (s *sbx) findProc(id string, sel api.ProcessSelector, ended bool) (*mproc, error) {
+func (s *sbx) findProc(id string, sel edgeapi.ProcessSelector, ended bool) (*mproc, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var m *mproc
@@ -733,7 +734,7 @@ func (s *sbx) killProcs() {
 // the edge keeps, and the slave, which becomes the process's stdio. The
 // slave is opened from the master (TIOCGPTPEER), not by a path, and
 // never becomes the edge's controlling terminal.
-func openPTY(size api.PTYSize) (master, slave *os.File, err error) {
+func openPTY(size edgeapi.PTYSize) (master, slave *os.File, err error) {
 	master, err = os.OpenFile("/dev/ptmx", os.O_RDWR|unix.O_NOCTTY, 0)
 	if err != nil {
 		return nil, nil, fmt.Errorf("opening a terminal: %w", err)
@@ -769,7 +770,7 @@ func openPTY(size api.PTYSize) (master, slave *os.File, err error) {
 	return master, slave, nil
 }
 
-func setWinsize(f *os.File, size api.PTYSize) error {
+func setWinsize(f *os.File, size edgeapi.PTYSize) error {
 	rc, err := f.SyscallConn()
 	if err != nil {
 		return err

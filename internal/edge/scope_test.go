@@ -76,15 +76,15 @@ func TestScopeHidesOtherTenants(t *testing.T) {
 			case "Exec":
 				args[2] = reflect.ValueOf(api.ExecRequest{Argv: []string{"true"}})
 			case "StartProcess":
-				args[2] = reflect.ValueOf(api.ProcessRequest{Argv: []string{"true"}})
+				args[2] = reflect.ValueOf(edgeapi.ProcessRequest{Argv: []string{"true"}})
 			case "ConnectProcess", "ProcessInput", "CloseProcessStdin":
-				args[2] = reflect.ValueOf(api.ProcessSelector{PID: 1})
+				args[2] = reflect.ValueOf(edgeapi.ProcessSelector{PID: 1})
 			case "SignalProcess":
-				args[2] = reflect.ValueOf(api.ProcessSelector{PID: 1})
+				args[2] = reflect.ValueOf(edgeapi.ProcessSelector{PID: 1})
 				args[3] = reflect.ValueOf(15)
 			case "ResizeProcess":
-				args[2] = reflect.ValueOf(api.ProcessSelector{PID: 1})
-				args[3] = reflect.ValueOf(api.PTYSize{Cols: 80, Rows: 24})
+				args[2] = reflect.ValueOf(edgeapi.ProcessSelector{PID: 1})
+				args[3] = reflect.ValueOf(edgeapi.PTYSize{Cols: 80, Rows: 24})
 			case "RunInSession":
 				args[3] = reflect.ValueOf(api.SessionRunRequest{Command: "true"})
 			case "Snapshot":

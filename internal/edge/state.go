@@ -86,6 +86,8 @@ type sbx struct {
 	pooled bool
 	// ops counts operations in flight (see Edge.begin).
 	ops int
+	// watches counts the directory watches running (WatchDir).
+	watches int
 
 	// netMu serialises network policy changes.
 	netMu sync.Mutex

@@ -510,6 +510,64 @@ func (c *Client) ExtractTar(ctx context.Context, id, path string, rd io.Reader) 
 	return res, err
 }
 
+// MakeDir implements Edge.
+func (c *Client) MakeDir(ctx context.Context, id, path string) (api.FileEntry, error) {
+	var fe api.FileEntry
+	err := c.roundTrip(ctx, call{method: "POST", path: sbPath(id, "/files:mkdir"), query: pathQuery(path)}, &fe)
+	return fe, err
+}
+
+// MoveFile implements Edge.
+func (c *Client) MoveFile(ctx context.Context, id, src, dst string) (api.FileEntry, error) {
+	var fe api.FileEntry
+	err := c.roundTrip(ctx, call{method: "POST", path: sbPath(id, "/files:move"), json: moveBody{Source: src, Destination: dst}}, &fe)
+	return fe, err
+}
+
+// maxWatchLine bounds one line of a streamed watch: an event names one
+// entry, whose paths are at most files.MaxPathLen bytes each (JSON
+// escaping may multiply them by six).
+const maxWatchLine = 1 << 20
+
+// WatchDir implements Edge: the edge streams the events as NDJSON lines.
+func (c *Client) WatchDir(ctx context.Context, id, path string, recursive bool, emit func(api.FileEvent) error) error {
+	q := pathQuery(path)
+	if recursive {
+		q.Set("recursive", "1")
+	}
+	resp, err := c.do(ctx, call{method: "GET", path: sbPath(id, "/files:watch"), query: q})
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 16<<10), maxWatchLine)
+	for sc.Scan() {
+		var ev wireFileEvent
+		if err := json.Unmarshal(sc.Bytes(), &ev); err != nil {
+			return &Unreachable{Node: c.name, Err: fmt.Errorf("decoding a watch event: %w", err)}
+		}
+		switch {
+		case ev.Error != nil:
+			return errdefs.FromCode(ev.Error.Code, ev.Error.Message)
+		case ev.End:
+			return nil
+		case ev.Event != nil:
+			if err := emit(*ev.Event); err != nil {
+				return err
+			}
+		}
+	}
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	err = sc.Err()
+	if err == nil {
+		err = io.ErrUnexpectedEOF
+	}
+	return &Unreachable{Node: c.name, Err: fmt.Errorf("watch stream ended early: %w", err)}
+}
+
 // ReadLog implements Edge.
 func (c *Client) ReadLog(ctx context.Context, id string, sinceSeq int64, limit int) (*api.LogPage, error) {
 	q := url.Values{"since_seq": {strconv.FormatInt(sinceSeq, 10)}, "limit": {strconv.Itoa(limit)}}

@@ -66,26 +66,43 @@ type Edge interface {
 	// written means w holds a broken archive.
 	WriteTar(ctx context.Context, id, path string, w io.Writer) error
 	ExtractTar(ctx context.Context, id, path string, rd io.Reader) (api.TarResult, error)
+	// MakeDir creates the directory path and its missing parents. A
+	// directory already there is an errdefs.ErrAlreadyExists error.
+	MakeDir(ctx context.Context, id, path string) (api.FileEntry, error)
+	// MoveFile renames src to dst as rename(2) does (a file, or an empty
+	// directory, at dst is replaced), creating dst's missing parents, and
+	// describes the entry at dst.
+	MoveFile(ctx context.Context, id, src, dst string) (api.FileEntry, error)
+	// WatchDir reports the changes below the directory path (its
+	// children; with recursive, its tree to a bounded depth) to emit
+	// until ctx ends. An error setting the watch up (no such directory,
+	// too many entries to watch) is returned before anything is
+	// emitted; once the watch is set up, the first event is one of type
+	// api.FileEventStart. It returns ctx's error when ctx ends, emit's
+	// error, or what ended the watch: the directory gone (not found),
+	// grown past the bound (invalid), the sandbox no longer running
+	// (unavailable).
+	WatchDir(ctx context.Context, id, path string, recursive bool, emit func(api.FileEvent) error) error
 
 	// ReadLog returns the command log entries with seq > sinceSeq, at most
 	// limit; it serves stopped and failed sandboxes too.
 	ReadLog(ctx context.Context, id string, sinceSeq int64, limit int) (*api.LogPage, error)
 
-	// Processes (api.ProcessRequest): long-lived commands with input,
+	// Processes (ProcessRequest): long-lived commands with input,
 	// terminals, and streams that may detach and attach again.
 
 	// StartProcess starts a process and passes its events to emit (start
 	// first, end last). When ctx ends or emit fails the stream detaches
 	// and the process goes on.
-	StartProcess(ctx context.Context, id string, req api.ProcessRequest, emit func(api.ProcessEvent) error) error
+	StartProcess(ctx context.Context, id string, req ProcessRequest, emit func(ProcessEvent) error) error
 	// ConnectProcess attaches a stream to a process: start, its output
 	// from now on, its end.
-	ConnectProcess(ctx context.Context, id string, sel api.ProcessSelector, emit func(api.ProcessEvent) error) error
-	ListProcesses(ctx context.Context, id string) ([]api.ProcessInfo, error)
-	ProcessInput(ctx context.Context, id string, sel api.ProcessSelector, data []byte) error
-	CloseProcessStdin(ctx context.Context, id string, sel api.ProcessSelector) error
-	SignalProcess(ctx context.Context, id string, sel api.ProcessSelector, signal int) error
-	ResizeProcess(ctx context.Context, id string, sel api.ProcessSelector, size api.PTYSize) error
+	ConnectProcess(ctx context.Context, id string, sel ProcessSelector, emit func(ProcessEvent) error) error
+	ListProcesses(ctx context.Context, id string) ([]ProcessInfo, error)
+	ProcessInput(ctx context.Context, id string, sel ProcessSelector, data []byte) error
+	CloseProcessStdin(ctx context.Context, id string, sel ProcessSelector) error
+	SignalProcess(ctx context.Context, id string, sel ProcessSelector, signal int) error
+	ResizeProcess(ctx context.Context, id string, sel ProcessSelector, size PTYSize) error
 }
 
 // CreateRequest is a sandbox to create: a normalized spec plus the layer

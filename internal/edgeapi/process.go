@@ -19,25 +19,25 @@ import (
 // did not. A stream the apiserver closes detaches (the process goes on).
 
 type processLine struct {
-	Event *api.ProcessEvent `json:"event,omitempty"`
-	Error *api.ErrorDetail  `json:"error,omitempty"`
+	Event *ProcessEvent    `json:"event,omitempty"`
+	Error *api.ErrorDetail `json:"error,omitempty"`
 }
 
 type processCall struct {
-	Selector api.ProcessSelector `json:"selector"`
-	Data     []byte              `json:"data,omitempty"`
-	Signal   int                 `json:"signal,omitempty"`
-	Size     *api.PTYSize        `json:"size,omitempty"`
+	Selector ProcessSelector `json:"selector"`
+	Data     []byte          `json:"data,omitempty"`
+	Signal   int             `json:"signal,omitempty"`
+	Size     *PTYSize        `json:"size,omitempty"`
 }
 
 func (s *Server) processRoutes(p string) {
 	s.mux.HandleFunc("POST "+p+"/sandboxes/{id}/processes", func(w http.ResponseWriter, r *http.Request) {
-		var req api.ProcessRequest
+		var req ProcessRequest
 		if err := decodeBody(r, &req); err != nil {
 			writeError(w, err)
 			return
 		}
-		streamProcess(w, func(emit func(api.ProcessEvent) error) error {
+		streamProcess(w, func(emit func(ProcessEvent) error) error {
 			return s.e.StartProcess(r.Context(), r.PathValue("id"), req, emit)
 		})
 	})
@@ -47,7 +47,7 @@ func (s *Server) processRoutes(p string) {
 			writeError(w, err)
 			return
 		}
-		streamProcess(w, func(emit func(api.ProcessEvent) error) error {
+		streamProcess(w, func(emit func(ProcessEvent) error) error {
 			return s.e.ConnectProcess(r.Context(), r.PathValue("id"), c.Selector, emit)
 		})
 	})
@@ -84,7 +84,7 @@ func (s *Server) processRoutes(p string) {
 
 // streamProcess answers with run's events as NDJSON. Headers go out with
 // the first event, so an error before the process starts keeps its status.
-func streamProcess(w http.ResponseWriter, run func(emit func(api.ProcessEvent) error) error) {
+func streamProcess(w http.ResponseWriter, run func(emit func(ProcessEvent) error) error) {
 	var mu sync.Mutex
 	started := false
 	enc := json.NewEncoder(w)
@@ -102,7 +102,7 @@ func streamProcess(w http.ResponseWriter, run func(emit func(api.ProcessEvent) e
 		}
 		return rc.Flush()
 	}
-	err := run(func(ev api.ProcessEvent) error { return send(processLine{Event: &ev}) })
+	err := run(func(ev ProcessEvent) error { return send(processLine{Event: &ev}) })
 	mu.Lock()
 	begun := started
 	mu.Unlock()
@@ -115,16 +115,16 @@ func streamProcess(w http.ResponseWriter, run func(emit func(api.ProcessEvent) e
 }
 
 // StartProcess implements Edge.
-func (c *Client) StartProcess(ctx context.Context, id string, req api.ProcessRequest, emit func(api.ProcessEvent) error) error {
+func (c *Client) StartProcess(ctx context.Context, id string, req ProcessRequest, emit func(ProcessEvent) error) error {
 	return c.followProcess(ctx, call{method: "POST", path: sbPath(id, "/processes"), json: req}, emit)
 }
 
 // ConnectProcess implements Edge.
-func (c *Client) ConnectProcess(ctx context.Context, id string, sel api.ProcessSelector, emit func(api.ProcessEvent) error) error {
+func (c *Client) ConnectProcess(ctx context.Context, id string, sel ProcessSelector, emit func(ProcessEvent) error) error {
 	return c.followProcess(ctx, call{method: "POST", path: sbPath(id, "/processes:connect"), json: processCall{Selector: sel}}, emit)
 }
 
-func (c *Client) followProcess(ctx context.Context, cl call, emit func(api.ProcessEvent) error) error {
+func (c *Client) followProcess(ctx context.Context, cl call, emit func(ProcessEvent) error) error {
 	resp, err := c.do(ctx, cl)
 	if err != nil {
 		return err
@@ -161,8 +161,8 @@ func (c *Client) followProcess(ctx context.Context, cl call, emit func(api.Proce
 }
 
 // ListProcesses implements Edge.
-func (c *Client) ListProcesses(ctx context.Context, id string) ([]api.ProcessInfo, error) {
-	var out []api.ProcessInfo
+func (c *Client) ListProcesses(ctx context.Context, id string) ([]ProcessInfo, error) {
+	var out []ProcessInfo
 	err := c.roundTrip(ctx, call{method: "GET", path: sbPath(id, "/processes")}, &out)
 	return out, err
 }
@@ -172,21 +172,21 @@ func (c *Client) processUnary(ctx context.Context, id, verb string, pc processCa
 }
 
 // ProcessInput implements Edge.
-func (c *Client) ProcessInput(ctx context.Context, id string, sel api.ProcessSelector, data []byte) error {
+func (c *Client) ProcessInput(ctx context.Context, id string, sel ProcessSelector, data []byte) error {
 	return c.processUnary(ctx, id, "input", processCall{Selector: sel, Data: data})
 }
 
 // CloseProcessStdin implements Edge.
-func (c *Client) CloseProcessStdin(ctx context.Context, id string, sel api.ProcessSelector) error {
+func (c *Client) CloseProcessStdin(ctx context.Context, id string, sel ProcessSelector) error {
 	return c.processUnary(ctx, id, "close-stdin", processCall{Selector: sel})
 }
 
 // SignalProcess implements Edge.
-func (c *Client) SignalProcess(ctx context.Context, id string, sel api.ProcessSelector, signal int) error {
+func (c *Client) SignalProcess(ctx context.Context, id string, sel ProcessSelector, signal int) error {
 	return c.processUnary(ctx, id, "signal", processCall{Selector: sel, Signal: signal})
 }
 
 // ResizeProcess implements Edge.
-func (c *Client) ResizeProcess(ctx context.Context, id string, sel api.ProcessSelector, size api.PTYSize) error {
+func (c *Client) ResizeProcess(ctx context.Context, id string, sel ProcessSelector, size PTYSize) error {
 	return c.processUnary(ctx, id, "resize", processCall{Selector: sel, Size: &size})
 }

@@ -69,6 +69,20 @@ type usersBody struct {
 	Users int `json:"users"`
 }
 
+// wireFileEvent is one line of a streamed watch: an event, the error
+// that ended it, or End when it ended without one.
+type wireFileEvent struct {
+	Event *api.FileEvent   `json:"event,omitempty"`
+	Error *api.ErrorDetail `json:"error,omitempty"`
+	End   bool             `json:"end,omitempty"`
+}
+
+// moveBody is a files:move request.
+type moveBody struct {
+	Source      string `json:"source"`
+	Destination string `json:"destination"`
+}
+
 type filesBody struct {
 	Entries []api.FileEntry `json:"entries"`
 }
@@ -141,6 +155,9 @@ func (s *Server) routes() {
 	s.mux.HandleFunc("GET "+p+"/sandboxes/{id}/files:list", s.listFiles)
 	s.mux.HandleFunc("GET "+p+"/sandboxes/{id}/files:tar", s.writeTar)
 	s.mux.HandleFunc("PUT "+p+"/sandboxes/{id}/files:tar", s.extractTar)
+	s.mux.HandleFunc("POST "+p+"/sandboxes/{id}/files:mkdir", s.makeDir)
+	s.mux.HandleFunc("POST "+p+"/sandboxes/{id}/files:move", s.moveFile)
+	s.mux.HandleFunc("GET "+p+"/sandboxes/{id}/files:watch", s.watchDir)
 	s.mux.HandleFunc("GET "+p+"/sandboxes/{id}/log", s.readLog)
 	s.processRoutes(p)
 	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
@@ -532,6 +549,55 @@ func (s *Server) writeTar(w http.ResponseWriter, r *http.Request) {
 func (s *Server) extractTar(w http.ResponseWriter, r *http.Request) {
 	res, err := s.e.ExtractTar(r.Context(), r.PathValue("id"), r.URL.Query().Get("path"), r.Body)
 	answer(w, http.StatusOK, res, err)
+}
+
+func (s *Server) makeDir(w http.ResponseWriter, r *http.Request) {
+	fe, err := s.e.MakeDir(r.Context(), r.PathValue("id"), r.URL.Query().Get("path"))
+	answer(w, http.StatusOK, fe, err)
+}
+
+func (s *Server) moveFile(w http.ResponseWriter, r *http.Request) {
+	var b moveBody
+	if err := decodeBody(r, &b); err != nil {
+		writeError(w, err)
+		return
+	}
+	fe, err := s.e.MoveFile(r.Context(), r.PathValue("id"), b.Source, b.Destination)
+	answer(w, http.StatusOK, fe, err)
+}
+
+// watchDir streams a watch as NDJSON lines (wireFileEvent), each flushed
+// as it is written. The headers go out with the start event, so that an
+// error setting the watch up still gets its own status.
+func (s *Server) watchDir(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	started := false
+	enc := json.NewEncoder(w)
+	rc := http.NewResponseController(w)
+	send := func(ev wireFileEvent) error {
+		if !started {
+			w.Header().Set("Content-Type", "application/x-ndjson")
+			w.WriteHeader(http.StatusOK)
+			started = true
+		}
+		if err := enc.Encode(ev); err != nil {
+			return err
+		}
+		return rc.Flush()
+	}
+	// emit is called from this goroutine only (the edge's poll loop runs
+	// in the call), so send needs no lock.
+	err := s.e.WatchDir(r.Context(), r.PathValue("id"), q.Get("path"), q.Get("recursive") == "1", func(ev api.FileEvent) error {
+		return send(wireFileEvent{Event: &ev})
+	})
+	switch {
+	case err != nil && !started:
+		writeError(w, err)
+	case err != nil:
+		_ = send(wireFileEvent{Error: &api.ErrorDetail{Code: errdefs.Code(err), Message: err.Error()}})
+	default:
+		_ = send(wireFileEvent{End: true})
+	}
 }
 
 func (s *Server) readLog(w http.ResponseWriter, r *http.Request) {

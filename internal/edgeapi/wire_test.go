@@ -366,3 +366,80 @@ func TestScopeCrossesTheWire(t *testing.T) {
 		t.Fatalf("an unscoped (control plane) call: %v", err)
 	}
 }
+
+// TestDirsMovesAndWatchesCrossTheWire: MakeDir, MoveFile and a streamed
+// WatchDir behave over the internal API as on the fake itself: classes
+// kept, the start event first, each event arriving as it happens (not
+// when the stream ends), and the watch ending on the edge when the caller
+// goes away.
+func TestDirsMovesAndWatchesCrossTheWire(t *testing.T) {
+	fake := edgetest.NewFake("n1")
+	c, _ := remote(t, fake)
+	ctx := t.Context()
+	id := newSandbox(t, c)
+	if fe, err := c.MakeDir(ctx, id, "/w/sub"); err != nil || fe.Type != "dir" || fe.Path != "/w/sub" {
+		t.Fatalf("mkdir: %+v, %v", fe, err)
+	}
+	if _, err := c.MakeDir(ctx, id, "/w/sub"); !errors.Is(err, errdefs.ErrAlreadyExists) {
+		t.Fatalf("mkdir twice: %v, want already exists", err)
+	}
+	if _, err := c.MoveFile(ctx, id, "/none", "/x"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("move of nothing: %v, want not found", err)
+	}
+	if err := c.WatchDir(ctx, "sb-n1-none", "/w", false, nil); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("watch in a missing sandbox: %v, want not found", err)
+	}
+	if err := c.WatchDir(ctx, id, "/absent", false, func(api.FileEvent) error { return nil }); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("watch of a missing directory: %v, want not found", err)
+	}
+
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	evs := make(chan api.FileEvent, 10)
+	done := make(chan error, 1)
+	go func() {
+		done <- c.WatchDir(wctx, id, "/w", false, func(ev api.FileEvent) error {
+			evs <- ev
+			return nil
+		})
+	}()
+	next := func() api.FileEvent {
+		select {
+		case ev := <-evs:
+			return ev
+		case <-time.After(10 * time.Second):
+			t.Fatal("no watch event within 10 s")
+		}
+		return api.FileEvent{}
+	}
+	if ev := next(); ev.Type != api.FileEventStart {
+		t.Fatalf("first event %+v, want start", ev)
+	}
+	if _, err := c.WriteFile(ctx, id, "/w/f", strings.NewReader("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if ev := next(); ev.Type != api.FileEventCreate || ev.Name != "f" || ev.Entry == nil || ev.Entry.Path != "/w/f" {
+		t.Fatalf("after a write: %+v", ev)
+	}
+	if ev := next(); ev.Type != api.FileEventWrite {
+		t.Fatalf("then %+v, want write", ev)
+	}
+	fe, err := c.MoveFile(ctx, id, "/w/f", "/w/g")
+	if err != nil || fe.Path != "/w/g" {
+		t.Fatalf("move: %+v, %v", fe, err)
+	}
+	if ev := next(); ev.Type != api.FileEventRename || ev.Name != "f" {
+		t.Fatalf("after a move: %+v, want rename f", ev)
+	}
+	cancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("watch ended with %v, want canceled", err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for fake.Watches() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the edge still runs the watch its caller left")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

@@ -271,7 +271,21 @@ func TestMountsInsideTheRootAreNotEntered(t *testing.T) {
 			}
 		}
 	}
-	mountsLeft("after writes and removes")
+	for _, p := range []string{"/mnt/newdir", "/mnt/dir/x", "/slash/mnt/y", "/etc/resolv.conf/z"} {
+		if _, err := r.Mkdir(p); err == nil {
+			t.Errorf("mkdir %s through a mount succeeded", p)
+		}
+	}
+	f.write(t, "/movable", "m")
+	for _, c := range [][2]string{
+		{"/mnt", "/mnt2"}, {"/etc/resolv.conf", "/resolv"}, {"/mnt/secret", "/stolen"}, {"/mnt/dir", "/stolen"},
+		{"/movable", "/mnt"}, {"/movable", "/etc/resolv.conf"}, {"/movable", "/mnt/new"}, {"/movable", "/slash/mnt/new"},
+	} {
+		if _, err := r.Rename(c[0], c[1]); err == nil {
+			t.Errorf("rename %s to %s, out of, onto or into a mount, succeeded", c[0], c[1])
+		}
+	}
+	mountsLeft("after writes, removes, mkdirs and renames")
 	for _, name := range []string{"mnt", "etc/resolv.conf"} {
 		var tb bytes.Buffer
 		tw := tar.NewWriter(&tb)

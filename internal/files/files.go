@@ -1,6 +1,7 @@
 // Package files performs file operations on a sandbox's root filesystem from
 // the host side, confined to that root. The edge imports it to serve the
-// files API (read, write, stat, list, remove, tar in and out); the layer
+// files API (read, write, stat, list, remove, tar in and out, and for the
+// E2B dialect mkdir, rename and directory watches); the layer
 // builder imports it to extract archives into a staging directory.
 //
 // The sandbox's code is untrusted root: it can plant absolute and relative
@@ -65,6 +66,10 @@ type Root struct {
 	// owner, when set, owns what this Root creates (files, directories,
 	// tar entries without PreserveOwner): a user-namespace sandbox's root.
 	owner *Owner
+	// idBase and idSize, when idSize > 0, map host IDs to the sandbox's:
+	// host IDs idBase..idBase+idSize-1 are the user namespace's 0.., and
+	// any other shows as nobody (NoID), as the sandbox itself sees it.
+	idBase, idSize uint32
 
 	// refMu guards refs (operations in flight) and closing (see Close).
 	refMu   sync.Mutex
@@ -79,6 +84,25 @@ type Owner struct{ UID, GID int }
 // of the caller (root). A sandbox in a user namespace sees files owned by
 // host root as nobody's, and its root could not change them.
 func (r *Root) SetOwner(o Owner) { r.owner = &o }
+
+// NoID is the ID a user namespace shows for host IDs it does not map.
+const NoID = 65534
+
+// SetIDMap makes the entries r describes carry the IDs a user-namespace
+// sandbox sees: host IDs base..base+size-1 as 0..size-1, any other as
+// NoID. Call it before the root is used.
+func (r *Root) SetIDMap(base, size uint32) { r.idBase, r.idSize = base, size }
+
+// sandboxID maps a host uid or gid to the sandbox's view of it.
+func (r *Root) sandboxID(id uint32) uint32 {
+	if r.idSize == 0 {
+		return id
+	}
+	if id >= r.idBase && id-r.idBase < r.idSize {
+		return id - r.idBase
+	}
+	return NoID
+}
 
 // chownNew gives name in dirfd (just created) to the root's owner, if any;
 // AT_SYMLINK_NOFOLLOW so that a name swapped for a symlink in between
@@ -229,10 +253,10 @@ func (r *Root) Stat(p string) (api.FileEntry, error) {
 		if err := unix.Fstat(r.fd, &st); err != nil {
 			return api.FileEntry{}, opErr("stating", clean, err)
 		}
-		return fileEntry(clean, &st, ""), nil
+		return r.fileEntry(clean, &st, ""), nil
 	}
 	defer unix.Close(dirfd)
-	e, err := statAt(dirfd, base, clean)
+	e, err := r.statAt(dirfd, base, clean)
 	if err != nil {
 		return api.FileEntry{}, opErr("stating", clean, err)
 	}
@@ -240,7 +264,7 @@ func (r *Root) Stat(p string) (api.FileEntry, error) {
 }
 
 // statAt lstats name in dirfd and describes it as the sandbox path apiPath.
-func statAt(dirfd int, name, apiPath string) (api.FileEntry, error) {
+func (r *Root) statAt(dirfd int, name, apiPath string) (api.FileEntry, error) {
 	var st unix.Stat_t
 	if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 		return api.FileEntry{}, err
@@ -253,10 +277,10 @@ func statAt(dirfd int, name, apiPath string) (api.FileEntry, error) {
 		}
 		target = t
 	}
-	return fileEntry(apiPath, &st, target), nil
+	return r.fileEntry(apiPath, &st, target), nil
 }
 
-func fileEntry(apiPath string, st *unix.Stat_t, target string) api.FileEntry {
+func (r *Root) fileEntry(apiPath string, st *unix.Stat_t, target string) api.FileEntry {
 	return api.FileEntry{
 		Path:       apiPath,
 		Type:       fileType(st.Mode),
@@ -264,6 +288,8 @@ func fileEntry(apiPath string, st *unix.Stat_t, target string) api.FileEntry {
 		Mode:       fmt.Sprintf("%04o", st.Mode&07777),
 		MTime:      time.Unix(st.Mtim.Sec, st.Mtim.Nsec).UTC(),
 		LinkTarget: target,
+		UID:        r.sandboxID(st.Uid),
+		GID:        r.sandboxID(st.Gid),
 	}
 }
 
@@ -288,7 +314,7 @@ func (r *Root) ReadFile(p string) (io.ReadCloser, api.FileEntry, error) {
 	case err != nil:
 		return nil, api.FileEntry{}, opErr("reading", clean, err)
 	}
-	return f, fileEntry(clean, &st, ""), nil
+	return f, r.fileEntry(clean, &st, ""), nil
 }
 
 // WriteFile writes data to p, creating missing parents (0755). It writes a
@@ -496,7 +522,7 @@ func (r *Root) list(dirfd int, dirPath string, depth, level int, out *[]api.File
 	}
 	for _, name := range names {
 		child := path.Join(dirPath, name)
-		e, err := statAt(dirfd, name, child)
+		e, err := r.statAt(dirfd, name, child)
 		if err == unix.ENOENT {
 			continue // removed since we read the directory
 		}

@@ -3,16 +3,12 @@
 package edgetest
 
 import (
-	"bytes"
 	"context"
 	"encoding/base64"
 	"fmt"
-	"io"
 	"net"
-	"os"
 	"slices"
 	"sort"
-	"strings"
 	"sync"
 	"time"
 
@@ -27,7 +23,10 @@ import (
 // mapping) and the internal API are tested without root. The real edge is
 // tested end to end. Its canned behaviours:
 //   - Exec of "fail-after-output" streams one event, then fails;
-//   - ReadFile serves File (default "data");
+//   - the file calls act on a small in-memory tree per sandbox (files.go),
+//     except that ReadFile of a path nothing was written to serves File
+//     (default "data") unless the path is under /nope, and WriteFile
+//     under /full fails as on a full disk;
 //   - WriteTar of "/nope" is not found, of "/broken" fails after 10 bytes;
 //   - DialPort connects to PortAddr if set;
 //   - Pause, Resume and Keepalive change the state and expiry as an edge
@@ -64,6 +63,10 @@ type Fake struct {
 	// procs are the processes by sandbox (process.go); pids numbers them.
 	procs map[string][]*fakeProc
 	pids  int
+	// trees are the sandboxes' file trees, and watches the watches
+	// running (files.go).
+	trees   map[string]map[string]*fakeFile
+	watches []*fakeWatch
 }
 
 var _ edgeapi.Edge = (*Fake)(nil)
@@ -304,63 +307,6 @@ func (f *Fake) RunInSession(ctx context.Context, id, sid string, req api.Session
 
 // CloseSession implements edgeapi.Edge.
 func (f *Fake) CloseSession(ctx context.Context, id, sid string) error { return nil }
-
-// ReadFile implements edgeapi.Edge.
-func (f *Fake) ReadFile(ctx context.Context, id, path string) (io.ReadCloser, api.FileEntry, error) {
-	return io.NopCloser(bytes.NewReader(f.File)), api.FileEntry{Path: path, Size: int64(len(f.File)), Mode: "0644", Type: "file"}, nil
-}
-
-// WriteFile implements edgeapi.Edge.
-func (f *Fake) WriteFile(ctx context.Context, id, path string, data io.Reader, mode os.FileMode) (api.FileEntry, error) {
-	b, err := io.ReadAll(data)
-	if err != nil {
-		return api.FileEntry{}, err
-	}
-	f.mu.Lock()
-	f.Written = b
-	f.mu.Unlock()
-	return api.FileEntry{Path: path, Size: int64(len(b)), Mode: fmt.Sprintf("%04o", uint32(mode.Perm()))}, nil
-}
-
-// StatFile implements edgeapi.Edge.
-func (f *Fake) StatFile(ctx context.Context, id, path string) (api.FileEntry, error) {
-	return api.FileEntry{Path: path}, nil
-}
-
-// ListFiles implements edgeapi.Edge.
-func (f *Fake) ListFiles(ctx context.Context, id, path string, depth int) ([]api.FileEntry, error) {
-	return nil, nil
-}
-
-// RemoveFile implements edgeapi.Edge.
-func (f *Fake) RemoveFile(ctx context.Context, id, path string, recursive bool) error { return nil }
-
-// WriteTar implements edgeapi.Edge.
-func (f *Fake) WriteTar(ctx context.Context, id, path string, w io.Writer) error {
-	switch path {
-	case "/nope":
-		return errdefs.NotFound("%s: no such file", path)
-	case "/broken":
-		if _, err := w.Write([]byte(strings.Repeat("t", 10))); err != nil {
-			return err
-		}
-		return errdefs.Precondition("%s changed while it was archived", path)
-	}
-	_, err := w.Write(f.File)
-	return err
-}
-
-// ExtractTar implements edgeapi.Edge.
-func (f *Fake) ExtractTar(ctx context.Context, id, path string, rd io.Reader) (api.TarResult, error) {
-	b, err := io.ReadAll(rd)
-	if err != nil {
-		return api.TarResult{}, err
-	}
-	f.mu.Lock()
-	f.Written = b
-	f.mu.Unlock()
-	return api.TarResult{Files: 1, Bytes: int64(len(b))}, nil
-}
 
 // ReadLog implements edgeapi.Edge.
 func (f *Fake) ReadLog(ctx context.Context, id string, sinceSeq int64, limit int) (*api.LogPage, error) {

@@ -6,7 +6,7 @@ import (
 	"strings"
 	"sync"
 
-	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
@@ -19,14 +19,14 @@ import (
 // Pids count from 100 per fake.
 
 type fakeProc struct {
-	info api.ProcessInfo
+	info edgeapi.ProcessInfo
 	mu   sync.Mutex
-	subs []chan api.ProcessEvent
+	subs []chan edgeapi.ProcessEvent
 	done chan struct{}
-	end  api.ProcessEnd
+	end  edgeapi.ProcessEnd
 }
 
-func (p *fakeProc) attach() (chan api.ProcessEvent, bool) {
+func (p *fakeProc) attach() (chan edgeapi.ProcessEvent, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	select {
@@ -34,12 +34,12 @@ func (p *fakeProc) attach() (chan api.ProcessEvent, bool) {
 		return nil, false
 	default:
 	}
-	ch := make(chan api.ProcessEvent, 64)
+	ch := make(chan edgeapi.ProcessEvent, 64)
 	p.subs = append(p.subs, ch)
 	return ch, true
 }
 
-func (p *fakeProc) publish(ev api.ProcessEvent) {
+func (p *fakeProc) publish(ev edgeapi.ProcessEvent) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, ch := range p.subs {
@@ -58,7 +58,7 @@ func (p *fakeProc) finish(code int) {
 		return
 	default:
 	}
-	p.end = api.ProcessEnd{ExitCode: code, Exited: code < 128, Status: "fake"}
+	p.end = edgeapi.ProcessEnd{ExitCode: code, Exited: code < 128, Status: "fake"}
 	close(p.done)
 	for _, ch := range p.subs {
 		close(ch)
@@ -66,14 +66,14 @@ func (p *fakeProc) finish(code int) {
 	p.subs = nil
 }
 
-func (p *fakeProc) output(b []byte) api.ProcessEvent {
+func (p *fakeProc) output(b []byte) edgeapi.ProcessEvent {
 	if p.info.PTY {
-		return api.ProcessEvent{PTY: b}
+		return edgeapi.ProcessEvent{PTY: b}
 	}
-	return api.ProcessEvent{Stdout: b}
+	return edgeapi.ProcessEvent{Stdout: b}
 }
 
-func (f *Fake) proc(ctx context.Context, id string, sel api.ProcessSelector) (*fakeProc, error) {
+func (f *Fake) proc(ctx context.Context, id string, sel edgeapi.ProcessSelector) (*fakeProc, error) {
 	if _, err := f.Get(ctx, id); err != nil {
 		return nil, err
 	}
@@ -87,8 +87,8 @@ func (f *Fake) proc(ctx context.Context, id string, sel api.ProcessSelector) (*f
 	return nil, errdefs.NotFound("no process %+v in sandbox %s", sel, id)
 }
 
-func follow(ctx context.Context, p *fakeProc, ch chan api.ProcessEvent, emit func(api.ProcessEvent) error) error {
-	if err := emit(api.ProcessEvent{Start: &api.ProcessStarted{PID: p.info.PID}}); err != nil {
+func follow(ctx context.Context, p *fakeProc, ch chan edgeapi.ProcessEvent, emit func(edgeapi.ProcessEvent) error) error {
+	if err := emit(edgeapi.ProcessEvent{Start: &edgeapi.ProcessStarted{PID: p.info.PID}}); err != nil {
 		return err
 	}
 	for ch != nil {
@@ -106,11 +106,11 @@ func follow(ctx context.Context, p *fakeProc, ch chan api.ProcessEvent, emit fun
 		}
 	}
 	end := p.end
-	return emit(api.ProcessEvent{End: &end})
+	return emit(edgeapi.ProcessEvent{End: &end})
 }
 
 // StartProcess implements edgeapi.Edge.
-func (f *Fake) StartProcess(ctx context.Context, id string, req api.ProcessRequest, emit func(api.ProcessEvent) error) error {
+func (f *Fake) StartProcess(ctx context.Context, id string, req edgeapi.ProcessRequest, emit func(edgeapi.ProcessEvent) error) error {
 	if _, err := f.Get(ctx, id); err != nil {
 		return err
 	}
@@ -122,7 +122,7 @@ func (f *Fake) StartProcess(ctx context.Context, id string, req api.ProcessReque
 		f.procs = map[string][]*fakeProc{}
 	}
 	f.pids++
-	p := &fakeProc{info: api.ProcessInfo{PID: 99 + f.pids, Tag: req.Tag, Argv: req.Argv, Env: req.Env, Cwd: req.Cwd, PTY: req.PTY != nil}, done: make(chan struct{})}
+	p := &fakeProc{info: edgeapi.ProcessInfo{PID: 99 + f.pids, Tag: req.Tag, Argv: req.Argv, Env: req.Env, Cwd: req.Cwd, PTY: req.PTY != nil}, done: make(chan struct{})}
 	f.procs[id] = append(f.procs[id], p)
 	f.mu.Unlock()
 	ch, _ := p.attach()
@@ -131,14 +131,14 @@ func (f *Fake) StartProcess(ctx context.Context, id string, req api.ProcessReque
 		p.publish(p.output([]byte(strings.Join(req.Argv[1:], " ") + "\n")))
 		p.finish(0)
 	case "fail":
-		p.publish(api.ProcessEvent{Stderr: []byte(strings.Join(req.Argv[1:], " ") + "\n")})
+		p.publish(edgeapi.ProcessEvent{Stderr: []byte(strings.Join(req.Argv[1:], " ") + "\n")})
 		p.finish(3)
 	}
 	return follow(ctx, p, ch, emit)
 }
 
 // ConnectProcess implements edgeapi.Edge.
-func (f *Fake) ConnectProcess(ctx context.Context, id string, sel api.ProcessSelector, emit func(api.ProcessEvent) error) error {
+func (f *Fake) ConnectProcess(ctx context.Context, id string, sel edgeapi.ProcessSelector, emit func(edgeapi.ProcessEvent) error) error {
 	p, err := f.proc(ctx, id, sel)
 	if err != nil {
 		return err
@@ -148,13 +148,13 @@ func (f *Fake) ConnectProcess(ctx context.Context, id string, sel api.ProcessSel
 }
 
 // ListProcesses implements edgeapi.Edge.
-func (f *Fake) ListProcesses(ctx context.Context, id string) ([]api.ProcessInfo, error) {
+func (f *Fake) ListProcesses(ctx context.Context, id string) ([]edgeapi.ProcessInfo, error) {
 	if _, err := f.Get(ctx, id); err != nil {
 		return nil, err
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	out := []api.ProcessInfo{}
+	out := []edgeapi.ProcessInfo{}
 	for _, p := range f.procs[id] {
 		select {
 		case <-p.done:
@@ -167,7 +167,7 @@ func (f *Fake) ListProcesses(ctx context.Context, id string) ([]api.ProcessInfo,
 }
 
 // ProcessInput implements edgeapi.Edge.
-func (f *Fake) ProcessInput(ctx context.Context, id string, sel api.ProcessSelector, data []byte) error {
+func (f *Fake) ProcessInput(ctx context.Context, id string, sel edgeapi.ProcessSelector, data []byte) error {
 	p, err := f.proc(ctx, id, sel)
 	if err != nil {
 		return err
@@ -179,7 +179,7 @@ func (f *Fake) ProcessInput(ctx context.Context, id string, sel api.ProcessSelec
 }
 
 // CloseProcessStdin implements edgeapi.Edge.
-func (f *Fake) CloseProcessStdin(ctx context.Context, id string, sel api.ProcessSelector) error {
+func (f *Fake) CloseProcessStdin(ctx context.Context, id string, sel edgeapi.ProcessSelector) error {
 	p, err := f.proc(ctx, id, sel)
 	if err != nil {
 		return err
@@ -191,7 +191,7 @@ func (f *Fake) CloseProcessStdin(ctx context.Context, id string, sel api.Process
 }
 
 // SignalProcess implements edgeapi.Edge.
-func (f *Fake) SignalProcess(ctx context.Context, id string, sel api.ProcessSelector, signal int) error {
+func (f *Fake) SignalProcess(ctx context.Context, id string, sel edgeapi.ProcessSelector, signal int) error {
 	p, err := f.proc(ctx, id, sel)
 	if err != nil {
 		return err
@@ -201,7 +201,7 @@ func (f *Fake) SignalProcess(ctx context.Context, id string, sel api.ProcessSele
 }
 
 // ResizeProcess implements edgeapi.Edge.
-func (f *Fake) ResizeProcess(ctx context.Context, id string, sel api.ProcessSelector, size api.PTYSize) error {
+func (f *Fake) ResizeProcess(ctx context.Context, id string, sel edgeapi.ProcessSelector, size edgeapi.PTYSize) error {
 	p, err := f.proc(ctx, id, sel)
 	if err != nil {
 		return err

@@ -1,4 +1,4 @@
-package api
+package edgeapi
 
 import "time"
 
