@@ -168,6 +168,7 @@ func (p *envdProcess) Start(ctx context.Context, req *connect.Request[processpb.
 		Env:       m.GetProcess().GetEnvs(),
 		Cwd:       m.GetProcess().GetCwd(),
 		User:      user,
+		CwdHome:   true,
 		Tag:       m.GetTag(),
 		Stdin:     m.GetStdin(),
 		TimeoutMS: timeout,

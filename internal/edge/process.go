@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"slices"
 	"sort"
 	"strconv"
@@ -260,6 +261,13 @@ func (e *Edge) startProcess(ctx context.Context, s *sbx, id string, req edgeapi.
 		return nil, nil, err
 	}
 	p.Args = req.Argv
+	if req.Cwd == "" && req.CwdHome {
+		for _, kv := range p.Env {
+			if home, ok := strings.CutPrefix(kv, "HOME="); ok && strings.HasPrefix(home, "/") {
+				p.Cwd = filepath.Clean(home)
+			}
+		}
+	}
 	m := &mproc{done: make(chan struct{}), release: release,
 		info: edgeapi.ProcessInfo{Tag: req.Tag, Argv: req.Argv, Env: req.Env, Cwd: p.Cwd, PTY: req.PTY != nil, StartedAt: time.Now().UTC()}}
 	su, _ := m.subscribe()

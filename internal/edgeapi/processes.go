@@ -15,6 +15,9 @@ type ProcessRequest struct {
 	Env  map[string]string `json:"env,omitempty"`
 	Cwd  string            `json:"cwd,omitempty"`
 	User string            `json:"user,omitempty"`
+	// CwdHome starts the process in its user's home when Cwd is empty
+	// (E2B's default), instead of the sandbox's workdir.
+	CwdHome bool `json:"cwd_home,omitempty"`
 	// Tag names the process for later calls, besides its pid.
 	Tag string `json:"tag,omitempty"`
 	// Stdin keeps a pipe to the process's stdin open for ProcessInput;
