@@ -131,7 +131,7 @@ func setup() error {
 	}
 	// No warm pools by default: they keep sandboxes the leftover checks
 	// would count. The pool tests restart the daemon with them.
-	d.extra = append(netSetup(), "--warm-pool-max", "0")
+	d.extra = append(netSetup(), "--warm-pool-max", "0", "--e2b-default-template", baseRef)
 	if err := d.start(); err != nil {
 		return err
 	}
