@@ -64,7 +64,8 @@ type Config struct {
 	ReapInterval time.Duration
 	// MaxUploadBytes bounds one file or tar upload.
 	MaxUploadBytes int64
-	// MaxSessions bounds the open sessions of one sandbox.
+	// MaxSessions bounds the open sessions and running processes
+	// (process.go) of one sandbox, together.
 	MaxSessions int
 	// HostReserveMB and HostReservePids are what the host keeps of its
 	// memory and pids whatever the sandboxes do: the top dsec cgroup
