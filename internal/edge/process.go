@@ -50,6 +50,8 @@ const (
 	// connect with its end, and endedKept how many of them a sandbox keeps.
 	endedRetention = 60 * time.Second
 	endedKept      = 64
+	// maxProcessTimeoutMS bounds a process's timeout (30 days).
+	maxProcessTimeoutMS = 30 * 24 * 3600 * 1000
 	// syntheticPidBase numbers processes whose pid could not be read
 	// (they ended at once): above any real pid (pid_max is at most 2^22).
 	syntheticPidBase = 1 << 22
@@ -207,7 +209,12 @@ func validateProcess(req *edgeapi.ProcessRequest) error {
 		}
 	}
 	if req.Cwd != "" {
-		if err := sandbox.ValidateAbsPath("cwd", req.Cwd); err != nil {
+		// With CwdHome a relative cwd is taken from the user's home.
+		if req.CwdHome && !strings.HasPrefix(req.Cwd, "/") {
+			if err := sandbox.ValidateAbsPath("cwd", "/"+req.Cwd); err != nil {
+				return err
+			}
+		} else if err := sandbox.ValidateAbsPath("cwd", req.Cwd); err != nil {
 			return err
 		}
 	}
@@ -222,8 +229,8 @@ func validateProcess(req *edgeapi.ProcessRequest) error {
 	if len(req.Tag) > 256 || strings.IndexByte(req.Tag, 0) >= 0 {
 		return errdefs.Invalid("tag must be at most 256 bytes, without NUL")
 	}
-	if req.TimeoutMS < 0 {
-		return errdefs.Invalid("timeout_ms must not be negative")
+	if req.TimeoutMS < 0 || req.TimeoutMS > maxProcessTimeoutMS {
+		return errdefs.Invalid("timeout_ms must be 0 (none) to %d (30 days)", maxProcessTimeoutMS)
 	}
 	if p := req.PTY; p != nil {
 		if p.Cols == 0 || p.Rows == 0 || p.Cols > 4096 || p.Rows > 4096 {
@@ -261,12 +268,14 @@ func (e *Edge) startProcess(ctx context.Context, s *sbx, id string, req edgeapi.
 		return nil, nil, err
 	}
 	p.Args = req.Argv
-	if req.Cwd == "" && req.CwdHome {
+	if req.CwdHome && (req.Cwd == "" || !strings.HasPrefix(req.Cwd, "/")) {
+		home := "/"
 		for _, kv := range p.Env {
-			if home, ok := strings.CutPrefix(kv, "HOME="); ok && strings.HasPrefix(home, "/") {
-				p.Cwd = filepath.Clean(home)
+			if h, ok := strings.CutPrefix(kv, "HOME="); ok && strings.HasPrefix(h, "/") {
+				home = h
 			}
 		}
+		p.Cwd = filepath.Join(home, req.Cwd)
 	}
 	m := &mproc{done: make(chan struct{}), release: release,
 		info: edgeapi.ProcessInfo{Tag: req.Tag, Argv: req.Argv, Env: req.Env, Cwd: p.Cwd, PTY: req.PTY != nil, StartedAt: time.Now().UTC()}}
