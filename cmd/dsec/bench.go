@@ -172,6 +172,12 @@ func runBench(args []string) error {
 // benchBase returns the base layer to use, building one from the host's
 // busybox when none is given.
 func benchBase(ctx context.Context, c *dsec.Client, ref string) (string, string, error) {
+	return benchBaseOf(ctx, c, ref, "busybox", hostfs.Options{})
+}
+
+// benchBaseOf returns ref, or when it is empty base/bench:TAG, built from
+// the host's busybox and what opts add unless the catalog has it.
+func benchBaseOf(ctx context.Context, c *dsec.Client, ref, tag string, opts hostfs.Options) (string, string, error) {
 	if ref != "" {
 		l, err := c.GetLayer(ctx, ref)
 		if err != nil {
@@ -179,7 +185,7 @@ func benchBase(ctx context.Context, c *dsec.Client, ref string) (string, string,
 		}
 		return ref, l.Digest, nil
 	}
-	ref = "base/bench:busybox"
+	ref = "base/bench:" + tag
 	if l, err := c.GetLayer(ctx, ref); err == nil {
 		return ref, l.Digest, nil
 	}
@@ -188,12 +194,12 @@ func benchBase(ctx context.Context, c *dsec.Client, ref string) (string, string,
 		return "", "", err
 	}
 	defer os.RemoveAll(dir)
-	if err := hostfs.Build(dir, hostfs.Options{}); err != nil {
+	if err := hostfs.Build(dir, opts); err != nil {
 		return "", "", err
 	}
 	pr, pw := io.Pipe()
 	go func() { pw.CloseWithError(tarDir(dir, pw)) }()
-	l, err := c.BuildLayer(ctx, "base", "bench", "busybox", pr)
+	l, err := c.BuildLayer(ctx, "base", "bench", tag, pr)
 	if err != nil {
 		return "", "", fmt.Errorf("building the bench base layer: %w", err)
 	}
