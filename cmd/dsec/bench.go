@@ -66,7 +66,7 @@ type benchRow struct {
 
 func runBench(args []string) error {
 	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" {
-		fmt.Print("usage: dsec bench create|exec|pause|snapshot|fork|pool|envsetup|density|soak|cluster [flags]\n\n" +
+		fmt.Print("usage: dsec bench create|exec|pause|snapshot|fork|pool|envsetup|density|soak|cluster|e2b [flags]\n\n" +
 			"  create  create → ready latency and throughput through the API, then delete\n" +
 			"  exec    exec round trip of `true` through the API\n" +
 			"  pause   pause (freeze + reclaim) and resume latency, memory freed per pause\n" +
@@ -81,7 +81,9 @@ func runBench(args []string) error {
 			"            (floods, fork bombs, deep trees, disk fill, memory hog, open sessions),\n" +
 			"            then check mounts, cgroups, loops, veths, nft, fds, RSS, disk are back\n" +
 			"  cluster   start a dsec up and a cluster side by side and price the extra hop:\n" +
-			"            create and exec latency, a burst over the edges (its own daemons)\n\n" +
+			"            create and exec latency, a burst over the edges (its own daemons)\n" +
+			"  e2b       create → run `echo hi` → kill through the E2B JS SDK, libdsec and the\n" +
+			"            REST API, interleaved: what the E2B path costs over the native one\n\n" +
 			"Each prints the same measure for the bare OCI runtime (crun/runc run -d,\n" +
 			"exec, delete) on the same EROFS layer with an overlay, measured in the same run.\n" +
 			"Needs a running `dsec up` (DSEC_ENDPOINT/DSEC_API_KEY or its config file) and,\n" +
@@ -100,6 +102,8 @@ func runBench(args []string) error {
 		return runBenchDensity(args[1:])
 	case "soak":
 		return runBenchSoak(args[1:])
+	case "e2b":
+		return runBenchE2B(args[1:])
 	}
 	sub := args[0]
 	var o benchOpts
@@ -161,7 +165,7 @@ func runBench(args []string) error {
 	case "pool":
 		rows, err = benchPool(ctx, c, o, ref)
 	default:
-		return fmt.Errorf("bench: unknown subcommand %q (want create, exec, pause, snapshot, fork, pool, envsetup, density, soak or cluster)", sub)
+		return fmt.Errorf("bench: unknown subcommand %q (want create, exec, pause, snapshot, fork, pool, envsetup, density, soak, cluster or e2b)", sub)
 	}
 	if err != nil {
 		return err
@@ -172,6 +176,12 @@ func runBench(args []string) error {
 // benchBase returns the base layer to use, building one from the host's
 // busybox when none is given.
 func benchBase(ctx context.Context, c *dsec.Client, ref string) (string, string, error) {
+	return benchBaseOf(ctx, c, ref, "busybox", hostfs.Options{})
+}
+
+// benchBaseOf returns ref, or when it is empty base/bench:TAG, built from
+// the host's busybox and what opts add unless the catalog has it.
+func benchBaseOf(ctx context.Context, c *dsec.Client, ref, tag string, opts hostfs.Options) (string, string, error) {
 	if ref != "" {
 		l, err := c.GetLayer(ctx, ref)
 		if err != nil {
@@ -179,7 +189,7 @@ func benchBase(ctx context.Context, c *dsec.Client, ref string) (string, string,
 		}
 		return ref, l.Digest, nil
 	}
-	ref = "base/bench:busybox"
+	ref = "base/bench:" + tag
 	if l, err := c.GetLayer(ctx, ref); err == nil {
 		return ref, l.Digest, nil
 	}
@@ -188,12 +198,12 @@ func benchBase(ctx context.Context, c *dsec.Client, ref string) (string, string,
 		return "", "", err
 	}
 	defer os.RemoveAll(dir)
-	if err := hostfs.Build(dir, hostfs.Options{}); err != nil {
+	if err := hostfs.Build(dir, opts); err != nil {
 		return "", "", err
 	}
 	pr, pw := io.Pipe()
 	go func() { pw.CloseWithError(tarDir(dir, pw)) }()
-	l, err := c.BuildLayer(ctx, "base", "bench", "busybox", pr)
+	l, err := c.BuildLayer(ctx, "base", "bench", tag, pr)
 	if err != nil {
 		return "", "", fmt.Errorf("building the bench base layer: %w", err)
 	}
