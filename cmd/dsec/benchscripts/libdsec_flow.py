@@ -43,7 +43,8 @@ async def flow(client, template, label):
         raise FlowFailed(f"run_container: {type(e).__name__}: {e}") from e
     t1 = time.perf_counter()
     try:
-        res = await sandbox.exec("echo hi")
+        # The command the E2B SDK runs for commands.run: bash as a login shell.
+        res = await sandbox.exec(["/bin/bash", "-l", "-c", "echo hi"])
     except BaseException as e:
         await discard(client, sandbox.id)
         raise FlowFailed(f"exec: {type(e).__name__}: {e}") from e
