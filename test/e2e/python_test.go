@@ -1,13 +1,17 @@
 package e2e
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/dsecproject/dsec/api"
 )
 
 // pythonCmd builds a python3 (3.10 or later) command run from the
@@ -66,4 +70,90 @@ func TestPythonSDK(t *testing.T) {
 		t.Fatalf("libdsec integration tests were skipped:\n%s", out)
 	}
 	t.Logf("libdsec tests passed in %s:\n%s", time.Since(start).Round(time.Millisecond), out)
+}
+
+// pythonTerminalScript drives a terminal of the sandbox named by its
+// argument through libdsec: output, the size and a resize, the exit
+// status; then the blocking facade with cmd=. It exits non-zero with the
+// transcript when the terminal does not show what it should, else prints
+// what it saw as JSON.
+const pythonTerminalScript = `
+import asyncio, json, re, sys
+import libdsec, libdsec.sync
+
+SB = sys.argv[1]
+
+async def main():
+    out = bytearray()
+    async with libdsec.DSecClient() as c:
+        async with c.sandbox(SB).pty(cols=100, rows=30) as term:
+            async def until(pattern):
+                while not re.search(pattern, out):
+                    try:
+                        chunk = await term.read(timeout=20)
+                    except libdsec.DeadlineExceeded:
+                        sys.exit(f"the terminal never showed {pattern!r}; it showed {bytes(out)!r}")
+                    if not chunk:
+                        sys.exit(f"the terminal ended (exit code {term.exit_code}) before showing {pattern!r}; it showed {bytes(out)!r}")
+                    out.extend(chunk)
+            await term.write("echo $((6*7))\n")
+            await until(rb"(^|[\r\n])42\r?\n")
+            await term.write("stty size\n")
+            await until(rb"(^|[\r\n])30 100\r?\n")
+            await term.resize(132, 43)
+            await term.write("stty size\n")
+            await until(rb"(^|[\r\n])43 132\r?\n")
+            await term.write("exit 5\n")
+            code = await term.wait(timeout=20)
+    return code, out.decode("utf-8", "replace")
+
+code, transcript = asyncio.run(main())
+with libdsec.sync.DSecClient() as c:
+    with c.sandbox(SB).pty(cmd="echo from-cmd; exit 3") as term:
+        shown = b"".join(term)
+        sync_code = term.exit_code
+print(json.dumps({"exit_code": code, "transcript": transcript,
+                  "sync_exit_code": sync_code, "sync_output": shown.decode("utf-8", "replace")}))
+`
+
+// TestPythonTerminal runs a shell under a terminal through libdsec's
+// Sandbox.pty (the SDK's own WebSocket client) and checks what the
+// terminal showed, the resize, the exit codes, and that every terminal
+// gave its slot back.
+func TestPythonTerminal(t *testing.T) {
+	needDaemon(t)
+	before := sessionsOpen(t)
+	sb := newSandbox(t, api.SandboxSpec{})
+	cmd, cancel := pythonCmd(t, 2*time.Minute, "-c", pythonTerminalScript, sb.ID)
+	defer cancel()
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	start := time.Now()
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("terminal script (%s): %v\nstdout:\n%s\nstderr:\n%s", time.Since(start).Round(time.Millisecond), err, out, stderr.String())
+	}
+	var res struct {
+		ExitCode     int    `json:"exit_code"`
+		Transcript   string `json:"transcript"`
+		SyncExitCode int    `json:"sync_exit_code"`
+		SyncOutput   string `json:"sync_output"`
+	}
+	if err := json.Unmarshal(out, &res); err != nil {
+		t.Fatalf("terminal script output is not JSON: %v\n%s", err, out)
+	}
+	if res.ExitCode != 5 {
+		t.Errorf("exit 5 in the terminal gave exit code %d; transcript:\n%s", res.ExitCode, res.Transcript)
+	}
+	if res.SyncExitCode != 3 || !strings.Contains(res.SyncOutput, "from-cmd") {
+		t.Errorf("sync pty(cmd=...): exit code %d, output %q; want 3 and from-cmd", res.SyncExitCode, res.SyncOutput)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for sessionsOpen(t) != before {
+		if time.Now().After(deadline) {
+			t.Fatalf("dsec_sessions_open %v, was %v before: a libdsec terminal leaked", sessionsOpen(t), before)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Logf("libdsec terminal in %s", time.Since(start).Round(time.Millisecond))
 }

@@ -41,6 +41,7 @@ from .errors import (
     UnsafeArchive,
 )
 from .sandbox import Command, ExecStream, Sandbox, Session
+from .terminal import Terminal
 from .types import (
     APIKey,
     AuditEntry,
@@ -72,6 +73,7 @@ __all__ = [
     "Sandbox",
     "Session",
     "ExecStream",
+    "Terminal",
     "Command",
     "BatchResult",
     "SandboxInfo",

@@ -9,8 +9,10 @@ so a long exec occupies one connection until the command ends.
 
 Only what the dsec API needs is implemented: requests with a Content-Length
 body (bytes or a seekable binary file), responses framed by Content-Length,
-chunked transfer encoding or connection close, and streaming reads of the
-response body. No redirects, no compression, no proxies.
+chunked transfer encoding or connection close, streaming reads of the
+response body, and handing a connection over to another protocol after a
+101 Switching Protocols (the terminal's WebSocket, _ws.py). No redirects,
+no compression, no proxies.
 """
 
 from __future__ import annotations
@@ -277,6 +279,8 @@ async def _read_head(conn: _Conn, method: str) -> "Response":
         break
     conn_tokens = {t.strip().lower() for t in headers.get("connection", "").split(",")}
     keep_alive = ("close" not in conn_tokens) if version == "HTTP/1.1" else ("keep-alive" in conn_tokens)
+    if status == 101:
+        keep_alive = False  # the connection now speaks another protocol
     te = headers.get("transfer-encoding", "").lower()
     if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
         body = _BodyReader(r, "none", 0)
@@ -382,8 +386,21 @@ class Response:
 
     def _attach(self, pool: Pool, conn: _Conn) -> None:
         self._pool, self._conn = pool, conn
-        if self._body.done:
+        if self._body.done and self.status != 101:
             self._finish()
+
+    def detach(self) -> "tuple[Pool, _Conn]":
+        """Take over the connection of a 101 Switching Protocols answer.
+
+        The caller then owns it and gives it back with
+        ``pool.release(conn, reusable=False)`` when done, which closes it
+        and frees its place in the pool.
+        """
+        if self.status != 101 or self._conn is None or self._pool is None:
+            raise RuntimeError("only the connection of a 101 answer can be taken over")
+        pool, conn = self._pool, self._conn
+        self._pool, self._conn = None, None
+        return pool, conn
 
     @property
     def reused_connection(self) -> bool:

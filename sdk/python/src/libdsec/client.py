@@ -183,8 +183,9 @@ class DSecClient:
             ``exec_grace`` instead.
         max_connections: Connections the client keeps open to the endpoint at
             most; calls beyond it wait for a free one. Every in-flight call
-            holds a connection, a long exec for the whole command, so set this
-            to at least the number of commands you run at once.
+            holds a connection, a long exec for the whole command and a
+            terminal until it is closed, so set this to at least the number
+            of commands and terminals you run at once.
         max_retries: Further tries of a retry-safe call after a connection
             error or a 502/503/504, with jittered exponential backoff (plus
             one per further endpoint). Reads, deletes and PUTs are retry-safe;
@@ -312,8 +313,12 @@ class DSecClient:
         accept: str = "application/json",
         idempotent: Optional[bool] = None,
         keyed: Union[bool, str] = False,
+        extra_headers: Sequence[tuple[str, str]] = (),
+        upgrade: bool = False,
     ) -> _http.Response:
-        """Send a request and return its 2xx answer with the body unread.
+        """Send a request and return its 2xx answer with the body unread
+        (with ``upgrade``, a 101 Switching Protocols answer too). ``extra_headers``
+        are sent after the client's own.
 
         Any other status raises the exception for its error code. Retries
         (see the class doc) happen here, within ``deadline``. A keyed call
@@ -330,7 +335,7 @@ class DSecClient:
         if json_body is not _NO_BODY:
             body = json.dumps(json_body, separators=(",", ":")).encode()
             content_type = "application/json"
-        headers = [("User-Agent", self.user_agent), ("Accept", accept)]
+        headers = [("User-Agent", self.user_agent), ("Accept", accept), *extra_headers]
         if self._api_key:
             headers.append(("Authorization", f"Bearer {self._api_key}"))
         if content_type:
@@ -352,7 +357,7 @@ class DSecClient:
             try:
                 target = self._target(path, query, idx)
                 resp = await deadline.run(self._pools[idx].send(method, target, headers, body))
-                if 200 <= resp.status < 300:
+                if 200 <= resp.status < 300 or (upgrade and resp.status == 101):
                     return resp
                 raw = await deadline.run(_read_bounded(resp, 64 << 10))
                 err: DSecError = error_from_response(resp.status, raw, method=method, path=path)

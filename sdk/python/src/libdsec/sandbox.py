@@ -1,4 +1,5 @@
-"""Sandbox, Session and ExecStream: what you do with a running sandbox."""
+"""Sandbox, Session and ExecStream: what you do with a running sandbox
+(terminals are in terminal.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from urllib.parse import quote
 
 from . import _http, _tar
 from .errors import NotFound, ProtocolError, error_from_code
+from .terminal import TerminalStart, open_terminal
 from .types import (
     ExecChunk,
     ExecResult,
@@ -324,6 +326,34 @@ class Sandbox:
         over between runs. Use ``async with sandbox.session() as s:`` (closed
         at the end), or ``await s.open()`` / ``await s.close()``."""
         return Session(self, shell=shell, cwd=cwd, env=env, user=user)
+
+    def pty(
+        self,
+        cols: int = 80,
+        rows: int = 24,
+        cmd: Optional[str] = None,
+        shell: Optional[str] = None,
+        user: Optional[str] = None,
+        *,
+        timeout: Optional[float] = None,
+    ) -> TerminalStart:
+        """An interactive terminal: a login shell (bash if the sandbox has
+        it, else sh) under a pseudo-terminal of ``cols`` x ``rows``, with
+        ``TERM=xterm-256color``::
+
+            async with sandbox.pty(cols=120, rows=40) as term:
+                await term.write("ls\\n")
+                print(await term.read())
+                await term.write("exit 3\\n")
+                code = await term.wait()            # 3
+
+        ``cmd`` runs that command under ``/bin/sh -c`` instead, ``shell``
+        another shell (an absolute path), ``user`` as another user. Also
+        ``term = await sandbox.pty()``; then ``await term.close()``, which
+        kills the shell if it still runs. ``timeout`` bounds opening it
+        (default: the client's). See :class:`~libdsec.Terminal`.
+        """
+        return open_terminal(self, cols, rows, cmd, shell, user, timeout)
 
     # -- files ----------------------------------------------------------
 

@@ -25,9 +25,10 @@ from typing import Any, Awaitable, Callable, Iterator, Optional, TypeVar
 
 from . import client as _aclient
 from . import sandbox as _asandbox
+from . import terminal as _aterminal
 from .types import ExecChunk, ExecResult, ExecStatus
 
-__all__ = ["DSecClient", "Sandbox", "Session", "ExecStream"]
+__all__ = ["DSecClient", "Sandbox", "Session", "ExecStream", "Terminal"]
 
 T = TypeVar("T")
 
@@ -156,6 +157,21 @@ class Sandbox:
         """A persistent shell; ``with sandbox.session() as s: s.run(...)``."""
         return Session(self._lt, self._a.session(**kwargs))
 
+    def pty(
+        self,
+        cols: int = 80,
+        rows: int = 24,
+        cmd: Optional[str] = None,
+        shell: Optional[str] = None,
+        user: Optional[str] = None,
+        *,
+        timeout: Optional[float] = None,
+    ) -> "Terminal":
+        """An interactive terminal (see :meth:`libdsec.Sandbox.pty`);
+        ``with sandbox.pty() as term:`` closes it at the end."""
+        start = self._a.pty(cols, rows, cmd, shell, user, timeout=timeout)
+        return Terminal(self._lt, self._lt.run(start))
+
 
 class Session:
     """Blocking wrapper of :class:`libdsec.Session`."""
@@ -217,6 +233,56 @@ class ExecStream:
         self._lt.run(self._a.aclose())
 
     def __enter__(self) -> "ExecStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Terminal:
+    """Blocking wrapper of :class:`libdsec.Terminal`: iterating gives the
+    output until the shell ends; ``exit_code`` is then set."""
+
+    def __init__(self, lt: _LoopThread, a: _aterminal.Terminal) -> None:
+        self._lt = lt
+        self._a = a
+
+    @property
+    def sandbox_id(self) -> str:
+        return self._a.sandbox_id
+
+    @property
+    def exit_code(self) -> Optional[int]:
+        return self._a.exit_code
+
+    @property
+    def status(self) -> Optional[str]:
+        return self._a.status
+
+    @property
+    def aio(self) -> _aterminal.Terminal:
+        """The underlying async terminal."""
+        return self._a
+
+    def __repr__(self) -> str:
+        return f"sync.{self._a!r}"
+
+    read = _fwd("read", _aterminal.Terminal)
+    write = _fwd("write", _aterminal.Terminal)
+    resize = _fwd("resize", _aterminal.Terminal)
+    wait = _fwd("wait", _aterminal.Terminal)
+    close = _fwd("close", _aterminal.Terminal)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        data = self._lt.run(self._a.read())
+        if not data:
+            raise StopIteration
+        return data
+
+    def __enter__(self) -> "Terminal":
         return self
 
     def __exit__(self, *exc: Any) -> None:
