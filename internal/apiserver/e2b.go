@@ -24,9 +24,11 @@ import (
 	"encoding/base64"
 	"errors"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/dsecproject/dsec/internal/conns"
 	"github.com/dsecproject/dsec/internal/edgeapi"
@@ -115,7 +117,13 @@ func (s *Server) envdHandle(pattern string, h http.Handler, fail func(http.Respo
 		if tok == "" {
 			tok = r.URL.Query().Get("access_token")
 		}
-		ok, err := s.checkEnvdToken(id, tok)
+		var ok bool
+		var err error
+		if q := r.URL.Query(); tok == "" && r.URL.Path == "/files" && q.Get("signature") != "" {
+			ok, err = s.checkFileSignature(id, r.Method, q)
+		} else {
+			ok, err = s.checkEnvdToken(id, tok)
+		}
 		if err != nil {
 			fail(rec, r, err)
 			return
@@ -227,4 +235,32 @@ func (s *Server) e2bRoutes() {
 	s.e2bControlRoutes()  // e2b_sandboxes.go
 	s.envdProcessRoutes() // envd_process.go
 	s.envdFilesRoutes()   // envd_files.go
+}
+
+// checkFileSignature checks a presigned /files URL (the SDK's uploadUrl
+// and downloadUrl): signature is "v1_" and the unpadded base64 of
+// SHA-256("<path>:<read|write>:<username>:<token>[:<expiration>]"), made
+// with the sandbox's access token, and signature_expiration, when given,
+// is a Unix time not yet past. Such a URL names no sandbox by itself:
+// the caller adds sandbox=<id> (docs/e2b.md).
+func (s *Server) checkFileSignature(id, method string, q url.Values) (bool, error) {
+	op := "read"
+	if method == http.MethodPost {
+		op = "write"
+	}
+	tok, err := s.envdToken(id)
+	if err != nil {
+		return false, err
+	}
+	raw := q.Get("path") + ":" + op + ":" + q.Get("username") + ":" + tok
+	if exp := q.Get("signature_expiration"); exp != "" {
+		n, err := strconv.ParseInt(exp, 10, 64)
+		if err != nil || time.Now().Unix() > n {
+			return false, nil
+		}
+		raw += ":" + exp
+	}
+	sum := sha256.Sum256([]byte(raw))
+	want := "v1_" + strings.TrimRight(base64.StdEncoding.EncodeToString(sum[:]), "=")
+	return hmac.Equal([]byte(q.Get("signature")), []byte(want)), nil
 }

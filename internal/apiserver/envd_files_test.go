@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"compress/gzip"
 	"context"
+	"crypto/sha256"
 	"encoding/base64"
 	"encoding/json"
 	"io"
@@ -11,7 +12,9 @@ import (
 	"mime/multipart"
 	"net/http"
 	"net/textproto"
+	"net/url"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -527,5 +530,66 @@ func TestEnvdConnectMalformed(t *testing.T) {
 	}
 	if _, err := f.fsClient(id, tok).Stat(t.Context(), connect.NewRequest(&filesystempb.StatRequest{Path: "/"})); err != nil {
 		t.Fatalf("after malformed requests: %v", err)
+	}
+}
+
+// presign makes a presigned /files URL query as the E2B SDK does.
+func presign(path, op, user, tok string, exp int64) url.Values {
+	raw := path + ":" + op + ":" + user + ":" + tok
+	q := url.Values{"path": {path}}
+	if user != "" {
+		q.Set("username", user)
+	}
+	if exp != 0 {
+		raw += ":" + strconv.FormatInt(exp, 10)
+		q.Set("signature_expiration", strconv.FormatInt(exp, 10))
+	}
+	sum := sha256.Sum256([]byte(raw))
+	q.Set("signature", "v1_"+strings.TrimRight(base64.StdEncoding.EncodeToString(sum[:]), "="))
+	return q
+}
+
+func TestEnvdPresignedURLs(t *testing.T) {
+	f := newFixture(t, false)
+	id, tok := f.envdSandbox(t)
+	other, otherTok := f.envdSandbox(t)
+	get := func(q url.Values, sandbox string) int {
+		t.Helper()
+		q.Set("sandbox", sandbox)
+		resp, err := http.Get(f.srv.URL + "/files?" + q.Encode())
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	future := time.Now().Add(time.Minute).Unix()
+	for _, tc := range []struct {
+		name    string
+		q       url.Values
+		sandbox string
+		want    int
+	}{
+		{"signed read", presign("/etc/hostname", "read", "", tok, 0), id, 200},
+		{"signed read with user and expiry", presign("/etc/hostname", "read", "user", tok, future), id, 200},
+		{"expired", presign("/etc/hostname", "read", "", tok, time.Now().Add(-time.Minute).Unix()), id, 401},
+		{"signed for write", presign("/etc/hostname", "write", "", tok, 0), id, 401},
+		{"another sandbox's token", presign("/etc/hostname", "read", "", otherTok, 0), id, 401},
+		{"for another sandbox", presign("/etc/hostname", "read", "", tok, 0), other, 401},
+	} {
+		if got := get(tc.q, tc.sandbox); got != tc.want {
+			t.Errorf("%s: %d, want %d", tc.name, got, tc.want)
+		}
+	}
+	// A signature does not carry over to another path or user.
+	q := presign("/etc/hostname", "read", "", tok, 0)
+	q.Set("path", "/etc/passwd")
+	if got := get(q, id); got != 401 {
+		t.Errorf("path changed after signing: %d", got)
+	}
+	q = presign("/etc/hostname", "read", "user", tok, future)
+	q.Set("username", "root")
+	if got := get(q, id); got != 401 {
+		t.Errorf("user changed after signing: %d", got)
 	}
 }
