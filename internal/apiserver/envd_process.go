@@ -203,6 +203,20 @@ func selector(sel *processpb.ProcessSelector) (edgeapi.ProcessSelector, error) {
 	return edgeapi.ProcessSelector{}, connect.NewError(connect.CodeInvalidArgument, errors.New("name the process by pid or tag"))
 }
 
+// target finds the edge and sandbox of a call on one process, and the
+// process.
+func (p *envdProcess) target(ctx context.Context, ps *processpb.ProcessSelector) (edgeapi.Edge, string, edgeapi.ProcessSelector, error) {
+	sel, err := selector(ps)
+	if err != nil {
+		return nil, "", sel, err
+	}
+	e, id, err := p.s.envdEdge(ctx)
+	if err != nil {
+		return nil, "", sel, p.fail(ctx, err)
+	}
+	return e, id, sel, nil
+}
+
 func (p *envdProcess) Connect(ctx context.Context, req *connect.Request[processpb.ConnectRequest], st *connect.ServerStream[processpb.ConnectResponse]) error {
 	e, id, err := p.s.envdEdge(ctx)
 	if err != nil {
@@ -247,11 +261,7 @@ func (p *envdProcess) List(ctx context.Context, req *connect.Request[processpb.L
 }
 
 func (p *envdProcess) SendInput(ctx context.Context, req *connect.Request[processpb.SendInputRequest]) (*connect.Response[processpb.SendInputResponse], error) {
-	e, id, err := p.s.envdEdge(ctx)
-	if err != nil {
-		return nil, p.fail(ctx, err)
-	}
-	sel, err := selector(req.Msg.GetProcess())
+	e, id, sel, err := p.target(ctx, req.Msg.GetProcess())
 	if err != nil {
 		return nil, err
 	}
@@ -271,11 +281,7 @@ func (p *envdProcess) SendInput(ctx context.Context, req *connect.Request[proces
 }
 
 func (p *envdProcess) SendSignal(ctx context.Context, req *connect.Request[processpb.SendSignalRequest]) (*connect.Response[processpb.SendSignalResponse], error) {
-	e, id, err := p.s.envdEdge(ctx)
-	if err != nil {
-		return nil, p.fail(ctx, err)
-	}
-	sel, err := selector(req.Msg.GetProcess())
+	e, id, sel, err := p.target(ctx, req.Msg.GetProcess())
 	if err != nil {
 		return nil, err
 	}
@@ -295,11 +301,7 @@ func (p *envdProcess) SendSignal(ctx context.Context, req *connect.Request[proce
 }
 
 func (p *envdProcess) CloseStdin(ctx context.Context, req *connect.Request[processpb.CloseStdinRequest]) (*connect.Response[processpb.CloseStdinResponse], error) {
-	e, id, err := p.s.envdEdge(ctx)
-	if err != nil {
-		return nil, p.fail(ctx, err)
-	}
-	sel, err := selector(req.Msg.GetProcess())
+	e, id, sel, err := p.target(ctx, req.Msg.GetProcess())
 	if err != nil {
 		return nil, err
 	}
@@ -310,11 +312,7 @@ func (p *envdProcess) CloseStdin(ctx context.Context, req *connect.Request[proce
 }
 
 func (p *envdProcess) Update(ctx context.Context, req *connect.Request[processpb.UpdateRequest]) (*connect.Response[processpb.UpdateResponse], error) {
-	e, id, err := p.s.envdEdge(ctx)
-	if err != nil {
-		return nil, p.fail(ctx, err)
-	}
-	sel, err := selector(req.Msg.GetProcess())
+	e, id, sel, err := p.target(ctx, req.Msg.GetProcess())
 	if err != nil {
 		return nil, err
 	}

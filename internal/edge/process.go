@@ -527,60 +527,46 @@ func (e *Edge) ProcessInput(ctx context.Context, id string, sel edgeapi.ProcessS
 	if len(data) > maxProcessInput {
 		return errdefs.Invalid("input of %d bytes: at most %d per call", len(data), maxProcessInput)
 	}
-	s, done, err := e.begin(ctx, id)
-	if err != nil {
-		return err
-	}
-	defer done()
-	m, err := s.findProc(id, sel, false)
-	if err != nil {
-		return err
-	}
-	m.stdinMu.Lock()
-	defer m.stdinMu.Unlock()
-	w := m.tty
-	if w == nil {
-		w = m.stdin
-	}
-	if w == nil {
-		return errdefs.Precondition("process %d takes no input (started without stdin, or its stdin was closed)", m.info.PID)
-	}
-	_ = w.SetWriteDeadline(time.Now().Add(inputWait))
-	_, err = w.Write(data)
-	if errors.Is(err, os.ErrDeadlineExceeded) {
-		return errdefs.Exhausted("process %d did not read its input for %v", m.info.PID, inputWait)
-	}
-	if err != nil {
-		return errdefs.Precondition("process %d: writing input: %v", m.info.PID, err)
-	}
-	return nil
+	return e.onProc(ctx, id, sel, true, func(m *mproc) error {
+		m.stdinMu.Lock()
+		defer m.stdinMu.Unlock()
+		w := m.tty
+		if w == nil {
+			w = m.stdin
+		}
+		if w == nil {
+			return errdefs.Precondition("process %d takes no input (started without stdin, or its stdin was closed)", m.info.PID)
+		}
+		_ = w.SetWriteDeadline(time.Now().Add(inputWait))
+		_, err := w.Write(data)
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			return errdefs.Exhausted("process %d did not read its input for %v", m.info.PID, inputWait)
+		}
+		if err != nil {
+			return errdefs.Precondition("process %d: writing input: %v", m.info.PID, err)
+		}
+		return nil
+	})
 }
 
 // CloseProcessStdin closes a process's stdin (EOF); on a terminal it
 // sends the end-of-file character instead.
 func (e *Edge) CloseProcessStdin(ctx context.Context, id string, sel edgeapi.ProcessSelector) error {
-	s, done, err := e.begin(ctx, id)
-	if err != nil {
-		return err
-	}
-	defer done()
-	m, err := s.findProc(id, sel, false)
-	if err != nil {
-		return err
-	}
-	m.stdinMu.Lock()
-	defer m.stdinMu.Unlock()
-	if m.tty != nil {
-		_ = m.tty.SetWriteDeadline(time.Now().Add(inputWait))
-		_, err := m.tty.Write([]byte{4})
-		return err
-	}
-	if m.stdin != nil {
-		err := m.stdin.Close()
-		m.stdin = nil
-		return err
-	}
-	return nil
+	return e.onProc(ctx, id, sel, true, func(m *mproc) error {
+		m.stdinMu.Lock()
+		defer m.stdinMu.Unlock()
+		if m.tty != nil {
+			_ = m.tty.SetWriteDeadline(time.Now().Add(inputWait))
+			_, err := m.tty.Write([]byte{4})
+			return err
+		}
+		if m.stdin != nil {
+			err := m.stdin.Close()
+			m.stdin = nil
+			return err
+		}
+		return nil
+	})
 }
 
 // signals a caller may send, by number.
@@ -597,34 +583,27 @@ func (e *Edge) SignalProcess(ctx context.Context, id string, sel edgeapi.Process
 	if !processSignals[sig] {
 		return errdefs.Invalid("signal %d is not one a process may be sent (HUP, INT, QUIT, KILL, USR1, USR2, TERM, CONT, STOP, WINCH)", sig)
 	}
-	s, done, err := e.begin(ctx, id)
-	if err != nil {
-		return err
-	}
-	defer done()
-	m, err := s.findProc(id, sel, false)
-	if err != nil {
-		return err
-	}
-	if sig == int(unix.SIGKILL) || m.pidfd == nil {
-		if sig == int(unix.SIGKILL) {
-			m.kill("signal")
-			return nil
+	return e.onProc(ctx, id, sel, true, func(m *mproc) error {
+		if sig == int(unix.SIGKILL) || m.pidfd == nil {
+			if sig == int(unix.SIGKILL) {
+				m.kill("signal")
+				return nil
+			}
+			return errdefs.Precondition("process %d cannot be signalled", m.info.PID)
 		}
-		return errdefs.Precondition("process %d cannot be signalled", m.info.PID)
-	}
-	rc, err := m.pidfd.SyscallConn()
-	if err != nil {
-		return err
-	}
-	var serr error
-	if err := rc.Control(func(fd uintptr) { serr = unix.PidfdSendSignal(int(fd), syscall.Signal(sig), nil, 0) }); err != nil {
-		return err
-	}
-	if errors.Is(serr, unix.ESRCH) {
-		return errdefs.NotFound("process %d has ended", m.info.PID)
-	}
-	return serr
+		rc, err := m.pidfd.SyscallConn()
+		if err != nil {
+			return err
+		}
+		var serr error
+		if err := rc.Control(func(fd uintptr) { serr = unix.PidfdSendSignal(int(fd), syscall.Signal(sig), nil, 0) }); err != nil {
+			return err
+		}
+		if errors.Is(serr, unix.ESRCH) {
+			return errdefs.NotFound("process %d has ended", m.info.PID)
+		}
+		return serr
+	})
 }
 
 // ResizeProcess sets the size of a process's terminal.
@@ -632,7 +611,20 @@ func (e *Edge) ResizeProcess(ctx context.Context, id string, sel edgeapi.Process
 	if size.Cols == 0 || size.Rows == 0 || size.Cols > 4096 || size.Rows > 4096 {
 		return errdefs.Invalid("terminal size %dx%d: columns and rows must be 1..4096", size.Cols, size.Rows)
 	}
-	s, done, err := e.beginNoWake(ctx, id)
+	return e.onProc(ctx, id, sel, false, func(m *mproc) error {
+		m.stdinMu.Lock()
+		defer m.stdinMu.Unlock()
+		if m.tty == nil {
+			return errdefs.Precondition("process %d has no terminal", m.info.PID)
+		}
+		return setWinsize(m.tty, size)
+	})
+}
+
+// onProc runs fn on a running process of sandbox id, as an operation on
+// the sandbox (wake: a paused sandbox is resumed first).
+func (e *Edge) onProc(ctx context.Context, id string, sel edgeapi.ProcessSelector, wake bool, fn func(m *mproc) error) error {
+	s, done, err := e.admit(ctx, id, wake)
 	if err != nil {
 		return err
 	}
@@ -641,12 +633,7 @@ func (e *Edge) ResizeProcess(ctx context.Context, id string, sel edgeapi.Process
 	if err != nil {
 		return err
 	}
-	m.stdinMu.Lock()
-	defer m.stdinMu.Unlock()
-	if m.tty == nil {
-		return errdefs.Precondition("process %d has no terminal", m.info.PID)
-	}
-	return setWinsize(m.tty, size)
+	return fn(m)
 }
 
 // findProc finds a process by pid or tag; ended ones only if ended.

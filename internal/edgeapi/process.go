@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"sync"
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
@@ -82,35 +81,15 @@ func (s *Server) processRoutes(p string) {
 	})
 }
 
-// streamProcess answers with run's events as NDJSON. Headers go out with
-// the first event, so an error before the process starts keeps its status.
+// streamProcess answers with run's events as NDJSON.
 func streamProcess(w http.ResponseWriter, run func(emit func(ProcessEvent) error) error) {
-	var mu sync.Mutex
-	started := false
-	enc := json.NewEncoder(w)
-	rc := http.NewResponseController(w)
-	send := func(l processLine) error {
-		mu.Lock()
-		defer mu.Unlock()
-		if !started {
-			w.Header().Set("Content-Type", "application/x-ndjson")
-			w.WriteHeader(http.StatusOK)
-			started = true
-		}
-		if err := enc.Encode(l); err != nil {
-			return err
-		}
-		return rc.Flush()
-	}
-	err := run(func(ev ProcessEvent) error { return send(processLine{Event: &ev}) })
-	mu.Lock()
-	begun := started
-	mu.Unlock()
+	ls := newLineStream(w)
+	err := run(func(ev ProcessEvent) error { return ls.send(processLine{Event: &ev}) })
 	switch {
-	case err != nil && !begun:
+	case err != nil && !ls.begun():
 		writeError(w, err)
 	case err != nil:
-		_ = send(processLine{Error: &api.ErrorDetail{Code: errdefs.Code(err), Message: err.Error()}})
+		_ = ls.send(processLine{Error: errorDetail(err)})
 	}
 }
 

@@ -406,37 +406,57 @@ func (s *Server) exec(w http.ResponseWriter, r *http.Request) {
 		answer(w, http.StatusOK, res, err)
 		return
 	}
-	// Headers go out with the first event, so that an error found before
-	// the command starts still gets its own status.
-	var mu sync.Mutex
-	started := false
-	enc := json.NewEncoder(w)
-	rc := http.NewResponseController(w)
-	send := func(ev wireEvent) error {
-		mu.Lock()
-		defer mu.Unlock()
-		if !started {
-			w.Header().Set("Content-Type", "application/x-ndjson")
-			w.WriteHeader(http.StatusOK)
-			started = true
-		}
-		if err := enc.Encode(ev); err != nil {
-			return err
-		}
-		return rc.Flush()
-	}
-	res, err := s.e.Exec(r.Context(), id, req, func(ev api.ExecEvent) error { return send(wireEvent{Event: &ev}) })
-	mu.Lock()
-	begun := started
-	mu.Unlock()
+	ls := newLineStream(w)
+	res, err := s.e.Exec(r.Context(), id, req, func(ev api.ExecEvent) error { return ls.send(wireEvent{Event: &ev}) })
 	switch {
-	case err != nil && !begun:
+	case err != nil && !ls.begun():
 		writeError(w, err)
 	case err != nil:
-		_ = send(wireEvent{Error: &api.ErrorDetail{Code: errdefs.Code(err), Message: err.Error()}})
+		_ = ls.send(wireEvent{Error: errorDetail(err)})
 	default:
-		_ = send(wireEvent{Result: res})
+		_ = ls.send(wireEvent{Result: res})
 	}
+}
+
+// lineStream writes a streamed answer as NDJSON, each line flushed as it
+// is written. The headers go out with the first line, so that an error
+// found before any (a command that cannot start) still gets its own
+// status. Safe for concurrent use.
+type lineStream struct {
+	w       http.ResponseWriter
+	enc     *json.Encoder
+	rc      *http.ResponseController
+	mu      sync.Mutex
+	started bool
+}
+
+func newLineStream(w http.ResponseWriter) *lineStream {
+	return &lineStream{w: w, enc: json.NewEncoder(w), rc: http.NewResponseController(w)}
+}
+
+func (l *lineStream) send(v any) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.started {
+		l.w.Header().Set("Content-Type", "application/x-ndjson")
+		l.w.WriteHeader(http.StatusOK)
+		l.started = true
+	}
+	if err := l.enc.Encode(v); err != nil {
+		return err
+	}
+	return l.rc.Flush()
+}
+
+// begun reports whether a line has gone out (the status with it).
+func (l *lineStream) begun() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.started
+}
+
+func errorDetail(err error) *api.ErrorDetail {
+	return &api.ErrorDetail{Code: errdefs.Code(err), Message: err.Error()}
 }
 
 func (s *Server) openSession(w http.ResponseWriter, r *http.Request) {
@@ -571,32 +591,17 @@ func (s *Server) moveFile(w http.ResponseWriter, r *http.Request) {
 // error setting the watch up still gets its own status.
 func (s *Server) watchDir(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	started := false
-	enc := json.NewEncoder(w)
-	rc := http.NewResponseController(w)
-	send := func(ev wireFileEvent) error {
-		if !started {
-			w.Header().Set("Content-Type", "application/x-ndjson")
-			w.WriteHeader(http.StatusOK)
-			started = true
-		}
-		if err := enc.Encode(ev); err != nil {
-			return err
-		}
-		return rc.Flush()
-	}
-	// emit is called from this goroutine only (the edge's poll loop runs
-	// in the call), so send needs no lock.
+	ls := newLineStream(w)
 	err := s.e.WatchDir(r.Context(), r.PathValue("id"), q.Get("path"), q.Get("recursive") == "1", func(ev api.FileEvent) error {
-		return send(wireFileEvent{Event: &ev})
+		return ls.send(wireFileEvent{Event: &ev})
 	})
 	switch {
-	case err != nil && !started:
+	case err != nil && !ls.begun():
 		writeError(w, err)
 	case err != nil:
-		_ = send(wireFileEvent{Error: &api.ErrorDetail{Code: errdefs.Code(err), Message: err.Error()}})
+		_ = ls.send(wireFileEvent{Error: errorDetail(err)})
 	default:
-		_ = send(wireFileEvent{End: true})
+		_ = ls.send(wireFileEvent{End: true})
 	}
 }
 
