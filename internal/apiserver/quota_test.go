@@ -81,7 +81,11 @@ func TestQuotaAcrossApiservers(t *testing.T) {
 	if made, _ := f.burst(t, servers, key, `{"base":"base/py:1"}`, 10); made != 2 {
 		t.Fatalf("%d made after 2 deletes, want 2", made)
 	}
-	// A create the node refuses gives its reservation back.
+	// A create the node refuses gives its reservation back. The burst's
+	// completions may still linger in the other apiserver's queue (up to
+	// quotaLinger), counting as in flight there: until they are written,
+	// a create at the quota is refused (the count errs on the safe side).
+	time.Sleep(5 * quotaLinger)
 	f.view.Sync(t.Context())
 	for _, sb := range l.Sandboxes[2:3] {
 		f.do(t, key, "DELETE", "/v1/sandboxes/"+sb.ID, "")
