@@ -55,7 +55,7 @@ func (e *Edge) WriteFile(ctx context.Context, id, path string, data io.Reader, m
 		return fe, err
 	}
 	err := e.withRoot(ctx, id, api.LogFilesWrite, api.LogRequest{Path: path, Mode: modeString(mode)}, func(r *files.Root, res *api.LogResult) error {
-		if _, err := r.WriteFile(path, data, mode, e.cfg.MaxUploadBytes); err != nil {
+		if _, err := r.WriteFile(path, data, mode, e.cfg.MaxUploadBytes, nil); err != nil {
 			return err
 		}
 		var err error
@@ -132,7 +132,7 @@ func (e *Edge) ExtractTar(ctx context.Context, id, path string, rd io.Reader) (a
 func (e *Edge) MakeDir(ctx context.Context, id, path string) (api.FileEntry, error) {
 	var fe api.FileEntry
 	err := e.withRoot(ctx, id, api.LogFilesMkdir, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) (err error) {
-		if fe, err = r.Mkdir(path); err == nil {
+		if fe, err = r.Mkdir(path, nil); err == nil {
 			res.Type = fe.Type
 		}
 		return err
