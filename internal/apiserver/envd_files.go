@@ -360,7 +360,7 @@ func (h *envdFS) Stat(ctx context.Context, req *connect.Request[filesystempb.Sta
 // MakeDir implements filesystempbconnect.FilesystemHandler.
 func (h *envdFS) MakeDir(ctx context.Context, req *connect.Request[filesystempb.MakeDirRequest]) (*connect.Response[filesystempb.MakeDirResponse], error) {
 	fe, err := h.entry(ctx, req.Header(), req.Msg.GetPath(), func(c *envdCall, p string) (api.FileEntry, error) {
-		return c.e.MakeDir(ctx, c.id, p)
+		return c.e.MakeDir(ctx, c.id, p, "")
 	})
 	if err != nil {
 		return nil, h.s.toConnect(ctx, filesystempbconnect.FilesystemMakeDirProcedure, err)
@@ -741,7 +741,7 @@ func (s *Server) upload(ctx context.Context, r *http.Request, readErr *error) ([
 	q := r.URL.Query()
 	// write writes data to the sandbox path p, as envd does: mode 0644.
 	write := func(p string, data io.Reader) (uploaded, error) {
-		fe, err := c.e.WriteFile(ctx, c.id, p, data, 0o644)
+		fe, err := c.e.WriteFile(ctx, c.id, p, data, 0o644, "")
 		if err != nil {
 			return uploaded{}, c.fail(ctx, err)
 		}

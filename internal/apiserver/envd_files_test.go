@@ -171,7 +171,7 @@ func TestEnvdFilesystem(t *testing.T) {
 		_, err = c.MakeDir(ctx, bad)
 		wantCode(t, "a user name that is a path", err, connect.CodeUnauthenticated)
 
-		if _, err := f.edge.WriteFile(ctx, id, "/home/user/proj/src/main.py", strings.NewReader("print(1)\n"), 0o644); err != nil {
+		if _, err := f.edge.WriteFile(ctx, id, "/home/user/proj/src/main.py", strings.NewReader("print(1)\n"), 0o644, "user"); err != nil {
 			t.Fatal(err)
 		}
 		st, err := c.Stat(ctx, connect.NewRequest(&filesystempb.StatRequest{Path: "/home/user/proj/src/main.py"}))
@@ -234,7 +234,7 @@ func TestEnvdWatchDir(t *testing.T) {
 		ctx := t.Context()
 		id, tok := f.envdSandbox(t)
 		c := f.fsClient(id, tok)
-		if _, err := f.edge.MakeDir(ctx, id, "/home/user/w"); err != nil {
+		if _, err := f.edge.MakeDir(ctx, id, "/home/user/w", ""); err != nil {
 			t.Fatal(err)
 		}
 
@@ -267,7 +267,7 @@ func TestEnvdWatchDir(t *testing.T) {
 		if m := next(); m.GetStart() == nil {
 			t.Fatalf("first frame %v, want start", m)
 		}
-		if _, err := f.edge.WriteFile(ctx, id, "/home/user/w/a.txt", strings.NewReader("hi"), 0o644); err != nil {
+		if _, err := f.edge.WriteFile(ctx, id, "/home/user/w/a.txt", strings.NewReader("hi"), 0o644, ""); err != nil {
 			t.Fatal(err)
 		}
 		ev := next().GetFilesystem()
