@@ -85,6 +85,26 @@ type envdCall struct {
 	// user is the user the request names ("" for the sandbox's own), and
 	// home the user's home once a relative path needed it.
 	user, home string
+	// acting is the user the request acts for once asked (actingUser).
+	acting      string
+	actingKnown bool
+}
+
+// actingUser is the user the request acts for: the one it names, else
+// the sandbox's own (its spec's user; "" when it has none, which is
+// root). What the request creates belongs to it, as envd makes it.
+func (c *envdCall) actingUser(ctx context.Context) (string, error) {
+	if c.user != "" {
+		return c.user, nil
+	}
+	if !c.actingKnown {
+		sb, err := c.e.Get(ctx, c.id)
+		if err != nil {
+			return "", c.fail(ctx, err)
+		}
+		c.acting, c.actingKnown = sb.Spec.User, true
+	}
+	return c.acting, nil
 }
 
 // newEnvdCall starts an envd files request for user ("" for the
@@ -168,13 +188,9 @@ func (c *envdCall) resolve(ctx context.Context, p string) (string, error) {
 		return "", errdefs.Invalid("path %q: only the request's own user's home (~) can be named", p)
 	}
 	if c.home == "" {
-		user := c.user
-		if user == "" {
-			sb, err := c.e.Get(ctx, c.id)
-			if err != nil {
-				return "", c.fail(ctx, err)
-			}
-			user = sb.Spec.User
+		user, err := c.actingUser(ctx)
+		if err != nil {
+			return "", err
 		}
 		c.home = homeOf(user)
 	}
@@ -360,7 +376,11 @@ func (h *envdFS) Stat(ctx context.Context, req *connect.Request[filesystempb.Sta
 // MakeDir implements filesystempbconnect.FilesystemHandler.
 func (h *envdFS) MakeDir(ctx context.Context, req *connect.Request[filesystempb.MakeDirRequest]) (*connect.Response[filesystempb.MakeDirResponse], error) {
 	fe, err := h.entry(ctx, req.Header(), req.Msg.GetPath(), func(c *envdCall, p string) (api.FileEntry, error) {
-		return c.e.MakeDir(ctx, c.id, p)
+		owner, err := c.actingUser(ctx)
+		if err != nil {
+			return api.FileEntry{}, err
+		}
+		return c.e.MakeDir(ctx, c.id, p, owner)
 	})
 	if err != nil {
 		return nil, h.s.toConnect(ctx, filesystempbconnect.FilesystemMakeDirProcedure, err)
@@ -739,9 +759,14 @@ func (s *Server) upload(ctx context.Context, r *http.Request, readErr *error) ([
 		return nil, errdefs.Invalid("Content-Encoding %q: want gzip or none", enc)
 	}
 	q := r.URL.Query()
-	// write writes data to the sandbox path p, as envd does: mode 0644.
+	// write writes data to the sandbox path p, as envd does: mode 0644,
+	// owned by the user the request acts for.
 	write := func(p string, data io.Reader) (uploaded, error) {
-		fe, err := c.e.WriteFile(ctx, c.id, p, data, 0o644)
+		owner, err := c.actingUser(ctx)
+		if err != nil {
+			return uploaded{}, err
+		}
+		fe, err := c.e.WriteFile(ctx, c.id, p, data, 0o644, owner)
 		if err != nil {
 			return uploaded{}, c.fail(ctx, err)
 		}

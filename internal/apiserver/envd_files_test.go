@@ -151,27 +151,39 @@ func TestEnvdFilesystem(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if e := res.Msg.Entry; e.Path != "/home/user/proj/src" || e.Name != "src" || e.Type != filesystempb.FileType_FILE_TYPE_DIRECTORY || e.Permissions != "drwxr-xr-x" || e.Mode != 0o755 {
+		// The directory is the user's (the fake's "user" is 1000).
+		if e := res.Msg.Entry; e.Path != "/home/user/proj/src" || e.Name != "src" || e.Type != filesystempb.FileType_FILE_TYPE_DIRECTORY || e.Permissions != "drwxr-xr-x" || e.Mode != 0o755 ||
+			e.Owner != "1000" || e.Group != "1000" {
 			t.Fatalf("MakeDir = %v", e)
 		}
 		_, err = c.MakeDir(ctx, mk)
 		wantCode(t, "MakeDir twice", err, connect.CodeAlreadyExists)
-		// No user named: the sandbox's own (its spec's "user"); root's
-		// home is /root; "~" is the home.
-		if res, err := c.MakeDir(ctx, connect.NewRequest(&filesystempb.MakeDirRequest{Path: "default"})); err != nil || res.Msg.Entry.Path != "/home/user/default" {
+		// No user named: the sandbox's own (its spec's "user"), who owns
+		// the directory; root's home is /root; "~" is the home.
+		if res, err := c.MakeDir(ctx, connect.NewRequest(&filesystempb.MakeDirRequest{Path: "default"})); err != nil || res.Msg.Entry.Path != "/home/user/default" || res.Msg.Entry.Owner != "1000" {
 			t.Fatalf("MakeDir as the default user: %v, %v", res, err)
 		}
 		asRoot := connect.NewRequest(&filesystempb.MakeDirRequest{Path: "~/r"})
 		asUser(asRoot, "root")
-		if res, err := c.MakeDir(ctx, asRoot); err != nil || res.Msg.Entry.Path != "/root/r" {
+		if res, err := c.MakeDir(ctx, asRoot); err != nil || res.Msg.Entry.Path != "/root/r" || res.Msg.Entry.Owner != "root" {
 			t.Fatalf("MakeDir as root: %v, %v", res, err)
 		}
 		bad := connect.NewRequest(&filesystempb.MakeDirRequest{Path: "x"})
 		asUser(bad, "../../etc")
 		_, err = c.MakeDir(ctx, bad)
 		wantCode(t, "a user name that is a path", err, connect.CodeUnauthenticated)
+		// A user the sandbox does not have: invalid_argument (the
+		// edge's), and no directory.
+		before := f.edge.Tree(id)
+		ghost := connect.NewRequest(&filesystempb.MakeDirRequest{Path: "/tmp/ghost/dir"})
+		asUser(ghost, "ghost")
+		_, err = c.MakeDir(ctx, ghost)
+		wantCode(t, "MakeDir as a user the sandbox lacks", err, connect.CodeInvalidArgument)
+		if after := f.edge.Tree(id); !slices.Equal(before, after) {
+			t.Fatalf("a refused MakeDir changed the sandbox: %v, then %v", before, after)
+		}
 
-		if _, err := f.edge.WriteFile(ctx, id, "/home/user/proj/src/main.py", strings.NewReader("print(1)\n"), 0o644); err != nil {
+		if _, err := f.edge.WriteFile(ctx, id, "/home/user/proj/src/main.py", strings.NewReader("print(1)\n"), 0o644, "user"); err != nil {
 			t.Fatal(err)
 		}
 		st, err := c.Stat(ctx, connect.NewRequest(&filesystempb.StatRequest{Path: "/home/user/proj/src/main.py"}))
@@ -234,7 +246,7 @@ func TestEnvdWatchDir(t *testing.T) {
 		ctx := t.Context()
 		id, tok := f.envdSandbox(t)
 		c := f.fsClient(id, tok)
-		if _, err := f.edge.MakeDir(ctx, id, "/home/user/w"); err != nil {
+		if _, err := f.edge.MakeDir(ctx, id, "/home/user/w", ""); err != nil {
 			t.Fatal(err)
 		}
 
@@ -267,7 +279,7 @@ func TestEnvdWatchDir(t *testing.T) {
 		if m := next(); m.GetStart() == nil {
 			t.Fatalf("first frame %v, want start", m)
 		}
-		if _, err := f.edge.WriteFile(ctx, id, "/home/user/w/a.txt", strings.NewReader("hi"), 0o644); err != nil {
+		if _, err := f.edge.WriteFile(ctx, id, "/home/user/w/a.txt", strings.NewReader("hi"), 0o644, ""); err != nil {
 			t.Fatal(err)
 		}
 		ev := next().GetFilesystem()
@@ -378,6 +390,18 @@ func TestEnvdFilesHTTP(t *testing.T) {
 		if _, ok := f.edge.Content(id, "/ignored"); ok {
 			t.Fatal("a part that is not a file field was written")
 		}
+		// What an upload creates is the user's: the files and the
+		// parents the edge made for them.
+		owned := func(p string, uid uint32) {
+			t.Helper()
+			fe, err := f.edge.StatFile(t.Context(), id, p)
+			if err != nil || fe.UID != uid || fe.GID != uid {
+				t.Fatalf("%s: %+v, %v; want owned by %d", p, fe, err, uid)
+			}
+		}
+		owned("/home/user/notes/a.txt", 1000)
+		owned("/home/user/notes", 1000)
+		owned("/etc/x", 1000)
 
 		// A name that climbs above the sandbox's / is refused, whether
 		// relative or absolute; nothing of it is written.
@@ -393,11 +417,31 @@ func TestEnvdFilesHTTP(t *testing.T) {
 			t.Fatalf("refused uploads changed the sandbox: %v, then %v", before, after)
 		}
 
-		// The path parameter names the target of a single file.
+		// The path parameter names the target of a single file. No user
+		// named: the sandbox's own ("user") owns it.
 		ctype, body = multipartBody(t, formFile{"file", "ignored-name", "delta"})
 		resp, out = f.envdHTTP(t, id, tok, "POST", "/files?path=/data/d.bin", ctype, body)
 		if resp.StatusCode != 200 || !strings.Contains(string(out), `"path":"/data/d.bin"`) {
 			t.Fatalf("upload with a path: %d %s", resp.StatusCode, out)
+		}
+		owned("/data/d.bin", 1000)
+		// As root: root's.
+		if resp, out = f.envdHTTP(t, id, tok, "POST", "/files?path=/srv/r.txt&username=root", "application/octet-stream", strings.NewReader("r")); resp.StatusCode != 200 {
+			t.Fatalf("upload as root: %d %s", resp.StatusCode, out)
+		}
+		owned("/srv/r.txt", 0)
+		// As a user the sandbox does not have: 400, and nothing written,
+		// raw or multipart.
+		before = f.edge.Tree(id)
+		if resp, out = f.envdHTTP(t, id, tok, "POST", "/files?path=/ghost/g.txt&username=ghost", "application/octet-stream", strings.NewReader("g")); resp.StatusCode != 400 || !strings.Contains(string(out), `"code":400`) {
+			t.Fatalf("upload as a user the sandbox lacks: %d %s", resp.StatusCode, out)
+		}
+		ctype, body = multipartBody(t, formFile{"file", "/ghost/a", "1"}, formFile{"file", "/ghost/b", "2"})
+		if resp, out = f.envdHTTP(t, id, tok, "POST", "/files?username=ghost", ctype, body); resp.StatusCode != 400 {
+			t.Fatalf("multipart upload as a user the sandbox lacks: %d %s", resp.StatusCode, out)
+		}
+		if after := f.edge.Tree(id); !slices.Equal(before, after) {
+			t.Fatalf("uploads as a user the sandbox lacks changed it: %v, then %v", before, after)
 		}
 		// Two files for one target: refused.
 		ctype, body = multipartBody(t, formFile{"file", "a", "1"}, formFile{"file", "b", "2"})

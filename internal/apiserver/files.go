@@ -68,7 +68,7 @@ func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) {
 			mode |= os.ModeSticky
 		}
 	}
-	fe, err := e.WriteFile(r.Context(), id, p, r.Body, mode)
+	fe, err := e.WriteFile(r.Context(), id, p, r.Body, mode, r.URL.Query().Get("owner"))
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -174,7 +174,7 @@ func (s *Server) uploadTar(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	res, err := e.ExtractTar(r.Context(), id, p, r.Body)
+	res, err := e.ExtractTar(r.Context(), id, p, r.Body, r.URL.Query().Get("owner"))
 	if err != nil {
 		s.writeError(w, r, err)
 		return

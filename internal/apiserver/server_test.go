@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -329,6 +330,32 @@ func TestExecStreamAndDownloadErrors(t *testing.T) {
 		// A tar of a missing path is a 404, not a broken stream.
 		resp, body = f.do(t, f.admin, "GET", "/v1/sandboxes/sb-n1-0001/files:tar?path=/nope", "")
 		wantError(t, resp, body, 404, "not_found")
+	})
+}
+
+// TestWriteFileOwner: a /v1 write is root's unless owner= names a user of
+// the sandbox; one it does not have is a 400 and nothing is written, for
+// a file and for a tar.
+func TestWriteFileOwner(t *testing.T) {
+	bothWays(t, func(t *testing.T, f *fixture) {
+		f.do(t, f.admin, "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
+		var fe api.FileEntry
+		resp, body := f.do(t, f.admin, "PUT", "/v1/sandboxes/sb-n1-0001/files?path=/a", "x")
+		if resp.StatusCode != 200 || json.Unmarshal(body, &fe) != nil || fe.UID != 0 {
+			t.Fatalf("write: %d %s", resp.StatusCode, body)
+		}
+		resp, body = f.do(t, f.admin, "PUT", "/v1/sandboxes/sb-n1-0001/files?path=/home/user/b&owner=user", "x")
+		if resp.StatusCode != 200 || json.Unmarshal(body, &fe) != nil || fe.UID != 1000 || fe.GID != 1000 {
+			t.Fatalf("write as user: %d %s", resp.StatusCode, body)
+		}
+		before := f.edge.Tree("sb-n1-0001")
+		resp, body = f.do(t, f.admin, "PUT", "/v1/sandboxes/sb-n1-0001/files?path=/ghost/c&owner=ghost", "x")
+		wantError(t, resp, body, 400, "invalid_argument")
+		resp, body = f.do(t, f.admin, "PUT", "/v1/sandboxes/sb-n1-0001/files:tar?path=/ghost&owner=ghost", strings.Repeat("\x00", 1024))
+		wantError(t, resp, body, 400, "invalid_argument")
+		if after := f.edge.Tree("sb-n1-0001"); !slices.Equal(before, after) {
+			t.Fatalf("refused writes changed the sandbox: %v, then %v", before, after)
+		}
 	})
 }
 

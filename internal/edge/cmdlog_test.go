@@ -261,7 +261,7 @@ func TestFilesOpsLogged(t *testing.T) {
 	ctx := context.Background()
 	id := "sb-n1-log"
 	secret := "top secret file contents"
-	if _, err := e.WriteFile(ctx, id, "/work/a.txt", strings.NewReader(secret), 0o640); err != nil {
+	if _, err := e.WriteFile(ctx, id, "/work/a.txt", strings.NewReader(secret), 0o640, ""); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := e.StatFile(ctx, id, "/work/a.txt"); err != nil {
@@ -280,7 +280,7 @@ func TestFilesOpsLogged(t *testing.T) {
 	if err := e.WriteTar(ctx, id, "/work", &tarball); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.ExtractTar(ctx, id, "/copy", bytes.NewReader(tarball.Bytes())); err != nil {
+	if _, err := e.ExtractTar(ctx, id, "/copy", bytes.NewReader(tarball.Bytes()), ""); err != nil {
 		t.Fatal(err)
 	}
 	if err := e.RemoveFile(ctx, id, "/nope", false); !errors.Is(err, errdefs.ErrNotFound) {

@@ -2,6 +2,7 @@ package edge
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"os"
 	"time"
@@ -9,6 +10,7 @@ import (
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/files"
+	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
 // The files API acts on a running sandbox's rootfs from the host side,
@@ -48,17 +50,45 @@ func (e *Edge) ReadFile(ctx context.Context, id, path string) (io.ReadCloser, ap
 	return rc, fe, err
 }
 
-// WriteFile writes a file (parents created), bounded by MaxUploadBytes.
-func (e *Edge) WriteFile(ctx context.Context, id, path string, data io.Reader, mode os.FileMode) (api.FileEntry, error) {
+// fileOwner resolves the owner a file call names, a user of the sandbox
+// (NAME, UID, NAME:GROUP or UID:GID, as Exec's user, from its own
+// /etc/passwd and /etc/group), to the host IDs what the call creates
+// gets (shifted in a user namespace: files.Root.HostOwner). "" is nil:
+// the root's own owner, as before owners could be named. An owner the
+// sandbox does not have is invalid, before anything is written.
+func fileOwner(r *files.Root, owner string) (*files.Owner, error) {
+	if owner == "" {
+		return nil, nil
+	}
+	if err := sandbox.ValidateUser(owner); err != nil {
+		return nil, err
+	}
+	u, err := resolveUser(r, owner)
+	if err != nil {
+		return nil, err
+	}
+	o, err := r.HostOwner(u.uid, u.gid)
+	if err != nil {
+		return nil, fmt.Errorf("owner %q: %w", owner, err)
+	}
+	return &o, nil
+}
+
+// WriteFile writes a file (parents created), bounded by MaxUploadBytes;
+// the file and the parents it creates belong to owner (fileOwner).
+func (e *Edge) WriteFile(ctx context.Context, id, path string, data io.Reader, mode os.FileMode, owner string) (api.FileEntry, error) {
 	var fe api.FileEntry
 	if err := e.checkDiskFloor(); err != nil {
 		return fe, err
 	}
-	err := e.withRoot(ctx, id, api.LogFilesWrite, api.LogRequest{Path: path, Mode: modeString(mode)}, func(r *files.Root, res *api.LogResult) error {
-		if _, err := r.WriteFile(path, data, mode, e.cfg.MaxUploadBytes); err != nil {
+	err := e.withRoot(ctx, id, api.LogFilesWrite, api.LogRequest{Path: path, Mode: modeString(mode), User: owner}, func(r *files.Root, res *api.LogResult) error {
+		o, err := fileOwner(r, owner)
+		if err != nil {
 			return err
 		}
-		var err error
+		if _, err := r.WriteFile(path, data, mode, e.cfg.MaxUploadBytes, o); err != nil {
+			return err
+		}
 		if fe, err = r.Stat(path); err == nil {
 			res.Size = &fe.Size
 		}
@@ -111,14 +141,19 @@ func (e *Edge) WriteTar(ctx context.Context, id, path string, w io.Writer) error
 
 // ExtractTar extracts a tar (or gzip'd tar) into path, bounded by
 // MaxUploadBytes. Device nodes are refused and ownership is not taken from
-// the archive: uploads come from API callers, not layer builders.
-func (e *Edge) ExtractTar(ctx context.Context, id, path string, rd io.Reader) (api.TarResult, error) {
+// the archive: uploads come from API callers, not layer builders. What it
+// creates belongs to owner (fileOwner).
+func (e *Edge) ExtractTar(ctx context.Context, id, path string, rd io.Reader, owner string) (api.TarResult, error) {
 	var tr api.TarResult
 	if err := e.checkDiskFloor(); err != nil {
 		return tr, err
 	}
-	err := e.withRoot(ctx, id, api.LogFilesTarIn, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) (err error) {
-		tr, err = r.ExtractTar(path, rd, files.TarOptions{MaxBytes: e.cfg.MaxUploadBytes, MaxFiles: 1 << 20})
+	err := e.withRoot(ctx, id, api.LogFilesTarIn, api.LogRequest{Path: path, User: owner}, func(r *files.Root, res *api.LogResult) error {
+		o, err := fileOwner(r, owner)
+		if err != nil {
+			return err
+		}
+		tr, err = r.ExtractTar(path, rd, files.TarOptions{MaxBytes: e.cfg.MaxUploadBytes, MaxFiles: 1 << 20, Owner: o})
 		if err == nil {
 			res.Files, res.Bytes = &tr.Files, &tr.Bytes
 		}
@@ -127,12 +162,16 @@ func (e *Edge) ExtractTar(ctx context.Context, id, path string, rd io.Reader) (a
 	return tr, err
 }
 
-// MakeDir creates a directory and its missing parents; one already there
-// is already_exists.
-func (e *Edge) MakeDir(ctx context.Context, id, path string) (api.FileEntry, error) {
+// MakeDir creates a directory and its missing parents, which belong to
+// owner (fileOwner); one already there is already_exists.
+func (e *Edge) MakeDir(ctx context.Context, id, path, owner string) (api.FileEntry, error) {
 	var fe api.FileEntry
-	err := e.withRoot(ctx, id, api.LogFilesMkdir, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) (err error) {
-		if fe, err = r.Mkdir(path); err == nil {
+	err := e.withRoot(ctx, id, api.LogFilesMkdir, api.LogRequest{Path: path, User: owner}, func(r *files.Root, res *api.LogResult) error {
+		o, err := fileOwner(r, owner)
+		if err != nil {
+			return err
+		}
+		if fe, err = r.Mkdir(path, o); err == nil {
 			res.Type = fe.Type
 		}
 		return err

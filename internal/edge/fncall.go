@@ -52,14 +52,14 @@ func (e *Edge) FnCall(ctx context.Context, req api.FnCallRequest, cr edgeapi.Cre
 	}
 	sort.Strings(names)
 	for _, n := range names {
-		if _, err := e.WriteFile(ctx, sb.ID, path.Join(sandbox.FnCallWorkdir, n), bytes.NewReader(files[n]), 0o644); err != nil {
+		if _, err := e.WriteFile(ctx, sb.ID, path.Join(sandbox.FnCallWorkdir, n), bytes.NewReader(files[n]), 0o644, ""); err != nil {
 			return nil, err
 		}
 	}
 	if len(names) == 0 {
 		// The work dir, for the command to run in: an empty archive
 		// creates it.
-		if _, err := e.ExtractTar(ctx, sb.ID, sandbox.FnCallWorkdir, bytes.NewReader(make([]byte, 1024))); err != nil {
+		if _, err := e.ExtractTar(ctx, sb.ID, sandbox.FnCallWorkdir, bytes.NewReader(make([]byte, 1024)), ""); err != nil {
 			return nil, err
 		}
 	}

@@ -439,12 +439,22 @@ func (b *bodyReader) Read(p []byte) (int, error) {
 func (b *bodyReader) Close() error { return b.rc.Close() }
 
 // WriteFile implements Edge: data streams to the edge.
-func (c *Client) WriteFile(ctx context.Context, id, path string, data io.Reader, mode os.FileMode) (api.FileEntry, error) {
-	q := pathQuery(path)
+func (c *Client) WriteFile(ctx context.Context, id, path string, data io.Reader, mode os.FileMode, owner string) (api.FileEntry, error) {
+	q := ownerQuery(path, owner)
 	q.Set("mode", strconv.FormatUint(uint64(mode), 10))
 	var fe api.FileEntry
 	err := c.roundTrip(ctx, call{method: "PUT", path: sbPath(id, "/files"), query: q, body: nonNilBody(data)}, &fe)
 	return fe, err
+}
+
+// ownerQuery is the query of a call that creates files: the path, and
+// the owner when there is one.
+func ownerQuery(path, owner string) url.Values {
+	q := pathQuery(path)
+	if owner != "" {
+		q.Set("owner", owner)
+	}
+	return q
 }
 
 // nonNilBody keeps a nil reader from making a request without a body.
@@ -504,16 +514,16 @@ func (c *Client) WriteTar(ctx context.Context, id, path string, w io.Writer) err
 }
 
 // ExtractTar implements Edge: rd streams to the edge.
-func (c *Client) ExtractTar(ctx context.Context, id, path string, rd io.Reader) (api.TarResult, error) {
+func (c *Client) ExtractTar(ctx context.Context, id, path string, rd io.Reader, owner string) (api.TarResult, error) {
 	var res api.TarResult
-	err := c.roundTrip(ctx, call{method: "PUT", path: sbPath(id, "/files:tar"), query: pathQuery(path), body: nonNilBody(rd)}, &res)
+	err := c.roundTrip(ctx, call{method: "PUT", path: sbPath(id, "/files:tar"), query: ownerQuery(path, owner), body: nonNilBody(rd)}, &res)
 	return res, err
 }
 
 // MakeDir implements Edge.
-func (c *Client) MakeDir(ctx context.Context, id, path string) (api.FileEntry, error) {
+func (c *Client) MakeDir(ctx context.Context, id, path, owner string) (api.FileEntry, error) {
 	var fe api.FileEntry
-	err := c.roundTrip(ctx, call{method: "POST", path: sbPath(id, "/files:mkdir"), query: pathQuery(path)}, &fe)
+	err := c.roundTrip(ctx, call{method: "POST", path: sbPath(id, "/files:mkdir"), query: ownerQuery(path, owner)}, &fe)
 	return fe, err
 }
 

@@ -57,18 +57,28 @@ type Edge interface {
 	RunInSession(ctx context.Context, id, sid string, req api.SessionRunRequest) (*api.ExecResult, error)
 	CloseSession(ctx context.Context, id, sid string) error
 
+	// The calls that create files (WriteFile, ExtractTar, MakeDir) take
+	// the owner of what they create (the file or directory, the missing
+	// parents; never what was there already): a user of the sandbox,
+	// NAME, UID, NAME:GROUP or UID:GID as Exec's user, looked up in the
+	// sandbox's own /etc/passwd and /etc/group. "" leaves it to root (in
+	// a user namespace, the sandbox's root). An owner the sandbox does
+	// not have is an errdefs.ErrInvalid error, and nothing is written.
+	// It is a parameter, not a context value: what owns a file is part
+	// of the request, as its mode is.
+
 	ReadFile(ctx context.Context, id, path string) (io.ReadCloser, api.FileEntry, error)
-	WriteFile(ctx context.Context, id, path string, data io.Reader, mode os.FileMode) (api.FileEntry, error)
+	WriteFile(ctx context.Context, id, path string, data io.Reader, mode os.FileMode, owner string) (api.FileEntry, error)
 	StatFile(ctx context.Context, id, path string) (api.FileEntry, error)
 	ListFiles(ctx context.Context, id, path string, depth int) ([]api.FileEntry, error)
 	RemoveFile(ctx context.Context, id, path string, recursive bool) error
 	// WriteTar streams a tar of path to w. An error after bytes were
 	// written means w holds a broken archive.
 	WriteTar(ctx context.Context, id, path string, w io.Writer) error
-	ExtractTar(ctx context.Context, id, path string, rd io.Reader) (api.TarResult, error)
+	ExtractTar(ctx context.Context, id, path string, rd io.Reader, owner string) (api.TarResult, error)
 	// MakeDir creates the directory path and its missing parents. A
 	// directory already there is an errdefs.ErrAlreadyExists error.
-	MakeDir(ctx context.Context, id, path string) (api.FileEntry, error)
+	MakeDir(ctx context.Context, id, path, owner string) (api.FileEntry, error)
 	// MoveFile renames src to dst as rename(2) does (a file, or an empty
 	// directory, at dst is replaced), creating dst's missing parents, and
 	// describes the entry at dst.

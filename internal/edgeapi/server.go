@@ -508,7 +508,8 @@ func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	fe, err := s.e.WriteFile(r.Context(), r.PathValue("id"), r.URL.Query().Get("path"), r.Body, os.FileMode(uint32(mode)))
+	q := r.URL.Query()
+	fe, err := s.e.WriteFile(r.Context(), r.PathValue("id"), q.Get("path"), r.Body, os.FileMode(uint32(mode)), q.Get("owner"))
 	answer(w, http.StatusOK, fe, err)
 }
 
@@ -567,12 +568,14 @@ func (s *Server) writeTar(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) extractTar(w http.ResponseWriter, r *http.Request) {
-	res, err := s.e.ExtractTar(r.Context(), r.PathValue("id"), r.URL.Query().Get("path"), r.Body)
+	q := r.URL.Query()
+	res, err := s.e.ExtractTar(r.Context(), r.PathValue("id"), q.Get("path"), r.Body, q.Get("owner"))
 	answer(w, http.StatusOK, res, err)
 }
 
 func (s *Server) makeDir(w http.ResponseWriter, r *http.Request) {
-	fe, err := s.e.MakeDir(r.Context(), r.PathValue("id"), r.URL.Query().Get("path"))
+	q := r.URL.Query()
+	fe, err := s.e.MakeDir(r.Context(), r.PathValue("id"), q.Get("path"), q.Get("owner"))
 	answer(w, http.StatusOK, fe, err)
 }
 

@@ -145,9 +145,19 @@ func TestFilesAndTarsStream(t *testing.T) {
 	if !bytes.Equal(b, fake.File) || fe.Size != int64(len(fake.File)) || fe.Path != "/a/b" {
 		t.Fatalf("read %q %+v", b, fe)
 	}
-	fe, err = c.WriteFile(ctx, id, "/x", strings.NewReader("payload"), 0o4755)
+	fe, err = c.WriteFile(ctx, id, "/x", strings.NewReader("payload"), 0o4755, "")
 	if err != nil || string(fake.Written) != "payload" || fe.Mode != "0755" {
 		t.Fatalf("write: %+v %v (edge got %q)", fe, err, fake.Written)
+	}
+	// The owner crosses the wire; one the sandbox lacks stays invalid.
+	if fe, err := c.WriteFile(ctx, id, "/owned", strings.NewReader("x"), 0o644, "user"); err != nil || fe.UID != 1000 || fe.GID != 1000 {
+		t.Fatalf("write as user: %+v %v", fe, err)
+	}
+	if _, err := c.WriteFile(ctx, id, "/ghost", strings.NewReader("x"), 0o644, "ghost"); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("write as a user the sandbox lacks: %v, want invalid", err)
+	}
+	if _, err := c.ExtractTar(ctx, id, "/ghost", bytes.NewReader(make([]byte, 1024)), "ghost"); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("tar as a user the sandbox lacks: %v, want invalid", err)
 	}
 	var out bytes.Buffer
 	if err := c.WriteTar(ctx, id, "/", &out); err != nil || !bytes.Equal(out.Bytes(), fake.File) {
@@ -162,7 +172,7 @@ func TestFilesAndTarsStream(t *testing.T) {
 	if err := c.WriteTar(ctx, id, "/broken", &out); !errors.Is(err, errdefs.ErrPrecondition) || out.Len() != 10 {
 		t.Fatalf("broken tar: %v (%d bytes)", err, out.Len())
 	}
-	tr, err := c.ExtractTar(ctx, id, "/repo", bytes.NewReader(make([]byte, 3000)))
+	tr, err := c.ExtractTar(ctx, id, "/repo", bytes.NewReader(make([]byte, 3000)), "")
 	if err != nil || tr.Bytes != 3000 || len(fake.Written) != 3000 {
 		t.Fatalf("extract: %+v %v", tr, err)
 	}
@@ -377,11 +387,17 @@ func TestDirsMovesAndWatchesCrossTheWire(t *testing.T) {
 	c, _ := remote(t, fake)
 	ctx := t.Context()
 	id := newSandbox(t, c)
-	if fe, err := c.MakeDir(ctx, id, "/w/sub"); err != nil || fe.Type != "dir" || fe.Path != "/w/sub" {
+	if fe, err := c.MakeDir(ctx, id, "/w/sub", ""); err != nil || fe.Type != "dir" || fe.Path != "/w/sub" {
 		t.Fatalf("mkdir: %+v, %v", fe, err)
 	}
-	if _, err := c.MakeDir(ctx, id, "/w/sub"); !errors.Is(err, errdefs.ErrAlreadyExists) {
+	if _, err := c.MakeDir(ctx, id, "/w/sub", ""); !errors.Is(err, errdefs.ErrAlreadyExists) {
 		t.Fatalf("mkdir twice: %v, want already exists", err)
+	}
+	if fe, err := c.MakeDir(ctx, id, "/w/mine", "user"); err != nil || fe.UID != 1000 {
+		t.Fatalf("mkdir as user: %+v, %v", fe, err)
+	}
+	if _, err := c.MakeDir(ctx, id, "/w/ghost", "ghost"); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("mkdir as a user the sandbox lacks: %v, want invalid", err)
 	}
 	if _, err := c.MoveFile(ctx, id, "/none", "/x"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("move of nothing: %v, want not found", err)
@@ -415,7 +431,7 @@ func TestDirsMovesAndWatchesCrossTheWire(t *testing.T) {
 	if ev := next(); ev.Type != api.FileEventStart {
 		t.Fatalf("first event %+v, want start", ev)
 	}
-	if _, err := c.WriteFile(ctx, id, "/w/f", strings.NewReader("x"), 0o644); err != nil {
+	if _, err := c.WriteFile(ctx, id, "/w/f", strings.NewReader("x"), 0o644, ""); err != nil {
 		t.Fatal(err)
 	}
 	if ev := next(); ev.Type != api.FileEventCreate || ev.Name != "f" || ev.Entry == nil || ev.Entry.Path != "/w/f" {

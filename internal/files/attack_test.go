@@ -86,7 +86,7 @@ func TestSymlinksCannotWriteOutside(t *testing.T) {
 	} {
 		// Success or failure are both fine; the fixture checks that
 		// nothing outside the root changed.
-		f.r.WriteFile(p, strings.NewReader("pwned"), 0644, 0)
+		f.r.WriteFile(p, strings.NewReader("pwned"), 0644, 0, nil)
 	}
 	// Writes through "/abs" landed at root+outside.
 	if b, err := os.ReadFile(f.host(f.secret)); err != nil || string(b) != "pwned" {
@@ -98,7 +98,7 @@ func TestSymlinksCannotWriteOutside(t *testing.T) {
 	if e.Type != "file" {
 		t.Fatalf("/absfile is %q after WriteFile, want a file replacing the link", e.Type)
 	}
-	_, err = f.r.WriteFile("/a\x00b", strings.NewReader("x"), 0644, 0)
+	_, err = f.r.WriteFile("/a\x00b", strings.NewReader("x"), 0644, 0, nil)
 	wantClass(t, err, errdefs.ErrInvalid)
 }
 
@@ -186,7 +186,7 @@ func TestReadFileRefusesDevice(t *testing.T) {
 
 func TestDotDotInAPIPathsStaysInside(t *testing.T) {
 	f := newFixture(t)
-	_, err := f.r.WriteFile("/../../../outside/new", strings.NewReader("x"), 0644, 0)
+	_, err := f.r.WriteFile("/../../../outside/new", strings.NewReader("x"), 0644, 0, nil)
 	must(t, err)
 	if _, err := os.Stat(f.host("/outside/new")); err != nil {
 		t.Fatalf("/../../../outside/new did not land at root/outside/new: %v", err)
@@ -260,7 +260,7 @@ func TestMountsInsideTheRootAreNotEntered(t *testing.T) {
 		t.Error("stat /mnt/secret through a mount succeeded")
 	}
 	for _, p := range []string{"/mnt/new", "/mnt/secret", "/etc/resolv.conf", "/mnt/dir/x", "/slash/mnt/x", "/mnt"} {
-		if _, err := r.WriteFile(p, strings.NewReader("pwned"), 0o644, 1<<20); err == nil {
+		if _, err := r.WriteFile(p, strings.NewReader("pwned"), 0o644, 1<<20, nil); err == nil {
 			t.Errorf("write %s through or over a mount succeeded", p)
 		}
 	}
@@ -272,7 +272,7 @@ func TestMountsInsideTheRootAreNotEntered(t *testing.T) {
 		}
 	}
 	for _, p := range []string{"/mnt/newdir", "/mnt/dir/x", "/slash/mnt/y", "/etc/resolv.conf/z"} {
-		if _, err := r.Mkdir(p); err == nil {
+		if _, err := r.Mkdir(p, nil); err == nil {
 			t.Errorf("mkdir %s through a mount succeeded", p)
 		}
 	}

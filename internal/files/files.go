@@ -80,9 +80,10 @@ type Root struct {
 // Owner is a host uid and gid.
 type Owner struct{ UID, GID int }
 
-// SetOwner makes o the owner of everything r creates from now on, instead
-// of the caller (root). A sandbox in a user namespace sees files owned by
-// host root as nobody's, and its root could not change them.
+// SetOwner makes o the owner of everything r creates from now on that
+// the call does not give an owner of its own, instead of the caller
+// (root). A sandbox in a user namespace sees files owned by host root as
+// nobody's, and its root could not change them.
 func (r *Root) SetOwner(o Owner) { r.owner = &o }
 
 // NoID is the ID a user namespace shows for host IDs it does not map.
@@ -104,14 +105,50 @@ func (r *Root) sandboxID(id uint32) uint32 {
 	return NoID
 }
 
-// chownNew gives name in dirfd (just created) to the root's owner, if any;
-// AT_SYMLINK_NOFOLLOW so that a name swapped for a symlink in between
-// changes only the link.
-func (r *Root) chownNew(dirfd int, name string) error {
-	if r.owner == nil {
+// HostOwner returns the host IDs that files owned by uid and gid, as the
+// sandbox sees them, carry on disk: the same IDs, or with SetIDMap the
+// user namespace's (base+uid). An ID the sandbox cannot have (outside
+// its user namespace, or -1, which chown reads as "unchanged") is
+// Invalid.
+func (r *Root) HostOwner(uid, gid uint32) (Owner, error) {
+	for _, id := range []uint32{uid, gid} {
+		switch {
+		case id == ^uint32(0):
+			return Owner{}, errdefs.Invalid("ID %d is not a user or group ID", id)
+		case r.idSize > 0 && id >= r.idSize:
+			return Owner{}, errdefs.Invalid("ID %d is outside the sandbox's user namespace (0 to %d)", id, r.idSize-1)
+		}
+	}
+	if r.idSize > 0 {
+		uid, gid = uid+r.idBase, gid+r.idBase
+	}
+	return Owner{UID: int(uid), GID: int(gid)}, nil
+}
+
+// ownerOr is the owner of what one call creates: o when the call names
+// one, else the root's own (SetOwner), else nil (the caller, root).
+func (r *Root) ownerOr(o *Owner) *Owner {
+	if o != nil {
+		return o
+	}
+	return r.owner
+}
+
+// chownNew gives the directory name in dirfd, which the call just
+// created, to o (nil: nothing to do). It is chowned through an fd opened
+// O_DIRECTORY|O_NOFOLLOW, not by name: if the sandbox swapped the name
+// in between for a symlink, or for a hard link to a file it could not
+// chown itself, the open fails and nothing changes hands.
+func chownNew(dirfd int, name string, o *Owner) error {
+	if o == nil {
 		return nil
 	}
-	return unix.Fchownat(dirfd, name, r.owner.UID, r.owner.GID, unix.AT_SYMLINK_NOFOLLOW)
+	fd, err := openat2(dirfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0, noSymlinks)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	return unix.Fchownat(fd, "", o.UID, o.GID, unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW)
 }
 
 // Open opens the directory at the host path as a sandbox root.
@@ -323,9 +360,12 @@ func (r *Root) ReadFile(p string) (io.ReadCloser, api.FileEntry, error) {
 // p is replaced, not written through (rename semantics). With maxBytes > 0,
 // longer data is refused with Invalid and nothing is left behind; at most
 // maxBytes bytes ever reach the disk. mode applies exactly (permission and
-// setuid/setgid/sticky bits; 0 gives 0000), regardless of umask. It returns
-// the number of bytes written.
-func (r *Root) WriteFile(p string, data io.Reader, mode os.FileMode, maxBytes int64) (int64, error) {
+// setuid/setgid/sticky bits; 0 gives 0000), regardless of umask. owner,
+// when not nil, owns the file and the parents this call creates (host
+// IDs: see HostOwner); nil gives them to the root's owner (SetOwner), if
+// any. Existing parents keep theirs. It returns the number of bytes
+// written.
+func (r *Root) WriteFile(p string, data io.Reader, mode os.FileMode, maxBytes int64, owner *Owner) (int64, error) {
 	if err := r.hold(); err != nil {
 		return 0, err
 	}
@@ -337,8 +377,9 @@ func (r *Root) WriteFile(p string, data io.Reader, mode os.FileMode, maxBytes in
 	if clean == "/" {
 		return 0, errdefs.Invalid("writing /: is a directory")
 	}
+	owner = r.ownerOr(owner)
 	dir, base := path.Split(clean)
-	dirfd, err := r.mkdirAll(relPath(path.Clean(dir)))
+	dirfd, err := r.mkdirAll(relPath(path.Clean(dir)), owner)
 	if err == unix.ENOTDIR {
 		return 0, errdefs.Invalid("writing %s: a parent is not a directory", clean)
 	}
@@ -381,9 +422,10 @@ func (r *Root) WriteFile(p string, data io.Reader, mode os.FileMode, maxBytes in
 			return 0, errdefs.Invalid("writing %s: content exceeds limit of %d bytes", clean, maxBytes)
 		}
 	}
-	if r.owner != nil {
-		// Before the chmod: chown clears setuid and setgid bits.
-		if err := f.Chown(r.owner.UID, r.owner.GID); err != nil {
+	if owner != nil {
+		// fchown of the file we created, before the chmod: chown clears
+		// setuid and setgid bits.
+		if err := f.Chown(owner.UID, owner.GID); err != nil {
 			return n, opErr("writing", clean, err)
 		}
 	}
@@ -425,11 +467,12 @@ func createTemp(dirfd int, base string) (string, int, error) {
 }
 
 // mkdirAll opens the directory rel (relative to the root, symlinks followed
-// inside it) as an O_PATH fd, creating missing components with mode 0755.
-// Each prefix is resolved afresh from the root, and each mkdir is done in the
-// directory fd resolved for the previous prefix, so a symlink planted at any
-// point is followed the way the sandbox itself would, and never out of it.
-func (r *Root) mkdirAll(rel string) (int, error) {
+// inside it) as an O_PATH fd, creating missing components with mode 0755,
+// owned by owner when it is not nil. Each prefix is resolved afresh from
+// the root, and each mkdir is done in the directory fd resolved for the
+// previous prefix, so a symlink planted at any point is followed the way
+// the sandbox itself would, and never out of it.
+func (r *Root) mkdirAll(rel string, owner *Owner) (int, error) {
 	fd, err := openat2(r.fd, rel, unix.O_PATH|unix.O_DIRECTORY, 0, inRoot)
 	if err != unix.ENOENT {
 		return fd, err
@@ -445,7 +488,7 @@ func (r *Root) mkdirAll(rel string) (int, error) {
 		if err == unix.ENOENT {
 			merr := unix.Mkdirat(cur, c, 0755)
 			if merr == nil {
-				merr = r.chownNew(cur, c)
+				merr = chownNew(cur, c, owner)
 			}
 			if merr != nil && merr != unix.EEXIST {
 				unix.Close(cur)

@@ -142,7 +142,7 @@ func TestOpenRejectsMissingRoot(t *testing.T) {
 
 func TestWriteReadStat(t *testing.T) {
 	f := newFixture(t)
-	n, err := f.r.WriteFile("/repo/sub/a.py", strings.NewReader("print(1)\n"), 0750, 0)
+	n, err := f.r.WriteFile("/repo/sub/a.py", strings.NewReader("print(1)\n"), 0750, 0, nil)
 	must(t, err)
 	if n != 9 {
 		t.Fatalf("wrote %d bytes, want 9", n)
@@ -168,14 +168,14 @@ func TestWriteReadStat(t *testing.T) {
 
 	// Overwrite is atomic replacement, and leaves no temp files behind.
 	// The mode is exact: special bits kept, 0 means no permissions.
-	_, err = f.r.WriteFile("/repo/sub/a.py", strings.NewReader("x"), 0o644|os.ModeSetuid|os.ModeSticky, 0)
+	_, err = f.r.WriteFile("/repo/sub/a.py", strings.NewReader("x"), 0o644|os.ModeSetuid|os.ModeSticky, 0, nil)
 	must(t, err)
 	got, _ = readAll(t, f.r, "/repo/sub/a.py")
 	if e, _ := f.r.Stat("/repo/sub/a.py"); got != "x" || e.Mode != "5644" {
 		t.Fatalf("after overwrite: %q, mode %s, want x and 5644", got, e.Mode)
 	}
 	// (Content is not read back here: without root, mode 0 hides it.)
-	_, err = f.r.WriteFile("/repo/sub/a.py", strings.NewReader("y"), 0, 0)
+	_, err = f.r.WriteFile("/repo/sub/a.py", strings.NewReader("y"), 0, 0, nil)
 	must(t, err)
 	if e, _ = f.r.Stat("/repo/sub/a.py"); e.Mode != "0000" || e.Size != 1 {
 		t.Fatalf("mode 0: %+v", e)
@@ -203,7 +203,7 @@ func TestReadFileErrors(t *testing.T) {
 func TestWriteFileLimitLeavesNothing(t *testing.T) {
 	f := newFixture(t)
 	f.write(t, "/keep", "old")
-	_, err := f.r.WriteFile("/keep", strings.NewReader(strings.Repeat("a", 11)), 0644, 10)
+	_, err := f.r.WriteFile("/keep", strings.NewReader(strings.Repeat("a", 11)), 0644, 10, nil)
 	wantClass(t, err, errdefs.ErrInvalid)
 	if !strings.Contains(err.Error(), "limit") {
 		t.Errorf("error %q does not mention the limit", err)
@@ -217,19 +217,19 @@ func TestWriteFileLimitLeavesNothing(t *testing.T) {
 		t.Fatalf("root holds %v, want only keep", names)
 	}
 	// Exactly at the limit is fine.
-	_, err = f.r.WriteFile("/keep", strings.NewReader(strings.Repeat("a", 10)), 0644, 10)
+	_, err = f.r.WriteFile("/keep", strings.NewReader(strings.Repeat("a", 10)), 0644, 10, nil)
 	must(t, err)
 }
 
 func TestWriteFileRefusesDirectory(t *testing.T) {
 	f := newFixture(t)
 	must(t, os.MkdirAll(f.host("/d/x"), 0755))
-	_, err := f.r.WriteFile("/d", strings.NewReader("x"), 0644, 0)
+	_, err := f.r.WriteFile("/d", strings.NewReader("x"), 0644, 0, nil)
 	wantClass(t, err, errdefs.ErrInvalid)
-	_, err = f.r.WriteFile("/", strings.NewReader("x"), 0644, 0)
+	_, err = f.r.WriteFile("/", strings.NewReader("x"), 0644, 0, nil)
 	wantClass(t, err, errdefs.ErrInvalid)
 	f.write(t, "/file", "x")
-	_, err = f.r.WriteFile("/file/below", strings.NewReader("x"), 0644, 0)
+	_, err = f.r.WriteFile("/file/below", strings.NewReader("x"), 0644, 0, nil)
 	wantClass(t, err, errdefs.ErrInvalid)
 }
 

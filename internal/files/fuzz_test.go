@@ -84,7 +84,7 @@ func FuzzRootPaths(f *testing.F) {
 				}
 			}
 		}
-		if _, err := fx.r.WriteFile(p, strings.NewReader("pwned"), 0o644, 0); err == nil {
+		if _, err := fx.r.WriteFile(p, strings.NewReader("pwned"), 0o644, 0, nil); err == nil {
 			if got, err := readAll(t, fx.r, p); err != nil || got != "pwned" {
 				t.Fatalf("WriteFile(%q) succeeded, then ReadFile reads %q, %v", p, got, err)
 			}

@@ -13,8 +13,10 @@ import (
 // parents, which are resolved as WriteFile resolves them: symlinks are
 // followed inside the root, never out of it. It returns the new
 // directory. A directory already at p, or a symlink to one, is
-// AlreadyExists; anything else there is Invalid.
-func (r *Root) Mkdir(p string) (api.FileEntry, error) {
+// AlreadyExists; anything else there is Invalid. owner, when not nil,
+// owns the directory and the parents this call creates; nil gives them
+// to the root's owner (SetOwner), if any.
+func (r *Root) Mkdir(p string, owner *Owner) (api.FileEntry, error) {
 	if err := r.hold(); err != nil {
 		return api.FileEntry{}, err
 	}
@@ -26,8 +28,9 @@ func (r *Root) Mkdir(p string) (api.FileEntry, error) {
 	if clean == "/" {
 		return api.FileEntry{}, errdefs.AlreadyExists("creating directory /: it exists")
 	}
+	owner = r.ownerOr(owner)
 	dir, base := path.Split(clean)
-	dirfd, err := r.mkdirAll(relPath(path.Clean(dir)))
+	dirfd, err := r.mkdirAll(relPath(path.Clean(dir)), owner)
 	if err == unix.ENOTDIR {
 		return api.FileEntry{}, errdefs.Invalid("creating directory %s: a parent is not a directory", clean)
 	}
@@ -51,7 +54,7 @@ func (r *Root) Mkdir(p string) (api.FileEntry, error) {
 		return api.FileEntry{}, opErr("creating directory", clean, err)
 	}
 	if err == nil {
-		err = r.chownNew(dirfd, base)
+		err = chownNew(dirfd, base, owner)
 	}
 	if err != nil {
 		return api.FileEntry{}, opErr("creating directory", clean, err)
@@ -110,7 +113,7 @@ func (r *Root) Rename(src, dst string) (api.FileEntry, error) {
 	}
 
 	dir, dstBase := path.Split(to)
-	dstfd, err := r.mkdirAll(relPath(path.Clean(dir)))
+	dstfd, err := r.mkdirAll(relPath(path.Clean(dir)), r.owner)
 	if err == unix.ENOTDIR {
 		return api.FileEntry{}, errdefs.Invalid("moving %s to %s: a parent of the destination is not a directory", from, to)
 	}

@@ -10,7 +10,7 @@ import (
 
 func TestMkdir(t *testing.T) {
 	f := newFixture(t)
-	e, err := f.r.Mkdir("/a/b/c")
+	e, err := f.r.Mkdir("/a/b/c", nil)
 	must(t, err)
 	if e.Path != "/a/b/c" || e.Type != "dir" {
 		t.Fatalf("Mkdir = %+v", e)
@@ -20,22 +20,22 @@ func TestMkdir(t *testing.T) {
 			t.Fatalf("%s not a directory: %v", p, err)
 		}
 	}
-	_, err = f.r.Mkdir("/a/b/c")
+	_, err = f.r.Mkdir("/a/b/c", nil)
 	wantClass(t, err, errdefs.ErrAlreadyExists)
-	_, err = f.r.Mkdir("/")
+	_, err = f.r.Mkdir("/", nil)
 	wantClass(t, err, errdefs.ErrAlreadyExists)
 	f.symlink(t, "/a/b", "/tob")
-	_, err = f.r.Mkdir("/tob")
+	_, err = f.r.Mkdir("/tob", nil)
 	wantClass(t, err, errdefs.ErrAlreadyExists)
 	f.write(t, "/file", "x")
-	_, err = f.r.Mkdir("/file")
+	_, err = f.r.Mkdir("/file", nil)
 	wantClass(t, err, errdefs.ErrInvalid)
-	_, err = f.r.Mkdir("/file/sub")
+	_, err = f.r.Mkdir("/file/sub", nil)
 	wantClass(t, err, errdefs.ErrInvalid)
 	f.symlink(t, "/nowhere", "/dangling")
-	_, err = f.r.Mkdir("/dangling")
+	_, err = f.r.Mkdir("/dangling", nil)
 	wantClass(t, err, errdefs.ErrInvalid)
-	_, err = f.r.Mkdir("relative")
+	_, err = f.r.Mkdir("relative", nil)
 	wantClass(t, err, errdefs.ErrInvalid)
 }
 
@@ -45,7 +45,7 @@ func TestMkdirThroughLinksStaysInside(t *testing.T) {
 	for _, p := range []string{"/slash" + f.outside + "/x", "/abs/new", "/rel/new", "/deeprel/new/deeper", "/../../outside/y", "/magic/z"} {
 		// Success or failure are both fine; the fixture checks that
 		// nothing outside the root changed.
-		_, _ = f.r.Mkdir(p)
+		_, _ = f.r.Mkdir(p, nil)
 	}
 	// "/abs" means root+outside (which "/slash"+outside made): the
 	// directory is there, inside.

@@ -71,10 +71,10 @@ func TestRaceDirSwappedForSymlink(t *testing.T) {
 				}
 				reads++
 			}
-			if _, err := f.r.WriteFile(base+"/secret", strings.NewReader("pwned"), 0644, 0); err == nil {
+			if _, err := f.r.WriteFile(base+"/secret", strings.NewReader("pwned"), 0644, 0, nil); err == nil {
 				writes++
 			}
-			f.r.WriteFile(base+"/new/deep/file", strings.NewReader("pwned"), 0644, 0)
+			f.r.WriteFile(base+"/new/deep/file", strings.NewReader("pwned"), 0644, 0, nil)
 			if _, err := f.r.ExtractTar(base, bytes.NewReader(archive), TarOptions{}); err == nil {
 				extracts++
 			}

@@ -26,8 +26,9 @@ type TarOptions struct {
 	MaxFiles      int   // entries allowed (0 = unlimited)
 	PreserveOwner bool  // chown entries to the tar's uid/gid (used when building layers as root)
 	AllowDevices  bool  // create char/block devices and fifos (layer builds); otherwise such entries are refused with Invalid
-	// Owner, without PreserveOwner, owns every entry created (Root.SetOwner
-	// sets it for the root's own extractions).
+	// Owner, without PreserveOwner, owns every entry created and the
+	// missing parents of the destination (host IDs: Root.HostOwner); nil
+	// means the root's owner (Root.SetOwner), if any.
 	Owner *Owner
 }
 
@@ -332,10 +333,15 @@ func (r *Root) ExtractTar(p string, rd io.Reader, opts TarOptions) (api.TarResul
 	if err != nil {
 		return res, err
 	}
-	if !opts.PreserveOwner && opts.Owner == nil {
-		opts.Owner = r.owner
+	// The destination's missing parents go to the entries' owner, or
+	// with PreserveOwner (a layer build: no entry names them) to the
+	// root's.
+	dirOwner := r.owner
+	if !opts.PreserveOwner {
+		opts.Owner = r.ownerOr(opts.Owner)
+		dirOwner = opts.Owner
 	}
-	dest, err := r.mkdirAll(relPath(clean))
+	dest, err := r.mkdirAll(relPath(clean), dirOwner)
 	if err == unix.ENOTDIR {
 		return res, errdefs.Invalid("extracting into %s: not a directory", clean)
 	}
@@ -713,8 +719,8 @@ func (x *extractor) mkdirAll(dir string) (int, error) {
 		next, err := openat2(cur, c, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0, noSymlinks)
 		if err == unix.ENOENT {
 			merr := unix.Mkdirat(cur, c, 0755)
-			if merr == nil && !x.opts.PreserveOwner && x.opts.Owner != nil {
-				merr = unix.Fchownat(cur, c, x.opts.Owner.UID, x.opts.Owner.GID, unix.AT_SYMLINK_NOFOLLOW)
+			if merr == nil && !x.opts.PreserveOwner {
+				merr = chownNew(cur, c, x.opts.Owner)
 			}
 			if merr != nil && merr != unix.EEXIST {
 				unix.Close(cur)

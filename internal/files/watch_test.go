@@ -63,7 +63,7 @@ func TestWatchPolls(t *testing.T) {
 	if evs, err := w.Poll(); err != nil || len(evs) != 0 {
 		t.Fatalf("a poll with no change: %v, %v", evs, err)
 	}
-	_, err = f.r.WriteFile("/w/new", strings.NewReader("hello"), 0o644, 0)
+	_, err = f.r.WriteFile("/w/new", strings.NewReader("hello"), 0o644, 0, nil)
 	must(t, err)
 	must(t, os.Rename(f.host("/w/old"), f.host("/w/renamed")))
 	f.write(t, "/w/sub/deep", "not seen: too deep")

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 
@@ -19,14 +20,41 @@ import (
 // WriteFile and MakeDir put there, Stat, List, Remove and MoveFile see,
 // and WatchDir reports, as the real edge would (paths must be absolute
 // and are cleaned; ".." cannot climb above "/"). A write under /full
-// fails as a full disk does (resource_exhausted).
+// fails as a full disk does (resource_exhausted). What a call creates
+// belongs to its owner (fakeOwner): the fake's sandboxes have the users
+// root (0) and user (1000), and any numeric ID.
 
 // fakeFile is one entry of a fake tree.
 type fakeFile struct {
-	dir   bool
-	data  []byte
-	mode  os.FileMode
-	mtime time.Time
+	dir      bool
+	data     []byte
+	mode     os.FileMode
+	mtime    time.Time
+	uid, gid uint32
+}
+
+// fakeOwner resolves an owner as the edge does against a sandbox's
+// /etc/passwd, for the fake's users: "" is root, and a user the fake does
+// not have is invalid.
+func fakeOwner(owner string) (uid, gid uint32, err error) {
+	name, group, hasGroup := strings.Cut(owner, ":")
+	ids := map[string]uint32{"": 0, "root": 0, "user": 1000}
+	id, ok := ids[name]
+	if n, err := strconv.ParseUint(name, 10, 32); err == nil {
+		id, ok = uint32(n), true
+	}
+	if !ok {
+		return 0, 0, errdefs.Invalid("user %q does not exist in the sandbox's /etc/passwd", name)
+	}
+	uid, gid = id, id
+	if hasGroup {
+		n, err := strconv.ParseUint(group, 10, 32)
+		if err != nil {
+			return 0, 0, errdefs.Invalid("group %q does not exist in the sandbox's /etc/group", group)
+		}
+		gid = uint32(n)
+	}
+	return uid, gid, nil
 }
 
 // fakeWatch is a WatchDir in progress.
@@ -89,16 +117,16 @@ func (f *Fake) Content(id, p string) ([]byte, bool) {
 }
 
 func entryOf(p string, n *fakeFile) api.FileEntry {
-	e := api.FileEntry{Path: p, Type: "file", Size: int64(len(n.data)), Mode: fmt.Sprintf("%04o", uint32(n.mode.Perm())), MTime: n.mtime, UID: 1000, GID: 1000}
+	e := api.FileEntry{Path: p, Type: "file", Size: int64(len(n.data)), Mode: fmt.Sprintf("%04o", uint32(n.mode.Perm())), MTime: n.mtime, UID: n.uid, GID: n.gid}
 	if n.dir {
 		e.Type, e.Size = "dir", 4096
 	}
 	return e
 }
 
-// mkdirs makes p and its missing parents directories, reporting the new
-// ones. Preconditions: f.mu held.
-func (f *Fake) mkdirs(id, p string) error {
+// mkdirs makes p and its missing parents directories owned by uid and
+// gid, reporting the new ones. Preconditions: f.mu held.
+func (f *Fake) mkdirs(id, p string, uid, gid uint32) error {
 	t := f.tree(id)
 	if n := t[p]; n != nil {
 		if !n.dir {
@@ -106,10 +134,10 @@ func (f *Fake) mkdirs(id, p string) error {
 		}
 		return nil
 	}
-	if err := f.mkdirs(id, path.Dir(p)); err != nil {
+	if err := f.mkdirs(id, path.Dir(p), uid, gid); err != nil {
 		return err
 	}
-	t[p] = &fakeFile{dir: true, mode: 0o755, mtime: time.Now()}
+	t[p] = &fakeFile{dir: true, mode: 0o755, mtime: time.Now(), uid: uid, gid: gid}
 	f.publish(id, p, api.FileEventCreate)
 	return nil
 }
@@ -161,11 +189,15 @@ func (f *Fake) ReadFile(ctx context.Context, id, p string) (io.ReadCloser, api.F
 }
 
 // WriteFile implements edgeapi.Edge.
-func (f *Fake) WriteFile(ctx context.Context, id, p string, data io.Reader, mode os.FileMode) (api.FileEntry, error) {
+func (f *Fake) WriteFile(ctx context.Context, id, p string, data io.Reader, mode os.FileMode, owner string) (api.FileEntry, error) {
 	if _, err := f.Get(ctx, id); err != nil {
 		return api.FileEntry{}, err
 	}
 	clean, err := cleanPath(p)
+	if err != nil {
+		return api.FileEntry{}, err
+	}
+	uid, gid, err := fakeOwner(owner)
 	if err != nil {
 		return api.FileEntry{}, err
 	}
@@ -179,7 +211,7 @@ func (f *Fake) WriteFile(ctx context.Context, id, p string, data io.Reader, mode
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.Written = b
-	if err := f.mkdirs(id, path.Dir(clean)); err != nil {
+	if err := f.mkdirs(id, path.Dir(clean), uid, gid); err != nil {
 		return api.FileEntry{}, err
 	}
 	t := f.tree(id)
@@ -187,7 +219,7 @@ func (f *Fake) WriteFile(ctx context.Context, id, p string, data io.Reader, mode
 	if old != nil && old.dir {
 		return api.FileEntry{}, errdefs.Invalid("writing %s: is a directory", clean)
 	}
-	n := &fakeFile{data: b, mode: mode, mtime: time.Now()}
+	n := &fakeFile{data: b, mode: mode, mtime: time.Now(), uid: uid, gid: gid}
 	t[clean] = n
 	if old == nil {
 		f.publish(id, clean, api.FileEventCreate)
@@ -287,11 +319,15 @@ func (f *Fake) RemoveFile(ctx context.Context, id, p string, recursive bool) err
 }
 
 // MakeDir implements edgeapi.Edge.
-func (f *Fake) MakeDir(ctx context.Context, id, p string) (api.FileEntry, error) {
+func (f *Fake) MakeDir(ctx context.Context, id, p, owner string) (api.FileEntry, error) {
 	if _, err := f.Get(ctx, id); err != nil {
 		return api.FileEntry{}, err
 	}
 	clean, err := cleanPath(p)
+	if err != nil {
+		return api.FileEntry{}, err
+	}
+	uid, gid, err := fakeOwner(owner)
 	if err != nil {
 		return api.FileEntry{}, err
 	}
@@ -304,7 +340,7 @@ func (f *Fake) MakeDir(ctx context.Context, id, p string) (api.FileEntry, error)
 		}
 		return api.FileEntry{}, errdefs.Invalid("creating directory %s: something that is not a directory is there", clean)
 	}
-	if err := f.mkdirs(id, clean); err != nil {
+	if err := f.mkdirs(id, clean, uid, gid); err != nil {
 		return api.FileEntry{}, err
 	}
 	return entryOf(clean, t[clean]), nil
@@ -340,7 +376,7 @@ func (f *Fake) MoveFile(ctx context.Context, id, src, dst string) (api.FileEntry
 			return api.FileEntry{}, errdefs.Invalid("moving %s to %s: the destination is a directory", from, to)
 		}
 	}
-	if err := f.mkdirs(id, path.Dir(to)); err != nil {
+	if err := f.mkdirs(id, path.Dir(to), 0, 0); err != nil {
 		return api.FileEntry{}, err
 	}
 	moved := below(t, from)
@@ -426,7 +462,10 @@ func (f *Fake) WriteTar(ctx context.Context, id, path string, w io.Writer) error
 }
 
 // ExtractTar implements edgeapi.Edge.
-func (f *Fake) ExtractTar(ctx context.Context, id, path string, rd io.Reader) (api.TarResult, error) {
+func (f *Fake) ExtractTar(ctx context.Context, id, path string, rd io.Reader, owner string) (api.TarResult, error) {
+	if _, _, err := fakeOwner(owner); err != nil {
+		return api.TarResult{}, err
+	}
 	b, err := io.ReadAll(rd)
 	if err != nil {
 		return api.TarResult{}, err
