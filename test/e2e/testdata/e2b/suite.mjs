@@ -112,6 +112,11 @@ const cases = {
       check('timed-out command is killed', await until(async () => (await sb.commands.run('ps -o args | grep -c "^sleep 30" || true')).stdout.trim() === '0'))
       const quiet = await sb.commands.run('sleep 2; echo done', { timeoutMs: 10000 })
       check('silent command completes', quiet.stdout === 'done\n')
+      if (userTemplate) {
+        await sb.files.write('made/by/sdk.txt', 'x')
+        const own = await sb.commands.run('echo more >> made/by/sdk.txt && touch made/by/new && stat -c %U made made/by/sdk.txt')
+        check("the SDK's files are the user's", own.stdout === 'user\nuser\n', JSON.stringify(own.stdout))
+      }
     } finally {
       await sb.kill()
     }
