@@ -199,6 +199,10 @@ type ExecRequest struct {
 	StdinB64       string            `json:"stdin_b64,omitempty"`
 	Timeout        int64             `json:"timeout,omitempty"`
 	MaxOutputBytes int64             `json:"max_output_bytes,omitempty"`
+	// Private runs the command where the sandbox's own processes cannot
+	// see, signal, trace or read it (for graders): its own pid namespace
+	// and /proc; what it starts ends with it.
+	Private bool `json:"private,omitempty"`
 }
 
 // ExecResult is the result of a one-shot exec or a session run. Stdout and
@@ -384,6 +388,7 @@ type LogRequest struct {
 	Recursive  bool     `json:"recursive,omitempty"`
 	Depth      int      `json:"depth,omitempty"`
 	Tag        string   `json:"tag,omitempty"`
+	Private    bool     `json:"private,omitempty"`
 }
 
 // LogResult summarises how an operation ended: the error, or what it

@@ -32,6 +32,7 @@ func runExec(ctx context.Context, args []string) error {
 	fs.Int64Var(&req.MaxOutputBytes, "max-output-bytes", 0, "cap per output stream (0 = server default)")
 	stdin := fs.String("stdin", "", "send this `FILE` as the command's stdin ('-' = dsec's stdin)")
 	stream := fs.Bool("stream", false, "stream output as it is produced")
+	fs.BoolVar(&req.Private, "private", false, "run where the sandbox's own processes cannot see, signal or read it (for graders)")
 	tty := fs.Bool("t", false, "run the command under a terminal, interactively (as dsec shell does)")
 	asJSON := fs.Bool("json", false, "print the result as JSON instead of the output (not with --stream)")
 	raw := rawFlag(fs)

@@ -541,7 +541,7 @@ func execRequestLog(req api.ExecRequest, stream bool) api.LogRequest {
 		stdin = int64(len(req.StdinB64)/4*3 - strings.Count(req.StdinB64[max(len(req.StdinB64)-2, 0):], "="))
 	}
 	return api.LogRequest{Cmd: req.Cmd, Argv: req.Argv, Cwd: req.Cwd, User: req.User,
-		Timeout: req.Timeout, StdinBytes: max(stdin, 0), Stream: stream}
+		Timeout: req.Timeout, StdinBytes: max(stdin, 0), Stream: stream, Private: req.Private}
 }
 
 func execResultLog(res *api.ExecResult, stdout, stderr *headWriter) api.LogResult {

@@ -53,6 +53,7 @@ func (e *Edge) Exec(ctx context.Context, id string, req api.ExecRequest, emit fu
 	} else {
 		p.Args = req.Argv
 	}
+	p.Private = req.Private
 	switch {
 	case req.StdinB64 != "":
 		b, err := base64.StdEncoding.DecodeString(req.StdinB64)

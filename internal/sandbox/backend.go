@@ -110,6 +110,12 @@ type Process struct {
 	// it as its controlling terminal. Backends that cannot do that refuse
 	// the process with errdefs.ErrPrecondition.
 	TTY bool
+	// Private runs the process where the sandbox's own processes cannot
+	// see, signal, trace or read it (a grader's run): for containers, a
+	// pid namespace beside the sandbox's with its own /proc. Its
+	// descendants end with it. Backends that cannot refuse it with
+	// errdefs.ErrPrecondition.
+	Private bool
 }
 
 // Proc is a started process.

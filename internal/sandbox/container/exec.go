@@ -60,8 +60,8 @@ func (c *Container) Exec(ctx context.Context, id string, p sandbox.Process) (san
 	if c.filter != nil {
 		return c.execHelper(id, p, env, cwd)
 	}
-	if p.TTY {
-		return nil, errdefs.Precondition("terminals need the exec helper, which this node runs without")
+	if p.TTY || p.Private {
+		return nil, errdefs.Precondition("terminals and private runs need the exec helper, which this node runs without")
 	}
 	proc := specs.Process{
 		Args:            p.Args,
@@ -134,7 +134,7 @@ func (c *Container) execHelper(id string, p sandbox.Process, env []string, cwd s
 	cmd, err := nsexec.Start(nsexec.Config{
 		Pidfd: pf, NSFlags: flags, CgroupProcs: procs,
 		UID: p.UID, GID: p.GID, Groups: p.AdditionalGIDs,
-		Caps: capSet, Bounding: capSet, NoFile: nofile, TTY: p.TTY, Cwd: cwd, Filter: c.filter,
+		Caps: capSet, Bounding: capSet, NoFile: nofile, TTY: p.TTY, Private: p.Private, Cwd: cwd, Filter: c.filter,
 	}, p.Args, env, p.Stdin, p.Stdout, p.Stderr)
 	if err != nil {
 		return nil, err

@@ -37,6 +37,10 @@ type Config struct {
 	// TTY says stdin is a terminal: the command leads a new session with
 	// it as its controlling terminal.
 	TTY bool
+	// Private runs the command in a pid namespace of its own beside the
+	// sandbox's, with its own /proc (nsexec.c, FLAG_PRIVATE): the
+	// sandbox's processes cannot see, signal or trace it.
+	Private bool
 	Cwd string
 	// Filter is the seccomp program, installed last before exec.
 	Filter []unix.SockFilter
@@ -76,6 +80,9 @@ func (c *Config) encode() ([]byte, error) {
 	var flags uint32
 	if c.TTY {
 		flags |= 1 // FLAG_TTY
+	}
+	if c.Private {
+		flags |= 2 // FLAG_PRIVATE
 	}
 	u32(flags)
 	if err := str(c.Cwd); err != nil {

@@ -34,7 +34,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/mount.h>
 #include <sys/ioctl.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -54,6 +56,12 @@ enum {
 	// it as the controlling terminal (an interactive shell's job control
 	// needs that).
 	FLAG_TTY = 1,
+	// FLAG_PRIVATE: the command runs in a pid namespace of its own, a
+	// sibling of the sandbox's (the sandbox's processes cannot see,
+	// signal or trace it, nor read its descriptors through /proc), with a
+	// mount namespace copied from the sandbox's in which /proc is that
+	// pid namespace's, under the same masks. See private_proc.
+	FLAG_PRIVATE = 2,
 };
 
 #define MAX_CONFIG (4 << 20)
@@ -221,9 +229,93 @@ static void reset_oom_score(void) {
 	close(fd);
 }
 
+#define MAX_PROC_MOUNTS 256
+
+// private_proc gives the command, pid 1 of a new pid namespace, a mount
+// namespace of its own (a copy of the sandbox's, propagating nothing back)
+// whose /proc is a new procfs of that namespace. The sandbox's masks on
+// /proc (binds over /proc/kcore, read-only /proc/sys, ...) are cloned
+// before the new procfs covers them and attached again on top of it, so
+// the command sees what any process of the sandbox sees, and only itself.
+// Runs while the helper still holds the host's privileges; a sandbox with
+// a user namespace is joined after (join_userns), so the new mounts belong
+// to the host and are locked against the sandbox.
+static void private_proc(void) {
+	if (unshare(CLONE_NEWNS) < 0)
+		fail("setup", "private mount namespace: %s", strerror(errno));
+	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+		fail("setup", "making mounts private: %s", strerror(errno));
+	// The sandbox's /proc, held before the new one covers it: its masks
+	// are cloned through it. (It cannot be read for mountinfo: this
+	// process is not in its pid namespace, so its /proc/self is absent.)
+	int old = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (old < 0)
+		fail("setup", "opening /proc: %s", strerror(errno));
+	if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+		fail("setup", "mounting a private /proc: %s", strerror(errno));
+	static char *paths[MAX_PROC_MOUNTS];
+	int n = 0;
+	FILE *mi = fopen("/proc/self/mountinfo", "re");
+	if (!mi)
+		fail("setup", "reading mountinfo: %s", strerror(errno));
+	char line[8192];
+	while (fgets(line, sizeof line, mi)) {
+		// id parent major:minor root mountpoint ...
+		char *f = line;
+		for (int i = 0; i < 4 && f; i++) {
+			f = strchr(f, ' ');
+			if (f)
+				f++;
+		}
+		if (!f)
+			continue;
+		char *end = strchr(f, ' ');
+		if (!end)
+			continue;
+		*end = 0;
+		if (strncmp(f, "/proc/", 6) != 0 || strchr(f, '\\'))
+			continue; // not under /proc, or an escaped (odd) name
+		int seen = 0;
+		for (int i = 0; i < n && !seen; i++)
+			seen = strcmp(paths[i], f) == 0;
+		if (seen)
+			continue;
+		if (n == MAX_PROC_MOUNTS)
+			fail("setup", "more than %d mounts under /proc", MAX_PROC_MOUNTS);
+		paths[n] = strdup(f);
+		if (!paths[n])
+			fail("setup", "out of memory");
+		n++;
+	}
+	fclose(mi);
+	// Mountinfo lists parents before children: /proc/sys is attached
+	// before anything under it.
+	for (int i = 0; i < n; i++) {
+		int fd = (int)syscall(SYS_open_tree, old, paths[i] + 6, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+		if (fd < 0)
+			fail("setup", "cloning the mask on %s: %s", paths[i], strerror(errno));
+		if (syscall(SYS_move_mount, fd, "", AT_FDCWD, paths[i], MOVE_MOUNT_F_EMPTY_PATH) < 0) {
+			// A mask of an entry the new procfs does not have (a pid's)
+			// masks nothing; any other failure would leave it unmasked.
+			if (errno != ENOENT)
+				fail("setup", "masking %s: %s", paths[i], strerror(errno));
+		}
+		close(fd);
+	}
+	close(old);
+}
+
 static void child(struct config *c, char **argv) {
 	if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
 		fail("setup", "prctl dumpable: %s", strerror(errno));
+	if (c->flags & FLAG_PRIVATE) {
+		private_proc();
+		if (c->nsflags & CLONE_NEWUSER) {
+			if (setns(FD_PIDFD, CLONE_NEWUSER) < 0)
+				fail("setup", "entering the sandbox's user namespace: %s", strerror(errno));
+		}
+	}
+	close(FD_PIDFD);
 	reset_oom_score();
 	drop_bounding(c->bounding);
 	if (setgroups(c->ngroups, c->groups) < 0)
@@ -269,10 +361,18 @@ static void nsexec(char **argv) {
 	struct config c = {0};
 	read_config(&c);
 	join_cgroups(&c);
-	if (setns(FD_PIDFD, c.nsflags) < 0)
+	uint32_t join = c.nsflags;
+	if (c.flags & FLAG_PRIVATE)
+		join &= ~(uint32_t)(CLONE_NEWPID | CLONE_NEWUSER); // see private_proc
+	if (setns(FD_PIDFD, join) < 0)
 		fail("setup", "entering the sandbox's namespaces: %s", strerror(errno));
-	close(FD_PIDFD);
+	if (c.flags & FLAG_PRIVATE) {
+		if (unshare(CLONE_NEWPID) < 0)
+			fail("setup", "private pid namespace: %s", strerror(errno));
+	}
 	pid_t pid = fork();
+	if (pid != 0)
+		close(FD_PIDFD);
 	if (pid < 0)
 		fail("setup", "fork: %s", strerror(errno));
 	if (pid == 0)

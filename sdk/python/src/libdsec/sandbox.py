@@ -56,8 +56,11 @@ def _exec_body(
     stdin: Union[str, bytes, None],
     timeout: Optional[int],
     max_output_bytes: Optional[int],
+    private: bool = False,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {}
+    if private:
+        body["private"] = True
     if isinstance(command, str):
         body["cmd"] = command
     else:
@@ -268,6 +271,7 @@ class Sandbox:
         stdin: Union[str, bytes, None] = None,
         timeout: Optional[int] = None,
         max_output_bytes: Optional[int] = None,
+        private: bool = False,
     ) -> ExecResult:
         """Run one command and wait for it.
 
@@ -275,9 +279,11 @@ class Sandbox:
         (run directly). ``timeout`` is the command's limit in whole seconds
         (server default 60); a command that passes it is killed and comes
         back with ``timed_out`` set, not as an exception. ``stdin`` as bytes
-        is sent binary-safe. Exec is never retried once sent.
+        is sent binary-safe. ``private`` runs it where the sandbox's own
+        processes cannot see, signal or read it (for graders; what it
+        starts ends with it). Exec is never retried once sent.
         """
-        body = _exec_body(command, cwd, env, user, stdin, timeout, max_output_bytes)
+        body = _exec_body(command, cwd, env, user, stdin, timeout, max_output_bytes, private)
         doc = await self._client._call(
             "POST", self._path("/exec"), json_body=body, timeout=self._exec_timeout(timeout), keyed="if-asked"
         )
