@@ -41,7 +41,7 @@ type Config struct {
 	// sandbox's, with its own /proc (nsexec.c, FLAG_PRIVATE): the
 	// sandbox's processes cannot see, signal or trace it.
 	Private bool
-	Cwd string
+	Cwd     string
 	// Filter is the seccomp program, installed last before exec.
 	Filter []unix.SockFilter
 }
