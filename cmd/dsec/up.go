@@ -255,7 +255,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	srv := apiserver.New(apiserver.Deps{
 		IAM: ident, Layers: layers, Nodes: view, Log: log,
 		Registry: reg, Gatherer: reg, Policy: sandbox.DefaultPolicy(), MaxLayerBytes: 64 << 30,
-		Store: idem, Instance: cluster.NewInstance(), E2BDefaultTemplate: c.e2bDefaultTemplate,
+		Store: idem, StateStore: st, Instance: cluster.NewInstance(), E2BDefaultTemplate: c.e2bDefaultTemplate,
 	})
 	go srv.Run(ctx)
 	return &node{layers: layers, edge: ed, host: h, server: srv, store: st, idem: idem}, ident, nil

@@ -196,7 +196,7 @@ func (s *Server) e2bSecret() ([]byte, error) {
 	if s.e2bKey.key != nil {
 		return s.e2bKey.key, nil
 	}
-	st := s.deps.Store
+	st := s.stateStore()
 	if st == nil {
 		return nil, errdefs.Precondition("the E2B API needs a control-plane store")
 	}

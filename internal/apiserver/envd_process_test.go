@@ -2,7 +2,9 @@ package apiserver
 
 import (
 	"context"
+	"github.com/dsecproject/dsec/internal/store"
 	"io"
+	"log/slog"
 	"net/http"
 	"strings"
 	"testing"
@@ -224,3 +226,25 @@ func TestEnvdProcessBadEnvelopes(t *testing.T) {
 }
 
 func optional[T any](v T) *T { return &v }
+
+// The token secret lives in the durable state store, not in the records'
+// store (dsec up's is not fsynced).
+func TestE2BSecretIsDurableState(t *testing.T) {
+	records, state := store.NewMemory(), store.NewMemory()
+	s := New(Deps{Store: records, StateStore: state, Log: slog.New(slog.DiscardHandler)})
+	tok, err := s.envdToken("sb-n1-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := state.Get(e2bBucket, "token-secret"); err != nil {
+		t.Fatalf("no secret in the state store: %v", err)
+	}
+	if _, err := records.Get(e2bBucket, "token-secret"); err == nil {
+		t.Fatal("the secret went to the records' store")
+	}
+	// Another apiserver over the same state agrees.
+	again, _ := New(Deps{Store: store.NewMemory(), StateStore: state, Log: slog.New(slog.DiscardHandler)}).envdToken("sb-n1-a")
+	if again != tok {
+		t.Fatal("two apiservers over one state store disagree on a token")
+	}
+}

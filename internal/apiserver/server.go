@@ -47,6 +47,11 @@ type Deps struct {
 	MaxLayerBytes int64
 	// Store keeps idempotency records (nil: Idempotency-Key ignored).
 	Store store.Store
+	// StateStore keeps the apiserver's own durable state: the E2B token
+	// secret and template aliases (nil: Store). dsec up's Store is not
+	// fsynced (records may be lost in a host crash, and are then made
+	// again); what is here must not be.
+	StateStore store.Store
 	// QuotaStore shares quota reservations between the apiservers of a
 	// cluster (etcd); nil keeps them in this process (dsec up: the only
 	// apiserver).
@@ -100,6 +105,14 @@ func New(deps Deps) *Server {
 	}
 	s.routes()
 	return s
+}
+
+// stateStore is Deps.StateStore, or Store when there is none.
+func (s *Server) stateStore() store.Store {
+	if s.deps.StateStore != nil {
+		return s.deps.StateStore
+	}
+	return s.deps.Store
 }
 
 // Run does the server's background work (expiring idempotency records)

@@ -36,10 +36,11 @@ func checkTemplateName(name string) error {
 }
 
 func (s *Server) templateStore() (store.Store, error) {
-	if s.deps.Store == nil {
+	st := s.stateStore()
+	if st == nil {
 		return nil, errdefs.Precondition("template aliases need a control-plane store")
 	}
-	return s.deps.Store, nil
+	return st, nil
 }
 
 func (s *Server) createTemplate(w http.ResponseWriter, r *http.Request) {
@@ -164,7 +165,7 @@ func (s *Server) deleteTemplate(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	if err := s.deps.Store.Delete(e2bBucket, templatePrefix+t.Name); err != nil {
+	if err := s.stateStore().Delete(e2bBucket, templatePrefix+t.Name); err != nil {
 		s.writeError(w, r, err)
 		return
 	}
