@@ -69,6 +69,7 @@ func (s *Server) e2bControlRoutes() {
 	s.e2bHandle("DELETE /sandboxes/{id}", iam.SandboxWrite, s.e2bKill)
 	s.e2bHandle("POST /sandboxes/{id}/timeout", iam.SandboxWrite, s.e2bSetTimeout)
 	s.e2bHandle("POST /sandboxes/{id}/pause", iam.SandboxWrite, s.e2bPause)
+	s.e2bHandle("POST /sandboxes/{id}/resume", iam.SandboxWrite, s.e2bResume)
 	s.e2bHandle("GET /sandboxes/{id}/metrics", iam.SandboxRead, s.e2bMetrics)
 	s.e2bHandle("GET /templates/aliases/{alias}", iam.LayerRead, s.e2bAlias)
 	// The rest of E2B's API (fork, snapshots, network, template builds,
@@ -385,6 +386,22 @@ func (s *Server) e2bSandbox(ctx context.Context, id string) (edgeapi.Edge, *api.
 
 // e2bConnect resumes a paused sandbox (201) or finds a running one
 // (200), and makes it live at least timeout seconds from now.
+// e2bResume is the older SDKs' resume: connect, but a sandbox that is
+// not paused is a conflict (409), as on E2B.
+func (s *Server) e2bResume(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	_, sb, err := s.e2bSandbox(r.Context(), id)
+	if err != nil {
+		s.e2bError(w, r, err)
+		return
+	}
+	if sb.State != api.StatePaused {
+		s.e2bError(w, r, errdefs.Precondition("sandbox %s is %s, not paused", id, sb.State))
+		return
+	}
+	s.e2bConnect(w, r)
+}
+
 func (s *Server) e2bConnect(w http.ResponseWriter, r *http.Request) {
 	var req e2bTimeoutRequest
 	if err := decodeLooseOptional(r, &req); err != nil {

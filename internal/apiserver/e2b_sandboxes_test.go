@@ -357,6 +357,16 @@ func TestE2BConnectPauseKill(t *testing.T) {
 			t.Fatalf("connect without a body: %d %s", resp.StatusCode, body)
 		}
 
+		// The older SDKs' resume: 409 while running, 201 from paused.
+		resp, body = f.e2b(t, f.admin, "POST", "/sandboxes/"+id+"/resume", `{}`)
+		wantE2BError(t, resp, body, 409)
+		if resp, body := f.e2b(t, f.admin, "POST", "/sandboxes/"+id+"/pause", `{}`); resp.StatusCode != 204 {
+			t.Fatalf("pause: %d %s", resp.StatusCode, body)
+		}
+		if resp, body := f.e2b(t, f.admin, "POST", "/sandboxes/"+id+"/resume", `{"timeout":7200}`); resp.StatusCode != 201 || f.stored(t, id).State != api.StateRunning {
+			t.Fatalf("resume of a paused sandbox: %d %s", resp.StatusCode, body)
+		}
+
 		// setTimeout sets the life from now, shorter too.
 		if resp, body := f.e2b(t, f.admin, "POST", "/sandboxes/"+id+"/timeout", `{"timeout":600}`); resp.StatusCode != 204 {
 			t.Fatalf("timeout: %d %s", resp.StatusCode, body)
@@ -375,6 +385,7 @@ func TestE2BConnectPauseKill(t *testing.T) {
 			{"GET", "/sandboxes/" + id, ""},
 			{"POST", "/v2/sandboxes/" + id + "/connect", `{}`},
 			{"POST", "/sandboxes/" + id + "/pause", `{}`},
+			{"POST", "/sandboxes/" + id + "/resume", `{}`},
 			{"POST", "/sandboxes/" + id + "/timeout", `{"timeout":5}`},
 			{"GET", "/sandboxes/" + id + "/metrics", ""},
 			{"DELETE", "/sandboxes/sb-nonode-1", ""},
@@ -645,6 +656,7 @@ func TestE2BTenants(t *testing.T) {
 			{"DELETE", "/sandboxes/" + id, ""},
 			{"POST", "/v2/sandboxes/" + id + "/connect", `{}`},
 			{"POST", "/sandboxes/" + id + "/pause", `{}`},
+			{"POST", "/sandboxes/" + id + "/resume", `{}`},
 			{"POST", "/sandboxes/" + id + "/timeout", `{"timeout":5}`},
 			{"GET", "/sandboxes/" + id + "/metrics", ""},
 		} {
