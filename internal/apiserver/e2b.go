@@ -264,3 +264,100 @@ func (s *Server) checkFileSignature(id, method string, q url.Values) (bool, erro
 	want := "v1_" + strings.TrimRight(base64.StdEncoding.EncodeToString(sum[:]), "=")
 	return hmac.Equal([]byte(q.Get("signature")), []byte(want)), nil
 }
+
+// defaultKeepalive is a stream's keepalive interval when the request
+// names none.
+const defaultKeepalive = 50 * time.Second
+
+// keepaliveInterval is the interval a stream's Keepalive-Ping-Interval
+// header names (whole seconds), or defaultKeepalive.
+func keepaliveInterval(h http.Header) time.Duration {
+	n, err := strconv.Atoi(h.Get("Keepalive-Ping-Interval"))
+	if err != nil || n <= 0 {
+		return defaultKeepalive
+	}
+	return time.Duration(min(n, 3600)) * time.Second
+}
+
+// streamSender orders the sends of one envd server stream (connect's
+// ServerStream is not safe for concurrent use) and, once started, sends a
+// keepalive whenever the stream has been silent for the interval the
+// request's Keepalive-Ping-Interval header names (undici cuts a body
+// silent for 300 s). Stop ends the keepalives and waits for them: a
+// stream may not be used once its handler has returned.
+type streamSender[M any] struct {
+	send     func(M) error
+	keep     func() M
+	interval time.Duration
+	ctx      context.Context
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup
+	started  bool
+
+	mu   sync.Mutex // guards the stream, last and err
+	last time.Time
+	err  error
+}
+
+func newStreamSender[M any](ctx context.Context, h http.Header, send func(M) error, keep func() M) *streamSender[M] {
+	ctx, cancel := context.WithCancel(ctx)
+	return &streamSender[M]{send: send, keep: keep, interval: keepaliveInterval(h), ctx: ctx, cancel: cancel, last: time.Now()}
+}
+
+// Send sends m; after a failed send every later one fails alike.
+func (s *streamSender[M]) Send(m M) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.err != nil {
+		return s.err
+	}
+	s.last = time.Now()
+	s.err = s.send(m)
+	return s.err
+}
+
+// Err is the first send's error, if any failed.
+func (s *streamSender[M]) Err() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.err
+}
+
+// Start starts the keepalives (after the stream's first frame, which
+// must be its start event). Only the handler's goroutine calls it.
+func (s *streamSender[M]) Start() {
+	if s.started {
+		return
+	}
+	s.started = true
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		t := time.NewTimer(s.interval)
+		defer t.Stop()
+		for {
+			select {
+			case <-s.ctx.Done():
+				return
+			case <-t.C:
+			}
+			s.mu.Lock()
+			idle := time.Since(s.last)
+			s.mu.Unlock()
+			if idle < s.interval {
+				t.Reset(s.interval - idle)
+				continue
+			}
+			if s.Send(s.keep()) != nil {
+				return
+			}
+			t.Reset(s.interval)
+		}
+	}()
+}
+
+// Stop ends the keepalives and waits for the last one.
+func (s *streamSender[M]) Stop() {
+	s.cancel()
+	s.wg.Wait()
+}

@@ -388,21 +388,13 @@ func (s *Server) e2bSandbox(ctx context.Context, id string) (edgeapi.Edge, *api.
 // (200), and makes it live at least timeout seconds from now.
 // e2bResume is the older SDKs' resume: connect, but a sandbox that is
 // not paused is a conflict (409), as on E2B.
-func (s *Server) e2bResume(w http.ResponseWriter, r *http.Request) {
-	id := r.PathValue("id")
-	_, sb, err := s.e2bSandbox(r.Context(), id)
-	if err != nil {
-		s.e2bError(w, r, err)
-		return
-	}
-	if sb.State != api.StatePaused {
-		s.e2bError(w, r, errdefs.Precondition("sandbox %s is %s, not paused", id, sb.State))
-		return
-	}
-	s.e2bConnect(w, r)
-}
+func (s *Server) e2bResume(w http.ResponseWriter, r *http.Request) { s.connectSandbox(w, r, true) }
 
-func (s *Server) e2bConnect(w http.ResponseWriter, r *http.Request) {
+func (s *Server) e2bConnect(w http.ResponseWriter, r *http.Request) { s.connectSandbox(w, r, false) }
+
+// connectSandbox resumes a paused sandbox (or, unless onlyPaused, finds a
+// running one) and extends its life to the request's timeout.
+func (s *Server) connectSandbox(w http.ResponseWriter, r *http.Request, onlyPaused bool) {
 	var req e2bTimeoutRequest
 	if err := decodeLooseOptional(r, &req); err != nil {
 		s.e2bError(w, r, err)
@@ -416,6 +408,10 @@ func (s *Server) e2bConnect(w http.ResponseWriter, r *http.Request) {
 	e, sb, err := s.e2bSandbox(r.Context(), id)
 	if err != nil {
 		s.e2bError(w, r, err)
+		return
+	}
+	if onlyPaused && sb.State != api.StatePaused {
+		s.e2bError(w, r, errdefs.Precondition("sandbox %s is %s, not paused", id, sb.State))
 		return
 	}
 	status := http.StatusOK

@@ -22,8 +22,6 @@ import (
 	"path"
 	"strconv"
 	"strings"
-	"sync"
-	"time"
 
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -33,6 +31,7 @@ import (
 	"github.com/dsecproject/dsec/internal/e2b/filesystempb/filesystempbconnect"
 	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
 // Bounds of the envd files API. A file's size is bounded by the edge, as
@@ -45,9 +44,6 @@ const (
 	maxUploadParts = 1000
 	// maxListDepth bounds ListDir's depth, as files:list's.
 	maxListDepth = 64
-	// defaultKeepalive is the keepalive interval of a watch whose
-	// request names none (the SDK sends Keepalive-Ping-Interval: 50).
-	defaultKeepalive = 50 * time.Second
 	// maxPathLen is the kernel's PATH_MAX, which the edge enforces too.
 	maxPathLen = 4096
 )
@@ -121,20 +117,15 @@ func (s *Server) newEnvdCall(ctx context.Context, user string) (*envdCall, error
 	return &envdCall{e: e, id: id, user: user}, nil
 }
 
-// checkUserName validates a user name from the request. envd refuses a
-// user the sandbox does not have as unauthenticated; names that could
-// not be a user are refused the same way here.
+// checkUserName validates a user name from the request with the rule
+// every user name in dsec follows (sandbox.ValidateUser), a bare name or
+// uid here. envd refuses a user the sandbox does not have as
+// unauthenticated; names that could not be a user are refused the same way.
 func checkUserName(name string) (string, error) {
 	if name == "" {
 		return "", nil
 	}
-	ok := len(name) <= 64 && name != "." && name != ".." && name[0] != '-'
-	for _, c := range name {
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
-			ok = false
-		}
-	}
-	if !ok {
+	if sandbox.ValidateUser(name) != nil || strings.Contains(name, ":") {
 		return "", errdefs.Unauthenticated("invalid username %q", name)
 	}
 	return name, nil
@@ -476,16 +467,6 @@ func (h *envdFS) Remove(ctx context.Context, req *connect.Request[filesystempb.R
 	return connect.NewResponse(&filesystempb.RemoveResponse{}), nil
 }
 
-// keepaliveInterval is the interval a stream's Keepalive-Ping-Interval
-// header names (whole seconds), or defaultKeepalive.
-func keepaliveInterval(h http.Header) time.Duration {
-	n, err := strconv.Atoi(h.Get("Keepalive-Ping-Interval"))
-	if err != nil || n <= 0 {
-		return defaultKeepalive
-	}
-	return time.Duration(min(n, 3600)) * time.Second
-}
-
 // eventTypes maps the edge's event types to envd's.
 var eventTypes = map[string]filesystempb.EventType{
 	api.FileEventCreate: filesystempb.EventType_EVENT_TYPE_CREATE,
@@ -510,52 +491,11 @@ func (h *envdFS) WatchDir(ctx context.Context, req *connect.Request[filesystempb
 	if err != nil {
 		return h.s.toConnect(ctx, proc, err)
 	}
-	interval := keepaliveInterval(req.Header())
-
-	// The keepalive goroutine is done before the handler returns (the
-	// stream may not be used after): Wait runs after cancel.
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	wctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-
-	var mu sync.Mutex // guards stream, last and sendErr
-	last := time.Now()
-	var sendErr error
-	send := func(msg *filesystempb.WatchDirResponse) error {
-		mu.Lock()
-		defer mu.Unlock()
-		last = time.Now()
-		if err := stream.Send(msg); err != nil {
-			sendErr = err
-			cancel()
-			return err
-		}
-		return nil
-	}
-	keepalive := func() {
-		defer wg.Done()
-		t := time.NewTimer(interval)
-		defer t.Stop()
-		for {
-			select {
-			case <-wctx.Done():
-				return
-			case <-t.C:
-			}
-			mu.Lock()
-			idle := time.Since(last)
-			mu.Unlock()
-			if idle < interval {
-				t.Reset(interval - idle)
-				continue
-			}
-			if send(&filesystempb.WatchDirResponse{Event: &filesystempb.WatchDirResponse_Keepalive{Keepalive: &filesystempb.WatchDirResponse_KeepAlive{}}}) != nil {
-				return
-			}
-			t.Reset(interval)
-		}
-	}
+	ss := newStreamSender(ctx, req.Header(), stream.Send, func() *filesystempb.WatchDirResponse {
+		return &filesystempb.WatchDirResponse{Event: &filesystempb.WatchDirResponse_Keepalive{Keepalive: &filesystempb.WatchDirResponse_KeepAlive{}}}
+	})
+	defer ss.Stop()
+	send := ss.Send
 	started := false
 	emit := func(ev api.FileEvent) error {
 		if ev.Type == api.FileEventStart {
@@ -566,8 +506,7 @@ func (h *envdFS) WatchDir(ctx context.Context, req *connect.Request[filesystempb
 			if err := send(&filesystempb.WatchDirResponse{Event: &filesystempb.WatchDirResponse_Start{Start: &filesystempb.WatchDirResponse_StartEvent{}}}); err != nil {
 				return err
 			}
-			wg.Add(1)
-			go keepalive()
+			ss.Start()
 			return nil
 		}
 		typ, ok := eventTypes[ev.Type]
@@ -580,17 +519,14 @@ func (h *envdFS) WatchDir(ctx context.Context, req *connect.Request[filesystempb
 		}
 		return send(&filesystempb.WatchDirResponse{Event: &filesystempb.WatchDirResponse_Filesystem{Filesystem: fsev}})
 	}
-	err = c.e.WatchDir(wctx, c.id, p, req.Msg.GetRecursive(), emit)
+	err = c.e.WatchDir(ctx, c.id, p, req.Msg.GetRecursive(), emit)
 	switch {
 	case ctx.Err() != nil:
 		return ctx.Err() // the client went away, or its deadline passed
 	case err == nil:
 		return nil
 	}
-	mu.Lock()
-	serr := sendErr
-	mu.Unlock()
-	if serr != nil {
+	if serr := ss.Err(); serr != nil {
 		return serr
 	}
 	return h.s.toConnect(ctx, proc, c.fail(ctx, err))

@@ -15,8 +15,6 @@ import (
 	"errors"
 	"net/http"
 	"strconv"
-	"sync"
-	"time"
 
 	"connectrpc.com/connect"
 	"golang.org/x/sys/unix"
@@ -61,44 +59,6 @@ func processTimeout(h http.Header) (int64, error) {
 	return n, nil
 }
 
-// eventSender sends a stream's events and, while it is silent, its
-// keepalives; Send is not safe for concurrent use, so one mutex orders
-// both.
-type eventSender struct {
-	mu   sync.Mutex
-	send func(*processpb.ProcessEvent) error
-	last time.Time
-}
-
-func (es *eventSender) emit(ev *processpb.ProcessEvent) error {
-	es.mu.Lock()
-	defer es.mu.Unlock()
-	es.last = time.Now()
-	return es.send(ev)
-}
-
-// keepalive sends keepalives every interval of silence until ctx ends.
-func (es *eventSender) keepalive(ctx context.Context, interval time.Duration) {
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			es.mu.Lock()
-			if time.Since(es.last) >= interval-time.Millisecond {
-				es.last = time.Now()
-				if es.send(&processpb.ProcessEvent{Event: &processpb.ProcessEvent_Keepalive{Keepalive: &processpb.ProcessEvent_KeepAlive{}}}) != nil {
-					es.mu.Unlock()
-					return
-				}
-			}
-			es.mu.Unlock()
-		}
-	}
-}
-
 // toProcessEvent maps an edge event to envd's.
 func toProcessEvent(ev edgeapi.ProcessEvent) *processpb.ProcessEvent {
 	switch {
@@ -128,18 +88,20 @@ func dataEvent(d *processpb.ProcessEvent_DataEvent) *processpb.ProcessEvent {
 // answers deadline_exceeded.
 func (p *envdProcess) stream(ctx context.Context, h http.Header, send func(*processpb.ProcessEvent) error,
 	run func(ctx context.Context, emit func(edgeapi.ProcessEvent) error) error) error {
-	es := &eventSender{send: send, last: time.Now()}
-	kctx, stop := context.WithCancel(ctx)
-	defer stop()
-	started := false
-	err := run(ctx, func(ev edgeapi.ProcessEvent) error {
-		if ev.Start != nil && !started {
-			started = true
-			go es.keepalive(kctx, keepaliveInterval(h))
-		}
-		return es.emit(toProcessEvent(ev))
+	ss := newStreamSender(ctx, h, send, func() *processpb.ProcessEvent {
+		return &processpb.ProcessEvent{Event: &processpb.ProcessEvent_Keepalive{Keepalive: &processpb.ProcessEvent_KeepAlive{}}}
 	})
-	stop()
+	defer ss.Stop()
+	err := run(ctx, func(ev edgeapi.ProcessEvent) error {
+		if err := ss.Send(toProcessEvent(ev)); err != nil {
+			return err
+		}
+		if ev.Start != nil {
+			ss.Start()
+		}
+		return nil
+	})
+	ss.Stop()
 	if err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
 		return connect.NewError(connect.CodeDeadlineExceeded, errors.New("the command's timeout passed: it was killed"))
 	}
