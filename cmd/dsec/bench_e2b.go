@@ -2,9 +2,10 @@ package main
 
 // `dsec bench e2b` prices the E2B dialect: the flow create → run `echo hi`
 // → kill through the real E2B JS SDK, through libdsec (sdk/python) and
-// through dsec's own REST API (the Go SDK), in one run, one flow at a
-// time, the three interleaved flow by flow with the order turning every
-// round, so that a noisy machine weighs on all three alike.
+// through dsec's own REST API (from the Go SDK, and from node's fetch in
+// the E2B SDK's process, so that one comparison holds the runtime
+// still), in one run, one flow at a time, the four interleaved flow by flow with the order turning every
+// round, so that a noisy machine weighs on all four alike.
 //
 // The two SDKs run in one long-lived process each (node, python3), fed
 // one "flow" line at a time, and time each flow themselves with their
@@ -67,7 +68,7 @@ type benchE2BOpts struct {
 func runBenchE2B(args []string) error {
 	var o benchE2BOpts
 	f := newCmdFlags("bench e2b", "[flags]", "The flow create → run `echo hi` → kill through the E2B JS SDK (e2b@"+e2bSDKVersion+" on node),\n"+
-		"through libdsec (python3) and through dsec's REST API (the Go SDK), interleaved one flow\n"+
+		"through libdsec (python3) and through dsec's REST API (the Go SDK, and node's fetch), interleaved one flow\n"+
 		"at a time. Prints p50/p99/mean of the flow and of each step per client, and the flow's\n"+
 		"p50 ratios to the native one (target: E2B at most 1.5×). Needs node and npm, python3 3.10+.")
 	f.IntVar(&o.count, "count", 100, "flows per client")
@@ -88,7 +89,7 @@ func runBenchE2B(args []string) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	// One endpoint and one key for all three clients: the first of a
+	// One endpoint and one key for all four clients: the first of a
 	// cluster's list, as the E2B SDK takes only one.
 	cfg, err := dsec.ResolveConfig()
 	if err != nil {
@@ -164,6 +165,7 @@ func runBenchE2B(args []string) error {
 		{key: "e2b", name: "E2B JS SDK", via: "e2b@" + e2bSDKVersion + ", node " + e2b.version, run: e2b.flow},
 		{key: "libdsec", name: "libdsec", via: lib.version, run: lib.flow},
 		{key: "rest", name: "REST (Go SDK)", via: "sdk/go " + dsec.UserAgent, run: (&restFlow{c: c, ref: ref, label: label}).flow},
+		{key: "rest-node", name: "REST (node fetch)", via: "node " + e2b.version + " fetch", run: e2b.rest},
 	}
 	samples := make([]flowSamples, len(clients))
 	fmt.Fprintf(os.Stderr, "bench e2b: %d flows per client on %s (after %d warm-up), %s, one at a time, interleaved...\n",
@@ -203,7 +205,7 @@ func runBenchE2B(args []string) error {
 	return printE2BBench(rep)
 }
 
-// e2bClient is one of the three ways of running the flow.
+// e2bClient is one of the four ways of running the flow.
 type e2bClient struct {
 	key, name, via string
 	run            func(ctx context.Context) (flowTimes, error)
@@ -348,8 +350,13 @@ func (d *flowDriver) next(ctx context.Context, timeout time.Duration) ([]byte, e
 }
 
 // flow runs one flow in the process.
-func (d *flowDriver) flow(ctx context.Context) (flowTimes, error) {
-	if _, err := io.WriteString(d.stdin, "flow\n"); err != nil {
+func (d *flowDriver) flow(ctx context.Context) (flowTimes, error) { return d.do(ctx, "flow") }
+
+// rest runs the native flow in the process (the node one has it).
+func (d *flowDriver) rest(ctx context.Context) (flowTimes, error) { return d.do(ctx, "rest") }
+
+func (d *flowDriver) do(ctx context.Context, command string) (flowTimes, error) {
+	if _, err := io.WriteString(d.stdin, command+"\n"); err != nil {
 		return flowTimes{}, fmt.Errorf("%s: %w", d.name, err)
 	}
 	b, err := d.next(ctx, flowTimeout)
@@ -393,7 +400,7 @@ func (r *restFlow) flow(ctx context.Context) (flowTimes, error) {
 		return fail("create", err)
 	}
 	t1 := time.Now()
-	// What the E2B SDK runs for commands.run, so that the three run the
+	// What the E2B SDK runs for commands.run, so that the four run the
 	// same process and differ only by their path to it.
 	res, err := r.c.Exec(ctx, sb.ID, api.ExecRequest{Argv: []string{"/bin/bash", "-l", "-c", "echo hi"}})
 	if err == nil && (res.ExitCode != 0 || res.Stdout != "hi\n") {
@@ -474,9 +481,11 @@ type e2bReport struct {
 	Warmup   int               `json:"warmup"`
 	Clients  []e2bClientResult `json:"clients"`
 	// The flow's p50 of the E2B SDK and of libdsec over the native one's
+	// (the Go SDK's), and of the E2B SDK over the native flow from node
 	// (0 when a side has no flow).
 	E2BRatio     float64 `json:"e2b_native_p50_ratio"`
 	LibdsecRatio float64 `json:"libdsec_native_p50_ratio"`
+	E2BNodeRatio float64 `json:"e2b_native_node_p50_ratio"`
 	Target       string  `json:"target"`
 	TargetMet    bool    `json:"target_met"`
 }
@@ -494,14 +503,14 @@ func (r *e2bReport) client(key string) e2bClientResult {
 // native flow succeeded, and the E2B flow's p50 is at most e2bTarget
 // times the native one's.
 func (r *e2bReport) judge() {
-	e2b, lib, rest := r.client("e2b"), r.client("libdsec"), r.client("rest")
+	e2b, lib, rest, node := r.client("e2b"), r.client("libdsec"), r.client("rest"), r.client("rest-node")
 	ratio := func(a, b stepStats) float64 {
 		if a.N == 0 || b.N == 0 || b.P50MS <= 0 {
 			return 0
 		}
 		return a.P50MS / b.P50MS
 	}
-	r.E2BRatio, r.LibdsecRatio = ratio(e2b.Flow, rest.Flow), ratio(lib.Flow, rest.Flow)
+	r.E2BRatio, r.LibdsecRatio, r.E2BNodeRatio = ratio(e2b.Flow, rest.Flow), ratio(lib.Flow, rest.Flow), ratio(e2b.Flow, node.Flow)
 	r.Target = fmt.Sprintf("E2B flow p50 ≤ %.1f× native", e2bTarget)
 	r.TargetMet = e2b.Failures == 0 && rest.Failures == 0 && r.E2BRatio > 0 && r.E2BRatio <= e2bTarget
 }
@@ -535,9 +544,10 @@ func printE2BBench(r e2bReport) error {
 	for _, c := range r.Clients {
 		fmt.Printf("%s: %s\n", c.Name, c.Via)
 	}
-	fmt.Printf("run is /bin/bash -l -c 'echo hi' on all three (what commands.run sends); kill is kill, delete.\n")
-	fmt.Printf("flow p50, E2B / native:     %s  (target: at most %.1f×, %s)\n", times(r.E2BRatio), e2bTarget, met)
-	fmt.Printf("flow p50, libdsec / native: %s\n", times(r.LibdsecRatio))
+	fmt.Printf("run is /bin/bash -l -c 'echo hi' on all four (what commands.run sends); kill is kill, delete.\n")
+	fmt.Printf("flow p50, E2B / native (Go):     %s  (target: at most %.1f×, %s)\n", times(r.E2BRatio), e2bTarget, met)
+	fmt.Printf("flow p50, libdsec / native (Go): %s\n", times(r.LibdsecRatio))
+	fmt.Printf("flow p50, E2B / native (node):   %s  (the same runtime on both sides: what the E2B path itself costs)\n", times(r.E2BNodeRatio))
 	return nil
 }
 

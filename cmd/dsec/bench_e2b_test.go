@@ -121,12 +121,28 @@ func TestE2BReportJudge(t *testing.T) {
 	} {
 		r := e2bReport{Clients: []e2bClientResult{tc.e2b, tc.lib, tc.rest}}
 		r.judge()
+		if r.E2BNodeRatio != 0 {
+			t.Errorf("%s: E2B over node's native flow is %.3f with no node flows, want 0", tc.name, r.E2BNodeRatio)
+		}
 		if math.Abs(r.E2BRatio-tc.wantE2B) > 1e-9 || math.Abs(r.LibdsecRatio-tc.wantLib) > 1e-9 || r.TargetMet != tc.wantMet {
 			t.Errorf("%s: got e2b %.3f libdsec %.3f met %v; want %.3f %.3f %v", tc.name, r.E2BRatio, r.LibdsecRatio, r.TargetMet, tc.wantE2B, tc.wantLib, tc.wantMet)
 		}
 		if !strings.Contains(r.Target, "1.5") {
 			t.Errorf("%s: target %q does not state 1.5×", tc.name, r.Target)
 		}
+	}
+}
+
+// The same-runtime ratio is reported beside the target and never decides
+// it.
+func TestE2BReportNodeRatio(t *testing.T) {
+	flow := func(key string, p50 float64) e2bClientResult {
+		return e2bClientResult{Client: key, Flow: stepStats{N: 10, P50MS: p50}}
+	}
+	r := e2bReport{Clients: []e2bClientResult{flow("e2b", 20), flow("libdsec", 12), flow("rest", 10), flow("rest-node", 16)}}
+	r.judge()
+	if math.Abs(r.E2BNodeRatio-1.25) > 1e-9 || math.Abs(r.E2BRatio-2) > 1e-9 || r.TargetMet {
+		t.Errorf("got node ratio %.3f, native ratio %.3f, met %v; want 1.25, 2, not met", r.E2BNodeRatio, r.E2BRatio, r.TargetMet)
 	}
 }
 
