@@ -173,14 +173,17 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("creating sandbox dir: %w", err)
 	}
-	undo.Add(func() { _ = e.removeTree(dir) })
+	undo.Add(func() {
+		// Not through mounts that would not go (composeRootfs's undo,
+		// which ran before this one, has said why): recovery reaps it.
+		if releaseHost(dir) == nil {
+			_ = e.removeTree(dir)
+		}
+	})
 	if rec.UserNS {
 		if err := groupSearchable(dir, e.cfg.UserNSBase); err != nil {
 			return nil, err
 		}
-	}
-	if err := os.Mkdir(filepath.Join(dir, "rootfs"), 0o755); err != nil {
-		return nil, fmt.Errorf("creating sandbox dir: %w", err)
 	}
 	// The backend makes the bundle dir if it needs one (a runtime does;
 	// dsec's launcher writes no files), and it goes once the sandbox runs:
@@ -194,62 +197,17 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 	if err := writeRecordSync(dir, &rec, false); err != nil {
 		return nil, err
 	}
-	upper, work := layerDirs(dir, rec.Disk)
-	if rec.Disk {
-		if err := os.Mkdir(filepath.Join(dir, "vol"), 0o755); err != nil {
-			return nil, fmt.Errorf("creating sandbox dir: %w", err)
-		}
-		if err := createDisk(dir, spec.DiskMB); err != nil {
-			return nil, err
-		}
-		undo.Add(func() { _ = removeDisk(dir) })
-	}
-	for _, d := range []string{upper, work} {
-		if err := os.Mkdir(d, 0o755); err != nil {
-			return nil, fmt.Errorf("creating sandbox dir: %w", err)
-		}
-	}
-	if rec.UserNS {
-		// The upper's root is the sandbox's "/": its root must own it.
-		base := int(e.cfg.UserNSBase)
-		if err := os.Chown(upper, base, base); err != nil {
-			return nil, fmt.Errorf("creating sandbox dir: %w", err)
-		}
-	}
-
-	lowers := make([]string, len(req.Digests))
-	for i, d := range req.Digests {
-		mp, err := e.mounter.Acquire(d)
-		if err != nil {
-			return nil, err // names the layer already
-		}
-		undo.Add(func() { _ = e.mounter.Release(d) })
-		// Overlay wants the topmost lower first.
-		lowers[len(req.Digests)-1-i] = mp
-	}
-	if rec.UserNS {
-		undo.Add(func() { _ = unmountLowers(dir) })
-		if lowers, err = e.idmapLowers(dir, lowers); err != nil {
-			return nil, err
-		}
-	}
-	rootfs := filepath.Join(dir, "rootfs")
-	mnt, err := e.detachedRootfs(lowers, upper, work)
+	root, err := e.composeRootfs(dir, &rec, req.Digests, &undo)
 	if err != nil {
 		return nil, err
 	}
-	if mnt != nil {
-		defer mnt.Close()
+	if root.mnt != nil {
+		defer root.mnt.Close()
 		rec.PrivateRootfs = true
-	} else {
-		if err := layer.MountOverlay(lowers, upper, work, rootfs); err != nil {
-			return nil, fmt.Errorf("mounting overlay: %w", err)
-		}
-		undo.Add(func() { _ = layer.UnmountOverlay(rootfs) })
 	}
 
 	cfg := sandbox.Config{
-		ID: id, Dir: bundle, Rootfs: rootfs, RootfsMount: mnt, Hostname: "sandbox",
+		ID: id, Dir: bundle, Rootfs: root.rootfs, RootfsMount: root.mnt, Hostname: "sandbox",
 		CgroupPath: rec.CgroupPath,
 		Limits: sandbox.Limits{
 			CPU: spec.CPU, MemoryBytes: spec.MemoryMB << 20, Pids: spec.Pids,
@@ -428,20 +386,9 @@ func (e *Edge) teardown(ctx context.Context, s *sbx, remove bool) error {
 		// teardown) may touch it.
 		s.rec.CgroupPath = ""
 		s.mu.Unlock()
-		// A private rootfs went with the sandbox's mount namespace.
-		if !rec.PrivateRootfs {
-			rootfs := filepath.Join(s.dir, "rootfs")
-			if err := layer.UnmountOverlay(rootfs); err != nil {
-				return fmt.Errorf("unmounting sandbox rootfs: %w", err)
-			}
-		}
-		if err := unmountLowers(s.dir); err != nil {
+		// (A private rootfs went with the sandbox's mount namespace.)
+		if err := releaseHost(s.dir); err != nil {
 			return err
-		}
-		if rec.Disk {
-			if err := removeDisk(s.dir); err != nil {
-				return err
-			}
 		}
 		for _, d := range rec.Digests {
 			if err := e.mounter.Release(d); err != nil {
@@ -489,9 +436,7 @@ func (e *Edge) stopSandbox(ctx context.Context, s *sbx, final, reason string) {
 	}
 	// The writable layer goes with the runtime: a stopped sandbox cannot be
 	// restarted, so keeping it would only leak disk.
-	for _, d := range []string{"upper", "work", "rootfs", "bundle", "vol", "disk.img", "lower"} {
-		_ = e.removeTree(filepath.Join(s.dir, d))
-	}
+	e.clearRuntime(s.dir)
 	now := time.Now().UTC()
 	s.mu.Lock()
 	s.rec.Sandbox.State = final

@@ -197,7 +197,7 @@ func (e *Edge) root(s *sbx) (*files.Root, error) {
 	if s.rec.PrivateRootfs {
 		r, err = e.openPrivateRoot(s.rec.Sandbox.ID)
 	} else {
-		r, err = files.Open(filepath.Join(s.dir, "rootfs"))
+		r, err = files.Open(rootfsDir(s.dir))
 	}
 	if err != nil {
 		return nil, fmt.Errorf("opening sandbox rootfs: %w", err)

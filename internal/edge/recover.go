@@ -56,7 +56,7 @@ func (e *Edge) recover(ctx context.Context) error {
 			continue
 		}
 		status, serr := e.deps.Backend.Status(ctx, id)
-		if serr != nil || !status.Running || !(mounted[filepath.Join(dir, id, "rootfs")] || rec.PrivateRootfs) {
+		if serr != nil || !status.Running || !(mounted[rootfsDir(filepath.Join(dir, id))] || rec.PrivateRootfs) {
 			statusErr[id] = serr
 			continue
 		}
@@ -71,11 +71,10 @@ func (e *Edge) recover(ctx context.Context) error {
 	for _, ent := range ents {
 		id := ent.Name()
 		sdir := filepath.Join(dir, id)
-		rootfs := filepath.Join(sdir, "rootfs")
 		rec, err := recs[id].rec, recs[id].err
 		if err != nil || !ent.IsDir() {
 			e.log.Warn("reaping sandbox dir without a valid record", "sandbox_id", id, "err", err)
-			e.reapDir(ctx, id, sdir, mounted[rootfs])
+			e.reapDir(ctx, id, sdir)
 			reaped++
 			continue
 		}
@@ -83,7 +82,7 @@ func (e *Edge) recover(ctx context.Context) error {
 		switch {
 		case st == api.StateCreating || rec.Pooled:
 			e.log.Warn("reaping sandbox whose creation was interrupted", "sandbox_id", id)
-			e.reapDir(ctx, id, sdir, mounted[rootfs])
+			e.reapDir(ctx, id, sdir)
 			reaped++
 			continue
 		case holdsResources(st):
@@ -102,17 +101,12 @@ func (e *Edge) recover(ctx context.Context) error {
 				cg = "" // a live sandbox's now, or released already
 			}
 			e.destroyRuntime(ctx, id, cg)
-			if mounted[rootfs] {
-				_ = layer.UnmountOverlay(rootfs)
-			}
-			if err := unmountLowers(sdir); err != nil {
-				e.log.Warn("unmounting the layers of a dead sandbox", "sandbox_id", id, "err", err)
-			}
-			if err := removeDisk(sdir); err != nil {
-				e.log.Warn("removing the disk of a dead sandbox", "sandbox_id", id, "err", err)
-			}
-			for _, d := range []string{"upper", "work", "rootfs", "bundle", "vol", "lower"} {
-				_ = e.removeTree(filepath.Join(sdir, d))
+			if err := releaseHost(sdir); err != nil {
+				// Its mounts stay (and its files under them) until a
+				// later start manages: the record says failed either way.
+				e.log.Warn("releasing the host state of a dead sandbox", "sandbox_id", id, "err", err)
+			} else {
+				e.clearRuntime(sdir)
 			}
 			now := time.Now().UTC()
 			rec.Sandbox.State = api.StateFailed
@@ -203,20 +197,10 @@ func (e *Edge) recover(ctx context.Context) error {
 }
 
 // reapDir undoes whatever a sandbox dir may hold and removes it.
-func (e *Edge) reapDir(ctx context.Context, id, sdir string, rootfsMounted bool) {
+func (e *Edge) reapDir(ctx context.Context, id, sdir string) {
 	e.destroyRuntime(ctx, id, e.cfg.CgroupParent+"/"+id)
-	if rootfsMounted {
-		if err := layer.UnmountOverlay(filepath.Join(sdir, "rootfs")); err != nil {
-			e.log.Warn("unmounting orphan rootfs", "sandbox_id", id, "err", err)
-			return
-		}
-	}
-	if err := unmountLowers(sdir); err != nil {
-		e.log.Warn("unmounting orphan idmapped layers", "sandbox_id", id, "err", err)
-		return
-	}
-	if err := removeDisk(sdir); err != nil {
-		e.log.Warn("removing orphan sandbox disk", "sandbox_id", id, "err", err)
+	if err := releaseHost(sdir); err != nil {
+		e.log.Warn("releasing the host state of an orphan sandbox dir", "sandbox_id", id, "err", err)
 		return
 	}
 	if err := e.removeTree(sdir); err != nil {

@@ -140,7 +140,7 @@ func writeRecordSync(dir string, rec *record, durable bool) error {
 	if err != nil {
 		return fmt.Errorf("encoding sandbox record: %w", err)
 	}
-	tmp := filepath.Join(dir, ".sandbox.json.tmp")
+	tmp := filepath.Join(dir, "."+recordFile+".tmp")
 	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
 	if err != nil {
 		return fmt.Errorf("writing sandbox record: %w", err)
@@ -153,7 +153,7 @@ func writeRecordSync(dir string, rec *record, durable bool) error {
 		err = cerr
 	}
 	if err == nil {
-		err = os.Rename(tmp, filepath.Join(dir, "sandbox.json"))
+		err = os.Rename(tmp, filepath.Join(dir, recordFile))
 	}
 	if err != nil {
 		_ = os.Remove(tmp)
@@ -163,13 +163,13 @@ func writeRecordSync(dir string, rec *record, durable bool) error {
 }
 
 func readRecord(dir string) (*record, error) {
-	data, err := os.ReadFile(filepath.Join(dir, "sandbox.json"))
+	data, err := os.ReadFile(filepath.Join(dir, recordFile))
 	if err != nil {
 		return nil, err
 	}
 	var rec record
 	if err := json.Unmarshal(data, &rec); err != nil {
-		return nil, fmt.Errorf("decoding %s: %w", filepath.Join(dir, "sandbox.json"), err)
+		return nil, fmt.Errorf("decoding %s: %w", filepath.Join(dir, recordFile), err)
 	}
 	if rec.Version != recordVersion {
 		return nil, fmt.Errorf("sandbox record version %d, want %d", rec.Version, recordVersion)

@@ -1,0 +1,147 @@
+package edge
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/dsecproject/dsec/internal/cleanup"
+	"github.com/dsecproject/dsec/internal/layer"
+)
+
+// A sandbox's directory on the node, <state dir>/sandboxes/<id>. This file
+// is the one owner of its layout and of the host state it holds; the rest
+// of the edge names its parts through the helpers below.
+//
+//	sandbox.json    the sandbox's record (state.go): outlives the runtime
+//	cmdlog.jsonl    the command log (cmdlog.go): outlives it too
+//	rootfs/         where the overlay is mounted on the host (empty when
+//	                the backend took it as a detached mount)
+//	upper/ work/    the writable layer, without disk_mb
+//	disk.img vol/   the sandbox's own disk with disk_mb (disk.go), holding
+//	                vol/upper and vol/work
+//	lower/<i>       idmapped views of the layers (user namespaces)
+//	bundle/         the OCI bundle while a runtime starts the sandbox
+//
+// Everything but the record and the command log is the runtime's part:
+// composeRootfs makes it, releaseHost undoes its mounts and clearRuntime
+// removes it. Every path that ends a sandbox's runtime (a failed create,
+// teardown, recovery of a sandbox that died, reaping a directory) goes
+// through releaseHost, which is idempotent.
+
+// recordFile is the sandbox's record (cmdLogFile is the command log).
+const recordFile = "sandbox.json"
+
+// runtimeParts are the runtime's part of a sandbox directory.
+var runtimeParts = []string{"rootfs", "upper", "work", "lower", "vol", "disk.img", "bundle"}
+
+// rootfsDir is where a sandbox's overlay is (or would be) mounted.
+func rootfsDir(dir string) string { return filepath.Join(dir, "rootfs") }
+
+// releaseHost undoes the host mounts a sandbox directory may hold, in the
+// order that lets each go: the overlay (which holds the layers and the
+// writable layer), the idmapped layer views, the disk. A step with nothing
+// to undo does nothing, so releaseHost may run on any directory, any number
+// of times; it stops at the first step that fails, and the directory must
+// then not be removed (its mounts are still there).
+func releaseHost(dir string) error {
+	if err := layer.UnmountOverlay(rootfsDir(dir)); err != nil {
+		return fmt.Errorf("unmounting sandbox rootfs: %w", err)
+	}
+	if err := unmountLowers(dir); err != nil {
+		return err
+	}
+	if err := removeDisk(dir); err != nil {
+		return fmt.Errorf("removing sandbox disk: %w", err)
+	}
+	return nil
+}
+
+// clearRuntime removes the runtime's part of a sandbox directory (after
+// releaseHost), keeping its record and command log.
+func (e *Edge) clearRuntime(dir string) {
+	for _, p := range runtimeParts {
+		_ = e.removeTree(filepath.Join(dir, p))
+	}
+}
+
+// composed is a sandbox's root filesystem, ready for the backend.
+type composed struct {
+	// rootfs is the mount point (rootfsDir); with mnt set it stays empty
+	// and the backend attaches mnt there inside the sandbox.
+	rootfs string
+	mnt    *os.File
+}
+
+// composeRootfs makes the runtime's part of the sandbox directory dir (which
+// exists, with its record) for rec: the writable layer (on a disk of its
+// own with rec.Disk), the layers of digests (bottom first) acquired from
+// the node's mounts, their idmapped views with rec.UserNS, and the overlay,
+// as a detached mount when the backend takes one, else mounted at
+// rootfsDir. What it makes is undone by undo: releaseHost first, then the
+// layers are released, so the overlay is gone before the mounts under it.
+// The caller closes mnt once the backend has it.
+func (e *Edge) composeRootfs(dir string, rec *record, digests []string, undo *cleanup.Stack) (composed, error) {
+	var acquired []string
+	undo.Add(func() {
+		if err := releaseHost(dir); err != nil {
+			e.log.Warn("undoing a failed create", "sandbox_id", rec.Sandbox.ID, "err", err)
+		}
+		for _, d := range acquired {
+			_ = e.mounter.Release(d)
+		}
+	})
+	if err := os.Mkdir(rootfsDir(dir), 0o755); err != nil {
+		return composed{}, fmt.Errorf("creating sandbox dir: %w", err)
+	}
+	upper, work := layerDirs(dir, rec.Disk)
+	if rec.Disk {
+		if err := os.Mkdir(filepath.Join(dir, "vol"), 0o755); err != nil {
+			return composed{}, fmt.Errorf("creating sandbox dir: %w", err)
+		}
+		if err := createDisk(dir, rec.Sandbox.Spec.DiskMB); err != nil {
+			return composed{}, err
+		}
+	}
+	for _, d := range []string{upper, work} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			return composed{}, fmt.Errorf("creating sandbox dir: %w", err)
+		}
+	}
+	if rec.UserNS {
+		// The upper's root is the sandbox's "/": its root must own it.
+		base := int(e.cfg.UserNSBase)
+		if err := os.Chown(upper, base, base); err != nil {
+			return composed{}, fmt.Errorf("creating sandbox dir: %w", err)
+		}
+	}
+	lowers := make([]string, len(digests))
+	for i, d := range digests {
+		mp, err := e.mounter.Acquire(d)
+		if err != nil {
+			return composed{}, err // names the layer already
+		}
+		acquired = append(acquired, d)
+		// Overlay wants the topmost lower first.
+		lowers[len(digests)-1-i] = mp
+	}
+	if rec.UserNS {
+		var err error
+		if lowers, err = e.idmapLowers(dir, lowers); err != nil {
+			return composed{}, err
+		}
+	}
+	c := composed{rootfs: rootfsDir(dir)}
+	mnt, err := e.detachedRootfs(lowers, upper, work)
+	if err != nil {
+		return composed{}, err
+	}
+	if mnt != nil {
+		c.mnt = mnt
+		return c, nil
+	}
+	if err := layer.MountOverlay(lowers, upper, work, c.rootfs); err != nil {
+		return composed{}, fmt.Errorf("mounting overlay: %w", err)
+	}
+	return c, nil
+}
