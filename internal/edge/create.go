@@ -120,6 +120,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 		Disk:        spec.DiskMB > 0,
 		UserNS:      spec.UserNS,
 		Pooled:      pooled,
+		Images:      e.takesImages(),
 	}
 	// Admission counts sandboxes holding resources, this one included from
 	// here on. It is visible as "creating" (and its layers as in use) while
@@ -197,7 +198,12 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 	if err := writeRecordSync(dir, &rec, false); err != nil {
 		return nil, err
 	}
-	root, err := e.composeRootfs(dir, &rec, req.Digests, &undo)
+	var root composed
+	if rec.Images {
+		root, err = e.composeImages(ctx, dir, &rec, req.Digests, &undo)
+	} else {
+		root, err = e.composeRootfs(dir, &rec, req.Digests, &undo)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -207,12 +213,15 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 	}
 
 	cfg := sandbox.Config{
-		ID: id, Dir: bundle, Rootfs: root.rootfs, RootfsMount: root.mnt, Hostname: "sandbox",
+		ID: id, Dir: bundle, Rootfs: root.rootfs, RootfsMount: root.mnt, Images: root.images, Upper: root.upper, Hostname: "sandbox",
 		CgroupPath: rec.CgroupPath,
 		Limits: sandbox.Limits{
 			CPU: spec.CPU, MemoryBytes: spec.MemoryMB << 20, Pids: spec.Pids,
 			BestEffort: spec.QoS == "be",
 		},
+	}
+	if rec.Images {
+		cfg.Rootfs = "" // the backend makes it
 	}
 	if e.deps.Net != nil {
 		cfg.ResolvConf = filepath.Join(e.cfg.StateDir, "resolv.conf")
@@ -260,6 +269,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 	}
 	s.mu.Lock()
 	s.rec = rec
+	s.releaseImages = root.release
 	s.mu.Unlock()
 	undo.Release()
 	e.log.Info("sandbox created", "sandbox_id", id, "project", spec.Project, "base", spec.Base, "layers", len(req.Digests), "for_pool", pooled)
@@ -390,9 +400,19 @@ func (e *Edge) teardown(ctx context.Context, s *sbx, remove bool) error {
 		if err := releaseHost(s.dir); err != nil {
 			return err
 		}
-		for _, d := range rec.Digests {
-			if err := e.mounter.Release(d); err != nil {
-				e.log.Warn("releasing layer", "sandbox_id", id, "digest", d, "err", err)
+		if rec.Images {
+			s.mu.Lock()
+			release := s.releaseImages
+			s.releaseImages = nil
+			s.mu.Unlock()
+			if release != nil {
+				release()
+			}
+		} else {
+			for _, d := range rec.Digests {
+				if err := e.mounter.Release(d); err != nil {
+					e.log.Warn("releasing layer", "sandbox_id", id, "digest", d, "err", err)
+				}
 			}
 		}
 		s.mu.Lock()

@@ -192,6 +192,10 @@ func (e *Edge) root(s *sbx) (*files.Root, error) {
 	if s.root != nil {
 		return s.root, nil
 	}
+	if s.rec.Images {
+		return nil, errdefs.Precondition("sandbox %s runs on the %s backend, whose files the node cannot reach from the host: the files API does not serve it",
+			s.rec.Sandbox.ID, e.deps.Backend.Name())
+	}
 	var r *files.Root
 	var err error
 	if s.rec.PrivateRootfs {

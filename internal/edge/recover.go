@@ -56,7 +56,7 @@ func (e *Edge) recover(ctx context.Context) error {
 			continue
 		}
 		status, serr := e.deps.Backend.Status(ctx, id)
-		if serr != nil || !status.Running || !(mounted[rootfsDir(filepath.Join(dir, id))] || rec.PrivateRootfs) {
+		if serr != nil || !status.Running || !(mounted[rootfsDir(filepath.Join(dir, id))] || rec.PrivateRootfs || rec.Images) {
 			statusErr[id] = serr
 			continue
 		}
@@ -87,8 +87,10 @@ func (e *Edge) recover(ctx context.Context) error {
 			continue
 		case holdsResources(st):
 			if live[id] {
-				for _, d := range rec.Digests {
-					refs[d]++
+				if !rec.Images {
+					for _, d := range rec.Digests {
+						refs[d]++
+					}
 				}
 				adopted++
 				break
@@ -123,6 +125,18 @@ func (e *Edge) recover(ctx context.Context) error {
 		s.touch()
 		if live[id] {
 			e.reconcileFreezer(s)
+			if rec.Images {
+				// The backend holds the images again: so does the edge.
+				var releases []func()
+				if _, err := e.openImages(ctx, rec.Digests, &releases); err != nil {
+					e.log.Warn("reopening the layer images of an adopted sandbox", "sandbox_id", id, "err", err)
+				}
+				s.releaseImages = func() {
+					for _, r := range releases {
+						r()
+					}
+				}
+			}
 		}
 		e.mu.Lock()
 		e.sandboxes[id] = s

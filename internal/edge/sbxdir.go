@@ -1,12 +1,15 @@
 package edge
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
 
 	"github.com/dsecproject/dsec/internal/cleanup"
+	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
 // A sandbox's directory on the node, <state dir>/sandboxes/<id>. This file
@@ -24,7 +27,9 @@ import (
 //	bundle/         the OCI bundle while a runtime starts the sandbox
 //
 // Everything but the record and the command log is the runtime's part:
-// composeRootfs makes it, releaseHost undoes its mounts and clearRuntime
+// composeRootfs makes it (composeImages, for a backend that makes the
+// rootfs itself from the layer images: only the writable layer's
+// directory), releaseHost undoes its mounts and clearRuntime
 // removes it. Every path that ends a sandbox's runtime (a failed create,
 // teardown, recovery of a sandbox that died, reaping a directory) goes
 // through releaseHost, which is idempotent.
@@ -71,6 +76,95 @@ type composed struct {
 	// and the backend attaches mnt there inside the sandbox.
 	rootfs string
 	mnt    *os.File
+	// images and upper are what a LayerImages backend gets instead, and
+	// release gives the images back.
+	images  []string
+	upper   string
+	release func()
+}
+
+// takesImages reports whether the backend makes rootfs itself from the
+// layer images (sandbox.LayerImages).
+func (e *Edge) takesImages() bool {
+	b, ok := e.deps.Backend.(sandbox.LayerImages)
+	return ok && b.TakesLayerImages()
+}
+
+// makeWritable makes the sandbox's writable layer: upper and work dirs, on
+// a disk of its own with rec.Disk (undone by releaseHost).
+func (e *Edge) makeWritable(dir string, rec *record) (upper, work string, err error) {
+	upper, work = layerDirs(dir, rec.Disk)
+	if rec.Disk {
+		if err := os.Mkdir(filepath.Join(dir, "vol"), 0o755); err != nil {
+			return "", "", fmt.Errorf("creating sandbox dir: %w", err)
+		}
+		if err := createDisk(dir, rec.Sandbox.Spec.DiskMB); err != nil {
+			return "", "", err
+		}
+	}
+	for _, d := range []string{upper, work} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			return "", "", fmt.Errorf("creating sandbox dir: %w", err)
+		}
+	}
+	if rec.UserNS {
+		// The upper's root is the sandbox's "/": its root must own it.
+		base := int(e.cfg.UserNSBase)
+		if err := os.Chown(upper, base, base); err != nil {
+			return "", "", fmt.Errorf("creating sandbox dir: %w", err)
+		}
+	}
+	return upper, work, nil
+}
+
+// composeImages is composeRootfs for a LayerImages backend: the writable
+// layer's directory and the layer images, opened from the node's layer
+// source (held until c.release) rather than mounted.
+func (e *Edge) composeImages(ctx context.Context, dir string, rec *record, digests []string, undo *cleanup.Stack) (composed, error) {
+	var releases []func()
+	c := composed{release: func() {
+		for _, r := range releases {
+			r()
+		}
+	}}
+	undo.Add(func() {
+		if err := releaseHost(dir); err != nil {
+			e.log.Warn("undoing a failed create", "sandbox_id", rec.Sandbox.ID, "err", err)
+		}
+		c.release()
+	})
+	if err := os.Mkdir(rootfsDir(dir), 0o755); err != nil {
+		return composed{}, fmt.Errorf("creating sandbox dir: %w", err)
+	}
+	upper, _, err := e.makeWritable(dir, rec)
+	if err != nil {
+		return composed{}, err
+	}
+	c.upper = upper
+	images, err := e.openImages(ctx, digests, &releases)
+	if err != nil {
+		return composed{}, err
+	}
+	c.images = images
+	return c, nil
+}
+
+// openImages opens the layer images of digests, bottom first, adding what
+// gives each back to releases.
+func (e *Edge) openImages(ctx context.Context, digests []string, releases *[]func()) ([]string, error) {
+	if e.deps.Blobs == nil {
+		return nil, errdefs.Unavailable("node %s has no layer source", e.cfg.Name)
+	}
+	images := make([]string, len(digests))
+	for i, d := range digests {
+		p, release, err := e.deps.Blobs.Open(ctx, d)
+		if err != nil {
+			return nil, fmt.Errorf("opening layer %s: %w", d, err)
+		}
+		*releases = append(*releases, release)
+		images[i] = p
+	}
+	return images, nil
 }
 
 // composeRootfs makes the runtime's part of the sandbox directory dir (which
@@ -94,26 +188,9 @@ func (e *Edge) composeRootfs(dir string, rec *record, digests []string, undo *cl
 	if err := os.Mkdir(rootfsDir(dir), 0o755); err != nil {
 		return composed{}, fmt.Errorf("creating sandbox dir: %w", err)
 	}
-	upper, work := layerDirs(dir, rec.Disk)
-	if rec.Disk {
-		if err := os.Mkdir(filepath.Join(dir, "vol"), 0o755); err != nil {
-			return composed{}, fmt.Errorf("creating sandbox dir: %w", err)
-		}
-		if err := createDisk(dir, rec.Sandbox.Spec.DiskMB); err != nil {
-			return composed{}, err
-		}
-	}
-	for _, d := range []string{upper, work} {
-		if err := os.Mkdir(d, 0o755); err != nil {
-			return composed{}, fmt.Errorf("creating sandbox dir: %w", err)
-		}
-	}
-	if rec.UserNS {
-		// The upper's root is the sandbox's "/": its root must own it.
-		base := int(e.cfg.UserNSBase)
-		if err := os.Chown(upper, base, base); err != nil {
-			return composed{}, fmt.Errorf("creating sandbox dir: %w", err)
-		}
+	upper, work, err := e.makeWritable(dir, rec)
+	if err != nil {
+		return composed{}, err
 	}
 	lowers := make([]string, len(digests))
 	for i, d := range digests {
@@ -126,7 +203,6 @@ func (e *Edge) composeRootfs(dir string, rec *record, digests []string, undo *cl
 		lowers[len(digests)-1-i] = mp
 	}
 	if rec.UserNS {
-		var err error
 		if lowers, err = e.idmapLowers(dir, lowers); err != nil {
 			return composed{}, err
 		}

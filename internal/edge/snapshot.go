@@ -76,6 +76,11 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOption
 	default:
 		return nil, errdefs.Precondition("sandbox %s is %s; only a running or paused sandbox can be snapshotted", id, rec.Sandbox.State)
 	}
+	if rec.Images {
+		// Its writable layer is the backend's, in a form of its own.
+		return nil, errdefs.Precondition("sandbox %s runs on the %s backend, whose writable layer the node cannot pack: snapshots do not serve it",
+			id, e.deps.Backend.Name())
+	}
 	// The layers above base, workspace and toolkits are the snapshot
 	// layers the sandbox was started on.
 	spec := rec.Sandbox.Spec

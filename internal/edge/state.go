@@ -43,6 +43,10 @@ type record struct {
 	// host at <dir>/rootfs: it goes away with the sandbox's processes, and
 	// the files API reaches it through /proc/<init>/root.
 	PrivateRootfs bool `json:"private_rootfs,omitempty"`
+	// Images is set when the backend took the layer images and made the
+	// rootfs itself (sandbox.LayerImages): nothing of it is mounted on the
+	// host, and the host has no view of its files.
+	Images bool `json:"images,omitempty"`
 	// Net is the sandbox's veth slot, once its policy let something out.
 	Net *netpolicy.Attachment `json:"net,omitempty"`
 	// DefaultUser is the identity of the spec's user, resolved against the
@@ -67,10 +71,13 @@ type sbx struct {
 	// resources (stop by the reaper, delete); it is held across them.
 	life sync.Mutex
 
-	mu       sync.Mutex
-	rec      record
-	root     *files.Root // opened lazily on the rootfs
-	sessions map[string]*session
+	mu   sync.Mutex
+	rec  record
+	root *files.Root // opened lazily on the rootfs
+	// releaseImages gives back the layer images a LayerImages backend
+	// holds (record.Images); nil otherwise.
+	releaseImages func()
+	sessions      map[string]*session
 	// procs are the sandbox's processes by pid (process.go); procSeq
 	// numbers those whose pid could not be read.
 	procs   map[int]*mproc

@@ -96,6 +96,9 @@ func (e *Edge) checkUserNS(want bool) error {
 	if e.cfg.UserNSBase == 0 {
 		return errdefs.Precondition("node %s does not run user-namespace sandboxes (dsec up --userns-base 0); omit userns", e.cfg.Name)
 	}
+	if e.takesImages() {
+		return errdefs.Precondition("node %s's %s backend makes its sandboxes' root filesystems itself: userns (idmapped layers over the host's overlay) does not apply; omit it", e.cfg.Name, e.deps.Backend.Name())
+	}
 	if e.usernsBroken != nil {
 		return errdefs.Precondition("node %s cannot run user-namespace sandboxes: %v", e.cfg.Name, e.usernsBroken)
 	}

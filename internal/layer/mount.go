@@ -356,8 +356,10 @@ func unmountAll(target string) error {
 			err = unix.Unmount(target, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW)
 		}
 		switch {
-		case errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOENT):
-			// Not a mountpoint (any more), or gone.
+		case errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOENT), errors.Is(err, unix.EPERM):
+			// Not a mountpoint (any more), or gone; or not ours to
+			// unmount (no CAP_SYS_ADMIN), which is only an error if
+			// something is mounted there.
 			mounted, merr := isMountRoot(target)
 			if merr != nil {
 				return merr

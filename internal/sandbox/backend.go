@@ -62,7 +62,12 @@ type Config struct {
 	// overlay; it goes away with them. Only backends that implement
 	// DetachedRootfs get one; the caller closes it after Create.
 	RootfsMount *os.File
-	Hostname    string
+	// Images are the layer images, bottom first, and Upper an empty
+	// directory for the writable layer, for backends that implement
+	// LayerImages (Rootfs is then unset).
+	Images   []string
+	Upper    string
+	Hostname string
 	// CgroupPath is the cgroup of the sandbox relative to the hierarchy
 	// roots, e.g. "/dsec/sb-node1-abc".
 	CgroupPath string
@@ -143,4 +148,15 @@ type Pinner interface {
 // detached mount (Config.RootfsMount).
 type DetachedRootfs interface {
 	TakesDetachedRootfs() bool
+}
+
+// LayerImages is implemented by backends that make a sandbox's root
+// filesystem themselves from the layer images, as a microVM does with
+// disks (and a simulated backend does with nothing). The edge then mounts
+// no layer and composes no overlay: Config.Images and Config.Upper stand
+// in for Config.Rootfs, and the host has no view of the sandbox's files
+// (the files API and snapshots, which read the rootfs from the host, are
+// refused for such sandboxes).
+type LayerImages interface {
+	TakesLayerImages() bool
 }
