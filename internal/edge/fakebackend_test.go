@@ -128,6 +128,22 @@ func TestEdgeLifecycleWithoutRoot(t *testing.T) {
 	if held := src.held(); held != 6 {
 		t.Fatalf("%d images held, want 6 (two per sandbox)", held)
 	}
+	// Pause and resume go to the backend (there are no cgroups here).
+	if n, err := e.PauseByLabels(ctx, map[string]string{"job": "j1"}); err != nil || n != 3 {
+		t.Fatalf("pausing the job: %d, %v; want 3", n, err)
+	}
+	if got, _ := b.Get(ids[0]); !got.Paused {
+		t.Fatal("the backend was not asked to pause")
+	}
+	if sb, _ := e.Get(ctx, ids[0]); sb.State != api.StatePaused {
+		t.Fatalf("paused sandbox is %s", sb.State)
+	}
+	if n, err := e.ResumeByLabels(ctx, map[string]string{"job": "j1"}); err != nil || n != 3 {
+		t.Fatalf("resuming the job: %d, %v; want 3", n, err)
+	}
+	if got, _ := b.Get(ids[0]); got.Paused {
+		t.Fatal("the backend was not asked to resume")
+	}
 	// What the host cannot see of such a sandbox is refused, not faked.
 	if _, _, err := e.ReadFile(ctx, ids[0], "/etc/hostname"); !errors.Is(err, errdefs.ErrPrecondition) {
 		t.Fatalf("reading a file: %v, want failed_precondition", err)

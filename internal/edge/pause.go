@@ -8,6 +8,7 @@ import (
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
 // Pause freezes a running sandbox (cgroup freezer, v1 or v2) and then
@@ -20,7 +21,8 @@ func (e *Edge) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
 	if err != nil {
 		return nil, err
 	}
-	if e.deps.Cgroups == nil {
+	pauser, byBackend := e.deps.Backend.(sandbox.Pauser)
+	if !byBackend && e.deps.Cgroups == nil {
 		return nil, errdefs.Precondition("pause needs cgroups, which this edge runs without")
 	}
 	start := time.Now()
@@ -36,17 +38,25 @@ func (e *Edge) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
 	default:
 		return nil, errdefs.Precondition("sandbox %s is %s; only a running sandbox can be paused", id, state)
 	}
-	if err := e.deps.Cgroups.Freeze(ctx, cg); err != nil {
-		return nil, err
-	}
 	res := &api.PauseResult{}
-	rec, err := e.deps.Cgroups.Reclaim(cg)
-	if err != nil {
-		// The sandbox is paused all the same; it just keeps its memory.
-		e.log.Warn("reclaiming memory of paused sandbox", "sandbox_id", id, "err", err)
+	thaw := func() { _ = e.deps.Cgroups.Thaw(cg) }
+	if byBackend {
+		if err := pauser.Pause(ctx, id); err != nil {
+			return nil, err
+		}
+		thaw = func() { _ = pauser.Resume(context.Background(), id) }
 	} else {
-		res.MemoryBeforeBytes, res.MemoryAfterBytes, res.MemoryFreedBytes = rec.BeforeBytes, rec.AfterBytes, rec.Freed()
-		res.ReclaimMethod = rec.Method
+		if err := e.deps.Cgroups.Freeze(ctx, cg); err != nil {
+			return nil, err
+		}
+		rec, err := e.deps.Cgroups.Reclaim(cg)
+		if err != nil {
+			// The sandbox is paused all the same; it just keeps its memory.
+			e.log.Warn("reclaiming memory of paused sandbox", "sandbox_id", id, "err", err)
+		} else {
+			res.MemoryBeforeBytes, res.MemoryAfterBytes, res.MemoryFreedBytes = rec.BeforeBytes, rec.AfterBytes, rec.Freed()
+			res.ReclaimMethod = rec.Method
+		}
 	}
 	now := time.Now().UTC()
 	s.mu.Lock()
@@ -56,7 +66,7 @@ func (e *Edge) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
 	s.mu.Unlock()
 	if err != nil {
 		// Keep memory and disk in agreement: undo the freeze.
-		_ = e.deps.Cgroups.Thaw(cg)
+		thaw()
 		s.mu.Lock()
 		s.rec.Sandbox.State, s.rec.Sandbox.PausedAt = api.StateRunning, nil
 		s.mu.Unlock()
@@ -95,14 +105,25 @@ func (e *Edge) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
 	default:
 		return nil, errdefs.Precondition("sandbox %s is %s; only a paused sandbox can be resumed", id, state)
 	}
-	// Start reading back the reclaimed file pages before the processes run
-	// again, so they do not fault their working set in one page at a time.
-	ranges, perr := e.deps.Cgroups.Prefetch(cg)
-	if perr != nil {
-		e.log.Debug("prefetching before resume", "sandbox_id", id, "err", perr)
-	}
-	if err := e.deps.Cgroups.Thaw(cg); err != nil {
-		return nil, err
+	ranges := 0
+	if pauser, ok := e.deps.Backend.(sandbox.Pauser); ok {
+		if err := pauser.Resume(ctx, id); err != nil {
+			return nil, err
+		}
+	} else {
+		if e.deps.Cgroups == nil {
+			return nil, errdefs.Precondition("resume needs cgroups, which this edge runs without")
+		}
+		// Start reading back the reclaimed file pages before the
+		// processes run again, so they do not fault their working set
+		// in one page at a time.
+		var perr error
+		if ranges, perr = e.deps.Cgroups.Prefetch(cg); perr != nil {
+			e.log.Debug("prefetching before resume", "sandbox_id", id, "err", perr)
+		}
+		if err := e.deps.Cgroups.Thaw(cg); err != nil {
+			return nil, err
+		}
 	}
 	now := time.Now().UTC()
 	s.mu.Lock()

@@ -150,6 +150,15 @@ type DetachedRootfs interface {
 	TakesDetachedRootfs() bool
 }
 
+// Pauser is implemented by backends that pause and resume sandboxes
+// themselves (a VM's own pause, a simulated runtime) rather than by the
+// edge freezing the sandbox's cgroup. Pause of a paused sandbox and
+// Resume of a running one succeed and do nothing.
+type Pauser interface {
+	Pause(ctx context.Context, id string) error
+	Resume(ctx context.Context, id string) error
+}
+
 // LayerImages is implemented by backends that make a sandbox's root
 // filesystem themselves from the layer images, as a microVM does with
 // disks (and a simulated backend does with nothing). The edge then mounts

@@ -13,9 +13,12 @@ package fake
 import (
 	"context"
 	"fmt"
+	"math"
+	"math/rand/v2"
 	"os"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/sandbox"
@@ -23,7 +26,8 @@ import (
 
 // Backend is the fake backend. Its zero value is not usable: use New.
 type Backend struct {
-	name string
+	name    string
+	latency Latency
 
 	mu        sync.Mutex
 	sandboxes map[string]*Sandbox
@@ -34,17 +38,66 @@ type Backend struct {
 type Sandbox struct {
 	Config  sandbox.Config
 	Running bool
+	Paused  bool
+}
+
+// Latency is how long each operation takes, as a real runtime's would.
+// The zero value takes no time.
+type Latency struct {
+	Create, Exec, Destroy, Pause, Resume Dist
+}
+
+// Dist is a log-normal distribution of durations given by its median and
+// its 99th percentile (P99 ≤ Median: always the median). The zero value
+// is no time.
+type Dist struct {
+	Median, P99 time.Duration
+}
+
+// z99 is the standard normal's 99th percentile.
+const z99 = 2.3263
+
+// Sample draws one duration.
+func (d Dist) Sample() time.Duration {
+	if d.Median <= 0 {
+		return 0
+	}
+	if d.P99 <= d.Median {
+		return d.Median
+	}
+	sigma := math.Log(float64(d.P99)/float64(d.Median)) / z99
+	return time.Duration(float64(d.Median) * math.Exp(sigma*rand.NormFloat64()))
+}
+
+// wait takes a sample of d, or less if ctx ends first.
+func wait(ctx context.Context, d Dist) error {
+	t := d.Sample()
+	if t <= 0 {
+		return ctx.Err()
+	}
+	timer := time.NewTimer(t)
+	defer timer.Stop()
+	select {
+	case <-timer.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // New returns an empty backend that calls itself name (the API's backend
-// name it stands in for, e.g. "container").
-func New(name string) *Backend {
-	return &Backend{name: name, sandboxes: map[string]*Sandbox{}}
+// name it stands in for, e.g. "container") and takes no time.
+func New(name string) *Backend { return NewWithLatency(name, Latency{}) }
+
+// NewWithLatency is New with operations that take time drawn from l.
+func NewWithLatency(name string, l Latency) *Backend {
+	return &Backend{name: name, latency: l, sandboxes: map[string]*Sandbox{}}
 }
 
 var (
 	_ sandbox.Backend     = (*Backend)(nil)
 	_ sandbox.LayerImages = (*Backend)(nil)
+	_ sandbox.Pauser      = (*Backend)(nil)
 )
 
 // Name implements sandbox.Backend.
@@ -56,7 +109,7 @@ func (b *Backend) TakesLayerImages() bool { return true }
 // Create implements sandbox.Backend. The layer images must exist and the
 // writable layer's directory too, as a backend that used them would need.
 func (b *Backend) Create(ctx context.Context, cfg sandbox.Config) error {
-	if err := ctx.Err(); err != nil {
+	if err := wait(ctx, b.latency.Create); err != nil {
 		return err
 	}
 	b.mu.Lock()
@@ -84,25 +137,73 @@ func (b *Backend) Create(ctx context.Context, cfg sandbox.Config) error {
 // at once with no output.
 func (b *Backend) Exec(ctx context.Context, id string, p sandbox.Process) (sandbox.Proc, error) {
 	b.mu.Lock()
-	defer b.mu.Unlock()
 	s, ok := b.sandboxes[id]
-	if !ok || !s.Running {
-		return nil, errdefs.NotFound("sandbox %s is not running", id)
+	running := ok && s.Running && !s.Paused
+	b.mu.Unlock()
+	if !running {
+		return nil, errdefs.Precondition("sandbox %s is not running", id)
 	}
 	if len(p.Args) == 0 {
 		return nil, errdefs.Invalid("no command")
 	}
-	return done{}, nil
+	return &proc{d: b.latency.Exec.Sample(), done: make(chan struct{})}, nil
 }
 
-type done struct{}
+// proc is a simulated process: it exits 0 after its duration, or 137
+// when killed.
+type proc struct {
+	d    time.Duration
+	once sync.Once
+	done chan struct{}
+	code int
+}
 
-func (done) Wait() (int, error) { return 0, nil }
-func (done) Kill() error        { return nil }
-func (done) Pid() int           { return 0 }
+func (p *proc) Wait() (int, error) {
+	t := time.NewTimer(p.d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		p.once.Do(func() { close(p.done) })
+	case <-p.done:
+	}
+	return p.code, nil
+}
+
+func (p *proc) Kill() error {
+	p.once.Do(func() { p.code = 137; close(p.done) })
+	return nil
+}
+
+func (p *proc) Pid() int { return 0 }
+
+// Pause implements sandbox.Pauser.
+func (b *Backend) Pause(ctx context.Context, id string) error {
+	return b.setPaused(ctx, id, true, b.latency.Pause)
+}
+
+// Resume implements sandbox.Pauser.
+func (b *Backend) Resume(ctx context.Context, id string) error {
+	return b.setPaused(ctx, id, false, b.latency.Resume)
+}
+
+func (b *Backend) setPaused(ctx context.Context, id string, paused bool, d Dist) error {
+	if err := wait(ctx, d); err != nil {
+		return err
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	s, ok := b.sandboxes[id]
+	if !ok || !s.Running {
+		return errdefs.Precondition("sandbox %s is not running", id)
+	}
+	s.Paused = paused
+	return nil
+}
 
 // Destroy implements sandbox.Backend.
 func (b *Backend) Destroy(ctx context.Context, id string) error {
+	// Not cut short: a destroy that was asked for happens.
+	_ = wait(context.Background(), b.latency.Destroy)
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	delete(b.sandboxes, id)
@@ -153,7 +254,7 @@ func (b *Backend) Stop(id string) {
 	}
 }
 
-// Adopt records a sandbox the backend knows nothing of the edge about (an
+// Adopt gives the backend a running sandbox the edge knows nothing of (an
 // orphan a crashed edge left in the runtime).
 func (b *Backend) Adopt(id string) {
 	b.mu.Lock()
