@@ -150,6 +150,14 @@ func (e *Edge) process(s *sbx, user, cwd string, env map[string]string) (sandbox
 	if cwd == "" {
 		cwd = spec.Workdir
 	}
+	s.mu.Lock()
+	images := s.rec.Images
+	s.mu.Unlock()
+	if images {
+		// The node cannot read this sandbox's /etc/passwd: the backend
+		// resolves the user inside it.
+		return sandbox.Process{Env: envList(nil, spec.Env, env), Cwd: filepath.Clean(cwd), User: user}, nil
+	}
 	root, err := e.root(s)
 	if err != nil {
 		return sandbox.Process{}, err
@@ -163,26 +171,32 @@ func (e *Edge) process(s *sbx, user, cwd string, env map[string]string) (sandbox
 	if err != nil {
 		return sandbox.Process{}, err
 	}
-	merged := map[string]string{"HOME": u.home, "USER": u.name}
+	base := map[string]string{"HOME": u.home, "USER": u.name}
 	if u.name == "" {
-		delete(merged, "USER")
+		delete(base, "USER")
 	}
-	for k, v := range spec.Env {
-		merged[k] = v
-	}
-	for k, v := range env {
-		merged[k] = v
+	return sandbox.Process{Env: envList(base, spec.Env, env), Cwd: filepath.Clean(cwd), UID: u.uid, GID: u.gid}, nil
+}
+
+// envList merges environments, later ones winning, into sorted KEY=VALUE
+// pairs.
+func envList(envs ...map[string]string) []string {
+	merged := map[string]string{}
+	for _, e := range envs {
+		for k, v := range e {
+			merged[k] = v
+		}
 	}
 	keys := make([]string, 0, len(merged))
 	for k := range merged {
 		keys = append(keys, k)
 	}
 	sort.Strings(keys)
-	envList := make([]string, 0, len(keys))
+	out := make([]string, 0, len(keys))
 	for _, k := range keys {
-		envList = append(envList, k+"="+merged[k])
+		out = append(out, k+"="+merged[k])
 	}
-	return sandbox.Process{Env: envList, Cwd: filepath.Clean(cwd), UID: u.uid, GID: u.gid}, nil
+	return out
 }
 
 // root returns the sandbox's rootfs opened for confined file access.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -143,6 +144,16 @@ func TestEdgeLifecycleWithoutRoot(t *testing.T) {
 	}
 	if got, _ := b.Get(ids[0]); got.Paused {
 		t.Fatal("the backend was not asked to resume")
+	}
+	// Commands go to the backend with the user unresolved: the node cannot
+	// read the sandbox's /etc/passwd, the backend resolves it inside.
+	res, err := e.Exec(ctx, ids[0], api.ExecRequest{Argv: []string{"true"}, User: "agent", Env: map[string]string{"A": "1"}}, nil)
+	if err != nil || res.ExitCode != 0 {
+		t.Fatalf("exec: %+v, %v; want exit 0", res, err)
+	}
+	if got, _ := b.Get(ids[0]); got.Execs != 1 || got.LastExec.User != "agent" || got.LastExec.UID != 0 ||
+		!slices.Contains(got.LastExec.Env, "A=1") || slices.ContainsFunc(got.LastExec.Env, func(v string) bool { return strings.HasPrefix(v, "HOME=") }) {
+		t.Fatalf("the backend got %d execs, the last %+v; want one as user agent with A=1 and no HOME set by the node", got.Execs, got.LastExec)
 	}
 	// What the host cannot see of such a sandbox is refused, not faked.
 	if _, _, err := e.ReadFile(ctx, ids[0], "/etc/hostname"); !errors.Is(err, errdefs.ErrPrecondition) {

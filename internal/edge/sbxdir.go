@@ -133,9 +133,6 @@ func (e *Edge) composeImages(ctx context.Context, dir string, rec *record, diges
 		}
 		c.release()
 	})
-	if err := os.Mkdir(rootfsDir(dir), 0o755); err != nil {
-		return composed{}, fmt.Errorf("creating sandbox dir: %w", err)
-	}
 	upper, _, err := e.makeWritable(dir, rec)
 	if err != nil {
 		return composed{}, err

@@ -105,6 +105,11 @@ type Process struct {
 	Cwd  string
 	UID  uint32
 	GID  uint32
+	// User is set instead of UID and GID for a LayerImages backend, whose
+	// files the node cannot read: the user as the caller gave it (a name,
+	// uid or uid:gid; "" for the image's default), resolved by the backend
+	// inside the sandbox, which also sets HOME and USER.
+	User string
 	// AdditionalGIDs are supplementary groups.
 	AdditionalGIDs []uint32
 	Stdin          io.Reader

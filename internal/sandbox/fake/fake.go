@@ -39,6 +39,10 @@ type Sandbox struct {
 	Config  sandbox.Config
 	Running bool
 	Paused  bool
+	// Execs counts the processes started in it; LastExec is the latest
+	// (its streams dropped).
+	Execs    int
+	LastExec sandbox.Process
 }
 
 // Latency is how long each operation takes, as a real runtime's would.
@@ -136,15 +140,20 @@ func (b *Backend) Create(ctx context.Context, cfg sandbox.Config) error {
 // Exec implements sandbox.Backend: nothing runs; the "process" exits 0
 // at once with no output.
 func (b *Backend) Exec(ctx context.Context, id string, p sandbox.Process) (sandbox.Proc, error) {
+	if len(p.Args) == 0 {
+		return nil, errdefs.Invalid("no command")
+	}
 	b.mu.Lock()
 	s, ok := b.sandboxes[id]
 	running := ok && s.Running && !s.Paused
+	if running {
+		s.Execs++
+		s.LastExec = p
+		s.LastExec.Stdin, s.LastExec.Stdout, s.LastExec.Stderr = nil, nil, nil
+	}
 	b.mu.Unlock()
 	if !running {
 		return nil, errdefs.Precondition("sandbox %s is not running", id)
-	}
-	if len(p.Args) == 0 {
-		return nil, errdefs.Invalid("no command")
 	}
 	return &proc{d: b.latency.Exec.Sample(), done: make(chan struct{})}, nil
 }
