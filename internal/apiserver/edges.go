@@ -76,11 +76,16 @@ const fanOutParallel = 32
 // the caller can say what its answer leaves out. Any other error of fn is
 // returned (the first one).
 func (s *Server) fanOut(ctx context.Context, fn func(ctx context.Context, e edgeapi.Edge) error) (skipped []string, err error) {
+	return s.fanOutTo(ctx, s.deps.Nodes.Edges(), fn)
+}
+
+// fanOutTo is fanOut over the edges given.
+func (s *Server) fanOutTo(ctx context.Context, targets []watcher.Target, fn func(ctx context.Context, e edgeapi.Edge) error) (skipped []string, err error) {
 	var mu sync.Mutex
 	var first error
 	sem := make(chan struct{}, fanOutParallel)
 	var wg sync.WaitGroup
-	for _, t := range s.deps.Nodes.Edges() {
+	for _, t := range targets {
 		if t.Down {
 			skipped = append(skipped, t.Name)
 			continue

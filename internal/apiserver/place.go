@@ -132,9 +132,10 @@ func (s *Server) pick(req placement.Request) (node string, undo func(), err erro
 	s.pickMu.Lock()
 	defer s.pickMu.Unlock()
 	cands := make([]placement.Candidate, len(snap))
-	for i, v := range snap {
+	for i := range snap {
+		v := &snap[i]
 		n, nj, no := s.inflight.since(v.Name, req.Job, req.Dedicated, v.PolledAt)
-		cands[i] = placement.Candidate{Node: v.Node, InFlight: n, InFlightJob: nj, InFlightOther: no}
+		cands[i] = placement.Candidate{Node: &v.Node, InFlight: n, InFlightJob: nj, InFlightOther: no}
 	}
 	node, err = placement.Pick(cands, req, s.deps.Placement, nil)
 	var nn *placement.NoNode

@@ -14,6 +14,7 @@ import (
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/sandbox"
+	"github.com/dsecproject/dsec/internal/watcher"
 )
 
 // maxBatch bounds one batch create.
@@ -295,17 +296,26 @@ func pageAfter(name, tok string) (string, error) {
 // id after, at most limit of them (0: all). more says whether another
 // page follows; skipped are the nodes that could not be asked (their
 // sandboxes are left out).
+//
+// An id names its node (sb-NODE-RANDOM, and the apiserver routes by it),
+// so a node's ids all sort at or after "sb-NODE-": a page is filled from
+// the nodes in that order, a wave of them at a time (the first of
+// pageWave, the next as many as the page still needs at the rate the
+// nodes asked so far gave), and the nodes whose ids all sort after a full
+// page's last are not asked. A job spread over
+// every node is then listed a few nodes per page, not all of them (each
+// sending a page's worth) for every page.
 func (s *Server) listPage(ctx context.Context, states []string, sel map[string]string, after string, limit int) (page []api.Sandbox, more bool, skipped []string, err error) {
-	// Each edge returns its first limit+1 after the token, per state:
-	// enough to fill the page and to tell whether there is more. The
-	// token is an id, so it pages the same on any apiserver, across nodes.
+	// Each edge asked returns its first limit+1 after the token, per
+	// state: enough to fill the page and to tell whether there is more.
+	// The token is an id, so it pages the same on any apiserver.
 	n := 0
 	if limit > 0 {
 		n = limit + 1
 	}
 	var mu sync.Mutex
 	var all []api.Sandbox
-	skipped, err = s.fanOut(ctx, func(ctx context.Context, e edgeapi.Edge) error {
+	list := func(ctx context.Context, e edgeapi.Edge) error {
 		for _, st := range states {
 			l, err := e.List(ctx, edgeapi.ListFilter{State: st, Labels: sel, After: after, Limit: n})
 			mu.Lock()
@@ -316,9 +326,58 @@ func (s *Server) listPage(ctx context.Context, states []string, sel map[string]s
 			}
 		}
 		return nil
-	})
-	if err != nil {
-		return nil, false, nil, err
+	}
+	targets := s.deps.Nodes.Edges()
+	if limit == 0 {
+		if skipped, err = s.fanOutTo(ctx, targets, list); err != nil {
+			return nil, false, nil, err
+		}
+	} else {
+		// In the order of the ids they can hold; those whose ids all sort
+		// before the token have nothing for this page.
+		type ranged struct {
+			t      watcher.Target
+			lo, hi string
+		}
+		var order []ranged
+		for _, t := range targets {
+			lo := "sb-" + t.Name + "-"
+			if hi := lo + "\x7f"; hi > after { // id characters are ASCII
+				order = append(order, ranged{t, lo, hi})
+			}
+		}
+		sort.Slice(order, func(i, j int) bool { return order[i].lo < order[j].lo })
+		wave, asked := pageWave, 0
+		for len(order) > 0 {
+			w := order[:min(wave, len(order))]
+			order = order[len(w):]
+			ts := make([]watcher.Target, len(w))
+			for i, r := range w {
+				ts[i] = r.t
+			}
+			sk, err := s.fanOutTo(ctx, ts, list)
+			skipped = append(skipped, sk...)
+			if err != nil {
+				return nil, false, nil, err
+			}
+			if len(order) == 0 {
+				break
+			}
+			sort.Slice(all, func(i, j int) bool { return all[i].ID < all[j].ID })
+			start := sort.Search(len(all), func(i int) bool { return all[i].ID > after })
+			if len(all)-start > limit && all[start+limit].ID < order[0].lo {
+				break // the page and the next one's first are known: no node left can change them
+			}
+			// The next wave: as many nodes as the ones asked so far say
+			// the rest of the page needs, and one more.
+			asked += len(w)
+			if have := len(all) - start; have > 0 {
+				wave = max(1, (limit+1-have)*asked/have+1)
+			} else {
+				wave *= 4
+			}
+		}
+		sort.Strings(skipped)
 	}
 	sort.Slice(all, func(i, j int) bool { return all[i].ID < all[j].ID })
 	// An edge client that ignores After still pages right.
@@ -329,6 +388,10 @@ func (s *Server) listPage(ctx context.Context, states []string, sel map[string]s
 	}
 	return page, more, skipped, nil
 }
+
+// pageWave is how many nodes a page of a listing asks first. A variable
+// for tests.
+var pageWave = 2
 
 func (s *Server) deleteSandbox(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")

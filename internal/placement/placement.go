@@ -47,7 +47,9 @@ type Config struct {
 // Candidate is a node as placement sees it: the watcher's view and the
 // placements this apiserver made since that view was polled.
 type Candidate struct {
-	api.Node
+	// *api.Node: the watcher's shared view, read only (a copy per node
+	// for every create would cost more than the pick).
+	*api.Node
 	InFlight int
 	// InFlightJob is how many of InFlight carry the request's job label.
 	InFlightJob int
@@ -79,14 +81,14 @@ type Request struct {
 
 // Load is the number of sandboxes holding resources on n, as the view has
 // it (pooled sandboxes give way to real ones, so they do not count).
-func Load(n api.Node) int {
+func Load(n *api.Node) int {
 	return n.Counts[api.StateRunning] + n.Counts[api.StatePaused] + n.Counts[api.StateCreating]
 }
 
-func (c Candidate) load() int { return Load(c.Node) + c.InFlight }
+func (c *Candidate) load() int { return Load(c.Node) + c.InFlight }
 
 // utilization is load over capacity, 0 for a node without a limit.
-func (c Candidate) utilization() float64 {
+func (c *Candidate) utilization() float64 {
 	if c.Capacity.MaxSandboxes <= 0 {
 		return 0
 	}
@@ -140,8 +142,11 @@ func Pick(nodes []Candidate, req Request, cfg Config, rng *rand.Rand) (string, e
 		k = DefaultK
 	}
 	why := map[string]int{}
-	var regular, overflow []Candidate
-	for _, n := range nodes {
+	// Pointers into nodes: a Candidate is large, and this runs for every
+	// create over every node.
+	var regular, overflow []*Candidate
+	for i := range nodes {
+		n := &nodes[i]
 		r := leftOut(n, req)
 		if r != "" {
 			why[r]++
@@ -192,7 +197,7 @@ func Pick(nodes []Candidate, req Request, cfg Config, rng *rand.Rand) (string, e
 }
 
 // leftOut says why n cannot take req ("" if it can).
-func leftOut(n Candidate, req Request) string {
+func leftOut(n *Candidate, req Request) string {
 	switch {
 	case req.Exclude[n.Name]:
 		return ReasonTried
@@ -213,7 +218,7 @@ func leftOut(n Candidate, req Request) string {
 // tenancyFits reports whether n may take a sandbox of req's tenancy
 // (dedicated nodes): the node holds and is being given sandboxes of that
 // tenancy only, or, for a dedicated project, nothing at all.
-func tenancyFits(n Candidate, req Request) bool {
+func tenancyFits(n *Candidate, req Request) bool {
 	if n.InFlightOther > 0 {
 		return false
 	}
@@ -233,7 +238,7 @@ func selects(sel, labels map[string]string) bool {
 }
 
 // better reports whether a should win over b for req.
-func better(a, b Candidate, req Request) bool {
+func better(a, b *Candidate, req Request) bool {
 	// A dedicated project fills the nodes it holds before it takes an
 	// empty one: every node it takes is lost to everyone else.
 	if req.Dedicated != "" {
@@ -256,7 +261,7 @@ func better(a, b Candidate, req Request) bool {
 
 // cost is a node's load plus LayerPenalty for each layer it would have to
 // mount.
-func cost(n Candidate, req Request) int {
+func cost(n *Candidate, req Request) int {
 	c := n.load()
 	for _, d := range req.Layers {
 		if !slices.Contains(n.Layers, d) {

@@ -11,7 +11,7 @@ import (
 )
 
 func node(name string, running, max int, healthy bool) Candidate {
-	return Candidate{Node: api.Node{Name: name, Healthy: healthy, Backends: []string{"container"},
+	return Candidate{Node: &api.Node{Name: name, Healthy: healthy, Backends: []string{"container"},
 		Capacity: api.Capacity{MaxSandboxes: max}, Counts: map[string]int{"running": running}}}
 }
 

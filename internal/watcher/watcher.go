@@ -82,9 +82,24 @@ type Watcher struct {
 
 	mu    sync.RWMutex
 	nodes map[string]*node
+	// ver counts the changes of nodes (under mu, which every change holds).
+	ver uint64
 	// lastRefresh is when Refresh last asked the source (rate limit).
 	lastRefresh time.Time
+
+	// snap is the last Snapshot, of version snapVer taken at snapAt:
+	// every create reads it, so it is built again only when the view
+	// changed or snapshotMaxAge passed (health depends on the time too).
+	snapMu  sync.Mutex
+	snap    []View
+	snapVer uint64
+	snapAt  time.Time
 }
+
+// snapshotMaxAge bounds how long a Snapshot is served again unchanged:
+// a node's health turns on the time since its last good poll (seconds),
+// so this may lag it by as much.
+const snapshotMaxAge = 100 * time.Millisecond
 
 // node is the watcher's state of one edge.
 type node struct {
@@ -161,6 +176,7 @@ func (w *Watcher) refresh(ctx context.Context) {
 	now := time.Now()
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	w.ver++
 	w.lastRefresh = now
 	if err != nil {
 		w.log.Warn("listing edges failed; keeping the last known ones", "err", err)
@@ -226,6 +242,7 @@ func (w *Watcher) poll(ctx context.Context, name string, e edgeapi.Edge) {
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	w.ver++
 	n := w.nodes[name]
 	if n == nil || n.member.Edge != e {
 		return // replaced meanwhile
@@ -250,6 +267,7 @@ func (w *Watcher) poll(ctx context.Context, name string, e edgeapi.Edge) {
 func (w *Watcher) MarkFailed(name string, err error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	w.ver++
 	if n := w.nodes[name]; n != nil && n.suspect == nil {
 		n.suspect = err
 		w.log.Warn("edge unreachable from a request; not placing on it until it answers a poll", "node", name, "err", err)
@@ -265,10 +283,29 @@ type View struct {
 }
 
 // Snapshot returns every known node, sorted by name, with Healthy saying
-// whether placement may use it now.
+// whether placement may use it now (as of at most snapshotMaxAge ago).
+// The slice and its views are shared between callers: read them, never
+// change them.
 func (w *Watcher) Snapshot() []View {
 	now := time.Now()
 	w.mu.RLock()
+	ver := w.ver
+	w.mu.RUnlock()
+	w.snapMu.Lock()
+	defer w.snapMu.Unlock()
+	if w.snap != nil && w.snapVer == ver && now.Sub(w.snapAt) < snapshotMaxAge {
+		return w.snap
+	}
+	w.snap, w.snapVer = w.build(now)
+	w.snapAt = now
+	return w.snap
+}
+
+// build makes a Snapshot as of now, and says which version of the view
+// it is.
+func (w *Watcher) build(now time.Time) ([]View, uint64) {
+	w.mu.RLock()
+	ver := w.ver
 	out := make([]View, 0, len(w.nodes))
 	for name, n := range w.nodes {
 		v := View{Node: n.info, PolledAt: n.polledAt}
@@ -292,7 +329,7 @@ func (w *Watcher) Snapshot() []View {
 	}
 	w.mu.RUnlock()
 	slices.SortFunc(out, func(a, b View) int { return strings.Compare(a.Name, b.Name) })
-	return out
+	return out, ver
 }
 
 // unhealthy says why placement must not use n now ("" if it may).
