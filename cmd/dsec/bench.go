@@ -83,7 +83,10 @@ func runBench(args []string) error {
 			"  cluster   start a dsec up and a cluster side by side and price the extra hop:\n" +
 			"            create and exec latency, a burst over the edges (its own daemons)\n" +
 			"  e2b       create → run `echo hi` → kill through the E2B JS SDK, libdsec and the\n" +
-			"            REST API, interleaved: what the E2B path costs over the native one\n\n" +
+			"            REST API, interleaved: what the E2B path costs over the native one\n" +
+			"  control-plane  etcd, apiservers and hollow edges (simulated sandboxes) at scale:\n" +
+			"            creates/s and latency to full concurrency, placement, list/pause/delete\n" +
+			"            of a job by label, CPU, memory and etcd (its own daemons)\n\n" +
 			"Each prints the same measure for the bare OCI runtime (crun/runc run -d,\n" +
 			"exec, delete) on the same EROFS layer with an overlay, measured in the same run.\n" +
 			"Needs a running `dsec up` (DSEC_ENDPOINT/DSEC_API_KEY or its config file) and,\n" +
@@ -104,6 +107,8 @@ func runBench(args []string) error {
 		return runBenchSoak(args[1:])
 	case "e2b":
 		return runBenchE2B(args[1:])
+	case "control-plane":
+		return runBenchControlPlane(args[1:])
 	}
 	sub := args[0]
 	var o benchOpts

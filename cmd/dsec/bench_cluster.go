@@ -124,6 +124,11 @@ const benchKey = "bench-cluster-key-0123456789abcdef"
 func benchPort(host string) (string, error) { return etcdtest.FreePort(host) }
 
 func (b *benchWorld) start(name string, args ...string) (*benchProc, error) {
+	return b.startEnv(name, nil, args...)
+}
+
+// startEnv starts a daemon with env added to this process's environment.
+func (b *benchWorld) startEnv(name string, env []string, args ...string) (*benchProc, error) {
 	p := &benchProc{name: name, log: filepath.Join(b.dir, name+".log")}
 	logf, err := os.Create(p.log)
 	if err != nil {
@@ -132,7 +137,7 @@ func (b *benchWorld) start(name string, args ...string) (*benchProc, error) {
 	defer logf.Close()
 	p.cmd = exec.Command(b.bin, args...)
 	p.cmd.Stdout, p.cmd.Stderr = logf, logf
-	p.cmd.Env = append(os.Environ(), "DSEC_API_KEY=")
+	p.cmd.Env = append(append(os.Environ(), "DSEC_API_KEY="), env...)
 	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
 	if err := p.cmd.Start(); err != nil {
 		return nil, err

@@ -32,6 +32,7 @@ type edgeCmdConfig struct {
 	metricsListen string
 	maxConns      int
 	node          nodeConfig
+	hollow        hollowConfig
 }
 
 // parseEdge parses and checks `dsec edge`'s flags.
@@ -41,7 +42,8 @@ func parseEdge(args []string) (edgeCmdConfig, error) {
 		"Run the node daemon of a cluster: it holds this machine's sandboxes and\n"+
 			"serves the internal API (mutual TLS, apiservers only) on --listen. Needs\n"+
 			"root. Several edges on one host need their own --state-dir, --listen and\n"+
-			"--sandbox-cidr.")
+			"--sandbox-cidr. With --hollow, it runs hollow edges for load tests instead\n"+
+			"(no root needed).")
 	f.StringVar(&c.listen, "listen", "", "address of the internal API (required), e.g. 10.0.0.5:7071")
 	f.StringVar(&c.advertise, "advertise", "", "address apiservers reach the internal API at (default: --listen, which must then name a host)")
 	f.StringVar(&c.metricsListen, "metrics-listen", "", "also serve /metrics and /healthz without TLS on this address (e.g. 127.0.0.1:9101 for Prometheus)")
@@ -51,6 +53,7 @@ func parseEdge(args []string) (edgeCmdConfig, error) {
 	f.Var(kvListFlag(c.node.labels), "node-labels", "labels of this node, `k=v,...` (node_selector matches them; pool=NAME names its pool)")
 	c.node.register(f)
 	c.clusterFlags.register(f)
+	c.hollow.register(f)
 	if _, err := f.parseN(args, 0, 0); err != nil {
 		return c, err
 	}
@@ -66,6 +69,9 @@ func parseEdge(args []string) (edgeCmdConfig, error) {
 		return c, err
 	}
 	if err := checkMaxConns(c.maxConns); err != nil {
+		return c, err
+	}
+	if err := checkHollow(c); err != nil {
 		return c, err
 	}
 	if c.advertise == "" {
@@ -89,6 +95,9 @@ func runEdgeDaemon(args []string) error {
 }
 
 func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
+	if c.hollow.on {
+		return runHollow(ctx, c, log)
+	}
 	if os.Geteuid() != 0 {
 		return errors.New("dsec edge needs root: it mounts EROFS layers and overlayfs and runs OCI containers")
 	}

@@ -42,7 +42,9 @@ func main() {
 	name, args := os.Args[1], os.Args[2:]
 	var err error
 	if d, ok := daemonCommands[name]; ok {
-		err = d.run(args)
+		if err = startProfiler(); err == nil {
+			err = d.run(args)
+		}
 		if errors.Is(err, errHelpShown) {
 			err = nil
 		}
