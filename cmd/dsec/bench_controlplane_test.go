@@ -29,7 +29,7 @@ func TestControlPlaneBenchShort(t *testing.T) {
 	}
 	dir := t.TempDir()
 	bin := filepath.Join(dir, "dsec")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+	if out, err := exec.Command("go", "build", "-buildvcs=false", "-o", bin, ".").CombinedOutput(); err != nil {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
 	work := filepath.Join(dir, "work")
