@@ -146,6 +146,47 @@ func (b *benchWorld) startEnv(name string, env []string, args ...string) (*bench
 	return p, nil
 }
 
+// startControlPlane starts a one-member etcd, writes a cluster's
+// certificates and starts n apiservers on loopback (the first with the
+// bench's admin key), each with env(name) added to its environment (env
+// may be nil), and waits until they answer. It returns the flags an edge
+// of that cluster needs and the apiservers' URLs.
+func (b *benchWorld) startControlPlane(ctx context.Context, n int, env func(name string) ([]string, error)) (edgeFlags, servers []string, err error) {
+	if b.etcd, err = etcdtest.Start(filepath.Join(b.dir, "etcd"), 1); err != nil {
+		return nil, nil, err
+	}
+	if out, err := exec.Command(b.bin, "cluster", "init", "--dir", filepath.Join(b.dir, "cluster")).CombinedOutput(); err != nil {
+		return nil, nil, fmt.Errorf("cluster init: %v: %s", err, out)
+	}
+	cl := []string{"--etcd", strings.Join(b.etcd.Endpoints(), ","), "--cluster", filepath.Join(b.dir, "cluster"), "--layers", filepath.Join(b.dir, "layers"), "--log-level", "warn"}
+	for i := range n {
+		port, err := benchPort("127.0.0.1")
+		if err != nil {
+			return nil, nil, err
+		}
+		args := append([]string{"server", "--listen", "127.0.0.1:" + port}, cl...)
+		if i == 0 {
+			args = append(args, "--api-key", benchKey)
+		}
+		name := fmt.Sprintf("server%d", i)
+		var extra []string
+		if env != nil {
+			if extra, err = env(name); err != nil {
+				return nil, nil, err
+			}
+		}
+		p, err := b.startEnv(name, extra, args...)
+		if err != nil {
+			return nil, nil, err
+		}
+		if err := waitHealthz(ctx, "http://127.0.0.1:"+port+"/healthz", p); err != nil {
+			return nil, nil, err
+		}
+		servers = append(servers, "http://127.0.0.1:"+port)
+	}
+	return cl, servers, nil
+}
+
 func waitHealthz(ctx context.Context, url string, p *benchProc) error {
 	hc := &http.Client{Timeout: time.Second}
 	deadline := time.Now().Add(60 * time.Second)
@@ -197,31 +238,9 @@ func startBenchWorld(ctx context.Context, o benchClusterOpts) (*benchWorld, erro
 	if err != nil {
 		return b, err
 	}
-	if b.etcd, err = etcdtest.Start(filepath.Join(dir, "etcd"), 1); err != nil {
+	cl, endpoints, err := b.startControlPlane(ctx, o.apiservers, nil)
+	if err != nil {
 		return b, err
-	}
-	if out, err := exec.Command(bin, "cluster", "init", "--dir", filepath.Join(dir, "cluster")).CombinedOutput(); err != nil {
-		return b, fmt.Errorf("cluster init: %v: %s", err, out)
-	}
-	cl := []string{"--etcd", strings.Join(b.etcd.Endpoints(), ","), "--cluster", filepath.Join(dir, "cluster"), "--layers", filepath.Join(dir, "layers"), "--log-level", "warn"}
-	var endpoints []string
-	for i := range o.apiservers {
-		port, err := benchPort("127.0.0.1")
-		if err != nil {
-			return b, err
-		}
-		args := append([]string{"server", "--listen", "127.0.0.1:" + port}, cl...)
-		if i == 0 {
-			args = append(args, "--api-key", benchKey)
-		}
-		p, err := b.start(fmt.Sprintf("server%d", i), args...)
-		if err != nil {
-			return b, err
-		}
-		if err := waitHealthz(ctx, "http://127.0.0.1:"+port+"/healthz", p); err != nil {
-			return b, err
-		}
-		endpoints = append(endpoints, "http://127.0.0.1:"+port)
 	}
 	for i := range o.edges {
 		host := fmt.Sprintf("127.0.0.%d", 41+i)

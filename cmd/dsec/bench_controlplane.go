@@ -18,7 +18,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"os/signal"
 	"path/filepath"
 	"runtime/pprof"
@@ -188,37 +187,14 @@ func startCPWorld(ctx context.Context, o cpOpts) (*cpWorld, error) {
 	}
 	w := &cpWorld{benchWorld: benchWorld{dir: dir, bin: bin}, pprof: map[string]string{}, label: fmt.Sprintf("cp-%d", time.Now().UnixNano())}
 	progress("starting etcd, %d apiserver(s) and %d hollow edges in %s", o.apiservers, o.edges, dir)
-	if w.etcd, err = etcdtest.Start(filepath.Join(dir, "etcd"), 1); err != nil {
+	cl, servers, err := w.startControlPlane(ctx, o.apiservers, func(name string) ([]string, error) { return w.daemonEnv(o, name) })
+	if err != nil {
 		return w, err
 	}
-	if out, err := runOut(bin, "cluster", "init", "--dir", filepath.Join(dir, "cluster")); err != nil {
-		return w, fmt.Errorf("cluster init: %v: %s", err, out)
-	}
-	cl := []string{"--etcd", strings.Join(w.etcd.Endpoints(), ","), "--cluster", filepath.Join(dir, "cluster"), "--layers", filepath.Join(dir, "layers"), "--log-level", "warn"}
+	w.servers = servers
 	hc := &http.Client{Transport: &http.Transport{MaxIdleConns: 2 * o.concurrency, MaxIdleConnsPerHost: o.concurrency, IdleConnTimeout: time.Minute}}
-	for i := range o.apiservers {
-		port, err := benchPort("127.0.0.1")
-		if err != nil {
-			return w, err
-		}
-		args := append([]string{"server", "--listen", "127.0.0.1:" + port}, cl...)
-		if i == 0 {
-			args = append(args, "--api-key", benchKey)
-		}
-		name := fmt.Sprintf("server%d", i)
-		env, err := w.daemonEnv(o, name)
-		if err != nil {
-			return w, err
-		}
-		p, err := w.startEnv(name, env, args...)
-		if err != nil {
-			return w, err
-		}
-		w.servers = append(w.servers, "http://127.0.0.1:"+port)
-		if err := waitHealthz(ctx, "http://127.0.0.1:"+port+"/healthz", p); err != nil {
-			return w, err
-		}
-		opts := []dsec.Option{dsec.WithEndpoint("http://127.0.0.1:" + port), dsec.WithAPIKey(benchKey), dsec.WithHTTPClient(hc), dsec.WithRetries(1)}
+	for _, url := range servers {
+		opts := []dsec.Option{dsec.WithEndpoint(url), dsec.WithAPIKey(benchKey), dsec.WithHTTPClient(hc), dsec.WithRetries(1)}
 		if !o.keys {
 			opts = append(opts, dsec.WithoutIdempotencyKeys())
 		}
@@ -300,11 +276,6 @@ func waitPorts(host string, port, n int, limit time.Duration) error {
 		}
 	}
 	return nil
-}
-
-// runOut runs bin with args and returns what it printed.
-func runOut(bin string, args ...string) ([]byte, error) {
-	return exec.Command(bin, args...).CombinedOutput()
 }
 
 // portFree reports whether host:port can be listened on now.
@@ -404,45 +375,59 @@ func (w *cpWorld) createsUntil(ctx context.Context, o cpOpts, job string, n, rat
 	var ph cpPhase
 	ph.errs = map[string]int{}
 	var mu sync.Mutex
+	inTime := func(int64) bool { return until.IsZero() || !time.Now().After(until) }
+	ph.wall = w.paced(ctx, o.concurrency, n, rate, inTime, func(c *dsec.Client, _ int64) {
+		l := int(live.Load())
+		t := time.Now()
+		sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: w.ref, TTL: 86400, Labels: map[string]string{"job": job, "bench": w.label}})
+		d := time.Since(t)
+		mu.Lock()
+		defer mu.Unlock()
+		if err != nil {
+			ph.fails++
+			ph.errs[errClass(err)]++
+			return
+		}
+		live.Add(1)
+		w.made.Add(1)
+		ph.samples = append(ph.samples, cpSample{d: d, live: l})
+		ph.ids = append(ph.ids, sb.ID)
+	})
+	return ph
+}
+
+// paced runs do(c, i) for i = 0, 1, ... below n on workers goroutines
+// (each on a client, in turn), open loop: the i-th is due at start +
+// i/rate whatever the earlier ones took. It stops at n, when ctx ends or
+// when ok(i) says no (nil: never), and returns how long it ran.
+func (w *cpWorld) paced(ctx context.Context, workers, n, rate int, ok func(i int64) bool, do func(c *dsec.Client, i int64)) time.Duration {
 	var next atomic.Int64
 	start := time.Now()
 	interval := time.Second / time.Duration(rate)
 	var wg sync.WaitGroup
-	for k := range min(o.concurrency, n) {
+	for k := range min(workers, n) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			c := w.clients[k%len(w.clients)]
 			for {
 				i := next.Add(1) - 1
-				if i >= int64(n) || ctx.Err() != nil || !until.IsZero() && time.Now().After(until) {
+				if i >= int64(n) || ctx.Err() != nil || ok != nil && !ok(i) {
 					return
 				}
-				// Open-loop pacing: create i is due at start + i/rate.
-				if due := start.Add(time.Duration(i) * interval); time.Until(due) > 0 {
-					time.Sleep(time.Until(due))
+				if d := time.Until(start.Add(time.Duration(i) * interval)); d > 0 {
+					select {
+					case <-ctx.Done():
+						return
+					case <-time.After(d):
+					}
 				}
-				l := int(live.Load())
-				t := time.Now()
-				sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: w.ref, TTL: 86400, Labels: map[string]string{"job": job, "bench": w.label}})
-				d := time.Since(t)
-				mu.Lock()
-				if err != nil {
-					ph.fails++
-					ph.errs[errClass(err)]++
-				} else {
-					live.Add(1)
-					w.made.Add(1)
-					ph.samples = append(ph.samples, cpSample{d: d, live: l})
-					ph.ids = append(ph.ids, sb.ID)
-				}
-				mu.Unlock()
+				do(c, i)
 			}
 		}()
 	}
 	wg.Wait()
-	ph.wall = time.Since(start)
-	return ph
+	return time.Since(start)
 }
 
 func errClass(err error) string {
@@ -465,50 +450,33 @@ type cpDeletes struct {
 // succeeded: after until, only those of the creates made by then.
 func (w *cpWorld) deletes(ctx context.Context, o cpOpts, ids []string, rate int, until time.Time, live *atomic.Int64) cpDeletes {
 	var out cpDeletes
-	base := w.made.Load()
 	var mu sync.Mutex
-	var next atomic.Int64
-	start := time.Now()
-	interval := time.Second / time.Duration(rate)
-	var wg sync.WaitGroup
-	for k := range min(o.concurrency, len(ids)) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			c := w.clients[k%len(w.clients)]
-			for {
-				i := next.Add(1) - 1
-				if i >= int64(len(ids)) || ctx.Err() != nil {
-					return
-				}
-				// Delete i follows create i; once the hold is over, only
-				// the deletes of creates made in it are left to do.
-				for w.made.Load()-base <= i {
-					if ctx.Err() != nil || time.Now().After(until) {
-						return
-					}
-					time.Sleep(time.Millisecond)
-				}
-				if due := start.Add(time.Duration(i) * interval); time.Until(due) > 0 {
-					time.Sleep(time.Until(due))
-				}
-				t := time.Now()
-				err := c.DeleteSandbox(ctx, ids[i])
-				d := time.Since(t)
-				mu.Lock()
-				if err != nil {
-					out.failed++
-				} else {
-					out.ok++
-					out.durs = append(out.durs, d)
-					live.Add(-1)
-				}
-				mu.Unlock()
+	base := w.made.Load()
+	// Delete i follows create i; once the hold is over, only the deletes
+	// of creates made in it are left to do.
+	followed := func(i int64) bool {
+		for w.made.Load()-base <= i {
+			if ctx.Err() != nil || time.Now().After(until) {
+				return false
 			}
-		}()
+			time.Sleep(time.Millisecond)
+		}
+		return true
 	}
-	wg.Wait()
-	out.wall = time.Since(start)
+	out.wall = w.paced(ctx, o.concurrency, len(ids), rate, followed, func(c *dsec.Client, i int64) {
+		t := time.Now()
+		err := c.DeleteSandbox(ctx, ids[i])
+		d := time.Since(t)
+		mu.Lock()
+		defer mu.Unlock()
+		if err != nil {
+			out.failed++
+			return
+		}
+		out.ok++
+		out.durs = append(out.durs, d)
+		live.Add(-1)
+	})
 	return out
 }
 
@@ -527,49 +495,26 @@ func (w *cpWorld) execs(ctx context.Context, o cpOpts, ids []string) cpExecs {
 		return out
 	}
 	var mu sync.Mutex
-	var next atomic.Int64
-	start := time.Now()
-	interval := time.Second / time.Duration(o.execRate)
-	var wg sync.WaitGroup
-	for k := range min(64, max(1, o.concurrency/4)) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			c := w.clients[k%len(w.clients)]
-			for {
-				i := next.Add(1) - 1
-				if due := start.Add(time.Duration(i) * interval); time.Until(due) > 0 {
-					select {
-					case <-ctx.Done():
-						return
-					case <-time.After(time.Until(due)):
-					}
-				}
-				if ctx.Err() != nil {
-					return
-				}
-				t := time.Now()
-				res, err := c.Exec(ctx, ids[int(i)%len(ids)], api.ExecRequest{Argv: []string{"true"}})
-				d := time.Since(t)
-				if ctx.Err() != nil {
-					return // cut off by the hold's end: not a failure
-				}
-				mu.Lock()
-				switch {
-				case err != nil:
-					out.failed++
-					out.errs[errClass(err)]++
-				case res.ExitCode != 0:
-					out.failed++
-					out.errs[fmt.Sprintf("exit %d", res.ExitCode)]++
-				default:
-					out.durs = append(out.durs, d)
-				}
-				mu.Unlock()
-			}
-		}()
-	}
-	wg.Wait()
+	w.paced(ctx, min(64, max(1, o.concurrency/4)), math.MaxInt, o.execRate, nil, func(c *dsec.Client, i int64) {
+		t := time.Now()
+		res, err := c.Exec(ctx, ids[int(i)%len(ids)], api.ExecRequest{Argv: []string{"true"}})
+		d := time.Since(t)
+		if ctx.Err() != nil {
+			return // cut off by the hold's end: not a failure
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		switch {
+		case err != nil:
+			out.failed++
+			out.errs[errClass(err)]++
+		case res.ExitCode != 0:
+			out.failed++
+			out.errs[fmt.Sprintf("exit %d", res.ExitCode)]++
+		default:
+			out.durs = append(out.durs, d)
+		}
+	})
 	return out
 }
 

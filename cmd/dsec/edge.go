@@ -150,38 +150,52 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 	defer ed.Close()
 	defer cleanupOnExit(c.node, ed, log)
 
-	mux := http.NewServeMux()
-	mux.Handle(edgeapi.Prefix+"/", edgeapi.NewServer(ed, log))
-	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "application/json")
-		fmt.Fprintf(w, "{\"status\":\"ok\",\"node\":%q}\n", c.node.nodeName)
-	})
-	// Only the cluster's apiservers get past the handshake (a client
-	// certificate of the cluster's CA is required): every request that
-	// reaches the mux is trusted.
-	lim := limitConns(ln, c.maxConns, "internal", log, reg)
-	hs := lim.Server(conns.Trusting(mux))
-	hs.TLSConfig = tlsCfg
-	hs.ErrorLog = slog.NewLogLogger(log.Handler(), slog.LevelDebug)
-	servers := []serving{{hs, func() error { return hs.Serve(tls.NewListener(lim, tlsCfg)) }}}
+	servers := []serving{internalAPI(ln, ed, fmt.Sprintf("{\"status\":\"ok\",\"node\":%q}", c.node.nodeName), c.maxConns, tlsCfg, log, reg, reg)}
 	if c.metricsListen != "" {
-		mln, err := net.Listen("tcp", c.metricsListen)
+		ms, err := metricsServer(c.metricsListen, reg)
 		if err != nil {
-			return fmt.Errorf("listening on %s: %w", c.metricsListen, err)
+			return err
 		}
-		defer mln.Close()
-		mmux := http.NewServeMux()
-		mmux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-		mmux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { fmt.Fprintln(w, `{"status":"ok"}`) })
-		// Nobody authenticates here: a few connections, the oldest
-		// closed for a new one, so a flood costs the daemon 64
-		// descriptors at most.
-		ml := conns.Listen(mln, conns.Config{Max: metricsConns, MaxUntrusted: metricsConns, WriteStall: conns.DefaultWriteStall,
-			ReadHeaderTimeout: conns.DefaultReadHeaderTimeout, IdleTimeout: conns.DefaultIdleTimeout})
-		ms := ml.Server(mmux)
-		servers = append(servers, serving{ms, func() error { return ms.Serve(ml) }})
+		servers = append(servers, ms)
 	}
 	log.Info("dsec edge: serving the internal API", "listen", ln.Addr().String(), "advertise", advertise, "cluster", trust.Info.ID)
 	return serveUntilDone(ctx, log, "shutting down; sandboxes keep running and are re-adopted on the next start", servers...)
+}
+
+// internalAPI serves an edge's internal API on ln (with /metrics from
+// gather, and /healthz answering health), over the cluster's mutual TLS.
+// Only the cluster's apiservers get past the handshake (a client
+// certificate of the cluster's CA is required): every request that
+// reaches the mux is trusted. reg takes the listener's metrics.
+func internalAPI(ln net.Listener, ed edgeapi.Edge, health string, maxConns int, tlsCfg *tls.Config, log *slog.Logger, reg prometheus.Registerer, gather prometheus.Gatherer) serving {
+	mux := http.NewServeMux()
+	mux.Handle(edgeapi.Prefix+"/", edgeapi.NewServer(ed, log))
+	mux.Handle("GET /metrics", promhttp.HandlerFor(gather, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintln(w, health)
+	})
+	lim := limitConns(ln, maxConns, "internal", log, reg)
+	hs := lim.Server(conns.Trusting(mux))
+	hs.TLSConfig = tlsCfg
+	hs.ErrorLog = slog.NewLogLogger(log.Handler(), slog.LevelDebug)
+	return serving{hs, func() error { return hs.Serve(tls.NewListener(lim, tlsCfg)) }}
+}
+
+// metricsServer serves /metrics from gather and /healthz over plain HTTP
+// on addr (--metrics-listen). Nobody authenticates there: a few
+// connections, the oldest closed for a new one, so a flood costs the
+// daemon 64 descriptors at most. Its listener closes with the server.
+func metricsServer(addr string, gather prometheus.Gatherer) (serving, error) {
+	mln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return serving{}, fmt.Errorf("listening on %s: %w", addr, err)
+	}
+	mmux := http.NewServeMux()
+	mmux.Handle("GET /metrics", promhttp.HandlerFor(gather, promhttp.HandlerOpts{}))
+	mmux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { fmt.Fprintln(w, `{"status":"ok"}`) })
+	ml := conns.Listen(mln, conns.Config{Max: metricsConns, MaxUntrusted: metricsConns, WriteStall: conns.DefaultWriteStall,
+		ReadHeaderTimeout: conns.DefaultReadHeaderTimeout, IdleTimeout: conns.DefaultIdleTimeout})
+	ms := ml.Server(mmux)
+	return serving{ms, func() error { return ms.Serve(ml) }}, nil
 }

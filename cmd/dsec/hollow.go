@@ -12,12 +12,10 @@ package main
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
-	"net/http"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -25,12 +23,9 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/dsecproject/dsec/internal/cluster"
-	"github.com/dsecproject/dsec/internal/conns"
 	"github.com/dsecproject/dsec/internal/edge"
-	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/sandbox"
 	"github.com/dsecproject/dsec/internal/sandbox/fake"
@@ -242,30 +237,14 @@ func runHollow(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 			return fmt.Errorf("hollow edge %s: %w", name, err)
 		}
 		defer ed.Close()
-		mux := http.NewServeMux()
-		mux.Handle(edgeapi.Prefix+"/", edgeapi.NewServer(ed, elog))
-		mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
-			w.Header().Set("Content-Type", "application/json")
-			fmt.Fprintf(w, "{\"status\":\"ok\",\"node\":%q,\"hollow\":true}\n", name)
-		})
-		lim := limitConns(ln, c.maxConns, "internal", elog, ereg)
-		hs := lim.Server(conns.Trusting(mux))
-		hs.TLSConfig = tlsCfg
-		hs.ErrorLog = slog.NewLogLogger(elog.Handler(), slog.LevelDebug)
-		servers = append(servers, serving{hs, func() error { return hs.Serve(tls.NewListener(lim, tlsCfg)) }})
+		servers = append(servers, internalAPI(ln, ed, fmt.Sprintf("{\"status\":\"ok\",\"node\":%q,\"hollow\":true}", name), c.maxConns, tlsCfg, elog, ereg, reg))
 	}
 	if c.metricsListen != "" {
-		mln, err := net.Listen("tcp", c.metricsListen)
+		ms, err := metricsServer(c.metricsListen, reg)
 		if err != nil {
-			return fmt.Errorf("listening on %s: %w", c.metricsListen, err)
+			return err
 		}
-		defer mln.Close()
-		mmux := http.NewServeMux()
-		mmux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-		ml := conns.Listen(mln, conns.Config{Max: metricsConns, MaxUntrusted: metricsConns, WriteStall: conns.DefaultWriteStall,
-			ReadHeaderTimeout: conns.DefaultReadHeaderTimeout, IdleTimeout: conns.DefaultIdleTimeout})
-		ms := ml.Server(mmux)
-		servers = append(servers, serving{ms, func() error { return ms.Serve(ml) }})
+		servers = append(servers, ms)
 	}
 	log.Info("dsec edge: serving hollow edges (simulated sandboxes, for load tests only)", "edges", n,
 		"first", lns[0].Addr().String(), "cluster", trust.Info.ID)

@@ -4,10 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
-	"log/slog"
-	"net/http"
-	"net/http/httptest"
 	"sort"
 	"sync/atomic"
 	"testing"
@@ -16,9 +12,6 @@ import (
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/edgeapi/edgetest"
-	"github.com/dsecproject/dsec/internal/iam"
-	"github.com/dsecproject/dsec/internal/sandbox"
-	"github.com/dsecproject/dsec/internal/store"
 	"github.com/dsecproject/dsec/internal/watcher"
 )
 
@@ -65,33 +58,17 @@ func TestListPagesAcrossManyNodes(t *testing.T) {
 		targets = append(targets, countingEdge{fe, &lists})
 	}
 	sort.Strings(want)
-	st := store.NewMemory()
-	ident, err := iam.New(st)
-	if err != nil {
-		t.Fatal(err)
-	}
-	admin, _, err := ident.EnsureAdminKey("")
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Polled once: no node may count as down while the test runs.
+	// The fixture's IAM and store, over these nodes, polled once: no node
+	// may count as down while the test runs.
 	view := watcher.New(targets, watcher.Config{DownAfter: time.Hour})
 	view.Sync(t.Context())
-	s := New(Deps{IAM: ident, Nodes: view, Policy: sandbox.DefaultPolicy(), Store: st, QuotaStore: st, Instance: "a",
-		Log: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	srv := httptest.NewServer(s.Handler())
-	defer srv.Close()
+	f := newFixture(t, false)
+	srv := f.apiserverWith(t, "b", func(d *Deps) { d.Nodes = view })
 	page := func(limit int, token string) api.SandboxList {
-		req, _ := http.NewRequest("GET", fmt.Sprintf("%s/v1/sandboxes?label=job=j&limit=%d&page_token=%s", srv.URL, limit, token), nil)
-		req.Header.Set("Authorization", "Bearer "+admin)
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
+		resp, body := f.doAt(t, srv, f.admin, "", "GET", fmt.Sprintf("/v1/sandboxes?label=job=j&limit=%d&page_token=%s", limit, token), "")
 		var l api.SandboxList
-		if resp.StatusCode != 200 || json.NewDecoder(resp.Body).Decode(&l) != nil {
-			t.Fatalf("list: %s", resp.Status)
+		if resp.StatusCode != 200 || json.Unmarshal(body, &l) != nil {
+			t.Fatalf("list: %s %s", resp.Status, body)
 		}
 		return l
 	}
