@@ -150,7 +150,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 		rec.Sandbox.CreateSeq = e.createSeq
 		s.rec.Sandbox.CreateSeq = e.createSeq
 	}
-	e.sandboxes[id] = s
+	e.listLocked(id, s)
 	e.mu.Unlock()
 	undo.Add(func() {
 		e.mu.Lock()
@@ -158,7 +158,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 		if !pooled {
 			e.tenancyAddLocked(req.Dedicated, -1)
 		}
-		delete(e.sandboxes, id)
+		e.unlistLocked(id, s)
 		e.mu.Unlock()
 	})
 	rec.CgroupPath, rec.CgroupCPUBase, err = e.cgroupFor(id, spec.MemoryCgroup == api.MemoryCgroupShared)
@@ -270,6 +270,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 	s.mu.Lock()
 	s.rec = rec
 	s.releaseImages = root.release
+	e.recountLocked(s)
 	s.mu.Unlock()
 	undo.Release()
 	e.log.Info("sandbox created", "sandbox_id", id, "project", spec.Project, "base", spec.Base, "layers", len(req.Digests), "for_pool", pooled)
@@ -359,7 +360,7 @@ func (e *Edge) remove(ctx context.Context, s *sbx) error {
 		return err
 	}
 	e.mu.Lock()
-	delete(e.sandboxes, id)
+	e.unlistLocked(id, s)
 	e.mu.Unlock()
 	s.mu.Lock()
 	project := s.rec.Sandbox.Project
@@ -462,6 +463,7 @@ func (e *Edge) stopSandbox(ctx context.Context, s *sbx, final, reason string) {
 	s.rec.Sandbox.State = final
 	s.rec.Sandbox.Error = reason
 	s.rec.StoppedAt = &now
+	e.recountLocked(s)
 	if err := s.persistLocked(); err != nil {
 		e.log.Warn("persisting stopped sandbox", "sandbox_id", id, "err", err)
 	}

@@ -155,6 +155,8 @@ type Edge struct {
 
 	mu        sync.RWMutex
 	sandboxes map[string]*sbx
+	// tally holds the counts Info reports (tally.go).
+	tally *tally
 	// live counts sandboxes holding node resources (creating, running,
 	// paused): what admission checks against MaxSandboxes.
 	live int
@@ -268,6 +270,7 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 		log:          deps.Log.With("node", cfg.Name),
 		metrics:      deps.Metrics,
 		sandboxes:    map[string]*sbx{},
+		tally:        newTally(),
 		stop:         make(chan struct{}),
 		trashKick:    make(chan struct{}, 1),
 		trashRetries: map[string]*trashRetry{},
@@ -571,47 +574,13 @@ func (e *Edge) Info(ctx context.Context) (api.Node, error) {
 		Runtime:  e.deps.Runtime,
 		Launcher: e.deps.Launcher,
 		Capacity: api.Capacity{MaxSandboxes: e.cfg.MaxSandboxes},
-		Counts:   map[string]int{},
 		Labels:   e.cfg.Labels,
 	}
 	if e.deps.Cgroups != nil {
 		n.CgroupMode = e.deps.Cgroups.Mode.String()
 	}
+	e.tally.fill(&n)
 	e.mu.RLock()
-	for _, s := range e.sandboxes {
-		s.mu.Lock()
-		if s.pooled {
-			n.Counts["pooled"]++
-			s.mu.Unlock()
-			continue
-		}
-		st := s.rec.Sandbox.State
-		n.Counts[st]++
-		if holdsResources(st) {
-			if n.BackendCounts == nil {
-				n.BackendCounts = map[string]int{}
-			}
-			n.BackendCounts[s.rec.Sandbox.Backend]++
-			path := s.rec.ProjectPath
-			if path == "" {
-				path = edgeapi.RootPath
-			}
-			if n.Projects == nil {
-				n.Projects = map[string]api.ProjectUsage{}
-			}
-			u := n.Projects[path]
-			sp := s.rec.Sandbox.Spec
-			u.Add(api.ProjectUsage{Sandboxes: 1, CPU: sp.CPU, MemoryMB: sp.MemoryMB, DiskMB: sp.DiskMB})
-			n.Projects[path] = u
-			if job := s.rec.Sandbox.Labels[api.JobLabel]; job != "" {
-				if n.Jobs == nil {
-					n.Jobs = map[string]int{}
-				}
-				n.Jobs[job]++
-			}
-		}
-		s.mu.Unlock()
-	}
 	n.DedicatedTo = e.dedicatedToLocked()
 	n.CreateSeq = e.createSeq
 	e.mu.RUnlock()

@@ -62,6 +62,7 @@ func (e *Edge) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
 	s.mu.Lock()
 	s.rec.Sandbox.State = api.StatePaused
 	s.rec.Sandbox.PausedAt = &now
+	e.recountLocked(s)
 	err = s.persistLocked()
 	s.mu.Unlock()
 	if err != nil {
@@ -69,6 +70,7 @@ func (e *Edge) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
 		thaw()
 		s.mu.Lock()
 		s.rec.Sandbox.State, s.rec.Sandbox.PausedAt = api.StateRunning, nil
+		e.recountLocked(s)
 		s.mu.Unlock()
 		return nil, err
 	}
@@ -132,6 +134,7 @@ func (e *Edge) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
 		s.rec.Sandbox.ExpiresAt = &exp
 	}
 	s.rec.Sandbox.State, s.rec.Sandbox.PausedAt = api.StateRunning, nil
+	e.recountLocked(s)
 	err = s.persistLocked()
 	v := s.viewLocked()
 	s.mu.Unlock()
@@ -259,6 +262,7 @@ func (e *Edge) reconcileFreezer(s *sbx) {
 		return
 	}
 	s.rec.Sandbox.State, s.rec.Sandbox.PausedAt = api.StateRunning, nil
+	e.recountLocked(s)
 	if err := s.persistLocked(); err != nil {
 		e.log.Warn("persisting a sandbox found thawed", "sandbox_id", s.rec.Sandbox.ID, "err", err)
 	}

@@ -172,6 +172,7 @@ func (e *Edge) claim(spec api.SandboxSpec, req edgeapi.CreateRequest) *api.Sandb
 				ok = false
 			} else {
 				s.pooled = false
+				e.recountLocked(s)
 			}
 		}
 		v := s.viewLocked()

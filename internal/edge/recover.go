@@ -139,7 +139,7 @@ func (e *Edge) recover(ctx context.Context) error {
 			}
 		}
 		e.mu.Lock()
-		e.sandboxes[id] = s
+		e.listLocked(id, s)
 		if holdsResources(rec.Sandbox.State) {
 			e.live++
 			e.tenancyAddLocked(rec.Dedicated, 1)
@@ -345,7 +345,7 @@ func (e *Edge) forget(s *sbx) {
 		return
 	}
 	e.mu.Lock()
-	delete(e.sandboxes, id)
+	e.unlistLocked(id, s)
 	e.mu.Unlock()
 }
 

@@ -95,6 +95,10 @@ type sbx struct {
 	ops int
 	// watches counts the directory watches running (WatchDir).
 	watches int
+	// listed is set while the sandbox is in e.sandboxes; share is what it
+	// adds to the node's counts (tally.go).
+	listed bool
+	share  share
 
 	// netMu serialises network policy changes.
 	netMu sync.Mutex
