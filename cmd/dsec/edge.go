@@ -18,8 +18,10 @@ import (
 
 	"github.com/dsecproject/dsec/internal/cluster"
 	"github.com/dsecproject/dsec/internal/conns"
+	"github.com/dsecproject/dsec/internal/edge"
 	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/store"
 )
 
 // metricsConns bounds the connections of --metrics-listen.
@@ -149,6 +151,7 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 	defer h.Close()
 	defer ed.Close()
 	defer cleanupOnExit(c.node, ed, log)
+	defer dropAbandoned(st, c.node.nodeName, ed, log)()
 
 	servers := []serving{internalAPI(ln, ed, fmt.Sprintf("{\"status\":\"ok\",\"node\":%q}", c.node.nodeName), c.maxConns, tlsCfg, log, reg, reg)}
 	if c.metricsListen != "" {
@@ -160,6 +163,26 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 	}
 	log.Info("dsec edge: serving the internal API", "listen", ln.Addr().String(), "advertise", advertise, "cluster", trust.Info.ID)
 	return serveUntilDone(ctx, log, "shutting down; sandboxes keep running and are re-adopted on the next start", servers...)
+}
+
+// dropAbandoned deletes the sandboxes whose creates were placed on another
+// node while this edge was down (cluster.Abandon): once now, before the
+// edge serves, then every cluster.AbandonedSweep until the returned stop.
+func dropAbandoned(st store.Store, name string, ed *edge.Edge, log *slog.Logger) (stop func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	drop := func(tokens []string) []string { return ed.DropAbandoned(ctx, tokens) }
+	if err := cluster.SweepAbandoned(st, name, drop, log); err != nil {
+		log.Warn("looking for abandoned creates", "err", err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		cluster.SweepAbandonedLoop(ctx, st, name, drop, log)
+	}()
+	return func() {
+		cancel()
+		<-done
+	}
 }
 
 // internalAPI serves an edge's internal API on ln (with /metrics from

@@ -237,6 +237,7 @@ func runHollow(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 			return fmt.Errorf("hollow edge %s: %w", name, err)
 		}
 		defer ed.Close()
+		defer dropAbandoned(st, name, ed, elog)()
 		servers = append(servers, internalAPI(ln, ed, fmt.Sprintf("{\"status\":\"ok\",\"node\":%q,\"hollow\":true}", name), c.maxConns, tlsCfg, elog, ereg, reg))
 	}
 	if c.metricsListen != "" {

@@ -48,7 +48,7 @@ func (s *Server) fncall(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	var res *api.FnCallResult
-	err = s.onSomeNode(r.Context(), spec, digests, dedicated, func(ctx context.Context, e edgeapi.Edge) error {
+	err = s.onSomeNode(r.Context(), spec, digests, dedicated, "", func(ctx context.Context, e edgeapi.Edge) error {
 		var err error
 		res, err = e.FnCall(ctx, req, edgeapi.CreateRequest{Spec: spec, Digests: digests, ProjectPath: path, Dedicated: dedicated})
 		return err

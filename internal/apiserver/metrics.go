@@ -20,7 +20,7 @@ func newMetrics(reg prometheus.Registerer, nodes Nodes) *metrics {
 			Name: "dsec_api_requests_total", Help: "API requests by route and status code.",
 		}, []string{"route", "code"}),
 		placements: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "dsec_placements_total", Help: "Placement decisions by outcome (placed, refused: the edge said no, unreachable, none: no eligible node).",
+			Name: "dsec_placements_total", Help: "Placement decisions by outcome (placed, refused: the edge said no, unreachable, resent: sent to its node again after a lost answer, none: no eligible node).",
 		}, []string{"result"}),
 		placeRetries: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "dsec_placement_retries_total", Help: "Creates retried on another node after one refused or could not be reached.",

@@ -2,6 +2,8 @@ package apiserver
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"strings"
@@ -9,14 +11,19 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/cluster"
 	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/iam"
 	"github.com/dsecproject/dsec/internal/placement"
 )
 
-// maxPlaceAttempts bounds the nodes one create tries.
-const maxPlaceAttempts = 3
+// maxPlaceAttempts bounds the nodes one create tries, and maxResends the
+// times a create whose answer was lost is sent to its node again.
+const (
+	maxPlaceAttempts = 3
+	maxResends       = 3
+)
 
 // place creates a prepared sandbox on a node placement picks.
 func (s *Server) place(ctx context.Context, spec api.SandboxSpec, digests []string) (*api.Sandbox, error) {
@@ -36,14 +43,24 @@ func (s *Server) place(ctx context.Context, spec api.SandboxSpec, digests []stri
 	if err != nil {
 		return nil, err
 	}
+	// One token for every node this create tries: each makes at most one
+	// sandbox for it, however often it is sent (edgeapi.CreateRequest).
+	token := createToken()
 	var sb *api.Sandbox
-	err = s.onSomeNode(ctx, spec, digests, dedicated, func(ctx context.Context, e edgeapi.Edge) error {
+	err = s.onSomeNode(ctx, spec, digests, dedicated, token, func(ctx context.Context, e edgeapi.Edge) error {
 		var err error
-		sb, err = e.Create(ctx, edgeapi.CreateRequest{Spec: spec, Digests: digests, ProjectPath: path, Dedicated: dedicated})
+		sb, err = e.Create(ctx, edgeapi.CreateRequest{Spec: spec, Digests: digests, ProjectPath: path, Dedicated: dedicated, Token: token})
 		return err
 	})
 	settle(t, sb, err)
 	return sb, err
+}
+
+// createToken is a create's token: 128 random bits.
+func createToken() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
 }
 
 // dedicatedOf is the path of the nearest project on lineage (a project,
@@ -74,7 +91,7 @@ func settle(t *ticket, sb *api.Sandbox, err error) {
 // that refuses for capacity, or that could not be reached before the
 // request was sent, is left out and another is tried (at most
 // maxPlaceAttempts in all); then the answer is 503 with what each said.
-func (s *Server) onSomeNode(ctx context.Context, spec api.SandboxSpec, digests []string, dedicated string, fn func(context.Context, edgeapi.Edge) error) error {
+func (s *Server) onSomeNode(ctx context.Context, spec api.SandboxSpec, digests []string, dedicated, token string, fn func(context.Context, edgeapi.Edge) error) error {
 	req := placement.Request{Backend: spec.Backend, Selector: spec.NodeSelector, Layers: digests,
 		Job: spec.Labels[api.JobLabel], Exclude: map[string]bool{}, Dedicated: dedicated}
 	var said []string
@@ -91,6 +108,27 @@ func (s *Server) onSomeNode(ctx context.Context, spec api.SandboxSpec, digests [
 			s.metrics.placeRetries.Inc()
 		}
 		err = s.runOn(ctx, node, undo, fn)
+		if err != nil && token != "" && lostAnswer(err) {
+			// The node may have made it: sent again to the same node the
+			// create makes nothing twice (its token). A node that then
+			// cannot be reached is down: the token is recorded as
+			// abandoned there (should it come back having made the
+			// sandbox, it deletes it) before another node is asked. (A
+			// dying edge may break a resend on another of its kept-alive
+			// connections too: hence a few.)
+			lost := err
+			for try := 0; try < maxResends && lostAnswer(err) && ctx.Err() == nil; try++ {
+				s.metrics.placements.WithLabelValues("resent").Inc()
+				err = s.runOn(ctx, node, func() {}, fn)
+				s.log.Info("a create's answer was lost: sent again to the same node", "node", node, "lost", lost, "then", err)
+			}
+			if notSent(err) {
+				if aerr := cluster.Abandon(s.stateStore(), node, token); aerr != nil {
+					s.log.Warn("recording an abandoned create", "node", node, "err", aerr)
+					return lost
+				}
+			}
+		}
 		if err == nil {
 			s.metrics.placements.WithLabelValues("placed").Inc()
 			return nil
@@ -110,6 +148,13 @@ func (s *Server) onSomeNode(ctx context.Context, spec api.SandboxSpec, digests [
 		said = append(said, fmt.Sprintf("%s: %v", node, err))
 	}
 	return errdefs.Exhausted("no node took the sandbox after %d tries: %s", maxPlaceAttempts, strings.Join(said, "; "))
+}
+
+// lostAnswer reports whether err says a call reached, or may have reached,
+// the edge and its answer never came back.
+func lostAnswer(err error) bool {
+	var u *edgeapi.Unreachable
+	return errors.As(err, &u) && !u.NotSent
 }
 
 // notSent reports whether err says the request never reached the edge

@@ -22,7 +22,7 @@ import (
 // left behind: no mount, cgroup, runtime state, directory or record.
 func (e *Edge) Create(ctx context.Context, req edgeapi.CreateRequest) (*api.Sandbox, error) {
 	start := time.Now()
-	sb, err := e.create(ctx, req)
+	sb, err := e.createOnce(ctx, req, func() (*api.Sandbox, error) { return e.create(ctx, req) })
 	if err != nil {
 		e.metrics.createFailures.WithLabelValues(errdefs.Code(err)).Inc()
 		return nil, err
@@ -120,6 +120,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 		Disk:        spec.DiskMB > 0,
 		UserNS:      spec.UserNS,
 		Pooled:      pooled,
+		Token:       req.Token,
 		Images:      e.takesImages(),
 	}
 	// Admission counts sandboxes holding resources, this one included from

@@ -157,6 +157,8 @@ type Edge struct {
 	sandboxes map[string]*sbx
 	// tally holds the counts Info reports (tally.go).
 	tally *tally
+	// tokens are the creates' tokens (tokens.go).
+	tokens map[string]*tokenEntry
 	// live counts sandboxes holding node resources (creating, running,
 	// paused): what admission checks against MaxSandboxes.
 	live int
@@ -271,6 +273,7 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 		metrics:      deps.Metrics,
 		sandboxes:    map[string]*sbx{},
 		tally:        newTally(),
+		tokens:       map[string]*tokenEntry{},
 		stop:         make(chan struct{}),
 		trashKick:    make(chan struct{}, 1),
 		trashRetries: map[string]*trashRetry{},

@@ -166,7 +166,7 @@ func (e *Edge) claim(spec api.SandboxSpec, req edgeapi.CreateRequest) *api.Sandb
 			s.rec.Sandbox.Labels = spec.Labels
 			s.rec.Sandbox.Project, s.rec.ProjectPath, s.rec.Dedicated = spec.Project, req.ProjectPath, req.Dedicated
 			s.rec.Sandbox.CreatedAt, s.rec.Sandbox.ExpiresAt = now, &exp
-			s.rec.Pooled = false
+			s.rec.Pooled, s.rec.Token = false, req.Token
 			if err := s.persistClaimLocked(); err != nil {
 				e.log.Warn("claiming pooled sandbox", "sandbox_id", s.rec.Sandbox.ID, "err", err)
 				ok = false

@@ -36,6 +36,8 @@ type record struct {
 	Dedicated string `json:"dedicated,omitempty"`
 	// Pooled is set while the sandbox waits in a warm pool (pool.go).
 	Pooled bool `json:"pooled,omitempty"`
+	// Token is the create's CreateRequest.Token (tokens.go).
+	Token string `json:"token,omitempty"`
 	// UserNS is set for a sandbox in a user namespace (userns.go).
 	UserNS bool `json:"userns,omitempty"`
 	// PrivateRootfs is set when the overlay is mounted only inside the

@@ -68,16 +68,19 @@ func (e *Edge) recountLocked(s *sbx) {
 	s.share = want
 }
 
-// listLocked adds s to the node's sandboxes (e.mu held, s.mu not).
+// listLocked adds s to the node's sandboxes (e.mu held, s.mu not), and
+// its share and create token with it.
 func (e *Edge) listLocked(id string, s *sbx) {
 	e.sandboxes[id] = s
 	s.mu.Lock()
 	s.listed = true
 	e.recountLocked(s)
+	e.noteTokenLocked(s)
 	s.mu.Unlock()
 }
 
-// unlistLocked takes s out of the node's sandboxes (e.mu held, s.mu not).
+// unlistLocked takes s out of the node's sandboxes (e.mu held, s.mu not),
+// and its share and create token with it.
 func (e *Edge) unlistLocked(id string, s *sbx) {
 	if e.sandboxes[id] == s {
 		delete(e.sandboxes, id)
@@ -85,6 +88,7 @@ func (e *Edge) unlistLocked(id string, s *sbx) {
 	s.mu.Lock()
 	s.listed = false
 	e.recountLocked(s)
+	e.forgetTokenLocked(s)
 	s.mu.Unlock()
 }
 

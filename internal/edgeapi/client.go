@@ -180,7 +180,13 @@ func (c *Client) LayerUsers(ctx context.Context, digest string) (int, error) {
 // Create implements Edge.
 func (c *Client) Create(ctx context.Context, req CreateRequest) (*api.Sandbox, error) {
 	var sb api.Sandbox
-	if err := c.roundTrip(ctx, call{method: "POST", path: "/sandboxes", json: req}, &sb); err != nil {
+	cl := call{method: "POST", path: "/sandboxes", json: req}
+	if req.Token != "" {
+		// net/http resends a request with this header when its reused
+		// connection fails before an answer: the token makes that safe.
+		cl.header = http.Header{"Idempotency-Key": {req.Token}}
+	}
+	if err := c.roundTrip(ctx, cl, &sb); err != nil {
 		return nil, err
 	}
 	return &sb, nil

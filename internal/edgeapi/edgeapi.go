@@ -129,7 +129,18 @@ type CreateRequest struct {
 	// sandbox while it holds sandboxes of another (or shared ones), and
 	// holding it, refuses every other tenant's.
 	Dedicated string `json:"dedicated,omitempty"`
+	// Token names this create across retries (at most MaxTokenLen
+	// characters; empty: none). The node makes one sandbox per token: a
+	// repeat while the first is under way waits for it, a repeat after it
+	// succeeded answers the sandbox it made (while it exists), a repeat
+	// after it failed tries again. The client sends it as Idempotency-Key,
+	// which lets its HTTP transport resend a create whose kept-alive
+	// connection died before an answer.
+	Token string `json:"token,omitempty"`
 }
+
+// MaxTokenLen bounds CreateRequest.Token.
+const MaxTokenLen = 64
 
 // ListFilter selects sandboxes.
 type ListFilter struct {

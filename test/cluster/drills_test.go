@@ -2,7 +2,6 @@ package cluster
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -107,15 +106,10 @@ func TestDrillEdgeKilled(t *testing.T) {
 		}
 	}
 	t.Logf("burst of 30 with e3 killed at the 10th: %d made, %d failed: %v", made, len(errs), errs)
-	// Only creates in flight on e3 at the kill may fail, and clearly.
-	if len(errs) > 4 {
-		t.Fatalf("%d creates failed with e3 down: %v", len(errs), errs)
-	}
-	for _, err := range errs {
-		var ae *dsec.Error
-		if !errors.As(err, &ae) || ae.Code != "unavailable" {
-			t.Fatalf("a create failed unclearly: %v", err)
-		}
+	// None fails: a create in flight on e3 at the kill is sent to e3 again,
+	// refused, and placed on another node.
+	if len(errs) > 0 {
+		t.Fatalf("%d creates failed with e3 killed: %v", len(errs), errs)
 	}
 	// A call to a sandbox of the dead edge: a clear unavailable, fast.
 	start := time.Now()
@@ -139,10 +133,10 @@ func TestDrillEdgeKilled(t *testing.T) {
 			t.Fatalf("re-adopted sandbox reads %q", out)
 		}
 	}
-	// Every create that succeeded made exactly one sandbox; the one in
-	// flight when e3 died may or may not have (it said unavailable).
-	if n, per := countJob(t, "drill-edge"); n < made || n > made+len(errs) {
-		t.Fatalf("%d creates succeeded (%d unavailable) but %d sandboxes are listed (%v)", made, len(errs), n, per)
+	// Every create made exactly one sandbox: what e3 made for a create it
+	// never answered (placed elsewhere meanwhile) it deleted as it came back.
+	if n, per := countJob(t, "drill-edge"); n != made {
+		t.Fatalf("%d creates succeeded but %d sandboxes are listed (%v)", made, n, per)
 	}
 }
 
