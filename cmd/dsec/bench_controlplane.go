@@ -41,7 +41,7 @@ type cpOpts struct {
 	duration                           time.Duration
 	jobs, jobSize, concurrency         int
 	hollowProcs, execRate              int
-	keys, jsonOut, keep                bool
+	keys, jsonOut, keep, edgeDeath     bool
 	dir, latency, profile              string
 }
 
@@ -66,6 +66,7 @@ func runBenchControlPlane(args []string) (err error) {
 	f.StringVar(&o.latency, "hollow-latency", defaultHollowLatency, "the hollow edges' --hollow-latency")
 	f.StringVar(&o.profile, "profile", "", "write CPU profiles of every daemon (and of this client) over the hold's middle to this directory")
 	f.StringVar(&o.dir, "dir", "", "where the working directory is made (default: /dev/shm, else the temp dir); it is removed afterwards")
+	f.BoolVar(&o.edgeDeath, "edge-death", true, "after the hold, kill one hollow process (--edges/--hollow-procs edges) a quarter of the way into a burst of creates, then restart it (needs 2 processes or more)")
 	f.BoolVar(&o.keep, "keep", false, "keep the working directory and the daemons' logs")
 	f.BoolVar(&o.jsonOut, "json", false, "print one JSON object instead of a table")
 	if _, err := f.parseN(args, 0, 0); err != nil {
@@ -145,14 +146,20 @@ type cpWorld struct {
 	// of each daemon by name (with --profile).
 	servers []string
 	pprof   map[string]string
-	// hollow[k] is the k-th hollow process's edge names.
-	hollow [][]string
-	ref    string
-	label  string
+	// hollow[k] is the k-th hollow process's edge names, hollowProc[k]
+	// the process and hollowCmd[k] its environment and arguments (the
+	// edge-death phase kills and restarts one).
+	hollow     [][]string
+	hollowProc []*benchProc
+	hollowCmd  []hollowCmd
+	ref        string
+	label      string
 	// made counts the creates that succeeded: the hold's deletes follow
 	// its creates, so that concurrency holds whatever rate is reached.
 	made atomic.Int64
 }
+
+type hollowCmd struct{ env, args []string }
 
 // daemonEnv is the environment a daemon of the bench starts with: a
 // profiling listener of its own with --profile.
@@ -226,11 +233,15 @@ func startCPWorld(ctx context.Context, o cpOpts) (*cpWorld, error) {
 		if err != nil {
 			return w, err
 		}
-		if _, err := w.startEnv(name, env, append([]string{"edge", "--hollow", "--hollow-edges", fmt.Sprint(n),
+		args := append([]string{"edge", "--hollow", "--hollow-edges", fmt.Sprint(n),
 			"--hollow-latency", o.latency, "--listen", fmt.Sprintf("127.0.0.1:%d", port), "--node-name", name,
-			"--state-dir", filepath.Join(dir, name), "--max-sandboxes", fmt.Sprint(perEdge)}, cl...)...); err != nil {
+			"--state-dir", filepath.Join(dir, name), "--max-sandboxes", fmt.Sprint(perEdge)}, cl...)
+		p, err := w.startEnv(name, env, args...)
+		if err != nil {
 			return w, err
 		}
+		w.hollowProc = append(w.hollowProc, p)
+		w.hollowCmd = append(w.hollowCmd, hollowCmd{env, args})
 		// The next process's ports are looked for once these are taken.
 		if err := waitPorts("127.0.0.1", port, n, 60*time.Second); err != nil {
 			return w, fmt.Errorf("%s: %w (log: %s)", name, err, filepath.Join(dir, name+".log"))
@@ -748,6 +759,8 @@ type cpReport struct {
 	ReachChecked     int      `json:"reach_checked"`
 	Unreachable      int      `json:"unreachable"`
 	UnreachableNodes []string `json:"unreachable_nodes,omitempty"`
+	// EdgeDeath is the edge-death phase (--edge-death).
+	EdgeDeath *cpDeath `json:"edge_death,omitempty"`
 	// The teardown: everything deleted by label, and what the nodes still
 	// count after it (must be 0).
 	DeletedAll       int     `json:"deleted_all"`
@@ -922,6 +935,14 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	}
 	if err := w.reach(ctx, rep, jobIDs[job], hold.ids); err != nil {
 		return nil, err
+	}
+	if o.edgeDeath && len(w.hollow) > 1 {
+		d, err := w.edgeDeath(ctx, o, &live)
+		if err != nil {
+			return nil, fmt.Errorf("edge death: %w", err)
+		}
+		rep.EdgeDeath = d
+		rep.FailedCreates += d.FailedCreates
 	}
 
 	// Everything the bench made, deleted by label; nothing may be left.
@@ -1192,6 +1213,12 @@ func printCPReport(r *cpReport) error {
 	fmt.Fprintf(tw, "placement\tmax/mean %.3f, stddev %.1f per edge (worst during the hold %.3f)\n", r.PlacementMaxOverMean, r.PlacementStddev, worst)
 	fmt.Fprintf(tw, "watcher view age\tat most %.2f s\n", r.ViewAgeMaxSeconds)
 	fmt.Fprintf(tw, "reachability\t%d checked through every apiserver, %d not found\n", r.ReachChecked, r.Unreachable)
+	if d := r.EdgeDeath; d != nil {
+		fmt.Fprintf(tw, "edge death\t%s killed (%d edges, %d sandboxes with them) after %d of a burst of %d creates: %d failed (%v); %d sent to a dead edge, %d resent after a lost answer\n",
+			d.Process, d.EdgesKilled, d.SandboxesLost, d.KilledAfter, d.BurstCreates, d.FailedCreates, d.Errors, d.SentToDead, d.Resent)
+		fmt.Fprintf(tw, "  \tunhealthy in every view %.2f s after the kill; create p50 %.1f ms, p99 %.1f ms; restarted, healthy in %.1f s; %d live, %d counted by GET /v1/nodes\n",
+			d.UnhealthySeconds, d.CreateP50MS, d.CreateP99MS, d.RestartSeconds, d.LiveAfter, d.NodeSandboxes)
+	}
 	fmt.Fprintf(tw, "teardown\t%d deleted by label in %.2f s, %d left\n", r.DeletedAll, r.DeleteAllSeconds, r.LeftAfterDelete)
 	for _, p := range r.Procs {
 		fmt.Fprintf(tw, "%s\tCPU %.1f s, RSS %.0f MiB\n", p.Name, p.CPUSeconds, float64(p.RSSBytes)/(1<<20))

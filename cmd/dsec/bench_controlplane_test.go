@@ -34,7 +34,7 @@ func TestControlPlaneBenchShort(t *testing.T) {
 	}
 	work := filepath.Join(dir, "work")
 	cmd := exec.Command(bin, "bench", "control-plane", "--edges", "20", "--sandboxes", "20000", "--rate", "1500",
-		"--duration", "10", "--apiservers", "2", "--jobs", "4", "--exec-rate", "200", "--dir", work, "--json")
+		"--duration", "10", "--apiservers", "2", "--jobs", "4", "--exec-rate", "200", "--hollow-procs", "4", "--dir", work, "--json")
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
@@ -44,6 +44,10 @@ func TestControlPlaneBenchShort(t *testing.T) {
 	var r cpReport
 	if err := json.Unmarshal(out, &r); err != nil {
 		t.Fatalf("bench printed %q: %v", out, err)
+	}
+	if d := r.EdgeDeath; d != nil {
+		t.Logf("edge death: %d edges killed after %d of %d creates: %d failed, %d sent to a dead edge, %d resent, unhealthy in every view after %.2f s, back in %.1f s",
+			d.EdgesKilled, d.KilledAfter, d.BurstCreates, d.FailedCreates, d.SentToDead, d.Resent, d.UnhealthySeconds, d.RestartSeconds)
 	}
 	t.Logf("fill %.0f/s; hold %.0f creates/s (p50 %.1f ms, p99 %.1f ms), %.0f deletes/s, %.0f execs/s; job of %d: list %.2f s, pause %.2f s; placement %.3f",
 		r.FillCreatesPerSec, r.CreatesPerSec, r.CreateP50MS, r.CreateP99MS, r.DeletesPerSec, r.ExecsPerSec, r.JobSize, r.ListJobSeconds, r.PauseJobSeconds, r.PlacementMaxOverMean)
@@ -60,8 +64,18 @@ func TestControlPlaneBenchShort(t *testing.T) {
 		t.Errorf("%d of %d checks through the apiservers found nothing", r.Unreachable, r.ReachChecked)
 	case r.JobSize != 5000 || r.ListJobSeconds <= 0 || r.PauseJobSeconds <= 0:
 		t.Errorf("job by label: %d sandboxes, list %.2f s, pause %.2f s", r.JobSize, r.ListJobSeconds, r.PauseJobSeconds)
-	case r.DeletedAll != r.LiveSandboxes || r.LeftAfterDelete != 0:
-		t.Errorf("teardown deleted %d, left %d", r.DeletedAll, r.LeftAfterDelete)
+	case r.EdgeDeath == nil || r.EdgeDeath.EdgesKilled != 5 || r.EdgeDeath.KilledAfter == 0 || r.EdgeDeath.KilledAfter >= r.EdgeDeath.BurstCreates:
+		t.Errorf("edge death: %+v, want 5 edges killed mid-burst", r.EdgeDeath)
+	case r.EdgeDeath.FailedCreates != 0:
+		t.Errorf("edge death: %d creates failed (%v)", r.EdgeDeath.FailedCreates, r.EdgeDeath.Errors)
+	case r.EdgeDeath.UnhealthySeconds > 10:
+		t.Errorf("edge death: the killed edges counted healthy for %.1f s", r.EdgeDeath.UnhealthySeconds)
+	case r.EdgeDeath.NodeSandboxes != r.EdgeDeath.LiveAfter:
+		t.Errorf("after the edge death GET /v1/nodes counts %d, the clients hold %d", r.EdgeDeath.NodeSandboxes, r.EdgeDeath.LiveAfter)
+	case r.DeletedAll != r.EdgeDeath.LiveAfter+r.EdgeDeath.SandboxesLost || r.LeftAfterDelete != 0:
+		// (The killed edges' sandboxes are failed records once they are
+		// back: deleted by label too.)
+		t.Errorf("teardown deleted %d (want %d live and %d failed), left %d", r.DeletedAll, r.EdgeDeath.LiveAfter, r.EdgeDeath.SandboxesLost, r.LeftAfterDelete)
 	case r.PlacementMaxOverMean < 1 || r.PlacementMaxOverMean > 1.5:
 		t.Errorf("placement max/mean %.3f", r.PlacementMaxOverMean)
 	}

@@ -18,10 +18,14 @@ import (
 	"github.com/dsecproject/dsec/internal/placement"
 )
 
-// maxPlaceAttempts bounds the nodes one create tries, and maxResends the
-// times a create whose answer was lost is sent to its node again.
+// maxPlaceAttempts bounds the nodes that refuse one create, maxUnreachable
+// those that cannot be reached (a refused connection costs little, and
+// when many nodes die at once the view shows them all down only a poll
+// later), and maxResends the times a create whose answer was lost is sent
+// to its node again.
 const (
 	maxPlaceAttempts = 3
+	maxUnreachable   = 16
 	maxResends       = 3
 )
 
@@ -90,12 +94,15 @@ func settle(t *ticket, sb *api.Sandbox, err error) {
 // onSomeNode runs fn (a create of spec) on a node placement picks. A node
 // that refuses for capacity, or that could not be reached before the
 // request was sent, is left out and another is tried (at most
-// maxPlaceAttempts in all); then the answer is 503 with what each said.
+// maxPlaceAttempts refusals and maxUnreachable unreachable nodes); then
+// the answer is 503 with what each said. With a token, a create whose
+// answer was lost is sent to its node again (see below).
 func (s *Server) onSomeNode(ctx context.Context, spec api.SandboxSpec, digests []string, dedicated, token string, fn func(context.Context, edgeapi.Edge) error) error {
 	req := placement.Request{Backend: spec.Backend, Selector: spec.NodeSelector, Layers: digests,
 		Job: spec.Labels[api.JobLabel], Exclude: map[string]bool{}, Dedicated: dedicated}
 	var said []string
-	for attempt := 0; attempt < maxPlaceAttempts; attempt++ {
+	refused, unreachable := 0, 0
+	for attempt := 0; refused < maxPlaceAttempts && unreachable < maxUnreachable; attempt++ {
 		node, undo, err := s.pick(req)
 		if err != nil {
 			s.metrics.placements.WithLabelValues("none").Inc()
@@ -135,8 +142,10 @@ func (s *Server) onSomeNode(ctx context.Context, spec api.SandboxSpec, digests [
 		}
 		switch {
 		case errors.Is(err, errdefs.ErrExhausted):
+			refused++
 			s.metrics.placements.WithLabelValues("refused").Inc()
 		case notSent(err):
+			unreachable++
 			s.metrics.placements.WithLabelValues("unreachable").Inc()
 			s.deps.Nodes.MarkFailed(node, err)
 		default:
@@ -147,7 +156,7 @@ func (s *Server) onSomeNode(ctx context.Context, spec api.SandboxSpec, digests [
 		req.Exclude[node] = true
 		said = append(said, fmt.Sprintf("%s: %v", node, err))
 	}
-	return errdefs.Exhausted("no node took the sandbox after %d tries: %s", maxPlaceAttempts, strings.Join(said, "; "))
+	return errdefs.Exhausted("no node took the sandbox after %d tries: %s", len(said), strings.Join(said, "; "))
 }
 
 // lostAnswer reports whether err says a call reached, or may have reached,

@@ -3,6 +3,7 @@ package apiserver
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"sync"
@@ -130,5 +131,40 @@ func TestCreateResentAfterLostAnswer(t *testing.T) {
 				return nil
 			}, slog.New(slog.NewTextHandler(io.Discard, nil)))
 		})
+	}
+}
+
+// deadEdge refuses every connection, as a killed edge the view still
+// counts healthy does.
+type deadEdge struct{ edgeapi.Edge }
+
+func (d deadEdge) Create(ctx context.Context, req edgeapi.CreateRequest) (*api.Sandbox, error) {
+	return nil, &edgeapi.Unreachable{Node: d.Name(), Err: syscall.ECONNREFUSED, NotSent: true}
+}
+
+// TestCreateSkipsManyDeadNodes: when many nodes die at once, the view
+// shows them healthy until their next poll; a create tries past every
+// one it finds dead (a refused connection costs nothing) instead of
+// giving up after three.
+func TestCreateSkipsManyDeadNodes(t *testing.T) {
+	var targets watcher.Static
+	for i := range 12 {
+		targets = append(targets, deadEdge{edgetest.NewFake(fmt.Sprintf("dead%02d", i))})
+	}
+	alive := edgetest.NewFake("alive")
+	targets = append(targets, alive)
+	for i := range 5 {
+		// A fresh view each time: every dead node counts healthy again.
+		f := newFixture(t, false)
+		view := watcher.New(targets, watcher.Config{DownAfter: time.Hour})
+		view.Sync(t.Context())
+		srv := f.apiserverWith(t, fmt.Sprint("s", i), func(d *Deps) { d.Nodes = view })
+		resp, body := f.doAt(t, srv, f.admin, "", "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
+		if resp.StatusCode != 201 {
+			t.Fatalf("create %d with 12 of 13 nodes dead: %s %s, want 201 on the live one", i, resp.Status, body)
+		}
+	}
+	if l, _ := alive.List(t.Context(), edgeapi.ListFilter{}); len(l) != 5 {
+		t.Fatalf("the live node holds %d sandboxes, want 5", len(l))
 	}
 }

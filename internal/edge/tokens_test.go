@@ -227,3 +227,52 @@ func TestCreateTokenOverTheWire(t *testing.T) {
 		t.Fatalf("Idempotency-Key headers %q, want the token on both", keys)
 	}
 }
+
+// TestCreateSentThenRefusedCountsAsSent: a create written on a kept-alive
+// connection that the edge then closed is resent by the transport (it
+// carries Idempotency-Key); when that resend cannot even connect (the
+// edge is gone), the create still counts as sent: the edge may have made
+// it, and the apiserver must not treat the node as never asked.
+func TestCreateSentThenRefusedCountsAsSent(t *testing.T) {
+	ctx := context.Background()
+	src := &testImages{dir: t.TempDir()}
+	layers := src.digests(t, 1)
+	b := fake.New("container")
+	e, err := New(Config{Name: "n1", StateDir: t.TempDir(), Policy: sandbox.DefaultPolicy()}, Deps{Backend: b, Blobs: src})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	inner := edgeapi.NewServer(e, nil)
+	var srv *httptest.Server
+	srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != "POST" {
+			inner.ServeHTTP(w, r)
+			return
+		}
+		// The edge makes it, then dies: its listener and the
+		// connection close before an answer.
+		inner.ServeHTTP(httptest.NewRecorder(), r)
+		_ = srv.Listener.Close()
+		if conn, _, err := w.(http.Hijacker).Hijack(); err == nil {
+			_ = conn.Close()
+		}
+	}))
+	defer srv.Close()
+	c := edgeapi.NewClient("n1", srv.URL, srv.Client())
+	// A first call leaves a kept-alive connection for the create to reuse.
+	if _, err := c.Info(ctx); err != nil {
+		t.Fatal(err)
+	}
+	_, err = c.Create(ctx, edgeapi.CreateRequest{Spec: api.SandboxSpec{Base: "base/x:1"}, Digests: layers, Token: "tok-refused"})
+	var u *edgeapi.Unreachable
+	if !errors.As(err, &u) || u.NotSent {
+		t.Fatalf("a create written, then refused on its resend: %v (%+v), want unreachable and sent", err, u)
+	}
+	if ids, _ := b.List(ctx); len(ids) != 1 {
+		t.Fatalf("the edge holds %v, want the one sandbox it made", ids)
+	}
+}

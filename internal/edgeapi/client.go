@@ -11,9 +11,11 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"net/url"
 	"os"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/dsecproject/dsec/api"
@@ -110,13 +112,26 @@ func (c *Client) do(ctx context.Context, cl call) (*http.Response, error) {
 	if cl.json != nil {
 		req.Header.Set("Content-Type", "application/json")
 	}
+	// A request the transport may send again (Idempotency-Key) can fail
+	// to dial after an earlier attempt was written: it was sent all the
+	// same.
+	var wrote atomic.Bool
+	if cl.header.Get("Idempotency-Key") != "" {
+		req = req.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+			WroteRequest: func(i httptrace.WroteRequestInfo) {
+				if i.Err == nil {
+					wrote.Store(true)
+				}
+			},
+		}))
+	}
 	resp, err := c.hc.Do(req)
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
 		var op *net.OpError
-		return nil, &Unreachable{Node: c.name, Err: err, NotSent: errors.As(err, &op) && op.Op == "dial"}
+		return nil, &Unreachable{Node: c.name, Err: err, NotSent: errors.As(err, &op) && op.Op == "dial" && !wrote.Load()}
 	}
 	if resp.StatusCode/100 == 2 || resp.StatusCode == http.StatusSwitchingProtocols {
 		return resp, nil
