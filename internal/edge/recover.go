@@ -262,8 +262,12 @@ func (e *Edge) reapOnce(now time.Time, checkLiveness bool) {
 	all := e.allSandboxes()
 	sem := make(chan struct{}, 8)
 	for _, s := range all {
+		// Only what the checks read (a whole record is a large copy, and
+		// this runs every second over every sandbox).
 		s.mu.Lock()
-		rec := s.rec
+		id, state := s.rec.Sandbox.ID, s.rec.Sandbox.State
+		expires, paused, stopped := s.rec.Sandbox.ExpiresAt, s.rec.Sandbox.PausedAt, s.rec.StoppedAt
+		idle := s.rec.Sandbox.Spec.IdleTimeout
 		busy := s.going
 		inFlight := s.ops
 		s.mu.Unlock()
@@ -272,7 +276,7 @@ func (e *Edge) reapOnce(now time.Time, checkLiveness bool) {
 		}
 		if s.isPooled() {
 			// No TTL or idle timeout in a pool; a dead one is dropped.
-			if checkLiveness && !e.initAlive(rec.Sandbox.ID) {
+			if checkLiveness && !e.initAlive(id) {
 				e.pool.drop(s)
 				e.deletePooled(s)
 			}
@@ -280,17 +284,17 @@ func (e *Edge) reapOnce(now time.Time, checkLiveness bool) {
 		}
 		reason, final := "", api.StateStopped
 		switch {
-		case checkLiveness && rec.Sandbox.State == api.StateRunning && !e.initAlive(rec.Sandbox.ID):
+		case checkLiveness && state == api.StateRunning && !e.initAlive(id):
 			reason, final = "sandbox init exited", api.StateFailed
-		case rec.Sandbox.State == api.StateRunning && rec.Sandbox.ExpiresAt != nil && now.After(*rec.Sandbox.ExpiresAt):
+		case state == api.StateRunning && expires != nil && now.After(*expires):
 			reason = "ttl expired"
-		case rec.Sandbox.State == api.StatePaused && e.cfg.MaxPaused > 0 && rec.Sandbox.PausedAt != nil &&
-			now.Sub(*rec.Sandbox.PausedAt) > e.cfg.MaxPaused:
+		case state == api.StatePaused && e.cfg.MaxPaused > 0 && paused != nil &&
+			now.Sub(*paused) > e.cfg.MaxPaused:
 			reason = "paused too long"
-		case rec.Sandbox.State == api.StateRunning && rec.Sandbox.Spec.IdleTimeout > 0 && inFlight == 0 &&
-			now.Sub(s.active.get()) > time.Duration(rec.Sandbox.Spec.IdleTimeout)*time.Second:
+		case state == api.StateRunning && idle > 0 && inFlight == 0 &&
+			now.Sub(s.active.get()) > time.Duration(idle)*time.Second:
 			reason = "idle timeout"
-		case !holdsResources(rec.Sandbox.State) && rec.StoppedAt != nil && now.Sub(*rec.StoppedAt) > e.cfg.StoppedRetention:
+		case !holdsResources(state) && stopped != nil && now.Sub(*stopped) > e.cfg.StoppedRetention:
 			e.forget(s)
 			continue
 		default:
