@@ -89,7 +89,8 @@ type Watcher struct {
 
 	// snap is the last Snapshot, of version snapVer taken at snapAt:
 	// every create reads it, so it is built again only when the view
-	// changed or snapshotMaxAge passed (health depends on the time too).
+	// changed in a way that matters now (membership, health) or
+	// snapshotMaxAge passed (counts, and health depends on the time too).
 	snapMu  sync.Mutex
 	snap    []View
 	snapVer uint64
@@ -166,6 +167,10 @@ func (w *Watcher) Sync(ctx context.Context) {
 	w.refresh(ctx)
 	w.refreshMu.Unlock()
 	w.pollAll(ctx)
+	// What Sync polled is in the next Snapshot, counts included.
+	w.mu.Lock()
+	w.ver++
+	w.mu.Unlock()
 }
 
 // refresh merges the source's members into the view. A failing source
@@ -242,10 +247,17 @@ func (w *Watcher) poll(ctx context.Context, name string, e edgeapi.Edge) {
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	w.ver++
 	n := w.nodes[name]
 	if n == nil || n.member.Edge != e {
 		return // replaced meanwhile
+	}
+	// A poll that changes only a healthy node's counts leaves the
+	// snapshot to its age (snapshotMaxAge; placement's in-flight overlay
+	// covers what the snapshot's older polls miss): every node polled
+	// every second would rebuild it for nearly every create. One that may
+	// change a node's health makes the next Snapshot new.
+	if err != nil || !n.polled || n.fails > 0 || n.suspect != nil {
+		w.ver++
 	}
 	if err != nil {
 		if n.fails == 0 && n.polled {

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/edgeapi/edgetest"
 	"github.com/dsecproject/dsec/internal/errdefs"
@@ -203,5 +204,33 @@ func TestWatcherWrongName(t *testing.T) {
 	w.Sync(t.Context())
 	if v, _ := view(w, "a"); v.Healthy {
 		t.Fatalf("an edge answering with another name is healthy: %+v", v)
+	}
+}
+
+// TestSnapshotKeptAcrossPolls: a poll that only changes a healthy node's
+// counts leaves the snapshot as it is until snapshotMaxAge (placements
+// would otherwise rebuild it for nearly every create); a failure makes
+// the next one new at once.
+func TestSnapshotKeptAcrossPolls(t *testing.T) {
+	ctx := context.Background()
+	fe := edgetest.NewFake("n1")
+	w := New(Static{fe}, Config{DownAfter: time.Hour})
+	w.Sync(ctx)
+	s1 := w.Snapshot()
+	if _, err := fe.Create(ctx, edgeapi.CreateRequest{Spec: api.SandboxSpec{Base: "base/x:1"}}); err != nil {
+		t.Fatal(err)
+	}
+	w.poll(ctx, "n1", fe)
+	if s2 := w.Snapshot(); &s2[0] != &s1[0] {
+		t.Fatal("a poll of a healthy node rebuilt the snapshot at once")
+	}
+	time.Sleep(snapshotMaxAge + 10*time.Millisecond)
+	if s3 := w.Snapshot(); s3[0].Counts[api.StateRunning] != 1 {
+		t.Fatalf("after snapshotMaxAge the snapshot counts %v, want the poll's 1 running", s3[0].Counts)
+	}
+	s4 := w.Snapshot()
+	w.MarkFailed("n1", errors.New("connection refused"))
+	if s5 := w.Snapshot(); &s5[0] == &s4[0] || s5[0].Healthy {
+		t.Fatal("a node marked failed is still healthy in the next snapshot")
 	}
 }
