@@ -159,6 +159,8 @@ type Edge struct {
 	tally *tally
 	// tokens are the creates' tokens (tokens.go).
 	tokens map[string]*tokenEntry
+	// due orders the sandboxes by when the reaper next looks (due.go).
+	due dueQueue
 	// live counts sandboxes holding node resources (creating, running,
 	// paused): what admission checks against MaxSandboxes.
 	live int
@@ -629,6 +631,7 @@ func (e *Edge) Keepalive(ctx context.Context, id string, ttl int64) (*api.Sandbo
 	}
 	exp := time.Now().Add(time.Duration(ttl) * time.Second).UTC()
 	s.rec.Sandbox.ExpiresAt = &exp
+	e.scheduleLocked(s)
 	err = s.persistLocked()
 	v := s.viewLocked()
 	s.mu.Unlock()

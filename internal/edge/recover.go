@@ -257,9 +257,18 @@ func (e *Edge) reapLoop() {
 // every running sandbox's init (a state-file and /proc read each).
 const livenessEvery = 5
 
-// reapOnce stops what has expired or died and forgets old records.
-func (e *Edge) reapOnce(now time.Time, checkLiveness bool) {
-	all := e.allSandboxes()
+// reapOnce stops what has expired or died and forgets old records: the
+// sandboxes due by now (due.go), or with full every sandbox, their inits'
+// liveness checked, and the due queue rebuilt.
+func (e *Edge) reapOnce(now time.Time, full bool) {
+	checkLiveness := full
+	var all []*sbx
+	if full {
+		all = e.allSandboxes()
+		e.due.clear()
+	} else {
+		all = e.due.popDue(now)
+	}
 	sem := make(chan struct{}, 8)
 	for _, s := range all {
 		// Only what the checks read (a whole record is a large copy, and
@@ -270,6 +279,10 @@ func (e *Edge) reapOnce(now time.Time, checkLiveness bool) {
 		idle := s.rec.Sandbox.Spec.IdleTimeout
 		busy := s.going
 		inFlight := s.ops
+		// Queued again for when it is next due: whatever is done below
+		// queues it anew (a stop, a forget unlists it), and with nothing
+		// due yet this is its next look.
+		e.scheduleLocked(s)
 		s.mu.Unlock()
 		if busy {
 			continue

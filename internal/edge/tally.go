@@ -58,8 +58,11 @@ func (s *sbx) shareLocked() share {
 	return sh
 }
 
-// recountLocked brings the node's counts in line with s (s.mu held).
+// recountLocked brings the node's counts in line with s, and queues it
+// for the reaper (due.go) (s.mu held).
 func (e *Edge) recountLocked(s *sbx) {
+	// What moves the counts may move the reaper's next look too.
+	e.scheduleLocked(s)
 	want := s.shareLocked()
 	if want == s.share {
 		return
