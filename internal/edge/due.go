@@ -65,6 +65,14 @@ func (q *dueQueue) popDue(now time.Time) []*sbx {
 	return out
 }
 
+// add queues many entries at once.
+func (q *dueQueue) add(entries []dueEntry) {
+	q.mu.Lock()
+	q.h = append(q.h, entries...)
+	heap.Init(&q.h)
+	q.mu.Unlock()
+}
+
 func (q *dueQueue) clear() {
 	q.mu.Lock()
 	q.h = nil

@@ -263,9 +263,12 @@ const livenessEvery = 5
 func (e *Edge) reapOnce(now time.Time, full bool) {
 	checkLiveness := full
 	var all []*sbx
+	var rebuilt []dueEntry
 	if full {
 		all = e.allSandboxes()
 		e.due.clear()
+		rebuilt = make([]dueEntry, 0, len(all))
+		defer func() { e.due.add(rebuilt) }()
 	} else {
 		all = e.due.popDue(now)
 	}
@@ -281,8 +284,15 @@ func (e *Edge) reapOnce(now time.Time, full bool) {
 		inFlight := s.ops
 		// Queued again for when it is next due: whatever is done below
 		// queues it anew (a stop, a forget unlists it), and with nothing
-		// due yet this is its next look.
-		e.scheduleLocked(s)
+		// due yet this is its next look. (A full pass rebuilds the queue
+		// in one go.)
+		if full {
+			if at := e.nextDueLocked(s); !at.IsZero() {
+				rebuilt = append(rebuilt, dueEntry{at, s})
+			}
+		} else {
+			e.scheduleLocked(s)
+		}
 		s.mu.Unlock()
 		if busy {
 			continue
