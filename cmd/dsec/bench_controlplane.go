@@ -452,6 +452,7 @@ func errClass(err error) string {
 // cpDeletes is what a run of deletes measured.
 type cpDeletes struct {
 	ok, failed int
+	errs       map[string]int
 	durs       []time.Duration
 	wall       time.Duration
 }
@@ -460,7 +461,7 @@ type cpDeletes struct {
 // concurrency in flight, the i-th once the i-th create since it began
 // succeeded: after until, only those of the creates made by then.
 func (w *cpWorld) deletes(ctx context.Context, o cpOpts, ids []string, rate int, until time.Time, live *atomic.Int64) cpDeletes {
-	var out cpDeletes
+	out := cpDeletes{errs: map[string]int{}}
 	var mu sync.Mutex
 	base := w.made.Load()
 	// Delete i follows create i; once the hold is over, only the deletes
@@ -482,6 +483,7 @@ func (w *cpWorld) deletes(ctx context.Context, o cpOpts, ids []string, rate int,
 		defer mu.Unlock()
 		if err != nil {
 			out.failed++
+			out.errs[errClass(err)]++
 			return
 		}
 		out.ok++
@@ -723,6 +725,7 @@ type cpReport struct {
 	HoldFailed    int            `json:"hold_failed_creates"`
 	HoldErrors    map[string]int `json:"hold_errors,omitempty"`
 	FailedDeletes int            `json:"failed_deletes"`
+	DeleteErrors  map[string]int `json:"delete_errors,omitempty"`
 	FailedExecs   int            `json:"failed_execs"`
 	ExecErrors    map[string]int `json:"exec_errors,omitempty"`
 	CreateP50MS   float64        `json:"create_p50_ms"`
@@ -900,7 +903,7 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	rep.DeletesPerSec = float64(del.ok) / max(holdWall, del.wall).Seconds()
 	rep.FailedCreates = fill.fails + refill.fails + hold.fails
 	rep.HoldFailed, rep.HoldErrors = hold.fails, hold.errs
-	rep.FailedDeletes = del.failed
+	rep.FailedDeletes, rep.DeleteErrors = del.failed, del.errs
 	d := durs(hold.samples)
 	rep.CreateP50MS, rep.CreateP99MS, rep.CreateP999MS = pct(d, .5), pct(d, .99), pct(d, .999)
 	rep.DeleteP50MS, rep.DeleteP99MS = pct(del.durs, .5), pct(del.durs, .99)

@@ -53,7 +53,7 @@ func TestControlPlaneBenchShort(t *testing.T) {
 		r.FillCreatesPerSec, r.CreatesPerSec, r.CreateP50MS, r.CreateP99MS, r.DeletesPerSec, r.ExecsPerSec, r.JobSize, r.ListJobSeconds, r.PauseJobSeconds, r.PlacementMaxOverMean)
 	switch {
 	case r.FailedCreates != 0 || r.FailedDeletes != 0 || r.FailedExecs != 0:
-		t.Errorf("failed: %d creates, %d deletes, %d execs (%v %v %v)", r.FailedCreates, r.FailedDeletes, r.FailedExecs, r.FillErrors, r.HoldErrors, r.ExecErrors)
+		t.Errorf("failed: %d creates, %d deletes, %d execs (%v %v %v %v)", r.FailedCreates, r.FailedDeletes, r.FailedExecs, r.FillErrors, r.HoldErrors, r.DeleteErrors, r.ExecErrors)
 	case r.LiveSandboxes < 20000 || r.LiveSandboxes > 20000+256:
 		// (The hold's deletes follow its creates: at its end, a
 		// concurrency's worth of deletes may not have followed yet.)

@@ -227,7 +227,11 @@ func (c *Client) List(ctx context.Context, f ListFilter) ([]api.Sandbox, error) 
 
 // Delete implements Edge.
 func (c *Client) Delete(ctx context.Context, id string) error {
-	return c.roundTrip(ctx, call{method: "DELETE", path: sbPath(id, "")}, nil)
+	// A delete is idempotent (an absent sandbox is deleted already): the
+	// transport may send it again when its kept-alive connection failed
+	// before an answer. (An Idempotency-Key without a value marks the
+	// request so and is not sent.)
+	return c.roundTrip(ctx, call{method: "DELETE", path: sbPath(id, ""), header: http.Header{"Idempotency-Key": nil}}, nil)
 }
 
 func (c *Client) byLabels(ctx context.Context, verb string, sel map[string]string) (int, error) {
