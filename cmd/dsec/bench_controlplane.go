@@ -584,8 +584,9 @@ func promValue(hc *http.Client, url, name string) (float64, bool) {
 	return v, ok
 }
 
-// promValues reads the unlabelled samples of a Prometheus text page, and
-// the sums over labels of labelled ones (under the bare name).
+// promValues reads the samples of a Prometheus text page: each labelled
+// one under its series as written (`name{k="v"}`), and under its bare name
+// the sum over its labels.
 func promValues(hc *http.Client, url string) (map[string]float64, error) {
 	resp, err := hc.Get(url)
 	if err != nil {
@@ -608,13 +609,14 @@ func promValues(hc *http.Client, url string) (map[string]float64, error) {
 		if !ok {
 			continue
 		}
+		series := ""
 		if i := strings.IndexByte(name, '{'); i >= 0 {
 			// A labelled sample: its labels may hold spaces.
 			j := strings.LastIndexByte(line, '}')
 			if j < 0 {
 				continue
 			}
-			name, rest = line[:i], strings.TrimSpace(line[j+1:])
+			series, name, rest = line[:j+1], line[:i], strings.TrimSpace(line[j+1:])
 		}
 		f := strings.Fields(rest)
 		if len(f) == 0 {
@@ -622,6 +624,9 @@ func promValues(hc *http.Client, url string) (map[string]float64, error) {
 		}
 		if v, err := strconv.ParseFloat(f[0], 64); err == nil {
 			out[name] += v
+			if series != "" {
+				out[series] += v
+			}
 		}
 	}
 	return out, nil

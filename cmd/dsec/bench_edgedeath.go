@@ -3,17 +3,11 @@ package main
 import (
 	"context"
 	"fmt"
-	"io"
 	"net/http"
-	"strconv"
-	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
-	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
-	dsec "github.com/dsecproject/dsec/sdk/go"
 )
 
 // cpDeath is what the edge-death phase measured: a burst of creates during
@@ -62,7 +56,7 @@ func (w *cpWorld) edgeDeath(ctx context.Context, o cpOpts, live *atomic.Int64) (
 	for _, n := range w.hollow[k] {
 		victim[n] = true
 	}
-	out := &cpDeath{Process: w.hollowProc[k].name, EdgesKilled: len(w.hollow[k]), Errors: map[string]int{}}
+	out := &cpDeath{Process: w.hollowProc[k].name, EdgesKilled: len(w.hollow[k])}
 	// What the victims hold, from a view caught up with the clients (no
 	// create or delete is in flight now).
 	if _, err := w.nodesHolding(ctx, int(live.Load())); err != nil {
@@ -72,24 +66,21 @@ func (w *cpWorld) edgeDeath(ctx context.Context, o cpOpts, live *atomic.Int64) (
 	if err != nil {
 		return nil, err
 	}
-	before := 0
 	for _, n := range nodes {
 		if victim[n.Name] {
-			before += liveOn(n)
+			out.SandboxesLost += liveOn(n)
 		}
 	}
-	out.SandboxesLost = before
 	n := min(5*o.rate, max(o.sandboxes/10, 100), 20000)
 	out.BurstCreates = n
 	progress("edge death: %d creates; %s (%d edges) killed a quarter of the way in", n, out.Process, out.EdgesKilled)
 
-	var mu sync.Mutex
-	var durs []time.Duration
+	// The kill, once a quarter of the burst's creates succeeded.
+	base := w.made.Load()
 	var killedAt time.Time
-	var made atomic.Int64
 	killed := make(chan struct{})
 	go func() {
-		for made.Load() < int64(n/4) {
+		for w.made.Load()-base < int64(n/4) {
 			if ctx.Err() != nil {
 				return
 			}
@@ -97,57 +88,45 @@ func (w *cpWorld) edgeDeath(ctx context.Context, o cpOpts, live *atomic.Int64) (
 		}
 		p := w.hollowProc[k]
 		_ = p.cmd.Process.Kill()
-		mu.Lock()
 		killedAt = time.Now()
-		out.KilledAfter = int(made.Load())
-		mu.Unlock()
+		out.KilledAfter = int(w.made.Load() - base)
 		close(killed)
 		_ = p.cmd.Wait()
 	}()
 	placed0 := w.placements()
-	var burst sync.WaitGroup
-	burst.Add(1)
+	var ph cpPhase
+	burst := make(chan struct{})
 	go func() {
-		defer burst.Done()
-		w.paced(ctx, o.concurrency, n, o.rate, nil, func(c *dsec.Client, _ int64) {
-			t := time.Now()
-			sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: w.ref, TTL: 86400, Labels: map[string]string{"job": "edge-death", "bench": w.label}})
-			end := time.Now()
-			mu.Lock()
-			defer mu.Unlock()
-			if err != nil {
-				out.FailedCreates++
-				out.Errors[errClass(err)]++
-				return
-			}
-			made.Add(1)
-			durs = append(durs, end.Sub(t))
-			if node, _ := edgeapi.NodeOf(sb.ID); victim[node] {
-				out.SandboxesLost++
-				return
-			}
-			live.Add(1)
-		})
+		defer close(burst)
+		ph = w.creates(ctx, o, "edge-death", n, o.rate, live)
 	}()
 	select {
 	case <-killed:
 	case <-ctx.Done():
-		burst.Wait()
+		<-burst
 		return nil, ctx.Err()
 	}
 	// Until every apiserver's view has every killed edge unhealthy.
 	if err := w.untilEdges(ctx, victim, false, 60*time.Second); err != nil {
-		burst.Wait()
+		<-burst
 		return nil, err
 	}
 	out.UnhealthySeconds = time.Since(killedAt).Seconds()
-	burst.Wait()
+	<-burst
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	// (The burst's creates on killed edges never counted as live.)
-	live.Add(-int64(before))
-	out.CreateP50MS, out.CreateP99MS = pct(durs, .5), pct(durs, .99)
+	out.FailedCreates, out.Errors = ph.fails, ph.errs
+	// What the killed edges held went with them: before the burst, and
+	// what the burst made on them.
+	for _, id := range ph.ids {
+		if node, _ := edgeapi.NodeOf(id); victim[node] {
+			out.SandboxesLost++
+		}
+	}
+	live.Add(-int64(out.SandboxesLost))
+	d := durs(ph.samples)
+	out.CreateP50MS, out.CreateP99MS = pct(d, .5), pct(d, .99)
 	placed1 := w.placements()
 	out.SentToDead = int(placed1["unreachable"] - placed0["unreachable"])
 	out.Resent = int(placed1["resent"] - placed0["resent"])
@@ -225,21 +204,12 @@ func (w *cpWorld) placements() map[string]float64 {
 	out := map[string]float64{}
 	hc := &http.Client{Timeout: 5 * time.Second}
 	for _, u := range w.servers {
-		resp, err := hc.Get(u + "/metrics")
+		m, err := promValues(hc, u+"/metrics")
 		if err != nil {
 			continue
 		}
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 32<<20))
-		resp.Body.Close()
-		for _, line := range strings.Split(string(b), "\n") {
-			rest, ok := strings.CutPrefix(line, `dsec_placements_total{result="`)
-			if !ok {
-				continue
-			}
-			result, val, ok := strings.Cut(rest, `"} `)
-			if v, err := strconv.ParseFloat(strings.TrimSpace(val), 64); ok && err == nil {
-				out[result] += v
-			}
+		for _, result := range []string{"unreachable", "resent"} {
+			out[result] += m[`dsec_placements_total{result="`+result+`"}`]
 		}
 	}
 	return out

@@ -7,7 +7,6 @@ import (
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
-	"github.com/dsecproject/dsec/internal/sandbox"
 	"github.com/dsecproject/dsec/internal/sandbox/fake"
 )
 
@@ -20,14 +19,7 @@ func TestReaperLooksAtWhatIsDue(t *testing.T) {
 	ctx := context.Background()
 	src := &testImages{dir: t.TempDir()}
 	layers := src.digests(t, 1)
-	e, err := New(Config{Name: "n1", StateDir: t.TempDir(), Policy: sandbox.DefaultPolicy(), ReapInterval: time.Hour},
-		Deps{Backend: fake.New("container"), Blobs: src})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := e.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
+	e := fakeEdgeWith(t, t.TempDir(), fake.New("container"), src, func(c *Config) { c.ReapInterval = time.Hour })
 	defer e.Close()
 	mk := func(ttl int64) string {
 		t.Helper()

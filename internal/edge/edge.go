@@ -157,7 +157,8 @@ type Edge struct {
 	sandboxes map[string]*sbx
 	// tally holds the counts Info reports (tally.go).
 	tally *tally
-	// tokens are the creates' tokens (tokens.go).
+	// tokens are the creates' tokens, under tokMu (tokens.go).
+	tokMu  sync.Mutex
 	tokens map[string]*tokenEntry
 	// due orders the sandboxes by when the reaper next looks (due.go).
 	due dueQueue

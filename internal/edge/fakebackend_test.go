@@ -67,7 +67,17 @@ func (s *testImages) digests(t *testing.T, n int) []string {
 // mounts, no processes.
 func fakeEdge(t *testing.T, state string, b *fake.Backend, src *testImages) *Edge {
 	t.Helper()
-	e, err := New(Config{Name: "n1", StateDir: state, Policy: sandbox.DefaultPolicy()}, Deps{Backend: b, Blobs: src})
+	return fakeEdgeWith(t, state, b, src, nil)
+}
+
+// fakeEdgeWith is fakeEdge with its Config changed by tune first.
+func fakeEdgeWith(t *testing.T, state string, b *fake.Backend, src *testImages, tune func(*Config)) *Edge {
+	t.Helper()
+	cfg := Config{Name: "n1", StateDir: state, Policy: sandbox.DefaultPolicy()}
+	if tune != nil {
+		tune(&cfg)
+	}
+	e, err := New(cfg, Deps{Backend: b, Blobs: src})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,7 +10,6 @@ import (
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
-	"github.com/dsecproject/dsec/internal/sandbox"
 	"github.com/dsecproject/dsec/internal/sandbox/fake"
 )
 
@@ -92,14 +91,7 @@ func TestCountsFollowEveryChange(t *testing.T) {
 	src := &testImages{dir: t.TempDir()}
 	layers := src.digests(t, 1)
 	b := fake.New("container")
-	e, err := New(Config{Name: "n1", StateDir: state, Policy: sandbox.DefaultPolicy(), ReapInterval: time.Hour},
-		Deps{Backend: b, Blobs: src})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := e.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
+	e := fakeEdgeWith(t, state, b, src, func(c *Config) { c.ReapInterval = time.Hour })
 	// Pools on, with no pool loop: the test refills by hand, so nothing
 	// changes between Info and the walk.
 	e.cfg.PoolMax, e.cfg.PoolMin = 1, 1
@@ -213,14 +205,7 @@ func TestCountsFollowEveryChange(t *testing.T) {
 	// died while the edge was down is counted as failed.
 	e.Close()
 	b.Stop(ids[1])
-	e2, err := New(Config{Name: "n1", StateDir: state, Policy: sandbox.DefaultPolicy(), ReapInterval: time.Hour},
-		Deps{Backend: b, Blobs: &testImages{dir: src.dir}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := e2.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
+	e2 := fakeEdgeWith(t, state, b, &testImages{dir: src.dir}, func(c *Config) { c.ReapInterval = time.Hour })
 	defer e2.Close()
 	n = checkCounts(t, e2, "restarted")
 	if n.Counts[api.StateRunning] != 2 || n.Counts[api.StateFailed] != 1 || n.Projects["root/p3"].MemoryMB != 700 {

@@ -14,7 +14,9 @@ import (
 // (by the apiserver's HTTP transport when a kept-alive connection died, or
 // by the apiserver itself) makes no second sandbox.
 //
-// e.tokens (under e.mu) maps a token to its create: one under way (no id
+// e.tokens (under e.tokMu, which is taken under e.mu and s.mu and takes
+// nothing itself: creates never hold the edge's main lock for it) maps a
+// token to its create: one under way (no id
 // yet), or one that made a sandbox still listed here. Sandboxes adopted at
 // start-up bring their tokens back from their records.
 
@@ -36,32 +38,32 @@ func (e *Edge) createOnce(ctx context.Context, req edgeapi.CreateRequest, create
 		return nil, errdefs.Invalid("create token of %d bytes; at most %d", len(tok), edgeapi.MaxTokenLen)
 	}
 	for {
-		e.mu.Lock()
+		e.tokMu.Lock()
 		t := e.tokens[tok]
 		if t == nil {
 			t = &tokenEntry{done: make(chan struct{})}
 			e.tokens[tok] = t
-			e.mu.Unlock()
+			e.tokMu.Unlock()
 			sb, err := create()
-			e.mu.Lock()
+			e.tokMu.Lock()
 			if err == nil {
 				t.id = sb.ID
 			} else if e.tokens[tok] == t {
 				delete(e.tokens, tok)
 			}
-			e.mu.Unlock()
+			e.tokMu.Unlock()
 			close(t.done)
 			return sb, err
 		}
-		e.mu.Unlock()
+		e.tokMu.Unlock()
 		select {
 		case <-t.done:
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		}
-		e.mu.RLock()
+		e.tokMu.Lock()
 		id := t.id
-		e.mu.RUnlock()
+		e.tokMu.Unlock()
 		if id == "" {
 			continue // it failed: this one tries
 		}
@@ -74,7 +76,12 @@ func (e *Edge) createOnce(ctx context.Context, req edgeapi.CreateRequest, create
 // s.mu held): one adopted at start-up, whose create is long over.
 func (e *Edge) noteTokenLocked(s *sbx) {
 	tok := s.rec.Token
-	if tok == "" || e.tokens[tok] != nil {
+	if tok == "" {
+		return
+	}
+	e.tokMu.Lock()
+	defer e.tokMu.Unlock()
+	if e.tokens[tok] != nil {
 		return
 	}
 	done := make(chan struct{})
@@ -85,6 +92,11 @@ func (e *Edge) noteTokenLocked(s *sbx) {
 // forgetTokenLocked drops the token of a sandbox being unlisted (e.mu and
 // s.mu held); a create of it under way keeps its own.
 func (e *Edge) forgetTokenLocked(s *sbx) {
+	if s.rec.Token == "" {
+		return
+	}
+	e.tokMu.Lock()
+	defer e.tokMu.Unlock()
 	if t := e.tokens[s.rec.Token]; t != nil && t.id == s.rec.Sandbox.ID {
 		delete(e.tokens, s.rec.Token)
 	}
@@ -97,9 +109,9 @@ func (e *Edge) forgetTokenLocked(s *sbx) {
 // next call.
 func (e *Edge) DropAbandoned(ctx context.Context, tokens []string) (handled []string) {
 	for _, tok := range tokens {
-		e.mu.RLock()
+		e.tokMu.Lock()
 		t := e.tokens[tok]
-		e.mu.RUnlock()
+		e.tokMu.Unlock()
 		if t == nil {
 			handled = append(handled, tok)
 			continue
@@ -109,9 +121,9 @@ func (e *Edge) DropAbandoned(ctx context.Context, tokens []string) (handled []st
 		default:
 			continue
 		}
-		e.mu.RLock()
+		e.tokMu.Lock()
 		id := t.id
-		e.mu.RUnlock()
+		e.tokMu.Unlock()
 		if id == "" {
 			handled = append(handled, tok)
 			continue

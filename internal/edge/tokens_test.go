@@ -14,7 +14,6 @@ import (
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
-	"github.com/dsecproject/dsec/internal/sandbox"
 	"github.com/dsecproject/dsec/internal/sandbox/fake"
 )
 
@@ -122,9 +121,9 @@ func TestCreateTokenMakesOneSandbox(t *testing.T) {
 	if sb, err := e.Create(ctx, req("tok-b")); err != nil || sb.ID == other.ID {
 		t.Fatalf("a token whose sandbox was deleted: %+v %v, want a new sandbox", sb, err)
 	}
-	e.mu.RLock()
+	e.tokMu.Lock()
 	tokens := len(e.tokens)
-	e.mu.RUnlock()
+	e.tokMu.Unlock()
 	if tokens != 3 {
 		t.Fatalf("%d tokens held, want 3 (a, b and c)", tokens)
 	}
@@ -171,13 +170,7 @@ func TestCreateTokenOverTheWire(t *testing.T) {
 	src := &testImages{dir: t.TempDir()}
 	layers := src.digests(t, 1)
 	b := fake.New("container")
-	e, err := New(Config{Name: "n1", StateDir: t.TempDir(), Policy: sandbox.DefaultPolicy()}, Deps{Backend: b, Blobs: src})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := e.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
+	e := fakeEdge(t, t.TempDir(), b, src)
 	defer e.Close()
 	inner := edgeapi.NewServer(e, nil)
 	var mu sync.Mutex
@@ -208,7 +201,7 @@ func TestCreateTokenOverTheWire(t *testing.T) {
 	defer srv.Close()
 	c := edgeapi.NewClient("n1", srv.URL, srv.Client())
 	cr := edgeapi.CreateRequest{Spec: api.SandboxSpec{Base: "base/x:1"}, Digests: layers, Token: "tok-wire"}
-	_, err = c.Create(ctx, cr)
+	_, err := c.Create(ctx, cr)
 	var u *edgeapi.Unreachable
 	if !errors.As(err, &u) || u.NotSent {
 		t.Fatalf("a create whose answer was dropped: %v, want unreachable, sent", err)
@@ -238,13 +231,7 @@ func TestCreateSentThenRefusedCountsAsSent(t *testing.T) {
 	src := &testImages{dir: t.TempDir()}
 	layers := src.digests(t, 1)
 	b := fake.New("container")
-	e, err := New(Config{Name: "n1", StateDir: t.TempDir(), Policy: sandbox.DefaultPolicy()}, Deps{Backend: b, Blobs: src})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := e.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
+	e := fakeEdge(t, t.TempDir(), b, src)
 	defer e.Close()
 	inner := edgeapi.NewServer(e, nil)
 	var srv *httptest.Server
@@ -267,7 +254,7 @@ func TestCreateSentThenRefusedCountsAsSent(t *testing.T) {
 	if _, err := c.Info(ctx); err != nil {
 		t.Fatal(err)
 	}
-	_, err = c.Create(ctx, edgeapi.CreateRequest{Spec: api.SandboxSpec{Base: "base/x:1"}, Digests: layers, Token: "tok-refused"})
+	_, err := c.Create(ctx, edgeapi.CreateRequest{Spec: api.SandboxSpec{Base: "base/x:1"}, Digests: layers, Token: "tok-refused"})
 	var u *edgeapi.Unreachable
 	if !errors.As(err, &u) || u.NotSent {
 		t.Fatalf("a create written, then refused on its resend: %v (%+v), want unreachable and sent", err, u)
