@@ -45,6 +45,8 @@ type benchClusterOpts struct {
 type benchProc struct {
 	name, log string
 	cmd       *exec.Cmd
+	// env and args are what it was started with (to start it again).
+	env, args []string
 }
 
 func (p *benchProc) stop() {
@@ -111,6 +113,9 @@ type benchWorld struct {
 	metrics []string
 	procs   []*benchProc
 	etcd    *etcdtest.Cluster
+	// edgeFlags are the flags a daemon of the cluster needs (etcd, the
+	// cluster's certificates, the layers).
+	edgeFlags []string
 	// up and cluster send Idempotency-Keys as the SDK does by default;
 	// the bare ones do not.
 	up, upBare           *dsec.Client
@@ -129,7 +134,7 @@ func (b *benchWorld) start(name string, args ...string) (*benchProc, error) {
 
 // startEnv starts a daemon with env added to this process's environment.
 func (b *benchWorld) startEnv(name string, env []string, args ...string) (*benchProc, error) {
-	p := &benchProc{name: name, log: filepath.Join(b.dir, name+".log")}
+	p := &benchProc{name: name, log: filepath.Join(b.dir, name+".log"), env: env, args: args}
 	logf, err := os.Create(p.log)
 	if err != nil {
 		return nil, err
@@ -158,33 +163,48 @@ func (b *benchWorld) startControlPlane(ctx context.Context, n int, env func(name
 	if out, err := exec.Command(b.bin, "cluster", "init", "--dir", filepath.Join(b.dir, "cluster")).CombinedOutput(); err != nil {
 		return nil, nil, fmt.Errorf("cluster init: %v: %s", err, out)
 	}
-	cl := []string{"--etcd", strings.Join(b.etcd.Endpoints(), ","), "--cluster", filepath.Join(b.dir, "cluster"), "--layers", filepath.Join(b.dir, "layers"), "--log-level", "warn"}
+	b.edgeFlags = []string{"--etcd", strings.Join(b.etcd.Endpoints(), ","), "--cluster", filepath.Join(b.dir, "cluster"), "--layers", filepath.Join(b.dir, "layers"), "--log-level", "warn"}
 	for i := range n {
-		port, err := benchPort("127.0.0.1")
-		if err != nil {
-			return nil, nil, err
-		}
-		args := append([]string{"server", "--listen", "127.0.0.1:" + port}, cl...)
-		if i == 0 {
-			args = append(args, "--api-key", benchKey)
-		}
 		name := fmt.Sprintf("server%d", i)
-		var extra []string
+		var extra, args []string
 		if env != nil {
 			if extra, err = env(name); err != nil {
 				return nil, nil, err
 			}
 		}
-		p, err := b.startEnv(name, extra, args...)
+		if i == 0 {
+			args = []string{"--api-key", benchKey}
+		}
+		url, _, err := b.startServer(ctx, name, "", extra, args...)
 		if err != nil {
 			return nil, nil, err
 		}
-		if err := waitHealthz(ctx, "http://127.0.0.1:"+port+"/healthz", p); err != nil {
-			return nil, nil, err
-		}
-		servers = append(servers, "http://127.0.0.1:"+port)
+		servers = append(servers, url)
 	}
-	return cl, servers, nil
+	return b.edgeFlags, servers, nil
+}
+
+// startServer starts an apiserver of the cluster startControlPlane made on
+// addr (""; a free loopback port), with env added to its environment and
+// args to its flags, and waits until it answers; it returns its URL.
+func (b *benchWorld) startServer(ctx context.Context, name, addr string, env []string, args ...string) (string, *benchProc, error) {
+	if addr == "" {
+		port, err := benchPort("127.0.0.1")
+		if err != nil {
+			return "", nil, err
+		}
+		addr = "127.0.0.1:" + port
+	}
+	args = append(append([]string{"server", "--listen", addr}, b.edgeFlags...), args...)
+	p, err := b.startEnv(name, env, args...)
+	if err != nil {
+		return "", nil, err
+	}
+	url := "http://" + addr
+	if err := waitHealthz(ctx, url+"/healthz", p); err != nil {
+		return "", p, err
+	}
+	return url, p, nil
 }
 
 func waitHealthz(ctx context.Context, url string, p *benchProc) error {

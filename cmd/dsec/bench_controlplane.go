@@ -41,7 +41,9 @@ type cpOpts struct {
 	duration                           time.Duration
 	jobs, jobSize, concurrency         int
 	hollowProcs, execRate              int
+	placementCompare, cloudEdges       int
 	keys, jsonOut, keep, edgeDeath     bool
+	apiserverDeath                     bool
 	dir, latency, profile              string
 }
 
@@ -67,6 +69,9 @@ func runBenchControlPlane(args []string) (err error) {
 	f.StringVar(&o.profile, "profile", "", "write CPU profiles of every daemon (and of this client) over the hold's middle to this directory")
 	f.StringVar(&o.dir, "dir", "", "where the working directory is made (default: /dev/shm, else the temp dir); it is removed afterwards")
 	f.BoolVar(&o.edgeDeath, "edge-death", true, "after the hold, kill one hollow process (--edges/--hollow-procs edges) a quarter of the way into a burst of creates, then restart it (needs 2 processes or more)")
+	f.BoolVar(&o.apiserverDeath, "apiserver-death", true, "after the edge death, kill one apiserver a quarter of the way into a burst of keyed creates sent through clients that know every apiserver, then restart it (needs --apiservers 2 or more)")
+	f.IntVar(&o.placementCompare, "placement-compare", -1, "after the teardown, a burst of this many creates from empty edges per placement strategy (power of 2 and least loaded, with and without the overlay, and random), each through apiservers of its own (-1: a tenth of --sandboxes, at most 40,000; 0: none)")
+	f.IntVar(&o.cloudEdges, "cloud-edges", -1, "then, this many more hollow edges labelled pool=cloud, and a burst through apiservers with --overflow-pool cloud=T, T set so that the others pass it 60% of the way in (-1: a tenth of --edges; 0: none)")
 	f.BoolVar(&o.keep, "keep", false, "keep the working directory and the daemons' logs")
 	f.BoolVar(&o.jsonOut, "json", false, "print one JSON object instead of a table")
 	if _, err := f.parseN(args, 0, 0); err != nil {
@@ -125,6 +130,18 @@ func (o *cpOpts) check() error {
 	if o.hollowProcs == 0 {
 		o.hollowProcs = max(1, o.edges/10)
 	}
+	if o.placementCompare < -1 || o.cloudEdges < -1 {
+		return errors.New("--placement-compare and --cloud-edges: want -1 (the default), 0 (none) or more")
+	}
+	if o.placementCompare == -1 {
+		o.placementCompare = min(max(o.sandboxes/10, 4*o.edges), 40000)
+	}
+	if o.cloudEdges == -1 {
+		o.cloudEdges = max(1, o.edges/10)
+	}
+	if o.cloudEdges > maxHollowEdges {
+		return fmt.Errorf("--cloud-edges %d: want at most %d", o.cloudEdges, maxHollowEdges)
+	}
 	if o.jobs == 0 {
 		// Two at least, so that the hold has an older job to delete.
 		o.jobs = min(o.sandboxes, max(2, (o.sandboxes+31999)/32000))
@@ -146,20 +163,38 @@ type cpWorld struct {
 	// of each daemon by name (with --profile).
 	servers []string
 	pprof   map[string]string
-	// hollow[k] is the k-th hollow process's edge names, hollowProc[k]
-	// the process and hollowCmd[k] its environment and arguments (the
+	// hollow[k] is the k-th hollow process's edge names and hollowProc[k]
+	// the process (the
 	// edge-death phase kills and restarts one).
 	hollow     [][]string
 	hollowProc []*benchProc
-	hollowCmd  []hollowCmd
 	ref        string
 	label      string
+	// hc is the clients' HTTP client (kept-alive connections).
+	hc *http.Client
 	// made counts the creates that succeeded: the hold's deletes follow
 	// its creates, so that concurrency holds whatever rate is reached.
 	made atomic.Int64
 }
 
-type hollowCmd struct{ env, args []string }
+// clientsOf makes a client on each of the apiservers at urls, one
+// endpoint each, without retries: what the bench measures is each
+// apiserver's own answer.
+func (w *cpWorld) clientsOf(o cpOpts, urls []string) ([]*dsec.Client, error) {
+	var out []*dsec.Client
+	for _, url := range urls {
+		opts := []dsec.Option{dsec.WithEndpoint(url), dsec.WithAPIKey(benchKey), dsec.WithHTTPClient(w.hc), dsec.WithRetries(1)}
+		if !o.keys {
+			opts = append(opts, dsec.WithoutIdempotencyKeys())
+		}
+		c, err := dsec.New(opts...)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, c)
+	}
+	return out, nil
+}
 
 // daemonEnv is the environment a daemon of the bench starts with: a
 // profiling listener of its own with --profile.
@@ -194,24 +229,15 @@ func startCPWorld(ctx context.Context, o cpOpts) (*cpWorld, error) {
 	}
 	w := &cpWorld{benchWorld: benchWorld{dir: dir, bin: bin}, pprof: map[string]string{}, label: fmt.Sprintf("cp-%d", time.Now().UnixNano())}
 	progress("starting etcd, %d apiserver(s) and %d hollow edges in %s", o.apiservers, o.edges, dir)
-	cl, servers, err := w.startControlPlane(ctx, o.apiservers, func(name string) ([]string, error) { return w.daemonEnv(o, name) })
+	_, servers, err := w.startControlPlane(ctx, o.apiservers, func(name string) ([]string, error) { return w.daemonEnv(o, name) })
 	if err != nil {
 		return w, err
 	}
 	w.servers = servers
-	hc := &http.Client{Transport: &http.Transport{MaxIdleConns: 2 * o.concurrency, MaxIdleConnsPerHost: o.concurrency, IdleConnTimeout: time.Minute}}
-	for _, url := range servers {
-		opts := []dsec.Option{dsec.WithEndpoint(url), dsec.WithAPIKey(benchKey), dsec.WithHTTPClient(hc), dsec.WithRetries(1)}
-		if !o.keys {
-			opts = append(opts, dsec.WithoutIdempotencyKeys())
-		}
-		c, err := dsec.New(opts...)
-		if err != nil {
-			return w, err
-		}
-		w.clients = append(w.clients, c)
+	w.hc = &http.Client{Transport: &http.Transport{MaxIdleConns: 2 * o.concurrency, MaxIdleConnsPerHost: o.concurrency, IdleConnTimeout: time.Minute}}
+	if w.clients, err = w.clientsOf(o, servers); err != nil {
+		return w, err
 	}
-	perEdge := 2*((o.sandboxes+o.edges-1)/o.edges) + 100 // room for the hold's creates before their deletes
 	for k := range o.hollowProcs {
 		// Edges split as evenly as they go: the first processes take one
 		// more.
@@ -219,33 +245,11 @@ func startCPWorld(ctx context.Context, o cpOpts) (*cpWorld, error) {
 		if k < o.edges%o.hollowProcs {
 			n++
 		}
-		port, err := freePortRun("127.0.0.1", n)
+		names, p, err := w.startHollow(ctx, o, fmt.Sprintf("hollow%02d", k), n)
 		if err != nil {
 			return w, err
 		}
-		name := fmt.Sprintf("hollow%02d", k)
-		var names []string
-		for i := range n {
-			names = append(names, hollowName(name, i, n))
-		}
-		w.hollow = append(w.hollow, names)
-		env, err := w.daemonEnv(o, name)
-		if err != nil {
-			return w, err
-		}
-		args := append([]string{"edge", "--hollow", "--hollow-edges", fmt.Sprint(n),
-			"--hollow-latency", o.latency, "--listen", fmt.Sprintf("127.0.0.1:%d", port), "--node-name", name,
-			"--state-dir", filepath.Join(dir, name), "--max-sandboxes", fmt.Sprint(perEdge)}, cl...)
-		p, err := w.startEnv(name, env, args...)
-		if err != nil {
-			return w, err
-		}
-		w.hollowProc = append(w.hollowProc, p)
-		w.hollowCmd = append(w.hollowCmd, hollowCmd{env, args})
-		// The next process's ports are looked for once these are taken.
-		if err := waitPorts("127.0.0.1", port, n, 60*time.Second); err != nil {
-			return w, fmt.Errorf("%s: %w (log: %s)", name, err, filepath.Join(dir, name+".log"))
-		}
+		w.hollow, w.hollowProc = append(w.hollow, names), append(w.hollowProc, p)
 	}
 	deadline := time.Now().Add(120 * time.Second)
 	for {
@@ -268,6 +272,40 @@ func startCPWorld(ctx context.Context, o cpOpts) (*cpWorld, error) {
 		return w, err
 	}
 	return w, nil
+}
+
+// perEdge is every hollow edge's --max-sandboxes: room for the hold's
+// creates before their deletes.
+func (w *cpWorld) perEdge(o cpOpts) int { return 2*((o.sandboxes+o.edges-1)/o.edges) + 100 }
+
+// startHollow starts a process of n hollow edges named after name, with
+// args added to its flags, and waits until they listen; it returns the
+// edges' names.
+func (w *cpWorld) startHollow(ctx context.Context, o cpOpts, name string, n int, args ...string) ([]string, *benchProc, error) {
+	port, err := freePortRun("127.0.0.1", n)
+	if err != nil {
+		return nil, nil, err
+	}
+	var names []string
+	for i := range n {
+		names = append(names, hollowName(name, i, n))
+	}
+	env, err := w.daemonEnv(o, name)
+	if err != nil {
+		return nil, nil, err
+	}
+	args = append(append([]string{"edge", "--hollow", "--hollow-edges", fmt.Sprint(n),
+		"--hollow-latency", o.latency, "--listen", fmt.Sprintf("127.0.0.1:%d", port), "--node-name", name,
+		"--state-dir", filepath.Join(w.dir, name), "--max-sandboxes", fmt.Sprint(w.perEdge(o))}, w.edgeFlags...), args...)
+	p, err := w.startEnv(name, env, args...)
+	if err != nil {
+		return nil, nil, err
+	}
+	// The next process's ports are looked for once these are taken.
+	if err := waitPorts("127.0.0.1", port, n, 60*time.Second); err != nil {
+		return nil, p, fmt.Errorf("%s: %w (log: %s)", name, err, filepath.Join(w.dir, name+".log"))
+	}
+	return names, p, nil
 }
 
 // waitPorts waits until n ports from port on host accept connections.
@@ -372,6 +410,8 @@ type cpPhase struct {
 	errs    map[string]int
 	wall    time.Duration
 	ids     []string
+	// nodes[i] is the node of ids[i].
+	nodes []string
 }
 
 // creates makes n sandboxes of job at up to rate per second with
@@ -383,11 +423,16 @@ func (w *cpWorld) creates(ctx context.Context, o cpOpts, job string, n, rate int
 // createsUntil is creates that starts none after until (zero: no bound):
 // a hold lasts its duration even when the rate is out of reach.
 func (w *cpWorld) createsUntil(ctx context.Context, o cpOpts, job string, n, rate int, until time.Time, live *atomic.Int64) cpPhase {
+	return w.createsVia(ctx, o, w.clients, job, n, rate, until, live)
+}
+
+// createsVia is createsUntil through clients.
+func (w *cpWorld) createsVia(ctx context.Context, o cpOpts, clients []*dsec.Client, job string, n, rate int, until time.Time, live *atomic.Int64) cpPhase {
 	var ph cpPhase
 	ph.errs = map[string]int{}
 	var mu sync.Mutex
 	inTime := func(int64) bool { return until.IsZero() || !time.Now().After(until) }
-	ph.wall = w.paced(ctx, o.concurrency, n, rate, inTime, func(c *dsec.Client, _ int64) {
+	ph.wall = w.paced(ctx, clients, o.concurrency, n, rate, inTime, func(c *dsec.Client, _ int64) {
 		l := int(live.Load())
 		t := time.Now()
 		sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: w.ref, TTL: 86400, Labels: map[string]string{"job": job, "bench": w.label}})
@@ -403,15 +448,16 @@ func (w *cpWorld) createsUntil(ctx context.Context, o cpOpts, job string, n, rat
 		w.made.Add(1)
 		ph.samples = append(ph.samples, cpSample{d: d, live: l})
 		ph.ids = append(ph.ids, sb.ID)
+		ph.nodes = append(ph.nodes, sb.Node)
 	})
 	return ph
 }
 
 // paced runs do(c, i) for i = 0, 1, ... below n on workers goroutines
-// (each on a client, in turn), open loop: the i-th is due at start +
+// (each on one of clients, in turn), open loop: the i-th is due at start +
 // i/rate whatever the earlier ones took. It stops at n, when ctx ends or
 // when ok(i) says no (nil: never), and returns how long it ran.
-func (w *cpWorld) paced(ctx context.Context, workers, n, rate int, ok func(i int64) bool, do func(c *dsec.Client, i int64)) time.Duration {
+func (w *cpWorld) paced(ctx context.Context, clients []*dsec.Client, workers, n, rate int, ok func(i int64) bool, do func(c *dsec.Client, i int64)) time.Duration {
 	var next atomic.Int64
 	start := time.Now()
 	interval := time.Second / time.Duration(rate)
@@ -420,7 +466,7 @@ func (w *cpWorld) paced(ctx context.Context, workers, n, rate int, ok func(i int
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			c := w.clients[k%len(w.clients)]
+			c := clients[k%len(clients)]
 			for {
 				i := next.Add(1) - 1
 				if i >= int64(n) || ctx.Err() != nil || ok != nil && !ok(i) {
@@ -475,7 +521,7 @@ func (w *cpWorld) deletes(ctx context.Context, o cpOpts, ids []string, rate int,
 		}
 		return true
 	}
-	out.wall = w.paced(ctx, o.concurrency, len(ids), rate, followed, func(c *dsec.Client, i int64) {
+	out.wall = w.paced(ctx, w.clients, o.concurrency, len(ids), rate, followed, func(c *dsec.Client, i int64) {
 		t := time.Now()
 		err := c.DeleteSandbox(ctx, ids[i])
 		d := time.Since(t)
@@ -508,7 +554,7 @@ func (w *cpWorld) execs(ctx context.Context, o cpOpts, ids []string) cpExecs {
 		return out
 	}
 	var mu sync.Mutex
-	w.paced(ctx, min(64, max(1, o.concurrency/4)), math.MaxInt, o.execRate, nil, func(c *dsec.Client, i int64) {
+	w.paced(ctx, w.clients, min(64, max(1, o.concurrency/4)), math.MaxInt, o.execRate, nil, func(c *dsec.Client, i int64) {
 		t := time.Now()
 		res, err := c.Exec(ctx, ids[int(i)%len(ids)], api.ExecRequest{Argv: []string{"true"}})
 		d := time.Since(t)
@@ -767,8 +813,10 @@ type cpReport struct {
 	ReachChecked     int      `json:"reach_checked"`
 	Unreachable      int      `json:"unreachable"`
 	UnreachableNodes []string `json:"unreachable_nodes,omitempty"`
-	// EdgeDeath is the edge-death phase (--edge-death).
-	EdgeDeath *cpDeath `json:"edge_death,omitempty"`
+	// EdgeDeath is the edge-death phase (--edge-death), APIDeath the
+	// apiserver-death phase (--apiserver-death).
+	EdgeDeath *cpDeath    `json:"edge_death,omitempty"`
+	APIDeath  *cpAPIDeath `json:"apiserver_death,omitempty"`
 	// The teardown: everything deleted by label, and what the nodes still
 	// count after it (must be 0).
 	DeletedAll       int     `json:"deleted_all"`
@@ -784,6 +832,10 @@ type cpReport struct {
 	EtcdKeys                 int64   `json:"etcd_keys"`
 	EtcdBytesPerSandbox      float64 `json:"etcd_bytes_per_sandbox"`
 	EtcdWritesPerSec         float64 `json:"etcd_writes_per_sec"`
+	// After the teardown, on empty edges: the same burst per placement
+	// strategy (--placement-compare), then cloud bursting (--cloud-edges).
+	Strategies []cpStrategy `json:"placement_strategies,omitempty"`
+	CloudBurst *cpBurst     `json:"cloud_burst,omitempty"`
 }
 
 type cpStep struct {
@@ -952,6 +1004,14 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 		rep.EdgeDeath = d
 		rep.FailedCreates += d.FailedCreates
 	}
+	if o.apiserverDeath && len(w.servers) > 1 {
+		d, err := w.apiserverDeath(ctx, o, &live)
+		if err != nil {
+			return nil, fmt.Errorf("apiserver death: %w", err)
+		}
+		rep.APIDeath = d
+		rep.FailedCreates += d.FailedCreates
+	}
 
 	// Everything the bench made, deleted by label; nothing may be left.
 	t := time.Now()
@@ -960,10 +1020,12 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	if err != nil {
 		return nil, fmt.Errorf("deleting the bench's sandboxes: %d deleted: %w", n, err)
 	}
-	live.Add(-int64(n))
 	if rep.LeftAfterDelete, err = w.nodesHolding(ctx, 0); err != nil {
 		return nil, err
 	}
+	// (What was deleted includes the killed edges' failed records, which
+	// live no longer counted: what the nodes hold now is what is live.)
+	live.Store(int64(rep.LeftAfterDelete))
 	for i := range rep.Procs {
 		prefix := rep.Procs[i].Name
 		if prefix == "hollow (all)" {
@@ -973,6 +1035,25 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	}
 	rep.Procs = append(rep.Procs, cpProc{Name: "etcd", CPUSeconds: cpuSeconds(w.etcd.Pids()), RSSBytes: rssOf(w.etcd.Pids())})
 	rep.Procs = append(rep.Procs, cpProc{Name: "bench (clients)", CPUSeconds: cpuSeconds([]int{os.Getpid()}), RSSBytes: rssOf([]int{os.Getpid()})})
+
+	if o.placementCompare > 0 {
+		if rep.Strategies, err = w.comparePlacement(ctx, o, o.placementCompare, &live); err != nil {
+			return nil, fmt.Errorf("placement strategies: %w", err)
+		}
+		for _, s := range rep.Strategies {
+			rep.FailedCreates += s.FailedCreates
+		}
+	}
+	if o.cloudEdges > 0 {
+		n := o.placementCompare
+		if n <= 0 {
+			n = min(max(o.sandboxes/10, 4*o.edges), 40000)
+		}
+		if rep.CloudBurst, err = w.cloudBurst(ctx, o, n, &live); err != nil {
+			return nil, fmt.Errorf("cloud bursting: %w", err)
+		}
+		rep.FailedCreates += rep.CloudBurst.FailedCreates
+	}
 	return rep, nil
 }
 
@@ -1227,11 +1308,30 @@ func printCPReport(r *cpReport) error {
 		fmt.Fprintf(tw, "  \tunhealthy in every view %.2f s after the kill; create p50 %.1f ms, p99 %.1f ms; restarted, healthy in %.1f s; %d live, %d counted by GET /v1/nodes\n",
 			d.UnhealthySeconds, d.CreateP50MS, d.CreateP99MS, d.RestartSeconds, d.LiveAfter, d.NodeSandboxes)
 	}
+	if d := r.APIDeath; d != nil {
+		fmt.Fprintf(tw, "apiserver death\t%s killed after %d of a burst of %d keyed creates (clients know every apiserver): %d failed (%v), %d made twice\n",
+			d.Server, d.KilledAfter, d.BurstCreates, d.FailedCreates, d.Errors, d.Duplicates)
+		fmt.Fprintf(tw, "  \tcreate p50 %.1f ms, p99 %.1f ms, max %.0f ms; restarted, serving in %.1f s\n", d.CreateP50MS, d.CreateP99MS, d.CreateMaxMS, d.RestartSeconds)
+	}
 	fmt.Fprintf(tw, "teardown\t%d deleted by label in %.2f s, %d left\n", r.DeletedAll, r.DeleteAllSeconds, r.LeftAfterDelete)
 	for _, p := range r.Procs {
 		fmt.Fprintf(tw, "%s\tCPU %.1f s, RSS %.0f MiB\n", p.Name, p.CPUSeconds, float64(p.RSSBytes)/(1<<20))
 	}
 	fmt.Fprintf(tw, "control-plane memory\tapiserver %.0f B per live sandbox; etcd %.1f MiB, %d keys (%.0f B per live sandbox), %.0f writes/s in the hold\n",
 		r.ApiserverBytesPerSandbox, float64(r.EtcdDBBytes)/(1<<20), r.EtcdKeys, r.EtcdBytesPerSandbox, r.EtcdWritesPerSec)
+	for i, s := range r.Strategies {
+		if i == 0 {
+			fmt.Fprintf(tw, "placement strategies\t%d creates each from empty edges, through apiservers of their own\n", s.Creates)
+		}
+		ov := map[bool]string{true: "overlay", false: "no overlay"}[s.Overlay]
+		fmt.Fprintf(tw, "  %s (k %s), %s\tmax/mean %.3f at the end (stddev %.1f), worst %.3f during; a job's max/mean %.3f; %.0f creates/s, %d failed\n",
+			s.Strategy, s.PlacementK, ov, s.MaxOverMean, s.Stddev, s.WorstDuring, s.JobMaxOverMean, s.CreatesPerSec, s.FailedCreates)
+	}
+	if b := r.CloudBurst; b != nil {
+		fmt.Fprintf(tw, "cloud bursting\t%d cloud edges, threshold %.4f (%d per edge, reached after %d creates on average); %d creates, %d failed\n",
+			b.CloudEdges, b.Threshold, b.ThresholdAt, b.ThresholdCreates, b.Creates, b.FailedCreates)
+		fmt.Fprintf(tw, "  \t%d to the cloud pool, the first after %d creates, %d before the threshold; %.1f%% of the creates after it (the pool is %.1f%% of the edges); regular edges hold at least %d\n",
+			b.ToCloud, b.FirstToCloud, b.BeforeThreshold, 100*b.ShareAfter, 100*b.CloudShareOfEdges, b.RegularMin)
+	}
 	return tw.Flush()
 }

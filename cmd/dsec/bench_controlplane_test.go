@@ -15,8 +15,10 @@ import (
 // etcd, two real apiservers, 20 hollow edges in two processes, 20,000
 // sandboxes) and checks what it must hold whatever the machine's speed:
 // no create lost, GET /v1/nodes counting what the clients hold, every
-// sandbox reachable through either apiserver, nothing left after the
-// teardown, and no daemon or directory left behind.
+// sandbox reachable through either apiserver, nothing lost or made twice
+// when an edge process or an apiserver dies mid-burst, nothing left after
+// the teardown, placement strategies compared, the cloud pool used only
+// past its threshold, and no daemon or directory left behind.
 func TestControlPlaneBenchShort(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: the benchmark takes about a minute")
@@ -72,12 +74,36 @@ func TestControlPlaneBenchShort(t *testing.T) {
 		t.Errorf("edge death: the killed edges counted healthy for %.1f s", r.EdgeDeath.UnhealthySeconds)
 	case r.EdgeDeath.NodeSandboxes != r.EdgeDeath.LiveAfter:
 		t.Errorf("after the edge death GET /v1/nodes counts %d, the clients hold %d", r.EdgeDeath.NodeSandboxes, r.EdgeDeath.LiveAfter)
-	case r.DeletedAll != r.EdgeDeath.LiveAfter+r.EdgeDeath.SandboxesLost || r.LeftAfterDelete != 0:
+	case r.APIDeath == nil || r.DeletedAll != r.EdgeDeath.LiveAfter+r.EdgeDeath.SandboxesLost+r.APIDeath.BurstCreates || r.LeftAfterDelete != 0:
 		// (The killed edges' sandboxes are failed records once they are
-		// back: deleted by label too.)
-		t.Errorf("teardown deleted %d (want %d live and %d failed), left %d", r.DeletedAll, r.EdgeDeath.LiveAfter, r.EdgeDeath.SandboxesLost, r.LeftAfterDelete)
+		// back: deleted by label too; then the apiserver death's burst.)
+		t.Errorf("teardown deleted %d (want %d live, %d failed and the apiserver death's burst), left %d", r.DeletedAll, r.EdgeDeath.LiveAfter, r.EdgeDeath.SandboxesLost, r.LeftAfterDelete)
 	case r.PlacementMaxOverMean < 1 || r.PlacementMaxOverMean > 1.5:
 		t.Errorf("placement max/mean %.3f", r.PlacementMaxOverMean)
+	case r.APIDeath == nil || r.APIDeath.KilledAfter == 0 || r.APIDeath.KilledAfter >= r.APIDeath.BurstCreates:
+		t.Errorf("apiserver death: %+v, want one killed mid-burst", r.APIDeath)
+	case r.APIDeath.FailedCreates != 0 || r.APIDeath.Duplicates != 0:
+		t.Errorf("apiserver death: %d creates failed (%v), %d made twice", r.APIDeath.FailedCreates, r.APIDeath.Errors, r.APIDeath.Duplicates)
+	}
+	for _, s := range r.Strategies {
+		t.Logf("placement %s (k %s, overlay %v): max/mean %.3f, worst during %.3f, job %.3f", s.Strategy, s.PlacementK, s.Overlay, s.MaxOverMean, s.WorstDuring, s.JobMaxOverMean)
+	}
+	// The strategies in their order (strategies): the overlay is what
+	// keeps a burst placed from a view a poll old from herding.
+	switch st := r.Strategies; {
+	case len(st) != len(strategies):
+		t.Errorf("%d placement strategies compared, want %d", len(st), len(strategies))
+	case st[0].FailedCreates+st[1].FailedCreates+st[2].FailedCreates+st[3].FailedCreates+st[4].FailedCreates != 0:
+		t.Errorf("placement strategies: creates failed: %+v", st)
+	case st[0].MaxOverMean < 1 || st[0].MaxOverMean > 1.5:
+		t.Errorf("power of 2 with the overlay: max/mean %.3f", st[0].MaxOverMean)
+	case st[4].MaxOverMean <= st[3].MaxOverMean:
+		t.Errorf("least loaded: max/mean %.3f without the overlay, %.3f with it: no herding shown", st[4].MaxOverMean, st[3].MaxOverMean)
+	}
+	if b := r.CloudBurst; b == nil || b.FailedCreates != 0 || b.ToCloud == 0 || b.FirstToCloud < b.ThresholdCreates-256 {
+		// (Creates are counted in the order they were answered: up to
+		// --concurrency of them may overtake each other.)
+		t.Errorf("cloud bursting: %+v, want the cloud pool used only once the others passed the threshold", b)
 	}
 	if ents, _ := os.ReadDir(work); len(ents) != 0 {
 		t.Errorf("left in the working directory: %v", ents)

@@ -76,23 +76,7 @@ func (w *cpWorld) edgeDeath(ctx context.Context, o cpOpts, live *atomic.Int64) (
 	progress("edge death: %d creates; %s (%d edges) killed a quarter of the way in", n, out.Process, out.EdgesKilled)
 
 	// The kill, once a quarter of the burst's creates succeeded.
-	base := w.made.Load()
-	var killedAt time.Time
-	killed := make(chan struct{})
-	go func() {
-		for w.made.Load()-base < int64(n/4) {
-			if ctx.Err() != nil {
-				return
-			}
-			time.Sleep(time.Millisecond)
-		}
-		p := w.hollowProc[k]
-		_ = p.cmd.Process.Kill()
-		killedAt = time.Now()
-		out.KilledAfter = int(w.made.Load() - base)
-		close(killed)
-		_ = p.cmd.Wait()
-	}()
+	kill := w.killWhenMade(ctx, w.hollowProc[k], int64(n/4))
 	placed0 := w.placements()
 	var ph cpPhase
 	burst := make(chan struct{})
@@ -101,7 +85,7 @@ func (w *cpWorld) edgeDeath(ctx context.Context, o cpOpts, live *atomic.Int64) (
 		ph = w.creates(ctx, o, "edge-death", n, o.rate, live)
 	}()
 	select {
-	case <-killed:
+	case <-kill.done:
 	case <-ctx.Done():
 		<-burst
 		return nil, ctx.Err()
@@ -111,7 +95,8 @@ func (w *cpWorld) edgeDeath(ctx context.Context, o cpOpts, live *atomic.Int64) (
 		<-burst
 		return nil, err
 	}
-	out.UnhealthySeconds = time.Since(killedAt).Seconds()
+	out.UnhealthySeconds = time.Since(kill.at).Seconds()
+	out.KilledAfter = kill.after
 	<-burst
 	if err := ctx.Err(); err != nil {
 		return nil, err
@@ -135,8 +120,8 @@ func (w *cpWorld) edgeDeath(ctx context.Context, o cpOpts, live *atomic.Int64) (
 	// their names back, and their sandboxes (which died with it) are
 	// failed records.
 	t := time.Now()
-	hc := w.hollowCmd[k]
-	p, err := w.startEnv(out.Process+"-restarted", hc.env, hc.args...)
+	dead := w.hollowProc[k]
+	p, err := w.startEnv(out.Process+"-restarted", dead.env, dead.args...)
 	if err != nil {
 		return nil, err
 	}

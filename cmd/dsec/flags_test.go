@@ -6,8 +6,11 @@ import (
 	"io"
 	"os"
 	"slices"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/dsecproject/dsec/internal/placement"
 )
 
 func TestParseKV(t *testing.T) {
@@ -226,5 +229,31 @@ func TestHumanFormats(t *testing.T) {
 	}
 	if got := shortDigest("sha256:0123456789abcdef0123"); got != "sha256:0123456789ab" {
 		t.Errorf("shortDigest = %q", got)
+	}
+}
+
+// TestPlacementFlags: --placement-k takes a count from 1 or all (least
+// loaded), --placement-overlay=false turns the overlay off; anything else
+// is refused with the flag named.
+func TestPlacementFlags(t *testing.T) {
+	base := []string{"--etcd", "http://127.0.0.1:2379", "--cluster", "/c", "--layers", "/l"}
+	for _, tc := range []struct {
+		args      []string
+		k         int
+		noOverlay bool
+	}{
+		{nil, placement.DefaultK, false},
+		{[]string{"--placement-k", "1"}, 1, false},
+		{[]string{"--placement-k", "all", "--placement-overlay=false"}, placement.AllNodes, true},
+	} {
+		_, pc, err := parseServer(append(append([]string{}, base...), tc.args...))
+		if err != nil || pc.K != tc.k || pc.NoOverlay != tc.noOverlay {
+			t.Errorf("%q: K %d no-overlay %v (%v), want %d %v", tc.args, pc.K, pc.NoOverlay, err, tc.k, tc.noOverlay)
+		}
+	}
+	for _, bad := range []string{"0", "-2", "some", ""} {
+		if _, _, err := parseServer(append(append([]string{}, base...), "--placement-k", bad)); err == nil || !strings.Contains(err.Error(), "--placement-k") {
+			t.Errorf("--placement-k %q: %v, want an error naming the flag", bad, err)
+		}
 	}
 }

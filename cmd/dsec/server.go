@@ -87,7 +87,7 @@ type serverConfig struct {
 	clusterFlags
 	listen     string
 	apiKey     string
-	placementK int
+	placementK string
 	overflow   kvListFlag
 	maxConns   int
 	// e2bDefaultTemplate is --e2b-default-template (up.go).
@@ -103,7 +103,8 @@ func parseServer(args []string) (serverConfig, placement.Config, error) {
 			"balancer; clients may list them all in DSEC_ENDPOINT to fail over.")
 	f.StringVar(&c.listen, "listen", "127.0.0.1:7070", "address to serve the public API on")
 	f.StringVar(&c.apiKey, "api-key", os.Getenv(dsec.EnvAPIKey), "admin API key to register in etcd (default: $DSEC_API_KEY; the first server of a cluster needs one; idempotent)")
-	f.IntVar(&c.placementK, "placement-k", placement.DefaultK, "nodes sampled per placement (power of k choices)")
+	f.StringVar(&c.placementK, "placement-k", strconv.Itoa(placement.DefaultK), "`K` nodes sampled per placement (power of K choices): 1 is random, all is least loaded from the watcher's view")
+	overlay := f.Bool("placement-overlay", true, "count this apiserver's placements that the watcher's view does not show yet as load (false only to measure what that is worth: bursts herd)")
 	f.IntVar(&c.maxConns, "max-connections", 0, maxConnsHelp)
 	f.StringVar(&c.e2bDefaultTemplate, "e2b-default-template", defaultE2BTemplate, e2bDefaultTemplateHelp)
 	f.Var(c.overflow, "overflow-pool", "`pool=utilization` (repeatable or comma-separated): nodes labelled pool=NAME take sandboxes only once every other node is at least that full, e.g. cloud=0.8")
@@ -114,8 +115,9 @@ func parseServer(args []string) (serverConfig, placement.Config, error) {
 	if err := c.clusterFlags.check(); err != nil {
 		return c, placement.Config{}, err
 	}
-	if c.placementK < 1 {
-		return c, placement.Config{}, fmt.Errorf("--placement-k %d: want at least 1", c.placementK)
+	k, err := parsePlacementK(c.placementK)
+	if err != nil {
+		return c, placement.Config{}, err
 	}
 	if err := checkMaxConns(c.maxConns); err != nil {
 		return c, placement.Config{}, err
@@ -128,7 +130,19 @@ func parseServer(args []string) (serverConfig, placement.Config, error) {
 		}
 		overflow[pool] = u
 	}
-	return c, placement.Config{K: c.placementK, Overflow: overflow}, nil
+	return c, placement.Config{K: k, Overflow: overflow, NoOverlay: !*overlay}, nil
+}
+
+// parsePlacementK parses --placement-k: a number of nodes from 1, or all.
+func parsePlacementK(s string) (int, error) {
+	if s == "all" {
+		return placement.AllNodes, nil
+	}
+	k, err := strconv.Atoi(s)
+	if err != nil || k < 1 {
+		return 0, fmt.Errorf("--placement-k %s: want a number of nodes from 1, or all", s)
+	}
+	return k, nil
 }
 
 func runServer(args []string) error {

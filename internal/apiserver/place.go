@@ -188,14 +188,17 @@ func (s *Server) pick(req placement.Request) (node string, undo func(), err erro
 	cands := make([]placement.Candidate, len(snap))
 	for i := range snap {
 		v := &snap[i]
-		n, nj, no := s.inflight.since(v.Name, req.Job, req.Dedicated, v.PolledAt)
-		cands[i] = placement.Candidate{Node: &v.Node, InFlight: n, InFlightJob: nj, InFlightOther: no}
+		cands[i] = placement.Candidate{Node: &v.Node}
+		if !s.deps.Placement.NoOverlay {
+			c := &cands[i]
+			c.InFlight, c.InFlightJob, c.InFlightOther = s.inflight.since(v.Name, req.Job, req.Dedicated, v.PolledAt)
+		}
 	}
 	node, err = placement.Pick(cands, req, s.deps.Placement, nil)
 	var nn *placement.NoNode
 	if errors.As(err, &nn) && nn.OnlyFull() {
 		req.IgnoreCapacity = true
-		node, err = placement.Pick(cands, req, placement.Config{K: len(cands), Overflow: s.deps.Placement.Overflow}, nil)
+		node, err = placement.Pick(cands, req, placement.Config{K: placement.AllNodes, Overflow: s.deps.Placement.Overflow}, nil)
 	}
 	if err != nil {
 		return "", nil, err

@@ -25,6 +25,10 @@ import (
 // DefaultK is how many eligible nodes are sampled per decision.
 const DefaultK = 2
 
+// AllNodes as K compares every eligible node: least loaded (from the
+// view, which may be a poll old). With K 1 placement is random.
+const AllNodes = math.MaxInt
+
 // PoolLabel is the node label that names a node's pool.
 const PoolLabel = "pool"
 
@@ -42,6 +46,11 @@ type Config struct {
 	// eligible node is at least that full, as DSec bursts to the cloud
 	// above 80% on-premises utilization.
 	Overflow map[string]float64
+	// NoOverlay makes the apiserver place from the view alone, without
+	// its own placements the view does not show yet. Only for measuring
+	// what the overlay is worth (bench control-plane): without it, a
+	// burst herds onto the nodes that were least loaded at the last poll.
+	NoOverlay bool
 }
 
 // Candidate is a node as placement sees it: the watcher's view and the
