@@ -1241,23 +1241,15 @@ func placementSpread(nodes []api.Node) (float64, float64) {
 		if !n.Hollow {
 			continue
 		}
-		loads = append(loads, float64(n.Counts[api.StateRunning]+n.Counts[api.StatePaused]+n.Counts[api.StateCreating]))
+		loads = append(loads, float64(liveOn(n)))
 	}
-	if len(loads) == 0 {
+	mx, mean := maxMean(loads)
+	if mean == 0 {
 		return 0, 0
 	}
-	var sum, mx float64
-	for _, l := range loads {
-		sum += l
-		mx = math.Max(mx, l)
-	}
-	mean := sum / float64(len(loads))
 	var v float64
 	for _, l := range loads {
 		v += (l - mean) * (l - mean)
-	}
-	if mean == 0 {
-		return 0, 0
 	}
 	return mx / mean, math.Sqrt(v / float64(len(loads)))
 }
