@@ -170,6 +170,7 @@ type claimed struct {
 func (s *Server) claim(ctx context.Context, rk, hash string) (claimed, bool, error) {
 	deadline := time.Now().Add(idemWait)
 	nonce := newNonce()
+	misses := 0 // store calls given up in a row (a loaded store; a lost quorum)
 	// The common case, a new key, is one write.
 	{
 		now := time.Now()
@@ -234,6 +235,17 @@ func (s *Server) claim(ctx context.Context, rk, hash string) (claimed, bool, err
 				return got, false, ctx.Err()
 			case <-time.After(100 * time.Millisecond):
 			}
+			misses = 0
+			continue
+		case errors.Is(err, errdefs.ErrUnavailable) && misses+1 < claimStoreTries && time.Now().Before(deadline):
+			// A repeat waits anyway: a store slow under load gets
+			// another chance before the caller is told.
+			misses++
+			select {
+			case <-ctx.Done():
+				return got, false, ctx.Err()
+			case <-time.After(time.Duration(misses) * 200 * time.Millisecond):
+			}
 			continue
 		case err != nil:
 			return got, false, err
@@ -241,6 +253,10 @@ func (s *Server) claim(ctx context.Context, rk, hash string) (claimed, bool, err
 		return got, false, nil
 	}
 }
+
+// claimStoreTries is how many store calls in a row a repeat's claim may
+// see fail before it answers unavailable.
+const claimStoreTries = 3
 
 var (
 	errAnswered = errors.New("answered")

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
@@ -185,26 +186,60 @@ func withLabel(l map[string]string, k, v string) map[string]string {
 
 // madeBefore lists the sandboxes an earlier attempt of a keyed call made
 // (they carry its label). Every node must answer: a node that cannot be
-// asked may hold some, and creating them again could make two.
+// asked may hold some, and creating them again could make two. A node
+// that does not answer (or that the view has down: under load it may be
+// only slow) is asked again, madeBeforeTries times in all.
 func (s *Server) madeBefore(ctx context.Context, label string) ([]api.Sandbox, error) {
 	var mu sync.Mutex
 	var made []api.Sandbox
-	skipped, err := s.fanOut(ctx, func(ctx context.Context, e edgeapi.Edge) error {
+	list := func(ctx context.Context, e edgeapi.Edge) error {
 		l, err := e.List(ctx, edgeapi.ListFilter{Labels: map[string]string{IdempotencyLabel: label}})
+		if err != nil {
+			return err
+		}
 		mu.Lock()
 		made = append(made, l...)
 		mu.Unlock()
-		return err
-	})
-	if err != nil {
-		return nil, err
+		return nil
 	}
-	if len(skipped) > 0 {
-		return nil, errdefs.Unavailable("cannot tell what an earlier attempt of this request made: node %s does not answer; retry later", strings.Join(skipped, ", "))
+	targets := s.deps.Nodes.Edges()
+	for try := 1; ; try++ {
+		skipped, err := s.fanOutTo(ctx, targets, list)
+		if err != nil {
+			return nil, err
+		}
+		if len(skipped) == 0 {
+			break
+		}
+		if try == madeBeforeTries || ctx.Err() != nil {
+			return nil, errdefs.Unavailable("cannot tell what an earlier attempt of this request made: node %s does not answer; retry later", strings.Join(skipped, ", "))
+		}
+		again := map[string]bool{}
+		for _, n := range skipped {
+			again[n] = true
+		}
+		var next []watcher.Target
+		for _, t := range s.deps.Nodes.Edges() {
+			if again[t.Name] && t.Edge != nil {
+				t.Down = false
+				next = append(next, t)
+			}
+		}
+		targets = next
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Duration(try) * madeBeforePause):
+		}
 	}
 	sort.Slice(made, func(i, j int) bool { return made[i].ID < made[j].ID })
 	return made, nil
 }
+
+// madeBefore's patience with nodes that do not answer. Variables for tests.
+var (
+	madeBeforeTries = 3
+	madeBeforePause = 500 * time.Millisecond
+)
 
 func (s *Server) batchCreate(w http.ResponseWriter, r *http.Request) {
 	var req api.BatchCreateRequest

@@ -1,0 +1,129 @@
+package apiserver
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/edgeapi"
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/store"
+	"github.com/dsecproject/dsec/internal/watcher"
+)
+
+// slowListEdge fails its first lists as an edge too busy to answer in
+// time does.
+type slowListEdge struct {
+	edgeapi.Edge
+	fails atomic.Int32
+	// polls fail: the view counts the node down.
+	pollsFail atomic.Bool
+}
+
+func (e *slowListEdge) Info(ctx context.Context) (api.Node, error) {
+	if e.pollsFail.Load() {
+		return api.Node{}, &edgeapi.Unreachable{Node: e.Name(), Err: context.DeadlineExceeded}
+	}
+	return e.Edge.Info(ctx)
+}
+
+func (e *slowListEdge) List(ctx context.Context, f edgeapi.ListFilter) ([]api.Sandbox, error) {
+	if e.fails.Add(-1) >= 0 {
+		return nil, &edgeapi.Unreachable{Node: e.Name(), Err: context.DeadlineExceeded}
+	}
+	return e.Edge.List(ctx, f)
+}
+
+// TestTakeoverAsksASlowNodeAgain: a takeover must hear from every node
+// before it creates; a node that does not answer at first (and that the
+// view then marks down) is asked again, and its sandbox is found instead
+// of being made a second time. A node that never answers fails the call
+// with unavailable, having made nothing.
+func TestTakeoverAsksASlowNodeAgain(t *testing.T) {
+	defer func(p time.Duration) { madeBeforePause = p }(madeBeforePause)
+	madeBeforePause = 10 * time.Millisecond
+	// fails -1: the node answers lists, but its polls failed twice, so
+	// the view has it down.
+	for _, fails := range []int32{-1, 1, 2, 100} {
+		t.Run(fmt.Sprintf("fails-%d", fails), func(t *testing.T) {
+			f := newFixture(t, false)
+			slow := &slowListEdge{Edge: f.edge}
+			view := watcher.New(watcher.Static{slow}, watcher.Config{DownAfter: time.Hour})
+			view.Sync(t.Context())
+			if fails < 0 {
+				slow.pollsFail.Store(true)
+				view.Sync(t.Context())
+				view.Sync(t.Context())
+				if tg := view.Edges(); len(tg) != 1 || !tg[0].Down {
+					t.Fatalf("the node is not down in the view: %+v", tg)
+				}
+				fails = 0
+			}
+			b := f.apiserverWith(t, "b", func(d *Deps) { d.Nodes = view })
+			spec := `{"base":"base/py:1"}`
+			rk := idemRecordKey(principalOf(t, f, f.admin), "k9")
+			pending, _ := json.Marshal(idemRecord{Hash: requestHash("POST", "/v1/sandboxes", "", []byte(spec)), State: "pending", Owner: "dead",
+				Started: time.Now(), Expires: time.Now().Add(time.Hour)})
+			if err := f.st.Put(idemBucket, rk, pending); err != nil {
+				t.Fatal(err)
+			}
+			f.edge.Put(api.Sandbox{ID: "sb-n1-first", Node: "n1", State: api.StateRunning, Labels: map[string]string{IdempotencyLabel: rk[:32]}})
+			slow.fails.Store(fails)
+			resp, body := f.doAt(t, b, f.admin, "k9", "POST", "/v1/sandboxes", spec)
+			if fails == 100 {
+				wantError(t, resp, body, 503, "unavailable")
+			} else if resp.StatusCode != 201 || decodeSandbox(t, body).ID != "sb-n1-first" {
+				t.Fatalf("takeover: %d %s", resp.StatusCode, body)
+			}
+			if creates, _ := f.edge.Counts(); creates != 0 {
+				t.Fatalf("takeover made %d sandboxes, want none", creates)
+			}
+		})
+	}
+}
+
+// flakyUpdates fails a store's first updates as a loaded etcd does.
+type flakyUpdates struct {
+	store.Store
+	fails atomic.Int32
+}
+
+func (s *flakyUpdates) Update(bucket, key string, fn func([]byte) ([]byte, error)) error {
+	if s.fails.Add(-1) >= 0 {
+		return errdefs.Unavailable("store: context deadline exceeded")
+	}
+	return s.Store.Update(bucket, key, fn)
+}
+
+// TestRepeatRidesOverAStoreHiccup: a repeat whose reads of the record
+// time out once or twice gets the recorded answer all the same; one
+// whose store stays down is told unavailable.
+func TestRepeatRidesOverAStoreHiccup(t *testing.T) {
+	f := newFixture(t, false)
+	spec := `{"base":"base/py:1"}`
+	resp, body := f.doAt(t, f.srv, f.admin, "k10", "POST", "/v1/sandboxes", spec)
+	if resp.StatusCode != 201 {
+		t.Fatalf("create: %d %s", resp.StatusCode, body)
+	}
+	first := decodeSandbox(t, body)
+	for _, fails := range []int32{2, 100} {
+		fl := &flakyUpdates{Store: f.st}
+		fl.fails.Store(fails)
+		b := f.apiserverWith(t, fmt.Sprintf("b%d", fails), func(d *Deps) { d.Store = fl })
+		resp, body = f.doAt(t, b, f.admin, "k10", "POST", "/v1/sandboxes", spec)
+		if fails == 2 {
+			if resp.StatusCode != 201 || decodeSandbox(t, body).ID != first.ID {
+				t.Fatalf("repeat over %d failed reads: %d %s", fails, resp.StatusCode, body)
+			}
+		} else {
+			wantError(t, resp, body, 503, "unavailable")
+		}
+	}
+	if creates, _ := f.edge.Counts(); creates != 1 {
+		t.Fatalf("%d creates for one key", creates)
+	}
+}
