@@ -1,11 +1,11 @@
 package apiserver
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
-
 	"io"
 	"log/slog"
 	"net/http"
@@ -22,6 +22,13 @@ import (
 // detail (paths, runtime output), so the caller gets a reference and the
 // operator's log gets the detail under the same reference.
 func (s *Server) writeError(w http.ResponseWriter, r *http.Request, err error) {
+	if r.Context().Err() != nil && errors.Is(err, context.Canceled) {
+		// The caller went away (gave up, or its connection closed): no
+		// one reads an answer, and nothing failed on this side.
+		s.log.Debug("request canceled by the caller", "method", r.Method, "path", r.URL.Path)
+		w.WriteHeader(StatusCallerGone)
+		return
+	}
 	s.noteUnreachable(err)
 	code := errdefs.Code(err)
 	st := errdefs.HTTPStatus(code)
@@ -31,6 +38,10 @@ func (s *Server) writeError(w http.ResponseWriter, r *http.Request, err error) {
 	}
 	writeJSON(w, st, api.ErrorBody{Error: api.ErrorDetail{Code: code, Message: msg}})
 }
+
+// StatusCallerGone is the status a request is counted with when its
+// caller went away before the answer (nginx's 499).
+const StatusCallerGone = 499
 
 // internalRef logs an internal error under a fresh reference and returns
 // the message the caller gets instead of its detail.

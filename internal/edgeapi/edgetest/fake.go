@@ -266,6 +266,10 @@ func (f *Fake) Exec(ctx context.Context, id string, req api.ExecRequest, emit fu
 	if f.ExecErr != nil {
 		return nil, f.ExecErr
 	}
+	if req.Cmd == "wait-for-cancel" {
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
 	if _, err := f.Get(ctx, id); err != nil {
 		return nil, err
 	}
