@@ -508,9 +508,11 @@ func (e *Edge) List(ctx context.Context, f edgeapi.ListFilter) ([]api.Sandbox, e
 	return e.list(ctx, f), nil
 }
 
-// list is List. It sorts ids and filters on the records, building the API
-// view of only the sandboxes it returns: a page of 100 out of 10,000 costs
-// no 10,000 views.
+// list is List. It filters on the records and sorts the ids, building the
+// API view of only the sandboxes it returns: a page of 100 out of 10,000
+// costs no 10,000 views. A filter on labels or state is applied before the
+// sort, so that a selective one (a job's label; a takeover looking for the
+// one sandbox an attempt made) sorts only what it keeps.
 //
 // Sandboxes outside the scope of ctx are left out.
 func (e *Edge) list(ctx context.Context, f edgeapi.ListFilter) []api.Sandbox {
@@ -518,6 +520,11 @@ func (e *Edge) list(ctx context.Context, f edgeapi.ListFilter) []api.Sandbox {
 		id string
 		s  *sbx
 	}
+	match := func(s *sbx) bool { // s.mu held
+		return !s.pooled && (f.State == "" || s.rec.Sandbox.State == f.State) && sandbox.LabelsMatch(s.rec.Sandbox.Labels, f.Labels) &&
+			edgeapi.InScope(ctx, s.rec.ProjectPath)
+	}
+	selective := f.State != "" || len(f.Labels) > 0
 	e.mu.RLock()
 	all := make([]entry, 0, len(e.sandboxes))
 	for id, s := range e.sandboxes {
@@ -526,13 +533,24 @@ func (e *Edge) list(ctx context.Context, f edgeapi.ListFilter) []api.Sandbox {
 		}
 	}
 	e.mu.RUnlock()
+	if selective {
+		kept := all[:0]
+		for _, en := range all {
+			en.s.mu.Lock()
+			ok := match(en.s)
+			en.s.mu.Unlock()
+			if ok {
+				kept = append(kept, en)
+			}
+		}
+		all = kept
+	}
 	slices.SortFunc(all, func(a, b entry) int { return strings.Compare(a.id, b.id) })
 	var out []api.Sandbox
 	for _, en := range all {
 		s := en.s
 		s.mu.Lock()
-		ok := !s.pooled && (f.State == "" || s.rec.Sandbox.State == f.State) && sandbox.LabelsMatch(s.rec.Sandbox.Labels, f.Labels) &&
-			edgeapi.InScope(ctx, s.rec.ProjectPath)
+		ok := match(s) // again: it may have changed since
 		var v api.Sandbox
 		if ok {
 			v = s.viewLocked()

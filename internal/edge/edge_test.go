@@ -227,6 +227,7 @@ func TestListPages(t *testing.T) {
 		{edgeapi.ListFilter{Limit: 2}, "sb-n-01,sb-n-02"},
 		{edgeapi.ListFilter{After: "sb-n-02", Limit: 2}, "sb-n-03,sb-n-05"},
 		{edgeapi.ListFilter{After: "sb-n-05"}, ""},
+		{edgeapi.ListFilter{Labels: map[string]string{"job": "a"}, After: "sb-n-01", Limit: 1}, "sb-n-03"},
 	} {
 		if got := ids(e.list(context.Background(), c.f)); got != c.want {
 			t.Errorf("List(%+v) = %s, want %s", c.f, got, c.want)

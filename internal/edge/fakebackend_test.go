@@ -50,7 +50,7 @@ func (s *testImages) held() int {
 }
 
 // digests makes n layer images and returns their digests.
-func (s *testImages) digests(t *testing.T, n int) []string {
+func (s *testImages) digests(t testing.TB, n int) []string {
 	t.Helper()
 	var out []string
 	for i := range n {
