@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
@@ -259,4 +260,45 @@ func TestLayerImagesBackendRefusesHostOnlyFeatures(t *testing.T) {
 	if !errors.Is(err, errdefs.ErrPrecondition) {
 		t.Fatalf("snapshot: %v, want failed_precondition", err)
 	}
+}
+
+// TestRecoveryReleasesDeadSandboxesTogether: an edge back from an outage
+// during which many of its sandboxes died releases them many at a time,
+// not one after another, and reports every one failed.
+func TestRecoveryReleasesDeadSandboxesTogether(t *testing.T) {
+	ctx := context.Background()
+	state := t.TempDir()
+	src := &testImages{dir: t.TempDir()}
+	layers := src.digests(t, 1)
+	b := fake.NewWithLatency("container", fake.Latency{Destroy: fake.Dist{Median: 20 * time.Millisecond}})
+	e := fakeEdge(t, state, b, src)
+	const n = 48
+	var ids []string
+	for range n {
+		sb, err := e.Create(ctx, edgeapi.CreateRequest{Spec: api.SandboxSpec{Base: "base/x:1"}, Digests: layers})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, sb.ID)
+	}
+	e.Close()
+	for _, id := range ids {
+		b.Stop(id)
+	}
+	start := time.Now()
+	e2 := fakeEdge(t, state, b, &testImages{dir: src.dir})
+	defer e2.Close()
+	took := time.Since(start)
+	for _, id := range ids {
+		if sb, err := e2.Get(ctx, id); err != nil || sb.State != api.StateFailed {
+			t.Fatalf("%s after the restart: %+v %v, want failed", id, sb, err)
+		}
+		if _, ok := b.Get(id); ok {
+			t.Fatalf("%s: the runtime still holds it", id)
+		}
+	}
+	if m := b.MaxConcurrentDestroys(); m < 2 {
+		t.Fatalf("recovery destroyed %d dead sandboxes one at a time (%v), want several at once", n, took)
+	}
+	t.Logf("%d dead sandboxes released in %v, at most %d at once", n, took, b.MaxConcurrentDestroys())
 }

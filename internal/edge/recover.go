@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/dsecproject/dsec/api"
@@ -68,6 +69,12 @@ func (e *Edge) recover(ctx context.Context) error {
 	}
 	refs := map[string]int{}
 	adopted, failed, reaped := 0, 0, 0
+	// What the sandboxes that died while the edge was down held is
+	// released after this loop, many at a time: an edge back from a long
+	// outage may have thousands, each a runtime destroy, unmounts and a
+	// record write.
+	var dead []func()
+	var deadIDs []string
 	for _, ent := range ents {
 		id := ent.Name()
 		sdir := filepath.Join(dir, id)
@@ -97,18 +104,10 @@ func (e *Edge) recover(ctx context.Context) error {
 			}
 			// The sandbox died while the edge was down: release what it
 			// held, keep its record as failed so the owner can see why.
-			e.log.Warn("sandbox did not survive the edge restart", "sandbox_id", id, "err", statusErr[id])
+			e.log.Debug("sandbox did not survive the edge restart", "sandbox_id", id, "err", statusErr[id])
 			cg := rec.CgroupPath
 			if liveCgroups[cg] || !e.claimCgroup(cg, id) {
 				cg = "" // a live sandbox's now, or released already
-			}
-			e.destroyRuntime(ctx, id, cg)
-			if err := releaseHost(sdir); err != nil {
-				// Its mounts stay (and its files under them) until a
-				// later start manages: the record says failed either way.
-				e.log.Warn("releasing the host state of a dead sandbox", "sandbox_id", id, "err", err)
-			} else {
-				e.clearRuntime(sdir)
 			}
 			now := time.Now().UTC()
 			rec.Sandbox.State = api.StateFailed
@@ -116,9 +115,20 @@ func (e *Edge) recover(ctx context.Context) error {
 			rec.Net = nil // its slot is freed by restoreNetwork
 			rec.CgroupPath = ""
 			rec.StoppedAt = &now
-			if err := writeRecord(sdir, rec); err != nil {
-				e.log.Warn("persisting failed sandbox", "sandbox_id", id, "err", err)
-			}
+			dead = append(dead, func() {
+				e.destroyRuntime(ctx, id, cg)
+				if err := releaseHost(sdir); err != nil {
+					// Its mounts stay (and its files under them) until a
+					// later start manages: the record says failed either way.
+					e.log.Warn("releasing the host state of a dead sandbox", "sandbox_id", id, "err", err)
+				} else {
+					e.clearRuntime(sdir)
+				}
+				if err := writeRecord(sdir, rec); err != nil {
+					e.log.Warn("persisting failed sandbox", "sandbox_id", id, "err", err)
+				}
+			})
+			deadIDs = append(deadIDs, id)
 			failed++
 		}
 		s := &sbx{dir: sdir, rec: *rec}
@@ -145,6 +155,11 @@ func (e *Edge) recover(ctx context.Context) error {
 			e.tenancyAddLocked(rec.Dedicated, 1)
 		}
 		e.mu.Unlock()
+	}
+	if len(dead) > 0 {
+		e.log.Warn("sandboxes did not survive the edge restart: releasing what they held; their records say failed",
+			"count", len(dead), "first", strings.Join(deadIDs[:min(len(deadIDs), 5)], ","))
+		runAll(dead, recoverParallel)
 	}
 	if err := e.mounter.Recover(refs); err != nil {
 		return err
@@ -208,6 +223,26 @@ func (e *Edge) recover(ctx context.Context) error {
 	}
 	e.log.Info("recovery done", "adopted", adopted, "failed", failed, "reaped", reaped)
 	return nil
+}
+
+// recoverParallel is how many dead sandboxes recovery releases at once
+// (a backend bounds its own runtime calls further).
+const recoverParallel = 16
+
+// runAll runs every fn, n at a time, and waits for them.
+func runAll(fns []func(), n int) {
+	sem := make(chan struct{}, n)
+	var wg sync.WaitGroup
+	for _, fn := range fns {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			fn()
+		}()
+	}
+	wg.Wait()
 }
 
 // reapDir undoes whatever a sandbox dir may hold and removes it.

@@ -32,6 +32,8 @@ type Backend struct {
 	mu        sync.Mutex
 	sandboxes map[string]*Sandbox
 	failNext  error
+	// destroying counts destroys under way, maxDestroying the most at once.
+	destroying, maxDestroying int
 }
 
 // Sandbox is what the backend holds of one sandbox.
@@ -213,6 +215,8 @@ func (b *Backend) setPaused(ctx context.Context, id string, paused bool, d Dist)
 func (b *Backend) Destroy(ctx context.Context, id string) error {
 	b.mu.Lock()
 	_, ok := b.sandboxes[id]
+	b.destroying++
+	b.maxDestroying = max(b.maxDestroying, b.destroying)
 	b.mu.Unlock()
 	if ok {
 		// Not cut short: a destroy that was asked for happens. (One of
@@ -222,8 +226,16 @@ func (b *Backend) Destroy(ctx context.Context, id string) error {
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	b.destroying--
 	delete(b.sandboxes, id)
 	return nil
+}
+
+// MaxConcurrentDestroys is the most destroys that were under way at once.
+func (b *Backend) MaxConcurrentDestroys() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.maxDestroying
 }
 
 // Status implements sandbox.Backend.
