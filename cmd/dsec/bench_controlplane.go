@@ -680,7 +680,10 @@ func promValues(hc *http.Client, url string) (map[string]float64, error) {
 
 // etcdFigures are what etcd's own metrics say.
 type etcdFigures struct {
-	writes, dbBytes, keys float64
+	// dbBytes is the database file; dbInUse what of it holds data (the
+	// file does not shrink when history is compacted, only when it is
+	// defragmented).
+	writes, dbBytes, dbInUse, keys float64
 }
 
 // etcdMetrics reads etcd's /metrics on its client URL: the proposals
@@ -694,6 +697,7 @@ func etcdMetrics(endpoint string) (*etcdFigures, error) {
 	return &etcdFigures{
 		writes:  m["etcd_server_proposals_committed_total"],
 		dbBytes: m["etcd_mvcc_db_total_size_in_bytes"],
+		dbInUse: m["etcd_mvcc_db_total_size_in_use_in_bytes"],
 		keys:    m["etcd_debugging_mvcc_keys_total"],
 	}, nil
 }
@@ -829,6 +833,7 @@ type cpReport struct {
 	// figures: its database, keys, and writes per second during the hold.
 	ApiserverBytesPerSandbox float64 `json:"apiserver_bytes_per_sandbox"`
 	EtcdDBBytes              int64   `json:"etcd_db_bytes"`
+	EtcdDBInUseBytes         int64   `json:"etcd_db_in_use_bytes"`
 	EtcdKeys                 int64   `json:"etcd_keys"`
 	EtcdBytesPerSandbox      float64 `json:"etcd_bytes_per_sandbox"`
 	EtcdWritesPerSec         float64 `json:"etcd_writes_per_sec"`
@@ -973,6 +978,7 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	if etcd1 != nil && etcd0 != nil {
 		rep.EtcdWritesPerSec = (etcd1.writes - etcd0.writes) / holdWall.Seconds()
 		rep.EtcdDBBytes = int64(etcd1.dbBytes)
+		rep.EtcdDBInUseBytes = int64(etcd1.dbInUse)
 		rep.EtcdKeys = int64(etcd1.keys)
 	}
 
@@ -991,7 +997,7 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	}
 	rep.Procs = append(rep.Procs, cpProc{Name: "hollow (all)", RSSBytes: w.rss("hollow")})
 	if rep.LiveSandboxes > 0 {
-		rep.EtcdBytesPerSandbox = float64(rep.EtcdDBBytes) / float64(rep.LiveSandboxes)
+		rep.EtcdBytesPerSandbox = float64(rep.EtcdDBInUseBytes) / float64(rep.LiveSandboxes)
 	}
 	if err := w.reach(ctx, rep, jobIDs[job], hold.ids); err != nil {
 		return nil, err
@@ -1309,8 +1315,8 @@ func printCPReport(r *cpReport) error {
 	for _, p := range r.Procs {
 		fmt.Fprintf(tw, "%s\tCPU %.1f s, RSS %.0f MiB\n", p.Name, p.CPUSeconds, float64(p.RSSBytes)/(1<<20))
 	}
-	fmt.Fprintf(tw, "control-plane memory\tapiserver %.0f B per live sandbox; etcd %.1f MiB, %d keys (%.0f B per live sandbox), %.0f writes/s in the hold\n",
-		r.ApiserverBytesPerSandbox, float64(r.EtcdDBBytes)/(1<<20), r.EtcdKeys, r.EtcdBytesPerSandbox, r.EtcdWritesPerSec)
+	fmt.Fprintf(tw, "control-plane memory\tapiserver %.0f B per live sandbox; etcd %.1f MiB in use of a %.1f MiB file, %d keys (%.0f B in use per live sandbox), %.0f writes/s in the hold\n",
+		r.ApiserverBytesPerSandbox, float64(r.EtcdDBInUseBytes)/(1<<20), float64(r.EtcdDBBytes)/(1<<20), r.EtcdKeys, r.EtcdBytesPerSandbox, r.EtcdWritesPerSec)
 	for i, s := range r.Strategies {
 		if i == 0 {
 			fmt.Fprintf(tw, "placement strategies\t%d creates each from empty edges, through apiservers of their own\n", s.Creates)
