@@ -12,6 +12,7 @@ package apiserver
 
 import (
 	"bytes"
+	"compress/gzip"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -64,6 +65,8 @@ type idemRecord struct {
 	Body    []byte    `json:"body,omitempty"`
 	// TooLarge: done, but the answer was too large to keep.
 	TooLarge int `json:"too_large,omitempty"`
+	// Encoding is "gzip" for a body kept compressed ("" for as sent).
+	Encoding string `json:"encoding,omitempty"`
 }
 
 // idemCtx is what a keyed call's handler learns from the middleware.
@@ -292,12 +295,56 @@ func (s *Server) replay(w http.ResponseWriter, r *http.Request, rec claimed) {
 		s.writeError(w, r, errdefs.Precondition("a request with this Idempotency-Key completed with status %d, but its answer (%d bytes) was too large to keep; it is not run again", rec.Status, rec.TooLarge))
 		return
 	}
+	body, err := rec.answer()
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
 	w.Header().Set("Idempotent-Replayed", "true")
 	if rec.Type != "" {
 		w.Header().Set("Content-Type", rec.Type)
 	}
 	w.WriteHeader(rec.Status)
-	_, _ = w.Write(rec.Body)
+	_, _ = w.Write(body)
+}
+
+// recordBody sets a record's body to the answer b, compressed when that
+// makes it smaller: records are most of what etcd holds (a sandbox's JSON
+// shrinks to about half).
+func (rec *idemRecord) recordBody(b []byte) {
+	rec.Body, rec.Encoding = b, ""
+	if len(b) < 256 {
+		return
+	}
+	var z bytes.Buffer
+	zw, _ := gzip.NewWriterLevel(&z, gzip.BestSpeed)
+	if _, err := zw.Write(b); err != nil || zw.Close() != nil || z.Len() >= len(b) {
+		return
+	}
+	rec.Body, rec.Encoding = z.Bytes(), "gzip"
+}
+
+// answer is the recorded body as it was sent.
+func (rec *idemRecord) answer() ([]byte, error) {
+	switch rec.Encoding {
+	case "":
+		return rec.Body, nil
+	case "gzip":
+		zr, err := gzip.NewReader(bytes.NewReader(rec.Body))
+		if err != nil {
+			return nil, fmt.Errorf("decoding a recorded answer: %w", err)
+		}
+		// A record never holds more than maxRecordedBytes of answer.
+		b, err := io.ReadAll(io.LimitReader(zr, maxRecordedBytes+1))
+		if err == nil && len(b) > maxRecordedBytes {
+			err = errors.New("longer than any answer recorded")
+		}
+		if err != nil {
+			return nil, fmt.Errorf("decoding a recorded answer: %w", err)
+		}
+		return b, nil
+	}
+	return nil, fmt.Errorf("a recorded answer has the unknown encoding %q", rec.Encoding)
 }
 
 // finish records the answer of a call this apiserver ran. A refusal that
@@ -339,7 +386,7 @@ func (s *Server) finish(rk, hash string, claim idemRecord, tee *teeWriter) {
 		if tee.over {
 			rec.TooLarge = tee.total
 		} else {
-			rec.Body = tee.buf.Bytes()
+			rec.recordBody(tee.buf.Bytes())
 		}
 	}
 	b, err := json.Marshal(rec)

@@ -149,3 +149,47 @@ func principalOf(t *testing.T, f *fixture, key string) string {
 	}
 	return p.ID
 }
+
+// TestRecordedAnswerCompressed: a create's answer is kept compressed in
+// its record (records are most of what etcd holds) and replayed byte for
+// byte; a record whose body does not decode answers an internal error,
+// and no second sandbox.
+func TestRecordedAnswerCompressed(t *testing.T) {
+	f := newFixture(t, true)
+	spec := `{"base":"base/py:1","labels":{"job":"compressed"}}`
+	resp, first := f.doAt(t, f.srv, f.admin, "k11", "POST", "/v1/sandboxes", spec)
+	if resp.StatusCode != 201 {
+		t.Fatalf("create: %d %s", resp.StatusCode, first)
+	}
+	rk := idemRecordKey(principalOf(t, f, f.admin), "k11")
+	var rec idemRecord
+	deadline := time.Now().Add(5 * time.Second)
+	for rec.State != "done" {
+		if time.Now().After(deadline) {
+			t.Fatalf("the answer was not recorded: %+v", rec)
+		}
+		time.Sleep(10 * time.Millisecond)
+		v, err := f.st.Get(idemBucket, rk)
+		if err != nil || json.Unmarshal(v, &rec) != nil {
+			t.Fatalf("record: %s %v", v, err)
+		}
+	}
+	if rec.Encoding != "gzip" || len(rec.Body) >= len(first) {
+		t.Fatalf("record keeps %d bytes (%q) of a %d-byte answer, want it compressed", len(rec.Body), rec.Encoding, len(first))
+	}
+	t.Logf("a %d-byte create answer is kept in %d bytes", len(first), len(rec.Body))
+	resp, again := f.doAt(t, f.srv, f.admin, "k11", "POST", "/v1/sandboxes", spec)
+	if resp.StatusCode != 201 || string(again) != string(first) || resp.Header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("replay: %d %q, want the first answer %q", resp.StatusCode, again, first)
+	}
+	rec.Body = []byte("not gzip at all")
+	b, _ := json.Marshal(rec)
+	if err := f.st.Put(idemBucket, rk, b); err != nil {
+		t.Fatal(err)
+	}
+	resp, body := f.doAt(t, f.srv, f.admin, "k11", "POST", "/v1/sandboxes", spec)
+	wantError(t, resp, body, 500, "internal")
+	if creates, _ := f.edge.Counts(); creates != 1 {
+		t.Fatalf("%d creates for one key", creates)
+	}
+}
