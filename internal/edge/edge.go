@@ -717,3 +717,19 @@ type clock struct{ v atomic.Int64 }
 
 func (c *clock) set(t time.Time) { c.v.Store(t.UnixNano()) }
 func (c *clock) get() time.Time  { return time.Unix(0, c.v.Load()) }
+
+// runAll runs every fn, n at a time, and waits for them.
+func runAll(fns []func(), n int) {
+	sem := make(chan struct{}, n)
+	var wg sync.WaitGroup
+	for _, fn := range fns {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			fn()
+		}()
+	}
+	wg.Wait()
+}

@@ -2,7 +2,6 @@ package edge
 
 import (
 	"context"
-	"sync"
 	"time"
 
 	"github.com/dsecproject/dsec/api"
@@ -173,18 +172,11 @@ func (e *Edge) byLabels(ctx context.Context, sel map[string]string, state string
 	}
 	list := e.list(ctx, edgeapi.ListFilter{State: state, Labels: sel})
 	errs := make([]error, len(list))
-	sem := make(chan struct{}, 8)
-	var wg sync.WaitGroup
+	fns := make([]func(), len(list))
 	for i, sb := range list {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer wg.Done()
-			defer func() { <-sem }()
-			errs[i] = fn(sb.ID)
-		}()
+		fns[i] = func() { errs[i] = fn(sb.ID) }
 	}
-	wg.Wait()
+	runAll(fns, 8)
 	n := 0
 	var first error
 	for _, err := range errs {

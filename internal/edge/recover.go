@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/dsecproject/dsec/api"
@@ -228,22 +227,6 @@ func (e *Edge) recover(ctx context.Context) error {
 // recoverParallel is how many dead sandboxes recovery releases at once
 // (a backend bounds its own runtime calls further).
 const recoverParallel = 16
-
-// runAll runs every fn, n at a time, and waits for them.
-func runAll(fns []func(), n int) {
-	sem := make(chan struct{}, n)
-	var wg sync.WaitGroup
-	for _, fn := range fns {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer wg.Done()
-			defer func() { <-sem }()
-			fn()
-		}()
-	}
-	wg.Wait()
-}
 
 // reapDir undoes whatever a sandbox dir may hold and removes it.
 func (e *Edge) reapDir(ctx context.Context, id, sdir string) {
