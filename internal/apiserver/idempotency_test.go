@@ -2,7 +2,9 @@ package apiserver
 
 import (
 	"encoding/json"
+	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -191,5 +193,46 @@ func TestRecordedAnswerCompressed(t *testing.T) {
 	wantError(t, resp, body, 500, "internal")
 	if creates, _ := f.edge.Counts(); creates != 1 {
 		t.Fatalf("%d creates for one key", creates)
+	}
+}
+
+// TestRecordBodyRoundTrips compresses many answers at once with the shared
+// compressors: each decodes to its own answer, whoever used a compressor
+// before.
+func TestRecordBodyRoundTrips(t *testing.T) {
+	var wg sync.WaitGroup
+	errs := make(chan error, 64)
+	for g := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 200 {
+				body := []byte(strings.Repeat(fmt.Sprintf(`{"id":"sb-%d-%d","state":"running"},`, g, i), 1+i%40))
+				var rec idemRecord
+				rec.recordBody(body)
+				got, err := rec.answer()
+				if err != nil || string(got) != string(body) {
+					errs <- fmt.Errorf("answer %d/%d (%q): %q, %v; want %q", g, i, rec.Encoding, got, err, body)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+}
+
+// BenchmarkRecordBody prices keeping a create's answer (about 600 bytes):
+// a new gzip compressor per answer cost 0.69 ms and 1.2 MB; a reused one
+// 6-9 µs and under 1 KB.
+func BenchmarkRecordBody(b *testing.B) {
+	body := []byte(strings.Repeat(`{"id":"abc","state":"running","labels":{"x":"y"}}`, 12))
+	b.ReportAllocs()
+	for b.Loop() {
+		var rec idemRecord
+		rec.recordBody(body)
 	}
 }
