@@ -539,7 +539,11 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 	// side's calls after the other's measured the noise as much as the
 	// hop). call returns the sandbox it made, if any; they are deleted
 	// after the measure.
-	seq := func(what string, into *[2]sample, call func(si int, side benchSide) (string, error)) {
+	type seqCall struct {
+		into *[2]sample
+		call func(si int, side benchSide) (string, error)
+	}
+	seq := func(what string, calls ...seqCall) {
 		b.settle(ctx)
 		fmt.Fprintf(os.Stderr, "bench cluster: %d %s one at a time on each side, interleaved...\n", o.count, what)
 		var ids [2][]string
@@ -548,21 +552,25 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 		for si := range sides {
 			s0[si], n0[si] = createSeconds(sideURLs[si])
 		}
+		n := 2 * len(calls)
 		for i := range o.count {
-			for k := range 2 {
-				si := (i + k) % 2
+			for k := range n {
+				// Every kind of call on every side takes every place in
+				// the order in turn.
+				j := (i + k) % n
+				si, c := j%2, calls[j/2]
 				t0 := time.Now()
-				id, err := call(si, sides[si])
+				id, err := c.call(si, sides[si])
 				d := time.Since(t0)
-				into[si].wall += d
+				c.into[si].wall += d
 				if err != nil {
-					into[si].fails++
+					c.into[si].fails++
 					if firstErr[si] == nil {
 						firstErr[si] = err
 					}
 					continue
 				}
-				into[si].durs = append(into[si].durs, d)
+				c.into[si].durs = append(c.into[si].durs, d)
 				if id != "" {
 					ids[si] = append(ids[si], id)
 				}
@@ -623,8 +631,10 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 		if r%2 == 1 {
 			order = []int{1, 0}
 		}
-		seq("creates with idempotency keys", &create, createWith(true))
-		seq("creates without keys", &createBare, createWith(false))
+		// Keyed and bare creates interleaved too: run in blocks, the
+		// block that went first was 1-3 ms a create slower on both sides,
+		// whichever it was.
+		seq("creates with and without idempotency keys", seqCall{&create, createWith(true)}, seqCall{&createBare, createWith(false)})
 		var execIn [2]string
 		for si, side := range sides {
 			sb, err := side.c.CreateSandbox(ctx, api.SandboxSpec{Base: side.ref, NodeSelector: side.pin})
@@ -633,13 +643,13 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 			}
 			execIn[si] = sb.ID
 		}
-		seq("execs of true", &exec, func(si int, side benchSide) (string, error) {
+		seq("execs of true", seqCall{&exec, func(si int, side benchSide) (string, error) {
 			res, err := side.c.Exec(ctx, execIn[si], api.ExecRequest{Argv: []string{"true"}})
 			if err == nil && res.ExitCode != 0 {
 				err = fmt.Errorf("exit %d", res.ExitCode)
 			}
 			return "", err
-		})
+		}})
 		for si, side := range sides {
 			_ = side.c.DeleteSandbox(ctx, execIn[si])
 		}
