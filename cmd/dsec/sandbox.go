@@ -135,9 +135,14 @@ func sandboxList(ctx context.Context, args []string) error {
 	if len(labels) > 0 {
 		opts.Labels = labels
 	}
-	all, err := c.ListAllSandboxes(ctx, opts)
+	list, err := c.ListAll(ctx, opts)
 	if err != nil {
 		return err
+	}
+	all := list.Sandboxes
+	if len(list.UnreachableNodes) > 0 {
+		fmt.Fprintf(os.Stderr, "warning: %d node(s) could not be asked, so their sandboxes are not listed: %s\n",
+			len(list.UnreachableNodes), strings.Join(list.UnreachableNodes, ", "))
 	}
 	if *asJSON {
 		return printJSONList(all)

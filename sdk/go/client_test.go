@@ -272,6 +272,31 @@ func TestListPagination(t *testing.T) {
 	}
 }
 
+// ListAll keeps what every page said of nodes it could not ask: a caller
+// must be able to tell a short list from a complete one.
+func TestListAllKeepsUnreachableNodes(t *testing.T) {
+	f, c := newFakeServer(t)
+	f.mux.HandleFunc("GET /v1/sandboxes", func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Query().Get("page_token") {
+		case "":
+			writeJSON(w, 200, api.SandboxList{Sandboxes: []api.Sandbox{{ID: "a"}}, UnreachableNodes: []string{"e3", "e1"}, NextPageToken: "p2"})
+		case "p2":
+			writeJSON(w, 200, api.SandboxList{Sandboxes: []api.Sandbox{{ID: "b"}}, UnreachableNodes: []string{"e1", "e2"}})
+		}
+	})
+	l, err := c.ListAll(context.Background(), ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(l.Sandboxes) != 2 || l.NextPageToken != "" || strings.Join(l.UnreachableNodes, ",") != "e1,e2,e3" {
+		t.Fatalf("got %+v", l)
+	}
+	all, err := c.ListAllSandboxes(context.Background(), ListOptions{})
+	if err != nil || len(all) != 2 {
+		t.Fatalf("ListAllSandboxes: %v %+v", err, all)
+	}
+}
+
 func TestListPaginationLoop(t *testing.T) {
 	f, c := newFakeServer(t)
 	f.mux.HandleFunc("GET /v1/sandboxes", func(w http.ResponseWriter, r *http.Request) {

@@ -76,17 +76,39 @@ func (c *Client) ListSandboxes(ctx context.Context, opts ListOptions) (*api.Sand
 }
 
 // ListAllSandboxes follows pagination from opts.PageToken to the last page.
+// The sandboxes of nodes that could not be asked are left out, as on each
+// page; ListAll also says which nodes those were.
 func (c *Client) ListAllSandboxes(ctx context.Context, opts ListOptions) ([]api.Sandbox, error) {
-	var all []api.Sandbox
+	l, err := c.ListAll(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	return l.Sandboxes, nil
+}
+
+// ListAll follows pagination from opts.PageToken to the last page and
+// returns every page's sandboxes in one list, with UnreachableNodes the
+// nodes any page could not ask (sorted; their sandboxes are missing from
+// the list) and no NextPageToken.
+func (c *Client) ListAll(ctx context.Context, opts ListOptions) (*api.SandboxList, error) {
+	out := &api.SandboxList{}
 	seen := map[string]bool{}
+	down := map[string]bool{}
 	for {
 		page, err := c.ListSandboxes(ctx, opts)
 		if err != nil {
 			return nil, err
 		}
-		all = append(all, page.Sandboxes...)
+		out.Sandboxes = append(out.Sandboxes, page.Sandboxes...)
+		for _, n := range page.UnreachableNodes {
+			if !down[n] {
+				down[n] = true
+				out.UnreachableNodes = append(out.UnreachableNodes, n)
+			}
+		}
 		if page.NextPageToken == "" {
-			return all, nil
+			slices.Sort(out.UnreachableNodes)
+			return out, nil
 		}
 		// A server handing out the same token twice would loop us forever.
 		if seen[page.NextPageToken] {
