@@ -436,6 +436,60 @@ type Layer struct {
 	// (absent: root's). A key sees the layers of its project, of the
 	// projects above it (what it inherits) and of those below it.
 	Project string `json:"project,omitempty"`
+	// Remote, if set, says the layer's image is not in the layer directory
+	// but in an OCI registry, where edges read it: on demand, chunk by
+	// chunk (pull "lazy"), or whole before first use (pull "full").
+	Remote *LayerRemote `json:"remote,omitempty"`
+}
+
+// LayerRemote is where a registry-backed layer's image lives.
+type LayerRemote struct {
+	// Source is the artifact's reference as given: oci://HOST/REPO:TAG.
+	Source string `json:"source"`
+	// Manifest is the digest of the artifact's manifest when it was added.
+	Manifest string `json:"manifest"`
+	// Index is the digest of the chunk index blob, IndexSize its size and
+	// ChunkSize the bytes each of its digests covers.
+	Index     string `json:"index"`
+	IndexSize int64  `json:"index_size"`
+	ChunkSize int    `json:"chunk_size"`
+	// Insecure talks plain HTTP to the registry.
+	Insecure bool `json:"insecure,omitempty"`
+	// Pull is "lazy" (read on demand, the default) or "full" (fetched
+	// whole to the node before the first sandbox starts).
+	Pull string `json:"pull"`
+}
+
+// Pull modes of a registry-backed layer.
+const (
+	PullLazy = "lazy"
+	PullFull = "full"
+)
+
+// LayerPushRequest is the body of POST /v1/layers:push.
+type LayerPushRequest struct {
+	Ref      string `json:"ref"`
+	Target   string `json:"target"`
+	Insecure bool   `json:"insecure,omitempty"`
+}
+
+// LayerAddRequest is the body of POST /v1/layers:add.
+type LayerAddRequest struct {
+	Ref      string `json:"ref"`
+	Source   string `json:"source"`
+	Insecure bool   `json:"insecure,omitempty"`
+	Pull     string `json:"pull,omitempty"`
+	Replace  bool   `json:"replace,omitempty"`
+}
+
+// LayerPushResult answers POST /v1/layers:push.
+type LayerPushResult struct {
+	Ref      string `json:"ref"`
+	Target   string `json:"target"`
+	Manifest string `json:"manifest"`
+	// Uploaded counts the blobs sent; the rest the registry had.
+	Uploaded  int   `json:"uploaded"`
+	SizeBytes int64 `json:"size_bytes"`
 }
 
 // SnapshotInfo is the record of a pack_diff snapshot: the sandbox it was

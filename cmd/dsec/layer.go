@@ -23,6 +23,8 @@ func runLayer(ctx context.Context, args []string) error {
 		{"list", "list layers", layerList},
 		{"get", "show one layer", layerGet},
 		{"delete", "remove a layer ref", layerDelete},
+		{"push", "store a layer in an OCI registry", layerPush},
+		{"add", "register a layer kept in an OCI registry, read on demand", layerAdd},
 	}, args)
 }
 
@@ -280,5 +282,65 @@ func runHealth(ctx context.Context, args []string) error {
 		return err
 	}
 	fmt.Printf("ok %s\n", c.Endpoint())
+	return nil
+}
+
+func layerPush(ctx context.Context, args []string) error {
+	fs := newCmdFlags("layer push", "[--insecure] [--json] REF oci://HOST/REPO:TAG",
+		"Store layer REF in an OCI registry as an artifact: its EROFS image, a chunk\n"+
+			"index (what edges read on demand by) and a small config. Blobs the registry\n"+
+			"already has are not sent. The server does the push: HOST is reached from it.")
+	insecure := fs.Bool("insecure", false, "talk plain HTTP to the registry")
+	asJSON := fs.Bool("json", false, "print the API response as JSON")
+	pos, err := fs.parseN(args, 2, 2)
+	if err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "pushing %s to %s ...\n", pos[0], pos[1])
+	res, err := c.PushLayer(ctx, api.LayerPushRequest{Ref: pos[0], Target: pos[1], Insecure: *insecure})
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return printJSON(res)
+	}
+	fmt.Printf("pushed %s to %s: %s, %d blob(s) sent, manifest %s\n", res.Ref, res.Target, humanBytes(res.SizeBytes), res.Uploaded, res.Manifest)
+	return nil
+}
+
+func layerAdd(ctx context.Context, args []string) error {
+	fs := newCmdFlags("layer add", "[--insecure] [--pull lazy|full] [--replace] [--json] REF oci://HOST/REPO:TAG",
+		"Register REF as the layer artifact at oci://HOST/REPO:TAG (made by dsec layer\n"+
+			"push) without copying it: edges read its image from the registry, chunk by\n"+
+			"chunk as sandboxes touch it (--pull lazy, the default), or whole before the\n"+
+			"first sandbox starts (--pull full). The server checks the artifact and that\n"+
+			"the registry serves byte ranges before it records the layer.")
+	insecure := fs.Bool("insecure", false, "talk plain HTTP to the registry")
+	pull := fs.String("pull", api.PullLazy, "lazy (read on demand) or full (fetched whole to each node first)")
+	replace := fs.Bool("replace", false, "re-point REF if it exists")
+	asJSON := fs.Bool("json", false, "print the API response as JSON")
+	pos, err := fs.parseN(args, 2, 2)
+	if err != nil {
+		return err
+	}
+	if *pull != api.PullLazy && *pull != api.PullFull {
+		return fmt.Errorf("layer add: --pull %q: want lazy or full", *pull)
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	l, err := c.AddLayer(ctx, api.LayerAddRequest{Ref: pos[0], Source: pos[1], Insecure: *insecure, Pull: *pull, Replace: *replace})
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return printJSON(l)
+	}
+	fmt.Printf("%s\t%s\t%s\t%s (pull %s)\n", l.Ref, l.Digest, humanBytes(l.SizeBytes), l.Remote.Source, l.Remote.Pull)
 	return nil
 }

@@ -21,6 +21,8 @@ var daemonCommands = map[string]struct {
 	"edge":    {"run the node daemon of a cluster on this machine (needs root)", runEdgeDaemon},
 	"cluster": {"init: write a cluster's CA and certificates", runCluster},
 	"bench":   {"measure create and exec latency against a bare runtime loop", runBench},
+	// Started by the edge, not by hand: not listed in the usage.
+	"layerfs": {"serve registry-backed layers on demand (started by the edge)", runLayerFS},
 }
 
 func usage() {

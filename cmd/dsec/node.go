@@ -48,6 +48,7 @@ type nodeConfig struct {
 	maxSessions  int
 	maxStreams   int
 	labels       map[string]string
+	layerCacheMB int64
 }
 
 // register defines the node flags on f (state dir and node name are the
@@ -81,6 +82,7 @@ func (c *nodeConfig) register(f *cmdFlags) {
 	f.IntVar(&c.maxSessions, "max-sessions-total", 0, "sessions open on this node at once, across its sandboxes (each holds a shell and ~4 descriptors of the daemon's); past it an open is refused with resource_exhausted; 0 = a sixteenth of the open-files limit, 64 to 16384")
 	f.IntVar(&c.maxStreams, "max-streams", 0, "commands (exec, streamed or not, and fncall) and port connections running on this node at once (each holds pipes or a socket of the daemon's); past it a call is refused with resource_exhausted before it starts; 0 = a sixteenth of the open-files limit, 64 to 16384")
 	f.BoolVar(&c.cleanupExit, "cleanup-on-exit", false, "on shutdown, delete every sandbox of this node first, so that the daemon leaves nothing on the host (mounts, cgroups, veths, nft table, DNS address); without it sandboxes keep running and the next start adopts them")
+	f.Int64Var(&c.layerCacheMB, "layer-cache-mb", defaultLayerCacheMB, "bound of this node's cache of chunks of registry-backed layers (dsec layer add), in MiB, shared by every sandbox on the node and kept across restarts")
 	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of user-namespace sandboxes (spec userns: true), which get 65536 ids from it; 0 refuses userns")
 }
 
@@ -130,6 +132,9 @@ func (c *nodeConfig) check() error {
 	if c.snapDepth < 1 {
 		return fmt.Errorf("--snapshot-depth %d: want at least 1", c.snapDepth)
 	}
+	if c.layerCacheMB < 1 {
+		return fmt.Errorf("--layer-cache-mb %d: want at least 1", c.layerCacheMB)
+	}
 	if c.maxSandboxes < 1 {
 		return fmt.Errorf("--max-sandboxes %d: want at least 1", c.maxSandboxes)
 	}
@@ -175,7 +180,7 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 		MaxSessionsTotal: maxSessions, MaxStreams: maxStreams,
 		HostReserveMB: c.reserveMB, HostReservePids: c.reservePids, PidMax: c.pidMax,
 	}, edge.Deps{
-		Backend: h.Backend, Blobs: layers, Cgroups: h.Cgroups, Log: log,
+		Backend: h.Backend, Blobs: layerSource(layers, edgeDir, c.layerCacheMB, log), Cgroups: h.Cgroups, Log: log,
 		Metrics: edge.NewMetrics(reg), Runtime: h.Runtime, Launcher: h.Backend.Launcher(), Layers: layers, Net: h.Net,
 	})
 	if err == nil {

@@ -2,6 +2,7 @@ package apiserver
 
 import (
 	"context"
+	"errors"
 	"io"
 	"net/http"
 	"strings"
@@ -11,6 +12,7 @@ import (
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/iam"
 	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/layer/remote"
 )
 
 func (s *Server) buildLayer(w http.ResponseWriter, r *http.Request) {
@@ -153,4 +155,62 @@ func (s *Server) mayReplace(ctx context.Context) func(api.Layer) error {
 	return func(l api.Layer) error {
 		return s.mayChange(ctx, l.Project, "layer "+l.Ref)
 	}
+}
+
+// pushLayer stores a layer the caller can see in an OCI registry. A push
+// sends the layer's content out of dsec, so it needs layer write, not
+// just read; whether the registry takes it is the registry's business.
+func (s *Server) pushLayer(w http.ResponseWriter, r *http.Request) {
+	var req api.LayerPushRequest
+	if err := decode(r, &req); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if req.Ref == "" || req.Target == "" {
+		s.writeError(w, r, errdefs.Invalid("ref and target (oci://HOST/REPO:TAG) are required"))
+		return
+	}
+	l, err := s.resolveFor(r.Context(), req.Ref)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	res, err := remote.Push(r.Context(), s.deps.Layers, l.Ref, req.Target, remote.PushOptions{Insecure: req.Insecure})
+	if err != nil {
+		s.writeError(w, r, registryRefusal(err))
+		return
+	}
+	s.log.Info("layer pushed", "ref", l.Ref, "target", req.Target, "manifest", res.Manifest, "uploaded", res.Uploaded)
+	writeJSON(w, http.StatusOK, res)
+}
+
+// addLayer registers a registry-backed layer in the catalog.
+func (s *Server) addLayer(w http.ResponseWriter, r *http.Request) {
+	var req api.LayerAddRequest
+	if err := decode(r, &req); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if req.Ref == "" || req.Source == "" {
+		s.writeError(w, r, errdefs.Invalid("ref and source (oci://HOST/REPO:TAG) are required"))
+		return
+	}
+	l, err := remote.Add(r.Context(), s.deps.Layers, req.Ref, req.Source, remote.AddOptions{
+		Insecure: req.Insecure, Pull: req.Pull, Replace: req.Replace,
+		MayReplace: s.mayReplace(r.Context()), Project: s.callerProject(r.Context()),
+	})
+	if err != nil {
+		s.writeError(w, r, registryRefusal(err))
+		return
+	}
+	writeJSON(w, http.StatusCreated, l)
+}
+
+// registryRefusal makes a registry's refusal of its own credentials a
+// bad request: it is not about the caller's dsec key (never 401/403).
+func registryRefusal(err error) error {
+	if errors.Is(err, errdefs.ErrUnauthenticated) || errors.Is(err, errdefs.ErrPermissionDenied) {
+		return errdefs.Invalid("registry refused access: %v", err)
+	}
+	return err
 }

@@ -185,6 +185,8 @@ func (s *Server) routes() {
 	s.handle("PUT /v1/sandboxes/{id}/files:tar", iam.SandboxWrite, s.uploadTar)
 
 	s.handle("POST /v1/layers", iam.LayerWrite, s.buildLayer)
+	s.handle("POST /v1/layers:push", iam.LayerWrite, s.pushLayer)
+	s.handle("POST /v1/layers:add", iam.LayerWrite, s.addLayer)
 	s.handle("GET /v1/layers", iam.LayerRead, s.listLayers)
 	s.handle("GET /v1/layers/{ref...}", iam.LayerRead, s.getLayer)
 	s.handle("DELETE /v1/layers/{ref...}", iam.LayerWrite, s.deleteLayer)

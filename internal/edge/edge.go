@@ -381,6 +381,9 @@ func (e *Edge) Close() {
 			e.deps.Net.Close()
 		}
 	}
+	if st, ok := e.deps.Blobs.(layer.EdgeStopper); ok {
+		st.EdgeStopped()
+	}
 	// Free cgroup slots are nobody's either.
 	for _, t := range e.cgroupTrees() {
 		if t.slots != nil {

@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
@@ -118,9 +119,11 @@ type registry struct {
 	attempts int
 	progress io.Writer
 
-	// Authorization learnt from challenges; Pull is sequential, so no lock.
-	token string
-	basic bool
+	// authMu guards the authorization learnt from challenges: a Repo
+	// serves concurrent range reads.
+	authMu sync.Mutex
+	token  string
+	basic  bool
 	// docs holds the document fetched by tag, so resolving it again by
 	// digest costs no request.
 	docs map[string]fetchedDoc
@@ -252,20 +255,45 @@ func (r *registry) layer(_ context.Context, d descriptor) (io.ReadCloser, error)
 // challenge is met with a token from the realm it names, a Basic one with
 // the credentials. Later requests reuse what was learnt.
 func (r *registry) get(ctx context.Context, path string, hdr http.Header) (*http.Response, error) {
+	return r.do(ctx, http.MethodGet, path, hdr, nil)
+}
+
+// do sends a request as get does, with any method. body, if not nil,
+// opens the request body (again after a challenge) and gives its length.
+// path is below the registry's base, or an absolute URL on the same host
+// (an upload's Location).
+func (r *registry) do(ctx context.Context, method, path string, hdr http.Header, body func() (io.Reader, int64, error)) (*http.Response, error) {
+	target := r.base + path
+	if strings.HasPrefix(path, "http://") || strings.HasPrefix(path, "https://") {
+		target = path
+	}
 	for attempt := 0; ; attempt++ {
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.base+path, nil)
+		var rd io.Reader
+		size := int64(0)
+		if body != nil {
+			var err error
+			if rd, size, err = body(); err != nil {
+				return nil, err
+			}
+		}
+		req, err := http.NewRequestWithContext(ctx, method, target, rd)
 		if err != nil {
 			return nil, errdefs.Invalid("building request: %v", err)
+		}
+		if body != nil {
+			req.ContentLength = size
 		}
 		for k, v := range hdr {
 			req.Header[k] = v
 		}
+		r.authMu.Lock()
 		switch {
 		case r.token != "":
 			req.Header.Set("Authorization", "Bearer "+r.token)
 		case r.basic:
 			req.SetBasicAuth(r.user, r.pass)
 		}
+		r.authMu.Unlock()
 		resp, err := r.client.Do(req)
 		if err != nil {
 			if ctx.Err() != nil {
@@ -296,7 +324,9 @@ func (r *registry) authenticate(ctx context.Context, challenges []string) error 
 			if r.user == "" {
 				return errdefs.Unauthenticated("registry %s wants credentials and none were given", r.ref.Registry)
 			}
+			r.authMu.Lock()
 			r.basic = true
+			r.authMu.Unlock()
 			return nil
 		}
 	}
@@ -350,13 +380,16 @@ func (r *registry) fetchToken(ctx context.Context, params map[string]string) err
 	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&tok); err != nil {
 		return errdefs.Unauthenticated("parsing token from %s: %v", u.Host, err)
 	}
-	r.token = tok.Token
-	if r.token == "" {
-		r.token = tok.AccessToken
+	token := tok.Token
+	if token == "" {
+		token = tok.AccessToken
 	}
-	if r.token == "" {
+	if token == "" {
 		return errdefs.Unauthenticated("token endpoint %s returned no token", u.Host)
 	}
+	r.authMu.Lock()
+	r.token = token
+	r.authMu.Unlock()
 	return nil
 }
 

@@ -16,61 +16,16 @@ import (
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/image/registrytest"
 )
 
-const registryBin = "/usr/bin/docker-registry"
-
 // startRegistry runs the distribution registry (Debian's docker-registry)
-// on a free 127.0.0.1 port with its storage in a temp dir, and returns its
-// host:port.
+// on a free 127.0.0.1 port and returns its host:port.
 func startRegistry(t *testing.T) string {
 	t.Helper()
-	if _, err := os.Stat(registryBin); err != nil {
-		t.Skipf("needs %s (apt-get install docker-registry): %v", registryBin, err)
-	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	must(t, err)
-	addr := l.Addr().String()
-	l.Close()
-	dir := t.TempDir()
-	cfg := fmt.Sprintf(`version: 0.1
-log:
-  level: error
-  accesslog:
-    disabled: true
-storage:
-  filesystem:
-    rootdirectory: %s
-http:
-  addr: %s
-`, filepath.Join(dir, "storage"), addr)
-	cfgPath := filepath.Join(dir, "config.yml")
-	must(t, os.WriteFile(cfgPath, []byte(cfg), 0o600))
-	var out bytes.Buffer
-	cmd := exec.Command(registryBin, "serve", cfgPath)
-	cmd.Stdout, cmd.Stderr = &out, &out
-	must(t, cmd.Start())
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		cmd.Wait()
-	})
-	deadline := time.Now().Add(15 * time.Second)
-	for {
-		resp, err := http.Get("http://" + addr + "/v2/")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return addr
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("registry did not come up on %s: %v\n%s", addr, err, out.String())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	return registrytest.Start(t).Addr
 }
 
 // push uploads img to the registry at base (http://host:port) as

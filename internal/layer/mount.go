@@ -64,6 +64,13 @@ type Source interface {
 	Open(ctx context.Context, digest string) (path string, release func(), err error)
 }
 
+// EdgeStopper is implemented by sources that hold resources of the node
+// (a daemon serving remote images): the edge tells them when it stops,
+// after it has released what it could.
+type EdgeStopper interface {
+	EdgeStopped()
+}
+
 // NewMounter returns a Mounter that mounts under mntDir the images src
 // provides. Call Recover before the first Acquire after a restart.
 func NewMounter(mntDir string, src Source, log *slog.Logger) *Mounter {

@@ -518,6 +518,50 @@ func (s *Store) publish(tmpPath string, l api.Layer, replace bool, mayReplace fu
 	return deduped, nil
 }
 
+// AddRemote records l, whose image lives elsewhere (l.Remote), in the
+// catalog without a blob: edges fetch it from its source. opts.Replace and
+// opts.MayReplace mean what they mean for builds.
+func (s *Store) AddRemote(l api.Layer, opts BuildOptions) (api.Layer, error) {
+	r, err := ParseRef(l.Ref)
+	if err != nil {
+		return api.Layer{}, err
+	}
+	if l.Remote == nil || !IsDigest(l.Digest) {
+		return api.Layer{}, errdefs.Invalid("layer %s: a remote layer needs a source and a digest", r)
+	}
+	l.Ref, l.Kind = r.String(), r.Kind
+	val, err := json.Marshal(l)
+	if err != nil {
+		return api.Layer{}, fmt.Errorf("encoding layer %s: %w", r, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if opts.Replace {
+		err = s.st.Update(catalogBucket, l.Ref, func(old []byte) ([]byte, error) {
+			if old != nil && opts.MayReplace != nil {
+				var prev api.Layer
+				if err := json.Unmarshal(old, &prev); err != nil {
+					return nil, fmt.Errorf("decoding layer %s: %w", r, err)
+				}
+				if err := opts.MayReplace(prev); err != nil {
+					return nil, err
+				}
+			}
+			return val, nil
+		})
+	} else {
+		err = s.st.Create(catalogBucket, l.Ref, val)
+	}
+	if errors.Is(err, errdefs.ErrAlreadyExists) {
+		return api.Layer{}, errdefs.AlreadyExists("layer %s already exists (add with replace to re-point it)", r)
+	}
+	if err != nil {
+		return api.Layer{}, fmt.Errorf("writing layer catalog: %w", err)
+	}
+	s.cache.put(l)
+	return l, nil
+}
+
 // Get returns the layer named by a ref or, for a digest, the first ref (in
 // key order) that points at it.
 func (s *Store) Get(refOrDigest string) (api.Layer, error) {

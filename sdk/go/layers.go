@@ -54,6 +54,29 @@ func (c *Client) DeleteLayer(ctx context.Context, ref string) error {
 	return c.call(ctx, request{method: http.MethodDelete, path: "/v1/layers/" + esc(ref)}, nil)
 }
 
+// PushLayer stores a layer of the catalog in an OCI registry as an
+// artifact: req.Target is oci://HOST/REPO:TAG (req.Insecure for plain
+// HTTP). Blobs the registry has are not sent again.
+func (c *Client) PushLayer(ctx context.Context, req api.LayerPushRequest) (*api.LayerPushResult, error) {
+	var res api.LayerPushResult
+	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/layers:push", jsonBody: req}, &res); err != nil {
+		return nil, err
+	}
+	return &res, nil
+}
+
+// AddLayer registers req.Ref as the layer artifact at req.Source
+// (oci://HOST/REPO:TAG) without copying its image: edges read it from
+// there, on demand (req.Pull "lazy", the default) or whole before first
+// use ("full").
+func (c *Client) AddLayer(ctx context.Context, req api.LayerAddRequest) (*api.Layer, error) {
+	var l api.Layer
+	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/layers:add", jsonBody: req}, &l); err != nil {
+		return nil, err
+	}
+	return &l, nil
+}
+
 // ListNodes returns the edges the apiserver knows.
 func (c *Client) ListNodes(ctx context.Context) ([]api.Node, error) {
 	var list api.NodeList

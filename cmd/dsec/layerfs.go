@@ -1,0 +1,71 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/layer/remote"
+)
+
+// runLayerFS runs the node's layer daemon: registry-backed layer images
+// as files of a FUSE filesystem, read on demand through a chunk cache.
+// The edge starts it when a sandbox first needs such a layer.
+func runLayerFS(args []string) error {
+	fs := newCmdFlags("layerfs", "--dir DIR [--cache-mb N] [--fetch-timeout D] [--fetch-attempts N] [--idle D]",
+		"Serve registry-backed layer images on demand at DIR/mnt (started by the edge;\n"+
+			"its state directory's layerfs/). Chunks are verified against each layer's\n"+
+			"index and kept in DIR/cache, bounded by --cache-mb.")
+	dir := fs.String("dir", "", "the daemon's directory (required)")
+	cacheMB := fs.Int64("cache-mb", defaultLayerCacheMB, "bound of the node's chunk cache, in MiB")
+	timeout := fs.Duration("fetch-timeout", 20*time.Second, "time one request to a layer's source may take")
+	attempts := fs.Int("fetch-attempts", 3, "requests per read before it fails with EIO")
+	idle := fs.Duration("idle", 0, "exit after this long with no image open (0 = never)")
+	dockerConfig := fs.String("docker-config", "", "docker config.json whose auths give registry credentials")
+	logFormat := fs.String("log-format", "text", "text or json")
+	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	if _, err := fs.parseN(args, 0, 0); err != nil {
+		return err
+	}
+	if *dir == "" {
+		return errors.New("layerfs: --dir is required")
+	}
+	if *cacheMB < 1 || *attempts < 1 || *timeout <= 0 {
+		return fmt.Errorf("layerfs: --cache-mb, --fetch-attempts and --fetch-timeout must be positive")
+	}
+	if os.Geteuid() != 0 {
+		return errors.New("dsec layerfs needs root: it mounts a FUSE filesystem")
+	}
+	return daemon(*logFormat, *logLevel, func(ctx context.Context, log *slog.Logger) error {
+		return remote.Serve(ctx, remote.DaemonConfig{Dir: *dir, CacheBytes: *cacheMB << 20,
+			Policy: remote.FetchPolicy{Timeout: *timeout, Attempts: *attempts}, Idle: *idle,
+			DockerConfig: *dockerConfig, Log: log})
+	})
+}
+
+// defaultLayerCacheMB bounds a node's chunk cache unless told otherwise.
+const defaultLayerCacheMB = 10 << 10
+
+// layerSource is an edge's source of layer images: the layer directory,
+// and registry-backed layers through the node's layer daemon, which it
+// starts from this binary with its state under stateDir.
+func layerSource(layers *layer.Store, stateDir string, cacheMB int64, log *slog.Logger) *remote.Source {
+	dir := filepath.Join(stateDir, "layerfs")
+	return &remote.Source{
+		Store: layers, Dir: dir, PulledDir: filepath.Join(stateDir, "pulled"), Log: log,
+		Command: func() *exec.Cmd {
+			exe, err := os.Executable()
+			if err != nil {
+				exe = os.Args[0]
+			}
+			return exec.Command(exe, "layerfs", "--dir", dir, "--cache-mb", strconv.FormatInt(cacheMB, 10))
+		},
+	}
+}

@@ -1,0 +1,195 @@
+package remote
+
+import (
+	"container/list"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"time"
+)
+
+// Cache is a node's size-bounded directory of verified chunks, named by
+// their sha256 (so chunks shared by layers are kept once), evicted least
+// recently used first. It outlives the process: opening it again finds
+// what is there, oldest first. A chunk read back is checked against its
+// name, so a file changed on disk is dropped, never served. Safe for
+// concurrent use.
+type Cache struct {
+	dir string
+	max int64
+
+	mu   sync.Mutex
+	size int64
+	lru  *list.List // of *cacheEntry, most recent first
+	ents map[[sha256.Size]byte]*list.Element
+}
+
+type cacheEntry struct {
+	sum  [sha256.Size]byte
+	size int64
+	// touched is when the file's mtime was last moved forward; it is
+	// moved at most once a minute, so hits cost no write.
+	touched time.Time
+}
+
+// OpenCache opens (creating) the cache at dir, bounded to max bytes; what
+// is there beyond the bound is evicted, oldest first.
+func OpenCache(dir string, max int64) (*Cache, error) {
+	if max <= 0 {
+		return nil, fmt.Errorf("chunk cache: bound must be positive, got %d", max)
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("opening chunk cache: %w", err)
+	}
+	c := &Cache{dir: dir, max: max, lru: list.New(), ents: map[[sha256.Size]byte]*list.Element{}}
+	type found struct {
+		e     *cacheEntry
+		mtime time.Time
+	}
+	var all []found
+	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() {
+			return nil
+		}
+		name := d.Name()
+		b, herr := hex.DecodeString(name)
+		if herr != nil || len(b) != sha256.Size {
+			os.Remove(p) // a temp file a crash left, or a stranger
+			return nil
+		}
+		fi, err := d.Info()
+		if err != nil {
+			return nil
+		}
+		var sum [sha256.Size]byte
+		copy(sum[:], b)
+		all = append(all, found{&cacheEntry{sum: sum, size: fi.Size(), touched: fi.ModTime()}, fi.ModTime()})
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("opening chunk cache: %w", err)
+	}
+	sort.Slice(all, func(i, j int) bool { return all[i].mtime.After(all[j].mtime) })
+	for _, f := range all {
+		c.ents[f.e.sum] = c.lru.PushBack(f.e)
+		c.size += f.e.size
+	}
+	c.mu.Lock()
+	c.evictLocked()
+	c.mu.Unlock()
+	return c, nil
+}
+
+func (c *Cache) path(sum [sha256.Size]byte) string {
+	h := hex.EncodeToString(sum[:])
+	return filepath.Join(c.dir, h[:2], h)
+}
+
+// Get returns the chunk with the given sum, if the cache has it intact.
+func (c *Cache) Get(sum [sha256.Size]byte) ([]byte, bool) {
+	c.mu.Lock()
+	el, ok := c.ents[sum]
+	if ok {
+		c.lru.MoveToFront(el)
+	}
+	c.mu.Unlock()
+	if !ok {
+		return nil, false
+	}
+	b, err := os.ReadFile(c.path(sum))
+	if err != nil || sha256.Sum256(b) != sum {
+		c.drop(sum)
+		return nil, false
+	}
+	e := el.Value.(*cacheEntry)
+	if now := time.Now(); now.Sub(e.touched) > time.Minute {
+		e.touched = now
+		os.Chtimes(c.path(sum), now, now)
+	}
+	return b, true
+}
+
+// Put stores a verified chunk and evicts what no longer fits. A chunk
+// larger than the whole bound is not kept.
+func (c *Cache) Put(sum [sha256.Size]byte, data []byte) error {
+	if int64(len(data)) > c.max {
+		return nil
+	}
+	c.mu.Lock()
+	_, ok := c.ents[sum]
+	c.mu.Unlock()
+	if ok {
+		return nil
+	}
+	p := c.path(sum)
+	if err := os.MkdirAll(filepath.Dir(p), 0o700); err != nil {
+		return fmt.Errorf("caching chunk: %w", err)
+	}
+	tmp, err := os.CreateTemp(filepath.Dir(p), ".tmp-*")
+	if err != nil {
+		return fmt.Errorf("caching chunk: %w", err)
+	}
+	_, werr := tmp.Write(data)
+	cerr := tmp.Close()
+	if err := errors.Join(werr, cerr); err != nil {
+		os.Remove(tmp.Name())
+		return fmt.Errorf("caching chunk: %w", err)
+	}
+	if err := os.Rename(tmp.Name(), p); err != nil {
+		os.Remove(tmp.Name())
+		return fmt.Errorf("caching chunk: %w", err)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if _, ok := c.ents[sum]; !ok {
+		c.ents[sum] = c.lru.PushFront(&cacheEntry{sum: sum, size: int64(len(data)), touched: time.Now()})
+		c.size += int64(len(data))
+	}
+	c.evictLocked()
+	return nil
+}
+
+func (c *Cache) drop(sum [sha256.Size]byte) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if el, ok := c.ents[sum]; ok {
+		c.removeLocked(el)
+	}
+}
+
+// evictLocked removes least recently used chunks until the cache fits.
+//
+// Preconditions: c.mu held.
+func (c *Cache) evictLocked() {
+	for c.size > c.max {
+		el := c.lru.Back()
+		if el == nil {
+			return
+		}
+		c.removeLocked(el)
+	}
+}
+
+func (c *Cache) removeLocked(el *list.Element) {
+	e := el.Value.(*cacheEntry)
+	c.lru.Remove(el)
+	delete(c.ents, e.sum)
+	c.size -= e.size
+	os.Remove(c.path(e.sum))
+}
+
+// Size is the bytes the cache holds now.
+func (c *Cache) Size() int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.size
+}

@@ -1,0 +1,284 @@
+package remote
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"io/fs"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/image/registrytest"
+	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/store"
+)
+
+// lazyWorld is a registry holding one pushed layer, a catalog that names
+// it by reference only, and a layer daemon serving it.
+type lazyWorld struct {
+	reg    *registrytest.Registry
+	layer  api.Layer // as added
+	tree   string    // the tree the layer was built from
+	src    *Source
+	dir    string
+	cancel context.CancelFunc
+	done   chan error
+}
+
+func newLazyWorld(t *testing.T, cacheBytes int64, policy FetchPolicy) *lazyWorld {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: mounts FUSE and EROFS")
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skip("needs /dev/fuse")
+	}
+	reg := registrytest.Start(t)
+	st, l, tree := newLayerStore(t)
+	ctx := context.Background()
+	target := Scheme + reg.Addr + "/dsec/lazy:1"
+	if _, err := Push(ctx, st, l.Ref, target, PushOptions{Insecure: true}); err != nil {
+		t.Fatal(err)
+	}
+	cat, err := layer.NewStore(t.TempDir(), store.NewMemory(), nil)
+	must(t, err)
+	t.Cleanup(func() { cat.Close() })
+	added, err := Add(ctx, cat, "base/lazy:1", target, AddOptions{Insecure: true})
+	must(t, err)
+	w := &lazyWorld{reg: reg, layer: added, tree: tree, dir: t.TempDir(), done: make(chan error, 1)}
+	w.src = &Source{Store: cat, Dir: w.dir, PulledDir: filepath.Join(w.dir, "pulled"), Policy: policy}
+	dctx, cancel := context.WithCancel(ctx)
+	w.cancel = cancel
+	go func() { w.done <- Serve(dctx, DaemonConfig{Dir: w.dir, CacheBytes: cacheBytes, Policy: policy}) }()
+	t.Cleanup(w.stop)
+	deadline := time.Now().Add(10 * time.Second)
+	for !w.src.healthy(ctx) {
+		if time.Now().After(deadline) {
+			t.Fatal("daemon did not come up")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return w
+}
+
+func (w *lazyWorld) stop() {
+	if w.cancel != nil {
+		w.cancel()
+		<-w.done
+		w.cancel = nil
+	}
+}
+
+func (w *lazyWorld) stats(t *testing.T) DaemonStats {
+	t.Helper()
+	resp, err := w.src.client().Get("http://layerfs/stats")
+	must(t, err)
+	defer resp.Body.Close()
+	var s DaemonStats
+	must(t, jsonDecode(resp, &s))
+	return s
+}
+
+// mountImage mounts the EROFS image at path read-only and returns where.
+func mountImage(t *testing.T, path string) string {
+	t.Helper()
+	mnt := t.TempDir()
+	if err := unix.Mount(path, mnt, "erofs", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
+		t.Fatalf("mounting %s: %v", path, err)
+	}
+	t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })
+	return mnt
+}
+
+// sumTree maps each regular file below root to its sha256.
+func sumTree(t *testing.T, root string) map[string][sha256.Size]byte {
+	t.Helper()
+	out := map[string][sha256.Size]byte{}
+	must(t, filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || !d.Type().IsRegular() {
+			return err
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(root, p)
+		out[rel] = sha256.Sum256(b)
+		return nil
+	}))
+	return out
+}
+
+// A sandbox's view of a registry-backed layer is the tree it was built
+// from, read through a cache smaller than the image: the cache stays in
+// its bound, and the figures say what was fetched.
+func TestLazyLayerReadsTheRightBytes(t *testing.T) {
+	w := newLazyWorld(t, 1<<20, FetchPolicy{Timeout: 5 * time.Second, Attempts: 2})
+	path, release, err := w.src.Open(context.Background(), w.layer.Digest)
+	must(t, err)
+	defer release()
+	if !strings.HasPrefix(path, MountDir(w.dir)) {
+		t.Fatalf("lazy layer opened at %s, not on the layer daemon's mount", path)
+	}
+	mnt := mountImage(t, path)
+	want, got := sumTree(t, w.tree), sumTree(t, mnt)
+	if len(want) != len(got) {
+		t.Fatalf("files: want %d, got %d", len(want), len(got))
+	}
+	for k, v := range want {
+		if got[k] != v {
+			t.Errorf("%s differs", k)
+		}
+	}
+	s := w.stats(t)
+	if s.CacheBytes > 1<<20 || s.CacheBytes == 0 {
+		t.Errorf("cache holds %d bytes, bound %d", s.CacheBytes, 1<<20)
+	}
+	if len(s.Layers) != 1 || s.Layers[0].BytesFetched < 3<<20 || s.Layers[0].ReadFraction <= 0.5 || s.Layers[0].BadChunks != 0 {
+		t.Errorf("stats: %+v", s.Layers)
+	}
+	if s.OpenImages != 1 {
+		t.Errorf("open images: %d, want 1 (the mount)", s.OpenImages)
+	}
+	// The image is read-only on the daemon's mount.
+	if f, err := os.OpenFile(path, os.O_WRONLY, 0); err == nil {
+		f.Close()
+		t.Error("the image opened for writing")
+	}
+	// Unmounted, nothing holds it open: the daemon may go.
+	must(t, unix.Unmount(mnt, 0))
+	deadline := time.Now().Add(5 * time.Second)
+	for w.stats(t).OpenImages != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("open images after unmount: %d", w.stats(t).OpenImages)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	w.src.EdgeStopped()
+	select {
+	case err := <-w.done:
+		w.cancel = nil
+		must(t, err)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the daemon did not exit when the edge stopped with no image open")
+	}
+	if isFUSEMount(MountDir(w.dir)) {
+		t.Fatal("the daemon left its mount")
+	}
+}
+
+// A chunk the source changed is refused with EIO, never passed on; the
+// chunks around it read.
+func TestLazyLayerRefusesACorruptedChunk(t *testing.T) {
+	w := newLazyWorld(t, 64<<20, FetchPolicy{Timeout: 5 * time.Second, Attempts: 2})
+	cs := int64(w.layer.Remote.ChunkSize)
+	corrupt(t, w.reg.BlobPath(w.layer.Digest), 5*cs+7)
+	path, release, err := w.src.Open(context.Background(), w.layer.Digest)
+	must(t, err)
+	defer release()
+	f, err := os.Open(path)
+	must(t, err)
+	defer f.Close()
+	buf := make([]byte, 4096)
+	if _, err := f.ReadAt(buf, 4*cs); err != nil {
+		t.Fatalf("chunk 4: %v", err)
+	}
+	if _, err := f.ReadAt(buf, 5*cs); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("corrupted chunk 5: %v, want EIO", err)
+	}
+	if s := w.stats(t); s.Layers[0].BadChunks == 0 {
+		t.Fatalf("bad chunk not counted: %+v", s.Layers[0])
+	}
+}
+
+// The source stopped mid-run: chunks in the node's cache still read
+// (after the kernel's page cache is dropped), uncached ones fail with
+// EIO within the fetch policy's bound instead of hanging, and a layer
+// not yet opened is refused with a clear error.
+func TestLazyLayerSourceDown(t *testing.T) {
+	pol := FetchPolicy{Timeout: time.Second, Attempts: 2}
+	w := newLazyWorld(t, 64<<20, pol)
+	cs := int64(w.layer.Remote.ChunkSize)
+	path, release, err := w.src.Open(context.Background(), w.layer.Digest)
+	must(t, err)
+	defer release()
+	f, err := os.Open(path)
+	must(t, err)
+	defer f.Close()
+	first := make([]byte, 2*cs)
+	if _, err := f.ReadAt(first, 0); err != nil {
+		t.Fatal(err)
+	}
+	w.reg.Stop()
+	must(t, unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED))
+	again := make([]byte, 2*cs)
+	if _, err := f.ReadAt(again, 0); err != nil || !bytes.Equal(first, again) {
+		t.Fatalf("cached chunks with the source down: %v", err)
+	}
+	start := time.Now()
+	buf := make([]byte, 4096)
+	if _, err := f.ReadAt(buf, 8*cs); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("uncached chunk with the source down: %v, want EIO", err)
+	}
+	if took := time.Since(start); took > 10*time.Second {
+		t.Fatalf("the failed read took %v", took)
+	}
+	// Another layer of the same source is refused at open.
+	other := w.layer
+	other.Digest = "sha256:" + strings.Repeat("ab", 32)
+	other.Ref = "base/lazy-other:1"
+	other.Remote = &api.LayerRemote{}
+	*other.Remote = *w.layer.Remote
+	other.Remote.Index = "sha256:" + strings.Repeat("cd", 32) // nothing of it cached
+	_, err = w.src.openLazy(context.Background(), other)
+	if !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "cannot be read") {
+		t.Fatalf("open with the source down: %v", err)
+	}
+	// Back up, the uncached chunk reads.
+	w.reg.Restart()
+	if _, err := f.ReadAt(buf, 8*cs); err != nil {
+		t.Fatalf("after the source came back: %v", err)
+	}
+}
+
+// A pull-full layer is fetched whole, checked, and removed on release.
+func TestFullPull(t *testing.T) {
+	w := newLazyWorld(t, 1<<20, FetchPolicy{Timeout: 5 * time.Second, Attempts: 2})
+	l := w.layer
+	l.Remote = &api.LayerRemote{}
+	*l.Remote = *w.layer.Remote
+	l.Remote.Pull = api.PullFull
+	path, release, err := w.src.pull(context.Background(), l)
+	must(t, err)
+	b, err := os.ReadFile(path)
+	must(t, err)
+	if digestOf(b) != l.Digest {
+		t.Fatal("pulled image has another digest")
+	}
+	release()
+	if fileExists(path) {
+		t.Fatal("release left the pulled image")
+	}
+	// A source whose image is not the layer's is refused.
+	corrupt(t, w.reg.BlobPath(l.Digest), 10)
+	if _, _, err := w.src.pull(context.Background(), l); err == nil || !strings.Contains(err.Error(), "is not the layer's") {
+		t.Fatalf("pull of a corrupted image: %v", err)
+	}
+}
+
+func jsonDecode(resp *http.Response, v any) error {
+	return jsonNewDecoder(resp).Decode(v)
+}
+
+func jsonNewDecoder(resp *http.Response) *json.Decoder { return json.NewDecoder(resp.Body) }

@@ -1,0 +1,246 @@
+package remote
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/image"
+)
+
+// FetchPolicy bounds how a Reader waits on its source: each request is
+// given Timeout and tried Attempts times in all, so an unreachable source
+// fails a read after about Attempts×Timeout instead of hanging it.
+type FetchPolicy struct {
+	Timeout  time.Duration
+	Attempts int
+}
+
+func (p FetchPolicy) withDefaults() FetchPolicy {
+	if p.Timeout <= 0 {
+		p.Timeout = 20 * time.Second
+	}
+	if p.Attempts <= 0 {
+		p.Attempts = 3
+	}
+	return p
+}
+
+// maxRun bounds the chunks one request fetches: adjacent misses merge up
+// to this many (4 MiB at the default chunk size).
+const maxRun = 16
+
+// Reader reads one remote image on demand: each read is served from the
+// node's cache where it can be, and the chunks missing are fetched, runs
+// of adjacent ones in one Range request, and verified against the index
+// before they are used or cached. Concurrent misses of one chunk make one
+// request. Safe for concurrent use.
+type Reader struct {
+	digest string
+	ix     *Index
+	repo   *image.Repo
+	cache  *Cache
+	policy FetchPolicy
+	log    *slog.Logger
+	Stats  Stats
+
+	mu       sync.Mutex
+	inflight map[int]*fetchCall
+	seen     []bool // chunks read at least once
+}
+
+// Stats count a Reader's work.
+type Stats struct {
+	BytesFetched  atomic.Int64
+	Requests      atomic.Int64
+	FetchErrors   atomic.Int64
+	FetchNanos    atomic.Int64
+	CacheHits     atomic.Int64
+	CacheMisses   atomic.Int64
+	ChunksTouched atomic.Int64
+	BadChunks     atomic.Int64
+}
+
+type fetchCall struct {
+	done chan struct{}
+	data []byte // the chunk, verified; nil on error
+	err  error
+}
+
+// NewReader returns a reader of the image digest in repo, described by ix.
+func NewReader(digest string, ix *Index, repo *image.Repo, cache *Cache, policy FetchPolicy, log *slog.Logger) *Reader {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Reader{digest: digest, ix: ix, repo: repo, cache: cache, policy: policy.withDefaults(), log: log,
+		inflight: map[int]*fetchCall{}, seen: make([]bool, ix.Chunks())}
+}
+
+// Size is the image's size.
+func (r *Reader) Size() int64 { return r.ix.Size }
+
+// ReadAt fills p from off (short only at the end of the image).
+func (r *Reader) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
+	if off >= r.ix.Size || len(p) == 0 {
+		return 0, io.EOF
+	}
+	end := min(off+int64(len(p)), r.ix.Size)
+	cs := int64(r.ix.ChunkSize)
+	first, last := int(off/cs), int((end-1)/cs)
+	chunks, err := r.chunks(ctx, first, last)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for i := first; i <= last; i++ {
+		c := chunks[i-first]
+		lo := max(off, int64(i)*cs) - int64(i)*cs
+		hi := min(end, int64(i+1)*cs) - int64(i)*cs
+		n += copy(p[n:], c[lo:hi])
+	}
+	return n, nil
+}
+
+// chunks returns chunks first..last, from the cache or fetched.
+func (r *Reader) chunks(ctx context.Context, first, last int) ([][]byte, error) {
+	out := make([][]byte, last-first+1)
+	var missing []int
+	for i := first; i <= last; i++ {
+		if b, ok := r.cache.Get(r.ix.Sums[i]); ok {
+			r.Stats.CacheHits.Add(1)
+			out[i-first] = b
+			r.touch(i)
+			continue
+		}
+		r.Stats.CacheMisses.Add(1)
+		missing = append(missing, i)
+	}
+	if len(missing) == 0 {
+		return out, nil
+	}
+	// Join fetches in flight; start the rest, adjacent ones together.
+	waits := map[int]*fetchCall{}
+	var runs [][]int
+	r.mu.Lock()
+	for _, i := range missing {
+		if c, ok := r.inflight[i]; ok {
+			waits[i] = c
+			continue
+		}
+		c := &fetchCall{done: make(chan struct{})}
+		r.inflight[i] = c
+		waits[i] = c
+		if n := len(runs); n > 0 && runs[n-1][len(runs[n-1])-1] == i-1 && len(runs[n-1]) < maxRun {
+			runs[n-1] = append(runs[n-1], i)
+		} else {
+			runs = append(runs, []int{i})
+		}
+	}
+	r.mu.Unlock()
+	for _, run := range runs {
+		// A fetch is not bound to the reader that started it: others
+		// may be waiting for the same chunks.
+		r.fetchRun(context.WithoutCancel(ctx), run)
+	}
+	for _, i := range missing {
+		c := waits[i]
+		select {
+		case <-c.done:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+		if c.err != nil {
+			return nil, c.err
+		}
+		out[i-first] = c.data
+		r.touch(i)
+	}
+	return out, nil
+}
+
+func (r *Reader) touch(i int) {
+	r.mu.Lock()
+	if !r.seen[i] {
+		r.seen[i] = true
+		r.Stats.ChunksTouched.Add(1)
+	}
+	r.mu.Unlock()
+}
+
+// fetchRun fetches the adjacent chunks of run in one request (retried
+// under the policy), verifies and caches each, and completes their calls.
+func (r *Reader) fetchRun(ctx context.Context, run []int) {
+	cs := int64(r.ix.ChunkSize)
+	off := int64(run[0]) * cs
+	n := int64(0)
+	for _, i := range run {
+		n += int64(r.ix.ChunkLen(i))
+	}
+	var buf []byte
+	var err error
+	for attempt := range r.policy.Attempts {
+		if attempt > 0 {
+			select {
+			case <-ctx.Done():
+			case <-time.After(time.Duration(attempt) * 250 * time.Millisecond):
+			}
+		}
+		buf, err = r.fetch(ctx, off, n)
+		if err == nil {
+			break
+		}
+		r.Stats.FetchErrors.Add(1)
+		r.log.Warn("fetching layer chunks", "digest", r.digest, "offset", off, "bytes", n, "attempt", attempt+1, "err", err)
+		if errors.Is(err, errdefs.ErrInvalid) || errors.Is(err, errdefs.ErrPrecondition) {
+			break // a bad answer will not get better by asking again
+		}
+	}
+	pos := 0
+	for _, i := range run {
+		l := r.ix.ChunkLen(i)
+		var data []byte
+		cerr := err
+		if cerr == nil {
+			data = buf[pos : pos+l : pos+l]
+			if cerr = r.ix.Check(i, data); cerr != nil {
+				r.Stats.BadChunks.Add(1)
+				r.log.Error("layer source sent a chunk that does not match its digest; refusing it", "digest", r.digest, "chunk", i)
+				data = nil
+			} else if perr := r.cache.Put(r.ix.Sums[i], data); perr != nil {
+				r.log.Warn("caching a layer chunk", "digest", r.digest, "err", perr)
+			}
+		}
+		pos += l
+		r.mu.Lock()
+		c := r.inflight[i]
+		delete(r.inflight, i)
+		r.mu.Unlock()
+		c.data, c.err = data, cerr
+		close(c.done)
+	}
+}
+
+func (r *Reader) fetch(ctx context.Context, off, n int64) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, r.policy.Timeout)
+	defer cancel()
+	start := time.Now()
+	r.Stats.Requests.Add(1)
+	rc, err := r.repo.BlobRange(ctx, r.digest, off, n)
+	if err != nil {
+		return nil, err
+	}
+	defer rc.Close()
+	buf := make([]byte, n)
+	got, err := io.ReadFull(rc, buf)
+	r.Stats.BytesFetched.Add(int64(got))
+	r.Stats.FetchNanos.Add(int64(time.Since(start)))
+	if err != nil {
+		return nil, errdefs.Unavailable("reading %d bytes at %d of %s: %v", n, off, short(r.digest), err)
+	}
+	return buf, nil
+}

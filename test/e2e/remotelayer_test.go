@@ -1,0 +1,131 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/image/registrytest"
+	"github.com/dsecproject/dsec/internal/layer/remote"
+)
+
+// A layer pushed to a registry and added back by reference runs
+// sandboxes with the same bytes: read on demand through the node's layer
+// daemon (pull lazy) and fetched whole (pull full). Nothing of the image
+// is in the layer directory.
+func TestLayerFromRegistry(t *testing.T) {
+	needDaemon(t)
+	reg := registrytest.Start(t)
+	big := make([]byte, 2<<20+777)
+	rand.Read(big)
+	sum := sha256.Sum256(big)
+	tarball := tarLayer(t, layerEntry{name: "reg/", dir: true}, layerEntry{name: "reg/hello.txt", body: "hello from a registry\n"},
+		layerEntry{name: "reg/big.bin", body: string(big)})
+	const ref = "workspace/e2e-registry:v1"
+	l, err := client.BuildLayer(ctx(t), "workspace", "e2e-registry", "v1", bytes.NewReader(tarball))
+	if err != nil {
+		t.Fatal(err)
+	}
+	target := "oci://" + reg.Addr + "/e2e/layers:ws"
+	out, errOut, code := cli("layer", "push", "--insecure", ref, target)
+	if code != 0 || !strings.Contains(out, "3 blob(s) sent") {
+		t.Fatalf("layer push: exit %d: %s %s", code, out, errOut)
+	}
+	// Drop it here, so that only the registry has it.
+	if err := client.DeleteLayer(ctx(t), ref); err != nil {
+		t.Fatal(err)
+	}
+	blob := filepath.Join(d.stateDir, "layers", "blobs", "sha256", strings.TrimPrefix(l.Digest, "sha256:")+".erofs")
+	if _, err := os.Stat(blob); err == nil {
+		t.Fatalf("the image is still in the layer directory: %s", blob)
+	}
+	out, errOut, code = cli("layer", "add", "--insecure", ref, target)
+	if code != 0 || !strings.Contains(out, l.Digest) || !strings.Contains(out, "pull lazy") {
+		t.Fatalf("layer add: exit %d: %s %s", code, out, errOut)
+	}
+	t.Cleanup(func() { client.DeleteLayer(context.Background(), ref) })
+	got, err := client.GetLayer(ctx(t), ref)
+	if err != nil || got.Remote == nil || got.Remote.Source != target || got.Digest != l.Digest {
+		t.Fatalf("added layer: %+v %v", got, err)
+	}
+
+	check := func(ws string) {
+		t.Helper()
+		sb := newSandbox(t, api.SandboxSpec{Base: baseRef, Workspace: ws})
+		res := sh(t, sb.ID, "cat /reg/hello.txt; sha256sum /reg/big.bin")
+		want := "hello from a registry\n" + hex.EncodeToString(sum[:]) + "  /reg/big.bin\n"
+		if res.ExitCode != 0 || res.Stdout != want {
+			t.Fatalf("sandbox on %s: exit %d %q %q", ws, res.ExitCode, res.Stdout, res.Stderr)
+		}
+		if err := client.DeleteSandbox(ctx(t), sb.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	check(ref)
+	st := layerfsStats(t)
+	var ls *remote.LayerStats
+	for i := range st.Layers {
+		if st.Layers[i].Digest == l.Digest {
+			ls = &st.Layers[i]
+		}
+	}
+	if ls == nil || ls.BytesFetched < 2<<20 || ls.BytesFetched > 2*got.SizeBytes || ls.BadChunks != 0 {
+		t.Fatalf("layer daemon's figures: %+v", st)
+	}
+	t.Logf("lazy layer: %d of %d bytes fetched in %d requests, %.0f%% of chunks read", ls.BytesFetched, ls.SizeBytes, ls.Requests, 100*ls.ReadFraction)
+
+	// The same artifact as a pull-full layer.
+	const full = "workspace/e2e-registry-full:v1"
+	if _, err := client.AddLayer(ctx(t), api.LayerAddRequest{Ref: full, Source: target, Insecure: true, Pull: api.PullFull}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { client.DeleteLayer(context.Background(), full) })
+	check(full)
+
+	// Bad input: not a dsec artifact, no such tag, a registry that is
+	// not there, a source that is not oci://; none leaves a layer.
+	for _, c := range []struct {
+		source, code string
+	}{
+		{"oci://" + reg.Addr + "/e2e/layers:nope", "not_found"},
+		{"oci://" + freeAddr() + "/e2e/layers:ws", "unavailable"},
+		{"http://" + reg.Addr + "/e2e/layers:ws", "invalid_argument"},
+	} {
+		_, err := client.AddLayer(ctx(t), api.LayerAddRequest{Ref: "workspace/e2e-bad:v1", Source: c.source, Insecure: true})
+		wantCode(t, err, c.code)
+	}
+	if _, err := client.GetLayer(ctx(t), "workspace/e2e-bad:v1"); err == nil {
+		t.Error("refused adds left workspace/e2e-bad:v1")
+	}
+	_, err = client.PushLayer(ctx(t), api.LayerPushRequest{Ref: "workspace/e2e-none:v1", Target: target})
+	wantCode(t, err, "not_found")
+}
+
+// layerfsStats asks the node's layer daemon for its figures.
+func layerfsStats(t *testing.T) remote.DaemonStats {
+	t.Helper()
+	sock := remote.SocketPath(filepath.Join(d.stateDir, "edge", "layerfs"))
+	hc := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, "unix", sock)
+	}}}
+	resp, err := hc.Get("http://layerfs/stats")
+	if err != nil {
+		t.Fatalf("layer daemon: %v", err)
+	}
+	defer resp.Body.Close()
+	var s remote.DaemonStats
+	if err := json.NewDecoder(resp.Body).Decode(&s); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
