@@ -29,6 +29,8 @@ func runLayerFS(args []string) error {
 	attempts := fs.Int("fetch-attempts", 3, "requests per read before it fails with EIO")
 	idle := fs.Duration("idle", 0, "exit after this long with no image open (0 = never)")
 	dockerConfig := fs.String("docker-config", "", "docker config.json whose auths give registry credentials")
+	fuseFD := fs.Int("fuse-fd", -1, "serve this inherited /dev/fuse descriptor, mounted at DIR/mnt by the edge (which keeps a copy), instead of mounting")
+	reattach := fs.Bool("reattach", false, "with --fuse-fd: take over a connection an earlier daemon served (no INIT; requests it left are resent)")
 	logFormat := fs.String("log-format", "text", "text or json")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	if _, err := fs.parseN(args, 0, 0); err != nil {
@@ -43,10 +45,16 @@ func runLayerFS(args []string) error {
 	if os.Geteuid() != 0 {
 		return errors.New("dsec layerfs needs root: it mounts a FUSE filesystem")
 	}
+	var fuseFile *os.File
+	if *fuseFD >= 0 {
+		fuseFile = os.NewFile(uintptr(*fuseFD), "/dev/fuse")
+	} else if *reattach {
+		return errors.New("layerfs: --reattach needs --fuse-fd")
+	}
 	return daemon(*logFormat, *logLevel, func(ctx context.Context, log *slog.Logger) error {
 		return remote.Serve(ctx, remote.DaemonConfig{Dir: *dir, CacheBytes: *cacheMB << 20,
 			Policy: remote.FetchPolicy{Timeout: *timeout, Attempts: *attempts}, Idle: *idle,
-			DockerConfig: *dockerConfig, Log: log})
+			DockerConfig: *dockerConfig, FUSE: fuseFile, Reattach: *reattach, Log: log})
 	})
 }
 

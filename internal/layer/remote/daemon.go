@@ -2,10 +2,11 @@ package remote
 
 import (
 	"context"
+	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"io/fs"
 	"log/slog"
 	"net"
@@ -13,13 +14,13 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
 
-	gofs "github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
@@ -66,6 +67,35 @@ func MountDir(dir string) string { return filepath.Join(dir, mntName) }
 // SocketPath is the daemon's control socket.
 func SocketPath(dir string) string { return filepath.Join(dir, sockName) }
 
+// fdSocketPath is where the daemon hands its FUSE descriptor to root (an
+// edge that restarted, so that it can keep the mount if the daemon dies).
+func fdSocketPath(dir string) string { return filepath.Join(dir, "fd.sock") }
+
+// serveFD sends fuse to every root peer that connects.
+func serveFD(ln net.Listener, fuse *os.File, log *slog.Logger) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		uc := c.(*net.UnixConn)
+		raw, err := uc.SyscallConn()
+		var cred *unix.Ucred
+		if err == nil {
+			raw.Control(func(fd uintptr) { cred, err = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED) })
+		}
+		if err != nil || cred == nil || cred.Uid != 0 {
+			log.Warn("refused the FUSE descriptor to a peer that is not root")
+			c.Close()
+			continue
+		}
+		if _, _, err := uc.WriteMsgUnix([]byte{0}, unix.UnixRights(int(fuse.Fd())), nil); err != nil {
+			log.Warn("sending the FUSE descriptor", "err", err)
+		}
+		c.Close()
+	}
+}
+
 // DaemonConfig configures Serve.
 type DaemonConfig struct {
 	// Dir holds the mount point, control socket, descriptors, indexes
@@ -78,7 +108,15 @@ type DaemonConfig struct {
 	Idle time.Duration
 	// DockerConfig supplies registry credentials (see image.PullOptions).
 	DockerConfig string
-	Log          *slog.Logger
+	// FUSE, if set, is a /dev/fuse descriptor already mounted at
+	// MountDir(Dir) by the caller (the edge, which keeps a copy so that
+	// the mount outlives this process); otherwise Serve mounts itself.
+	// Reattach says the connection was served by an earlier daemon: no
+	// INIT will come, and requests that one read but never answered are
+	// asked of the kernel again (FUSE_NOTIFY_RESEND).
+	FUSE     *os.File
+	Reattach bool
+	Log      *slog.Logger
 }
 
 // Daemon serves remote layer images as read-only files of a FUSE
@@ -91,7 +129,6 @@ type Daemon struct {
 	cache *Cache
 	log   *slog.Logger
 
-	open     atomic.Int64 // images open (a mounted EROFS holds one)
 	lastUsed atomic.Int64 // unix nanos of the last request
 
 	mu      sync.Mutex
@@ -107,7 +144,13 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 	if cfg.CacheBytes <= 0 {
 		return errdefs.Invalid("layerfs: the chunk cache needs a positive bound")
 	}
-	for _, sub := range []string{mntName, descDir, indexDir} {
+	// The mount point is left alone when the edge mounted it: a stat of
+	// it would wait for this very daemon to answer.
+	subs := []string{descDir, indexDir}
+	if cfg.FUSE == nil {
+		subs = append(subs, mntName)
+	}
+	for _, sub := range subs {
 		if err := os.MkdirAll(filepath.Join(cfg.Dir, sub), 0o700); err != nil {
 			return fmt.Errorf("layerfs: %w", err)
 		}
@@ -121,34 +164,65 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 	d := &Daemon{cfg: cfg, cache: cache, log: cfg.Log, readers: map[string]*Reader{}}
 	d.lastUsed.Store(time.Now().UnixNano())
 
-	// A daemon that died left its mount behind, dead (ENOTCONN): take it
-	// off before mounting again.
 	mnt := MountDir(cfg.Dir)
-	_ = unix.Unmount(mnt, unix.MNT_DETACH)
-	long := time.Hour
-	server, err := gofs.Mount(mnt, &rootNode{d: d}, &gofs.Options{
-		EntryTimeout: &long, AttrTimeout: &long,
-		MountOptions: fuse.MountOptions{
-			FsName: fsName, Name: fsName, DirectMount: true, AllowOther: true,
-			MaxWrite: 1 << 20, DisableXAttrs: true,
-			// Passthrough makes the kernel count FUSE as a stacked
-			// filesystem, and EROFS refuses file-backed mounts of files
-			// on stacked filesystems ("cannot be applied to stacked
-			// fses"); the images are served by reads, so it is not used.
-			DisabledCapabilities: fuse.CAP_PASSTHROUGH,
-		},
-	})
-	if err != nil {
-		return fmt.Errorf("layerfs: mounting %s: %w", mnt, err)
+	opts := &fuse.MountOptions{
+		FsName: fsName, Name: fsName, AllowOther: true, MaxWrite: 1 << 20, DisableXAttrs: true,
+		// Passthrough makes the kernel count FUSE as a stacked
+		// filesystem, and EROFS refuses file-backed mounts of files on
+		// stacked filesystems ("cannot be applied to stacked fses"); the
+		// images are served by reads, so it is not used.
+		DisabledCapabilities: fuse.CAP_PASSTHROUGH,
+		DirectMount:          true,
 	}
-	defer func() {
-		if err := server.Unmount(); err != nil {
-			_ = unix.Unmount(mnt, unix.MNT_DETACH)
+	rfs := &rawFS{RawFileSystem: fuse.NewDefaultRawFileSystem(), d: d}
+	switch {
+	case cfg.FUSE == nil:
+		// A daemon that died left its mount behind, dead (ENOTCONN):
+		// take it off before mounting again.
+		_ = unix.Unmount(mnt, unix.MNT_DETACH)
+		server, err := fuse.NewServer(rfs, mnt, opts)
+		if err != nil {
+			return fmt.Errorf("layerfs: mounting %s: %w", mnt, err)
 		}
-	}()
+		go server.Serve()
+		if err := server.WaitMount(); err != nil {
+			return fmt.Errorf("layerfs: mounting %s: %w", mnt, err)
+		}
+		defer func() {
+			if err := server.Unmount(); err != nil {
+				_ = unix.Unmount(mnt, unix.MNT_DETACH)
+			}
+		}()
+	case !cfg.Reattach:
+		// The edge mounted; the kernel's INIT waits on the descriptor.
+		opts.DirectMount = false // else go-fuse would mount on /dev/fd/N
+		server, err := fuse.NewServer(rfs, fmt.Sprintf("/dev/fd/%d", cfg.FUSE.Fd()), opts)
+		if err != nil {
+			return fmt.Errorf("layerfs: serving %s: %w", mnt, err)
+		}
+		go server.Serve()
+	default:
+		// Taking over: no INIT comes, and go-fuse's server handles the
+		// first request, whatever it is, before it returns; requests
+		// the dead daemon read are queued again first.
+		opts.DirectMount = false
+		if err := notifyResend(cfg.FUSE); err != nil {
+			d.log.Warn("asking the kernel to resend requests in flight", "err", err)
+		}
+		go func() {
+			server, err := fuse.NewServer(rfs, fmt.Sprintf("/dev/fd/%d", cfg.FUSE.Fd()), opts)
+			if err != nil {
+				d.log.Error("layerfs: taking over the mount", "err", err)
+				stop()
+				return
+			}
+			server.Serve()
+		}()
+	}
 
 	sock := SocketPath(cfg.Dir)
 	os.Remove(sock)
+	os.Remove(fdSocketPath(cfg.Dir))
 	ln, err := net.Listen("unix", sock)
 	if err != nil {
 		return fmt.Errorf("layerfs: %w", err)
@@ -159,8 +233,8 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 	mux.HandleFunc("POST /layers", d.register)
 	mux.HandleFunc("GET /stats", d.stats)
 	mux.HandleFunc("POST /exit-if-idle", func(w http.ResponseWriter, r *http.Request) {
-		if n := d.open.Load(); n > 0 {
-			http.Error(w, fmt.Sprintf("%d image(s) open", n), http.StatusConflict)
+		if n := d.mounted(); n > 0 {
+			http.Error(w, fmt.Sprintf("%d image(s) mounted", n), http.StatusConflict)
 			return
 		}
 		d.log.Info("layerfs asked to exit with no image open")
@@ -169,6 +243,19 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 	})
 	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	go hs.Serve(ln)
+	if cfg.FUSE != nil {
+		fdln, err := net.Listen("unix", fdSocketPath(cfg.Dir))
+		if err == nil {
+			os.Chmod(fdSocketPath(cfg.Dir), 0o600)
+			go serveFD(fdln, cfg.FUSE, d.log)
+			defer func() {
+				fdln.Close()
+				os.Remove(fdSocketPath(cfg.Dir))
+			}()
+		} else {
+			d.log.Warn("serving the FUSE descriptor", "err", err)
+		}
+	}
 	defer func() {
 		hs.Close()
 		os.Remove(sock)
@@ -182,7 +269,7 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 		case <-ctx.Done():
 			return nil
 		case <-tick.C:
-			if cfg.Idle > 0 && d.open.Load() == 0 && time.Since(time.Unix(0, d.lastUsed.Load())) > cfg.Idle {
+			if cfg.Idle > 0 && time.Since(time.Unix(0, d.lastUsed.Load())) > cfg.Idle && d.mounted() == 0 {
 				d.log.Info("layerfs idle; exiting")
 				return nil
 			}
@@ -302,14 +389,16 @@ type LayerStats struct {
 
 // DaemonStats answer GET /stats.
 type DaemonStats struct {
-	CacheBytes    int64        `json:"cache_bytes"`
-	CacheMaxBytes int64        `json:"cache_max_bytes"`
-	OpenImages    int64        `json:"open_images"`
-	Layers        []LayerStats `json:"layers"`
+	CacheBytes    int64 `json:"cache_bytes"`
+	CacheMaxBytes int64 `json:"cache_max_bytes"`
+	// OpenImages counts the images mounted on the node (EROFS mounts of
+	// the daemon's files in its mount namespace).
+	OpenImages int64        `json:"open_images"`
+	Layers     []LayerStats `json:"layers"`
 }
 
 func (d *Daemon) stats(w http.ResponseWriter, r *http.Request) {
-	out := DaemonStats{CacheBytes: d.cache.Size(), CacheMaxBytes: d.cfg.CacheBytes, OpenImages: d.open.Load(), Layers: []LayerStats{}}
+	out := DaemonStats{CacheBytes: d.cache.Size(), CacheMaxBytes: d.cfg.CacheBytes, OpenImages: int64(d.mounted()), Layers: []LayerStats{}}
 	d.mu.Lock()
 	for _, rd := range d.readers {
 		s := &rd.Stats
@@ -336,99 +425,233 @@ func writeAtomic(path string, b []byte) error {
 	return os.Rename(tmp, path)
 }
 
-// rootNode is the filesystem's root: one file per registered image.
-type rootNode struct {
-	gofs.Inode
+// mounted counts the EROFS mounts of this daemon's images in its mount
+// namespace (the edge's). It is read from the mount table rather than
+// counted from opens, so a daemon that took over from another knows it.
+func (d *Daemon) mounted() int {
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return 1 // unknown: say busy
+	}
+	prefix := MountDir(d.cfg.Dir) + "/"
+	n := 0
+	for _, line := range strings.Split(string(b), "\n") {
+		_, after, ok := strings.Cut(line, " - ")
+		if !ok {
+			continue
+		}
+		f := strings.Fields(after)
+		if len(f) >= 2 && f[0] == "erofs" && strings.HasPrefix(unescapeMount(f[1]), prefix) {
+			n++
+		}
+	}
+	return n
+}
+
+// unescapeMount undoes mountinfo's octal escapes (\040 for a space).
+func unescapeMount(s string) string {
+	if !strings.Contains(s, "\\") {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(v))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+// notifyResend asks the kernel to send again the requests an earlier
+// daemon read and never answered (FUSE_NOTIFY_RESEND, Linux 6.9): their
+// callers would otherwise wait forever.
+func notifyResend(f *os.File) error {
+	const notifyResend = 7
+	var hdr [16]byte // fuse_out_header: len, error (the notify code), unique 0
+	binary.LittleEndian.PutUint32(hdr[0:], 16)
+	binary.LittleEndian.PutUint32(hdr[4:], notifyResend)
+	_, err := unix.Write(int(f.Fd()), hdr[:])
+	return err
+}
+
+// Node ids are a function of the image's digest, so that a daemon taking
+// over a mount from another answers for the ids the kernel already holds.
+const rootID = 1
+
+func nodeID(hexDigest string) uint64 {
+	b, err := hex.DecodeString(hexDigest[:16])
+	if err != nil || len(b) != 8 {
+		return 0
+	}
+	return binary.BigEndian.Uint64(b) | 1<<63
+}
+
+// rawFS is the daemon's filesystem: a root directory of one read-only
+// file per registered image. It keeps no per-node state of the kernel's:
+// a node id names its image, and file handles are not used.
+type rawFS struct {
+	fuse.RawFileSystem
 	d *Daemon
 }
 
-var (
-	_ gofs.NodeLookuper  = (*rootNode)(nil)
-	_ gofs.NodeReaddirer = (*rootNode)(nil)
-)
+func (f *rawFS) String() string { return fsName }
 
-func (n *rootNode) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (*gofs.Inode, syscall.Errno) {
-	n.d.used()
-	hex, ok := strings.CutSuffix(name, fileSuffix)
-	if !ok {
-		return nil, syscall.ENOENT
+const attrTTL = time.Hour
+
+func (f *rawFS) fillRoot(a *fuse.Attr) {
+	a.Ino = rootID
+	a.Mode = fuse.S_IFDIR | 0o555
+	a.Nlink = 2
+}
+
+func fillImage(a *fuse.Attr, id uint64, size int64) {
+	a.Ino = id
+	a.Mode = fuse.S_IFREG | 0o444
+	a.Nlink = 1
+	a.Size = uint64(size)
+	a.Blocks = (a.Size + 511) / 512
+	a.Blksize = 4096
+}
+
+// byID finds the reader of node id: among the loaded readers, else among
+// the descriptors on disk (a daemon that took over).
+func (f *rawFS) byID(id uint64) (*Reader, syscall.Errno) {
+	f.d.mu.Lock()
+	for hx, rd := range f.d.readers {
+		if nodeID(hx) == id {
+			f.d.mu.Unlock()
+			return rd, 0
+		}
 	}
-	rd, err := n.d.reader(ctx, hex)
+	f.d.mu.Unlock()
+	names, _ := os.ReadDir(filepath.Join(f.d.cfg.Dir, descDir))
+	for _, e := range names {
+		hx, ok := strings.CutSuffix(e.Name(), ".json")
+		if ok && layer.IsDigest("sha256:"+hx) && nodeID(hx) == id {
+			rd, err := f.d.reader(context.Background(), hx)
+			if err != nil {
+				f.d.log.Warn("loading a layer image", "image", hx, "err", err)
+				return nil, syscall.EIO
+			}
+			return rd, 0
+		}
+	}
+	return nil, syscall.ENOENT
+}
+
+func (f *rawFS) Lookup(cancel <-chan struct{}, header *fuse.InHeader, name string, out *fuse.EntryOut) fuse.Status {
+	f.d.used()
+	if header.NodeId != rootID {
+		return fuse.ENOTDIR
+	}
+	hx, ok := strings.CutSuffix(name, fileSuffix)
+	if !ok {
+		return fuse.ENOENT
+	}
+	rd, err := f.d.reader(context.Background(), hx)
 	if errors.Is(err, errdefs.ErrNotFound) {
-		return nil, syscall.ENOENT
+		return fuse.ENOENT
 	}
 	if err != nil {
-		n.d.log.Warn("looking up a layer image", "image", hex, "err", err)
-		return nil, syscall.EIO
+		f.d.log.Warn("looking up a layer image", "image", hx, "err", err)
+		return fuse.EIO
 	}
-	h := fnv.New64a()
-	h.Write([]byte(hex))
-	f := &imageNode{d: n.d, rd: rd}
-	out.Attr.Mode = fuse.S_IFREG | 0o444
-	out.Attr.Size = uint64(rd.Size())
-	return n.NewInode(ctx, f, gofs.StableAttr{Mode: fuse.S_IFREG, Ino: h.Sum64() | 1<<63}), 0
+	out.NodeId, out.Generation = nodeID(hx), 1
+	fillImage(&out.Attr, out.NodeId, rd.Size())
+	out.SetEntryTimeout(attrTTL)
+	out.SetAttrTimeout(attrTTL)
+	return fuse.OK
 }
 
-func (n *rootNode) Readdir(ctx context.Context) (gofs.DirStream, syscall.Errno) {
-	n.d.mu.Lock()
-	var es []fuse.DirEntry
-	for hex := range n.d.readers {
-		es = append(es, fuse.DirEntry{Name: hex + fileSuffix, Mode: fuse.S_IFREG})
-	}
-	n.d.mu.Unlock()
-	sort.Slice(es, func(i, j int) bool { return es[i].Name < es[j].Name })
-	return gofs.NewListDirStream(es), 0
-}
+func (f *rawFS) Forget(nodeid, nlookup uint64) {}
 
-// imageNode is one image, read-only, its bytes fetched on demand.
-type imageNode struct {
-	gofs.Inode
-	d  *Daemon
-	rd *Reader
-}
-
-var (
-	_ gofs.NodeGetattrer = (*imageNode)(nil)
-	_ gofs.NodeOpener    = (*imageNode)(nil)
-	_ gofs.NodeReader    = (*imageNode)(nil)
-	_ gofs.FileReleaser  = (*imageHandle)(nil)
-)
-
-// imageHandle is an open image; the daemon counts them (go-fuse tells a
-// node of a release only for a handle that is not nil).
-type imageHandle struct{ d *Daemon }
-
-func (h *imageHandle) Release(ctx context.Context) syscall.Errno {
-	h.d.open.Add(-1)
-	h.d.used()
-	return 0
-}
-
-func (n *imageNode) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.AttrOut) syscall.Errno {
-	out.Mode = fuse.S_IFREG | 0o444
-	out.Size = uint64(n.rd.Size())
-	out.Blocks = (out.Size + 511) / 512
-	return 0
-}
-
-func (n *imageNode) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
-	if flags&(syscall.O_WRONLY|syscall.O_RDWR|syscall.O_TRUNC|syscall.O_APPEND) != 0 {
-		return nil, 0, syscall.EROFS
-	}
-	n.d.open.Add(1)
-	n.d.used()
-	// The image never changes: what the kernel has cached stays valid.
-	return &imageHandle{d: n.d}, fuse.FOPEN_KEEP_CACHE, 0
-}
-
-func (n *imageNode) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
-	got, err := n.rd.ReadAt(ctx, dest, off)
-	if err != nil && got == 0 {
-		if off >= n.rd.Size() {
-			return fuse.ReadResultData(nil), 0
+func (f *rawFS) GetAttr(cancel <-chan struct{}, in *fuse.GetAttrIn, out *fuse.AttrOut) fuse.Status {
+	if in.NodeId == rootID {
+		f.fillRoot(&out.Attr)
+	} else {
+		rd, errno := f.byID(in.NodeId)
+		if errno != 0 {
+			return fuse.Status(errno)
 		}
-		n.d.log.Warn("reading a layer image", "digest", n.rd.digest, "offset", off, "err", err)
-		return nil, syscall.EIO
+		fillImage(&out.Attr, in.NodeId, rd.Size())
 	}
-	return fuse.ReadResultData(dest[:got]), 0
+	out.SetTimeout(attrTTL)
+	return fuse.OK
+}
+
+func (f *rawFS) Access(cancel <-chan struct{}, in *fuse.AccessIn) fuse.Status {
+	if in.Mask&unix.W_OK != 0 {
+		return fuse.Status(syscall.EROFS)
+	}
+	return fuse.OK
+}
+
+func (f *rawFS) Open(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
+	f.d.used()
+	if in.Flags&(syscall.O_WRONLY|syscall.O_RDWR|syscall.O_TRUNC|syscall.O_APPEND) != 0 {
+		return fuse.Status(syscall.EROFS)
+	}
+	if _, errno := f.byID(in.NodeId); errno != 0 {
+		return fuse.Status(errno)
+	}
+	// The image never changes: what the kernel has cached stays valid.
+	out.OpenFlags = fuse.FOPEN_KEEP_CACHE
+	return fuse.OK
+}
+
+func (f *rawFS) Read(cancel <-chan struct{}, in *fuse.ReadIn, buf []byte) (fuse.ReadResult, fuse.Status) {
+	rd, errno := f.byID(in.NodeId)
+	if errno != 0 {
+		return nil, fuse.Status(errno)
+	}
+	off := int64(in.Offset)
+	if off >= rd.Size() {
+		return fuse.ReadResultData(nil), fuse.OK
+	}
+	n := min(int(in.Size), len(buf))
+	got, err := rd.ReadAt(context.Background(), buf[:n], off)
+	if err != nil && got == 0 {
+		f.d.log.Warn("reading a layer image", "digest", rd.digest, "offset", off, "err", err)
+		return nil, fuse.EIO
+	}
+	return fuse.ReadResultData(buf[:got]), fuse.OK
+}
+
+func (f *rawFS) Release(cancel <-chan struct{}, in *fuse.ReleaseIn) {}
+
+func (f *rawFS) OpenDir(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
+	if in.NodeId != rootID {
+		return fuse.ENOTDIR
+	}
+	return fuse.OK
+}
+
+func (f *rawFS) ReadDir(cancel <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList) fuse.Status {
+	names, _ := os.ReadDir(filepath.Join(f.d.cfg.Dir, descDir))
+	var es []fuse.DirEntry
+	for _, e := range names {
+		if hx, ok := strings.CutSuffix(e.Name(), ".json"); ok && layer.IsDigest("sha256:"+hx) {
+			es = append(es, fuse.DirEntry{Name: hx + fileSuffix, Mode: fuse.S_IFREG, Ino: nodeID(hx)})
+		}
+	}
+	sort.Slice(es, func(i, j int) bool { return es[i].Name < es[j].Name })
+	for i := int(in.Offset); i < len(es); i++ {
+		es[i].Off = uint64(i + 1)
+		if !out.AddDirEntry(es[i]) {
+			break
+		}
+	}
+	return fuse.OK
+}
+
+func (f *rawFS) ReleaseDir(in *fuse.ReleaseIn) {}
+
+func (f *rawFS) StatFs(cancel <-chan struct{}, in *fuse.InHeader, out *fuse.StatfsOut) fuse.Status {
+	out.Bsize, out.Frsize, out.NameLen = 4096, 4096, 255
+	return fuse.OK
 }

@@ -38,6 +38,24 @@ type lazyWorld struct {
 
 func newLazyWorld(t *testing.T, cacheBytes int64, policy FetchPolicy) *lazyWorld {
 	t.Helper()
+	w := newLazyCatalog(t, policy)
+	dctx, cancel := context.WithCancel(context.Background())
+	w.cancel = cancel
+	go func() { w.done <- Serve(dctx, DaemonConfig{Dir: w.dir, CacheBytes: cacheBytes, Policy: policy}) }()
+	t.Cleanup(w.stop)
+	deadline := time.Now().Add(10 * time.Second)
+	for !w.src.healthy(context.Background()) {
+		if time.Now().After(deadline) {
+			t.Fatal("daemon did not come up")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return w
+}
+
+// newLazyCatalog is a lazyWorld without a daemon.
+func newLazyCatalog(t *testing.T, policy FetchPolicy) *lazyWorld {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: mounts FUSE and EROFS")
 	}
@@ -58,17 +76,6 @@ func newLazyWorld(t *testing.T, cacheBytes int64, policy FetchPolicy) *lazyWorld
 	must(t, err)
 	w := &lazyWorld{reg: reg, layer: added, tree: tree, dir: t.TempDir(), done: make(chan error, 1)}
 	w.src = &Source{Store: cat, Dir: w.dir, PulledDir: filepath.Join(w.dir, "pulled"), Policy: policy}
-	dctx, cancel := context.WithCancel(ctx)
-	w.cancel = cancel
-	go func() { w.done <- Serve(dctx, DaemonConfig{Dir: w.dir, CacheBytes: cacheBytes, Policy: policy}) }()
-	t.Cleanup(w.stop)
-	deadline := time.Now().Add(10 * time.Second)
-	for !w.src.healthy(ctx) {
-		if time.Now().After(deadline) {
-			t.Fatal("daemon did not come up")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
 	return w
 }
 
@@ -173,7 +180,7 @@ func TestLazyLayerReadsTheRightBytes(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("the daemon did not exit when the edge stopped with no image open")
 	}
-	if isFUSEMount(MountDir(w.dir)) {
+	if fuseMounted(MountDir(w.dir)) {
 		t.Fatal("the daemon left its mount")
 	}
 }

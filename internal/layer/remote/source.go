@@ -20,6 +20,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/image"
@@ -45,8 +47,13 @@ type Source struct {
 	Policy    FetchPolicy
 	Log       *slog.Logger
 
-	// mu serialises starting the daemon.
+	// mu serialises starting the daemon and guards fuse.
 	mu sync.Mutex
+	// fuse is this edge's copy of the daemon's /dev/fuse descriptor: while
+	// it is open the mount survives the daemon, and a new daemon takes it
+	// over with the sandboxes' EROFS mounts of its files intact.
+	fuse *os.File
+	pid  int
 }
 
 var _ layer.Source = (*Source)(nil)
@@ -134,20 +141,53 @@ func (s *Source) healthy(ctx context.Context) bool {
 }
 
 // ensureDaemon starts the daemon unless one answers, and waits for it.
+//
+// The edge mounts the daemon's filesystem itself and keeps a copy of the
+// /dev/fuse descriptor (one it opened, or, after an edge restart, one the
+// running daemon hands over), so that when the daemon dies the mount and
+// every EROFS mount of its files stay: the next daemon is given the same
+// descriptor and takes over (reads wait meanwhile, and requests the dead
+// one had read are resent by the kernel). Only a daemon that died while
+// no edge held the descriptor loses its mount: then its images read EIO
+// until their sandboxes are recreated.
 func (s *Source) ensureDaemon(ctx context.Context) error {
 	if s.healthy(ctx) {
+		s.holdFD()
 		return nil
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.healthy(ctx) {
+		s.holdFDLocked()
 		return nil
 	}
 	if s.Command == nil {
 		return errdefs.Precondition("this node cannot read layers on demand (no layer daemon configured)")
 	}
+	// Nothing here may stat the mount point: with the daemon gone, that
+	// waits for the next one.
 	if err := os.MkdirAll(s.Dir, 0o700); err != nil {
 		return fmt.Errorf("starting layer daemon: %w", err)
+	}
+	mnt := MountDir(s.Dir)
+	reattach := s.fuse != nil && fuseMounted(mnt)
+	if !reattach {
+		if fuseMounted(mnt) {
+			s.log().Warn("the layer daemon died while no edge held its mount; the images it served read EIO until their sandboxes are recreated", "mount", mnt)
+			_ = unix.Unmount(mnt, unix.MNT_DETACH)
+		}
+		if s.fuse != nil {
+			s.fuse.Close()
+			s.fuse = nil
+		}
+		if err := os.MkdirAll(mnt, 0o700); err != nil {
+			return fmt.Errorf("starting layer daemon: %w", err)
+		}
+		f, err := mountFUSE(mnt)
+		if err != nil {
+			return fmt.Errorf("starting layer daemon: %w", err)
+		}
+		s.fuse = f
 	}
 	logf, err := os.OpenFile(filepath.Join(s.Dir, "layerfs.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
@@ -155,6 +195,11 @@ func (s *Source) ensureDaemon(ctx context.Context) error {
 	}
 	defer logf.Close()
 	cmd := s.Command()
+	cmd.Args = append(cmd.Args, "--fuse-fd", "3")
+	if reattach {
+		cmd.Args = append(cmd.Args, "--reattach")
+	}
+	cmd.ExtraFiles = []*os.File{s.fuse}
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
@@ -165,7 +210,8 @@ func (s *Source) ensureDaemon(ctx context.Context) error {
 	deadline := time.After(15 * time.Second)
 	for {
 		if s.healthy(ctx) {
-			s.log().Info("layer daemon started", "pid", cmd.Process.Pid, "dir", s.Dir)
+			s.pid = cmd.Process.Pid
+			s.log().Info("layer daemon started", "pid", cmd.Process.Pid, "dir", s.Dir, "took_over", reattach)
 			return nil
 		}
 		select {
@@ -179,6 +225,98 @@ func (s *Source) ensureDaemon(ctx context.Context) error {
 		case <-time.After(50 * time.Millisecond):
 		}
 	}
+}
+
+// DaemonPid is the pid of the daemon this source started (0: none).
+func (s *Source) DaemonPid() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.pid
+}
+
+func (s *Source) holdFD() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.holdFDLocked()
+}
+
+// holdFDLocked takes a copy of a running daemon's descriptor if this
+// edge has none (it restarted).
+//
+// Preconditions: s.mu held.
+func (s *Source) holdFDLocked() {
+	if s.fuse != nil {
+		return
+	}
+	f, err := fetchFD(fdSocketPath(s.Dir))
+	if err != nil {
+		s.log().Warn("taking the layer daemon's FUSE descriptor; its mount will not outlive it", "err", err)
+		return
+	}
+	s.fuse = f
+}
+
+// fetchFD receives a /dev/fuse descriptor from a daemon's fd socket.
+func fetchFD(path string) (*os.File, error) {
+	c, err := net.DialTimeout("unix", path, 2*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(2 * time.Second))
+	oob := make([]byte, unix.CmsgSpace(4))
+	buf := make([]byte, 1)
+	_, oobn, _, _, err := c.(*net.UnixConn).ReadMsgUnix(buf, oob)
+	if err != nil {
+		return nil, err
+	}
+	msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
+	if err != nil || len(msgs) != 1 {
+		return nil, fmt.Errorf("no descriptor received")
+	}
+	fds, err := unix.ParseUnixRights(&msgs[0])
+	if err != nil || len(fds) != 1 {
+		return nil, fmt.Errorf("no descriptor received")
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fds[0], &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFCHR || st.Rdev != unix.Mkdev(10, 229) {
+		unix.Close(fds[0])
+		return nil, fmt.Errorf("the descriptor received is not /dev/fuse")
+	}
+	unix.CloseOnExec(fds[0])
+	return os.NewFile(uintptr(fds[0]), "/dev/fuse"), nil
+}
+
+// mountFUSE mounts a new connection of the daemon's filesystem at mnt and
+// returns its descriptor.
+func mountFUSE(mnt string) (*os.File, error) {
+	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("opening /dev/fuse: %w", err)
+	}
+	opts := fmt.Sprintf("fd=%d,rootmode=40000,user_id=0,group_id=0,allow_other,max_read=%d", fd, 1<<20)
+	if err := unix.Mount(fsName, mnt, "fuse."+fsName, unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("mounting the layer filesystem at %s: %w", mnt, err)
+	}
+	return os.NewFile(uintptr(fd), "/dev/fuse"), nil
+}
+
+// fuseMounted reports whether the daemon's filesystem is mounted at mnt,
+// from the mount table: a stat of a mount whose daemon is gone would wait.
+func fuseMounted(mnt string) bool {
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return false
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		pre, post, ok := strings.Cut(line, " - ")
+		f, g := strings.Fields(pre), strings.Fields(post)
+		if ok && len(f) >= 5 && len(g) >= 1 && unescapeMount(f[4]) == mnt && g[0] == "fuse."+fsName {
+			return true
+		}
+	}
+	return false
 }
 
 // pull fetches the whole image of l into PulledDir, checked against its
@@ -275,19 +413,21 @@ func (s *Source) EdgeStopped() {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	// The socket closes just before the mount goes; wait for that too.
-	for ctx.Err() == nil && isFUSEMount(MountDir(s.Dir)) {
-		time.Sleep(20 * time.Millisecond)
+	// The socket closes just before the daemon's own mount goes; a mount
+	// the edge made is the edge's to take off.
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for ctx.Err() == nil && fuseMounted(MountDir(s.Dir)) {
+		if s.fuse != nil || ctx.Err() != nil {
+			break
+		}
+		time.Sleep(20 * time.Millisecond) // a daemon that mounted itself unmounts itself
+	}
+	if fuseMounted(MountDir(s.Dir)) {
+		_ = unix.Unmount(MountDir(s.Dir), unix.MNT_DETACH)
+	}
+	if s.fuse != nil {
+		s.fuse.Close()
+		s.fuse = nil
 	}
 }
-
-// isFUSEMount reports whether dir is the daemon's FUSE mount right now.
-func isFUSEMount(dir string) bool {
-	var st syscall.Statfs_t
-	if err := syscall.Statfs(dir, &st); err != nil {
-		return false // dead (ENOTCONN): nothing to wait for
-	}
-	return st.Type == fuseSuperMagic
-}
-
-const fuseSuperMagic = 0x65735546

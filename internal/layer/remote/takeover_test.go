@@ -1,0 +1,165 @@
+package remote
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// The test binary is also a layer daemon: run with DSEC_TEST_LAYERFS_DIR
+// set (and the flags a Source adds), it serves that directory.
+func TestMain(m *testing.M) {
+	if dir := os.Getenv("DSEC_TEST_LAYERFS_DIR"); dir != "" {
+		os.Exit(testDaemonMain(dir))
+	}
+	os.Exit(m.Run())
+}
+
+func testDaemonMain(dir string) int {
+	cfg := DaemonConfig{Dir: dir, CacheBytes: 64 << 20, Policy: FetchPolicy{Timeout: 3 * time.Second, Attempts: 2},
+		Log: slog.New(slog.NewTextHandler(os.Stderr, nil))}
+	for i, a := range os.Args {
+		switch a {
+		case "--fuse-fd":
+			cfg.FUSE = os.NewFile(3, "/dev/fuse")
+			_ = i
+		case "--reattach":
+			cfg.Reattach = true
+		}
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	if err := Serve(ctx, cfg); err != nil {
+		cfg.Log.Error("layerfs", "err", err)
+		return 1
+	}
+	return 0
+}
+
+func (w *lazyWorld) daemonCommand() func() *exec.Cmd {
+	return func() *exec.Cmd {
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), "DSEC_TEST_LAYERFS_DIR="+w.dir)
+		return cmd
+	}
+}
+
+// A layer daemon killed mid-run is taken over by the next one on the same
+// FUSE connection (the edge holds it): a sandbox's EROFS mount of one of
+// its images keeps reading, a read made while no daemon ran completes once
+// one does, and an edge that restarted gets the descriptor from the
+// running daemon so that the next death is survived too.
+func TestDaemonTakeover(t *testing.T) {
+	w := newLazyCatalog(t, FetchPolicy{Timeout: 3 * time.Second, Attempts: 2})
+	w.src.Command = w.daemonCommand()
+	// Whatever happens, no daemon or mount is left to hang the removal
+	// of the test's directories.
+	t.Cleanup(func() {
+		if pid := w.src.DaemonPid(); pid > 0 {
+			syscall.Kill(pid, syscall.SIGKILL)
+		}
+		exec.Command("pkill", "-KILL", "-f", "DSEC_TEST_LAYERFS_DIR="+w.dir).Run()
+		unix.Unmount(MountDir(w.dir), unix.MNT_DETACH)
+	})
+	ctx := context.Background()
+	path, release, err := w.src.Open(ctx, w.layer.Digest)
+	if err != nil {
+		log, _ := os.ReadFile(filepath.Join(w.dir, "layerfs.log"))
+		t.Fatalf("open: %v\n%s", err, log)
+	}
+	defer release()
+	first := w.src.DaemonPid()
+	mnt := mountImage(t, path)
+	defer w.src.EdgeStopped()
+	want, err := os.ReadFile(filepath.Join(w.tree, "usr/lib/big.bin"))
+	must(t, err)
+	f, err := os.Open(filepath.Join(mnt, "usr/lib/big.bin"))
+	must(t, err)
+	defer f.Close()
+	head := make([]byte, 1<<20)
+	if _, err := f.ReadAt(head, 0); err != nil || !bytes.Equal(head, want[:1<<20]) {
+		t.Fatalf("first MiB: %v", err)
+	}
+
+	kill := func(pid int) {
+		t.Helper()
+		must(t, syscall.Kill(pid, syscall.SIGKILL))
+		for syscall.Kill(pid, 0) == nil {
+			var ws syscall.WaitStatus
+			syscall.Wait4(pid, &ws, syscall.WNOHANG, nil)
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	kill(first)
+	if !fuseMounted(MountDir(w.dir)) {
+		t.Fatal("the mount went with the daemon")
+	}
+	// A read while no daemon runs waits for the next one.
+	got := make(chan error, 1)
+	rest := make([]byte, len(want)-(1<<20))
+	go func() {
+		_, err := f.ReadAt(rest, 1<<20)
+		got <- err
+	}()
+	time.Sleep(200 * time.Millisecond)
+	select {
+	case err := <-got:
+		t.Fatalf("a read with no daemon returned at once: %v", err)
+	default:
+	}
+	must(t, w.src.ensureDaemon(ctx))
+	second := w.src.DaemonPid()
+	if second == first || second == 0 {
+		t.Fatalf("no new daemon: %d, %d", first, second)
+	}
+	select {
+	case err := <-got:
+		if err != nil || !bytes.Equal(rest, want[1<<20:]) {
+			t.Fatalf("the read across the takeover: %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the read across the takeover did not finish")
+	}
+
+	// An edge that restarted: a new source, no descriptor of its own.
+	edge2 := &Source{Store: w.src.Store, Dir: w.dir, Command: w.daemonCommand()}
+	must(t, edge2.ensureDaemon(ctx))
+	edge2.mu.Lock()
+	held := edge2.fuse != nil
+	edge2.mu.Unlock()
+	if !held {
+		t.Fatal("the restarted edge did not get the daemon's descriptor")
+	}
+	// The first edge is gone: only edge2 holds the connection now.
+	w.src.mu.Lock()
+	w.src.fuse.Close()
+	w.src.fuse = nil
+	w.src.mu.Unlock()
+	kill(second)
+	must(t, edge2.ensureDaemon(ctx))
+	// Drop what the kernel cached, so the read goes to the new daemon.
+	must(t, unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED))
+	img, err := os.Open(path)
+	must(t, err)
+	must(t, unix.Fadvise(int(img.Fd()), 0, 0, unix.FADV_DONTNEED))
+	img.Close()
+	again := make([]byte, len(want))
+	if _, err := f.ReadAt(again, 0); err != nil || !bytes.Equal(again, want) {
+		t.Fatalf("after the second takeover: %v", err)
+	}
+	f.Close()
+	must(t, unix.Unmount(mnt, 0))
+	edge2.EdgeStopped()
+	if fuseMounted(MountDir(w.dir)) {
+		t.Fatal("the mount is still there after the edge stopped with no image mounted")
+	}
+}
