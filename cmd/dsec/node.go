@@ -11,6 +11,7 @@ import (
 	"github.com/dsecproject/dsec/internal/edge"
 	"github.com/dsecproject/dsec/internal/edge/host"
 	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/layer/remote"
 	"github.com/dsecproject/dsec/internal/netpolicy"
 	"github.com/dsecproject/dsec/internal/sandbox"
 )
@@ -170,6 +171,14 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 	if maxStreams == 0 {
 		maxStreams = edge.DefaultMaxStreams(nofile)
 	}
+	blobs := layerSource(layers, edgeDir, c.layerCacheMB, log)
+	if err := reg.Register(remote.NewCollector(blobs)); err != nil {
+		if h.Net != nil {
+			h.Net.Close()
+		}
+		h.Close()
+		return nil, nil, fmt.Errorf("registering layer metrics: %w", err)
+	}
 	ed, err := edge.New(edge.Config{
 		Name: c.nodeName, StateDir: edgeDir, Labels: c.labels,
 		MaxSandboxes: c.maxSandboxes, Policy: sandbox.DefaultPolicy(),
@@ -180,7 +189,7 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 		MaxSessionsTotal: maxSessions, MaxStreams: maxStreams,
 		HostReserveMB: c.reserveMB, HostReservePids: c.reservePids, PidMax: c.pidMax,
 	}, edge.Deps{
-		Backend: h.Backend, Blobs: layerSource(layers, edgeDir, c.layerCacheMB, log), Cgroups: h.Cgroups, Log: log,
+		Backend: h.Backend, Blobs: blobs, Cgroups: h.Cgroups, Log: log,
 		Metrics: edge.NewMetrics(reg), Runtime: h.Runtime, Launcher: h.Backend.Launcher(), Layers: layers, Net: h.Net,
 	})
 	if err == nil {

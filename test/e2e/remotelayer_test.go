@@ -7,6 +7,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -81,6 +82,17 @@ func TestLayerFromRegistry(t *testing.T) {
 	}
 	if ls == nil || ls.BytesFetched < 2<<20 || ls.BytesFetched > 2*got.SizeBytes || ls.BadChunks != 0 {
 		t.Fatalf("layer daemon's figures: %+v", st)
+	}
+	// The edge's metrics carry the daemon's figures.
+	resp, err := http.Get("http://" + d.listen + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metrics, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if want := `dsec_layer_fetched_bytes_total{digest="` + l.Digest + `"}`; !strings.Contains(string(metrics), want) ||
+		!strings.Contains(string(metrics), "dsec_layer_cache_bytes ") {
+		t.Errorf("/metrics has no layer figures (want %s)", want)
 	}
 	t.Logf("lazy layer: %d of %d bytes fetched in %d requests, %.0f%% of chunks read", ls.BytesFetched, ls.SizeBytes, ls.Requests, 100*ls.ReadFraction)
 

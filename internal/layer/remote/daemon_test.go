@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/api"
@@ -157,6 +158,26 @@ func TestLazyLayerReadsTheRightBytes(t *testing.T) {
 	}
 	if s.OpenImages != 1 {
 		t.Errorf("open images: %d, want 1 (the mount)", s.OpenImages)
+	}
+	// The same figures as the edge's metrics.
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(NewCollector(w.src))
+	mfs, err := reg.Gather()
+	must(t, err)
+	byName := map[string]float64{}
+	for _, mf := range mfs {
+		for _, m := range mf.Metric {
+			switch {
+			case m.Counter != nil:
+				byName[mf.GetName()] += m.Counter.GetValue()
+			case m.Gauge != nil:
+				byName[mf.GetName()] += m.Gauge.GetValue()
+			}
+		}
+	}
+	if byName["dsec_layer_fetched_bytes_total"] != float64(s.Layers[0].BytesFetched) || byName["dsec_layer_images_mounted"] != 1 ||
+		byName["dsec_layer_cache_misses_total"] == 0 || byName["dsec_layer_read_fraction"] != s.Layers[0].ReadFraction {
+		t.Errorf("metrics: %v", byName)
 	}
 	// The image is read-only on the daemon's mount.
 	if f, err := os.OpenFile(path, os.O_WRONLY, 0); err == nil {
