@@ -193,3 +193,12 @@ func (c *Cache) Size() int64 {
 	defer c.mu.Unlock()
 	return c.size
 }
+
+// Clear removes every chunk (a cold start, for measurements).
+func (c *Cache) Clear() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for el := c.lru.Front(); el != nil; el = c.lru.Front() {
+		c.removeLocked(el)
+	}
+}

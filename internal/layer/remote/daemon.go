@@ -232,6 +232,17 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok\n")) })
 	mux.HandleFunc("POST /layers", d.register)
 	mux.HandleFunc("GET /stats", d.stats)
+	mux.HandleFunc("POST /drop-cache", func(w http.ResponseWriter, r *http.Request) {
+		if n := d.mounted(); n > 0 {
+			http.Error(w, fmt.Sprintf("%d image(s) mounted", n), http.StatusConflict)
+			return
+		}
+		d.mu.Lock()
+		d.readers = map[string]*Reader{}
+		d.mu.Unlock()
+		d.cache.Clear()
+		w.Write([]byte("dropped\n"))
+	})
 	mux.HandleFunc("POST /exit-if-idle", func(w http.ResponseWriter, r *http.Request) {
 		if n := d.mounted(); n > 0 {
 			http.Error(w, fmt.Sprintf("%d image(s) mounted", n), http.StatusConflict)

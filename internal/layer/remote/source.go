@@ -54,6 +54,9 @@ type Source struct {
 	// over with the sandboxes' EROFS mounts of its files intact.
 	fuse *os.File
 	pid  int
+	// stopWatch ends the watchdog that starts a new daemon when the one
+	// serving this edge's mount dies (nil: none running).
+	stopWatch chan struct{}
 }
 
 var _ layer.Source = (*Source)(nil)
@@ -212,6 +215,7 @@ func (s *Source) ensureDaemon(ctx context.Context) error {
 		if s.healthy(ctx) {
 			s.pid = cmd.Process.Pid
 			s.log().Info("layer daemon started", "pid", cmd.Process.Pid, "dir", s.Dir, "took_over", reattach)
+			s.watchLocked()
 			return nil
 		}
 		select {
@@ -254,6 +258,48 @@ func (s *Source) holdFDLocked() {
 		return
 	}
 	s.fuse = f
+	s.watchLocked()
+}
+
+// watchLocked starts, once, the watchdog: while this edge holds the
+// mount, a daemon that stops answering is replaced within about a
+// second, so sandboxes reading its images wait instead of failing.
+//
+// Preconditions: s.mu held.
+func (s *Source) watchLocked() {
+	if s.stopWatch != nil || s.Command == nil {
+		return
+	}
+	stop := make(chan struct{})
+	s.stopWatch = stop
+	go func() {
+		t := time.NewTicker(time.Second)
+		defer t.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+			}
+			s.mu.Lock()
+			held := s.fuse != nil
+			s.mu.Unlock()
+			if !held || s.healthy(context.Background()) {
+				continue
+			}
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			s.log().Warn("the layer daemon stopped answering; starting another on its mount")
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			if err := s.ensureDaemon(ctx); err != nil {
+				s.log().Error("restarting the layer daemon", "err", err)
+			}
+			cancel()
+		}
+	}()
 }
 
 // fetchFD receives a /dev/fuse descriptor from a daemon's fd socket.
@@ -391,6 +437,12 @@ func (s *Source) download(ctx context.Context, repo *image.Repo, l api.Layer, fi
 // waited for, so that a stopped edge leaves no mount; with images in use
 // it stays for the sandboxes that outlive the edge.
 func (s *Source) EdgeStopped() {
+	s.mu.Lock()
+	if s.stopWatch != nil {
+		close(s.stopWatch)
+		s.stopWatch = nil
+	}
+	s.mu.Unlock()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if !s.healthy(ctx) {

@@ -3,6 +3,7 @@ package remote
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -63,11 +64,20 @@ func TestDaemonTakeover(t *testing.T) {
 	w.src.Command = w.daemonCommand()
 	// Whatever happens, no daemon or mount is left to hang the removal
 	// of the test's directories.
+	var edges []*Source
 	t.Cleanup(func() {
-		if pid := w.src.DaemonPid(); pid > 0 {
-			syscall.Kill(pid, syscall.SIGKILL)
-		}
+		// Daemons killed and every descriptor closed: the connection
+		// aborts, and a read still waiting on it fails instead of hanging.
 		exec.Command("pkill", "-KILL", "-f", "DSEC_TEST_LAYERFS_DIR="+w.dir).Run()
+		for _, e := range append(edges, w.src) {
+			e.EdgeStopped()
+			e.mu.Lock()
+			if e.fuse != nil {
+				e.fuse.Close()
+				e.fuse = nil
+			}
+			e.mu.Unlock()
+		}
 		unix.Unmount(MountDir(w.dir), unix.MNT_DETACH)
 	})
 	ctx := context.Background()
@@ -103,35 +113,20 @@ func TestDaemonTakeover(t *testing.T) {
 	if !fuseMounted(MountDir(w.dir)) {
 		t.Fatal("the mount went with the daemon")
 	}
-	// A read while no daemon runs waits for the next one.
-	got := make(chan error, 1)
+	// A read made now waits for the next daemon, which the edge's
+	// watchdog starts on the same mount.
 	rest := make([]byte, len(want)-(1<<20))
-	go func() {
-		_, err := f.ReadAt(rest, 1<<20)
-		got <- err
-	}()
-	time.Sleep(200 * time.Millisecond)
-	select {
-	case err := <-got:
-		t.Fatalf("a read with no daemon returned at once: %v", err)
-	default:
+	if err := readWithin(f, rest, 1<<20, 20*time.Second); err != nil || !bytes.Equal(rest, want[1<<20:]) {
+		t.Fatalf("the read across the takeover: %v", err)
 	}
-	must(t, w.src.ensureDaemon(ctx))
 	second := w.src.DaemonPid()
 	if second == first || second == 0 {
 		t.Fatalf("no new daemon: %d, %d", first, second)
 	}
-	select {
-	case err := <-got:
-		if err != nil || !bytes.Equal(rest, want[1<<20:]) {
-			t.Fatalf("the read across the takeover: %v", err)
-		}
-	case <-time.After(20 * time.Second):
-		t.Fatal("the read across the takeover did not finish")
-	}
 
 	// An edge that restarted: a new source, no descriptor of its own.
 	edge2 := &Source{Store: w.src.Store, Dir: w.dir, Command: w.daemonCommand()}
+	edges = append(edges, edge2)
 	must(t, edge2.ensureDaemon(ctx))
 	edge2.mu.Lock()
 	held := edge2.fuse != nil
@@ -144,8 +139,8 @@ func TestDaemonTakeover(t *testing.T) {
 	w.src.fuse.Close()
 	w.src.fuse = nil
 	w.src.mu.Unlock()
+	w.src.EdgeStopped() // its watchdog: only edge2's runs now
 	kill(second)
-	must(t, edge2.ensureDaemon(ctx))
 	// Drop what the kernel cached, so the read goes to the new daemon.
 	must(t, unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED))
 	img, err := os.Open(path)
@@ -153,7 +148,7 @@ func TestDaemonTakeover(t *testing.T) {
 	must(t, unix.Fadvise(int(img.Fd()), 0, 0, unix.FADV_DONTNEED))
 	img.Close()
 	again := make([]byte, len(want))
-	if _, err := f.ReadAt(again, 0); err != nil || !bytes.Equal(again, want) {
+	if err := readWithin(f, again, 0, 20*time.Second); err != nil || !bytes.Equal(again, want) {
 		t.Fatalf("after the second takeover: %v", err)
 	}
 	f.Close()
@@ -161,5 +156,20 @@ func TestDaemonTakeover(t *testing.T) {
 	edge2.EdgeStopped()
 	if fuseMounted(MountDir(w.dir)) {
 		t.Fatal("the mount is still there after the edge stopped with no image mounted")
+	}
+}
+
+// readWithin reads len(buf) bytes at off, or fails after d.
+func readWithin(f *os.File, buf []byte, off int64, d time.Duration) error {
+	done := make(chan error, 1)
+	go func() {
+		_, err := f.ReadAt(buf, off)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(d):
+		return fmt.Errorf("read at %d still waiting after %v", off, d)
 	}
 }
