@@ -72,9 +72,11 @@ func leftovers(t *testing.T) []string {
 	}
 	for _, line := range strings.Split(string(b), "\n") {
 		f := strings.Fields(line)
-		// The run dir's tmpfs and the pinned runtime binary stay while
-		// an edge runs; everything else is a sandbox's.
-		if len(f) > 4 && strings.HasPrefix(f[4], c.dir) && !strings.HasSuffix(f[4], "/runtime") && !strings.Contains(f[4], "/bin/") {
+		// The run dir's tmpfs, the pinned runtime binary and the layer
+		// daemon's filesystem stay while an edge runs; everything else
+		// is a sandbox's.
+		if len(f) > 4 && strings.HasPrefix(f[4], c.dir) && !strings.HasSuffix(f[4], "/runtime") && !strings.Contains(f[4], "/bin/") &&
+			!strings.HasSuffix(f[4], "/layerfs/mnt") {
 			left = append(left, "mount "+f[4])
 		}
 	}
