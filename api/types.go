@@ -471,6 +471,9 @@ type LayerPushRequest struct {
 	Ref      string `json:"ref"`
 	Target   string `json:"target"`
 	Insecure bool   `json:"insecure,omitempty"`
+	// ChunkSize is the bytes each chunk index entry covers (a multiple
+	// of 4 KiB, 4 KiB to 16 MiB; 0: 256 KiB).
+	ChunkSize int `json:"chunk_size,omitempty"`
 }
 
 // LayerAddRequest is the body of POST /v1/layers:add.

@@ -86,7 +86,9 @@ func runBench(args []string) error {
 			"            REST API, interleaved: what the E2B path costs over the native one\n" +
 			"  control-plane  etcd, apiservers and hollow edges (simulated sandboxes) at scale:\n" +
 			"            creates/s and latency to full concurrency, placement, list/pause/delete\n" +
-			"            of a job by label, CPU, memory and etcd (its own daemons)\n\n" +
+			"            of a job by label, CPU, memory and etcd (its own daemons)\n" +
+			"  images    a burst from multi-GB bases kept in a registry (its own, on loopback):\n" +
+			"            pulled whole first, read on demand, and pre-pulled (DSec §9 E1)\n\n" +
 			"Each prints the same measure for the bare OCI runtime (crun/runc run -d,\n" +
 			"exec, delete) on the same EROFS layer with an overlay, measured in the same run.\n" +
 			"Needs a running `dsec up` (DSEC_ENDPOINT/DSEC_API_KEY or its config file) and,\n" +
@@ -109,6 +111,8 @@ func runBench(args []string) error {
 		return runBenchE2B(args[1:])
 	case "control-plane":
 		return runBenchControlPlane(args[1:])
+	case "images":
+		return runBenchImages(args[1:])
 	}
 	sub := args[0]
 	var o benchOpts

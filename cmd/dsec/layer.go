@@ -286,22 +286,26 @@ func runHealth(ctx context.Context, args []string) error {
 }
 
 func layerPush(ctx context.Context, args []string) error {
-	fs := newCmdFlags("layer push", "[--insecure] [--json] REF oci://HOST/REPO:TAG",
+	fs := newCmdFlags("layer push", "[--insecure] [--chunk-kib N] [--json] REF oci://HOST/REPO:TAG",
 		"Store layer REF in an OCI registry as an artifact: its EROFS image, a chunk\n"+
 			"index (what edges read on demand by) and a small config. Blobs the registry\n"+
 			"already has are not sent. The server does the push: HOST is reached from it.")
 	insecure := fs.Bool("insecure", false, "talk plain HTTP to the registry")
+	chunkKiB := fs.Int("chunk-kib", 256, "KiB each chunk of the index covers: what an edge fetches at least per miss (4 to 16384, a multiple of 4)")
 	asJSON := fs.Bool("json", false, "print the API response as JSON")
 	pos, err := fs.parseN(args, 2, 2)
 	if err != nil {
 		return err
+	}
+	if *chunkKiB < 4 || *chunkKiB > 16384 || *chunkKiB%4 != 0 {
+		return fmt.Errorf("layer push: --chunk-kib %d: want a multiple of 4 from 4 to 16384", *chunkKiB)
 	}
 	c, err := newClient()
 	if err != nil {
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "pushing %s to %s ...\n", pos[0], pos[1])
-	res, err := c.PushLayer(ctx, api.LayerPushRequest{Ref: pos[0], Target: pos[1], Insecure: *insecure})
+	res, err := c.PushLayer(ctx, api.LayerPushRequest{Ref: pos[0], Target: pos[1], Insecure: *insecure, ChunkSize: *chunkKiB << 10})
 	if err != nil {
 		return err
 	}

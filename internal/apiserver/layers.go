@@ -175,7 +175,7 @@ func (s *Server) pushLayer(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	res, err := remote.Push(r.Context(), s.deps.Layers, l.Ref, req.Target, remote.PushOptions{Insecure: req.Insecure})
+	res, err := remote.Push(r.Context(), s.deps.Layers, l.Ref, req.Target, remote.PushOptions{Insecure: req.Insecure, ChunkSize: req.ChunkSize})
 	if err != nil {
 		s.writeError(w, r, registryRefusal(err))
 		return

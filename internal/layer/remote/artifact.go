@@ -331,3 +331,69 @@ func human(n int64) string {
 	}
 	return fmt.Sprintf("%d B", n)
 }
+
+// Reindex stores, under target's tag in the same repository, the artifact
+// at source with a chunk index of another chunk size: the image and the
+// config are the same blobs (not sent again); the image is read once
+// from the registry to index it. It returns the new manifest's digest.
+func Reindex(ctx context.Context, source, target string, chunkSize int, opts image.RepoOptions) (string, error) {
+	sref, err := ParseSource(source)
+	if err != nil {
+		return "", err
+	}
+	tref, err := ParseSource(target)
+	if err != nil {
+		return "", err
+	}
+	if tref.Registry != sref.Registry || tref.Repository != sref.Repository || tref.Tag == "" {
+		return "", errdefs.Invalid("reindex: %s must name a tag in the repository of %s", target, source)
+	}
+	repo, err := image.OpenRepo(sref, opts)
+	if err != nil {
+		return "", err
+	}
+	what := sref.Tag
+	if sref.Digest != "" {
+		what = sref.Digest
+	}
+	body, _, _, err := repo.Manifest(ctx, what)
+	if err != nil {
+		return "", err
+	}
+	var m manifest
+	if err := json.Unmarshal(body, &m); err != nil {
+		return "", errdefs.Invalid("manifest: %v", err)
+	}
+	if _, err := readArtifact(ctx, repo, what); err != nil {
+		return "", err
+	}
+	var img descriptor
+	for _, d := range m.Layers {
+		if d.MediaType == ImageType {
+			img = d
+		}
+	}
+	rc, err := repo.BlobRange(ctx, img.Digest, 0, img.Size)
+	if err != nil {
+		return "", err
+	}
+	ix, err := BuildIndex(rc, img.Size, chunkSize)
+	rc.Close()
+	if err != nil {
+		return "", err
+	}
+	ixBytes, _ := ix.MarshalBinary()
+	ixDesc := descriptor{MediaType: IndexType, Digest: digestOf(ixBytes), Size: int64(len(ixBytes)),
+		Annotations: map[string]string{chunkSizeAnnot: strconv.Itoa(chunkSize)}}
+	if _, err := repo.PushBlob(ctx, ixDesc.Digest, ixDesc.Size, func() (io.ReadCloser, error) {
+		return io.NopCloser(bytes.NewReader(ixBytes)), nil
+	}); err != nil {
+		return "", err
+	}
+	m.Layers = []descriptor{img, ixDesc}
+	mb, err := json.Marshal(m)
+	if err != nil {
+		return "", err
+	}
+	return repo.PushManifest(ctx, tref.Tag, manifestType, mb)
+}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/image"
 	"github.com/dsecproject/dsec/internal/image/registrytest"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/store"
@@ -119,6 +120,29 @@ func TestPushAddRoundTrip(t *testing.T) {
 	// A remote layer has no image here to push.
 	if _, err := Push(ctx, other, "base/from-registry:1", target+"2", PushOptions{Insecure: true}); !errors.Is(err, errdefs.ErrPrecondition) {
 		t.Fatalf("push of a remote layer: %v", err)
+	}
+}
+
+// Reindex gives the same image another chunk size under a new tag; the
+// image blob is not sent again.
+func TestReindex(t *testing.T) {
+	reg := registrytest.Start(t)
+	st, l, _ := newLayerStore(t)
+	ctx := context.Background()
+	src := Scheme + reg.Addr + "/dsec/layers:ri"
+	if _, err := Push(ctx, st, l.Ref, src, PushOptions{Insecure: true}); err != nil {
+		t.Fatal(err)
+	}
+	dst := Scheme + reg.Addr + "/dsec/layers:ri-64k"
+	if _, err := Reindex(ctx, src, dst, 64<<10, image.RepoOptions{Insecure: true}); err != nil {
+		t.Fatal(err)
+	}
+	got, err := Add(ctx, st, "base/ri64:1", dst, AddOptions{Insecure: true})
+	if err != nil || got.Digest != l.Digest || got.Remote.ChunkSize != 64<<10 {
+		t.Fatalf("reindexed: %+v %v", got, err)
+	}
+	if _, err := Reindex(ctx, src, Scheme+"127.0.0.1:1/other:x", 64<<10, image.RepoOptions{Insecure: true}); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("reindex into another repository: %v", err)
 	}
 }
 

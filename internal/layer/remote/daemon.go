@@ -386,6 +386,7 @@ func (d *Daemon) reader(ctx context.Context, hex string) (*Reader, error) {
 type LayerStats struct {
 	Digest        string  `json:"digest"`
 	SizeBytes     int64   `json:"size_bytes"`
+	ChunkSize     int     `json:"chunk_size"`
 	Chunks        int     `json:"chunks"`
 	ChunksTouched int64   `json:"chunks_touched"`
 	ReadFraction  float64 `json:"read_fraction"`
@@ -413,7 +414,7 @@ func (d *Daemon) stats(w http.ResponseWriter, r *http.Request) {
 	d.mu.Lock()
 	for _, rd := range d.readers {
 		s := &rd.Stats
-		ls := LayerStats{Digest: rd.digest, SizeBytes: rd.ix.Size, Chunks: rd.ix.Chunks(), ChunksTouched: s.ChunksTouched.Load(),
+		ls := LayerStats{Digest: rd.digest, SizeBytes: rd.ix.Size, ChunkSize: rd.ix.ChunkSize, Chunks: rd.ix.Chunks(), ChunksTouched: s.ChunksTouched.Load(),
 			BytesFetched: s.BytesFetched.Load(), Requests: s.Requests.Load(), FetchErrors: s.FetchErrors.Load(),
 			FetchSeconds: time.Duration(s.FetchNanos.Load()).Seconds(), CacheHits: s.CacheHits.Load(),
 			CacheMisses: s.CacheMisses.Load(), BadChunks: s.BadChunks.Load()}
