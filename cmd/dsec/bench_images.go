@@ -81,6 +81,7 @@ type imagesReport struct {
 	EagerSeconds         float64           `json:"eager_seconds"`
 	OndemandSeconds      float64           `json:"ondemand_seconds"`
 	PrepulledSeconds     float64           `json:"prepulled_seconds"`
+	TracedSeconds        float64           `json:"traced_seconds,omitempty"`
 	OndemandReadFraction float64           `json:"ondemand_read_fraction"`
 	OndemandWrittenBytes int64             `json:"ondemand_written_bytes"`
 	EagerWrittenBytes    int64             `json:"eager_written_bytes"`
@@ -108,7 +109,7 @@ func runBenchImages(args []string) error {
 	dir := f.String("dir", "/var/lib/dsec-bench-images", "the bench's directory: the registry's storage and the apt cache (kept: a rerun builds nothing)")
 	stateDir := f.String("state-dir", "/var/lib/dsec", "the daemon's state dir (its disk is the one measured; its layer daemon is reset between modes)")
 	mbps := f.Float64("source-mbps", 0, "limit what the source serves to this many MB/s, as a shared storage link would (0 = loopback speed)")
-	modesFlag := f.String("modes", "eager,ondemand,prepulled", "modes to run, in order")
+	modesFlag := f.String("modes", "eager,ondemand,traced,prepulled", "modes to run, in order (traced: on demand again, with the trace the ondemand run left prefetched)")
 	chunksFlag := f.String("chunk-kib", "256", "chunk sizes (KiB, comma-separated) to run the on-demand mode with, each in a run of its own; the first is the one reported as ondemand")
 	asJSON := f.Bool("json", false, "print one JSON object")
 	if _, err := f.parseN(args, 0, 0); err != nil {
@@ -122,8 +123,8 @@ func runBenchImages(args []string) error {
 	}
 	modes := strings.Split(*modesFlag, ",")
 	for _, m := range modes {
-		if !slices.Contains([]string{"eager", "ondemand", "prepulled"}, m) {
-			return fmt.Errorf("bench images: mode %q: want eager, ondemand or prepulled", m)
+		if !slices.Contains([]string{"eager", "ondemand", "traced", "prepulled"}, m) {
+			return fmt.Errorf("bench images: mode %q: want eager, ondemand, traced or prepulled", m)
 		}
 	}
 	var chunks []int
@@ -171,6 +172,8 @@ func runBenchImages(args []string) error {
 				rep.OndemandSeconds, rep.OndemandWrittenBytes, rep.OndemandReadFraction = r.DoneSeconds, r.WrittenBytes, r.ReadFraction
 			case m == "prepulled":
 				rep.PrepulledSeconds = r.DoneSeconds
+			case m == "traced":
+				rep.TracedSeconds = r.DoneSeconds
 			}
 		}
 	}
@@ -195,6 +198,7 @@ type imagesBench struct {
 	perImage int
 	conc     int
 	chunks   []int // KiB
+	wasReset bool
 
 	regCmd   *exec.Cmd
 	regAddr  string // the registry itself
@@ -379,7 +383,7 @@ func (b *imagesBench) prepare(ctx context.Context) error {
 func (b *imagesBench) run(ctx context.Context, mode string, kib int) (imageRun, error) {
 	r := imageRun{Mode: mode, ChunkKiB: kib}
 	pull := api.PullFull
-	if mode == "ondemand" {
+	if mode == "ondemand" || mode == "traced" {
 		pull = api.PullLazy
 	}
 	refs := map[string]string{}
@@ -397,7 +401,11 @@ func (b *imagesBench) run(ctx context.Context, mode string, kib int) (imageRun, 
 			_ = b.c.DeleteLayer(context.Background(), ref)
 		}
 	}()
-	if err := b.resetNode(ctx); err != nil {
+	// Traces go at the first reset only: a trace the bench's own
+	// on-demand run leaves is what the traced run prefetches.
+	first := !b.wasReset
+	b.wasReset = true
+	if err := b.resetNode(ctx, !first); err != nil {
 		return r, err
 	}
 	// Pre-pulled: one sandbox per image holds the pulled image on the
@@ -485,7 +493,7 @@ func (b *imagesBench) run(ctx context.Context, mode string, kib int) (imageRun, 
 	r.PeakWriteMBps = float64(peak.Load()) / 1e6
 	r.SourceBytes, r.SourceRequests = b.served.Load()-served0, b.requests.Load()-req0
 	switch mode {
-	case "ondemand":
+	case "ondemand", "traced":
 		if st, err := b.layerfsStats(ctx); err == nil {
 			var touched, total int64
 			for _, l := range st.Layers {
@@ -512,9 +520,13 @@ func (b *imagesBench) run(ctx context.Context, mode string, kib int) (imageRun, 
 // resetNode makes the node cold: the layer daemon's chunk cache emptied
 // (it refuses while any of its images is mounted), no pulled image left,
 // the page cache dropped.
-func (b *imagesBench) resetNode(ctx context.Context) error {
+func (b *imagesBench) resetNode(ctx context.Context, keepTraces bool) error {
 	if hc, ok := b.layerfsClient(); ok {
-		resp, err := hc.Post("http://layerfs/drop-cache", "", nil)
+		u := "http://layerfs/drop-cache?traces=1"
+		if keepTraces {
+			u = "http://layerfs/drop-cache"
+		}
+		resp, err := hc.Post(u, "", nil)
 		if err == nil {
 			msg, _ := io.ReadAll(resp.Body)
 			resp.Body.Close()
@@ -633,6 +645,9 @@ func printImagesReport(r imagesReport) {
 	fmt.Println(")")
 	if r.Speedup > 0 {
 		fmt.Printf("on demand: %.2f× faster than eager to all done (DSec E1: 1.71×; target ≥ 1.7×)\n", r.Speedup)
+	}
+	if r.TracedSeconds > 0 && r.OndemandSeconds > 0 {
+		fmt.Printf("a recorded trace prefetched: %.1f s against %.1f s without (%.2f×)\n", r.TracedSeconds, r.OndemandSeconds, r.OndemandSeconds/r.TracedSeconds)
 	}
 	if r.WrittenRatio > 0 {
 		fmt.Printf("on demand wrote %.0f%% of eager's bytes (DSec: 43%%; target ≤ 45%%); read %.1f%% of the images (target ≤ 15%%)\n",

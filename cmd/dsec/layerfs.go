@@ -30,6 +30,7 @@ func runLayerFS(args []string) error {
 	idle := fs.Duration("idle", 0, "exit after this long with no image open (0 = never)")
 	dockerConfig := fs.String("docker-config", "", "docker config.json whose auths give registry credentials")
 	fuseFD := fs.Int("fuse-fd", -1, "serve this inherited /dev/fuse descriptor, mounted at DIR/mnt by the edge (which keeps a copy), instead of mounting")
+	prefetch := fs.Bool("prefetch", true, "when a layer is first read, fetch in the background the chunks earlier runs read (a trace per layer)")
 	reattach := fs.Bool("reattach", false, "with --fuse-fd: take over a connection an earlier daemon served (no INIT; requests it left are resent)")
 	logFormat := fs.String("log-format", "text", "text or json")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
@@ -54,7 +55,7 @@ func runLayerFS(args []string) error {
 	return daemon(*logFormat, *logLevel, func(ctx context.Context, log *slog.Logger) error {
 		return remote.Serve(ctx, remote.DaemonConfig{Dir: *dir, CacheBytes: *cacheMB << 20,
 			Policy: remote.FetchPolicy{Timeout: *timeout, Attempts: *attempts}, Idle: *idle,
-			DockerConfig: *dockerConfig, FUSE: fuseFile, Reattach: *reattach, Log: log})
+			DockerConfig: *dockerConfig, FUSE: fuseFile, Reattach: *reattach, Prefetch: *prefetch, Log: log})
 	})
 }
 

@@ -202,3 +202,11 @@ func (c *Cache) Clear() {
 		c.removeLocked(el)
 	}
 }
+
+// Has reports whether the cache holds the chunk (without reading it).
+func (c *Cache) Has(sum [sha256.Size]byte) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	_, ok := c.ents[sum]
+	return ok
+}

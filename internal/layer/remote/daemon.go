@@ -55,6 +55,7 @@ const (
 	mntName    = "mnt"
 	sockName   = "ctl.sock"
 	descDir    = "layers"
+	traceDir   = "trace"
 	indexDir   = "index"
 	cacheDir   = "cache"
 	fsName     = "dsec-layerfs"
@@ -116,6 +117,10 @@ type DaemonConfig struct {
 	// asked of the kernel again (FUSE_NOTIFY_RESEND).
 	FUSE     *os.File
 	Reattach bool
+	// Prefetch, when a layer is first read, fetches in the background
+	// the chunks an earlier run read, in their order (a trace kept per
+	// layer under Dir/trace).
+	Prefetch bool
 	Log      *slog.Logger
 }
 
@@ -146,7 +151,7 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 	}
 	// The mount point is left alone when the edge mounted it: a stat of
 	// it would wait for this very daemon to answer.
-	subs := []string{descDir, indexDir}
+	subs := []string{descDir, indexDir, traceDir}
 	if cfg.FUSE == nil {
 		subs = append(subs, mntName)
 	}
@@ -237,6 +242,11 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 			http.Error(w, fmt.Sprintf("%d image(s) mounted", n), http.StatusConflict)
 			return
 		}
+		d.saveTraces()
+		if r.URL.Query().Get("traces") == "1" {
+			os.RemoveAll(filepath.Join(d.cfg.Dir, traceDir))
+			os.MkdirAll(filepath.Join(d.cfg.Dir, traceDir), 0o700)
+		}
 		d.mu.Lock()
 		d.readers = map[string]*Reader{}
 		d.mu.Unlock()
@@ -275,11 +285,15 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
-	for {
+	defer d.saveTraces()
+	for n := 0; ; n++ {
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-tick.C:
+			if n%5 == 0 {
+				d.saveTraces()
+			}
 			if cfg.Idle > 0 && time.Since(time.Unix(0, d.lastUsed.Load())) > cfg.Idle && d.mounted() == 0 {
 				d.log.Info("layerfs idle; exiting")
 				return nil
@@ -378,8 +392,67 @@ func (d *Daemon) reader(ctx context.Context, hex string) (*Reader, error) {
 		return nil, errdefs.Invalid("chunk index of %s covers %d bytes, not %d", short(desc.Digest), ix.Size, desc.Size)
 	}
 	rd := NewReader(desc.Digest, ix, repo, d.cache, d.cfg.Policy, d.log.With("layer", short(desc.Digest)))
+	rd.traceKey = strings.TrimPrefix(desc.Index, "sha256:")
 	d.readers[hex] = rd
+	if d.cfg.Prefetch {
+		if trace := readTrace(filepath.Join(d.cfg.Dir, traceDir, rd.traceKey)); len(trace) > 0 {
+			d.log.Info("prefetching a layer's recorded trace", "layer", short(desc.Digest), "chunks", len(trace))
+			go rd.Prefetch(context.Background(), trace, 4)
+		}
+	}
 	return rd, nil
+}
+
+// saveTraces keeps each layer's trace: the chunks the earlier trace had,
+// in its order, then those read for the first time since.
+func (d *Daemon) saveTraces() {
+	d.mu.Lock()
+	readers := make(map[string]*Reader, len(d.readers))
+	for k, v := range d.readers {
+		readers[k] = v
+	}
+	d.mu.Unlock()
+	for _, rd := range readers {
+		now := rd.Trace()
+		if len(now) == 0 || rd.traceKey == "" {
+			continue
+		}
+		p := filepath.Join(d.cfg.Dir, traceDir, rd.traceKey)
+		old := readTrace(p)
+		seen := make(map[int]bool, len(old))
+		for _, i := range old {
+			seen[i] = true
+		}
+		merged := old
+		for _, i := range now {
+			if !seen[i] {
+				merged = append(merged, i)
+			}
+		}
+		if len(merged) == len(old) {
+			continue
+		}
+		b := make([]byte, 4*len(merged))
+		for k, i := range merged {
+			binary.LittleEndian.PutUint32(b[4*k:], uint32(i))
+		}
+		if err := writeAtomic(p, b); err != nil {
+			d.log.Warn("keeping a layer's trace", "err", err)
+		}
+	}
+}
+
+// readTrace reads a trace file (chunk numbers, u32 little-endian).
+func readTrace(p string) []int {
+	b, err := os.ReadFile(p)
+	if err != nil || len(b)%4 != 0 {
+		return nil
+	}
+	out := make([]int, len(b)/4)
+	for k := range out {
+		out[k] = int(binary.LittleEndian.Uint32(b[4*k:]))
+	}
+	return out
 }
 
 // LayerStats are one image's figures in the daemon's statistics.

@@ -310,3 +310,66 @@ func jsonDecode(resp *http.Response, v any) error {
 }
 
 func jsonNewDecoder(resp *http.Response) *json.Decoder { return json.NewDecoder(resp.Body) }
+
+// A layer's trace (the chunks read, in order) outlives the daemon's
+// reader; the next time the layer is opened they are fetched in the
+// background, so the workload's reads find them cached.
+func TestTracePrefetch(t *testing.T) {
+	pol := FetchPolicy{Timeout: 5 * time.Second, Attempts: 2}
+	w := newLazyCatalog(t, pol)
+	dctx, cancel := context.WithCancel(context.Background())
+	w.cancel = cancel
+	go func() {
+		w.done <- Serve(dctx, DaemonConfig{Dir: w.dir, CacheBytes: 64 << 20, Policy: pol, Prefetch: true})
+	}()
+	t.Cleanup(w.stop)
+	for !w.src.healthy(context.Background()) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	ctx := context.Background()
+	cs := int64(w.layer.Remote.ChunkSize)
+	path, _, err := w.src.Open(ctx, w.layer.Digest)
+	must(t, err)
+	read := func() {
+		t.Helper()
+		f, err := os.Open(path)
+		must(t, err)
+		defer f.Close()
+		must(t, unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED))
+		buf := make([]byte, 4096)
+		for _, i := range []int64{9, 3, 4} {
+			if _, err := f.ReadAt(buf, i*cs); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	read()
+	resp, err := w.src.client().Post("http://layerfs/drop-cache", "", nil)
+	must(t, err)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("drop-cache: %s", resp.Status)
+	}
+	if tr := readTrace(filepath.Join(w.dir, traceDir, strings.TrimPrefix(w.layer.Remote.Index, "sha256:"))); len(tr) != 4 || tr[0] != 0 || tr[1] != 9 {
+		t.Fatalf("trace: %v, want [0 9 3 4] (chunk 0 read at registration)", tr)
+	}
+	// Opened again: the trace is prefetched.
+	_, _, err = w.src.Open(ctx, w.layer.Digest)
+	must(t, err)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		s := w.stats(t)
+		if len(s.Layers) == 1 && s.Layers[0].BytesFetched >= 4*cs {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("trace not prefetched: %+v", s.Layers)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	before := w.stats(t).Layers[0].Requests
+	read()
+	if after := w.stats(t).Layers[0].Requests; after != before {
+		t.Fatalf("the workload's reads made %d requests after the prefetch", after-before)
+	}
+}

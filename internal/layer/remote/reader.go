@@ -42,16 +42,20 @@ const maxRun = 16
 // request. Safe for concurrent use.
 type Reader struct {
 	digest string
-	ix     *Index
-	repo   *image.Repo
-	cache  *Cache
-	policy FetchPolicy
-	log    *slog.Logger
-	Stats  Stats
+	// traceKey names the reader's trace: its index's hex, since chunk
+	// numbers mean something only for one chunk size.
+	traceKey string
+	ix       *Index
+	repo     *image.Repo
+	cache    *Cache
+	policy   FetchPolicy
+	log      *slog.Logger
+	Stats    Stats
 
 	mu       sync.Mutex
 	inflight map[int]*fetchCall
 	seen     []bool // chunks read at least once
+	order    []int  // chunks in the order of their first read: the trace
 }
 
 // Stats count a Reader's work.
@@ -167,9 +171,85 @@ func (r *Reader) touch(i int) {
 	r.mu.Lock()
 	if !r.seen[i] {
 		r.seen[i] = true
+		r.order = append(r.order, i)
 		r.Stats.ChunksTouched.Add(1)
 	}
 	r.mu.Unlock()
+}
+
+// Trace returns the chunks read so far, in the order of their first read.
+func (r *Reader) Trace() []int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]int(nil), r.order...)
+}
+
+// Prefetch reads the chunks of an earlier run's trace into the cache, in
+// its order, runs of adjacent ones together, at most conc requests at
+// once; chunks already cached cost nothing. It counts what it fetches
+// like any read but leaves the trace and the touched chunks alone.
+func (r *Reader) Prefetch(ctx context.Context, trace []int, conc int) {
+	type span struct{ first, last int }
+	var spans []span
+	for _, i := range trace {
+		if i < 0 || i >= r.ix.Chunks() {
+			continue
+		}
+		if n := len(spans); n > 0 && spans[n-1].last == i-1 && i-spans[n-1].first < maxRun {
+			spans[n-1].last = i
+			continue
+		}
+		spans = append(spans, span{i, i})
+	}
+	sem := make(chan struct{}, max(conc, 1))
+	var wg sync.WaitGroup
+	for _, sp := range spans {
+		if ctx.Err() != nil {
+			break
+		}
+		sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			r.fill(ctx, sp.first, sp.last)
+		}()
+	}
+	wg.Wait()
+}
+
+// fill brings chunks first..last into the cache without counting them as
+// read.
+func (r *Reader) fill(ctx context.Context, first, last int) {
+	var missing []int
+	for i := first; i <= last; i++ {
+		if !r.cache.Has(r.ix.Sums[i]) {
+			missing = append(missing, i)
+		}
+	}
+	if len(missing) == 0 {
+		return
+	}
+	r.mu.Lock()
+	var run []int
+	for _, i := range missing {
+		if _, ok := r.inflight[i]; ok {
+			continue
+		}
+		r.inflight[i] = &fetchCall{done: make(chan struct{})}
+		run = append(run, i)
+	}
+	r.mu.Unlock()
+	// Adjacent misses in one request; a gap starts another.
+	start := 0
+	for k := 1; k <= len(run); k++ {
+		if k == len(run) || run[k] != run[k-1]+1 {
+			if k > start {
+				r.fetchRun(context.WithoutCancel(ctx), run[start:k])
+			}
+			start = k
+		}
+	}
 }
 
 // fetchRun fetches the adjacent chunks of run in one request (retried
