@@ -1,0 +1,169 @@
+package remote
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/dsecproject/dsec/internal/image"
+)
+
+// blobServer serves one blob the way a registry does (GET with Range on
+// /v2/<repo>/blobs/<digest>), counting requests and holding each one for
+// delay, so that concurrent readers overlap.
+type blobServer struct {
+	*httptest.Server
+	data     []byte
+	requests atomic.Int64
+	delay    time.Duration
+}
+
+func newBlobServer(t *testing.T, data []byte, delay time.Duration) (*blobServer, *image.Repo, string) {
+	t.Helper()
+	digest := digestOf(data)
+	b := &blobServer{data: data, delay: delay}
+	b.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v2/x/blobs/"+digest {
+			http.NotFound(w, r)
+			return
+		}
+		b.requests.Add(1)
+		time.Sleep(b.delay)
+		http.ServeContent(w, r, "blob", time.Time{}, bytes.NewReader(b.data))
+	}))
+	t.Cleanup(b.Close)
+	ref, err := image.ParseReference(strings.TrimPrefix(b.URL, "http://") + "/x:1")
+	must(t, err)
+	repo, err := image.OpenRepo(ref, image.RepoOptions{Insecure: true})
+	must(t, err)
+	return b, repo, digest
+}
+
+func newTestReader(t *testing.T, data []byte, delay time.Duration, cacheBytes int64) (*Reader, *blobServer) {
+	t.Helper()
+	srv, repo, digest := newBlobServer(t, data, delay)
+	ix, err := BuildIndex(bytes.NewReader(data), int64(len(data)), 4096)
+	must(t, err)
+	cache, err := OpenCache(t.TempDir(), cacheBytes)
+	must(t, err)
+	return NewReader(digest, ix, repo, cache, FetchPolicy{Timeout: 5 * time.Second, Attempts: 1}, nil), srv
+}
+
+// Readers missing one chunk at once make one request between them.
+func TestConcurrentMissesShareARequest(t *testing.T) {
+	data := make([]byte, 64<<10)
+	rand.Read(data)
+	rd, srv := newTestReader(t, data, 100*time.Millisecond, 1<<20)
+	var wg sync.WaitGroup
+	errs := make(chan error, 16)
+	for range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			buf := make([]byte, 100)
+			if _, err := rd.ReadAt(context.Background(), buf, 5*4096+10); err != nil {
+				errs <- err
+				return
+			}
+			if !bytes.Equal(buf, data[5*4096+10:5*4096+110]) {
+				errs <- fmt.Errorf("wrong bytes")
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if n := srv.requests.Load(); n != 1 {
+		t.Fatalf("%d requests for one chunk missed by 16 readers", n)
+	}
+}
+
+// A read spanning missing adjacent chunks fetches them in one request;
+// a read of cached chunks makes none.
+func TestAdjacentMissesMerge(t *testing.T) {
+	data := make([]byte, 64<<10)
+	rand.Read(data)
+	rd, srv := newTestReader(t, data, 0, 1<<20)
+	buf := make([]byte, 3*4096)
+	if _, err := rd.ReadAt(context.Background(), buf, 2*4096); err != nil || !bytes.Equal(buf, data[2*4096:5*4096]) {
+		t.Fatalf("read: %v", err)
+	}
+	if n := srv.requests.Load(); n != 1 {
+		t.Fatalf("%d requests for 3 adjacent chunks", n)
+	}
+	// Chunk 3 is cached; 1-2 and 4-6 are two runs around it... 2 and 4
+	// are cached too: a read of 1-6 fetches 1 and 5-6.
+	buf = make([]byte, 6*4096)
+	if _, err := rd.ReadAt(context.Background(), buf, 1*4096); err != nil || !bytes.Equal(buf, data[4096:7*4096]) {
+		t.Fatalf("read: %v", err)
+	}
+	if n := srv.requests.Load(); n != 3 {
+		t.Fatalf("%d requests in all, want 3 (one more for chunk 1, one for 5-6)", n)
+	}
+	if got := rd.Stats.BytesFetched.Load(); got != 6*4096 {
+		t.Fatalf("fetched %d bytes, want %d", got, 6*4096)
+	}
+	// The end of the image: a short last chunk, and EOF past it.
+	tail := make([]byte, 10)
+	if n, _ := rd.ReadAt(context.Background(), tail, int64(len(data))-5); n != 5 {
+		t.Fatalf("read at the end: %d bytes", n)
+	}
+}
+
+// The cache keeps its bound, evicts the least recently used, survives a
+// reopen with its order, and drops a chunk changed on disk.
+func TestCacheBoundOrderAndReopen(t *testing.T) {
+	dir := t.TempDir()
+	c, err := OpenCache(dir, 3*1000)
+	must(t, err)
+	chunk := func(i int) ([]byte, [sha256.Size]byte) {
+		b := bytes.Repeat([]byte{byte(i)}, 1000)
+		return b, sha256.Sum256(b)
+	}
+	for i := range 3 {
+		b, s := chunk(i)
+		must(t, c.Put(s, b))
+		time.Sleep(10 * time.Millisecond) // distinct mtimes for the reopen
+	}
+	_, s0 := chunk(0)
+	if _, ok := c.Get(s0); !ok { // 0 is now the most recent
+		t.Fatal("chunk 0 missing")
+	}
+	b3, s3 := chunk(3)
+	must(t, c.Put(s3, b3)) // evicts 1, the least recently used
+	_, s1 := chunk(1)
+	if c.Has(s1) || !c.Has(s0) || c.Size() != 3000 {
+		t.Fatalf("after eviction: has1 %v has0 %v size %d", c.Has(s1), c.Has(s0), c.Size())
+	}
+	// Reopened smaller: the oldest by file time go. A hit moves a
+	// chunk's file time at most once a minute, so 0, written first and
+	// read just now, counts as the oldest here.
+	c2, err := OpenCache(dir, 2*1000)
+	must(t, err)
+	if c2.Size() != 2000 {
+		t.Fatalf("reopened: %d bytes", c2.Size())
+	}
+	_, s2 := chunk(2)
+	if c2.Has(s0) || !c2.Has(s2) || !c2.Has(s3) {
+		t.Fatal("reopen kept the wrong chunks")
+	}
+	// A chunk changed on disk is not served.
+	p := filepath.Join(dir, fmt.Sprintf("%x", s3[:1]), fmt.Sprintf("%x", s3))
+	must(t, os.WriteFile(p, bytes.Repeat([]byte{9}, 1000), 0o600))
+	if _, ok := c2.Get(s3); ok || c2.Has(s3) {
+		t.Fatal("a changed chunk was served")
+	}
+}
