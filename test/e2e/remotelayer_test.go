@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -95,6 +96,28 @@ func TestLayerFromRegistry(t *testing.T) {
 		t.Errorf("/metrics has no layer figures (want %s)", want)
 	}
 	t.Logf("lazy layer: %d of %d bytes fetched in %d requests, %.0f%% of chunks read", ls.BytesFetched, ls.SizeBytes, ls.Requests, 100*ls.ReadFraction)
+
+	// The layer daemon killed while a sandbox uses the layer: the edge
+	// starts another on the same mount, and the sandbox reads on.
+	sb := newSandbox(t, api.SandboxSpec{Base: baseRef, Workspace: ref})
+	if res := sh(t, sb.ID, "cat /reg/hello.txt"); res.Stdout != "hello from a registry\n" {
+		t.Fatalf("before the kill: %+v", res)
+	}
+	dir := filepath.Join(d.stateDir, "edge", "layerfs")
+	if killed, err := exec.Command("pkill", "-KILL", "-f", "layerfs --dir "+dir).CombinedOutput(); err != nil {
+		t.Fatalf("killing the layer daemon: %v %s", err, killed)
+	}
+	os.WriteFile("/proc/sys/vm/drop_caches", []byte("3\n"), 0o200) // so the reads reach a daemon
+	res := sh(t, sb.ID, "sha256sum /reg/big.bin")
+	if res.ExitCode != 0 || res.Stdout != hex.EncodeToString(sum[:])+"  /reg/big.bin\n" {
+		t.Fatalf("after the layer daemon was killed: %+v", res)
+	}
+	if logb, _ := os.ReadFile(d.logPath); !strings.Contains(string(logb), "took_over=true") {
+		t.Error("the daemon's log does not show a layer daemon taking over the mount")
+	}
+	if err := client.DeleteSandbox(ctx(t), sb.ID); err != nil {
+		t.Fatal(err)
+	}
 
 	// The same artifact as a pull-full layer.
 	const full = "workspace/e2e-registry-full:v1"
