@@ -424,7 +424,8 @@ func TestRecoverAdoptsAndReaps(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	m := NewMounter(mntDir, s, nil)
+	src := &countingSource{Source: s, released: map[string]int{}}
+	m := NewMounter(mntDir, src, nil)
 	t.Cleanup(func() {
 		for d, n := range m.Refs() {
 			for range n {
@@ -464,6 +465,36 @@ func TestRecoverAdoptsAndReaps(t *testing.T) {
 	if c := mountCount(t, m.Mountpoint(kept)); c != 0 {
 		t.Errorf("kept layer still mounted after its last release")
 	}
+	// What the source opened for an adopted mount goes back with it.
+	if src.releasedOf(kept) != 1 {
+		t.Errorf("the adopted layer's image was released %d times, want 1", src.releasedOf(kept))
+	}
+}
+
+// countingSource counts the releases of what it opens.
+type countingSource struct {
+	Source
+	mu       sync.Mutex
+	released map[string]int
+}
+
+func (c *countingSource) Open(ctx context.Context, digest string) (string, func(), error) {
+	p, rel, err := c.Source.Open(ctx, digest)
+	if err != nil {
+		return "", nil, err
+	}
+	return p, func() {
+		rel()
+		c.mu.Lock()
+		c.released[digest]++
+		c.mu.Unlock()
+	}, nil
+}
+
+func (c *countingSource) releasedOf(d string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.released[d]
 }
 
 func TestDeleteAndDedup(t *testing.T) {

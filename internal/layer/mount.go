@@ -338,6 +338,17 @@ func (m *Mounter) Recover(inUse map[string]int) error {
 				errs = append(errs, err)
 				continue
 			}
+		} else if m.src != nil {
+			// What the source opened for the previous daemon (a pulled
+			// image, a registration) is given back when the last
+			// reference goes, as for a mount made now.
+			if _, release, err := m.src.Open(context.Background(), d); err != nil {
+				m.log.Warn("reopening an adopted layer's image at its source; it is kept until the node next uses it", "digest", d, "err", err)
+			} else {
+				m.mu.Lock()
+				m.releases[d] = release
+				m.mu.Unlock()
+			}
 		}
 		done := make(chan struct{})
 		close(done)
