@@ -75,6 +75,11 @@ type imageRun struct {
 	ImageBytes     int64   `json:"image_bytes"`
 	FirstError     string  `json:"first_error,omitempty"`
 	FlowP50Millis  float64 `json:"flow_p50_ms"` // one sandbox: create, then its task
+	// The layer daemon's counts (on-demand runs): chunk reads served from
+	// the node's cache and not, and the seconds its range requests took.
+	CacheHits    int64   `json:"cache_hits,omitempty"`
+	CacheMisses  int64   `json:"cache_misses,omitempty"`
+	FetchSeconds float64 `json:"fetch_seconds,omitempty"`
 }
 
 type imagesReport struct {
@@ -431,9 +436,10 @@ func (b *imagesBench) run(ctx context.Context, mode string, kib int) (imageRun, 
 	if err != nil {
 		return r, err
 	}
-	stopSample := make(chan struct{})
+	stopSample, sampled := make(chan struct{}), make(chan struct{})
 	var peak atomic.Int64 // bytes per second, the largest over 250 ms
 	go func() {
+		defer close(sampled)
 		last, t := written0, time.Now()
 		tick := time.NewTicker(250 * time.Millisecond)
 		defer tick.Stop()
@@ -483,11 +489,15 @@ func (b *imagesBench) run(ctx context.Context, mode string, kib int) (imageRun, 
 	r.DoneSeconds = time.Since(start).Seconds()
 	r.RunningSeconds = running.Seconds()
 	close(stopSample)
+	<-sampled
 	r.Failed = fails
 	if firstErr != nil {
 		r.FirstError = firstErr.Error()
 	}
 	r.FlowP50Millis = pct(flows, .5)
+	// What the run wrote may still sit in the page cache: flush it so
+	// that the disk's counters show it.
+	unix.Sync()
 	written1, _ := sectorsWritten(b.device)
 	r.WrittenBytes = written1 - written0
 	r.PeakWriteMBps = float64(peak.Load()) / 1e6
@@ -499,6 +509,9 @@ func (b *imagesBench) run(ctx context.Context, mode string, kib int) (imageRun, 
 			for _, l := range st.Layers {
 				touched += l.ChunksTouched * int64(l.ChunkSize)
 				total += l.SizeBytes
+				r.CacheHits += l.CacheHits
+				r.CacheMisses += l.CacheMisses
+				r.FetchSeconds += l.FetchSeconds
 			}
 			if total > 0 {
 				r.ReadFraction = float64(min(touched, total)) / float64(total)

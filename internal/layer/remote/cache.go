@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -36,6 +37,10 @@ type cacheEntry struct {
 	// touched is when the file's mtime was last moved forward; it is
 	// moved at most once a minute, so hits cost no write.
 	touched time.Time
+	// verified says this process has checked the file against its name
+	// (it wrote it, or read it back whole and hashed it): later hits read
+	// it without hashing it again.
+	verified atomic.Bool
 }
 
 // OpenCache opens (creating) the cache at dir, bounded to max bytes; what
@@ -105,12 +110,13 @@ func (c *Cache) Get(sum [sha256.Size]byte) ([]byte, bool) {
 	if !ok {
 		return nil, false
 	}
+	e := el.Value.(*cacheEntry)
 	b, err := os.ReadFile(c.path(sum))
-	if err != nil || sha256.Sum256(b) != sum {
+	if err != nil || int64(len(b)) != e.size || (!e.verified.Load() && sha256.Sum256(b) != sum) {
 		c.drop(sum)
 		return nil, false
 	}
-	e := el.Value.(*cacheEntry)
+	e.verified.Store(true)
 	if now := time.Now(); now.Sub(e.touched) > time.Minute {
 		e.touched = now
 		os.Chtimes(c.path(sum), now, now)
@@ -151,7 +157,9 @@ func (c *Cache) Put(sum [sha256.Size]byte, data []byte) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if _, ok := c.ents[sum]; !ok {
-		c.ents[sum] = c.lru.PushFront(&cacheEntry{sum: sum, size: int64(len(data)), touched: time.Now()})
+		e := &cacheEntry{sum: sum, size: int64(len(data)), touched: time.Now()}
+		e.verified.Store(true) // the caller verified data; this process wrote it
+		c.ents[sum] = c.lru.PushFront(e)
 		c.size += int64(len(data))
 	}
 	c.evictLocked()
