@@ -113,7 +113,7 @@ func runBenchImages(args []string) error {
 	nImages := f.Int("images", len(benchImages), "how many of the bases to use (py, cpp, jvm)")
 	dir := f.String("dir", "/var/lib/dsec-bench-images", "the bench's directory: the registry's storage and the apt cache (kept: a rerun builds nothing)")
 	stateDir := f.String("state-dir", "/var/lib/dsec", "the daemon's state dir (its disk is the one measured; its layer daemon is reset between modes)")
-	mbps := f.Float64("source-mbps", 0, "limit what the source serves to this many MB/s, as a shared storage link would (0 = loopback speed)")
+	mbps := f.Float64("source-mbps", 0, "pace everything the source serves through one link of this many MB/s, as a node's link to shared storage (0 = loopback speed)")
 	modesFlag := f.String("modes", "eager,ondemand,traced,prepulled", "modes to run, in order (traced: on demand again, with the trace the ondemand run left prefetched)")
 	chunksFlag := f.String("chunk-kib", "256", "chunk sizes (KiB, comma-separated) to run the on-demand mode with, each in a run of its own; the first is the one reported as ondemand")
 	asJSON := f.Bool("json", false, "print one JSON object")
@@ -262,9 +262,13 @@ func (b *imagesBench) startRegistry(ctx context.Context, mbps float64) error {
 	}
 	target, _ := url.Parse("http://" + b.regAddr)
 	rp := httputil.NewSingleHostReverseProxy(target)
+	var shared *link
+	if mbps > 0 {
+		shared = &link{rate: mbps * 1e6}
+	}
 	rp.ModifyResponse = func(resp *http.Response) error {
 		b.requests.Add(1)
-		resp.Body = &countingBody{ReadCloser: resp.Body, n: &b.served, mbps: mbps}
+		resp.Body = &countingBody{ReadCloser: resp.Body, n: &b.served, link: shared}
 		return nil
 	}
 	ln, err := net.Listen("tcp", b.addr)
@@ -299,32 +303,45 @@ func (b *imagesBench) stopRegistry() {
 	}
 }
 
-// countingBody counts what the source serves and, with mbps, paces it.
+// countingBody counts what the source serves and, with a link, paces it.
 type countingBody struct {
 	io.ReadCloser
-	n     *atomic.Int64
-	mbps  float64
-	start time.Time
-	read  int64
+	n    *atomic.Int64
+	link *link
 }
 
 func (c *countingBody) Read(p []byte) (int, error) {
-	if c.mbps > 0 && len(p) > 64<<10 {
+	if c.link != nil && len(p) > 64<<10 {
 		p = p[:64<<10]
 	}
 	n, err := c.ReadCloser.Read(p)
 	c.n.Add(int64(n))
-	if c.mbps > 0 && n > 0 {
-		if c.start.IsZero() {
-			c.start = time.Now()
-		}
-		c.read += int64(n)
-		due := c.start.Add(time.Duration(float64(c.read) / (c.mbps * 1e6) * float64(time.Second)))
-		if d := time.Until(due); d > 0 {
-			time.Sleep(d)
-		}
+	if c.link != nil && n > 0 {
+		c.link.take(n)
 	}
 	return n, err
+}
+
+// link is one shared link of a given rate: every byte any response sends
+// takes its time on it, as on a node's network link to shared storage.
+type link struct {
+	rate float64 // bytes per second
+	mu   sync.Mutex
+	next time.Time
+}
+
+func (l *link) take(n int) {
+	l.mu.Lock()
+	now := time.Now()
+	if l.next.Before(now) {
+		l.next = now
+	}
+	l.next = l.next.Add(time.Duration(float64(n) / l.rate * float64(time.Second)))
+	wait := time.Until(l.next)
+	l.mu.Unlock()
+	if wait > 0 {
+		time.Sleep(wait)
+	}
 }
 
 // prepare makes sure every base is in the registry, building and pushing
