@@ -551,6 +551,17 @@ func (b *imagesBench) run(ctx context.Context, mode string, kib int) (imageRun, 
 // (it refuses while any of its images is mounted), no pulled image left,
 // the page cache dropped.
 func (b *imagesBench) resetNode(ctx context.Context, keepTraces bool) error {
+	if !keepTraces {
+		// Also when no daemon runs now: the next one would prefetch
+		// what earlier runs left.
+		traces := filepath.Join(b.stateDir, "edge", "layerfs", "trace")
+		entries, _ := os.ReadDir(traces)
+		for _, e := range entries {
+			if err := os.Remove(filepath.Join(traces, e.Name())); err != nil {
+				return fmt.Errorf("removing layer traces: %w", err)
+			}
+		}
+	}
 	if hc, ok := b.layerfsClient(); ok {
 		u := "http://layerfs/drop-cache?traces=1"
 		if keepTraces {
