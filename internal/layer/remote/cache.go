@@ -29,6 +29,9 @@ type Cache struct {
 	size int64
 	lru  *list.List // of *cacheEntry, most recent first
 	ents map[[sha256.Size]byte]*list.Element
+	// inflight holds the fetches under way, by chunk digest: a chunk that
+	// several layers share is fetched once however many miss it.
+	inflight map[[sha256.Size]byte]*fetchCall
 }
 
 type cacheEntry struct {
@@ -52,7 +55,8 @@ func OpenCache(dir string, max int64) (*Cache, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("opening chunk cache: %w", err)
 	}
-	c := &Cache{dir: dir, max: max, lru: list.New(), ents: map[[sha256.Size]byte]*list.Element{}}
+	c := &Cache{dir: dir, max: max, lru: list.New(), ents: map[[sha256.Size]byte]*list.Element{},
+		inflight: map[[sha256.Size]byte]*fetchCall{}}
 	type found struct {
 		e     *cacheEntry
 		mtime time.Time
@@ -217,4 +221,28 @@ func (c *Cache) Has(sum [sha256.Size]byte) bool {
 	defer c.mu.Unlock()
 	_, ok := c.ents[sum]
 	return ok
+}
+
+// claim returns the fetch under way of the chunk sum, or registers a new
+// one that the caller (owner) must complete.
+func (c *Cache) claim(sum [sha256.Size]byte) (call *fetchCall, owner bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if f, ok := c.inflight[sum]; ok {
+		return f, false
+	}
+	f := &fetchCall{done: make(chan struct{})}
+	c.inflight[sum] = f
+	return f, true
+}
+
+// complete ends a claimed fetch and wakes its waiters.
+func (c *Cache) complete(sum [sha256.Size]byte, f *fetchCall, data []byte, err error) {
+	c.mu.Lock()
+	if c.inflight[sum] == f {
+		delete(c.inflight, sum)
+	}
+	c.mu.Unlock()
+	f.data, f.err = data, err
+	close(f.done)
 }

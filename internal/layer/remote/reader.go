@@ -52,10 +52,9 @@ type Reader struct {
 	log      *slog.Logger
 	Stats    Stats
 
-	mu       sync.Mutex
-	inflight map[int]*fetchCall
-	seen     []bool // chunks read at least once
-	order    []int  // chunks in the order of their first read: the trace
+	mu    sync.Mutex
+	seen  []bool // chunks read at least once
+	order []int  // chunks in the order of their first read: the trace
 }
 
 // Stats count a Reader's work.
@@ -82,7 +81,7 @@ func NewReader(digest string, ix *Index, repo *image.Repo, cache *Cache, policy 
 		log = slog.New(slog.DiscardHandler)
 	}
 	return &Reader{digest: digest, ix: ix, repo: repo, cache: cache, policy: policy.withDefaults(), log: log,
-		inflight: map[int]*fetchCall{}, seen: make([]bool, ix.Chunks())}
+		seen: make([]bool, ix.Chunks())}
 }
 
 // Size is the image's size.
@@ -127,29 +126,29 @@ func (r *Reader) chunks(ctx context.Context, first, last int) ([][]byte, error) 
 	if len(missing) == 0 {
 		return out, nil
 	}
-	// Join fetches in flight; start the rest, adjacent ones together.
+	// Join fetches in flight on the node (of this layer, or of another
+	// with the same chunk); start the rest, adjacent ones together.
 	waits := map[int]*fetchCall{}
 	var runs [][]int
-	r.mu.Lock()
+	var calls [][]*fetchCall
 	for _, i := range missing {
-		if c, ok := r.inflight[i]; ok {
-			waits[i] = c
+		c, owner := r.cache.claim(r.ix.Sums[i])
+		waits[i] = c
+		if !owner {
 			continue
 		}
-		c := &fetchCall{done: make(chan struct{})}
-		r.inflight[i] = c
-		waits[i] = c
 		if n := len(runs); n > 0 && runs[n-1][len(runs[n-1])-1] == i-1 && len(runs[n-1]) < maxRun {
 			runs[n-1] = append(runs[n-1], i)
+			calls[n-1] = append(calls[n-1], c)
 		} else {
 			runs = append(runs, []int{i})
+			calls = append(calls, []*fetchCall{c})
 		}
 	}
-	r.mu.Unlock()
-	for _, run := range runs {
+	for k, run := range runs {
 		// A fetch is not bound to the reader that started it: others
 		// may be waiting for the same chunks.
-		r.fetchRun(context.WithoutCancel(ctx), run)
+		r.fetchRun(context.WithoutCancel(ctx), run, calls[k])
 	}
 	for _, i := range missing {
 		c := waits[i]
@@ -230,22 +229,20 @@ func (r *Reader) fill(ctx context.Context, first, last int) {
 	if len(missing) == 0 {
 		return
 	}
-	r.mu.Lock()
 	var run []int
+	var calls []*fetchCall
 	for _, i := range missing {
-		if _, ok := r.inflight[i]; ok {
-			continue
+		if c, owner := r.cache.claim(r.ix.Sums[i]); owner {
+			run = append(run, i)
+			calls = append(calls, c)
 		}
-		r.inflight[i] = &fetchCall{done: make(chan struct{})}
-		run = append(run, i)
 	}
-	r.mu.Unlock()
 	// Adjacent misses in one request; a gap starts another.
 	start := 0
 	for k := 1; k <= len(run); k++ {
-		if k == len(run) || run[k] != run[k-1]+1 {
+		if k == len(run) || run[k] != run[k-1]+1 || k-start >= maxRun {
 			if k > start {
-				r.fetchRun(context.WithoutCancel(ctx), run[start:k])
+				r.fetchRun(context.WithoutCancel(ctx), run[start:k], calls[start:k])
 			}
 			start = k
 		}
@@ -253,8 +250,9 @@ func (r *Reader) fill(ctx context.Context, first, last int) {
 }
 
 // fetchRun fetches the adjacent chunks of run in one request (retried
-// under the policy), verifies and caches each, and completes their calls.
-func (r *Reader) fetchRun(ctx context.Context, run []int) {
+// under the policy), verifies and caches each, and completes their calls
+// (calls[k] is run[k]'s, claimed by the caller).
+func (r *Reader) fetchRun(ctx context.Context, run []int, calls []*fetchCall) {
 	cs := int64(r.ix.ChunkSize)
 	off := int64(run[0]) * cs
 	n := int64(0)
@@ -281,7 +279,7 @@ func (r *Reader) fetchRun(ctx context.Context, run []int) {
 		}
 	}
 	pos := 0
-	for _, i := range run {
+	for k, i := range run {
 		l := r.ix.ChunkLen(i)
 		var data []byte
 		cerr := err
@@ -296,12 +294,7 @@ func (r *Reader) fetchRun(ctx context.Context, run []int) {
 			}
 		}
 		pos += l
-		r.mu.Lock()
-		c := r.inflight[i]
-		delete(r.inflight, i)
-		r.mu.Unlock()
-		c.data, c.err = data, cerr
-		close(c.done)
+		r.cache.complete(r.ix.Sums[i], calls[k], data, cerr)
 	}
 }
 

@@ -167,3 +167,27 @@ func TestCacheBoundOrderAndReopen(t *testing.T) {
 		t.Fatal("a changed chunk was served")
 	}
 }
+
+// Layers that share a chunk share its fetch: two readers (as of two
+// images holding the same bytes) missing it at once make one request.
+func TestSharedChunkFetchedOnce(t *testing.T) {
+	data := make([]byte, 64<<10)
+	rand.Read(data)
+	a, srv := newTestReader(t, data, 100*time.Millisecond, 1<<20)
+	b := NewReader(a.digest, a.ix, a.repo, a.cache, a.policy, nil)
+	var wg sync.WaitGroup
+	for _, rd := range []*Reader{a, b} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			buf := make([]byte, 10)
+			if _, err := rd.ReadAt(context.Background(), buf, 7*4096); err != nil || !bytes.Equal(buf, data[7*4096:7*4096+10]) {
+				t.Errorf("read: %v", err)
+			}
+		}()
+	}
+	wg.Wait()
+	if n := srv.requests.Load(); n != 1 {
+		t.Fatalf("%d requests for a chunk two layers share", n)
+	}
+}
