@@ -562,6 +562,7 @@ func (b *imagesBench) resetNode(ctx context.Context, keepTraces bool) error {
 			}
 		}
 	}
+	dropped := false
 	if hc, ok := b.layerfsClient(); ok {
 		u := "http://layerfs/drop-cache?traces=1"
 		if keepTraces {
@@ -574,6 +575,14 @@ func (b *imagesBench) resetNode(ctx context.Context, keepTraces bool) error {
 			if resp.StatusCode != http.StatusOK {
 				return fmt.Errorf("emptying the layer daemon's cache: %s", strings.TrimSpace(string(msg)))
 			}
+			dropped = true
+		}
+	}
+	if !dropped {
+		// No daemon runs: empty the cache it will open (chunks of other
+		// runs would be hits in this one).
+		if err := os.RemoveAll(filepath.Join(b.stateDir, "edge", "layerfs", "cache")); err != nil {
+			return fmt.Errorf("emptying the chunk cache: %w", err)
 		}
 	}
 	entries, _ := os.ReadDir(filepath.Join(b.stateDir, "edge", "pulled"))
