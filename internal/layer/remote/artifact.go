@@ -223,6 +223,14 @@ func Add(ctx context.Context, st *layer.Store, ref, source string, opts AddOptio
 	if a.cfg.Kind != "" && a.cfg.Kind != r.Kind {
 		return api.Layer{}, errdefs.Invalid("%s holds a %s layer; it cannot be added as %s", source, a.cfg.Kind, r)
 	}
+	// The image's digest is the artifact's word for it: nothing reads the
+	// whole image here. Its chunks are checked against the index, so one
+	// digest must not stand for two indexes (two contents) on the nodes,
+	// which read a layer by digest.
+	if prev, err := st.Get(a.image.Digest); err == nil && prev.Remote != nil && prev.Remote.Index != a.index.Digest {
+		return api.Layer{}, errdefs.AlreadyExists("image %s is already in the catalog as %s from %s with another chunk index; add that source, or push the layer again",
+			a.image.Digest, prev.Ref, prev.Remote.Source)
+	}
 	l := api.Layer{
 		Digest: a.image.Digest, Ref: r.String(), Kind: r.Kind, SizeBytes: a.image.Size,
 		CreatedAt: time.Now().UTC(), Image: a.cfg.Image, Project: opts.Project,
@@ -377,10 +385,14 @@ func Reindex(ctx context.Context, source, target string, chunkSize int, opts ima
 	if err != nil {
 		return "", err
 	}
-	ix, err := BuildIndex(rc, img.Size, chunkSize)
+	h := sha256.New()
+	ix, err := BuildIndex(io.TeeReader(rc, h), img.Size, chunkSize)
 	rc.Close()
 	if err != nil {
 		return "", err
+	}
+	if got := "sha256:" + hex.EncodeToString(h.Sum(nil)); got != img.Digest {
+		return "", errdefs.Invalid("reindex: the registry's image has digest %s, not %s", got, img.Digest)
 	}
 	ixBytes, _ := ix.MarshalBinary()
 	ixDesc := descriptor{MediaType: IndexType, Digest: digestOf(ixBytes), Size: int64(len(ixBytes)),

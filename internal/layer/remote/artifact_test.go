@@ -137,9 +137,20 @@ func TestReindex(t *testing.T) {
 	if _, err := Reindex(ctx, src, dst, 64<<10, image.RepoOptions{Insecure: true}); err != nil {
 		t.Fatal(err)
 	}
-	got, err := Add(ctx, st, "base/ri64:1", dst, AddOptions{Insecure: true})
+	cat, err := layer.NewStore(t.TempDir(), store.NewMemory(), nil)
+	must(t, err)
+	defer cat.Close()
+	got, err := Add(ctx, cat, "base/ri64:1", dst, AddOptions{Insecure: true})
 	if err != nil || got.Digest != l.Digest || got.Remote.ChunkSize != 64<<10 {
 		t.Fatalf("reindexed: %+v %v", got, err)
+	}
+	// One digest, one index in a catalog: the 256 KiB artifact of the
+	// same image is refused there.
+	if _, err := Add(ctx, cat, "base/ri256:1", src, AddOptions{Insecure: true}); !errors.Is(err, errdefs.ErrAlreadyExists) {
+		t.Fatalf("a second index for one digest: %v", err)
+	}
+	if _, err := Add(ctx, cat, "base/ri64-again:1", dst, AddOptions{Insecure: true}); err != nil {
+		t.Fatalf("the same artifact under a second ref: %v", err)
 	}
 	if _, err := Reindex(ctx, src, Scheme+"127.0.0.1:1/other:x", 64<<10, image.RepoOptions{Insecure: true}); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("reindex into another repository: %v", err)

@@ -6,12 +6,14 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
 	"sort"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 )
 
@@ -37,13 +39,30 @@ type Cache struct {
 type cacheEntry struct {
 	sum  [sha256.Size]byte
 	size int64
-	// touched is when the file's mtime was last moved forward; it is
-	// moved at most once a minute, so hits cost no write.
-	touched time.Time
-	// verified says this process has checked the file against its name
-	// (it wrote it, or read it back whole and hashed it): later hits read
-	// it without hashing it again.
-	verified atomic.Bool
+	// touched is when (unix nanos) the file's mtime was last moved
+	// forward; it is moved at most once a minute, so hits cost no write.
+	touched atomic.Int64
+	// verified is the identity (inode and change time) of the file as
+	// this process last checked it against its name (it wrote it, or read
+	// it back whole and hashed it): a hit on the same file reads it
+	// without hashing it again; a file replaced or changed since is
+	// hashed again.
+	verified atomic.Pointer[fileID]
+}
+
+// fileID identifies a file's content as far as the kernel tells: any
+// write changes its ctime, a replacement its inode.
+type fileID struct {
+	ino   uint64
+	ctime int64
+}
+
+func idOf(fi os.FileInfo) *fileID {
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return nil
+	}
+	return &fileID{ino: st.Ino, ctime: st.Ctim.Nano()}
 }
 
 // OpenCache opens (creating) the cache at dir, bounded to max bytes; what
@@ -81,7 +100,9 @@ func OpenCache(dir string, max int64) (*Cache, error) {
 		}
 		var sum [sha256.Size]byte
 		copy(sum[:], b)
-		all = append(all, found{&cacheEntry{sum: sum, size: fi.Size(), touched: fi.ModTime()}, fi.ModTime()})
+		e := &cacheEntry{sum: sum, size: fi.Size()}
+		e.touched.Store(fi.ModTime().UnixNano())
+		all = append(all, found{e, fi.ModTime()})
 		return nil
 	})
 	if err != nil {
@@ -115,15 +136,40 @@ func (c *Cache) Get(sum [sha256.Size]byte) ([]byte, bool) {
 		return nil, false
 	}
 	e := el.Value.(*cacheEntry)
-	b, err := os.ReadFile(c.path(sum))
-	if err != nil || int64(len(b)) != e.size || (!e.verified.Load() && sha256.Sum256(b) != sum) {
-		c.drop(sum)
+	b, ok := e.read(c.path(sum))
+	if !ok {
+		c.drop(sum, el)
 		return nil, false
 	}
-	e.verified.Store(true)
-	if now := time.Now(); now.Sub(e.touched) > time.Minute {
-		e.touched = now
+	if now := time.Now(); now.Sub(time.Unix(0, e.touched.Load())) > time.Minute {
+		e.touched.Store(now.UnixNano())
 		os.Chtimes(c.path(sum), now, now)
+	}
+	return b, true
+}
+
+// read reads the entry's file, hashing it unless it is the very file
+// this process checked before.
+func (e *cacheEntry) read(path string) ([]byte, bool) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, false
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil || fi.Size() != e.size {
+		return nil, false
+	}
+	b := make([]byte, e.size)
+	if _, err := io.ReadFull(f, b); err != nil {
+		return nil, false
+	}
+	id := idOf(fi)
+	if v := e.verified.Load(); v == nil || id == nil || *v != *id {
+		if sha256.Sum256(b) != e.sum {
+			return nil, false
+		}
+		e.verified.Store(id)
 	}
 	return b, true
 }
@@ -161,8 +207,11 @@ func (c *Cache) Put(sum [sha256.Size]byte, data []byte) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if _, ok := c.ents[sum]; !ok {
-		e := &cacheEntry{sum: sum, size: int64(len(data)), touched: time.Now()}
-		e.verified.Store(true) // the caller verified data; this process wrote it
+		e := &cacheEntry{sum: sum, size: int64(len(data))}
+		e.touched.Store(time.Now().UnixNano())
+		if fi, err := os.Stat(p); err == nil {
+			e.verified.Store(idOf(fi)) // the caller verified data; this process wrote it
+		}
 		c.ents[sum] = c.lru.PushFront(e)
 		c.size += int64(len(data))
 	}
@@ -170,10 +219,11 @@ func (c *Cache) Put(sum [sha256.Size]byte, data []byte) error {
 	return nil
 }
 
-func (c *Cache) drop(sum [sha256.Size]byte) {
+// drop removes the entry el of sum, unless it has been replaced since.
+func (c *Cache) drop(sum [sha256.Size]byte, el *list.Element) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if el, ok := c.ents[sum]; ok {
+	if cur, ok := c.ents[sum]; ok && cur == el {
 		c.removeLocked(el)
 	}
 }

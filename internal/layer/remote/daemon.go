@@ -59,6 +59,7 @@ const (
 	indexDir   = "index"
 	cacheDir   = "cache"
 	fsName     = "dsec-layerfs"
+	pidName    = "layerfs.pid"
 	fileSuffix = ".erofs"
 )
 
@@ -137,7 +138,8 @@ type Daemon struct {
 	lastUsed atomic.Int64 // unix nanos of the last request
 
 	mu      sync.Mutex
-	readers map[string]*Reader // by hex
+	readers map[string]*Reader  // by hex
+	loads   map[string]*loading // readers being made, by hex
 }
 
 // Serve runs a daemon until ctx ends or it has been idle for cfg.Idle,
@@ -149,6 +151,7 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 	if cfg.CacheBytes <= 0 {
 		return errdefs.Invalid("layerfs: the chunk cache needs a positive bound")
 	}
+	cfg.Dir = resolveDir(cfg.Dir)
 	// The mount point is left alone when the edge mounted it: a stat of
 	// it would wait for this very daemon to answer.
 	subs := []string{descDir, indexDir, traceDir}
@@ -166,7 +169,7 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 	}
 	ctx, stop := context.WithCancel(ctx)
 	defer stop()
-	d := &Daemon{cfg: cfg, cache: cache, log: cfg.Log, readers: map[string]*Reader{}}
+	d := &Daemon{cfg: cfg, cache: cache, log: cfg.Log, readers: map[string]*Reader{}, loads: map[string]*loading{}}
 	d.lastUsed.Store(time.Now().UnixNano())
 
 	mnt := MountDir(cfg.Dir)
@@ -225,6 +228,9 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 		}()
 	}
 
+	if err := writeAtomic(filepath.Join(cfg.Dir, pidName), []byte(strconv.Itoa(os.Getpid())+"\n")); err != nil {
+		return fmt.Errorf("layerfs: %w", err)
+	}
 	sock := SocketPath(cfg.Dir)
 	os.Remove(sock)
 	os.Remove(fdSocketPath(cfg.Dir))
@@ -262,7 +268,7 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 		w.Write([]byte("exiting\n"))
 		stop()
 	})
-	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: time.Minute}
 	go hs.Serve(ln)
 	if cfg.FUSE != nil {
 		fdln, err := net.Listen("unix", fdSocketPath(cfg.Dir))
@@ -307,7 +313,10 @@ func (d *Daemon) used() { d.lastUsed.Store(time.Now().UnixNano()) }
 // register records a layer's descriptor, loads its index and fetches its
 // first chunk (the superblock and the start of the metadata), so that a
 // source that cannot be reached refuses the create that asked for the
-// layer instead of failing the sandbox's first read.
+// layer instead of failing the sandbox's first read. The descriptor is
+// kept (for a daemon that takes over, or a restart) only once that
+// worked, and a descriptor that disagrees with one already kept for the
+// image, or whose node id another image has, is refused.
 func (d *Daemon) register(w http.ResponseWriter, r *http.Request) {
 	d.used()
 	var desc Descriptor
@@ -320,15 +329,18 @@ func (d *Daemon) register(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	hex := strings.TrimPrefix(desc.Digest, "sha256:")
-	b, _ := json.Marshal(desc)
-	if err := writeAtomic(filepath.Join(d.cfg.Dir, descDir, hex+".json"), b); err != nil {
-		http.Error(w, err.Error(), http.StatusInternalServerError)
+	if err := d.checkClaim(hex, desc); err != nil {
+		http.Error(w, err.Error(), http.StatusConflict)
 		return
 	}
-	rd, err := d.reader(r.Context(), hex)
+	rd, err := d.load(r.Context(), hex, &desc)
 	if err == nil && rd.Size() > 0 {
 		buf := make([]byte, rd.ix.ChunkLen(0))
 		_, err = rd.ReadAt(r.Context(), buf, 0)
+	}
+	if err == nil {
+		b, _ := json.Marshal(desc)
+		err = writeAtomic(filepath.Join(d.cfg.Dir, descDir, hex+".json"), b)
 	}
 	if err != nil {
 		status := http.StatusServiceUnavailable
@@ -341,30 +353,109 @@ func (d *Daemon) register(w http.ResponseWriter, r *http.Request) {
 	json.NewEncoder(w).Encode(map[string]string{"path": filepath.Join(MountDir(d.cfg.Dir), hex+fileSuffix)})
 }
 
-// reader returns the reader of the image hex, loading its descriptor and
-// index (kept on disk after the first fetch, checked by digest) once.
-func (d *Daemon) reader(ctx context.Context, hex string) (*Reader, error) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if rd, ok := d.readers[hex]; ok {
-		return rd, nil
+// checkClaim refuses a descriptor of image hex that another kept one
+// contradicts: the same image from another index (other bytes under one
+// name), or another image with the same node id.
+func (d *Daemon) checkClaim(hex string, desc Descriptor) error {
+	names, _ := os.ReadDir(filepath.Join(d.cfg.Dir, descDir))
+	for _, e := range names {
+		other, ok := strings.CutSuffix(e.Name(), ".json")
+		if !ok || !layer.IsDigest("sha256:"+other) {
+			continue
+		}
+		if other == hex {
+			old, err := readDescriptor(filepath.Join(d.cfg.Dir, descDir, e.Name()))
+			if err == nil && old.Index != desc.Index {
+				return errdefs.Precondition("image %s is registered on this node with another chunk index (%s)", short(desc.Digest), old.Source)
+			}
+			continue
+		}
+		if nodeID(other) == nodeID(hex) {
+			return errdefs.Precondition("image %s shares its node id with image %s on this node", short(desc.Digest), other[:16])
+		}
 	}
+	return nil
+}
+
+func readDescriptor(path string) (Descriptor, error) {
+	var desc Descriptor
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return desc, err
+	}
+	if err := json.Unmarshal(b, &desc); err != nil {
+		return desc, fmt.Errorf("descriptor %s: %w", filepath.Base(path), err)
+	}
+	return desc, desc.check()
+}
+
+// loading is a reader being made; waiters share its result.
+type loading struct {
+	done chan struct{}
+	rd   *Reader
+	err  error
+}
+
+// reader returns the reader of the image hex, from its kept descriptor.
+func (d *Daemon) reader(ctx context.Context, hex string) (*Reader, error) {
+	return d.load(ctx, hex, nil)
+}
+
+// load returns the reader of the image hex, made once from desc (nil: the
+// kept descriptor) and its index (kept on disk after the first fetch,
+// checked by digest). No lock is held while the index is fetched: a slow
+// source stalls only the reads of its own images.
+func (d *Daemon) load(ctx context.Context, hex string, desc *Descriptor) (*Reader, error) {
 	if !layer.IsDigest("sha256:" + hex) {
 		return nil, errdefs.NotFound("no image %q", hex)
 	}
-	b, err := os.ReadFile(filepath.Join(d.cfg.Dir, descDir, hex+".json"))
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, errdefs.NotFound("image %s is not registered", hex)
+	d.mu.Lock()
+	if rd, ok := d.readers[hex]; ok {
+		d.mu.Unlock()
+		return rd, nil
 	}
-	if err != nil {
-		return nil, err
+	if l, ok := d.loads[hex]; ok {
+		d.mu.Unlock()
+		select {
+		case <-l.done:
+			return l.rd, l.err
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
 	}
+	l := &loading{done: make(chan struct{})}
+	d.loads[hex] = l
+	d.mu.Unlock()
+	l.rd, l.err = d.make(ctx, hex, desc)
+	d.mu.Lock()
+	delete(d.loads, hex)
+	if l.err == nil {
+		d.readers[hex] = l.rd
+	}
+	d.mu.Unlock()
+	close(l.done)
+	if l.err == nil && d.cfg.Prefetch {
+		if trace := readTrace(filepath.Join(d.cfg.Dir, traceDir, l.rd.traceKey)); len(trace) > 0 {
+			d.log.Info("prefetching a layer's recorded trace", "layer", short(l.rd.digest), "chunks", len(trace))
+			go l.rd.Prefetch(context.Background(), trace, 4)
+		}
+	}
+	return l.rd, l.err
+}
+
+func (d *Daemon) make(ctx context.Context, hex string, given *Descriptor) (*Reader, error) {
 	var desc Descriptor
-	if err := json.Unmarshal(b, &desc); err != nil {
-		return nil, fmt.Errorf("descriptor of %s: %w", hex, err)
-	}
-	if err := desc.check(); err != nil {
-		return nil, err
+	if given != nil {
+		desc = *given
+	} else {
+		var err error
+		desc, err = readDescriptor(filepath.Join(d.cfg.Dir, descDir, hex+".json"))
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil, errdefs.NotFound("image %s is not registered", hex)
+		}
+		if err != nil {
+			return nil, err
+		}
 	}
 	ref, _ := ParseSource(desc.Source)
 	repo, err := image.OpenRepo(ref, image.RepoOptions{Insecure: desc.Insecure, DockerConfig: d.cfg.DockerConfig})
@@ -393,13 +484,6 @@ func (d *Daemon) reader(ctx context.Context, hex string) (*Reader, error) {
 	}
 	rd := NewReader(desc.Digest, ix, repo, d.cache, d.cfg.Policy, d.log.With("layer", short(desc.Digest)))
 	rd.traceKey = strings.TrimPrefix(desc.Index, "sha256:")
-	d.readers[hex] = rd
-	if d.cfg.Prefetch {
-		if trace := readTrace(filepath.Join(d.cfg.Dir, traceDir, rd.traceKey)); len(trace) > 0 {
-			d.log.Info("prefetching a layer's recorded trace", "layer", short(desc.Digest), "chunks", len(trace))
-			go rd.Prefetch(context.Background(), trace, 4)
-		}
-	}
 	return rd, nil
 }
 

@@ -160,7 +160,18 @@ func TestCacheBoundOrderAndReopen(t *testing.T) {
 	if c2.Has(s0) || !c2.Has(s2) || !c2.Has(s3) {
 		t.Fatal("reopen kept the wrong chunks")
 	}
-	// A chunk changed on disk is not served.
+	// A chunk changed on disk is not served: in the process that wrote
+	// and checked it as after a reopen.
+	b4, s4 := chunk(4)
+	must(t, c2.Put(s4, b4))
+	p4 := filepath.Join(dir, fmt.Sprintf("%x", s4[:1]), fmt.Sprintf("%x", s4))
+	if _, ok := c2.Get(s4); !ok {
+		t.Fatal("chunk 4 missing")
+	}
+	must(t, os.WriteFile(p4, bytes.Repeat([]byte{8}, 1000), 0o600))
+	if _, ok := c2.Get(s4); ok {
+		t.Fatal("a chunk changed after it was checked was served")
+	}
 	p := filepath.Join(dir, fmt.Sprintf("%x", s3[:1]), fmt.Sprintf("%x", s3))
 	must(t, os.WriteFile(p, bytes.Repeat([]byte{9}, 1000), 0o600))
 	if _, ok := c2.Get(s3); ok || c2.Has(s3) {

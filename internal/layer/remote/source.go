@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -46,6 +47,10 @@ type Source struct {
 	PulledDir string
 	Policy    FetchPolicy
 	Log       *slog.Logger
+
+	once   sync.Once
+	absDir string
+	hc     *http.Client
 
 	// mu serialises starting the daemon and guards fuse.
 	mu sync.Mutex
@@ -89,14 +94,51 @@ func (s *Source) log() *slog.Logger {
 	return s.Log
 }
 
+// client is the one HTTP client of the daemon's control socket (one
+// transport, so kept-alive connections are reused, not piled up).
 func (s *Source) client() *http.Client {
-	sock := SocketPath(s.Dir)
-	return &http.Client{Transport: &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, "unix", sock)
-		},
-	}}
+	s.init()
+	return s.hc
+}
+
+// dir is Dir made absolute, its symlinks resolved: the mount table shows
+// resolved paths, and the mount checks compare with it.
+func (s *Source) dir() string {
+	s.init()
+	return s.absDir
+}
+
+func (s *Source) init() {
+	s.once.Do(func() {
+		s.absDir = resolveDir(s.Dir)
+		sock := SocketPath(s.absDir)
+		s.hc = &http.Client{Transport: &http.Transport{
+			DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+				var d net.Dialer
+				return d.DialContext(ctx, "unix", sock)
+			},
+			MaxIdleConns: 4, IdleConnTimeout: 30 * time.Second,
+		}}
+	})
+}
+
+// resolveDir makes dir absolute and resolves the symlinks of its deepest
+// existing ancestor.
+func resolveDir(dir string) string {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return filepath.Clean(dir)
+	}
+	rest := ""
+	for p := abs; ; p = filepath.Dir(p) {
+		if real, err := filepath.EvalSymlinks(p); err == nil {
+			return filepath.Join(real, rest)
+		}
+		if p == filepath.Dir(p) {
+			return abs
+		}
+		rest = filepath.Join(filepath.Base(p), rest)
+	}
 }
 
 func (s *Source) openLazy(ctx context.Context, l api.Layer) (string, error) {
@@ -169,10 +211,13 @@ func (s *Source) ensureDaemon(ctx context.Context) error {
 	}
 	// Nothing here may stat the mount point: with the daemon gone, that
 	// waits for the next one.
-	if err := os.MkdirAll(s.Dir, 0o700); err != nil {
+	if err := os.MkdirAll(s.dir(), 0o700); err != nil {
 		return fmt.Errorf("starting layer daemon: %w", err)
 	}
-	mnt := MountDir(s.Dir)
+	mnt := MountDir(s.dir())
+	// One daemon per connection: one that no longer answers but still
+	// runs would take requests the next could not answer.
+	killDaemon(s.dir())
 	reattach := s.fuse != nil && fuseMounted(mnt)
 	if !reattach {
 		if fuseMounted(mnt) {
@@ -192,7 +237,7 @@ func (s *Source) ensureDaemon(ctx context.Context) error {
 		}
 		s.fuse = f
 	}
-	logf, err := os.OpenFile(filepath.Join(s.Dir, "layerfs.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	logf, err := os.OpenFile(filepath.Join(s.dir(), "layerfs.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return fmt.Errorf("starting layer daemon: %w", err)
 	}
@@ -214,16 +259,16 @@ func (s *Source) ensureDaemon(ctx context.Context) error {
 	for {
 		if s.healthy(ctx) {
 			s.pid = cmd.Process.Pid
-			s.log().Info("layer daemon started", "pid", cmd.Process.Pid, "dir", s.Dir, "took_over", reattach)
+			s.log().Info("layer daemon started", "pid", cmd.Process.Pid, "dir", s.dir(), "took_over", reattach)
 			s.watchLocked()
 			return nil
 		}
 		select {
 		case err := <-exited:
-			return errdefs.Unavailable("the layer daemon exited at start (%v); see %s", err, filepath.Join(s.Dir, "layerfs.log"))
+			return errdefs.Unavailable("the layer daemon exited at start (%v); see %s", err, filepath.Join(s.dir(), "layerfs.log"))
 		case <-deadline:
 			cmd.Process.Kill()
-			return errdefs.Unavailable("the layer daemon did not come up in 15 s; see %s", filepath.Join(s.Dir, "layerfs.log"))
+			return errdefs.Unavailable("the layer daemon did not come up in 15 s; see %s", filepath.Join(s.dir(), "layerfs.log"))
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-time.After(50 * time.Millisecond):
@@ -252,7 +297,7 @@ func (s *Source) holdFDLocked() {
 	if s.fuse != nil {
 		return
 	}
-	f, err := fetchFD(fdSocketPath(s.Dir))
+	f, err := fetchFD(fdSocketPath(s.dir()))
 	if err != nil {
 		s.log().Warn("taking the layer daemon's FUSE descriptor; its mount will not outlive it", "err", err)
 		return
@@ -275,6 +320,7 @@ func (s *Source) watchLocked() {
 	go func() {
 		t := time.NewTicker(time.Second)
 		defer t.Stop()
+		missed := 0
 		for {
 			select {
 			case <-stop:
@@ -285,8 +331,15 @@ func (s *Source) watchLocked() {
 			held := s.fuse != nil
 			s.mu.Unlock()
 			if !held || s.healthy(context.Background()) {
+				missed = 0
 				continue
 			}
+			// A daemon busy enough to miss one check is not dead: three
+			// in a row (about 9 s) are needed before it is replaced.
+			if missed++; missed < 3 {
+				continue
+			}
+			missed = 0
 			select {
 			case <-stop:
 				return
@@ -469,17 +522,43 @@ func (s *Source) EdgeStopped() {
 	// the edge made is the edge's to take off.
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for ctx.Err() == nil && fuseMounted(MountDir(s.Dir)) {
+	for ctx.Err() == nil && fuseMounted(MountDir(s.dir())) {
 		if s.fuse != nil || ctx.Err() != nil {
 			break
 		}
 		time.Sleep(20 * time.Millisecond) // a daemon that mounted itself unmounts itself
 	}
-	if fuseMounted(MountDir(s.Dir)) {
-		_ = unix.Unmount(MountDir(s.Dir), unix.MNT_DETACH)
+	if fuseMounted(MountDir(s.dir())) {
+		_ = unix.Unmount(MountDir(s.dir()), unix.MNT_DETACH)
 	}
 	if s.fuse != nil {
 		s.fuse.Close()
 		s.fuse = nil
+	}
+}
+
+// killDaemon kills the daemon whose pid file is in dir, if that process
+// is a layer daemon of dir, and waits for it to go.
+func killDaemon(dir string) {
+	b, err := os.ReadFile(filepath.Join(dir, pidName))
+	if err != nil {
+		return
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || pid <= 1 {
+		return
+	}
+	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	if err != nil || !bytes.Contains(cmdline, []byte(dir)) {
+		return // gone, or a pid reused by another process
+	}
+	_ = unix.Kill(pid, unix.SIGKILL)
+	for range 100 {
+		if err := unix.Kill(pid, 0); err != nil {
+			return
+		}
+		var ws unix.WaitStatus
+		unix.Wait4(pid, &ws, unix.WNOHANG, nil) // our child: reap it
+		time.Sleep(20 * time.Millisecond)
 	}
 }
