@@ -39,7 +39,11 @@ func newBlobServer(t *testing.T, data []byte, delay time.Duration) (*blobServer,
 			return
 		}
 		b.requests.Add(1)
-		time.Sleep(b.delay)
+		select {
+		case <-time.After(b.delay):
+		case <-r.Context().Done(): // the client gave up
+			return
+		}
 		http.ServeContent(w, r, "blob", time.Time{}, bytes.NewReader(b.data))
 	}))
 	t.Cleanup(b.Close)
@@ -200,5 +204,29 @@ func TestSharedChunkFetchedOnce(t *testing.T) {
 	wg.Wait()
 	if n := srv.requests.Load(); n != 1 {
 		t.Fatalf("%d requests for a chunk two layers share", n)
+	}
+}
+
+// A source that accepts and then stalls fails a read after the policy's
+// tries, each bounded by its timeout, instead of hanging it.
+func TestStalledSourceFailsInBoundedTime(t *testing.T) {
+	data := make([]byte, 64<<10)
+	rand.Read(data)
+	rd, srv := newTestReader(t, data, 30*time.Second, 1<<20)
+	rd.policy = FetchPolicy{Timeout: 300 * time.Millisecond, Attempts: 2}
+	start := time.Now()
+	_, err := rd.ReadAt(context.Background(), make([]byte, 100), 4096)
+	took := time.Since(start)
+	if err == nil {
+		t.Fatal("a read from a stalled source succeeded")
+	}
+	if took > 3*time.Second {
+		t.Fatalf("the read failed after %v; the policy allows about 0.85 s", took)
+	}
+	if n := srv.requests.Load(); n != 2 {
+		t.Fatalf("%d requests, want 2 (the policy's tries)", n)
+	}
+	if rd.Stats.FetchErrors.Load() != 2 {
+		t.Fatalf("fetch errors counted: %d", rd.Stats.FetchErrors.Load())
 	}
 }
