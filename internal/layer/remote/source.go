@@ -185,6 +185,12 @@ func (s *Source) healthy(ctx context.Context) bool {
 	return resp.StatusCode == http.StatusOK
 }
 
+// The layer daemon's own limits.
+const (
+	daemonMemLimit = "512MiB"
+	daemonOOMScore = "500"
+)
+
 // ensureDaemon starts the daemon unless one answers, and waits for it.
 //
 // The edge mounts the daemon's filesystem itself and keeps a copy of the
@@ -250,8 +256,20 @@ func (s *Source) ensureDaemon(ctx context.Context) error {
 	cmd.ExtraFiles = []*os.File{s.fuse}
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if cmd.Env == nil {
+		cmd.Env = os.Environ()
+	}
+	// The daemon's heap is bounded softly (the Go runtime collects harder
+	// as it nears the limit); what it holds beyond is fetch buffers.
+	cmd.Env = append(cmd.Env, "GOMEMLIMIT="+daemonMemLimit)
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("starting layer daemon: %w", err)
+	}
+	// Not the edge's OOM shield (-999, inherited): if memory runs out the
+	// kernel may take the daemon before a sandbox, and the watchdog starts
+	// another on the same mount.
+	if err := os.WriteFile(fmt.Sprintf("/proc/%d/oom_score_adj", cmd.Process.Pid), []byte(daemonOOMScore), 0); err != nil {
+		s.log().Warn("setting the layer daemon's OOM score", "err", err)
 	}
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()

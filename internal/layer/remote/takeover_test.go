@@ -88,6 +88,12 @@ func TestDaemonTakeover(t *testing.T) {
 	}
 	defer release()
 	first := w.src.DaemonPid()
+	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/oom_score_adj", first)); err != nil || string(bytes.TrimSpace(b)) != daemonOOMScore {
+		t.Errorf("the daemon's OOM score: %q %v, want %s", b, err, daemonOOMScore)
+	}
+	if env, _ := os.ReadFile(fmt.Sprintf("/proc/%d/environ", first)); !bytes.Contains(env, []byte("GOMEMLIMIT="+daemonMemLimit)) {
+		t.Error("the daemon runs without its memory limit")
+	}
 	mnt := mountImage(t, path)
 	defer w.src.EdgeStopped()
 	want, err := os.ReadFile(filepath.Join(w.tree, "usr/lib/big.bin"))
