@@ -17,6 +17,8 @@ import (
 func runFails(t *testing.T, want string, args ...string) {
 	t.Helper()
 	cmd := exec.Command(c.bin, args...)
+	// A key in the caller's environment would be the server's --api-key.
+	cmd.Env = append(os.Environ(), "DSEC_API_KEY=", "DSEC_ENDPOINT=")
 	done := make(chan struct{})
 	var out []byte
 	var err error
