@@ -597,12 +597,16 @@ func writeAtomic(path string, b []byte) error {
 // mounted counts the EROFS mounts of this daemon's images in its mount
 // namespace (the edge's). It is read from the mount table rather than
 // counted from opens, so a daemon that took over from another knows it.
-func (d *Daemon) mounted() int {
+func (d *Daemon) mounted() int { return mountedImages(d.cfg.Dir) }
+
+// mountedImages counts the EROFS mounts of the images of the daemon of
+// dir in this mount namespace.
+func mountedImages(dir string) int {
 	b, err := os.ReadFile("/proc/self/mountinfo")
 	if err != nil {
 		return 1 // unknown: say busy
 	}
-	prefix := MountDir(d.cfg.Dir) + "/"
+	prefix := MountDir(dir) + "/"
 	n := 0
 	for _, line := range strings.Split(string(b), "\n") {
 		_, after, ok := strings.Cut(line, " - ")

@@ -60,8 +60,10 @@ type Source struct {
 	fuse *os.File
 	pid  int
 	// stopWatch ends the watchdog that starts a new daemon when the one
-	// serving this edge's mount dies (nil: none running).
+	// serving this edge's mount dies (nil: none running); stopped says
+	// the edge stopped, and no watchdog starts again.
 	stopWatch chan struct{}
+	stopped   bool
 }
 
 var _ layer.Source = (*Source)(nil)
@@ -330,7 +332,7 @@ func (s *Source) holdFDLocked() {
 //
 // Preconditions: s.mu held.
 func (s *Source) watchLocked() {
-	if s.stopWatch != nil || s.Command == nil {
+	if s.stopWatch != nil || s.Command == nil || s.stopped {
 		return
 	}
 	stop := make(chan struct{})
@@ -509,14 +511,35 @@ func (s *Source) download(ctx context.Context, repo *image.Repo, l api.Layer, fi
 // it stays for the sandboxes that outlive the edge.
 func (s *Source) EdgeStopped() {
 	s.mu.Lock()
+	s.stopped = true
 	if s.stopWatch != nil {
 		close(s.stopWatch)
 		s.stopWatch = nil
 	}
 	s.mu.Unlock()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	if !s.healthy(ctx) {
+		// No daemon answers (it died and the watchdog had not replaced
+		// it yet). Sandboxes still reading its images get one that
+		// outlives this edge; with none, the mount goes.
+		s.mu.Lock()
+		held := s.fuse != nil
+		s.mu.Unlock()
+		if !held {
+			return
+		}
+		if mountedImages(s.dir()) > 0 {
+			if err := s.ensureDaemon(ctx); err != nil {
+				s.log().Error("starting a layer daemon for the sandboxes that outlive the edge", "err", err)
+			}
+			return
+		}
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		_ = unix.Unmount(MountDir(s.dir()), unix.MNT_DETACH)
+		s.fuse.Close()
+		s.fuse = nil
 		return
 	}
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://layerfs/exit-if-idle", nil)
