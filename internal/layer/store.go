@@ -759,6 +759,9 @@ func printf(w io.Writer, format string, args ...any) {
 	}
 }
 
+// HumanBytes formats a byte count for progress lines ("1.3 GiB").
+func HumanBytes(n int64) string { return humanBytes(n) }
+
 func humanBytes(n int64) string {
 	switch {
 	case n >= 1<<30:

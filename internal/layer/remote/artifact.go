@@ -151,7 +151,7 @@ func Push(ctx context.Context, st *layer.Store, ref, target string, opts PushOpt
 			}
 			return os.Open(path)
 		}
-		printf(opts.Progress, "%s: pushing %s (%s)\n", short(d.Digest), d.MediaType, human(d.Size))
+		printf(opts.Progress, "%s: pushing %s (%s)\n", short(d.Digest), d.MediaType, layer.HumanBytes(d.Size))
 		sent, err := repo.PushBlob(ctx, d.Digest, d.Size, open)
 		if err != nil {
 			return api.LayerPushResult{}, fmt.Errorf("pushing %s to %s: %w", l.Ref, repo, err)
@@ -326,18 +326,6 @@ func printf(w io.Writer, format string, args ...any) {
 	if w != nil {
 		fmt.Fprintf(w, format, args...)
 	}
-}
-
-func human(n int64) string {
-	switch {
-	case n >= 1<<30:
-		return fmt.Sprintf("%.1f GiB", float64(n)/(1<<30))
-	case n >= 1<<20:
-		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
-	case n >= 1<<10:
-		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
-	}
-	return fmt.Sprintf("%d B", n)
 }
 
 // Reindex stores, under target's tag in the same repository, the artifact

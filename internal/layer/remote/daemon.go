@@ -27,6 +27,7 @@ import (
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/image"
 	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/mountinfo"
 )
 
 // Descriptor tells the daemon where a layer's image lives.
@@ -602,42 +603,18 @@ func (d *Daemon) mounted() int { return mountedImages(d.cfg.Dir) }
 // mountedImages counts the EROFS mounts of the images of the daemon of
 // dir in this mount namespace.
 func mountedImages(dir string) int {
-	b, err := os.ReadFile("/proc/self/mountinfo")
+	entries, err := mountinfo.Read()
 	if err != nil {
 		return 1 // unknown: say busy
 	}
 	prefix := MountDir(dir) + "/"
 	n := 0
-	for _, line := range strings.Split(string(b), "\n") {
-		_, after, ok := strings.Cut(line, " - ")
-		if !ok {
-			continue
-		}
-		f := strings.Fields(after)
-		if len(f) >= 2 && f[0] == "erofs" && strings.HasPrefix(unescapeMount(f[1]), prefix) {
+	for _, e := range entries {
+		if e.FSType == "erofs" && strings.HasPrefix(e.Source, prefix) {
 			n++
 		}
 	}
 	return n
-}
-
-// unescapeMount undoes mountinfo's octal escapes (\040 for a space).
-func unescapeMount(s string) string {
-	if !strings.Contains(s, "\\") {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // notifyResend asks the kernel to send again the requests an earlier

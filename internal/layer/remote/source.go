@@ -27,6 +27,7 @@ import (
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/image"
 	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/mountinfo"
 )
 
 // Source is an edge's layer.Source: an image in the layer directory is
@@ -424,14 +425,12 @@ func mountFUSE(mnt string) (*os.File, error) {
 // fuseMounted reports whether the daemon's filesystem is mounted at mnt,
 // from the mount table: a stat of a mount whose daemon is gone would wait.
 func fuseMounted(mnt string) bool {
-	b, err := os.ReadFile("/proc/self/mountinfo")
+	entries, err := mountinfo.Read()
 	if err != nil {
 		return false
 	}
-	for _, line := range strings.Split(string(b), "\n") {
-		pre, post, ok := strings.Cut(line, " - ")
-		f, g := strings.Fields(pre), strings.Fields(post)
-		if ok && len(f) >= 5 && len(g) >= 1 && unescapeMount(f[4]) == mnt && g[0] == "fuse."+fsName {
+	for _, e := range entries {
+		if e.MountPoint == mnt && e.FSType == "fuse."+fsName {
 			return true
 		}
 	}
