@@ -521,7 +521,7 @@ func (b *imagesBench) run(ctx context.Context, mode string, kib int) (imageRun, 
 	r.SourceBytes, r.SourceRequests = b.served.Load()-served0, b.requests.Load()-req0
 	switch mode {
 	case "ondemand", "traced":
-		if st, err := b.layerfsStats(ctx); err == nil {
+		if st, err := b.layerfs().Stats(ctx); err == nil {
 			var touched, total int64
 			for _, l := range st.Layers {
 				touched += l.ChunksTouched * int64(l.ChunkSize)
@@ -562,21 +562,9 @@ func (b *imagesBench) resetNode(ctx context.Context, keepTraces bool) error {
 			}
 		}
 	}
-	dropped := false
-	if hc, ok := b.layerfsClient(); ok {
-		u := "http://layerfs/drop-cache?traces=1"
-		if keepTraces {
-			u = "http://layerfs/drop-cache"
-		}
-		resp, err := hc.Post(u, "", nil)
-		if err == nil {
-			msg, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode != http.StatusOK {
-				return fmt.Errorf("emptying the layer daemon's cache: %s", strings.TrimSpace(string(msg)))
-			}
-			dropped = true
-		}
+	dropped, err := b.layerfs().DropCache(ctx, !keepTraces)
+	if err != nil {
+		return err
 	}
 	if !dropped {
 		// No daemon runs: empty the cache it will open (chunks of other
@@ -593,29 +581,9 @@ func (b *imagesBench) resetNode(ctx context.Context, keepTraces bool) error {
 	return nil
 }
 
-// layerfsClient talks to the node's layer daemon, if its socket is there.
-func (b *imagesBench) layerfsClient() (*http.Client, bool) {
-	sock := remote.SocketPath(filepath.Join(b.stateDir, "edge", "layerfs"))
-	if _, err := os.Stat(sock); err != nil {
-		return nil, false
-	}
-	return &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-		return (&net.Dialer{}).DialContext(ctx, "unix", sock)
-	}}}, true
-}
-
-func (b *imagesBench) layerfsStats(ctx context.Context) (remote.DaemonStats, error) {
-	var st remote.DaemonStats
-	hc, ok := b.layerfsClient()
-	if !ok {
-		return st, errors.New("no layer daemon")
-	}
-	resp, err := hc.Get("http://layerfs/stats")
-	if err != nil {
-		return st, err
-	}
-	defer resp.Body.Close()
-	return st, json.NewDecoder(resp.Body).Decode(&st)
+// layerfs is a client of the node's layer daemon.
+func (b *imagesBench) layerfs() *remote.Source {
+	return &remote.Source{Dir: filepath.Join(b.stateDir, "edge", "layerfs")}
 }
 
 func dropPageCache() {

@@ -6,9 +6,7 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
-	"encoding/json"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -149,18 +147,9 @@ func TestLayerFromRegistry(t *testing.T) {
 // layerfsStats asks the node's layer daemon for its figures.
 func layerfsStats(t *testing.T) remote.DaemonStats {
 	t.Helper()
-	sock := remote.SocketPath(filepath.Join(d.stateDir, "edge", "layerfs"))
-	hc := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-		return (&net.Dialer{}).DialContext(ctx, "unix", sock)
-	}}}
-	resp, err := hc.Get("http://layerfs/stats")
+	s, err := (&remote.Source{Dir: filepath.Join(d.stateDir, "edge", "layerfs")}).Stats(ctx(t))
 	if err != nil {
 		t.Fatalf("layer daemon: %v", err)
-	}
-	defer resp.Body.Close()
-	var s remote.DaemonStats
-	if err := json.NewDecoder(resp.Body).Decode(&s); err != nil {
-		t.Fatal(err)
 	}
 	return s
 }

@@ -2,8 +2,6 @@ package remote
 
 import (
 	"context"
-	"encoding/json"
-	"net/http"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -55,15 +53,9 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://layerfs/stats", nil)
-	resp, err := c.src.client().Do(req)
+	st, err := c.src.Stats(ctx)
 	if err != nil {
 		return // no daemon: nothing read on demand on this node now
-	}
-	defer resp.Body.Close()
-	var st DaemonStats
-	if resp.StatusCode != http.StatusOK || json.NewDecoder(resp.Body).Decode(&st) != nil {
-		return
 	}
 	g := prometheus.GaugeValue
 	k := prometheus.CounterValue

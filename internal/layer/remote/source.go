@@ -602,3 +602,46 @@ func killDaemon(dir string) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// Stats asks the node's layer daemon for its figures (errdefs-free: any
+// error means no daemon answered).
+func (s *Source) Stats(ctx context.Context) (DaemonStats, error) {
+	var st DaemonStats
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://layerfs/stats", nil)
+	if err != nil {
+		return st, err
+	}
+	resp, err := s.client().Do(req)
+	if err != nil {
+		return st, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return st, fmt.Errorf("layer daemon: %s", resp.Status)
+	}
+	return st, json.NewDecoder(resp.Body).Decode(&st)
+}
+
+// DropCache asks the node's layer daemon to empty its chunk cache (and,
+// with traces, forget the recorded traces); it refuses while any of its
+// images is mounted. ok is false when no daemon answered.
+func (s *Source) DropCache(ctx context.Context, traces bool) (ok bool, err error) {
+	u := "http://layerfs/drop-cache"
+	if traces {
+		u += "?traces=1"
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u, nil)
+	if err != nil {
+		return false, err
+	}
+	resp, err := s.client().Do(req)
+	if err != nil {
+		return false, nil
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return true, fmt.Errorf("emptying the layer daemon's cache: %s", strings.TrimSpace(string(msg)))
+	}
+	return true, nil
+}
