@@ -11,6 +11,9 @@ have crun || need+=(crun)
 have runc || need+=(runc)
 have mkfs.erofs || need+=(erofs-utils)
 have catatonit || need+=(catatonit)
+# runsc: the gvisor backend (spec backend "gvisor"); dsec up offers it when
+# runsc is installed (--gvisor auto).
+have runsc || need+=(runsc)
 # busybox-static: the demo and tests assemble small root filesystems from it.
 bb_kind=$(ldd "$(command -v busybox || echo /nonexistent)" 2>&1 || true)
 case "$bb_kind" in *"not a dynamic"*) ;; *) need+=(busybox-static) ;; esac
@@ -41,4 +44,4 @@ if [ ${#need[@]} -gt 0 ]; then
 	apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 go mod download
-echo "deps: ok (crun $(crun --version | head -1 | awk '{print $3}'), runc $(runc --version | head -1 | awk '{print $3}'), erofs-utils, catatonit, busybox-static)"
+echo "deps: ok (crun $(crun --version | head -1 | awk '{print $3}'), runc $(runc --version | head -1 | awk '{print $3}'), runsc $(runsc --version | head -1 | awk '{print $3}'), erofs-utils, catatonit, busybox-static)"

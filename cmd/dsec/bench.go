@@ -44,6 +44,11 @@ type benchOpts struct {
 	// nestedDepth > 0 compares creates with the caller's key against
 	// creates with a member key of a project that many levels deep.
 	nestedDepth int
+	// backend other than container: create and exec measure it and the
+	// container backend side by side, the container as the baseline.
+	backend string
+	// cmd is what bench exec runs (a shell command; "" = /bin/true).
+	cmd string
 }
 
 // benchRow is one measure of the report.
@@ -62,6 +67,10 @@ type benchRow struct {
 	RatioP50    float64 `json:"ratio_p50,omitempty"`
 	// FreedBytesAvg is the memory a pause gave back, on average.
 	FreedBytesAvg float64 `json:"freed_bytes_avg,omitempty"`
+	// MemoryAvg is the memory charged to an idle sandbox (its cgroup), on
+	// average, and BaseMemoryAvg the baseline's.
+	MemoryAvg     float64 `json:"memory_per_sandbox_bytes,omitempty"`
+	BaseMemoryAvg float64 `json:"baseline_memory_per_sandbox_bytes,omitempty"`
 }
 
 func runBench(args []string) error {
@@ -128,6 +137,8 @@ func runBench(args []string) error {
 	f.BoolVar(&o.userns, "userns", false, "create: user-namespace sandboxes")
 	f.IntVar(&o.nestedDepth, "nested-key-depth", 0, "create: also create with a member key of a project this many levels below root (0-64), and with a quota on that chain, interleaved one at a time with the caller's key: the price of authorization and quotas")
 	f.Var(&o.allow, "allow", "create: egress allow rule for each sandbox (repeatable; gives it a veth)")
+	f.StringVar(&o.backend, "backend", api.BackendContainer, "create, exec: the backend to measure; other than container, the container backend is measured in the same run as its baseline")
+	f.StringVar(&o.cmd, "cmd", "", "exec: the shell command to run (default: /bin/true); e.g. a syscall-heavy loop to compare backends")
 	if _, err := f.parseN(args[1:], 0, 0); err != nil {
 		return err
 	}
@@ -136,6 +147,12 @@ func runBench(args []string) error {
 	}
 	if o.nestedDepth < 0 || o.nestedDepth > 64 || o.nestedDepth > 0 && sub != "create" {
 		return errors.New("bench: --nested-key-depth is 0-64, for bench create only")
+	}
+	if o.backend != api.BackendContainer && sub != "create" && sub != "exec" {
+		return errors.New("bench: --backend is for bench create and bench exec")
+	}
+	if o.cmd != "" && sub != "exec" {
+		return errors.New("bench: --cmd is for bench exec")
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -322,11 +339,35 @@ func withBaseline(r benchRow, b benchRow, name string) benchRow {
 }
 
 func benchCreate(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, rt string) ([]benchRow, error) {
+	if o.backend != api.BackendContainer {
+		// The named backend, then the container backend, in one run.
+		other, err := createRound(ctx, c, o, ref, o.backend)
+		if err != nil {
+			return nil, err
+		}
+		ctr, err := createRound(ctx, c, o, ref, api.BackendContainer)
+		if err != nil {
+			return nil, err
+		}
+		rows := []benchRow{withBaseline(other[0], ctr[0], "container"), withBaseline(other[1], ctr[1], "container")}
+		rows[0].BaseMemoryAvg = ctr[0].MemoryAvg
+		return rows, nil
+	}
+	rows, err := createRound(ctx, c, o, ref, o.backend)
+	if err != nil || o.noBaseline {
+		return rows, err
+	}
+	return withRuntimeBaseline(o, rows[0], rows[1], digest, rt)
+}
+
+// createRound creates count sandboxes of backend, reads the memory each
+// holds once idle, and deletes them: the create and delete rows.
+func createRound(ctx context.Context, c *dsec.Client, o benchOpts, ref, backend string) ([]benchRow, error) {
 	label := fmt.Sprintf("bench-%d", time.Now().UnixNano())
 	ids := make([]string, o.count)
-	fmt.Fprintf(os.Stderr, "dsec: creating %d sandboxes, %d at a time...\n", o.count, o.concurrency)
+	fmt.Fprintf(os.Stderr, "dsec: creating %d %s sandboxes, %d at a time...\n", o.count, backend, o.concurrency)
 	durs, fails, wall, ferr := runParallel(o.count, o.concurrency, func(i int) error {
-		spec := api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": label}, DiskMB: o.diskMB, UserNS: o.userns}
+		spec := api.SandboxSpec{Base: ref, Backend: backend, Labels: map[string]string{"bench": label}, DiskMB: o.diskMB, UserNS: o.userns}
 		if len(o.allow) > 0 {
 			spec.Network = &api.NetworkPolicy{Allow: o.allow}
 		}
@@ -340,6 +381,9 @@ func benchCreate(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, 
 		fmt.Fprintf(os.Stderr, "first create failure: %v\n", ferr)
 	}
 	what := "create"
+	if backend != api.BackendContainer {
+		what += " " + backend
+	}
 	if o.diskMB > 0 {
 		what += fmt.Sprintf(" disk_mb=%d", o.diskMB)
 	}
@@ -350,6 +394,7 @@ func benchCreate(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, 
 		what += " userns"
 	}
 	create := row(what, o.count, o.concurrency, durs, fails, wall)
+	create.MemoryAvg = idleMemory(ctx, c, ids)
 	fmt.Fprintf(os.Stderr, "dsec: deleting...\n")
 	ddurs, dfails, dwall, _ := runParallel(o.count, o.concurrency, func(i int) error {
 		if ids[i] == "" {
@@ -357,10 +402,34 @@ func benchCreate(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, 
 		}
 		return c.DeleteSandbox(ctx, ids[i])
 	})
-	del := row("delete", o.count, o.concurrency, ddurs, dfails, dwall)
-	if o.noBaseline {
-		return []benchRow{create, del}, nil
+	del := row(strings.Replace(what, "create", "delete", 1), o.count, o.concurrency, ddurs, dfails, dwall)
+	return []benchRow{create, del}, nil
+}
+
+// idleMemory waits a second for the sandboxes to settle, then returns the
+// mean of the memory their stats report (0 if none answers).
+func idleMemory(ctx context.Context, c *dsec.Client, ids []string) float64 {
+	time.Sleep(time.Second)
+	var sum float64
+	n := 0
+	for _, id := range ids {
+		if id == "" {
+			continue
+		}
+		if st, err := c.Stats(ctx, id); err == nil {
+			sum += float64(st.MemoryBytes)
+			n++
+		}
 	}
+	if n == 0 {
+		return 0
+	}
+	return sum / float64(n)
+}
+
+// withRuntimeBaseline runs the bare runtime's create and delete and puts
+// them beside dsec's.
+func withRuntimeBaseline(o benchOpts, create, del benchRow, digest, rt string) ([]benchRow, error) {
 	b, err := newBaseline(o.stateDir, digest, rt)
 	if err != nil {
 		return nil, fmt.Errorf("baseline: %w (use --no-baseline to skip)", err)
@@ -391,25 +460,20 @@ func benchCreate(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, 
 }
 
 func benchExec(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, rt string) ([]benchRow, error) {
-	sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": "exec"}})
-	if err != nil {
-		return nil, err
-	}
-	defer c.DeleteSandbox(context.Background(), sb.ID)
-	fmt.Fprintf(os.Stderr, "dsec: exec `true` ×%d, %d at a time...\n", o.count, o.concurrency)
-	durs, fails, wall, ferr := runParallel(o.count, o.concurrency, func(int) error {
-		res, err := c.Exec(ctx, sb.ID, api.ExecRequest{Argv: []string{"/bin/true"}})
-		if err == nil && res.ExitCode != 0 {
-			err = fmt.Errorf("exit %d: %s", res.ExitCode, res.Stderr)
+	if o.backend != api.BackendContainer {
+		other, err := execRound(ctx, c, o, ref, o.backend)
+		if err != nil {
+			return nil, err
 		}
-		return err
-	})
-	if ferr != nil {
-		fmt.Fprintf(os.Stderr, "first exec failure: %v\n", ferr)
+		ctr, err := execRound(ctx, c, o, ref, api.BackendContainer)
+		if err != nil {
+			return nil, err
+		}
+		return []benchRow{withBaseline(other, ctr, "container")}, nil
 	}
-	r := row("exec true", o.count, o.concurrency, durs, fails, wall)
-	if o.noBaseline {
-		return []benchRow{r}, nil
+	r, err := execRound(ctx, c, o, ref, o.backend)
+	if err != nil || o.noBaseline || o.cmd != "" {
+		return []benchRow{r}, err
 	}
 	b, err := newBaseline(o.stateDir, digest, rt)
 	if err != nil {
@@ -429,6 +493,34 @@ func benchExec(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, rt
 		fmt.Fprintf(os.Stderr, "first baseline failure: %v\n", berr)
 	}
 	return []benchRow{withBaseline(r, row("exec", o.count, o.concurrency, bd, bf, bw), rt+" exec")}, nil
+}
+
+// execRound runs the exec measure in one sandbox of backend.
+func execRound(ctx context.Context, c *dsec.Client, o benchOpts, ref, backend string) (benchRow, error) {
+	sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: ref, Backend: backend, Labels: map[string]string{"bench": "exec"}})
+	if err != nil {
+		return benchRow{}, err
+	}
+	defer c.DeleteSandbox(context.Background(), sb.ID)
+	req, what := api.ExecRequest{Argv: []string{"/bin/true"}}, "exec true"
+	if o.cmd != "" {
+		req, what = api.ExecRequest{Cmd: o.cmd, Timeout: 600}, "exec --cmd"
+	}
+	if backend != api.BackendContainer {
+		what += " (" + backend + ")"
+	}
+	fmt.Fprintf(os.Stderr, "dsec: %s ×%d in a %s sandbox, %d at a time...\n", what, o.count, backend, o.concurrency)
+	durs, fails, wall, ferr := runParallel(o.count, o.concurrency, func(int) error {
+		res, err := c.Exec(ctx, sb.ID, req)
+		if err == nil && res.ExitCode != 0 {
+			err = fmt.Errorf("exit %d: %s", res.ExitCode, res.Stderr)
+		}
+		return err
+	})
+	if ferr != nil {
+		fmt.Fprintf(os.Stderr, "first exec failure: %v\n", ferr)
+	}
+	return row(what, o.count, o.concurrency, durs, fails, wall), nil
 }
 
 // benchPause creates count sandboxes that each hold a 16 MiB file in page
@@ -682,6 +774,13 @@ func printBench(rows []benchRow, asJSON bool) error {
 	for _, r := range rows {
 		if r.FreedBytesAvg > 0 {
 			fmt.Printf("%s: memory freed per sandbox %.1f MiB on average\n", r.Measure, r.FreedBytesAvg/(1<<20))
+		}
+		if r.MemoryAvg > 0 {
+			fmt.Printf("%s: memory per idle sandbox %.1f MiB", r.Measure, r.MemoryAvg/(1<<20))
+			if r.BaseMemoryAvg > 0 {
+				fmt.Printf(" (%s: %.1f MiB, %.2fx)", r.Baseline, r.BaseMemoryAvg/(1<<20), r.MemoryAvg/r.BaseMemoryAvg)
+			}
+			fmt.Println()
 		}
 	}
 	return nil

@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
+	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/apiserver"
 	"github.com/dsecproject/dsec/internal/cluster"
 	"github.com/dsecproject/dsec/internal/edgeapi"
@@ -233,7 +234,7 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	srv := apiserver.New(apiserver.Deps{
 		IAM: ident, Layers: layers, Nodes: view, Placement: pc, Log: log.With("apiserver", instance),
-		Registry: reg, Gatherer: reg, Policy: sandbox.DefaultPolicy(), MaxLayerBytes: 64 << 30,
+		Registry: reg, Gatherer: reg, Policy: clusterPolicy(), MaxLayerBytes: 64 << 30,
 		Store: st, QuotaStore: st, Instance: instance, E2BDefaultTemplate: c.e2bDefaultTemplate,
 		Alive: func(other string) (bool, error) { return cluster.ServerAlive(st, other) },
 	})
@@ -244,4 +245,12 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 	nodes := len(view.Snapshot())
 	log.Info("dsec server: serving", "endpoint", "http://"+ln.Addr().String(), "cluster", trust.Info.ID, "instance", instance, "nodes", nodes)
 	return serveUntilDone(ctx, log, "shutting down", serving{hs, func() error { return hs.Serve(lim) }})
+}
+
+// clusterPolicy is an apiserver's policy: every backend some edge may
+// offer passes validation, and placement finds a node that offers it.
+func clusterPolicy() sandbox.Policy {
+	p := sandbox.DefaultPolicy()
+	p.Backends = []string{api.BackendContainer, api.BackendGVisor}
+	return p
 }

@@ -252,9 +252,15 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	view := watcher.New(watcher.Static{ed}, watcher.Config{Log: log})
 	view.Sync(ctx)
 	go view.Run(ctx)
+	// The one node's backends are what this instance offers.
+	policy := sandbox.DefaultPolicy()
+	policy.Backends = []string{h.Backend.Name()}
+	for _, b := range h.Others {
+		policy.Backends = append(policy.Backends, b.Name())
+	}
 	srv := apiserver.New(apiserver.Deps{
 		IAM: ident, Layers: layers, Nodes: view, Log: log,
-		Registry: reg, Gatherer: reg, Policy: sandbox.DefaultPolicy(), MaxLayerBytes: 64 << 30,
+		Registry: reg, Gatherer: reg, Policy: policy, MaxLayerBytes: 64 << 30,
 		Store: idem, StateStore: st, Instance: cluster.NewInstance(), E2BDefaultTemplate: c.e2bDefaultTemplate,
 	})
 	go srv.Run(ctx)

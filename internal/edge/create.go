@@ -99,7 +99,11 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 	if err := e.checkDisk(spec.DiskMB); err != nil {
 		return nil, err
 	}
-	if err := e.checkUserNS(spec.UserNS); err != nil {
+	be := e.backend(spec.Backend)
+	if be == nil { // Normalize checked it against the node's policy
+		return nil, errdefs.Precondition("node %s does not offer the %s backend", e.cfg.Name, spec.Backend)
+	}
+	if err := e.checkUserNS(be, spec.UserNS); err != nil {
 		return nil, err
 	}
 	var undo cleanup.Stack
@@ -121,7 +125,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 		UserNS:      spec.UserNS,
 		Pooled:      pooled,
 		Token:       req.Token,
-		Images:      e.takesImages(),
+		Images:      takesImages(be),
 	}
 	// Admission counts sandboxes holding resources, this one included from
 	// here on. It is visible as "creating" (and its layers as in use) while
@@ -232,8 +236,23 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 	}
 	// Registered before the create: a failed one may have left state or
 	// processes (its cgroup is released by the undo above).
-	undo.Add(func() { e.destroyRuntime(context.Background(), id, "") })
-	if err := e.deps.Backend.Create(ctx, cfg); err != nil {
+	undo.Add(func() { e.destroyRuntime(context.Background(), be, id, "") })
+	// A backend whose network must exist before the sandbox starts gets
+	// it attached from inside Create.
+	nf, netFirst := be.(sandbox.NetworkFirst)
+	netFirst = netFirst && nf.NetworkFirst() && !netp.Empty()
+	if netFirst {
+		cfg.AttachNetwork = func(pid int) error {
+			att, err := e.deps.Net.Apply(ctx, id, pid, nil, netp)
+			if err != nil {
+				return err
+			}
+			undo.Add(func() { e.releaseNetwork(context.Background(), id, att) })
+			rec.Net = att
+			return nil
+		}
+	}
+	if err := be.Create(ctx, cfg); err != nil {
 		return nil, fmt.Errorf("starting sandbox: %w", err)
 	}
 	if spec.QoS == "be" && e.deps.Cgroups != nil {
@@ -247,7 +266,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 		}
 	}
 
-	if !netp.Empty() {
+	if !netp.Empty() && !netFirst {
 		pid, err := e.initPid(ctx, id)
 		if err != nil {
 			return nil, err
@@ -287,8 +306,8 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 // every sandbox, and every create copies that table (a new mount
 // namespace) and the runtime reads it (mountinfo) several times, so create
 // time grew with the number of live sandboxes.
-func (e *Edge) detachedRootfs(lowers []string, upper, work string) (*os.File, error) {
-	b, ok := e.deps.Backend.(sandbox.DetachedRootfs)
+func (e *Edge) detachedRootfs(be sandbox.Backend, lowers []string, upper, work string) (*os.File, error) {
+	b, ok := be.(sandbox.DetachedRootfs)
 	if !ok || !b.TakesDetachedRootfs() || e.noDetached.Load() {
 		return nil, nil
 	}
@@ -318,8 +337,8 @@ func (e *Edge) bundleDir(id string) string {
 // state, then releases its cgroup (releaseCgroup; "" keeps it). Best
 // effort: errors are logged; what is left is reaped at the next start of
 // the edge.
-func (e *Edge) destroyRuntime(ctx context.Context, id, cgroupPath string) {
-	if err := e.deps.Backend.Destroy(ctx, id); err != nil {
+func (e *Edge) destroyRuntime(ctx context.Context, b sandbox.Backend, id, cgroupPath string) {
+	if err := b.Destroy(ctx, id); err != nil {
 		e.log.Warn("destroying sandbox runtime", "sandbox_id", id, "err", err)
 	}
 	e.releaseCgroup(id, cgroupPath)
@@ -389,7 +408,7 @@ func (e *Edge) teardown(ctx context.Context, s *sbx, remove bool) error {
 		_ = e.deps.Cgroups.Thaw(rec.CgroupPath)
 	}
 	if holdsResources(rec.Sandbox.State) {
-		e.destroyRuntime(ctx, id, rec.CgroupPath)
+		e.destroyRuntime(ctx, e.backendOf(s), id, rec.CgroupPath)
 		e.releaseNetwork(ctx, id, rec.Net)
 		s.mu.Lock()
 		s.rec.Net = nil

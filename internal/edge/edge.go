@@ -118,7 +118,11 @@ type Config struct {
 
 // Deps are the edge's collaborators.
 type Deps struct {
+	// Backend is the node's default backend; Others are the other
+	// backends it offers, each chosen per sandbox by spec.backend (by
+	// Name). A record that names no backend is the default's.
 	Backend sandbox.Backend
+	Others  []sandbox.Backend
 	// Blobs provides layer images to mount (the layer store).
 	Blobs   layer.Source
 	Cgroups *cgroup.Info
@@ -248,6 +252,16 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 	}
 	if deps.Metrics == nil {
 		deps.Metrics = NewMetrics(nil)
+	}
+	if deps.Backend != nil {
+		// The policy offers what the node runs.
+		cfg.Policy.Backends = nil
+		for _, b := range append([]sandbox.Backend{deps.Backend}, deps.Others...) {
+			if slices.Contains(cfg.Policy.Backends, b.Name()) {
+				return nil, fmt.Errorf("two backends named %q", b.Name())
+			}
+			cfg.Policy.Backends = append(cfg.Policy.Backends, b.Name())
+		}
 	}
 	for _, d := range []string{filepath.Join(cfg.StateDir, "sandboxes"), filepath.Join(cfg.StateDir, "mnt"), filepath.Join(cfg.StateDir, "trash"), cfg.BundleDir} {
 		if d == "" {
@@ -597,7 +611,7 @@ func (e *Edge) Info(ctx context.Context) (api.Node, error) {
 	n := api.Node{
 		Name:     e.cfg.Name,
 		Healthy:  true,
-		Backends: []string{e.deps.Backend.Name()},
+		Backends: slices.Clone(e.cfg.Policy.Backends),
 		Runtime:  e.deps.Runtime,
 		Launcher: e.deps.Launcher,
 		Capacity: api.Capacity{MaxSandboxes: e.cfg.MaxSandboxes},

@@ -83,7 +83,7 @@ func (e *Edge) Exec(ctx context.Context, id string, req api.ExecRequest, emit fu
 	}
 	outHead, errHead = &headWriter{w: p.Stdout}, &headWriter{w: p.Stderr}
 	p.Stdout, p.Stderr = outHead, errHead
-	proc, err := e.deps.Backend.Exec(ctx, id, p)
+	proc, err := e.backendByID(id).Exec(ctx, id, p)
 	if err != nil {
 		return nil, fmt.Errorf("starting command: %w", err)
 	}
@@ -208,12 +208,12 @@ func (e *Edge) root(s *sbx) (*files.Root, error) {
 	}
 	if s.rec.Images {
 		return nil, errdefs.Precondition("sandbox %s runs on the %s backend, whose files the node cannot reach from the host: the files API does not serve it",
-			s.rec.Sandbox.ID, e.deps.Backend.Name())
+			s.rec.Sandbox.ID, s.rec.Sandbox.Backend)
 	}
 	var r *files.Root
 	var err error
 	if s.rec.PrivateRootfs {
-		r, err = e.openPrivateRoot(s.rec.Sandbox.ID)
+		r, err = e.openPrivateRoot(e.backendFor(&s.rec), s.rec.Sandbox.ID)
 	} else {
 		r, err = files.Open(rootfsDir(s.dir))
 	}
@@ -241,10 +241,10 @@ func (e *Edge) root(s *sbx) (*files.Root, error) {
 // after the open, so the pid was not reused in between; and the root must
 // be an overlay (without a start time to check, a reused pid's root would
 // be the host's "/").
-func (e *Edge) openPrivateRoot(id string) (*files.Root, error) {
+func (e *Edge) openPrivateRoot(be sandbox.Backend, id string) (*files.Root, error) {
 	ctx := context.Background()
 	gone := errdefs.Precondition("sandbox %s is not running", id)
-	st, err := e.deps.Backend.Status(ctx, id)
+	st, err := be.Status(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -256,7 +256,7 @@ func (e *Edge) openPrivateRoot(id string) (*files.Root, error) {
 		return nil, gone
 	}
 	defer unix.Close(pidfd)
-	if again, err := e.deps.Backend.Status(ctx, id); err != nil || !again.Running || again.Pid != st.Pid {
+	if again, err := be.Status(ctx, id); err != nil || !again.Running || again.Pid != st.Pid {
 		return nil, gone
 	}
 	r, err := files.Open("/proc/" + strconv.Itoa(st.Pid) + "/root")

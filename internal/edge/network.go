@@ -8,6 +8,7 @@ import (
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/netpolicy"
+	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
 // compileNetwork checks a spec's network policy against this node's
@@ -29,7 +30,7 @@ func (e *Edge) compileNetwork(np *api.NetworkPolicy) (*netpolicy.Policy, error) 
 
 // initPid returns the host pid of a sandbox's init.
 func (e *Edge) initPid(ctx context.Context, id string) (int, error) {
-	st, err := e.deps.Backend.Status(ctx, id)
+	st, err := e.backendByID(id).Status(ctx, id)
 	if err != nil {
 		return 0, fmt.Errorf("finding sandbox init: %w", err)
 	}
@@ -100,9 +101,14 @@ func (e *Edge) DialPort(ctx context.Context, id string, port int) (net.Conn, fun
 	if port < 1 || port > 65535 {
 		return nil, nil, errdefs.Invalid("port must be between 1 and 65535, got %d", port)
 	}
-	_, end, err := e.begin(ctx, id)
+	s, end, err := e.begin(ctx, id)
 	if err != nil {
 		return nil, nil, err
+	}
+	if _, own := e.backendOf(s).(sandbox.InnerSignaler); own {
+		// Its loopback is its own kernel's, not a host network namespace's.
+		end()
+		return nil, nil, errdefs.Precondition("sandbox %s runs on the %s backend, whose loopback the node cannot dial: port connections are not offered for it", id, e.backendOf(s).Name())
 	}
 	release, ok := e.streams.take()
 	if !ok {

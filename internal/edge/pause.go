@@ -20,7 +20,7 @@ func (e *Edge) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
 	if err != nil {
 		return nil, err
 	}
-	pauser, byBackend := e.deps.Backend.(sandbox.Pauser)
+	pauser, byBackend := e.backendOf(s).(sandbox.Pauser)
 	if !byBackend && e.deps.Cgroups == nil {
 		return nil, errdefs.Precondition("pause needs cgroups, which this edge runs without")
 	}
@@ -107,7 +107,7 @@ func (e *Edge) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
 		return nil, errdefs.Precondition("sandbox %s is %s; only a paused sandbox can be resumed", id, state)
 	}
 	ranges := 0
-	if pauser, ok := e.deps.Backend.(sandbox.Pauser); ok {
+	if pauser, ok := e.backendOf(s).(sandbox.Pauser); ok {
 		if err := pauser.Resume(ctx, id); err != nil {
 			return nil, err
 		}

@@ -32,7 +32,7 @@ func TestOpenPrivateRootRefusesANonOverlayRoot(t *testing.T) {
 		t.Skip("this host's own root is an overlay: the test cannot tell it from a sandbox's")
 	}
 	e := &Edge{deps: Deps{Backend: statusBackend{pid: os.Getpid()}}}
-	r, err := e.openPrivateRoot("sb-test")
+	r, err := e.openPrivateRoot(e.deps.Backend, "sb-test")
 	if err == nil {
 		r.Close()
 		t.Fatal("opened the root of a process that is not a sandbox's init")

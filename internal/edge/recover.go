@@ -55,7 +55,7 @@ func (e *Edge) recover(ctx context.Context) error {
 		if err != nil || !ent.IsDir() || rec.Sandbox.State == api.StateCreating || rec.Pooled || !holdsResources(rec.Sandbox.State) {
 			continue
 		}
-		status, serr := e.deps.Backend.Status(ctx, id)
+		status, serr := e.backendFor(rec).Status(ctx, id)
 		if serr != nil || !status.Running || !(mounted[rootfsDir(filepath.Join(dir, id))] || rec.PrivateRootfs || rec.Images) {
 			statusErr[id] = serr
 			continue
@@ -115,7 +115,7 @@ func (e *Edge) recover(ctx context.Context) error {
 			rec.CgroupPath = ""
 			rec.StoppedAt = &now
 			dead = append(dead, func() {
-				e.destroyRuntime(ctx, id, cg)
+				e.destroyRuntime(ctx, e.backendFor(rec), id, cg)
 				if err := releaseHost(sdir); err != nil {
 					// Its mounts stay (and its files under them) until a
 					// later start manages: the record says failed either way.
@@ -164,15 +164,17 @@ func (e *Edge) recover(ctx context.Context) error {
 		return err
 	}
 	// Runtime state and cgroups that belong to no live sandbox.
-	ids, err := e.deps.Backend.List(ctx)
-	if err != nil {
-		return err
-	}
-	for _, id := range ids {
-		if !live[id] {
-			e.log.Warn("reaping orphan runtime container", "sandbox_id", id)
-			e.destroyRuntime(ctx, id, e.cfg.CgroupParent+"/"+id)
-			reaped++
+	for _, b := range e.backends() {
+		ids, err := b.List(ctx)
+		if err != nil {
+			return err
+		}
+		for _, id := range ids {
+			if !live[id] {
+				e.log.Warn("reaping orphan runtime container", "sandbox_id", id, "backend", b.Name())
+				e.destroyRuntime(ctx, b, id, e.cfg.CgroupParent+"/"+id)
+				reaped++
+			}
 		}
 	}
 	for _, t := range e.cgroupTrees() {
@@ -230,7 +232,9 @@ const recoverParallel = 16
 
 // reapDir undoes whatever a sandbox dir may hold and removes it.
 func (e *Edge) reapDir(ctx context.Context, id, sdir string) {
-	e.destroyRuntime(ctx, id, e.cfg.CgroupParent+"/"+id)
+	for _, b := range e.backends() {
+		e.destroyRuntime(ctx, b, id, e.cfg.CgroupParent+"/"+id)
+	}
 	if err := releaseHost(sdir); err != nil {
 		e.log.Warn("releasing the host state of an orphan sandbox dir", "sandbox_id", id, "err", err)
 		return
@@ -369,7 +373,7 @@ const (
 // initAlive reports whether the backend still runs the sandbox. Errors
 // other than not-found count as alive: a failed probe must not kill it.
 func (e *Edge) initAlive(id string) bool {
-	st, err := e.deps.Backend.Status(context.Background(), id)
+	st, err := e.backendByID(id).Status(context.Background(), id)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return false
 	}

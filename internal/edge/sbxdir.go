@@ -85,8 +85,8 @@ type composed struct {
 
 // takesImages reports whether the backend makes rootfs itself from the
 // layer images (sandbox.LayerImages).
-func (e *Edge) takesImages() bool {
-	b, ok := e.deps.Backend.(sandbox.LayerImages)
+func takesImages(be sandbox.Backend) bool {
+	b, ok := be.(sandbox.LayerImages)
 	return ok && b.TakesLayerImages()
 }
 
@@ -205,7 +205,7 @@ func (e *Edge) composeRootfs(dir string, rec *record, digests []string, undo *cl
 		}
 	}
 	c := composed{rootfs: rootfsDir(dir)}
-	mnt, err := e.detachedRootfs(lowers, upper, work)
+	mnt, err := e.detachedRootfs(e.backend(rec.Sandbox.Backend), lowers, upper, work)
 	if err != nil {
 		return composed{}, err
 	}

@@ -38,8 +38,12 @@ type session struct {
 	// exited is closed when the shell exits; code is its status after.
 	exited chan struct{}
 	code   int
-	// shellPid is the host pid of the shell, found at start.
-	shellPid int
+	// kill kills what the shell started, and the shell itself with
+	// self; usr1 sends the shell SIGUSR1. Both are set at start, once the
+	// shell is found: by host pid, or by its pid inside through a backend
+	// whose processes have no host pids (sandbox.InnerSignaler).
+	kill func(self bool)
+	usr1 func()
 	// bash sessions survive a timeout (see bashSetup); others end.
 	bash bool
 	// release gives back the session's node-wide slot (slots.go).
@@ -225,7 +229,7 @@ func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionReques
 		if _, err := root.Stat("/bin/bash"); err == nil {
 			shell = "/bin/bash"
 		}
-	} else if !e.isPinnedShell(shell) {
+	} else if !e.isPinnedShell(e.backendOf(s), shell) {
 		if _, err := root.Stat(shell); err != nil {
 			return nil, errdefs.Invalid("shell %s does not exist in the sandbox", shell)
 		}
@@ -268,7 +272,7 @@ func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionReques
 	se := &session{id: "ss-" + nonce()[:16], stdin: w, out: newCapture(), err: newCapture(),
 		exited: make(chan struct{}), bash: strings.Contains(path.Base(shell), "bash"), release: release}
 	p.Stdin, p.Stdout, p.Stderr = r, se.out, se.err
-	proc, err := e.deps.Backend.Exec(ctx, id, p)
+	proc, err := e.backendByID(id).Exec(ctx, id, p)
 	r.Close()
 	if err != nil {
 		w.Close()
@@ -293,10 +297,10 @@ func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionReques
 	res, err := se.run(ctx, probe, 10*time.Second, 64)
 	if err == nil && res.ExitCode == 0 {
 		if nsPid, perr := strconv.Atoi(strings.TrimSpace(res.Stdout)); perr == nil {
-			se.shellPid, _ = proctree.FindByNSPid(proc.Pid(), nsPid)
+			se.findShell(e.backendByID(id), id, proc, nsPid)
 		}
 	}
-	if se.shellPid == 0 {
+	if se.kill == nil {
 		se.close()
 		msg := ""
 		if res != nil {
@@ -315,10 +319,27 @@ func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionReques
 	return &api.Session{SessionID: se.id}, nil
 }
 
+// findShell sets se.kill and se.usr1 for the shell whose pid inside the
+// sandbox is nsPid, or leaves them nil if it cannot be found.
+func (se *session) findShell(be sandbox.Backend, id string, proc sandbox.Proc, nsPid int) {
+	if in, ok := be.(sandbox.InnerSignaler); ok {
+		ctx := context.Background()
+		se.kill = func(self bool) { _ = in.Signal(ctx, id, nsPid, unix.SIGKILL, self, true) }
+		se.usr1 = func() { _ = in.Signal(ctx, id, nsPid, unix.SIGUSR1, true, false) }
+		return
+	}
+	host, _ := proctree.FindByNSPid(proc.Pid(), nsPid)
+	if host == 0 {
+		return
+	}
+	se.kill = func(self bool) { proctree.Kill(host, self) }
+	se.usr1 = func() { _ = unix.Kill(host, unix.SIGUSR1) }
+}
+
 // isPinnedShell reports whether shell is the backend's read-only shell,
 // which lives in the sandbox's /dev, not in its root filesystem.
-func (e *Edge) isPinnedShell(shell string) bool {
-	p, ok := e.deps.Backend.(sandbox.Pinner)
+func (e *Edge) isPinnedShell(be sandbox.Backend, shell string) bool {
+	p, ok := be.(sandbox.Pinner)
 	return ok && p.PinnedShell() != "" && shell == p.PinnedShell()
 }
 
@@ -450,22 +471,22 @@ wait:
 			break wait
 		}
 	}
-	if timedOut && se.shellPid != 0 && !se.bash {
+	if timedOut && se.kill != nil && !se.bash {
 		// Other shells cannot abort the rest of a command line: the session
 		// ends rather than run what followed the timed-out command.
-		proctree.Kill(se.shellPid, true)
+		se.kill(true)
 		_ = se.stdin.Close()
 		select {
 		case <-se.exited:
 		case <-time.After(5 * time.Second):
 		}
 	}
-	if timedOut && se.shellPid != 0 && se.bash {
+	if timedOut && se.kill != nil && se.bash {
 		// Flag the abort, then kill what the command started but keep the
 		// shell: it skips the rest of the command, prints the markers and
 		// the session stays usable.
-		_ = unix.Kill(se.shellPid, unix.SIGUSR1)
-		proctree.Kill(se.shellPid, false)
+		se.usr1()
+		se.kill(false)
 		grace := time.After(5 * time.Second)
 	drain:
 		for !finished() {

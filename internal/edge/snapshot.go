@@ -79,7 +79,7 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOption
 	if rec.Images {
 		// Its writable layer is the backend's, in a form of its own.
 		return nil, errdefs.Precondition("sandbox %s runs on the %s backend, whose writable layer the node cannot pack: snapshots do not serve it",
-			id, e.deps.Backend.Name())
+			id, rec.Sandbox.Backend)
 	}
 	// The layers above base, workspace and toolkits are the snapshot
 	// layers the sandbox was started on.

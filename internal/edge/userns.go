@@ -89,15 +89,18 @@ func (e *Edge) userNSMap() layer.IDMap {
 }
 
 // checkUserNS refuses userns on a node without it.
-func (e *Edge) checkUserNS(want bool) error {
+func (e *Edge) checkUserNS(be sandbox.Backend, want bool) error {
 	if !want {
 		return nil
 	}
 	if e.cfg.UserNSBase == 0 {
 		return errdefs.Precondition("node %s does not run user-namespace sandboxes (dsec up --userns-base 0); omit userns", e.cfg.Name)
 	}
-	if e.takesImages() {
-		return errdefs.Precondition("node %s's %s backend makes its sandboxes' root filesystems itself: userns (idmapped layers over the host's overlay) does not apply; omit it", e.cfg.Name, e.deps.Backend.Name())
+	if takesImages(be) {
+		return errdefs.Precondition("node %s's %s backend makes its sandboxes' root filesystems itself: userns (idmapped layers over the host's overlay) does not apply; omit it", e.cfg.Name, be.Name())
+	}
+	if _, own := be.(sandbox.InnerSignaler); own {
+		return errdefs.Precondition("the %s backend runs sandboxes on a kernel of its own, whose root is not the host's: userns does not apply; omit it", be.Name())
 	}
 	if e.usernsBroken != nil {
 		return errdefs.Precondition("node %s cannot run user-namespace sandboxes: %v", e.cfg.Name, e.usernsBroken)

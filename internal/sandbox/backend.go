@@ -1,7 +1,8 @@
 // Package sandbox defines the Backend interface every sandbox runtime
-// implements (container today; gVisor and microVM later), the process and
+// implements (container and gVisor today; microVM later), the process and
 // limit types the edge hands to it, and pure validation of sandbox specs.
-// Implementations live in sibling packages (sandbox/container); a shared
+// Implementations live in sibling packages (sandbox/container,
+// sandbox/gvisor, sandbox/fake); a shared
 // conformance suite lives in sandbox/sandboxtest.
 // The edge is the only production caller.
 package sandbox
@@ -10,6 +11,7 @@ import (
 	"context"
 	"io"
 	"os"
+	"syscall"
 )
 
 // Backend runs sandboxes on one node. The edge composes each sandbox's root
@@ -75,6 +77,10 @@ type Config struct {
 	// ResolvConf, if set, is a host file shown read-only at
 	// /etc/resolv.conf.
 	ResolvConf string
+	// AttachNetwork, if set, is called by a NetworkFirst backend once the
+	// sandbox's network namespace exists and before its first process
+	// runs, with a host pid in that namespace; an error fails the create.
+	AttachNetwork func(pid int) error
 	// UserNS, if set, runs the sandbox in a new user namespace in which IDs
 	// 0..Size-1 are host IDs HostID.. (uids and gids alike). The rootfs
 	// must already show files with those host IDs (idmapped lowers, an
@@ -173,4 +179,21 @@ type Pauser interface {
 // refused for such sandboxes).
 type LayerImages interface {
 	TakesLayerImages() bool
+}
+
+// NetworkFirst is implemented by backends whose sandboxes must have their
+// network interfaces before they start (gVisor's network stack copies
+// them once, at start). The edge hands them Config.AttachNetwork instead
+// of attaching the network after Create.
+type NetworkFirst interface {
+	NetworkFirst() bool
+}
+
+// InnerSignaler is implemented by backends whose sandbox processes have no
+// host pids the edge could signal (a user-space kernel, a VM): their
+// Proc.Pid is 0, and the edge reaches a process by its pid inside.
+type InnerSignaler interface {
+	// Signal sends sig to process pid of sandbox id (with self) and to
+	// every descendant of it (with tree).
+	Signal(ctx context.Context, id string, pid int, sig syscall.Signal, self, tree bool) error
 }

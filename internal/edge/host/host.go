@@ -28,7 +28,9 @@ import (
 	"github.com/dsecproject/dsec/internal/cgroup"
 	"github.com/dsecproject/dsec/internal/edge"
 	"github.com/dsecproject/dsec/internal/netpolicy"
+	"github.com/dsecproject/dsec/internal/sandbox"
 	"github.com/dsecproject/dsec/internal/sandbox/container"
+	"github.com/dsecproject/dsec/internal/sandbox/gvisor"
 )
 
 // Config is what the operator says about the host (the node flags of
@@ -51,6 +53,9 @@ type Config struct {
 	Network, SandboxCIDR, DNSUpstream, NetPresets, DNSAdmitPrivate string
 	// DiskQuota is auto, loop or off.
 	DiskQuota string
+	// GVisor is auto (offer the gvisor backend where runsc is
+	// installed), on (fail without it) or off.
+	GVisor string
 }
 
 // Host is a prepared machine.
@@ -59,6 +64,8 @@ type Host struct {
 	// Runtime is the OCI runtime chosen (crun or runc).
 	Runtime string
 	Backend *container.Container
+	// Others are the node's other backends (gvisor where it runs).
+	Others []sandbox.Backend
 	// Net runs sandbox networking; nil when it is off.
 	Net *netpolicy.Manager
 	// DiskQuota is edge.DiskLoop or edge.DiskOff.
@@ -81,6 +88,11 @@ func Open(c Config, log *slog.Logger, reg prometheus.Registerer) (*Host, error) 
 	case "auto", "dsec", "runtime":
 	default:
 		return nil, fmt.Errorf("--launcher %q: want auto, dsec or runtime", c.Launcher)
+	}
+	switch c.GVisor {
+	case "", "auto", "on", "off":
+	default:
+		return nil, fmt.Errorf("--gvisor %q: want auto, on or off", c.GVisor)
 	}
 	raiseNoFile(log)
 	shieldFromOOM(log)
@@ -162,6 +174,20 @@ func Open(c Config, log *slog.Logger, reg prometheus.Registerer) (*Host, error) 
 	}
 	if pinned, err := h.Backend.Pinned(); !pinned {
 		log.Warn("runtime binary not pinned read-only; the runtime clones itself on every call (~3-5 ms)", "err", err)
+	}
+	if c.GVisor != "off" {
+		// Its state is on disk, not on the run dir's tmpfs: Close
+		// unmounts that when the container runtime keeps nothing there.
+		g, err := gvisor.New(gvisor.Config{StateRoot: filepath.Join(c.StateDir, "runsc"), Cgroups: cg, Log: log})
+		switch {
+		case err == nil:
+			h.Others = append(h.Others, g)
+			log.Info("backend gvisor", "runsc", g.Version())
+		case c.GVisor == "on":
+			return nil, fmt.Errorf("--gvisor on: %w", err)
+		default:
+			log.Info("no gvisor backend", "reason", err)
+		}
 	}
 	// The probe first: networking, once up, is the edge's to close.
 	if h.DiskQuota, err = diskQuotaMode(c.DiskQuota, log); err != nil {

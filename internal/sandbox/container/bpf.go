@@ -183,3 +183,14 @@ func encodeFilter(prog []unix.SockFilter) string {
 	}
 	return base64.StdEncoding.EncodeToString(b)
 }
+
+// SeccompFilterBase64 returns the profile compiled to classic BPF, the
+// raw sock_filter array base64-encoded (for a backend that installs it
+// inside the sandbox itself).
+func SeccompFilterBase64() (string, error) {
+	prog, err := seccompBPF()
+	if err != nil {
+		return "", err
+	}
+	return encodeFilter(prog), nil
+}

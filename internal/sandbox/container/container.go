@@ -254,6 +254,10 @@ func (c *Container) ExecPath() string {
 	return c.flavor
 }
 
+// IsStatic reports whether the ELF file at path has no program
+// interpreter (a static binary runs in any rootfs).
+func IsStatic(path string) bool { return isStatic(path) }
+
 // isStatic reports whether the ELF file at path has no program interpreter
 // (a static binary runs in any rootfs).
 func isStatic(path string) bool {

@@ -275,3 +275,32 @@ func resources(l sandbox.Limits) *specs.LinuxResources {
 	}
 	return r
 }
+
+// The pieces of a sandbox's bundle that every backend running an OCI
+// bundle shares (gVisor runs the same bundle under its own kernel): the
+// profile root and other users get, the rlimits, the cgroup resources,
+// the seccomp profile, and where init and the pinned shell appear.
+
+// InitPath is where the host's init binary (catatonit) appears inside.
+const InitPath = initPath
+
+// DefaultPath is the PATH a process gets when it brings none.
+const DefaultPath = defaultPath
+
+// OCIVersion is the runtime-spec version written into bundles.
+const OCIVersion = ociVersion
+
+// Caps returns the capability sets of a process running as uid.
+func Caps(uid uint32) *specs.LinuxCapabilities { return caps(uid) }
+
+// Rlimits returns the rlimits of every sandbox process.
+func Rlimits() []specs.POSIXRlimit { return rlimits() }
+
+// Resources returns the cgroup resources of a sandbox with limits l.
+func Resources(l sandbox.Limits) *specs.LinuxResources { return resources(l) }
+
+// SeccompProfile returns the seccomp profile of every sandbox process.
+func SeccompProfile() *specs.LinuxSeccomp { return seccompProfile() }
+
+// OOMScoreAdj returns the OOM score adjustment of sandbox processes.
+func OOMScoreAdj() *int { v := sandboxOOMScoreAdj; return &v }

@@ -260,11 +260,22 @@ done; echo done`}})
 				t.Errorf("exec'd process as root lacks init's %q:\n%s", line, self)
 			}
 		}
-		if !strings.Contains(self, "NoNewPrivs:\t1") || !strings.Contains(self, "Seccomp:\t2") {
+		if _, own := b.(sandbox.InnerSignaler); !own && (!strings.Contains(self, "NoNewPrivs:\t1") || !strings.Contains(self, "Seccomp:\t2")) {
+			// A kernel of the backend's own need not report them.
 			t.Errorf("exec'd process status:\n%s", self)
 		}
 		if parts[2] != parts[3] {
 			t.Errorf("exec'd process cgroups differ from init's:\n%s\nvs\n%s", parts[2], parts[3])
+		}
+	})
+	t.Run("seccomp-profile-applies", func(t *testing.T) {
+		// syslog(2) is on the profile's deny list and allowed by every
+		// capability set a kernel checks (a user-space kernel answers it
+		// from its own log): dmesg must fail as root, in an exec'd
+		// process and in a child of init alike.
+		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "busybox dmesg >/dev/null 2>&1 && echo allowed || echo denied"}})
+		if r.code != 0 || r.stdout != "denied\n" {
+			t.Fatalf("syslog(2) from an exec'd root process: %+v", r)
 		}
 	})
 	t.Run("own-network-namespace-loopback-up", func(t *testing.T) {
@@ -272,7 +283,9 @@ done; echo done`}})
 		// sysfs: /sys may be shared between sandboxes (dsec's launcher).
 		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "busybox ip -o link | wc -l; busybox ip -o link show lo; readlink /proc/self/ns/net; readlink /proc/1/ns/net"}})
 		lines := strings.Split(strings.TrimSpace(r.stdout), "\n")
-		if r.code != 0 || len(lines) != 4 || strings.TrimSpace(lines[0]) != "1" || !strings.Contains(lines[1], "lo: <LOOPBACK,UP") || lines[2] != lines[3] {
+		// A kernel of the backend's own numbers its namespaces as it likes.
+		_, own := b.(sandbox.InnerSignaler)
+		if r.code != 0 || len(lines) != 4 || strings.TrimSpace(lines[0]) != "1" || !strings.Contains(lines[1], "lo: <LOOPBACK,UP") || (!own && lines[2] != lines[3]) {
 			t.Fatalf("got %+v", r)
 		}
 		self, _ := os.Readlink("/proc/self/ns/net")

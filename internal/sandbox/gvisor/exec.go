@@ -1,0 +1,291 @@
+package gvisor
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/sandbox"
+	"github.com/dsecproject/dsec/internal/sandbox/container"
+)
+
+var _ sandbox.InnerSignaler = (*GVisor)(nil)
+
+// Exec implements sandbox.Backend with runsc exec. The process profile
+// (capabilities, no_new_privs, rlimits, user) goes as a process.json in a
+// memfd. Stdio are always pipes (or the caller's terminal): a host file
+// such as /dev/null handed to the Sentry could be changed through it.
+func (g *GVisor) Exec(ctx context.Context, id string, p sandbox.Process) (sandbox.Proc, error) {
+	if len(p.Args) == 0 {
+		return nil, errors.New("exec: empty argv")
+	}
+	if p.Private {
+		return nil, errdefs.Precondition("the gvisor backend does not offer private runs (a pid namespace beside the sandbox's)")
+	}
+	st, err := readState(g.cfg.StateRoot, id)
+	if err != nil {
+		return nil, err
+	}
+	if st.Status != "running" && st.Status != "paused" {
+		return nil, errdefs.Precondition("gvisor sandbox %s is %s", id, st.Status)
+	}
+	env := p.Env
+	if !hasPath(env) {
+		env = append([]string{container.DefaultPath}, env...)
+	}
+	cwd := p.Cwd
+	if cwd == "" {
+		cwd = "/"
+	}
+	// The helper installs the seccomp profile (runsc gives it to init
+	// only) and takes DSEC_SECCOMP out of the environment before the
+	// command sees it.
+	proc := specs.Process{
+		Terminal:        p.TTY,
+		Args:            append([]string{execHelperPath}, p.Args...),
+		Env:             slices.Concat(env, []string{g.filter}),
+		Cwd:             cwd,
+		User:            specs.User{UID: p.UID, GID: p.GID, AdditionalGids: p.AdditionalGIDs},
+		NoNewPrivileges: true,
+		Capabilities:    container.Caps(p.UID),
+		Rlimits:         container.Rlimits(),
+	}
+	data, err := json.Marshal(&proc)
+	if err != nil {
+		return nil, fmt.Errorf("encoding process spec: %w", err)
+	}
+	fd, err := unix.MemfdCreate("process.json", unix.MFD_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("creating memfd: %w", err)
+	}
+	mf := os.NewFile(uintptr(fd), "process.json")
+	defer mf.Close()
+	if _, err := mf.Write(data); err != nil {
+		return nil, fmt.Errorf("writing process spec: %w", err)
+	}
+	pidFile, err := g.pidFile()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(g.runsc, append(g.flags(), "exec", "--process", "/proc/self/fd/3", "--internal-pid-file", pidFile, id)...)
+	cmd.ExtraFiles = []*os.File{mf}
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = p.Stdin, p.Stdout, p.Stderr
+	if cmd.Stdin == nil {
+		cmd.Stdin = bytes.NewReader(nil)
+	}
+	if cmd.Stdout == nil {
+		cmd.Stdout = io.Discard
+	}
+	if cmd.Stderr == nil {
+		cmd.Stderr = io.Discard
+	}
+	// Once the command has exited, its output is what has been written:
+	// a background process it left holding stdout (inside the Sentry,
+	// out of reach of the pipe's closing) must not hold the call.
+	cmd.WaitDelay = time.Second
+	if err := cmd.Start(); err != nil {
+		os.Remove(pidFile)
+		return nil, fmt.Errorf("starting runsc exec: %w", err)
+	}
+	return &gproc{g: g, id: id, cmd: cmd, pidFile: pidFile}, nil
+}
+
+func hasPath(env []string) bool {
+	for _, e := range env {
+		if strings.HasPrefix(e, "PATH=") {
+			return true
+		}
+	}
+	return false
+}
+
+// pidFile returns a fresh path for runsc exec's --internal-pid-file.
+func (g *GVisor) pidFile() (string, error) {
+	dir := filepath.Join(g.cfg.StateRoot, "exec")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return "", fmt.Errorf("creating exec dir: %w", err)
+	}
+	f, err := os.CreateTemp(dir, "pid-")
+	if err != nil {
+		return "", fmt.Errorf("creating pid file: %w", err)
+	}
+	f.Close()
+	return f.Name(), nil
+}
+
+// gproc is a process started by runsc exec.
+type gproc struct {
+	g       *GVisor
+	id      string
+	cmd     *exec.Cmd
+	pidFile string
+
+	once sync.Once
+	code int
+	err  error
+}
+
+// Wait implements sandbox.Proc: runsc exec exits with the process's status.
+func (p *gproc) Wait() (int, error) {
+	p.once.Do(func() {
+		err := p.cmd.Wait()
+		os.Remove(p.pidFile)
+		var ee *exec.ExitError
+		switch {
+		case err == nil, errors.Is(err, exec.ErrWaitDelay): // exited 0; see WaitDelay
+		case errors.As(err, &ee):
+			ws, _ := ee.Sys().(syscall.WaitStatus)
+			if ws.Signaled() {
+				p.code = 128 + int(ws.Signal())
+			} else {
+				p.code = ee.ExitCode()
+			}
+		default:
+			p.code, p.err = -1, err
+		}
+	})
+	return p.code, p.err
+}
+
+// Pid implements sandbox.Proc: the process has no host pid of its own.
+func (p *gproc) Pid() int { return 0 }
+
+// innerPid is the process's pid in the sandbox, once runsc has said it.
+func (p *gproc) innerPid() int {
+	b, err := os.ReadFile(p.pidFile)
+	if err != nil {
+		return 0
+	}
+	n, _ := strconv.Atoi(strings.TrimSpace(string(b)))
+	return n
+}
+
+// Kill implements sandbox.Proc: SIGKILL to the process and every
+// descendant of it in the sandbox, then to runsc exec.
+func (p *gproc) Kill() error {
+	if p.cmd.ProcessState != nil {
+		return nil
+	}
+	pid := 0
+	for deadline := time.Now().Add(2 * time.Second); pid == 0 && time.Now().Before(deadline); {
+		if pid = p.innerPid(); pid == 0 {
+			if p.cmd.ProcessState != nil || p.cmd.Process.Signal(syscall.Signal(0)) != nil {
+				return nil
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	if pid > 0 {
+		if err := p.g.Signal(context.Background(), p.id, pid, unix.SIGKILL, true, true); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+			return err
+		}
+	}
+	_ = p.cmd.Process.Kill()
+	return nil
+}
+
+// Signal implements sandbox.InnerSignaler: sig to process pid of the
+// sandbox (with self) and to its descendants (with tree), found with
+// runsc ps and sent with runsc kill. A few rounds catch children forked
+// meanwhile.
+func (g *GVisor) Signal(ctx context.Context, id string, pid int, sig syscall.Signal, self, tree bool) error {
+	var firstErr error
+	sent := map[int]bool{}
+	for round := 0; round < 3; round++ {
+		var targets []int
+		if tree {
+			procs, err := g.ps(ctx, id)
+			if err != nil {
+				return err
+			}
+			targets = descendants(procs, pid)
+		}
+		if self && round == 0 {
+			targets = append([]int{pid}, targets...)
+		}
+		n := 0
+		for _, t := range targets {
+			if sent[t] && sig != syscall.SIGKILL {
+				continue
+			}
+			sent[t] = true
+			n++
+			if _, err := g.run(ctx, "kill", "--pid", strconv.Itoa(t), id, strconv.Itoa(int(sig))); err != nil && firstErr == nil && !strings.Contains(err.Error(), "no such process") {
+				firstErr = err
+			}
+		}
+		if n == 0 || !tree {
+			break
+		}
+	}
+	return firstErr
+}
+
+// psEntry is one line of runsc ps.
+type psEntry struct{ pid, ppid int }
+
+// ps lists the sandbox's processes.
+func (g *GVisor) ps(ctx context.Context, id string) ([]psEntry, error) {
+	out, err := g.run(ctx, "ps", id)
+	if err != nil {
+		if _, serr := readState(g.cfg.StateRoot, id); errors.Is(serr, errdefs.ErrNotFound) {
+			return nil, serr
+		}
+		return nil, err
+	}
+	return parsePS(out), nil
+}
+
+// parsePS reads runsc ps's table (UID PID PPID ...).
+func parsePS(out []byte) []psEntry {
+	var procs []psEntry
+	for _, line := range strings.Split(string(out), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 3 {
+			continue
+		}
+		pid, err1 := strconv.Atoi(f[1])
+		ppid, err2 := strconv.Atoi(f[2])
+		if err1 == nil && err2 == nil {
+			procs = append(procs, psEntry{pid, ppid})
+		}
+	}
+	return procs
+}
+
+// descendants returns the pids below root in procs, nearest first.
+func descendants(procs []psEntry, root int) []int {
+	kids := map[int][]int{}
+	for _, p := range procs {
+		kids[p.ppid] = append(kids[p.ppid], p.pid)
+	}
+	var out []int
+	queue := []int{root}
+	for len(queue) > 0 {
+		n := queue[0]
+		queue = queue[1:]
+		for _, k := range kids[n] {
+			if k != root {
+				out = append(out, k)
+				queue = append(queue, k)
+			}
+		}
+	}
+	return out
+}
