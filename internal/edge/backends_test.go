@@ -72,6 +72,9 @@ func TestBackendPerSandbox(t *testing.T) {
 	if s, _ := ctr.Get(c.ID); s.Execs != 0 || s.Paused {
 		t.Fatalf("container backend's view %+v; want untouched", s)
 	}
+	if got := e.countsByBackend(); got[[2]string{"gvisor", "paused"}] != 1 || got[[2]string{"container", "running"}] != 1 || len(got) != 2 {
+		t.Fatalf("counts by backend and state %v; want one paused gvisor, one running container", got)
+	}
 	if _, err := create(e, "microvm"); !errors.Is(err, errdefs.ErrPrecondition) {
 		t.Fatalf("create on a backend the node lacks: %v, want failed_precondition", err)
 	}

@@ -587,17 +587,24 @@ func (e *Edge) list(ctx context.Context, f edgeapi.ListFilter) []api.Sandbox {
 	return out
 }
 
-// Counts returns sandboxes by state.
-func (e *Edge) Counts() map[string]int {
+// countsByBackend counts the sandboxes that are not pooled by backend and
+// state (a record naming no backend is the default's).
+func (e *Edge) countsByBackend() map[[2]string]int {
+	def := ""
+	if e.deps.Backend != nil {
+		def = e.deps.Backend.Name()
+	}
 	e.mu.RLock()
 	defer e.mu.RUnlock()
-	c := map[string]int{}
+	c := map[[2]string]int{}
 	for _, s := range e.sandboxes {
 		s.mu.Lock()
-		if s.pooled {
-			c["pooled"]++
-		} else {
-			c[s.rec.Sandbox.State]++
+		if !s.pooled {
+			b := s.rec.Sandbox.Backend
+			if b == "" {
+				b = def
+			}
+			c[[2]string{b, s.rec.Sandbox.State}]++
 		}
 		s.mu.Unlock()
 	}

@@ -101,8 +101,10 @@ type stateCollector struct {
 func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 
 func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
-	counts := c.e.Counts()
-	for _, st := range []string{"creating", "running", "paused", "stopped", "failed"} {
-		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(counts[st]), st, c.e.deps.Backend.Name())
+	counts := c.e.countsByBackend()
+	for _, b := range c.e.backends() {
+		for _, st := range []string{"creating", "running", "paused", "stopped", "failed"} {
+			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(counts[[2]string{b.Name(), st}]), st, b.Name())
+		}
 	}
 }

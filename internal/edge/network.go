@@ -58,6 +58,10 @@ func (e *Edge) SetNetwork(ctx context.Context, id string, np api.NetworkPolicy) 
 	s.mu.Lock()
 	prev := s.rec.Net
 	s.mu.Unlock()
+	if nf, ok := e.backendOf(s).(sandbox.NetworkFirst); ok && nf.NetworkFirst() && prev == nil && !p.Empty() {
+		// Its network stack took its interfaces when it started.
+		return nil, errdefs.Precondition("sandbox %s runs on the %s backend, which takes its network interfaces once, when it starts: it was created without network access and cannot be given it now; create it with network.allow", id, e.backendOf(s).Name())
+	}
 	var att *netpolicy.Attachment
 	if e.deps.Net != nil {
 		pid, err := e.initPid(ctx, id)

@@ -149,6 +149,11 @@ func TestGVisorNetworkPolicy(t *testing.T) {
 	}
 	mustNotReach(t, lo.ID, "dial", pypiAddr+":80")
 	mustNotReach(t, lo.ID, "resolve", pypiName)
+	// Its stack took its interfaces at start: network cannot be added
+	// later, and saying so beats a policy that silently does nothing.
+	_, err := client.SetNetwork(ctx(t), lo.ID, api.NetworkPolicy{Allow: []string{"pypi"}})
+	wantCode(t, err, "failed_precondition")
+	mustNotReach(t, lo.ID, "resolve", pypiName)
 
 	sb := gvSandbox(t, api.SandboxSpec{Toolkits: []string{probeRef}, Network: &api.NetworkPolicy{Allow: []string{"pypi"}}})
 	mustReach(t, sb.ID, "hello from pypi", "get", "http://"+pypiName+"/")

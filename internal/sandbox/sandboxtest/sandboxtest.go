@@ -293,6 +293,45 @@ done; echo done`}})
 			t.Fatalf("sandbox shares the host's network namespace %s", self)
 		}
 	})
+	if pauser, ok := b.(sandbox.Pauser); ok {
+		t.Run("pause-stops-and-resume-restarts", func(t *testing.T) {
+			// A counter in the rootfs moves while running, not while paused
+			// (it runs on until the destroy case).
+			if r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "(i=0; while true; do i=$((i+1)); echo $i > /pausecount; sleep 0.05; done) >/dev/null 2>&1 & echo ok"}}); r.stdout != "ok\n" {
+				t.Fatalf("starting the counter: %+v", r)
+			}
+			count := func() string {
+				b, _ := os.ReadFile(filepath.Join(cfg.Rootfs, "pausecount"))
+				return string(b)
+			}
+			deadline := time.Now().Add(10 * time.Second)
+			for count() == "" && time.Now().Before(deadline) {
+				time.Sleep(20 * time.Millisecond)
+			}
+			if err := pauser.Pause(ctx, id); err != nil {
+				t.Fatal(err)
+			}
+			if err := pauser.Pause(ctx, id); err != nil {
+				t.Fatalf("pausing a paused sandbox: %v", err)
+			}
+			before := count()
+			time.Sleep(500 * time.Millisecond)
+			if after := count(); after != before || before == "" {
+				t.Fatalf("counter moved while paused: %q -> %q", before, after)
+			}
+			if err := pauser.Resume(ctx, id); err != nil {
+				t.Fatal(err)
+			}
+			if err := pauser.Resume(ctx, id); err != nil {
+				t.Fatalf("resuming a running sandbox: %v", err)
+			}
+			for deadline := time.Now().Add(10 * time.Second); count() == before; time.Sleep(20 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatal("counter stuck after resume")
+				}
+			}
+		})
+	}
 	t.Run("cwd-cannot-leave-the-root", func(t *testing.T) {
 		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "pwd; test -e /dev/init && echo sandbox-root"}, Cwd: "/../../.."})
 		if r.code != 0 || r.stdout != "/\nsandbox-root\n" {
