@@ -67,6 +67,9 @@ type mproc struct {
 	// pidfd is the command's own process (the exec helper's child), for
 	// signals that must reach it and not its whole tree; nil if unknown.
 	pidfd *os.File
+	// inner: info.PID is the pid inside a sandbox of an InnerSignaler
+	// backend, through which signals reach the command.
+	inner bool
 	// stdin is the write end of the process's stdin, tty the terminal's
 	// master; nil when it has none (or stdin was closed).
 	stdinMu sync.Mutex
@@ -319,6 +322,10 @@ func (e *Edge) startProcess(ctx context.Context, s *sbx, id string, req edgeapi.
 	}
 	m.proc = proc
 	hostPid, nsPid := commandPids(proc.Pid())
+	if ip, ok := proc.(sandbox.InnerProc); ok {
+		nsPid = ip.InnerPid() // a kernel of the backend's own: no host pid
+		m.inner = nsPid > 0
+	}
 	if hostPid > 0 {
 		if fd, err := unix.PidfdOpen(hostPid, 0); err == nil {
 			m.pidfd = os.NewFile(uintptr(fd), "pidfd")
@@ -584,11 +591,14 @@ func (e *Edge) SignalProcess(ctx context.Context, id string, sel edgeapi.Process
 		return errdefs.Invalid("signal %d is not one a process may be sent (HUP, INT, QUIT, KILL, USR1, USR2, TERM, CONT, STOP, WINCH)", sig)
 	}
 	return e.onProc(ctx, id, sel, true, func(m *mproc) error {
-		if sig == int(unix.SIGKILL) || m.pidfd == nil {
-			if sig == int(unix.SIGKILL) {
-				m.kill("signal")
-				return nil
-			}
+		if sig == int(unix.SIGKILL) {
+			m.kill("signal")
+			return nil
+		}
+		if in, ok := e.backendByID(id).(sandbox.InnerSignaler); ok && m.inner {
+			return in.Signal(ctx, id, m.info.PID, syscall.Signal(sig), true, false)
+		}
+		if m.pidfd == nil {
 			return errdefs.Precondition("process %d cannot be signalled", m.info.PID)
 		}
 		rc, err := m.pidfd.SyscallConn()

@@ -197,3 +197,9 @@ type InnerSignaler interface {
 	// every descendant of it (with tree).
 	Signal(ctx context.Context, id string, pid int, sig syscall.Signal, self, tree bool) error
 }
+
+// InnerProc is implemented by the Procs of an InnerSignaler backend.
+type InnerProc interface {
+	// InnerPid is the process's pid inside the sandbox (0 if unknown).
+	InnerPid() int
+}

@@ -77,8 +77,19 @@ func sessionsOpen(t *testing.T) float64 {
 
 func TestTerminal(t *testing.T) {
 	needDaemon(t)
+	terminalCase(t, api.BackendContainer)
+}
+
+func TestGVisorTerminal(t *testing.T) {
+	needGVisor(t)
+	terminalCase(t, api.BackendGVisor)
+}
+
+// terminalCase drives a terminal in a sandbox of backend: size, resize,
+// ^C, exit status, and what closing the socket kills.
+func terminalCase(t *testing.T, backend string) {
 	before := sessionsOpen(t)
-	sb := newSandbox(t, api.SandboxSpec{})
+	sb := newSandbox(t, api.SandboxSpec{Backend: backend})
 	c := ctx(t)
 	term, err := client.Terminal(c, sb.ID, dsec.TerminalOptions{Cols: 100, Rows: 30})
 	if err != nil {

@@ -25,7 +25,10 @@ import (
 	"github.com/dsecproject/dsec/internal/sandbox/container"
 )
 
-var _ sandbox.InnerSignaler = (*GVisor)(nil)
+var (
+	_ sandbox.InnerSignaler = (*GVisor)(nil)
+	_ sandbox.InnerProc     = (*gproc)(nil)
+)
 
 // Exec implements sandbox.Backend with runsc exec. The process profile
 // (capabilities, no_new_privs, rlimits, user) goes as a process.json in a
@@ -86,6 +89,12 @@ func (g *GVisor) Exec(ctx context.Context, id string, p sandbox.Process) (sandbo
 	cmd := exec.Command(g.runsc, append(g.flags(), "exec", "--process", "/proc/self/fd/3", "--internal-pid-file", pidFile, id)...)
 	cmd.ExtraFiles = []*os.File{mf}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = p.Stdin, p.Stdout, p.Stderr
+	if p.TTY {
+		// runsc exec leads a session on the terminal: what the terminal
+		// raises (^C, ^Z, a hangup when it closes) goes to it, and it
+		// forwards it to the command's foreground process group inside.
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0}
+	}
 	if cmd.Stdin == nil {
 		cmd.Stdin = bytes.NewReader(nil)
 	}
@@ -166,6 +175,20 @@ func (p *gproc) Wait() (int, error) {
 // Pid implements sandbox.Proc: the process has no host pid of its own.
 func (p *gproc) Pid() int { return 0 }
 
+// InnerPid implements sandbox.InnerProc: the pid runsc exec writes once
+// the command runs, waited for (at most 2 s) while runsc exec runs.
+func (p *gproc) InnerPid() int {
+	for deadline := time.Now().Add(2 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		if pid := p.innerPid(); pid > 0 {
+			return pid
+		}
+		if p.cmd.Process.Signal(syscall.Signal(0)) != nil {
+			break
+		}
+	}
+	return p.innerPid()
+}
+
 // innerPid is the process's pid in the sandbox, once runsc has said it.
 func (p *gproc) innerPid() int {
 	b, err := os.ReadFile(p.pidFile)
@@ -191,6 +214,7 @@ func (p *gproc) Kill() error {
 			time.Sleep(10 * time.Millisecond)
 		}
 	}
+	p.g.log.Debug("killing a gvisor command", "sandbox_id", p.id, "pid", pid)
 	if pid > 0 {
 		if err := p.g.Signal(context.Background(), p.id, pid, unix.SIGKILL, true, true); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 			return err
@@ -202,39 +226,66 @@ func (p *gproc) Kill() error {
 
 // Signal implements sandbox.InnerSignaler: sig to process pid of the
 // sandbox (with self) and to its descendants (with tree), found with
-// runsc ps and sent with runsc kill. A few rounds catch children forked
-// meanwhile.
+// runsc ps and sent with runsc kill. For a tree, every member is stopped
+// first, walk after walk until a walk finds no new one (a stopped process
+// cannot fork, and none can be reparented away between a walk and its
+// signal), then all of them get sig and, after a stop, SIGCONT.
 func (g *GVisor) Signal(ctx context.Context, id string, pid int, sig syscall.Signal, self, tree bool) error {
-	var firstErr error
-	sent := map[int]bool{}
-	for round := 0; round < 3; round++ {
-		var targets []int
-		if tree {
-			procs, err := g.ps(ctx, id)
-			if err != nil {
-				return err
-			}
-			targets = descendants(procs, pid)
+	if !tree {
+		return g.kill(ctx, id, pid, sig)
+	}
+	members := map[int]bool{pid: true}
+	stopped := map[int]bool{}
+	for round := 0; round < 32; round++ {
+		procs, err := g.ps(ctx, id)
+		if err != nil {
+			return err
 		}
-		if self && round == 0 {
-			targets = append([]int{pid}, targets...)
+		grew := false
+		for changed := true; changed; {
+			changed = false
+			for _, p := range procs {
+				if !members[p.pid] && members[p.ppid] {
+					members[p.pid], changed, grew = true, true, true
+				}
+			}
 		}
 		n := 0
-		for _, t := range targets {
-			if sent[t] && sig != syscall.SIGKILL {
-				continue
-			}
-			sent[t] = true
-			n++
-			if _, err := g.run(ctx, "kill", "--pid", strconv.Itoa(t), id, strconv.Itoa(int(sig))); err != nil && firstErr == nil && !strings.Contains(err.Error(), "no such process") {
-				firstErr = err
+		for m := range members {
+			if !stopped[m] && (m != pid || self) {
+				_ = g.kill(ctx, id, m, syscall.SIGSTOP)
+				stopped[m] = true
+				n++
 			}
 		}
-		if n == 0 || !tree {
+		if !grew && n == 0 {
 			break
 		}
 	}
+	var firstErr error
+	for m := range members {
+		if m == pid && !self {
+			continue
+		}
+		if err := g.kill(ctx, id, m, sig); err != nil && firstErr == nil {
+			firstErr = err
+		}
+		if sig != syscall.SIGKILL {
+			_ = g.kill(ctx, id, m, syscall.SIGCONT)
+		}
+	}
 	return firstErr
+}
+
+// kill sends sig to process pid of sandbox id; one that has ended is no
+// error.
+func (g *GVisor) kill(ctx context.Context, id string, pid int, sig syscall.Signal) error {
+	_, err := g.run(ctx, "kill", "--pid", strconv.Itoa(pid), id, strconv.Itoa(int(sig)))
+	g.log.Debug("signalling a gvisor sandbox's process", "sandbox_id", id, "pid", pid, "signal", int(sig), "err", err)
+	if err != nil && strings.Contains(err.Error(), "no such process") {
+		return nil
+	}
+	return err
 }
 
 // psEntry is one line of runsc ps.
@@ -267,25 +318,4 @@ func parsePS(out []byte) []psEntry {
 		}
 	}
 	return procs
-}
-
-// descendants returns the pids below root in procs, nearest first.
-func descendants(procs []psEntry, root int) []int {
-	kids := map[int][]int{}
-	for _, p := range procs {
-		kids[p.ppid] = append(kids[p.ppid], p.pid)
-	}
-	var out []int
-	queue := []int{root}
-	for len(queue) > 0 {
-		n := queue[0]
-		queue = queue[1:]
-		for _, k := range kids[n] {
-			if k != root {
-				out = append(out, k)
-				queue = append(queue, k)
-			}
-		}
-	}
-	return out
 }
