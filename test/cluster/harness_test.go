@@ -191,7 +191,10 @@ func (e *env) setup() error {
 		listen := host + ":" + port
 		args := []string{"edge", "--listen", listen, "--node-name", fmt.Sprintf("e%d", i+1),
 			"--state-dir", filepath.Join(e.dir, fmt.Sprintf("e%d", i+1)), "--sandbox-cidr", pools[i],
-			"--node-labels", fmt.Sprintf("zone=z%d", i+1), "--warm-pool-max", "0", "--max-sandboxes", "200"}
+			"--node-labels", fmt.Sprintf("zone=z%d", i+1), "--warm-pool-max", "0", "--max-sandboxes", "200",
+			// Only e1 offers gvisor (where runsc is installed): placement
+			// must filter on backends.
+			"--gvisor", "off"}
 		if i == 0 {
 			// e1 listens on every host address, as an edge on a real
 			// node would: a sandbox must still not reach it.
