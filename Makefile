@@ -22,8 +22,10 @@ deps-test:
 	@./scripts/deps.sh --test
 
 # cgo stays on: the exec helper (internal/sandbox/container/nsexec) is C.
+# The microVM guest's agent is static (the guest has no libc).
 build:
 	CGO_ENABLED=1 $(GO) build -o $(BIN) ./cmd/dsec
+	CGO_ENABLED=0 $(GO) build -o bin/dsec-agent ./cmd/dsec-agent
 
 run: deps build
 	@STATE_DIR=$(STATE_DIR) LISTEN=$(LISTEN) DSEC=$(BIN) ./scripts/demo.sh

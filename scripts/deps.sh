@@ -31,6 +31,9 @@ if [ "${1:-}" = --test ]; then
 	have skopeo || need+=(skopeo)
 	# A real etcd for the store contract and the cluster suite.
 	have etcd || need+=(etcd-server)
+	# QEMU for the microVM tests (TCG here; the guest kernel is
+	# downloaded by the tests with apt-get download, never installed).
+	have qemu-system-x86_64 || need+=(qemu-system-x86)
 fi
 
 if [ ${#need[@]} -gt 0 ]; then
