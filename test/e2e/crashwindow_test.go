@@ -52,12 +52,19 @@ func execWithin(t *testing.T, id string, within time.Duration) {
 }
 
 // thawedBy asserts that the daemon's log says which path thawed id (the
-// liveness check would rescue the others too, given time).
+// liveness check would rescue the others too, given time). The line is
+// written after the thaw, so a command the thaw released can answer
+// before it is there: the log is read again for a few seconds.
 func thawedBy(t *testing.T, id, why string) {
 	t.Helper()
-	for _, line := range strings.Split(logSince(0), "\n") {
-		if strings.Contains(line, "thawed a running sandbox left frozen") && strings.Contains(line, id) && strings.Contains(line, why) {
-			return
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		for _, line := range strings.Split(logSince(0), "\n") {
+			if strings.Contains(line, "thawed a running sandbox left frozen") && strings.Contains(line, id) && strings.Contains(line, why) {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			break
 		}
 	}
 	t.Errorf("no log line says %s thawed %s", why, id)
