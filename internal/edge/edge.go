@@ -588,25 +588,19 @@ func (e *Edge) list(ctx context.Context, f edgeapi.ListFilter) []api.Sandbox {
 }
 
 // countsByBackend counts the sandboxes that are not pooled by backend and
-// state (a record naming no backend is the default's).
+// state (a record naming no backend is the default's), from the node's
+// counts kept as sandboxes change (tally.go).
 func (e *Edge) countsByBackend() map[[2]string]int {
+	c := e.tally.byBackendState()
 	def := ""
 	if e.deps.Backend != nil {
 		def = e.deps.Backend.Name()
 	}
-	e.mu.RLock()
-	defer e.mu.RUnlock()
-	c := map[[2]string]int{}
-	for _, s := range e.sandboxes {
-		s.mu.Lock()
-		if !s.pooled {
-			b := s.rec.Sandbox.Backend
-			if b == "" {
-				b = def
-			}
-			c[[2]string{b, s.rec.Sandbox.State}]++
+	for k, v := range c {
+		if k[0] == "" {
+			delete(c, k)
+			c[[2]string{def, k[1]}] += v
 		}
-		s.mu.Unlock()
 	}
 	return c
 }

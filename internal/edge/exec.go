@@ -83,7 +83,7 @@ func (e *Edge) Exec(ctx context.Context, id string, req api.ExecRequest, emit fu
 	}
 	outHead, errHead = &headWriter{w: p.Stdout}, &headWriter{w: p.Stderr}
 	p.Stdout, p.Stderr = outHead, errHead
-	proc, err := e.backendByID(id).Exec(ctx, id, p)
+	proc, err := e.backendOf(s).Exec(ctx, id, p)
 	if err != nil {
 		return nil, fmt.Errorf("starting command: %w", err)
 	}

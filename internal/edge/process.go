@@ -310,7 +310,7 @@ func (e *Edge) startProcess(ctx context.Context, s *sbx, id string, req edgeapi.
 		}
 		p.Stdout, p.Stderr = procWriter{m: m}, procWriter{m: m, stderr: true}
 	}
-	proc, err := e.backendByID(id).Exec(ctx, id, p)
+	proc, err := e.backendOf(s).Exec(ctx, id, p)
 	if err != nil {
 		if m.tty != nil {
 			m.tty.Close()

@@ -272,7 +272,7 @@ func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionReques
 	se := &session{id: "ss-" + nonce()[:16], stdin: w, out: newCapture(), err: newCapture(),
 		exited: make(chan struct{}), bash: strings.Contains(path.Base(shell), "bash"), release: release}
 	p.Stdin, p.Stdout, p.Stderr = r, se.out, se.err
-	proc, err := e.backendByID(id).Exec(ctx, id, p)
+	proc, err := e.backendOf(s).Exec(ctx, id, p)
 	r.Close()
 	if err != nil {
 		w.Close()
@@ -297,7 +297,7 @@ func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionReques
 	res, err := se.run(ctx, probe, 10*time.Second, 64)
 	if err == nil && res.ExitCode == 0 {
 		if nsPid, perr := strconv.Atoi(strings.TrimSpace(res.Stdout)); perr == nil {
-			se.findShell(e.backendByID(id), id, proc, nsPid)
+			se.findShell(e.backendOf(s), id, proc, nsPid)
 		}
 	}
 	if se.kill == nil {

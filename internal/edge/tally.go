@@ -24,7 +24,8 @@ type share struct {
 	listed  bool
 	pooled  bool
 	state   string
-	backend string // with project, job and the resources: holding ones only
+	backend string // every sandbox not pooled (as recorded: "" for old records)
+	// project, job and the resources: holding ones only.
 	project string
 	job     string
 	// cpu is in millionths of a CPU, so that adding and taking away is
@@ -42,12 +43,11 @@ func (s *sbx) shareLocked() share {
 	if s.pooled {
 		return share{listed: true, pooled: true}
 	}
-	sh := share{listed: true, state: s.rec.Sandbox.State}
+	sh := share{listed: true, state: s.rec.Sandbox.State, backend: s.rec.Sandbox.Backend}
 	if !holdsResources(sh.state) {
 		return sh
 	}
 	sp := &s.rec.Sandbox.Spec
-	sh.backend = s.rec.Sandbox.Backend
 	sh.project = s.rec.ProjectPath
 	if sh.project == "" {
 		sh.project = edgeapi.RootPath
@@ -107,12 +107,14 @@ type tally struct {
 	mu       sync.Mutex
 	states   map[string]int
 	backends map[string]int
-	projects map[string]usage
-	jobs     map[string]int
+	// byBackend counts the sandboxes not pooled by backend and state.
+	byBackend map[[2]string]int
+	projects  map[string]usage
+	jobs      map[string]int
 }
 
 func newTally() *tally {
-	return &tally{states: map[string]int{}, backends: map[string]int{}, projects: map[string]usage{}, jobs: map[string]int{}}
+	return &tally{states: map[string]int{}, backends: map[string]int{}, byBackend: map[[2]string]int{}, projects: map[string]usage{}, jobs: map[string]int{}}
 }
 
 // move takes the old share away and adds the new one.
@@ -132,6 +134,12 @@ func (t *tally) add(sh share, d int) {
 		return
 	}
 	bump(t.states, sh.state, d)
+	k := [2]string{sh.backend, sh.state}
+	if v := t.byBackend[k] + d; v != 0 {
+		t.byBackend[k] = v
+	} else {
+		delete(t.byBackend, k)
+	}
 	if !holdsResources(sh.state) {
 		return
 	}
@@ -187,4 +195,16 @@ func (t *tally) fill(n *api.Node) {
 			n.Jobs[k] = v
 		}
 	}
+}
+
+// byBackendState copies the counts of sandboxes not pooled by backend
+// ("" for records that name none) and state.
+func (t *tally) byBackendState() map[[2]string]int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	m := make(map[[2]string]int, len(t.byBackend))
+	for k, v := range t.byBackend {
+		m[k] = v
+	}
+	return m
 }

@@ -56,6 +56,26 @@ func walkCounts(e *Edge) api.Node {
 	return n
 }
 
+// walkByBackend counts the sandboxes not pooled by backend and state
+// over every sandbox: the reference of countsByBackend.
+func walkByBackend(e *Edge) map[[2]string]int {
+	c := map[[2]string]int{}
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	for _, s := range e.sandboxes {
+		s.mu.Lock()
+		if !s.pooled {
+			b := s.rec.Sandbox.Backend
+			if b == "" {
+				b = e.deps.Backend.Name()
+			}
+			c[[2]string{b, s.rec.Sandbox.State}]++
+		}
+		s.mu.Unlock()
+	}
+	return c
+}
+
 // checkCounts fails unless Info's counts are what a walk over every
 // sandbox finds (CPU compared to a millionth: the walk adds floats).
 func checkCounts(t *testing.T, e *Edge, step string) api.Node {
@@ -76,6 +96,9 @@ func checkCounts(t *testing.T, e *Edge, step string) api.Node {
 		!reflect.DeepEqual(got.Projects, want.Projects) || !reflect.DeepEqual(got.Jobs, want.Jobs) {
 		t.Fatalf("%s: info counts %v backends %v projects %v jobs %v;\n a walk finds %v %v %v %v",
 			step, got.Counts, got.BackendCounts, got.Projects, got.Jobs, want.Counts, want.BackendCounts, want.Projects, want.Jobs)
+	}
+	if got, want := e.countsByBackend(), walkByBackend(e); !reflect.DeepEqual(got, want) {
+		t.Fatalf("%s: counts by backend and state %v; a walk finds %v", step, got, want)
 	}
 	return got
 }

@@ -492,6 +492,13 @@ func (c *Container) destroyDirect(ctx context.Context, dir string) (bool, error)
 	return true, nil
 }
 
+// WaitPidfd is waitPidfd, for other backends that kill their sandboxes'
+// processes through a pidfd.
+func WaitPidfd(ctx context.Context, pidfd int) error { return waitPidfd(ctx, pidfd) }
+
+// Running reports whether pid runs and is not a zombie.
+func Running(pid int) bool { return alive(pid, 0) }
+
 // waitPidfd waits until the process behind pidfd has exited (the pidfd
 // turns readable), for at most 10 s or until ctx ends.
 func waitPidfd(ctx context.Context, pidfd int) error {

@@ -23,6 +23,7 @@ import (
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/sandbox"
 	"github.com/dsecproject/dsec/internal/sandbox/container"
+	"github.com/dsecproject/dsec/internal/sandbox/container/nsexec"
 )
 
 var (
@@ -73,15 +74,11 @@ func (g *GVisor) Exec(ctx context.Context, id string, p sandbox.Process) (sandbo
 	if err != nil {
 		return nil, fmt.Errorf("encoding process spec: %w", err)
 	}
-	fd, err := unix.MemfdCreate("process.json", unix.MFD_CLOEXEC)
+	mf, err := nsexec.Memfd("process.json", data)
 	if err != nil {
-		return nil, fmt.Errorf("creating memfd: %w", err)
+		return nil, err
 	}
-	mf := os.NewFile(uintptr(fd), "process.json")
 	defer mf.Close()
-	if _, err := mf.Write(data); err != nil {
-		return nil, fmt.Errorf("writing process spec: %w", err)
-	}
 	pidFile, err := g.pidFile()
 	if err != nil {
 		return nil, err

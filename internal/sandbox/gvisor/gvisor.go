@@ -502,7 +502,7 @@ func (g *GVisor) Status(ctx context.Context, id string) (sandbox.Status, error) 
 // names it runsc-sandbox, the id last). State files outlive a reboot, and
 // their pids can be anyone's by then.
 func isSentry(pid int, id string) bool {
-	if pid <= 0 || !alive(pid) {
+	if pid <= 0 || !container.Running(pid) {
 		return false
 	}
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
@@ -511,19 +511,6 @@ func isSentry(pid int, id string) bool {
 	}
 	args := strings.Split(strings.TrimRight(string(b), "\x00"), "\x00")
 	return len(args) > 1 && args[0] == "runsc-sandbox" && args[len(args)-1] == id
-}
-
-// alive reports whether pid runs and is not a zombie.
-func alive(pid int) bool {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return false
-	}
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 || i+2 >= len(b) {
-		return false
-	}
-	return b[i+2] != 'Z' && b[i+2] != 'X'
 }
 
 // List implements sandbox.Backend from runsc's state files.
@@ -597,20 +584,10 @@ func killWait(pid int, id string) error {
 	if err := unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0); err != nil && !errors.Is(err, unix.ESRCH) {
 		return fmt.Errorf("killing the Sentry %d: %w", pid, err)
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-		n, err := unix.Poll(fds, 100)
-		if n > 0 {
-			return nil
-		}
-		if err != nil && !errors.Is(err, unix.EINTR) {
-			return fmt.Errorf("waiting for the Sentry %d: %w", pid, err)
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("the Sentry %d is alive 10 s after SIGKILL", pid)
-		}
+	if err := container.WaitPidfd(context.Background(), fd); err != nil {
+		return fmt.Errorf("waiting for the Sentry %d: %w", pid, err)
 	}
+	return nil
 }
 
 // Pause implements sandbox.Pauser: the Sentry stops every task of the
