@@ -686,7 +686,7 @@ func TestOpenAPIDefaults(t *testing.T) {
 		{s("SandboxSpec", "properties", "disk_mb"), "failed_precondition"},
 		{s("SandboxSpec", "properties", "network"), "loopback-only"},
 		{s("NetworkPolicy"), "failed_precondition"},
-		{s("SandboxSpec", "properties", "backend"), "`microvm` is rejected with failed_precondition"},
+		{s("SandboxSpec", "properties", "backend"), "`microvm` (a VM per sandbox, on nodes that have QEMU"},
 		{s("SandboxSpec", "properties", "project"), "not_found"},
 		{[]string{"components", "responses", "NotFound"}, "another tenant's"},
 		{s("Role"), "builder"},

@@ -349,7 +349,7 @@ func benchCreate(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, 
 		if err != nil {
 			return nil, err
 		}
-		rows := []benchRow{withBaseline(other[0], ctr[0], "container"), withBaseline(other[1], ctr[1], "container")}
+		rows := []benchRow{withBaseline(other[0], ctr[0], "container"), withBaseline(other[1], ctr[1], "container"), withBaseline(other[2], ctr[2], "container")}
 		rows[0].BaseMemoryAvg = ctr[0].MemoryAvg
 		return rows, nil
 	}
@@ -360,13 +360,18 @@ func benchCreate(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, 
 	return withRuntimeBaseline(o, rows[0], rows[1], digest, rt)
 }
 
-// createRound creates count sandboxes of backend, reads the memory each
-// holds once idle, and deletes them: the create and delete rows.
+// createRound creates count sandboxes of backend, runs /bin/true in each
+// as soon as it is created, reads the memory each holds once idle, and
+// deletes them: the create, delete and create-to-first-exec rows (the
+// last is a VM's boot to its first command).
 func createRound(ctx context.Context, c *dsec.Client, o benchOpts, ref, backend string) ([]benchRow, error) {
 	label := fmt.Sprintf("bench-%d", time.Now().UnixNano())
 	ids := make([]string, o.count)
+	creates := make([]time.Duration, o.count)
 	fmt.Fprintf(os.Stderr, "dsec: creating %d %s sandboxes, %d at a time...\n", o.count, backend, o.concurrency)
 	durs, fails, wall, ferr := runParallel(o.count, o.concurrency, func(i int) error {
+		start := time.Now()
+		defer func() { creates[i] = time.Since(start) }()
 		spec := api.SandboxSpec{Base: ref, Backend: backend, Labels: map[string]string{"bench": label}, DiskMB: o.diskMB, UserNS: o.userns}
 		if len(o.allow) > 0 {
 			spec.Network = &api.NetworkPolicy{Allow: o.allow}
@@ -394,6 +399,27 @@ func createRound(ctx context.Context, c *dsec.Client, o benchOpts, ref, backend 
 		what += " userns"
 	}
 	create := row(what, o.count, o.concurrency, durs, fails, wall)
+	// Each sandbox's first command, timed apart and added to its create:
+	// from the create call to the first command's answer (a VM's boot to
+	// its first exec).
+	var fmu sync.Mutex
+	var fdurs []time.Duration
+	_, _, _, _ = runParallel(o.count, o.concurrency, func(i int) error {
+		if ids[i] == "" {
+			return nil
+		}
+		start := time.Now()
+		r, err := c.Exec(ctx, ids[i], api.ExecRequest{Argv: []string{"/bin/true"}})
+		if err != nil || r.ExitCode != 0 {
+			return fmt.Errorf("first exec: %v %+v", err, r)
+		}
+		fmu.Lock()
+		fdurs = append(fdurs, creates[i]+time.Since(start))
+		fmu.Unlock()
+		return nil
+	})
+	first := row(strings.Replace(what, "create", "create to first exec", 1), o.count, o.concurrency, fdurs, o.count-len(fdurs), wall)
+	first.PerSec = 0
 	create.MemoryAvg = idleMemory(ctx, c, ids)
 	fmt.Fprintf(os.Stderr, "dsec: deleting...\n")
 	ddurs, dfails, dwall, _ := runParallel(o.count, o.concurrency, func(i int) error {
@@ -403,7 +429,7 @@ func createRound(ctx context.Context, c *dsec.Client, o benchOpts, ref, backend 
 		return c.DeleteSandbox(ctx, ids[i])
 	})
 	del := row(strings.Replace(what, "create", "delete", 1), o.count, o.concurrency, ddurs, dfails, dwall)
-	return []benchRow{create, del}, nil
+	return []benchRow{create, del, first}, nil
 }
 
 // idleMemory waits a second for the sandboxes to settle, then returns the

@@ -39,6 +39,7 @@ type nodeConfig struct {
 	runtimeExec  bool
 	launcher     string
 	gvisor       string
+	microvm      string
 	netnsPool    int
 	sharedMemMB  int64
 	outputMB     int64
@@ -75,6 +76,7 @@ func (c *nodeConfig) register(f *cmdFlags) {
 	f.BoolVar(&c.runtimeExec, "runtime-exec", false, "enter sandboxes for exec and sessions through the OCI runtime's exec instead of dsec's own exec helper (docs/operating.md has the costs); builds without cgo always do")
 	f.StringVar(&c.launcher, "launcher", "auto", "what starts sandboxes: dsec (its own launcher: the runtime's mounts, namespaces, cgroups and seccomp without a runtime process), runtime (the OCI runtime's run), or auto (dsec where it can: root, cgo, the exec helper; user-namespace sandboxes always use the runtime)")
 	f.StringVar(&c.gvisor, "gvisor", "auto", "the gvisor backend (spec backend \"gvisor\": runsc, gVisor's user-space kernel): auto (offered where runsc is installed), on (fail without it) or off")
+	f.StringVar(&c.microvm, "microvm", "auto", "the microvm backend (spec backend \"microvm\": a VM per sandbox under QEMU, software-emulated where /dev/kvm cannot boot ordinary guests): auto (offered where qemu-system-x86_64 and dsec-agent, beside dsec, are installed; the guest kernel is downloaded with apt-get once), on (fail without it) or off")
 	f.IntVar(&c.netnsPool, "netns-pool", 1024, "fresh network namespaces dsec's launcher keeps ready (at most --max-sandboxes), made in the background once creates and deletes pause: a create joins one instead of making one (0 = none)")
 	f.Int64Var(&c.sharedMemMB, "shared-memory-mb", 0, "memory limit of all memory_cgroup \"shared\" sandboxes together, in MiB (they have none each; past it the kernel's OOM killer picks among them); 0 = no limit")
 	f.Int64Var(&c.outputMB, "output-buffer-mb", 0, "output that one-shot execs, session runs and fncalls may buffer on this node at once, in MiB: each call holds 2 × its max_output_bytes while it runs, and one that does not fit is refused with resource_exhausted before it starts (streamed execs hold none); 0 = an eighth of the host's memory, 256 MiB to 8 GiB")
@@ -103,6 +105,11 @@ func (c *nodeConfig) check() error {
 	case "auto", "on", "off":
 	default:
 		return fmt.Errorf("--gvisor %q: want auto, on or off", c.gvisor)
+	}
+	switch c.microvm {
+	case "auto", "on", "off":
+	default:
+		return fmt.Errorf("--microvm %q: want auto, on or off", c.microvm)
 	}
 	if c.usernsBase > 1<<32-1-edge.UserNSSize {
 		return fmt.Errorf("--userns-base %d: too large (the range must end below 2^32-1)", c.usernsBase)
@@ -163,7 +170,7 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 		Runtime: c.runtime, Launcher: c.launcher, RuntimeExec: c.runtimeExec, DynMods: c.dynMods,
 		CgroupPool: c.cgroupPool, NetnsPool: c.netnsPool,
 		Network: c.network, SandboxCIDR: c.sandboxCIDR, DNSUpstream: c.dnsUpstream, NetPresets: c.netPresets,
-		DNSAdmitPrivate: c.dnsPrivate, DiskQuota: c.diskQuota, GVisor: c.gvisor,
+		DNSAdmitPrivate: c.dnsPrivate, DiskQuota: c.diskQuota, GVisor: c.gvisor, MicroVM: c.microvm,
 	}, log, reg)
 	if err != nil {
 		return nil, nil, err

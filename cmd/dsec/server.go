@@ -251,6 +251,6 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 // offer passes validation, and placement finds a node that offers it.
 func clusterPolicy() sandbox.Policy {
 	p := sandbox.DefaultPolicy()
-	p.Backends = []string{api.BackendContainer, api.BackendGVisor}
+	p.Backends = []string{api.BackendContainer, api.BackendGVisor, api.BackendMicroVM}
 	return p
 }

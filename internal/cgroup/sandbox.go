@@ -18,6 +18,10 @@ type Limits struct {
 	// Idle weight: the lowest CPU share (best-effort sandboxes).
 	LowWeight bool
 	Pids      int64
+	// Devices are device rules ("c 10:200 rwm") allowed beyond
+	// v1Devices on a v1 devices hierarchy (a VMM's /dev/net/tun and
+	// /dev/kvm). A v2 cgroup has no device rules of its own here.
+	Devices []string
 }
 
 // cpuPeriodUs is the CFS period dsec uses, the kernel's default.
@@ -79,6 +83,13 @@ func (i *Info) MakeSandbox(rel string, l Limits) ([]string, error) {
 	}
 	if err := i.writeLimits(rel, l); err != nil {
 		return nil, err
+	}
+	if dev, has := i.V1["devices"]; has {
+		for _, d := range l.Devices {
+			if err := writeFile(filepath.Join(dev, rel, "devices.allow"), d); err != nil {
+				return nil, fmt.Errorf("allowing device %q in %s: %w", d, rel, err)
+			}
+		}
 	}
 	ok = true
 	return procs, nil

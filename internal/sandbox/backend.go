@@ -203,3 +203,11 @@ type InnerProc interface {
 	// InnerPid is the process's pid inside the sandbox (0 if unknown).
 	InnerPid() int
 }
+
+// OwnKernel is implemented by backends whose sandboxes run on a kernel of
+// their own (a VM): what a sandbox's root can do to its kernel (mount,
+// load modules, read the kernel log) stays in its VM, so the container
+// masks and the host-kernel probes of the attack suite do not apply.
+type OwnKernel interface {
+	OwnKernel() bool
+}

@@ -72,7 +72,7 @@ func Normalize(spec *api.SandboxSpec, p Policy) error {
 	if !ok {
 		switch spec.Backend {
 		case api.BackendGVisor, api.BackendMicroVM:
-			return errdefs.Precondition("backend %q is not available in this release (available: %s)", spec.Backend, strings.Join(p.Backends, ", "))
+			return errdefs.Precondition("backend %q is not offered here (available: %s)", spec.Backend, strings.Join(p.Backends, ", "))
 		}
 		return errdefs.Invalid("unknown backend %q (available: %s)", spec.Backend, strings.Join(p.Backends, ", "))
 	}

@@ -121,6 +121,13 @@ func setup() error {
 	if err := build.Run(); err != nil {
 		return fmt.Errorf("building dsec: %w", err)
 	}
+	// The microvm backend's guest agent, beside dsec where it looks.
+	build = exec.Command("go", "build", "-o", filepath.Join(workDir, "dsec-agent"), "github.com/dsecproject/dsec/cmd/dsec-agent")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		return fmt.Errorf("building dsec-agent: %w", err)
+	}
 	d = &daemon{
 		bin:      bin,
 		stateDir: filepath.Join(workDir, "state"),

@@ -7,6 +7,7 @@
 package host
 
 import (
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -31,6 +32,7 @@ import (
 	"github.com/dsecproject/dsec/internal/sandbox"
 	"github.com/dsecproject/dsec/internal/sandbox/container"
 	"github.com/dsecproject/dsec/internal/sandbox/gvisor"
+	"github.com/dsecproject/dsec/internal/sandbox/microvm"
 )
 
 // Config is what the operator says about the host (the node flags of
@@ -56,6 +58,10 @@ type Config struct {
 	// GVisor is auto (offer the gvisor backend where runsc is
 	// installed), on (fail without it) or off.
 	GVisor string
+	// MicroVM is auto (offer the microvm backend where QEMU and the guest
+	// agent are installed and the guest kernel can be had), on (fail
+	// without it) or off.
+	MicroVM string
 }
 
 // Host is a prepared machine.
@@ -93,6 +99,11 @@ func Open(c Config, log *slog.Logger, reg prometheus.Registerer) (*Host, error) 
 	case "", "auto", "on", "off":
 	default:
 		return nil, fmt.Errorf("--gvisor %q: want auto, on or off", c.GVisor)
+	}
+	switch c.MicroVM {
+	case "", "auto", "on", "off":
+	default:
+		return nil, fmt.Errorf("--microvm %q: want auto, on or off", c.MicroVM)
 	}
 	raiseNoFile(log)
 	shieldFromOOM(log)
@@ -189,6 +200,21 @@ func Open(c Config, log *slog.Logger, reg prometheus.Registerer) (*Host, error) 
 			log.Info("no gvisor backend", "reason", err)
 		}
 	}
+	if c.MicroVM != "off" {
+		m, err := microvm.New(context.Background(), microvm.Config{
+			StateRoot: filepath.Join(c.StateDir, "microvm"), KernelCache: MicroVMKernelCache,
+			Agent: agentPath(), Cgroups: cg, Log: log,
+		})
+		switch {
+		case err == nil:
+			h.Others = append(h.Others, m)
+			log.Info("backend microvm", "vmm", m.VMM(), "guest_kernel", m.Guest().KernelPackage)
+		case c.MicroVM == "on":
+			return nil, fmt.Errorf("--microvm on: %w", err)
+		default:
+			log.Info("no microvm backend", "reason", err)
+		}
+	}
 	// The probe first: networking, once up, is the edge's to close.
 	if h.DiskQuota, err = diskQuotaMode(c.DiskQuota, log); err != nil {
 		return nil, err
@@ -198,6 +224,20 @@ func Open(c Config, log *slog.Logger, reg prometheus.Registerer) (*Host, error) 
 	}
 	ok = true
 	return h, nil
+}
+
+// MicroVMKernelCache is where the microvm backend keeps the guest kernel
+// package it downloads (once per host).
+const MicroVMKernelCache = "/var/cache/dsec/microvm"
+
+// agentPath is the guest agent beside the running binary (make build puts
+// bin/dsec-agent beside bin/dsec).
+func agentPath() string {
+	exe, err := os.Executable()
+	if err != nil {
+		return "dsec-agent"
+	}
+	return filepath.Join(filepath.Dir(exe), "dsec-agent")
 }
 
 // BundleDir is where bundles wait for the runtime (on the run dir's tmpfs).

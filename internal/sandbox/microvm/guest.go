@@ -36,16 +36,25 @@ type Guest struct {
 // of a sandbox's disks. crc32c_generic comes first: libcrc32c (erofs,
 // ext4) needs the crc32c algorithm when it loads and names it only as a
 // soft dependency, which module order does not follow.
-var GuestModules = []string{"crc32c_generic", "virtio_mmio", "virtio_console", "virtio_blk", "erofs", "overlay", "ext4"}
+var GuestModules = []string{"crc32c_generic", "virtio_mmio", "virtio_console", "virtio_blk", "virtio_net", "erofs", "overlay", "ext4"}
 
-// PrepareGuest makes the guest in dir from agentBin (a static dsec-agent)
+// PrepareGuest makes the guest in out from agentBin (a static dsec-agent)
 // and Debian's kernel package (linux-image-amd64's kernel, downloaded into
-// dir with apt-get the first time and kept). extra files are added to the
-// initramfs (guest path → host path). It logs progress to progress.
-func PrepareGuest(ctx context.Context, dir, agentBin string, extra map[string]string, progress io.Writer) (*Guest, error) {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return nil, fmt.Errorf("creating guest dir: %w", err)
+// dir with apt-get the first time and kept there, unpacked). extra files
+// are added to the initramfs (guest path → host path). It logs progress
+// to progress.
+func PrepareGuest(ctx context.Context, dir, out, agentBin string, extra map[string]string, progress io.Writer) (*Guest, error) {
+	for _, d := range []string{dir, out} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return nil, fmt.Errorf("creating guest dir: %w", err)
+		}
 	}
+	// Edges and tests of one host share dir.
+	unlock, err := lockDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
 	deb, pkg, err := kernelDeb(ctx, dir, progress)
 	if err != nil {
 		return nil, err
@@ -86,7 +95,7 @@ func PrepareGuest(ctx context.Context, dir, agentBin string, extra map[string]st
 	for _, g := range guests {
 		entries = append(entries, cpioEntry{name: strings.TrimPrefix(g, "/"), src: extra[g], mode: 0o755})
 	}
-	initrd := filepath.Join(dir, "initrd.cpio")
+	initrd := filepath.Join(out, "initrd.cpio")
 	if err := writeCpio(initrd, entries); err != nil {
 		return nil, err
 	}

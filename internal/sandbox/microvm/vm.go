@@ -2,6 +2,7 @@ package microvm
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -13,6 +14,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/dsecproject/dsec/internal/sandbox/microvm/agent"
 )
 
@@ -21,8 +24,8 @@ type VMConfig struct {
 	// QEMU is the VMM binary ("" = qemu-system-x86_64).
 	QEMU  string
 	Guest *Guest
-	// Dir is the VM's private directory: the agent's socket and the
-	// guest's console log go there.
+	// Dir is the VM's private directory: the agent's and the monitor's
+	// sockets, the VMM's log and the guest's console log go there.
 	Dir      string
 	MemoryMB int // 0 = 256
 	CPUs     int // 0 = 1
@@ -30,23 +33,58 @@ type VMConfig struct {
 	// where /dev/kvm boots ordinary guests (not this machine's, whose KVM
 	// boots PVM guests only).
 	Accel string
+	// Disks are the guest's block devices, in this order.
+	Disks []Disk
+	// NIC, if set, is the MAC of a virtio-net interface backed by a tap
+	// device (TapName) the VMM creates in its network namespace.
+	NIC string
+	// NetNSPath, if set, is a network namespace (a bound file) the VMM
+	// runs in, where its tap is: the guest then has no way to the host's
+	// network but what the edge attaches to that namespace.
+	NetNSPath string
+	// Incoming, if set, is a VM snapshot (SaveTo's file) the VM resumes
+	// from instead of booting.
+	Incoming string
+	// Cgroup, if set, are cgroup.procs files the VMM joins.
+	Cgroup []string
 }
+
+// Disk is a virtio block device of the guest, named by its serial.
+type Disk struct {
+	Path     string
+	Serial   string
+	ReadOnly bool
+}
+
+// TapName is the VMM's tap device, in its network namespace.
+const TapName = "tap0"
 
 // VM is a running guest and its agent.
 type VM struct {
-	cmd  *exec.Cmd
-	done chan struct{}
+	// Pid is the VMM's pid.
+	Pid   int
+	pidfd int
+	done  chan struct{}
 	// Agent is the client of the guest's agent.
 	Agent *agent.Client
 	// Console is the guest's console log.
 	Console string
 	// Boot is how long the VM took from the VMM's start to its agent's
-	// first line.
+	// first answer.
 	Boot time.Duration
+	dir  string
 }
 
-// Start boots a VM and waits until its agent serves. On error nothing of
-// it runs.
+// Paths in a VM's directory.
+const (
+	agentSock = "agent.sock"
+	qmpSock   = "qmp.sock"
+	vmmLog    = "vmm.log"
+	consoleF  = "console.log"
+)
+
+// Start boots a VM (or resumes one from cfg.Incoming) and waits until its
+// agent serves. On error nothing of it runs.
 func Start(ctx context.Context, cfg VMConfig) (*VM, error) {
 	if cfg.Guest == nil {
 		return nil, errors.New("microvm: no guest")
@@ -70,14 +108,11 @@ func Start(ctx context.Context, cfg VMConfig) (*VM, error) {
 	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("creating VM dir: %w", err)
 	}
-	sock := filepath.Join(cfg.Dir, "agent.sock")
+	sock := filepath.Join(cfg.Dir, agentSock)
+	qmp := filepath.Join(cfg.Dir, qmpSock)
 	os.Remove(sock)
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
-	if err != nil {
-		return nil, fmt.Errorf("listening for the VM's agent: %w", err)
-	}
-	defer ln.Close()
-	console := filepath.Join(cfg.Dir, "console.log")
+	os.Remove(qmp)
+	console := filepath.Join(cfg.Dir, consoleF)
 	// ACPI describes the virtio-mmio devices to the kernel: Debian's
 	// kernel finds them no other way (it lacks
 	// CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES).
@@ -85,71 +120,167 @@ func Start(ctx context.Context, cfg VMConfig) (*VM, error) {
 	if accel == "tcg" {
 		// One thread: multi-threaded TCG of QEMU 7.2 raced the kernel's
 		// live code patching on this machine (scripts/cgroupv2-vm.sh).
-		accel = "tcg,thread=single"
+		// A 64 MiB translation cache instead of the 1 GiB default bounds
+		// what the VMM itself takes.
+		accel = "tcg,thread=single,tb-size=64"
 	}
 	args := []string{
 		"-M", "microvm", "-accel", accel, "-cpu", "max",
 		"-m", strconv.Itoa(cfg.MemoryMB), "-smp", strconv.Itoa(cfg.CPUs),
-		"-nodefaults", "-no-user-config", "-display", "none", "-monitor", "none", "-no-reboot",
+		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
 		"-kernel", cfg.Guest.Kernel, "-initrd", cfg.Guest.Initrd,
-		"-append", "console=ttyS0 panic=-1 rdinit=/init" + tscParams(cfg.Accel),
+		"-append", "console=ttyS0 quiet panic=-1 rdinit=/init" + tscParams(cfg.Accel),
 		"-serial", "file:" + console,
+		// The VMM listens: an edge that restarts connects again.
+		"-chardev", "socket,path=" + sock + ",id=agent,server=on,wait=off",
 		"-device", "virtio-serial-device",
-		"-chardev", "socket,path=" + sock + ",id=agent",
 		"-device", "virtserialport,chardev=agent,name=" + agent.PortName,
+		"-qmp", "unix:" + qmp + ",server=on,wait=off",
 	}
+	for i, d := range cfg.Disks {
+		ro := "off"
+		if d.ReadOnly {
+			ro = "on"
+		}
+		args = append(args,
+			"-drive", fmt.Sprintf("file=%s,if=none,id=d%d,format=raw,readonly=%s,cache=writeback,aio=threads", qemuEscape(d.Path), i, ro),
+			"-device", fmt.Sprintf("virtio-blk-device,drive=d%d,serial=%s", i, d.Serial))
+	}
+	if cfg.NIC != "" {
+		args = append(args,
+			"-netdev", "tap,id=n0,ifname="+TapName+",script=no,downscript=no,vhost=off",
+			"-device", "virtio-net-device,netdev=n0,mac="+cfg.NIC)
+	}
+	if cfg.Incoming != "" {
+		args = append(args, "-incoming", "exec:cat "+shellQuote(cfg.Incoming))
+	}
+	logf, err := os.OpenFile(filepath.Join(cfg.Dir, vmmLog), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("creating the VMM's log: %w", err)
+	}
+	defer logf.Close()
 	cmd := exec.Command(qemu, args...)
+	if cfg.NetNSPath != "" {
+		// nsenter enters the namespace and execs the VMM (same pid).
+		cmd = exec.Command("nsenter", append([]string{"--net=" + cfg.NetNSPath, "--", qemu}, args...)...)
+	}
+	// Its own process group, and no pipe to the edge: it outlives an edge
+	// restart, which adopts it again.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	var stderr limitedBuffer
-	cmd.Stderr = &stderr
+	cmd.Stdout, cmd.Stderr = logf, logf
 	start := time.Now()
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("starting %s: %w", qemu, err)
 	}
-	v := &VM{cmd: cmd, done: make(chan struct{}), Console: console}
+	v := &VM{Pid: cmd.Process.Pid, pidfd: -1, done: make(chan struct{}), Console: console, dir: cfg.Dir}
 	go func() { _ = cmd.Wait(); close(v.done) }()
 	fail := func(err error) (*VM, error) {
 		v.Stop()
-		return nil, fmt.Errorf("booting the VM: %w (VMM: %s; console: %s)", err, stderr.String(), tail(console, 2000))
+		return nil, fmt.Errorf("booting the VM: %w (VMM: %s; console: %s)", err, tail(filepath.Join(cfg.Dir, vmmLog), 2000), tail(console, 2000))
 	}
-	// The VMM connects as soon as it starts.
-	accepted := make(chan net.Conn, 1)
-	go func() {
-		c, err := ln.Accept()
-		if err != nil {
-			close(accepted)
-			return
+	for _, procs := range cfg.Cgroup {
+		if err := os.WriteFile(procs, []byte(strconv.Itoa(v.Pid)), 0); err != nil {
+			return fail(fmt.Errorf("moving the VMM into its cgroup: %w", err))
 		}
-		accepted <- c
-	}()
-	var conn net.Conn
-	select {
-	case conn = <-accepted:
-	case <-v.done:
-		return fail(errors.New("the VMM exited"))
-	case <-time.After(30 * time.Second):
-		return fail(errors.New("the VMM did not connect to the agent's socket within 30 s"))
-	case <-ctx.Done():
-		return fail(ctx.Err())
 	}
-	if conn == nil {
-		return fail(errors.New("accepting the VMM's connection failed"))
-	}
-	v.Agent = agent.NewClient(conn)
-	rctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
-	defer cancel()
-	ready := make(chan error, 1)
-	go func() { ready <- v.Agent.WaitReady(rctx) }()
-	select {
-	case err := <-ready:
-		if err != nil {
+	if cfg.Incoming != "" {
+		if err := v.continueIncoming(ctx); err != nil {
 			return fail(err)
 		}
-	case <-v.done:
-		return fail(errors.New("the guest ended before its agent served"))
+	}
+	if err := v.connect(ctx, 5*time.Minute); err != nil {
+		return fail(err)
 	}
 	v.Boot = time.Since(start)
 	return v, nil
+}
+
+// connect dials the VMM's agent socket (waiting for the VMM to make it)
+// and waits for the agent to answer, up to within.
+func (v *VM) connect(ctx context.Context, within time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, within)
+	defer cancel()
+	sock := filepath.Join(v.dir, agentSock)
+	var conn net.Conn
+	for {
+		var err error
+		conn, err = net.Dial("unix", sock)
+		if err == nil {
+			break
+		}
+		select {
+		case <-v.done:
+			return errors.New("the VMM exited")
+		case <-ctx.Done():
+			return fmt.Errorf("connecting to the VMM: %w", err)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	stop := context.AfterFunc(ctx, func() { conn.Close() })
+	defer stop()
+	go func() {
+		select {
+		case <-v.done:
+			conn.Close()
+		case <-ctx.Done():
+		}
+	}()
+	c, err := agent.Connect(ctx, conn)
+	if err != nil {
+		select {
+		case <-v.done:
+			return errors.New("the guest ended before its agent served")
+		default:
+		}
+		return fmt.Errorf("waiting for the guest's agent: %w", err)
+	}
+	v.Agent = c
+	return nil
+}
+
+// Adopt takes over a VM an earlier process started: the VMM pid (checked
+// to be a VMM whose agent socket is in dir) and a new connection to its
+// agent.
+func Adopt(ctx context.Context, dir string, pid int) (*VM, error) {
+	if !isVMM(pid, dir) {
+		return nil, fmt.Errorf("pid %d is not the VMM of %s", pid, dir)
+	}
+	fd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return nil, fmt.Errorf("opening the VMM: %w", err)
+	}
+	if !isVMM(pid, dir) { // the pid was not reused before the pidfd
+		unix.Close(fd)
+		return nil, fmt.Errorf("pid %d is not the VMM of %s", pid, dir)
+	}
+	v := &VM{Pid: pid, pidfd: fd, done: make(chan struct{}), Console: filepath.Join(dir, consoleF), dir: dir}
+	go func() {
+		// The pidfd polls readable when the process exits.
+		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+		for {
+			if _, err := unix.Poll(fds, -1); err != unix.EINTR {
+				break
+			}
+		}
+		close(v.done)
+	}()
+	if err := v.connect(ctx, 30*time.Second); err != nil {
+		v.Stop()
+		return nil, err
+	}
+	return v, nil
+}
+
+// isVMM reports whether pid is a QEMU whose command line names dir's agent
+// socket.
+func isVMM(pid int, dir string) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
+	if err != nil {
+		return false
+	}
+	args := strings.Split(string(b), "\x00")
+	return len(args) > 0 && strings.Contains(filepath.Base(args[0]), "qemu") &&
+		strings.Contains(string(b), "path="+filepath.Join(dir, agentSock)+",")
 }
 
 // Stop kills the VMM and waits for it.
@@ -157,12 +288,106 @@ func (v *VM) Stop() {
 	if v.Agent != nil {
 		v.Agent.Close()
 	}
-	_ = syscall.Kill(-v.cmd.Process.Pid, syscall.SIGKILL)
+	if v.pidfd >= 0 {
+		_ = unix.PidfdSendSignal(v.pidfd, unix.SIGKILL, nil, 0)
+	} else {
+		_ = syscall.Kill(-v.Pid, syscall.SIGKILL)
+	}
 	<-v.done
+	if v.pidfd >= 0 {
+		unix.Close(v.pidfd)
+		v.pidfd = -1
+	}
 }
 
 // Done is closed when the VMM has exited.
 func (v *VM) Done() <-chan struct{} { return v.done }
+
+// Pause stops the guest's vCPUs (the VMM keeps its memory).
+func (v *VM) Pause(ctx context.Context) error {
+	_, err := qmpRun(ctx, filepath.Join(v.dir, qmpSock), "stop", nil)
+	return err
+}
+
+// Resume restarts the guest's vCPUs.
+func (v *VM) Resume(ctx context.Context) error {
+	_, err := qmpRun(ctx, filepath.Join(v.dir, qmpSock), "cont", nil)
+	return err
+}
+
+// continueIncoming waits for the VMM to have read its snapshot and starts
+// the guest's vCPUs: the snapshot was taken stopped, and a VMM resumes a
+// snapshot in the run state it was saved in.
+func (v *VM) continueIncoming(ctx context.Context) error {
+	q := filepath.Join(v.dir, qmpSock)
+	for {
+		r, err := qmpRun(ctx, q, "query-status", nil)
+		var st struct {
+			Status string `json:"status"`
+		}
+		if err == nil {
+			_ = json.Unmarshal(r, &st)
+		}
+		switch {
+		case err == nil && st.Status == "running":
+			return nil
+		case err == nil && st.Status != "inmigrate":
+			_, err := qmpRun(ctx, q, "cont", nil)
+			return err
+		}
+		select {
+		case <-v.done:
+			return errors.New("the VMM exited reading the snapshot")
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// SaveTo writes the VM's memory and device state to file (the guest
+// stopped first), and ends the VMM: Start with Incoming resumes it.
+func (v *VM) SaveTo(ctx context.Context, file string) error {
+	q := filepath.Join(v.dir, qmpSock)
+	if _, err := qmpRun(ctx, q, "stop", nil); err != nil {
+		return err
+	}
+	os.Remove(file)
+	if _, err := qmpRun(ctx, q, "migrate", map[string]any{"uri": "exec:cat > " + shellQuote(file)}); err != nil {
+		return err
+	}
+	for {
+		r, err := qmpRun(ctx, q, "query-migrate", nil)
+		if err != nil {
+			return err
+		}
+		var st struct {
+			Status    string `json:"status"`
+			ErrorDesc string `json:"error-desc"`
+		}
+		_ = json.Unmarshal(r, &st)
+		switch st.Status {
+		case "completed":
+			if v.Agent != nil {
+				v.Agent.Close()
+			}
+			_, _ = qmpRun(ctx, q, "quit", nil)
+			select {
+			case <-v.done:
+			case <-time.After(10 * time.Second):
+				v.Stop()
+			}
+			return nil
+		case "failed", "cancelled":
+			return fmt.Errorf("saving the VM: migration %s: %s", st.Status, st.ErrorDesc)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
 
 // tscParams tells a TCG guest its TSC's frequency. Under TCG the guest's
 // TSC is the host's, and the microvm machine has no HPET or ACPI PM timer:
@@ -196,17 +421,11 @@ func tscParams(accel string) string {
 	return ""
 }
 
-// limitedBuffer keeps the first 4 KiB written to it.
-type limitedBuffer struct{ b []byte }
+// qemuEscape doubles the commas of a path in a QEMU option value.
+func qemuEscape(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 
-func (l *limitedBuffer) Write(p []byte) (int, error) {
-	if room := 4096 - len(l.b); room > 0 {
-		l.b = append(l.b, p[:min(room, len(p))]...)
-	}
-	return len(p), nil
-}
-
-func (l *limitedBuffer) String() string { return string(l.b) }
+// shellQuote quotes s for sh.
+func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
 
 // tail returns the last n bytes of a file.
 func tail(path string, n int) string {

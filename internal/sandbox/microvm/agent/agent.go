@@ -1,92 +1,105 @@
-// Package agent is the microVM backend's in-guest agent and the host's
-// client of it. The agent is the guest's pid 1 (cmd/dsec-agent, a static
-// binary in the guest's initramfs): it mounts the kernel's filesystems,
-// loads the modules the initramfs lists, finds the virtio-serial port the
-// host named PortName, says it is ready and serves requests on it.
-//
-// The protocol is one JSON object per line in each direction, one request
-// at a time: a Request, then its Response. It runs commands to completion
-// and returns their output; streaming, sessions, terminals and files come
-// with the backend that uses them.
-//
-// This package must build without cgo: it runs in a guest that has no libc.
 package agent
 
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
+	"os/signal"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
-// PortName is the name of the virtio-serial port the agent serves.
-const PortName = "dsec.agent"
+// Server is the agent's state across connections: the sandbox once set
+// up, and the processes it runs.
+type Server struct {
+	reaper *reaper
 
-// ModulesDir is where the initramfs keeps the kernel modules the agent
-// loads, and ModulesList the file naming them in load order.
-const (
-	ModulesDir  = "/lib/dsec/modules"
-	ModulesList = "/lib/dsec/modules/order"
+	mu sync.Mutex
+	// root is the sandbox's root ("" until setup: the agent's own).
+	root string
+	// cgroupFD is the sandbox's cgroup in the guest (-1: none).
+	cgroupFD int
+	procs    map[uint64]*proc
+}
+
+// NewServer returns a server that starts reaping its children (as the
+// guest's init it reaps every orphan too).
+func NewServer() *Server {
+	reaperOnce.Do(func() {
+		theReaper = newReaper()
+		go theReaper.loop()
+	})
+	return &Server{reaper: theReaper, cgroupFD: -1, procs: map[uint64]*proc{}}
+}
+
+// theReaper is the process's one reaper: it waits for any child, so two
+// would take each other's.
+var (
+	reaperOnce sync.Once
+	theReaper  *reaper
 )
 
-// Request is one call to the agent.
-type Request struct {
-	// Op is "exec".
-	Op   string   `json:"op"`
-	Args []string `json:"args,omitempty"`
-	Env  []string `json:"env,omitempty"`
-	Cwd  string   `json:"cwd,omitempty"`
-	// Stdin is given to the command whole.
-	Stdin []byte `json:"stdin,omitempty"`
-	// TimeoutMS kills the command after that long (0: none).
-	TimeoutMS int64 `json:"timeout_ms,omitempty"`
+// conn is one connection's writer: Msgs from every goroutine, one at a
+// time.
+type conn struct {
+	mu  sync.Mutex
+	enc *json.Encoder
+	err error
 }
 
-// Response answers a Request. Error is set when the request could not be
-// carried out (a command that ran and failed is ExitCode, not Error).
-type Response struct {
-	Ready    bool   `json:"ready,omitempty"`
-	Error    string `json:"error,omitempty"`
-	ExitCode int    `json:"exit_code"`
-	Stdout   []byte `json:"stdout,omitempty"`
-	Stderr   []byte `json:"stderr,omitempty"`
-	TimedOut bool   `json:"timed_out,omitempty"`
-	// Truncated says output beyond MaxOutput was dropped.
-	Truncated bool `json:"truncated,omitempty"`
-}
-
-// MaxOutput bounds each of a command's streams in a Response.
-const MaxOutput = 1 << 20
-
-// Serve answers requests read from rw until it is closed. It first writes
-// a Response with Ready set.
-func Serve(rw io.ReadWriter) error {
-	enc := json.NewEncoder(rw)
-	if err := enc.Encode(Response{Ready: true}); err != nil {
-		return err
+func (c *conn) send(m Msg) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err == nil {
+		c.err = c.enc.Encode(m)
 	}
-	r := bufio.NewReaderSize(rw, 64<<10)
+}
+
+// Serve answers the host on rw until it reads EOF or fails, then kills
+// the processes this connection started that still run. It writes "ready"
+// first.
+func (s *Server) Serve(rw io.ReadWriter) error {
+	c := &conn{enc: json.NewEncoder(rw)}
+	c.send(Msg{Op: "ready"})
+	if c.err != nil {
+		return c.err
+	}
+	started := map[uint64]bool{}
+	defer func() {
+		s.mu.Lock()
+		var left []*proc
+		for id := range started {
+			if p := s.procs[id]; p != nil {
+				left = append(left, p)
+			}
+		}
+		s.mu.Unlock()
+		for _, p := range left {
+			killTree(p.pid, syscall.SIGKILL, true, true)
+		}
+	}()
+	r := bufio.NewReaderSize(rw, 256<<10)
 	for {
 		line, err := r.ReadBytes('\n')
 		if len(bytes.TrimSpace(line)) > 0 {
-			var req Request
-			resp := Response{}
-			if jerr := json.Unmarshal(line, &req); jerr != nil {
-				resp.Error = "bad request: " + jerr.Error()
+			var m Msg
+			if jerr := json.Unmarshal(line, &m); jerr != nil {
+				c.send(Msg{Op: "error", Error: "bad message: " + jerr.Error()})
 			} else {
-				resp = handle(req)
-			}
-			if werr := enc.Encode(resp); werr != nil {
-				return werr
+				if m.Op == "exec" {
+					started[m.ID] = true
+				}
+				s.handle(c, m)
 			}
 		}
 		if err != nil {
@@ -95,101 +108,450 @@ func Serve(rw io.ReadWriter) error {
 			}
 			return err
 		}
+		if c.err != nil {
+			return c.err
+		}
 	}
 }
 
-func handle(req Request) Response {
-	switch req.Op {
+func (s *Server) handle(c *conn, m Msg) {
+	reply := func(err error) {
+		if err == nil {
+			c.send(Msg{ID: m.ID, Op: "ok"})
+			return
+		}
+		kind := ""
+		if errors.Is(err, errInvalid) {
+			kind = "invalid"
+		}
+		c.send(Msg{ID: m.ID, Op: "error", Error: err.Error(), Kind: kind})
+	}
+	switch m.Op {
+	case "ping":
+		reply(nil)
 	case "exec":
-		return run(req)
-	default:
-		return Response{Error: fmt.Sprintf("unknown op %q", req.Op)}
-	}
-}
-
-// capped keeps the first MaxOutput bytes written to it. (A bytes.Buffer
-// embedded would lend it ReadFrom, which io.Copy prefers to Write.)
-type capped struct {
-	buf     bytes.Buffer
-	dropped bool
-}
-
-func (c *capped) Write(p []byte) (int, error) {
-	if room := MaxOutput - c.buf.Len(); room < len(p) {
-		c.dropped = true
-		if room > 0 {
-			c.buf.Write(p[:room])
+		if err := s.exec(c, m); err != nil {
+			reply(err)
 		}
-		return len(p), nil
-	}
-	return c.buf.Write(p)
-}
-
-func (c *capped) Bytes() []byte { return c.buf.Bytes() }
-
-func run(req Request) Response {
-	if len(req.Args) == 0 {
-		return Response{Error: "exec: no command"}
-	}
-	ctx := context.Background()
-	var cancel context.CancelFunc = func() {}
-	if req.TimeoutMS > 0 {
-		ctx, cancel = context.WithTimeout(ctx, time.Duration(req.TimeoutMS)*time.Millisecond)
-	}
-	defer cancel()
-	cmd := exec.Command(req.Args[0], req.Args[1:]...)
-	cmd.Env = req.Env
-	cmd.Dir = req.Cwd
-	cmd.Stdin = bytes.NewReader(req.Stdin)
-	var out, errb capped
-	cmd.Stdout, cmd.Stderr = &out, &errb
-	// Its own process group, so a timeout kills what it started too.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := cmd.Start(); err != nil {
-		return Response{ExitCode: 127, Stderr: []byte(err.Error() + "\n")}
-	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
-	var err error
-	timedOut := false
-	select {
-	case err = <-done:
-	case <-ctx.Done():
-		timedOut = true
-		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-		err = <-done
-	}
-	resp := Response{Stdout: out.Bytes(), Stderr: errb.Bytes(), TimedOut: timedOut, Truncated: out.dropped || errb.dropped}
-	var ee *exec.ExitError
-	switch {
-	case err == nil:
-	case errors.As(err, &ee):
-		if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
-			resp.ExitCode = 128 + int(ws.Signal())
-		} else {
-			resp.ExitCode = ee.ExitCode()
+	case "stdin", "stdin_close":
+		s.mu.Lock()
+		p := s.procs[m.ID]
+		s.mu.Unlock()
+		if p != nil {
+			p.input(m.Op == "stdin_close", m.Data)
 		}
+	case "kill":
+		s.mu.Lock()
+		p := s.procs[m.Of]
+		s.mu.Unlock()
+		if p != nil {
+			killTree(p.pid, syscall.SIGKILL, true, true)
+		}
+		reply(nil)
+	case "signal":
+		if m.Pid <= 1 || m.Signal <= 0 {
+			reply(fmt.Errorf("%w: signal %d to pid %d", errInvalid, m.Signal, m.Pid))
+			return
+		}
+		killTree(m.Pid, syscall.Signal(m.Signal), m.Self, m.Tree)
+		reply(nil)
+	case "setup":
+		if m.Setup == nil {
+			reply(fmt.Errorf("%w: setup without a setup", errInvalid))
+			return
+		}
+		reply(s.setup(*m.Setup))
 	default:
-		resp.Error = err.Error()
+		reply(fmt.Errorf("%w: unknown op %q", errInvalid, m.Op))
 	}
-	return resp
 }
 
-// FindPort returns the device of the virtio-serial port named name,
-// waiting up to within for it to appear.
-func FindPort(name string, within time.Duration) (string, error) {
-	deadline := time.Now().Add(within)
-	for {
-		ents, _ := os.ReadDir("/sys/class/virtio-ports")
-		for _, e := range ents {
-			n, err := os.ReadFile(filepath.Join("/sys/class/virtio-ports", e.Name(), "name"))
-			if err == nil && strings.TrimSpace(string(n)) == name {
-				return "/dev/" + e.Name(), nil
+var errInvalid = errors.New("invalid")
+
+// proc is a process the agent started for the host.
+type proc struct {
+	pid   int
+	stdin chan []byte // nil data: close
+	once  sync.Once
+}
+
+// input queues stdin data (or its end) for the process. A process that
+// does not read its stdin holds up the connection's reader once its
+// queue is full: the host sends at most ChunkSize per message.
+func (p *proc) input(closing bool, data []byte) {
+	if closing {
+		p.once.Do(func() { close(p.stdin) })
+		return
+	}
+	defer func() { _ = recover() }() // closed: the data is dropped
+	p.stdin <- data
+}
+
+// exec starts m's command; the rest of it is reported on c. An error is a
+// request the agent refuses; a command that cannot start is exit 127
+// (not found) or 126, with why on its stderr, as a shell does.
+func (s *Server) exec(c *conn, m Msg) error {
+	if len(m.Args) == 0 {
+		return fmt.Errorf("%w: exec without a command", errInvalid)
+	}
+	s.mu.Lock()
+	root, cgfd := s.root, s.cgroupFD
+	_, dup := s.procs[m.ID]
+	s.mu.Unlock()
+	if dup {
+		return fmt.Errorf("%w: request %d already runs", errInvalid, m.ID)
+	}
+	cred, env, err := resolveUser(root, m.User, m.Env)
+	if err != nil {
+		return err
+	}
+	failed := func(code int, why string) error {
+		c.send(Msg{ID: m.ID, Op: "stderr", Data: []byte("dsec: " + why + "\n")})
+		c.send(Msg{ID: m.ID, Op: "exit", Code: code})
+		return nil
+	}
+	path, err := lookPath(root, m.Args[0], env)
+	if err != nil {
+		return failed(127, err.Error())
+	}
+	cwd := m.Cwd
+	if cwd == "" {
+		cwd = "/"
+	}
+	inR, inW, err := os.Pipe()
+	if err != nil {
+		return err
+	}
+	outR, outW, err := os.Pipe()
+	if err != nil {
+		inR.Close()
+		inW.Close()
+		return err
+	}
+	errR, errW, err := os.Pipe()
+	if err != nil {
+		inR.Close()
+		inW.Close()
+		outR.Close()
+		outW.Close()
+		return err
+	}
+	sys := &syscall.SysProcAttr{Setsid: true, Credential: cred}
+	if root != "" {
+		sys.Chroot = root
+	}
+	if cgfd >= 0 {
+		sys.UseCgroupFD, sys.CgroupFD = true, cgfd
+	}
+	attr := &syscall.ProcAttr{Dir: cwd, Env: env, Files: []uintptr{inR.Fd(), outW.Fd(), errW.Fd()}, Sys: sys}
+	p := &proc{stdin: make(chan []byte, 16)}
+	pid, wait, err := s.reaper.start(func() (int, error) { return syscall.ForkExec(path, m.Args, attr) })
+	inR.Close()
+	outW.Close()
+	errW.Close()
+	if err != nil {
+		inW.Close()
+		outR.Close()
+		errR.Close()
+		code := 126
+		if errors.Is(err, syscall.ENOENT) && m.Cwd == "" {
+			code = 127
+		}
+		return failed(code, fmt.Sprintf("starting %s in %s: %v", m.Args[0], cwd, err))
+	}
+	p.pid = pid
+	s.mu.Lock()
+	s.procs[m.ID] = p
+	s.mu.Unlock()
+	c.send(Msg{ID: m.ID, Op: "started", Pid: pid})
+	go func() {
+		for data := range p.stdin {
+			if _, err := inW.Write(data); err != nil {
+				break
 			}
 		}
-		if time.Now().After(deadline) {
-			return "", fmt.Errorf("no virtio-serial port named %s after %s", name, within)
+		inW.Close()
+		for range p.stdin { // drain until closed
 		}
-		time.Sleep(5 * time.Millisecond)
+	}()
+	var pumps sync.WaitGroup
+	pump := func(r *os.File, op string) {
+		defer pumps.Done()
+		defer r.Close()
+		buf := make([]byte, ChunkSize)
+		for {
+			n, err := r.Read(buf)
+			if n > 0 {
+				c.send(Msg{ID: m.ID, Op: op, Data: append([]byte(nil), buf[:n]...)})
+			}
+			if err != nil {
+				return
+			}
+		}
 	}
+	pumps.Add(2)
+	go pump(outR, "stdout")
+	go pump(errR, "stderr")
+	go func() {
+		ws := <-wait
+		// What the process wrote is in the pipes; a child it left behind
+		// may hold them open: give the output a moment, then go.
+		drained := make(chan struct{})
+		go func() { pumps.Wait(); close(drained) }()
+		select {
+		case <-drained:
+		case <-time.After(200 * time.Millisecond):
+			_ = outR.SetReadDeadline(time.Now())
+			_ = errR.SetReadDeadline(time.Now())
+			<-drained
+		}
+		p.input(true, nil)
+		s.mu.Lock()
+		delete(s.procs, m.ID)
+		s.mu.Unlock()
+		code := ws.ExitStatus()
+		if ws.Signaled() {
+			code = 128 + int(ws.Signal())
+		}
+		c.send(Msg{ID: m.ID, Op: "exit", Code: code})
+	}()
+	return nil
+}
+
+// reaper waits for every child of the agent (as pid 1, orphans too) and
+// hands the statuses of the processes it started to their waiters.
+type reaper struct {
+	mu      sync.Mutex
+	waiting map[int]chan syscall.WaitStatus
+}
+
+func newReaper() *reaper { return &reaper{waiting: map[int]chan syscall.WaitStatus{}} }
+
+// start runs fork (which starts a child and returns its pid) and returns a
+// channel for the child's status. The lock held across fork and
+// registration makes a child that exits at once wait for its waiter.
+func (r *reaper) start(fork func() (int, error)) (int, chan syscall.WaitStatus, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	pid, err := fork()
+	if err != nil {
+		return 0, nil, err
+	}
+	ch := make(chan syscall.WaitStatus, 1)
+	r.waiting[pid] = ch
+	return pid, ch, nil
+}
+
+func (r *reaper) loop() {
+	sigs := make(chan os.Signal, 64)
+	signal.Notify(sigs, syscall.SIGCHLD)
+	tick := time.NewTicker(time.Second) // a SIGCHLD is never lost, but cheap insurance
+	defer tick.Stop()
+	for {
+		select {
+		case <-sigs:
+		case <-tick.C:
+		}
+		for {
+			var ws syscall.WaitStatus
+			pid, err := syscall.Wait4(-1, &ws, syscall.WNOHANG, nil)
+			if pid <= 0 || err != nil {
+				break
+			}
+			r.mu.Lock()
+			if ch := r.waiting[pid]; ch != nil {
+				ch <- ws
+				delete(r.waiting, pid)
+			}
+			r.mu.Unlock()
+		}
+	}
+}
+
+// killTree sends sig to pid (with self) and every descendant of it (with
+// tree), found through /proc's parent links. The descendants are stopped
+// first, found again until no new one appears, then signalled: a process
+// forking as fast as it can cannot outrun the walk.
+func killTree(pid int, sig syscall.Signal, self, tree bool) {
+	if !tree {
+		if self {
+			_ = syscall.Kill(pid, sig)
+		}
+		return
+	}
+	stopped := map[int]bool{}
+	for round := 0; round < 50; round++ {
+		found := false
+		for _, d := range descendants(pid) {
+			if !stopped[d] {
+				stopped[d] = true
+				found = true
+				_ = syscall.Kill(d, syscall.SIGSTOP)
+			}
+		}
+		if !found {
+			break
+		}
+	}
+	if self {
+		_ = syscall.Kill(pid, sig)
+	}
+	for d := range stopped {
+		_ = syscall.Kill(d, sig)
+		if sig != syscall.SIGKILL && sig != syscall.SIGSTOP {
+			_ = syscall.Kill(d, syscall.SIGCONT)
+		}
+	}
+}
+
+// descendants lists the processes below pid.
+func descendants(pid int) []int {
+	ents, _ := os.ReadDir("/proc")
+	parent := map[int]int{}
+	for _, e := range ents {
+		p, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid ...: comm may hold spaces and parens.
+		i := bytes.LastIndexByte(b, ')')
+		if i < 0 {
+			continue
+		}
+		f := strings.Fields(string(b[i+1:]))
+		if len(f) < 2 {
+			continue
+		}
+		pp, _ := strconv.Atoi(f[1])
+		parent[p] = pp
+	}
+	var out []int
+	for p := range parent {
+		for q := parent[p]; q > 1; q = parent[q] {
+			if q == pid {
+				out = append(out, p)
+				break
+			}
+		}
+	}
+	return out
+}
+
+// lookPath finds the command name in root ("" for the agent's own) the way
+// a shell does: a name with a slash as is, else through PATH in env. The
+// path returned is the one to exec after chroot to root. Symlinks resolve
+// inside root.
+func lookPath(root, name string, env []string) (string, error) {
+	rootDir := root
+	if rootDir == "" {
+		rootDir = "/"
+	}
+	executable := func(p string) bool {
+		fd, err := openInRoot(rootDir, p)
+		if err != nil {
+			return false
+		}
+		defer unix.Close(fd)
+		var st unix.Stat_t
+		return unix.Fstat(fd, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFREG && st.Mode&0o111 != 0
+	}
+	if strings.Contains(name, "/") {
+		if !executable(name) {
+			return "", fmt.Errorf("%s: not found or not executable", name)
+		}
+		return name, nil
+	}
+	path := "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+	for _, kv := range env {
+		if v, ok := strings.CutPrefix(kv, "PATH="); ok {
+			path = v
+		}
+	}
+	for _, dir := range filepath.SplitList(path) {
+		if dir == "" || !filepath.IsAbs(dir) {
+			continue
+		}
+		if p := filepath.Join(dir, name); executable(p) {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("%s: command not found", name)
+}
+
+// openInRoot opens p (O_PATH) resolving it, and every symlink on the way,
+// inside root.
+func openInRoot(root, p string) (int, error) {
+	rfd, err := unix.Open(root, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, err
+	}
+	defer unix.Close(rfd)
+	return unix.Openat2(rfd, strings.TrimPrefix(p, "/"), &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: unix.RESOLVE_IN_ROOT})
+}
+
+// resolveUser finds user in root's /etc/passwd (a name, a uid, or
+// uid:gid) and returns its credential and env with HOME and USER set
+// unless env has them. "" is root.
+func resolveUser(root, user string, env []string) (*syscall.Credential, []string, error) {
+	has := func(k string) bool {
+		for _, kv := range env {
+			if strings.HasPrefix(kv, k+"=") {
+				return true
+			}
+		}
+		return false
+	}
+	env = append([]string(nil), env...)
+	if !has("PATH") {
+		env = append(env, "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+	}
+	if user == "" {
+		user = "0"
+	}
+	name, group, hasGroup := strings.Cut(user, ":")
+	var passwd []byte
+	if root != "" {
+		if fd, err := openInRoot(root, "/etc/passwd"); err == nil {
+			passwd, _ = os.ReadFile(fmt.Sprintf("/proc/self/fd/%d", fd))
+			unix.Close(fd)
+		}
+	}
+	uid, gid, home, uname := -1, -1, "/", ""
+	if n, err := strconv.Atoi(name); err == nil && n >= 0 {
+		uid, gid = n, n
+	}
+	for _, line := range strings.Split(string(passwd), "\n") {
+		f := strings.Split(line, ":")
+		if len(f) < 7 {
+			continue
+		}
+		u, _ := strconv.Atoi(f[2])
+		if f[0] == name || (uid >= 0 && u == uid && f[2] != "") {
+			uid = u
+			gid, _ = strconv.Atoi(f[3])
+			home, uname = f[5], f[0]
+			break
+		}
+	}
+	if uid < 0 {
+		return nil, nil, fmt.Errorf("%w: user %q is not in the sandbox's /etc/passwd", errInvalid, name)
+	}
+	if hasGroup {
+		g, err := strconv.Atoi(group)
+		if err != nil || g < 0 {
+			return nil, nil, fmt.Errorf("%w: group %q: want a number", errInvalid, group)
+		}
+		gid = g
+	}
+	if !has("HOME") {
+		env = append(env, "HOME="+home)
+	}
+	if uname != "" && !has("USER") {
+		env = append(env, "USER="+uname)
+	}
+	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), Groups: []uint32{}}, env, nil
 }

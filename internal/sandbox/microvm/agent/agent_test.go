@@ -1,45 +1,178 @@
 package agent
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"net"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
-// TestServeOverAConnection runs the agent's server on one end of a socket
-// pair and the client on the other: real commands, their output, exit
-// codes, a timeout that kills a process group, and bad requests.
+// syncBuffer is a bytes.Buffer safe to read while output is written.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
+}
+
+func run(t *testing.T, c *Client, m Msg, stdin string) (int, string, string) {
+	t.Helper()
+	var out, errb syncBuffer
+	var in *strings.Reader
+	if stdin != "" {
+		in = strings.NewReader(stdin)
+	}
+	var p *Process
+	var err error
+	if in != nil {
+		p, err = c.Exec(context.Background(), m, in, &out, &errb)
+	} else {
+		p, err = c.Exec(context.Background(), m, nil, &out, &errb)
+	}
+	if err != nil {
+		t.Fatalf("exec %v: %v", m.Args, err)
+	}
+	code, err := p.Wait()
+	if err != nil {
+		t.Fatalf("wait %v: %v", m.Args, err)
+	}
+	return code, out.String(), errb.String()
+}
+
+// TestServeOverAConnection runs the agent's server on one end of a pipe
+// and the client on the other, as the agent runs without a sandbox root:
+// real commands, streams, exit codes, concurrent commands, a kill that
+// takes the tree, and requests the agent refuses.
 func TestServeOverAConnection(t *testing.T) {
 	a, b := net.Pipe()
-	go Serve(a)
-	c := NewClient(b)
-	defer c.Close()
+	srv := NewServer()
+	go srv.Serve(a)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if err := c.WaitReady(ctx); err != nil {
+	c, err := Connect(ctx, b)
+	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := c.Call(ctx, Request{Op: "exec", Args: []string{"/bin/sh", "-c", `read x; echo "$x $FOO $(pwd)"; echo err >&2; exit 3`}, Env: []string{"FOO=bar"}, Cwd: "/tmp", Stdin: []byte("hi\n")})
-	if err != nil || r.ExitCode != 3 || string(r.Stdout) != "hi bar /tmp\n" || string(r.Stderr) != "err\n" {
-		t.Fatalf("exec: %+v %v", r, err)
+	defer c.Close()
+	code, out, errs := run(t, c, Msg{Args: []string{"sh", "-c", `read x; echo "$x $FOO $(pwd)"; echo err >&2; exit 3`}, Env: []string{"FOO=bar"}, Cwd: "/tmp"}, "hi\n")
+	if code != 3 || out != "hi bar /tmp\n" || errs != "err\n" {
+		t.Fatalf("exec: %d %q %q", code, out, errs)
+	}
+	// Large output streams whole, in order.
+	code, out, _ = run(t, c, Msg{Args: []string{"sh", "-c", "seq 1 200000"}}, "")
+	if code != 0 || !strings.HasPrefix(out, "1\n2\n") || !strings.HasSuffix(out, "\n200000\n") || strings.Count(out, "\n") != 200000 {
+		t.Fatalf("large output: %d, %d lines", code, strings.Count(out, "\n"))
+	}
+	// Output arrives while the command runs, and two run at once.
+	var live syncBuffer
+	slow, err := c.Exec(ctx, Msg{Args: []string{"sh", "-c", "echo first; sleep 30 & sleep 30; echo never"}}, nil, &live, &live)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); live.String() != "first\n"; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("output did not stream: %q", live.String())
+		}
+	}
+	if code, out, _ := run(t, c, Msg{Args: []string{"echo", "meanwhile"}}, ""); code != 0 || out != "meanwhile\n" {
+		t.Fatalf("concurrent exec: %d %q", code, out)
+	}
+	if slow.Pid() <= 0 {
+		t.Fatalf("pid %d", slow.Pid())
 	}
 	start := time.Now()
-	r, err = c.Call(ctx, Request{Op: "exec", Args: []string{"/bin/sh", "-c", "sleep 30 & sleep 30; echo no"}, TimeoutMS: 200})
-	if err != nil || !r.TimedOut || r.ExitCode != 137 || time.Since(start) > 10*time.Second {
-		t.Fatalf("timeout: %+v %v after %v", r, err, time.Since(start))
+	if err := slow.Kill(); err != nil {
+		t.Fatal(err)
 	}
-	r, err = c.Call(ctx, Request{Op: "exec", Args: []string{"/no/such/binary"}})
-	if err != nil || r.ExitCode != 127 || !strings.Contains(string(r.Stderr), "no such file") {
-		t.Fatalf("missing binary: %+v %v", r, err)
+	if code, err := slow.Wait(); err != nil || code != 137 || time.Since(start) > 10*time.Second {
+		t.Fatalf("killed: %d %v after %v", code, err, time.Since(start))
 	}
-	r, err = c.Call(ctx, Request{Op: "exec", Args: []string{"/bin/sh", "-c", "head -c 2000000 /dev/zero"}})
-	if err != nil || !r.Truncated || len(r.Stdout) != MaxOutput {
-		t.Fatalf("output cap: %d bytes, truncated %v, %v", len(r.Stdout), r.Truncated, err)
+	if descendants(slow.Pid()) != nil {
+		t.Fatalf("children of a killed command survive: %v", descendants(slow.Pid()))
 	}
-	r, err = c.Call(ctx, Request{Op: "format-disk"})
-	if err != nil || r.Error == "" {
-		t.Fatalf("unknown op: %+v %v", r, err)
+	if err := slow.Kill(); err != nil {
+		t.Fatalf("second kill: %v", err)
+	}
+	if code, _, errs := run(t, c, Msg{Args: []string{"/no/such/binary"}}, ""); code != 127 || !strings.Contains(errs, "not found") {
+		t.Fatalf("missing binary: %d %q", code, errs)
+	}
+	if code, _, errs := run(t, c, Msg{Args: []string{"true"}, Cwd: "/no/such/dir"}, ""); code != 126 || !strings.Contains(errs, "/no/such/dir") {
+		t.Fatalf("missing cwd: %d %q", code, errs)
+	}
+	if _, err := c.Exec(ctx, Msg{Args: []string{"true"}, User: "nosuchuser"}, nil, nil, nil); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("unknown user: %v", err)
+	}
+	if err := c.Call(ctx, Msg{Op: "format-disk"}); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("unknown op: %v", err)
+	}
+	if err := c.Call(ctx, Msg{Op: "ping"}); err != nil {
+		t.Fatal(err)
 	}
 }
+
+// TestReconnectKillsWhatTheLastConnectionLeft: the host goes (an edge
+// restart) while a command runs; the agent kills it, and serves the next
+// connection.
+func TestReconnectKillsWhatTheLastConnectionLeft(t *testing.T) {
+	srv := NewServer()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	a, b := net.Pipe()
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(a) }()
+	c, err := Connect(ctx, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out syncBuffer
+	p, err := c.Exec(ctx, Msg{Args: []string{"sh", "-c", "echo up; sleep 60"}}, nil, &out, &out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for out.String() != "up\n" {
+		time.Sleep(10 * time.Millisecond)
+	}
+	c.Close()
+	a.Close()
+	<-served
+	if _, err := p.Wait(); !errors.Is(err, ErrGone) {
+		t.Fatalf("wait on a closed connection: %v", err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if syscallKill0(p.Pid()) != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the command of a closed connection still runs")
+		}
+	}
+	a, b = net.Pipe()
+	go srv.Serve(a)
+	c, err = Connect(ctx, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if code, out, _ := run(t, c, Msg{Args: []string{"echo", "again"}}, ""); code != 0 || out != "again\n" {
+		t.Fatalf("after reconnect: %d %q", code, out)
+	}
+}
+
+func syscallKill0(pid int) error { return syscall.Kill(pid, 0) }

@@ -31,12 +31,23 @@ func RunInit() error {
 	if err != nil {
 		return err
 	}
-	f, err := os.OpenFile(port, os.O_RDWR, 0)
-	if err != nil {
-		return fmt.Errorf("opening %s: %w", port, err)
+	srv := NewServer()
+	// The host may go and come back (an edge restarting): each
+	// connection is served in turn. While the host is away the port reads
+	// EOF at once and writes block, so the "ready" of the next connection
+	// waits for it.
+	for {
+		f, err := os.OpenFile(port, os.O_RDWR, 0)
+		if err != nil {
+			return fmt.Errorf("opening %s: %w", port, err)
+		}
+		err = srv.Serve(f)
+		f.Close()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "dsec-agent: serving the host:", err)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
-	defer f.Close()
-	return Serve(f)
 }
 
 // loadModules loads the modules ModulesList names, in its order.
@@ -67,4 +78,23 @@ func PowerOff() {
 	unix.Sync()
 	// Through ACPI (the microvm machine's GED device): the VMM exits.
 	_ = unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF)
+}
+
+// FindPort returns the device of the virtio-serial port named name,
+// waiting up to within for it to appear.
+func FindPort(name string, within time.Duration) (string, error) {
+	deadline := time.Now().Add(within)
+	for {
+		ents, _ := os.ReadDir("/sys/class/virtio-ports")
+		for _, e := range ents {
+			n, err := os.ReadFile(filepath.Join("/sys/class/virtio-ports", e.Name(), "name"))
+			if err == nil && strings.TrimSpace(string(n)) == name {
+				return "/dev/" + e.Name(), nil
+			}
+		}
+		if time.Now().After(deadline) {
+			return "", fmt.Errorf("no virtio-serial port named %s after %s", name, within)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }

@@ -1,0 +1,98 @@
+// Package agent is the microVM backend's in-guest agent and the host's
+// client of it. The agent is the guest's pid 1 (cmd/dsec-agent, a static
+// binary in the guest's initramfs): it mounts the kernel's filesystems,
+// loads the modules the initramfs lists, finds the virtio-serial port the
+// host named PortName and serves the host on it.
+//
+// The protocol is one JSON object (a Msg) per line in each direction,
+// multiplexed by request id, so that commands run concurrently and stream
+// their output: the host sends "exec" with an id, then "stdin" and
+// "stdin_close" for it; the agent answers "started" (with the pid inside),
+// "stdout" and "stderr" chunks as they come, and "exit". Requests that are
+// not processes ("setup", "signal", "kill", "ping") are answered "ok" or
+// "error" with their id. Every connection begins with the agent's "ready":
+// the host may go and come back (an edge restart), and the agent serves
+// the next connection the same way, killing the processes the previous one
+// started and left running.
+//
+// This package must build without cgo: it runs in a guest that has no libc.
+package agent
+
+// PortName is the name of the virtio-serial port the agent serves.
+const PortName = "dsec.agent"
+
+// ModulesDir is where the initramfs keeps the kernel modules the agent
+// loads, and ModulesList the file naming them in load order.
+const (
+	ModulesDir  = "/lib/dsec/modules"
+	ModulesList = "/lib/dsec/modules/order"
+)
+
+// Msg is one line of the protocol, in either direction. Which fields mean
+// something depends on Op.
+type Msg struct {
+	ID uint64 `json:"id,omitempty"`
+	Op string `json:"op"`
+
+	// exec: the command, run in the sandbox's root once setup made one
+	// (else in the agent's own). User is a name, uid or uid:gid, looked
+	// up in the sandbox's /etc/passwd ("" is root).
+	Args []string `json:"args,omitempty"`
+	Env  []string `json:"env,omitempty"`
+	Cwd  string   `json:"cwd,omitempty"`
+	User string   `json:"user,omitempty"`
+
+	// stdin, stdout, stderr: a chunk of a stream.
+	Data []byte `json:"data,omitempty"`
+
+	// signal: sig to process Pid (with Self) and its descendants (with
+	// Tree). kill: SIGKILL to the process of exec request Of and its
+	// descendants (nothing once it exited). started: the process's Pid.
+	Of     uint64 `json:"of,omitempty"`
+	Pid    int    `json:"pid,omitempty"`
+	Signal int    `json:"signal,omitempty"`
+	Self   bool   `json:"self,omitempty"`
+	Tree   bool   `json:"tree,omitempty"`
+
+	// exit: the exit code (128+signal when killed).
+	Code int `json:"code,omitempty"`
+
+	// error: what failed; Kind is "invalid" when the request was at
+	// fault (a user the sandbox does not have), else "".
+	Error string `json:"error,omitempty"`
+	Kind  string `json:"kind,omitempty"`
+
+	// setup: the sandbox's root filesystem and limits.
+	Setup *Setup `json:"setup,omitempty"`
+}
+
+// Setup makes the sandbox inside the guest: the root filesystem from the
+// layer disks and the writable disk, its hostname and its limits.
+type Setup struct {
+	// Layers are the serials of the read-only layer disks (EROFS),
+	// bottom first; Upper the serial of the writable disk (ext4).
+	Layers []string `json:"layers"`
+	Upper  string   `json:"upper"`
+	// Hostname is the guest's hostname.
+	Hostname string `json:"hostname,omitempty"`
+	// Pids bounds the sandbox's processes (0: no bound).
+	Pids int64 `json:"pids,omitempty"`
+	// Net configures the guest's network interface (nil: only lo).
+	Net *NetSetup `json:"net,omitempty"`
+	// ResolvConf is shown at the sandbox's /etc/resolv.conf.
+	ResolvConf []byte `json:"resolv_conf,omitempty"`
+}
+
+// NetSetup is the address of the guest's interface (the one with MAC) and
+// its default gateway.
+type NetSetup struct {
+	MAC     string `json:"mac"`
+	Addr    string `json:"addr"` // CIDR
+	Gateway string `json:"gateway"`
+}
+
+// Root is where the agent mounts the sandbox's root filesystem.
+const Root = "/sandbox"
+
+// ChunkSize bounds the data of one stdin, stdout or stderr Msg.
+const ChunkSize = 32 << 10

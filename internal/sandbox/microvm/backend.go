@@ -1,0 +1,661 @@
+package microvm
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/dsecproject/dsec/internal/cgroup"
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/sandbox"
+	"github.com/dsecproject/dsec/internal/sandbox/microvm/agent"
+)
+
+// Config configures the microvm backend.
+type Config struct {
+	// StateRoot holds a directory per VM (sockets, logs, snapshot, the
+	// VMM's pid) and the guest (kernel and initramfs).
+	StateRoot string
+	// KernelCache is where the guest kernel package is downloaded once
+	// and kept (shared by the node's edges).
+	KernelCache string
+	// Agent is the static dsec-agent binary.
+	Agent string
+	// QEMU is the VMM binary ("" = qemu-system-x86_64); Accel is "tcg"
+	// (the default) or "kvm".
+	QEMU, Accel string
+	// MemoryMB is a guest's memory when its spec sets none (0 = 512).
+	MemoryMB int
+	// DiskGB is the size of a guest's writable disk (sparse; 0 = 16):
+	// where the sandbox has a disk of its own, that disk's size bounds
+	// what the guest can write.
+	DiskGB int
+	// Cgroups, if set, puts each VMM in its sandbox's cgroup (CPU limit)
+	// and removes that cgroup on Destroy.
+	Cgroups *cgroup.Info
+	Log     *slog.Logger
+}
+
+// Backend runs each sandbox as a VM: one VMM process per sandbox and the
+// agent inside; the edge holds no other process for it.
+type Backend struct {
+	cfg   Config
+	guest *Guest
+
+	mu  sync.Mutex
+	vms map[string]*vmSlot
+}
+
+// vmSlot is one sandbox's VM: running (vm set) or saved to its snapshot
+// file (vm nil, saved true). mu serialises its lifecycle changes.
+type vmSlot struct {
+	mu    sync.Mutex
+	vm    *VM
+	saved bool
+	meta  meta
+}
+
+// meta is what survives an edge restart of a VM, in its directory.
+type meta struct {
+	Pid    int    `json:"pid"`
+	MAC    string `json:"mac,omitempty"`
+	Cgroup string `json:"cgroup,omitempty"`
+	// CPUQuotaUs is the cgroup's CPU limit.
+	CPUQuotaUs int64 `json:"cpu_quota_us,omitempty"`
+	// Saved says the VM is paused to its snapshot file (no VMM runs).
+	Saved bool `json:"saved,omitempty"`
+	// Start is what the VMM was started with, to resume it the same way.
+	Start startConfig `json:"start"`
+}
+
+// startConfig is the part of VMConfig that is the sandbox's.
+type startConfig struct {
+	MemoryMB int    `json:"memory_mb"`
+	CPUs     int    `json:"cpus"`
+	Disks    []Disk `json:"disks"`
+	NIC      string `json:"nic,omitempty"`
+}
+
+var (
+	_ sandbox.Backend       = (*Backend)(nil)
+	_ sandbox.LayerImages   = (*Backend)(nil)
+	_ sandbox.Pauser        = (*Backend)(nil)
+	_ sandbox.InnerSignaler = (*Backend)(nil)
+	_ sandbox.NetworkFirst  = (*Backend)(nil)
+	_ sandbox.OwnKernel     = (*Backend)(nil)
+)
+
+// New prepares the guest (downloading Debian's kernel package into
+// cfg.KernelCache the first time, logging it) and returns the backend.
+func New(ctx context.Context, cfg Config) (*Backend, error) {
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.QEMU == "" {
+		cfg.QEMU = "qemu-system-x86_64"
+	}
+	if cfg.Accel == "" {
+		cfg.Accel = "tcg"
+	}
+	if cfg.MemoryMB == 0 {
+		cfg.MemoryMB = 512
+	}
+	if cfg.DiskGB == 0 {
+		cfg.DiskGB = 16
+	}
+	if _, err := exec.LookPath(cfg.QEMU); err != nil {
+		return nil, fmt.Errorf("no VMM: %s not found (apt-get install qemu-system-x86)", cfg.QEMU)
+	}
+	for _, tool := range []string{"mkfs.ext4", "nsenter"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			return nil, fmt.Errorf("%s not found (apt-get install e2fsprogs util-linux)", tool)
+		}
+	}
+	if _, err := os.Stat(cfg.Agent); err != nil {
+		return nil, fmt.Errorf("no guest agent (make build puts dsec-agent beside dsec): %w", err)
+	}
+	if err := os.MkdirAll(cfg.StateRoot, 0o700); err != nil {
+		return nil, fmt.Errorf("creating microvm state dir: %w", err)
+	}
+	g, err := PrepareGuest(ctx, cfg.KernelCache, filepath.Join(cfg.StateRoot, "guest"), cfg.Agent, nil, logWriter{cfg.Log})
+	if err != nil {
+		return nil, fmt.Errorf("preparing the guest: %w", err)
+	}
+	return &Backend{cfg: cfg, guest: g, vms: map[string]*vmSlot{}}, nil
+}
+
+// Guest is what the backend's VMs boot.
+func (b *Backend) Guest() *Guest { return b.guest }
+
+// VMM names the VMM and accelerator the backend runs ("qemu-microvm/tcg").
+func (b *Backend) VMM() string { return "qemu-microvm/" + b.cfg.Accel }
+
+// Name implements sandbox.Backend.
+func (b *Backend) Name() string { return "microvm" }
+
+// TakesLayerImages implements sandbox.LayerImages: the layers are the
+// guest's disks.
+func (b *Backend) TakesLayerImages() bool { return true }
+
+// NetworkFirst implements sandbox.NetworkFirst: the VMM's tap and the
+// guest's address are made once, at start.
+func (b *Backend) NetworkFirst() bool { return true }
+
+// OwnKernel implements sandbox.OwnKernel.
+func (b *Backend) OwnKernel() bool { return true }
+
+func (b *Backend) dir(id string) string { return filepath.Join(b.cfg.StateRoot, "vm", id) }
+
+// Create boots the sandbox's VM: the layer images as read-only disks, a
+// new ext4 disk in cfg.Upper for the writable layer, the network (a tap in
+// the VMM's own network namespace, joined to what the edge attaches there)
+// and then the agent makes the root filesystem inside.
+func (b *Backend) Create(ctx context.Context, cfg sandbox.Config) (err error) {
+	if len(cfg.Images) == 0 || cfg.Upper == "" {
+		return errdefs.Invalid("microvm: a sandbox needs layer images and a writable layer dir")
+	}
+	if cfg.UserNS != nil {
+		return errdefs.Precondition("microvm: user namespaces are a container feature; a VM has its own kernel")
+	}
+	dir := b.dir(cfg.ID)
+	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
+		return fmt.Errorf("creating VM dir: %w", err)
+	}
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return fmt.Errorf("creating VM dir: %w", err)
+	}
+	slot := &vmSlot{}
+	slot.mu.Lock()
+	defer slot.mu.Unlock()
+	b.mu.Lock()
+	b.vms[cfg.ID] = slot
+	b.mu.Unlock()
+	defer func() {
+		if err != nil {
+			b.destroy(slot, cfg.ID)
+		}
+	}()
+	upper := filepath.Join(cfg.Upper, "disk.ext4")
+	if err := makeExt4(ctx, upper, b.cfg.DiskGB); err != nil {
+		return err
+	}
+	sc := startConfig{MemoryMB: b.cfg.MemoryMB, CPUs: 1}
+	if m := cfg.Limits.MemoryBytes >> 20; m > 0 {
+		sc.MemoryMB = int(max(m, 128))
+	}
+	if cfg.Limits.CPU > 1 {
+		sc.CPUs = int(math.Ceil(cfg.Limits.CPU))
+	}
+	setup := agent.Setup{Upper: "upper", Hostname: cfg.Hostname, Pids: cfg.Limits.Pids}
+	for i, img := range cfg.Images {
+		serial := "l" + strconv.Itoa(i)
+		sc.Disks = append(sc.Disks, Disk{Path: img, Serial: serial, ReadOnly: true})
+		setup.Layers = append(setup.Layers, serial)
+	}
+	sc.Disks = append(sc.Disks, Disk{Path: upper, Serial: "upper"})
+	if cfg.AttachNetwork != nil {
+		sc.NIC = randomMAC()
+	}
+	if cfg.ResolvConf != "" {
+		if setup.ResolvConf, err = os.ReadFile(cfg.ResolvConf); err != nil {
+			return fmt.Errorf("reading resolv.conf: %w", err)
+		}
+	}
+	m := meta{MAC: sc.NIC, Cgroup: cfg.CgroupPath, Start: sc}
+	if cfg.Limits.CPU > 0 {
+		m.CPUQuotaUs = int64(cfg.Limits.CPU * 100000)
+	}
+	if err := makeNetns(filepath.Join(dir, "netns"), sc.NIC != ""); err != nil {
+		return err
+	}
+	var procs []string
+	if b.cfg.Cgroups != nil && cfg.CgroupPath != "" {
+		if procs, err = b.cfg.Cgroups.MakeSandbox(cfg.CgroupPath, vmmLimits(m.CPUQuotaUs)); err != nil {
+			return fmt.Errorf("making the VMM's cgroup: %w", err)
+		}
+	}
+	// Saved before the VMM starts: a Destroy after a crash here finds the
+	// cgroup (and the VMM by its command line).
+	slot.meta = m
+	if err := b.saveMeta(cfg.ID, m); err != nil {
+		return err
+	}
+	vm, err := b.start(ctx, cfg.ID, sc, "", procs)
+	if err != nil {
+		return err
+	}
+	slot.vm = vm
+	slot.meta.Pid = vm.Pid
+	if err := b.saveMeta(cfg.ID, slot.meta); err != nil {
+		return err
+	}
+	if cfg.AttachNetwork != nil {
+		if err := cfg.AttachNetwork(vm.Pid); err != nil {
+			return err
+		}
+		if setup.Net, err = joinTap(filepath.Join(dir, "netns"), sc.NIC); err != nil {
+			return err
+		}
+	}
+	if err := vm.Agent.Call(ctx, agent.Msg{Op: "setup", Setup: &setup}); err != nil {
+		return fmt.Errorf("setting up the sandbox in the guest: %w (console: %s)", err, tail(vm.Console, 2000))
+	}
+	b.cfg.Log.Debug("microvm booted", "sandbox_id", cfg.ID, "boot_ms", vm.Boot.Milliseconds(), "memory_mb", sc.MemoryMB, "cpus", sc.CPUs)
+	return nil
+}
+
+// start starts the VMM for id (inside the VM's network namespace),
+// resuming from snapshot when set.
+func (b *Backend) start(ctx context.Context, id string, sc startConfig, snapshot string, procs []string) (*VM, error) {
+	dir := b.dir(id)
+	return Start(ctx, VMConfig{
+		QEMU: b.cfg.QEMU, Guest: b.guest, Dir: dir, Accel: b.cfg.Accel,
+		MemoryMB: sc.MemoryMB, CPUs: sc.CPUs, Disks: sc.Disks, NIC: sc.NIC,
+		NetNSPath: filepath.Join(dir, "netns"), Incoming: snapshot, Cgroup: procs,
+	})
+}
+
+// slot returns id's VM, adopting a VMM an earlier edge started (or a VM
+// it saved) when the backend has none in memory. Nil: no such sandbox.
+func (b *Backend) slot(ctx context.Context, id string) *vmSlot {
+	b.mu.Lock()
+	s := b.vms[id]
+	if s == nil {
+		s = &vmSlot{}
+		b.vms[id] = s
+	}
+	b.mu.Unlock()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.vm != nil || s.saved {
+		return s
+	}
+	m, err := b.loadMeta(id)
+	if err == nil && m.Saved {
+		s.meta, s.saved = m, true
+		return s
+	}
+	if err == nil && m.Pid > 0 {
+		vm, err := Adopt(ctx, b.dir(id), m.Pid)
+		if err == nil {
+			s.meta, s.vm = m, vm
+			b.cfg.Log.Info("microvm adopted", "sandbox_id", id, "vmm_pid", m.Pid)
+			return s
+		}
+		b.cfg.Log.Warn("adopting a microvm", "sandbox_id", id, "vmm_pid", m.Pid, "err", err)
+	}
+	b.mu.Lock()
+	if b.vms[id] == s {
+		delete(b.vms, id)
+	}
+	b.mu.Unlock()
+	return nil
+}
+
+// running returns id's running VM, resuming it when saved.
+func (b *Backend) running(ctx context.Context, id string) (*VM, error) {
+	s := b.slot(ctx, id)
+	if s == nil {
+		return nil, errdefs.NotFound("sandbox %s has no VM", id)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.vm == nil && s.saved {
+		if err := b.resumeLocked(ctx, id, s); err != nil {
+			return nil, err
+		}
+	}
+	if s.vm == nil {
+		return nil, errdefs.NotFound("sandbox %s has no VM", id)
+	}
+	select {
+	case <-s.vm.Done():
+		return nil, errdefs.Precondition("sandbox %s: its VM has stopped (console: %s)", id, tail(s.vm.Console, 500))
+	default:
+	}
+	return s.vm, nil
+}
+
+// Exec implements sandbox.Backend: the agent starts the process.
+func (b *Backend) Exec(ctx context.Context, id string, p sandbox.Process) (_ sandbox.Proc, err error) {
+	if p.TTY {
+		return nil, errdefs.Precondition("microvm: terminals are not served by this backend yet")
+	}
+	if p.Private {
+		return nil, errdefs.Precondition("microvm: private runs are a container feature")
+	}
+	if len(p.Args) == 0 {
+		return nil, errdefs.Invalid("exec: no command")
+	}
+	vm, err := b.running(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	user := p.User
+	if user == "" && (p.UID != 0 || p.GID != 0) {
+		user = fmt.Sprintf("%d:%d", p.UID, p.GID)
+	}
+	stdout, stderr := p.Stdout, p.Stderr
+	if stdout == nil {
+		stdout = io.Discard
+	}
+	if stderr == nil {
+		stderr = io.Discard
+	}
+	stdin := p.Stdin
+	if f, ok := stdin.(*os.File); ok {
+		// The caller may close its file once Exec returns (a runtime's
+		// child holds its own copy): the agent's client reads a copy.
+		fd, err := syscall.Dup(int(f.Fd()))
+		if err != nil {
+			return nil, fmt.Errorf("duplicating stdin: %w", err)
+		}
+		syscall.CloseOnExec(fd)
+		// Pollable, so that closing it ends a read in progress.
+		_ = syscall.SetNonblock(fd, true)
+		dup := os.NewFile(uintptr(fd), f.Name())
+		defer func() {
+			if err != nil {
+				dup.Close()
+			}
+		}()
+		stdin = dup
+	}
+	ap, err := vm.Agent.Exec(ctx, agent.Msg{Args: p.Args, Env: p.Env, Cwd: p.Cwd, User: user}, stdin, stdout, stderr)
+	if err != nil {
+		if errors.Is(err, agent.ErrGone) {
+			return nil, errdefs.Precondition("sandbox %s: its VM's agent is gone: %v", id, err)
+		}
+		return nil, err
+	}
+	return &proc{p: ap}, nil
+}
+
+// proc is a process in a VM: it has no host pid.
+type proc struct{ p *agent.Process }
+
+func (p *proc) Wait() (int, error) { return p.p.Wait() }
+func (p *proc) Kill() error        { return p.p.Kill() }
+func (p *proc) Pid() int           { return 0 }
+func (p *proc) InnerPid() int      { return p.p.Pid() }
+
+// Signal implements sandbox.InnerSignaler.
+func (b *Backend) Signal(ctx context.Context, id string, pid int, sig syscall.Signal, self, tree bool) error {
+	vm, err := b.running(ctx, id)
+	if err != nil {
+		return err
+	}
+	return vm.Agent.Call(ctx, agent.Msg{Op: "signal", Pid: pid, Signal: int(sig), Self: self, Tree: tree})
+}
+
+// Pause implements sandbox.Pauser: the VM's memory and device state go to
+// a snapshot file in its directory and the VMM exits, so a paused sandbox
+// holds no memory and no process.
+func (b *Backend) Pause(ctx context.Context, id string) error {
+	s := b.slot(ctx, id)
+	if s == nil {
+		return errdefs.NotFound("sandbox %s has no VM", id)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.saved {
+		return nil
+	}
+	snap := filepath.Join(b.dir(id), "snapshot")
+	if err := s.vm.SaveTo(ctx, snap); err != nil {
+		// The VM may be stopped: start its vCPUs again.
+		_ = s.vm.Resume(context.Background())
+		return fmt.Errorf("pausing the VM: %w", err)
+	}
+	s.vm = nil
+	s.saved = true
+	s.meta.Saved, s.meta.Pid = true, 0
+	return b.saveMeta(id, s.meta)
+}
+
+// Resume implements sandbox.Pauser: a new VMM resumes the snapshot.
+func (b *Backend) Resume(ctx context.Context, id string) error {
+	s := b.slot(ctx, id)
+	if s == nil {
+		return errdefs.NotFound("sandbox %s has no VM", id)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.saved {
+		return nil
+	}
+	return b.resumeLocked(ctx, id, s)
+}
+
+// Preconditions: s.mu is held; s.saved.
+func (b *Backend) resumeLocked(ctx context.Context, id string, s *vmSlot) error {
+	var procs []string
+	if b.cfg.Cgroups != nil && s.meta.Cgroup != "" {
+		var err error
+		// The cgroup stays while paused: taken as it is.
+		if procs, err = b.cfg.Cgroups.MakeSandbox(s.meta.Cgroup, vmmLimits(s.meta.CPUQuotaUs)); err != nil {
+			return fmt.Errorf("resuming the VM: %w", err)
+		}
+	}
+	snap := filepath.Join(b.dir(id), "snapshot")
+	vm, err := b.start(ctx, id, s.meta.Start, snap, procs)
+	if err != nil {
+		return fmt.Errorf("resuming the VM: %w", err)
+	}
+	s.vm, s.saved = vm, false
+	s.meta.Saved, s.meta.Pid = false, vm.Pid
+	if err := b.saveMeta(id, s.meta); err != nil {
+		return err
+	}
+	_ = os.Remove(snap)
+	return nil
+}
+
+// Destroy implements sandbox.Backend.
+func (b *Backend) Destroy(ctx context.Context, id string) error {
+	b.mu.Lock()
+	s := b.vms[id]
+	if s == nil {
+		s = &vmSlot{}
+	}
+	b.mu.Unlock()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return b.destroy(s, id)
+}
+
+// destroy stops id's VMM (the one in memory, the one its meta names, or
+// one whose command line names its directory) and removes its network
+// namespace, cgroup and directory.
+//
+// Preconditions: s.mu is held.
+func (b *Backend) destroy(s *vmSlot, id string) error {
+	dir := b.dir(id)
+	if s.vm != nil {
+		s.vm.Stop()
+		s.vm = nil
+	}
+	m, _ := b.loadMeta(id)
+	if m.Cgroup == "" {
+		m.Cgroup = s.meta.Cgroup
+	}
+	for _, pid := range vmmPids(dir) {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+		for i := 0; i < 500 && isVMM(pid, dir); i++ {
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	if err := removeNetns(filepath.Join(dir, "netns")); err != nil {
+		return err
+	}
+	if b.cfg.Cgroups != nil && m.Cgroup != "" {
+		if err := b.cfg.Cgroups.Remove(m.Cgroup); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+			return fmt.Errorf("removing the VM's cgroup: %w", err)
+		}
+	}
+	if err := os.RemoveAll(dir); err != nil {
+		return fmt.Errorf("removing VM dir: %w", err)
+	}
+	b.mu.Lock()
+	if b.vms[id] == s {
+		delete(b.vms, id)
+	}
+	b.mu.Unlock()
+	s.saved = false
+	return nil
+}
+
+// vmmLimits is the cgroup of a VMM: its CPU limit, and the devices it
+// opens (tun for its tap, kvm where it accelerates).
+func vmmLimits(cpuQuotaUs int64) cgroup.Limits {
+	return cgroup.Limits{CPUQuotaUs: cpuQuotaUs, Devices: []string{"c 10:200 rwm", "c 10:232 rwm"}}
+}
+
+// vmmPids finds the VMMs whose command line names dir's agent socket.
+func vmmPids(dir string) []int {
+	ents, _ := os.ReadDir("/proc")
+	var out []int
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err == nil && isVMM(pid, dir) {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+// Status implements sandbox.Backend. A VM paused to its snapshot runs
+// (for the edge) with no pid.
+func (b *Backend) Status(ctx context.Context, id string) (sandbox.Status, error) {
+	s := b.slot(ctx, id)
+	if s == nil {
+		if _, err := os.Stat(b.dir(id)); err == nil {
+			return sandbox.Status{}, nil
+		}
+		return sandbox.Status{}, errdefs.NotFound("sandbox %s has no VM", id)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.saved {
+		return sandbox.Status{Running: true}, nil
+	}
+	select {
+	case <-s.vm.Done():
+		return sandbox.Status{}, nil
+	default:
+		return sandbox.Status{Running: true, Pid: s.vm.Pid}, nil
+	}
+}
+
+// List implements sandbox.Backend.
+func (b *Backend) List(ctx context.Context) ([]string, error) {
+	ents, err := os.ReadDir(filepath.Join(b.cfg.StateRoot, "vm"))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	ids := make([]string, 0, len(ents))
+	for _, e := range ents {
+		if e.IsDir() {
+			ids = append(ids, e.Name())
+		}
+	}
+	return ids, nil
+}
+
+func (b *Backend) saveMeta(id string, m meta) error {
+	data, _ := json.Marshal(m)
+	p := filepath.Join(b.dir(id), "meta.json")
+	if err := os.WriteFile(p+".tmp", data, 0o600); err != nil {
+		return fmt.Errorf("saving VM state: %w", err)
+	}
+	if err := os.Rename(p+".tmp", p); err != nil {
+		return fmt.Errorf("saving VM state: %w", err)
+	}
+	return nil
+}
+
+func (b *Backend) loadMeta(id string) (meta, error) {
+	var m meta
+	data, err := os.ReadFile(filepath.Join(b.dir(id), "meta.json"))
+	if err != nil {
+		return m, err
+	}
+	return m, json.Unmarshal(data, &m)
+}
+
+// makeExt4 makes an empty ext4 file system of sizeGB (sparse) at path.
+func makeExt4(ctx context.Context, path string, sizeGB int) error {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+	if err != nil {
+		return fmt.Errorf("creating the writable disk: %w", err)
+	}
+	err = f.Truncate(int64(sizeGB) << 30)
+	f.Close()
+	if err != nil {
+		return fmt.Errorf("sizing the writable disk: %w", err)
+	}
+	// No discard pass over the sparse file, inode tables and journal
+	// zeroed lazily by the guest's kernel: a few ms instead of seconds.
+	out, err := exec.CommandContext(ctx, "mkfs.ext4", "-q", "-F", "-m", "0",
+		"-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1", path).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("formatting the writable disk: %w: %s", err, out)
+	}
+	return nil
+}
+
+// randomMAC is a locally administered unicast MAC.
+func randomMAC() string {
+	b := make([]byte, 6)
+	_, _ = rand.Read(b)
+	b[0] = b[0]&0xfc | 0x02
+	return net.HardwareAddr(b).String()
+}
+
+// logWriter logs each write (the guest preparation's progress).
+type logWriter struct{ log *slog.Logger }
+
+func (w logWriter) Write(p []byte) (int, error) {
+	w.log.Info(string(trimNL(p)))
+	return len(p), nil
+}
+
+func trimNL(p []byte) []byte {
+	for len(p) > 0 && (p[len(p)-1] == '\n' || p[len(p)-1] == '\r') {
+		p = p[:len(p)-1]
+	}
+	return p
+}
+
+// lockDir takes an exclusive lock on dir (made if missing), held until
+// the returned func: edges of one host share the kernel cache.
+func lockDir(dir string) (func(), error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, fmt.Errorf("creating %s: %w", dir, err)
+	}
+	f, err := os.OpenFile(filepath.Join(dir, ".lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("locking %s: %w", dir, err)
+	}
+	return func() { f.Close() }, nil
+}

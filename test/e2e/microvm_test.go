@@ -1,0 +1,199 @@
+package e2e
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dsecproject/dsec/api"
+)
+
+// The microvm backend through the whole stack: a VM per sandbox (QEMU,
+// software-emulated on this machine: each boot takes seconds, so these
+// tests boot few), created, used, paused to a snapshot file, resumed by a
+// request, put on the edge's network policy, adopted after an edge
+// restart and deleted without a trace.
+
+// needMicroVM skips unless the daemon offers the microvm backend.
+func needMicroVM(t *testing.T) {
+	t.Helper()
+	needDaemon(t)
+	nodes, err := client.ListNodes(ctx(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range nodes {
+		if slices.Contains(n.Backends, api.BackendMicroVM) {
+			return
+		}
+	}
+	t.Skip("the daemon offers no microvm backend (apt-get install qemu-system-x86; the guest kernel comes from apt)")
+}
+
+func vmSandbox(t *testing.T, spec api.SandboxSpec) *api.Sandbox {
+	t.Helper()
+	spec.Backend = api.BackendMicroVM
+	return newSandbox(t, spec)
+}
+
+// vmmsOf lists the VMM processes of sandbox id.
+func vmmsOf(t *testing.T, id string) []string {
+	t.Helper()
+	out, _ := exec.Command("ps", "-eo", "pid,args").Output()
+	var vmms []string
+	for _, line := range strings.Split(string(out), "\n") {
+		if strings.Contains(line, "qemu") && strings.Contains(line, "/"+id+"/") {
+			vmms = append(vmms, line)
+		}
+	}
+	return vmms
+}
+
+func TestMicroVMLifecycleExecSessionsPause(t *testing.T) {
+	needMicroVM(t)
+	sb := vmSandbox(t, api.SandboxSpec{Env: map[string]string{"SPEC_VAR": "v"}, Workdir: "/tmp", MemoryMB: 256, Pids: 64})
+	c := ctx(t)
+	if len(vmmsOf(t, sb.ID)) != 1 {
+		t.Fatalf("VMMs of %s: %v", sb.ID, vmmsOf(t, sb.ID))
+	}
+	// Its own kernel, its memory limit as the VM's memory.
+	host, _ := os.ReadFile("/proc/sys/kernel/osrelease")
+	r := sh(t, sb.ID, "uname -r; echo \"$SPEC_VAR $(pwd)\"; grep MemTotal /proc/meminfo; echo err >&2; exit 3")
+	lines := strings.Split(r.Stdout, "\n")
+	if r.ExitCode != 3 || r.Stderr != "err\n" || len(lines) < 3 || lines[0] == strings.TrimSpace(string(host)) || lines[1] != "v /tmp" {
+		t.Fatalf("exec: %+v (host kernel %s)", r, host)
+	}
+	var memKB int
+	if f := strings.Fields(lines[2]); len(f) > 1 {
+		memKB, _ = strconv.Atoi(f[1])
+	}
+	if memKB < 150<<10 || memKB > 256<<10 {
+		t.Fatalf("guest memory %d kB, want the sandbox's 256 MiB less the kernel's", memKB)
+	}
+	res, err := client.Exec(c, sb.ID, api.ExecRequest{Cmd: "id -u; pwd", User: "user", Cwd: "/home/user"})
+	if err != nil || res.Stdout != "1000\n/home/user\n" {
+		t.Fatalf("user: %+v %v", res, err)
+	}
+	res, err = client.Exec(c, sb.ID, api.ExecRequest{Cmd: "wc -c", Stdin: "hello"})
+	if err != nil || strings.TrimSpace(res.Stdout) != "5" {
+		t.Fatalf("stdin: %+v %v", res, err)
+	}
+	_, err = client.Exec(c, sb.ID, api.ExecRequest{Cmd: "true", User: "nosuchuser"})
+	wantCode(t, err, "invalid_argument")
+	res, err = client.Exec(c, sb.ID, api.ExecRequest{Argv: []string{"/no/such/binary"}})
+	if err != nil || res.ExitCode != 127 {
+		t.Fatalf("missing binary: %+v %v", res, err)
+	}
+	// A timeout kills the command's whole tree inside; pids bounds forks.
+	start := time.Now()
+	res, err = client.Exec(c, sb.ID, api.ExecRequest{Cmd: "sleep 300 & (sh -c 'sleep 300') & echo started; wait", Timeout: 1})
+	if err != nil || !res.TimedOut || res.Stdout != "started\n" || time.Since(start) > 15*time.Second {
+		t.Fatalf("timeout: %+v %v after %v", res, err, time.Since(start))
+	}
+	waitFor(t, func() bool {
+		return strings.TrimSpace(sh(t, sb.ID, "ps -o comm | grep -c '^sleep' || true").Stdout) == "0"
+	})
+	if r := sh(t, sb.ID, "for i in $(seq 1 100); do sleep 5 & done 2>&1 | grep -c fork; true"); strings.TrimSpace(r.Stdout) == "0" {
+		t.Fatalf("pids 64: 100 forks gave no error: %+v", r)
+	}
+	// Sessions keep state.
+	sid, err := client.CreateSession(c, sb.ID, api.SessionRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.SessionRun(c, sb.ID, sid, api.SessionRunRequest{Command: "cd /root && export KEEP=me"}); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := client.SessionRun(c, sb.ID, sid, api.SessionRunRequest{Command: "pwd; echo $KEEP"}); err != nil || r.Stdout != "/root\nme\n" {
+		t.Fatalf("session: %+v %v", r, err)
+	}
+	// What the node cannot do for a VM is refused, not faked.
+	_, err = client.ReadFile(c, sb.ID, "/etc/passwd")
+	wantCode(t, err, "failed_precondition")
+	_, err = client.Exec(c, sb.ID, api.ExecRequest{Cmd: "true", Private: true})
+	wantCode(t, err, "failed_precondition")
+	// Pause is a snapshot file: no VMM runs; any exec resumes it.
+	sh(t, sb.ID, "echo kept > /root/kept; echo mem > /dev/shm/mem")
+	p, err := client.Pause(c, sb.ID)
+	if err != nil || p.Sandbox.State != api.StatePaused {
+		t.Fatalf("pause: %+v %v", p, err)
+	}
+	if v := vmmsOf(t, sb.ID); len(v) != 0 {
+		t.Fatalf("a VMM runs while paused: %v", v)
+	}
+	snap := filepath.Join(d.stateDir, "microvm", "vm", sb.ID, "snapshot")
+	if fi, err := os.Stat(snap); err != nil || fi.Size() == 0 {
+		t.Fatalf("no snapshot file while paused: %v", err)
+	}
+	if r := sh(t, sb.ID, "cat /root/kept /dev/shm/mem"); r.Stdout != "kept\nmem\n" {
+		t.Fatalf("after transparent resume: %+v", r)
+	}
+	if got, err := client.GetSandbox(c, sb.ID); err != nil || got.State != api.StateRunning {
+		t.Fatalf("after resume: %+v %v", got, err)
+	}
+	// Delete leaves no VMM and no VM directory.
+	if err := client.DeleteSandbox(c, sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	if v := vmmsOf(t, sb.ID); len(v) != 0 {
+		t.Fatalf("VMM left after delete: %v", v)
+	}
+	if _, err := os.Stat(filepath.Dir(snap)); !os.IsNotExist(err) {
+		t.Fatalf("VM dir left after delete: %v", err)
+	}
+}
+
+// TestMicroVMNetworkPolicy: the guest sits on the edge's network where a
+// container's eth0 would, so the same host-side allowlist and DNS proxy
+// decide what it reaches.
+func TestMicroVMNetworkPolicy(t *testing.T) {
+	needNet(t)
+	needMicroVM(t)
+	sb := vmSandbox(t, api.SandboxSpec{Toolkits: []string{probeRef}, Network: &api.NetworkPolicy{Allow: []string{"pypi"}}})
+	mustReach(t, sb.ID, "hello from pypi", "get", "http://"+pypiName+"/")
+	mustNotReach(t, sb.ID, "get", "http://"+npmName+"/")
+	mustNotReach(t, sb.ID, "dial", npmAddr+":80")
+	mustNotReach(t, sb.ID, "dial", pypiAddr+":9000")
+	secret := "dm0tc2VjcmV0.exfil.e2e.test"
+	mustNotReach(t, sb.ID, "resolve", secret)
+	if upstreamSaw(secret) {
+		t.Fatalf("CONTAINMENT FAILURE: upstream DNS was asked %s", secret)
+	}
+	if _, err := client.SetNetwork(ctx(t), sb.ID, api.NetworkPolicy{Allow: []string{"npm"}}); err != nil {
+		t.Fatal(err)
+	}
+	mustReach(t, sb.ID, "hello from npm", "get", "http://"+npmName+"/")
+	mustNotReach(t, sb.ID, "dial", pypiAddr+":80")
+	// A pause ends the VMM; the network (its namespace) waits for the
+	// resumed one.
+	if _, err := client.Pause(ctx(t), sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	mustReach(t, sb.ID, "hello from npm", "get", "http://"+npmName+"/")
+}
+
+func TestMicroVMSurvivesEdgeRestart(t *testing.T) {
+	needMicroVM(t)
+	keep := vmSandbox(t, api.SandboxSpec{})
+	sh(t, keep.ID, "echo before > /root/f")
+	before := vmmsOf(t, keep.ID)
+	d.kill9()
+	if err := d.start(); err != nil {
+		t.Fatal(err)
+	}
+	if r := sh(t, keep.ID, "cat /root/f"); r.Stdout != "before\n" {
+		t.Fatalf("microvm sandbox after an edge restart: %+v", r)
+	}
+	if after := vmmsOf(t, keep.ID); !slices.Equal(before, after) || len(after) != 1 {
+		t.Fatalf("VMM before the restart %v, after %v: want the same one adopted", before, after)
+	}
+	got, err := client.GetSandbox(ctx(t), keep.ID)
+	if err != nil || got.State != api.StateRunning || got.Backend != api.BackendMicroVM {
+		t.Fatalf("after restart: %+v %v", got, err)
+	}
+}
