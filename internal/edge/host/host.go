@@ -21,6 +21,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"time"
 	"unsafe"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -201,10 +202,13 @@ func Open(c Config, log *slog.Logger, reg prometheus.Registerer) (*Host, error) 
 		}
 	}
 	if c.MicroVM != "off" {
-		m, err := microvm.New(context.Background(), microvm.Config{
+		// Bounded: the first start on a host downloads the guest kernel.
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+		m, err := microvm.New(ctx, microvm.Config{
 			StateRoot: filepath.Join(c.StateDir, "microvm"), KernelCache: MicroVMKernelCache,
 			Agent: agentPath(), Cgroups: cg, Log: log,
 		})
+		cancel()
 		switch {
 		case err == nil:
 			h.Others = append(h.Others, m)

@@ -65,8 +65,16 @@ type vmSlot struct {
 	mu    sync.Mutex
 	vm    *VM
 	saved bool
-	meta  meta
+	// gone is set once Destroy removed the VM: a caller that took the
+	// slot before finds nothing.
+	gone bool
+	meta meta
 }
+
+// live reports whether the slot holds a VM, running or saved.
+//
+// Preconditions: s.mu is held.
+func (s *vmSlot) live() bool { return !s.gone && (s.vm != nil || s.saved) }
 
 // meta is what survives an edge restart of a VM, in its directory.
 type meta struct {
@@ -251,7 +259,7 @@ func (b *Backend) Create(ctx context.Context, cfg sandbox.Config) (err error) {
 		}
 	}
 	if err := vm.Agent.Call(ctx, agent.Msg{Op: "setup", Setup: &setup}); err != nil {
-		return fmt.Errorf("setting up the sandbox in the guest: %w (console: %s)", err, tail(vm.Console, 2000))
+		return fmt.Errorf("setting up the sandbox in the guest: %w (console: %s)", err, vm.Console(ctx))
 	}
 	b.cfg.Log.Debug("microvm booted", "sandbox_id", cfg.ID, "boot_ms", vm.Boot.Milliseconds(), "memory_mb", sc.MemoryMB, "cpus", sc.CPUs)
 	return nil
@@ -280,6 +288,9 @@ func (b *Backend) slot(ctx context.Context, id string) *vmSlot {
 	b.mu.Unlock()
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.gone {
+		return nil
+	}
 	if s.vm != nil || s.saved {
 		return s
 	}
@@ -313,17 +324,17 @@ func (b *Backend) running(ctx context.Context, id string) (*VM, error) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.vm == nil && s.saved {
+	if !s.live() {
+		return nil, errdefs.NotFound("sandbox %s has no VM", id)
+	}
+	if s.vm == nil {
 		if err := b.resumeLocked(ctx, id, s); err != nil {
 			return nil, err
 		}
 	}
-	if s.vm == nil {
-		return nil, errdefs.NotFound("sandbox %s has no VM", id)
-	}
 	select {
 	case <-s.vm.Done():
-		return nil, errdefs.Precondition("sandbox %s: its VM has stopped (console: %s)", id, tail(s.vm.Console, 500))
+		return nil, errdefs.Precondition("sandbox %s: its VM has stopped (VMM log: %s)", id, tail(filepath.Join(b.dir(id), vmmLog), 500))
 	default:
 	}
 	return s.vm, nil
@@ -394,6 +405,10 @@ func (p *proc) InnerPid() int      { return p.p.Pid() }
 
 // Signal implements sandbox.InnerSignaler.
 func (b *Backend) Signal(ctx context.Context, id string, pid int, sig syscall.Signal, self, tree bool) error {
+	// Bounded: callers may hold no deadline of their own, and the guest's
+	// agent is not trusted to answer.
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
 	vm, err := b.running(ctx, id)
 	if err != nil {
 		return err
@@ -411,11 +426,18 @@ func (b *Backend) Pause(ctx context.Context, id string) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if !s.live() {
+		return errdefs.NotFound("sandbox %s has no VM", id)
+	}
 	if s.saved {
 		return nil
 	}
 	snap := filepath.Join(b.dir(id), "snapshot")
-	if err := s.vm.SaveTo(ctx, snap); err != nil {
+	// A request that goes away does not cut a save short: saving a VM
+	// takes as long as its memory takes to write.
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Minute)
+	defer cancel()
+	if err := s.vm.SaveTo(sctx, snap); err != nil {
 		// The VM may be stopped: start its vCPUs again.
 		_ = s.vm.Resume(context.Background())
 		return fmt.Errorf("pausing the VM: %w", err)
@@ -434,6 +456,9 @@ func (b *Backend) Resume(ctx context.Context, id string) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if !s.live() {
+		return errdefs.NotFound("sandbox %s has no VM", id)
+	}
 	if !s.saved {
 		return nil
 	}
@@ -466,10 +491,13 @@ func (b *Backend) resumeLocked(ctx context.Context, id string, s *vmSlot) error 
 
 // Destroy implements sandbox.Backend.
 func (b *Backend) Destroy(ctx context.Context, id string) error {
+	// The slot goes in the map (if none is there), so that no adoption
+	// starts on the VM being destroyed.
 	b.mu.Lock()
 	s := b.vms[id]
 	if s == nil {
 		s = &vmSlot{}
+		b.vms[id] = s
 	}
 	b.mu.Unlock()
 	s.mu.Lock()
@@ -509,12 +537,12 @@ func (b *Backend) destroy(s *vmSlot, id string) error {
 	if err := os.RemoveAll(dir); err != nil {
 		return fmt.Errorf("removing VM dir: %w", err)
 	}
+	s.saved, s.gone = false, true
 	b.mu.Lock()
 	if b.vms[id] == s {
 		delete(b.vms, id)
 	}
 	b.mu.Unlock()
-	s.saved = false
 	return nil
 }
 
@@ -549,6 +577,9 @@ func (b *Backend) Status(ctx context.Context, id string) (sandbox.Status, error)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if !s.live() {
+		return sandbox.Status{}, errdefs.NotFound("sandbox %s has no VM", id)
+	}
 	if s.saved {
 		return sandbox.Status{Running: true}, nil
 	}

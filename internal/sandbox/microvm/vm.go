@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -25,7 +26,8 @@ type VMConfig struct {
 	QEMU  string
 	Guest *Guest
 	// Dir is the VM's private directory: the agent's and the monitor's
-	// sockets, the VMM's log and the guest's console log go there.
+	// sockets and the VMM's log go there. (The guest's console is a ring
+	// buffer in the VMM: root in the guest writes to it at will.)
 	Dir      string
 	MemoryMB int // 0 = 256
 	CPUs     int // 0 = 1
@@ -61,14 +63,13 @@ const TapName = "tap0"
 
 // VM is a running guest and its agent.
 type VM struct {
-	// Pid is the VMM's pid.
-	Pid   int
-	pidfd int
-	done  chan struct{}
+	// Pid is the VMM's pid; pidf its pidfd, which signals it without
+	// the risk of a reused pid and polls readable when it exits.
+	Pid  int
+	pidf *os.File
+	done chan struct{}
 	// Agent is the client of the guest's agent.
 	Agent *agent.Client
-	// Console is the guest's console log.
-	Console string
 	// Boot is how long the VM took from the VMM's start to its agent's
 	// first answer.
 	Boot time.Duration
@@ -80,7 +81,6 @@ const (
 	agentSock = "agent.sock"
 	qmpSock   = "qmp.sock"
 	vmmLog    = "vmm.log"
-	consoleF  = "console.log"
 )
 
 // Start boots a VM (or resumes one from cfg.Incoming) and waits until its
@@ -112,7 +112,6 @@ func Start(ctx context.Context, cfg VMConfig) (*VM, error) {
 	qmp := filepath.Join(cfg.Dir, qmpSock)
 	os.Remove(sock)
 	os.Remove(qmp)
-	console := filepath.Join(cfg.Dir, consoleF)
 	// ACPI describes the virtio-mmio devices to the kernel: Debian's
 	// kernel finds them no other way (it lacks
 	// CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES).
@@ -130,7 +129,7 @@ func Start(ctx context.Context, cfg VMConfig) (*VM, error) {
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
 		"-kernel", cfg.Guest.Kernel, "-initrd", cfg.Guest.Initrd,
 		"-append", "console=ttyS0 quiet panic=-1 rdinit=/init" + tscParams(cfg.Accel),
-		"-serial", "file:" + console,
+		"-chardev", "ringbuf,id=console,size=65536", "-serial", "chardev:console",
 		// The VMM listens: an edge that restarts connects again.
 		"-chardev", "socket,path=" + sock + ",id=agent,server=on,wait=off",
 		"-device", "virtio-serial-device",
@@ -166,17 +165,22 @@ func Start(ctx context.Context, cfg VMConfig) (*VM, error) {
 	}
 	// Its own process group, and no pipe to the edge: it outlives an edge
 	// restart, which adopts it again.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	pidfd := -1
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, PidFD: &pidfd}
 	cmd.Stdout, cmd.Stderr = logf, logf
 	start := time.Now()
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("starting %s: %w", qemu, err)
 	}
-	v := &VM{Pid: cmd.Process.Pid, pidfd: -1, done: make(chan struct{}), Console: console, dir: cfg.Dir}
+	v := &VM{Pid: cmd.Process.Pid, done: make(chan struct{}), dir: cfg.Dir}
+	if pidfd >= 0 {
+		v.pidf = os.NewFile(uintptr(pidfd), "vmm-pidfd")
+	}
 	go func() { _ = cmd.Wait(); close(v.done) }()
 	fail := func(err error) (*VM, error) {
+		console := v.Console(context.Background())
 		v.Stop()
-		return nil, fmt.Errorf("booting the VM: %w (VMM: %s; console: %s)", err, tail(filepath.Join(cfg.Dir, vmmLog), 2000), tail(console, 2000))
+		return nil, fmt.Errorf("booting the VM: %w (VMM: %s; console: %s)", err, tail(filepath.Join(cfg.Dir, vmmLog), 2000), console)
 	}
 	for _, procs := range cfg.Cgroup {
 		if err := os.WriteFile(procs, []byte(strconv.Itoa(v.Pid)), 0); err != nil {
@@ -245,7 +249,7 @@ func Adopt(ctx context.Context, dir string, pid int) (*VM, error) {
 	if !isVMM(pid, dir) {
 		return nil, fmt.Errorf("pid %d is not the VMM of %s", pid, dir)
 	}
-	fd, err := unix.PidfdOpen(pid, 0)
+	fd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
 	if err != nil {
 		return nil, fmt.Errorf("opening the VMM: %w", err)
 	}
@@ -253,19 +257,28 @@ func Adopt(ctx context.Context, dir string, pid int) (*VM, error) {
 		unix.Close(fd)
 		return nil, fmt.Errorf("pid %d is not the VMM of %s", pid, dir)
 	}
-	v := &VM{Pid: pid, pidfd: fd, done: make(chan struct{}), Console: filepath.Join(dir, consoleF), dir: dir}
+	v := &VM{Pid: pid, pidf: os.NewFile(uintptr(fd), "vmm-pidfd"), done: make(chan struct{}), dir: dir}
+	rc, err := v.pidf.SyscallConn()
+	if err != nil {
+		v.pidf.Close()
+		return nil, err
+	}
 	go func() {
-		// The pidfd polls readable when the process exits.
-		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-		for {
-			if _, err := unix.Poll(fds, -1); err != unix.EINTR {
-				break
+		// Through the runtime's poller: no thread waits per VM. Ends
+		// when the VMM exits, or with an error once pidf is closed.
+		first := true
+		_ = rc.Read(func(uintptr) bool {
+			if first {
+				first = false
+				return false
 			}
-		}
+			return true
+		})
 		close(v.done)
 	}()
 	if err := v.connect(ctx, 30*time.Second); err != nil {
-		v.Stop()
+		// Not this VM's fault: it keeps running, for a later adoption.
+		v.release()
 		return nil, err
 	}
 	return v, nil
@@ -283,21 +296,55 @@ func isVMM(pid int, dir string) bool {
 		strings.Contains(string(b), "path="+filepath.Join(dir, agentSock)+",")
 }
 
-// Stop kills the VMM and waits for it.
+// Stop kills the VMM (and what it started: its process group, while it
+// has not exited) and waits for it.
 func (v *VM) Stop() {
 	if v.Agent != nil {
 		v.Agent.Close()
 	}
-	if v.pidfd >= 0 {
-		_ = unix.PidfdSendSignal(v.pidfd, unix.SIGKILL, nil, 0)
-	} else {
+	select {
+	case <-v.done:
+	default:
+		if v.pidf != nil {
+			if rc, err := v.pidf.SyscallConn(); err == nil {
+				_ = rc.Control(func(fd uintptr) { _ = unix.PidfdSendSignal(int(fd), unix.SIGKILL, nil, 0) })
+			}
+		}
+		// The group (a snapshot's writer): the VMM is not reaped yet, so
+		// its pid, the group's id, is not reused.
 		_ = syscall.Kill(-v.Pid, syscall.SIGKILL)
+		if v.pidf == nil {
+			_ = syscall.Kill(v.Pid, syscall.SIGKILL)
+		}
 	}
 	<-v.done
-	if v.pidfd >= 0 {
-		unix.Close(v.pidfd)
-		v.pidfd = -1
+	v.release()
+}
+
+// release lets go of the VM without stopping it: its agent connection and
+// its pidfd.
+func (v *VM) release() {
+	if v.Agent != nil {
+		v.Agent.Close()
 	}
+	if v.pidf != nil {
+		v.pidf.Close()
+		v.pidf = nil
+	}
+}
+
+// Console returns what the guest last wrote to its console (up to 4 KiB,
+// read from the VMM's ring buffer; "" once the VMM is gone).
+func (v *VM) Console(ctx context.Context) string {
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	r, err := qmpRun(ctx, filepath.Join(v.dir, qmpSock), "ringbuf-read", map[string]any{"device": "console", "size": 4096, "format": "utf8"})
+	if err != nil {
+		return ""
+	}
+	var s string
+	_ = json.Unmarshal(r, &s)
+	return s
 }
 
 // Done is closed when the VMM has exited.
@@ -374,6 +421,7 @@ func (v *VM) SaveTo(ctx context.Context, file string) error {
 			_, _ = qmpRun(ctx, q, "quit", nil)
 			select {
 			case <-v.done:
+				v.release()
 			case <-time.After(10 * time.Second):
 				v.Stop()
 			}
@@ -383,6 +431,11 @@ func (v *VM) SaveTo(ctx context.Context, file string) error {
 		}
 		select {
 		case <-ctx.Done():
+			// Not half-saved: the migration is called off (the caller
+			// starts the vCPUs again).
+			cctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			_, _ = qmpRun(cctx, q, "migrate_cancel", nil)
+			cancel()
 			return ctx.Err()
 		case <-time.After(20 * time.Millisecond):
 		}
@@ -427,11 +480,16 @@ func qemuEscape(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 // shellQuote quotes s for sh.
 func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
 
-// tail returns the last n bytes of a file.
-func tail(path string, n int) string {
-	b, _ := os.ReadFile(path)
-	if len(b) > n {
-		b = b[len(b)-n:]
+// tail returns the last n bytes of a file (only those are read).
+func tail(path string, n int64) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return ""
 	}
+	defer f.Close()
+	if fi, err := f.Stat(); err == nil && fi.Size() > n {
+		_, _ = f.Seek(-n, io.SeekEnd)
+	}
+	b, _ := io.ReadAll(io.LimitReader(f, n))
 	return string(b)
 }

@@ -170,21 +170,54 @@ var errInvalid = errors.New("invalid")
 
 // proc is a process the agent started for the host.
 type proc struct {
-	pid   int
-	stdin chan []byte // nil data: close
-	once  sync.Once
+	pid int
+
+	mu     sync.Mutex
+	queue  [][]byte // stdin the process has not read yet
+	closed bool     // stdin_close came (or the process ended)
+	wake   chan struct{}
 }
 
-// input queues stdin data (or its end) for the process. A process that
-// does not read its stdin holds up the connection's reader once its
-// queue is full: the host sends at most ChunkSize per message.
+// input queues stdin data (or its end) for the process. It never blocks:
+// a process that does not read its stdin must not hold up the
+// connection's reader (kills and signals come that way). The queue is
+// what the host sent and the process has not read; the host bounds what
+// it sends.
 func (p *proc) input(closing bool, data []byte) {
+	p.mu.Lock()
 	if closing {
-		p.once.Do(func() { close(p.stdin) })
-		return
+		p.closed = true
+	} else if !p.closed {
+		p.queue = append(p.queue, data)
 	}
-	defer func() { _ = recover() }() // closed: the data is dropped
-	p.stdin <- data
+	p.mu.Unlock()
+	select {
+	case p.wake <- struct{}{}:
+	default:
+	}
+}
+
+// feed writes the queued stdin to w until stdin is closed, then closes w.
+func (p *proc) feed(w *os.File) {
+	defer w.Close()
+	for {
+		p.mu.Lock()
+		q, closed := p.queue, p.closed
+		p.queue = nil
+		p.mu.Unlock()
+		for _, data := range q {
+			if _, err := w.Write(data); err != nil {
+				p.input(true, nil)
+				return
+			}
+		}
+		if closed && len(q) == 0 {
+			return
+		}
+		if len(q) == 0 {
+			<-p.wake
+		}
+	}
 }
 
 // exec starts m's command; the rest of it is reported on c. An error is a
@@ -244,7 +277,7 @@ func (s *Server) exec(c *conn, m Msg) error {
 		sys.UseCgroupFD, sys.CgroupFD = true, cgfd
 	}
 	attr := &syscall.ProcAttr{Dir: cwd, Env: env, Files: []uintptr{inR.Fd(), outW.Fd(), errW.Fd()}, Sys: sys}
-	p := &proc{stdin: make(chan []byte, 16)}
+	p := &proc{wake: make(chan struct{}, 1)}
 	pid, wait, err := s.reaper.start(func() (int, error) { return syscall.ForkExec(path, m.Args, attr) })
 	inR.Close()
 	outW.Close()
@@ -264,25 +297,23 @@ func (s *Server) exec(c *conn, m Msg) error {
 	s.procs[m.ID] = p
 	s.mu.Unlock()
 	c.send(Msg{ID: m.ID, Op: "started", Pid: pid})
-	go func() {
-		for data := range p.stdin {
-			if _, err := inW.Write(data); err != nil {
-				break
-			}
-		}
-		inW.Close()
-		for range p.stdin { // drain until closed
-		}
-	}()
+	go p.feed(inW)
 	var pumps sync.WaitGroup
 	pump := func(r *os.File, op string) {
 		defer pumps.Done()
 		defer r.Close()
 		buf := make([]byte, ChunkSize)
+		emit := func(b []byte) { c.send(Msg{ID: m.ID, Op: op, Data: append([]byte(nil), b...)}) }
 		for {
 			n, err := r.Read(buf)
 			if n > 0 {
-				c.send(Msg{ID: m.ID, Op: op, Data: append([]byte(nil), buf[:n]...)})
+				emit(buf[:n])
+			}
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				// A deadline fails a read before it looks at the pipe:
+				// what was written before the process ended is read now.
+				drainNow(r, buf, emit)
+				return
 			}
 			if err != nil {
 				return
@@ -301,6 +332,8 @@ func (s *Server) exec(c *conn, m Msg) error {
 		select {
 		case <-drained:
 		case <-time.After(200 * time.Millisecond):
+			// Stop waiting for more; what is in the pipes now is still
+			// read (drainNow) before the exit is reported.
 			_ = outR.SetReadDeadline(time.Now())
 			_ = errR.SetReadDeadline(time.Now())
 			<-drained
@@ -316,6 +349,24 @@ func (s *Server) exec(c *conn, m Msg) error {
 		c.send(Msg{ID: m.ID, Op: "exit", Code: code})
 	}()
 	return nil
+}
+
+// drainNow reads what r holds now, without waiting for more.
+func drainNow(r *os.File, buf []byte, emit func([]byte)) {
+	_ = r.SetReadDeadline(time.Time{})
+	rc, err := r.SyscallConn()
+	if err != nil {
+		return
+	}
+	_ = rc.Read(func(fd uintptr) bool {
+		for {
+			n, err := syscall.Read(int(fd), buf)
+			if n <= 0 || err != nil {
+				return true // empty (EAGAIN), closed or failed: done
+			}
+			emit(buf[:n])
+		}
+	})
 }
 
 // reaper waits for every child of the agent (as pid 1, orphans too) and
@@ -379,6 +430,8 @@ func killTree(pid int, sig syscall.Signal, self, tree bool) {
 		}
 		return
 	}
+	// The process first, so it forks no more while its tree is walked.
+	_ = syscall.Kill(pid, syscall.SIGSTOP)
 	stopped := map[int]bool{}
 	for round := 0; round < 50; round++ {
 		found := false
@@ -395,6 +448,9 @@ func killTree(pid int, sig syscall.Signal, self, tree bool) {
 	}
 	if self {
 		_ = syscall.Kill(pid, sig)
+	}
+	if !self || (sig != syscall.SIGKILL && sig != syscall.SIGSTOP) {
+		_ = syscall.Kill(pid, syscall.SIGCONT)
 	}
 	for d := range stopped {
 		_ = syscall.Kill(d, sig)

@@ -1,9 +1,13 @@
 package agent
 
 import (
+	"bufio"
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
 	"net"
 	"strings"
 	"sync"
@@ -176,3 +180,102 @@ func TestReconnectKillsWhatTheLastConnectionLeft(t *testing.T) {
 }
 
 func syscallKill0(pid int) error { return syscall.Kill(pid, 0) }
+
+// fakeGuest answers the host's hello, then runs script on the rest of the
+// connection: a guest whose root rewrote the agent.
+func fakeGuest(t *testing.T, script func(conn net.Conn, r *bufio.Reader)) *Client {
+	t.Helper()
+	a, b := net.Pipe()
+	go func() {
+		r := bufio.NewReader(a)
+		if _, err := a.Write([]byte(`{"op":"ready"}` + "\n")); err != nil {
+			return
+		}
+		script(a, r)
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := Connect(ctx, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close(); a.Close() })
+	return c
+}
+
+// TestHostAgainstAHostileGuest: what the guest's side of the
+// protocol says cannot make the host buffer without bound, take an "ok"
+// for a started process, or wait forever on a process it killed.
+func TestHostAgainstAHostileGuest(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	t.Run("endless-line", func(t *testing.T) {
+		c := fakeGuest(t, func(conn net.Conn, r *bufio.Reader) {
+			go io.Copy(io.Discard, r)
+			chunk := bytes.Repeat([]byte("x"), 64<<10)
+			for i := 0; i < 64; i++ { // 4 MiB, no newline
+				if _, err := conn.Write(chunk); err != nil {
+					return
+				}
+			}
+		})
+		select {
+		case <-c.Done():
+		case <-time.After(10 * time.Second):
+			t.Fatal("the connection survived a 4 MiB line")
+		}
+		if err := c.Call(ctx, Msg{Op: "ping"}); !errors.Is(err, ErrGone) {
+			t.Fatalf("call after a too long line: %v", err)
+		}
+	})
+	t.Run("ok-for-an-exec", func(t *testing.T) {
+		c := fakeGuest(t, func(conn net.Conn, r *bufio.Reader) {
+			for {
+				line, err := r.ReadBytes('\n')
+				if err != nil {
+					return
+				}
+				var m Msg
+				if json.Unmarshal(line, &m) == nil && m.Op == "exec" {
+					fmt.Fprintf(conn, `{"id":%d,"op":"ok"}`+"\n", m.ID)
+				}
+			}
+		})
+		p, err := c.Exec(ctx, Msg{Args: []string{"true"}}, nil, nil, nil)
+		if err == nil || p != nil {
+			t.Fatalf("exec answered ok: %v %v", p, err)
+		}
+	})
+	t.Run("killed-but-never-exits", func(t *testing.T) {
+		c := fakeGuest(t, func(conn net.Conn, r *bufio.Reader) {
+			for {
+				line, err := r.ReadBytes('\n')
+				if err != nil {
+					return
+				}
+				var m Msg
+				if json.Unmarshal(line, &m) != nil {
+					continue
+				}
+				switch m.Op {
+				case "exec":
+					fmt.Fprintf(conn, `{"id":%d,"op":"started","pid":42}`+"\n", m.ID)
+				case "kill":
+					fmt.Fprintf(conn, `{"id":%d,"op":"ok"}`+"\n", m.ID)
+				}
+			}
+		})
+		p, err := c.Exec(ctx, Msg{Args: []string{"sleep", "1000"}}, nil, nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		if err := p.Kill(); err != nil {
+			t.Fatal(err)
+		}
+		code, err := p.Wait()
+		if code != 137 || err != nil || time.Since(start) > killGrace+5*time.Second {
+			t.Fatalf("wait after kill: %d %v after %v", code, err, time.Since(start))
+		}
+	})
+}

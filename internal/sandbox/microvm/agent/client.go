@@ -30,10 +30,45 @@ type Client struct {
 // call is what waits for the answers to one request.
 type call struct {
 	reply          chan Msg // ok, error, started, or exit before a start
-	exit           chan int
-	exited         chan struct{} // closed on exit
+	exit           chan int // an exec's: its code, once
+	exited         chan struct{}
+	once           sync.Once
 	stdout, stderr io.Writer
 }
+
+// finish delivers an exec's exit code (the first one given).
+func (cl *call) finish(code int) {
+	cl.once.Do(func() {
+		cl.exit <- code
+		close(cl.exited)
+	})
+}
+
+// MaxLine bounds a line from the agent: a guest (root inside it is not
+// trusted) cannot make the host buffer more. A stdout chunk of ChunkSize
+// is about 44 KiB of JSON.
+const MaxLine = 1 << 20
+
+var errLineTooLong = errors.New("a line from the agent is longer than 1 MiB")
+
+// readLine reads one line of at most MaxLine bytes.
+func readLine(r *bufio.Reader) ([]byte, error) {
+	var line []byte
+	for {
+		frag, err := r.ReadSlice('\n')
+		if len(line)+len(frag) > MaxLine {
+			return nil, errLineTooLong
+		}
+		line = append(line, frag...)
+		if err != bufio.ErrBufferFull {
+			return line, err
+		}
+	}
+}
+
+// writeTimeout bounds a write to the agent: a guest that stops reading
+// its port ends its connection instead of holding up the host.
+const writeTimeout = 30 * time.Second
 
 // ErrGone is returned for calls on a connection that broke.
 var ErrGone = errors.New("the agent's connection is gone")
@@ -55,11 +90,15 @@ func Connect(ctx context.Context, conn io.ReadWriteCloser) (*Client, error) {
 	hello := make(chan struct{})
 	go func() {
 		defer close(hello)
+		// Bounded: a guest that reads nothing holds up no one.
+		if dl, ok := conn.(interface{ SetWriteDeadline(time.Time) error }); ok {
+			_ = dl.SetWriteDeadline(time.Now().Add(writeTimeout))
+		}
 		_ = json.NewEncoder(conn).Encode(Msg{ID: helloID, Op: "ping"})
 	}()
 	go func() {
 		for {
-			line, err := r.ReadBytes('\n')
+			line, err := readLine(r)
 			if err != nil {
 				ready <- fmt.Errorf("reading from the agent: %w", err)
 				return
@@ -97,7 +136,7 @@ func (c *Client) read(r *bufio.Reader) {
 	var err error
 	for {
 		var line []byte
-		line, err = r.ReadBytes('\n')
+		line, err = readLine(r)
 		if err != nil {
 			break
 		}
@@ -129,10 +168,7 @@ func (c *Client) read(r *bufio.Reader) {
 			default:
 			}
 			if cl.exit != nil {
-				cl.exit <- m.Code
-			}
-			if cl.exited != nil {
-				close(cl.exited)
+				cl.finish(m.Code)
 			}
 		default: // ok, error, started
 			select {
@@ -141,19 +177,25 @@ func (c *Client) read(r *bufio.Reader) {
 			}
 		}
 	}
+	c.c.Close()
 	c.mu.Lock()
 	c.err = fmt.Errorf("%w: %v", ErrGone, err)
-	calls := c.calls
 	c.calls = map[uint64]*call{}
 	c.mu.Unlock()
 	close(c.done)
-	_ = calls
 }
 
+// send writes m, within writeTimeout where the connection has deadlines.
+// A failed write may have left part of a line: the connection is closed.
 func (c *Client) send(m Msg) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
+	dl, hasDeadline := c.c.(interface{ SetWriteDeadline(time.Time) error })
+	if hasDeadline {
+		_ = dl.SetWriteDeadline(time.Now().Add(writeTimeout))
+	}
 	if err := c.enc.Encode(m); err != nil {
+		c.c.Close()
 		return fmt.Errorf("%w: writing: %v", ErrGone, err)
 	}
 	return nil
@@ -219,14 +261,13 @@ func replyErr(r Msg) error {
 
 // Process is a command the agent runs.
 type Process struct {
-	c      *Client
-	id     uint64
-	pid    int
-	exit   chan int
-	exited chan struct{}
-	code   int
-	done   bool
-	mu     sync.Mutex
+	c    *Client
+	id   uint64
+	pid  int
+	cl   *call
+	mu   sync.Mutex
+	code int
+	done bool
 }
 
 // Exec starts a command (m.Op "exec"): stdin is sent to it (nil: closed at
@@ -236,16 +277,20 @@ type Process struct {
 // 126 and stderr says why).
 func (c *Client) Exec(ctx context.Context, m Msg, stdin io.Reader, stdout, stderr io.Writer) (*Process, error) {
 	m.Op = "exec"
-	cl := &call{reply: make(chan Msg, 1), exit: make(chan int, 1), stdout: stdout, stderr: stderr}
+	cl := &call{reply: make(chan Msg, 1), exit: make(chan int, 1), exited: make(chan struct{}), stdout: stdout, stderr: stderr}
 	if err := c.register(&m, cl); err != nil {
 		return nil, err
+	}
+	closeStdin := func() {
+		if sc, ok := stdin.(io.Closer); ok {
+			sc.Close()
+		}
 	}
 	if err := c.send(m); err != nil {
 		c.forget(m.ID)
 		return nil, err
 	}
-	p := &Process{c: c, id: m.ID, exit: cl.exit, exited: make(chan struct{})}
-	cl.exited = p.exited
+	p := &Process{c: c, id: m.ID, cl: cl}
 	select {
 	case r := <-cl.reply:
 		switch r.Op {
@@ -253,29 +298,35 @@ func (c *Client) Exec(ctx context.Context, m Msg, stdin io.Reader, stdout, stder
 			p.pid = r.Pid
 		case "exit":
 			p.done, p.code = true, r.Code
-			if cl, ok := stdin.(io.Closer); ok {
-				cl.Close()
-			}
+			closeStdin()
 			return p, nil
-		default:
+		case "error":
 			c.forget(m.ID)
 			return nil, replyErr(r)
+		default:
+			c.forget(m.ID)
+			go c.send(Msg{Op: "kill", Of: m.ID})
+			return nil, fmt.Errorf("%w: the agent answered %q to an exec", ErrGone, r.Op)
 		}
 	case <-c.done:
 		return nil, c.gone()
 	case <-ctx.Done():
+		// It may start all the same: it is killed.
 		c.forget(m.ID)
+		go c.send(Msg{Op: "kill", Of: m.ID})
 		return nil, ctx.Err()
 	}
-	if cl, ok := stdin.(io.Closer); ok {
-		// Ends a pump blocked reading once the process is gone.
-		go func() {
-			select {
-			case <-p.exited:
-			case <-c.done:
-			}
-			cl.Close()
-		}()
+	if stdin != nil {
+		if _, ok := stdin.(io.Closer); ok {
+			// Ends a pump blocked reading once the process is gone.
+			go func() {
+				select {
+				case <-cl.exited:
+				case <-c.done:
+				}
+				closeStdin()
+			}()
+		}
 	}
 	go func() {
 		if stdin != nil {
@@ -309,13 +360,13 @@ func (p *Process) Wait() (int, error) {
 		return p.code, nil
 	}
 	select {
-	case code := <-p.exit:
+	case code := <-p.cl.exit:
 		p.done, p.code = true, code
 		return code, nil
 	case <-p.c.done:
 		// The exit may have come just before the connection went.
 		select {
-		case code := <-p.exit:
+		case code := <-p.cl.exit:
 			p.done, p.code = true, code
 			return code, nil
 		default:
@@ -324,16 +375,36 @@ func (p *Process) Wait() (int, error) {
 	}
 }
 
-// Kill kills the process and its descendants.
+// killGrace is how long a killed process may take to be reported gone
+// before Wait says so itself.
+const killGrace = 10 * time.Second
+
+// Kill kills the process and its descendants. Should the agent not report
+// its exit within killGrace, Wait returns 137 all the same (a guest
+// cannot keep a caller waiting on a process it was told to kill).
 func (p *Process) Kill() error {
 	if p.pid == 0 {
 		return nil
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	select {
+	case <-p.cl.exited:
+		return nil
+	default:
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), killGrace)
 	defer cancel()
 	err := p.c.Call(ctx, Msg{Op: "kill", Of: p.id})
-	if errors.Is(err, ErrGone) {
-		return nil // the guest is gone, and its processes with it
+	go func() {
+		select {
+		case <-p.cl.exited:
+		case <-p.c.done:
+		case <-time.After(killGrace):
+			p.c.forget(p.id)
+			p.cl.finish(137)
+		}
+	}()
+	if errors.Is(err, ErrGone) || errors.Is(err, context.DeadlineExceeded) {
+		return nil // the guest is gone (its processes with it) or not answering
 	}
 	return err
 }
