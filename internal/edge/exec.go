@@ -207,7 +207,7 @@ func (e *Edge) root(s *sbx) (*files.Root, error) {
 		return s.root, nil
 	}
 	if s.rec.Images {
-		return nil, errdefs.Precondition("sandbox %s runs on the %s backend, whose files the node cannot reach from the host: the files API does not serve it",
+		return nil, errdefs.Precondition("sandbox %s runs on the %s backend, whose files the node cannot reach from the host: directory watches and what else reads its rootfs from the host do not serve it",
 			s.rec.Sandbox.ID, s.rec.Sandbox.Backend)
 	}
 	var r *files.Root

@@ -14,13 +14,14 @@ import (
 )
 
 // The files API acts on a running sandbox's rootfs from the host side,
-// confined to it by package files. Each call marks the sandbox active and
-// goes in the command log (a read when the file is opened; its contents
-// never).
+// confined to it by package files, or, for a sandbox whose files the node
+// cannot reach (a VM), through its backend's own service of them
+// (sandbox.FileServer). Each call marks the sandbox active and goes in the
+// command log (a read when the file is opened; its contents never).
 
-// withRoot runs fn on the confined root of a running sandbox and records
-// the call as kind with req; fn fills in the result summary.
-func (e *Edge) withRoot(ctx context.Context, id, kind string, req api.LogRequest, fn func(r *files.Root, res *api.LogResult) error) error {
+// withFiles runs fn on the files of a running sandbox and records the
+// call as kind with req; fn fills in the result summary.
+func (e *Edge) withFiles(ctx context.Context, id, kind string, req api.LogRequest, fn func(f sandbox.Files, res *api.LogResult) error) error {
 	s, done, err := e.begin(ctx, id)
 	if err != nil {
 		return err
@@ -28,20 +29,92 @@ func (e *Edge) withRoot(ctx context.Context, id, kind string, req api.LogRequest
 	defer done()
 	start := time.Now()
 	var res api.LogResult
-	r, err := e.root(s)
+	f, err := e.filesOf(ctx, s)
 	if err == nil {
-		err = fn(r, &res)
+		err = fn(f, &res)
 	}
 	e.record(s, kind, start, req, res, err)
 	return err
+}
+
+// filesOf returns sandbox s's files: its backend's service of them where
+// the node cannot reach them, else the host-side confined root.
+func (e *Edge) filesOf(ctx context.Context, s *sbx) (sandbox.Files, error) {
+	s.mu.Lock()
+	images, id := s.rec.Images, s.rec.Sandbox.ID
+	s.mu.Unlock()
+	if images {
+		if fs, ok := e.backendOf(s).(sandbox.FileServer); ok {
+			return fs.Files(ctx, id)
+		}
+	}
+	r, err := e.root(s)
+	if err != nil {
+		return nil, err
+	}
+	return localFiles{r}, nil
+}
+
+// localFiles is sandbox.Files on the host's confined view of a rootfs.
+type localFiles struct{ r *files.Root }
+
+func (l localFiles) ReadFile(_ context.Context, path string) (io.ReadCloser, api.FileEntry, error) {
+	return l.r.ReadFile(path)
+}
+
+func (l localFiles) WriteFile(_ context.Context, path string, data io.Reader, mode os.FileMode, maxBytes int64, owner string) (api.FileEntry, error) {
+	o, err := fileOwner(l.r, owner)
+	if err != nil {
+		return api.FileEntry{}, err
+	}
+	if _, err := l.r.WriteFile(path, data, mode, maxBytes, o); err != nil {
+		return api.FileEntry{}, err
+	}
+	return l.r.Stat(path)
+}
+
+func (l localFiles) Stat(_ context.Context, path string) (api.FileEntry, error) {
+	return l.r.Stat(path)
+}
+
+func (l localFiles) List(_ context.Context, path string, depth int) ([]api.FileEntry, error) {
+	return l.r.List(path, depth)
+}
+
+func (l localFiles) Remove(_ context.Context, path string, recursive bool) error {
+	return l.r.Remove(path, recursive)
+}
+
+func (l localFiles) Mkdir(_ context.Context, path, owner string) (api.FileEntry, error) {
+	o, err := fileOwner(l.r, owner)
+	if err != nil {
+		return api.FileEntry{}, err
+	}
+	return l.r.Mkdir(path, o)
+}
+
+func (l localFiles) Rename(_ context.Context, src, dst string) (api.FileEntry, error) {
+	return l.r.Rename(src, dst)
+}
+
+func (l localFiles) WriteTar(_ context.Context, path string, w io.Writer) error {
+	return l.r.WriteTar(path, w)
+}
+
+func (l localFiles) ExtractTar(_ context.Context, path string, rd io.Reader, maxBytes int64, maxFiles int, owner string) (api.TarResult, error) {
+	o, err := fileOwner(l.r, owner)
+	if err != nil {
+		return api.TarResult{}, err
+	}
+	return l.r.ExtractTar(path, rd, files.TarOptions{MaxBytes: maxBytes, MaxFiles: maxFiles, Owner: o})
 }
 
 // ReadFile opens a file for reading.
 func (e *Edge) ReadFile(ctx context.Context, id, path string) (io.ReadCloser, api.FileEntry, error) {
 	var rc io.ReadCloser
 	var fe api.FileEntry
-	err := e.withRoot(ctx, id, api.LogFilesRead, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) (err error) {
-		rc, fe, err = r.ReadFile(path)
+	err := e.withFiles(ctx, id, api.LogFilesRead, api.LogRequest{Path: path}, func(f sandbox.Files, res *api.LogResult) (err error) {
+		rc, fe, err = f.ReadFile(ctx, path)
 		if err == nil {
 			res.Size = &fe.Size
 		}
@@ -74,6 +147,14 @@ func fileOwner(r *files.Root, owner string) (*files.Owner, error) {
 	return &o, nil
 }
 
+// validOwner checks the syntax of a file call's owner ("" is none).
+func validOwner(owner string) error {
+	if owner == "" {
+		return nil
+	}
+	return sandbox.ValidateUser(owner)
+}
+
 // WriteFile writes a file (parents created), bounded by MaxUploadBytes;
 // the file and the parents it creates belong to owner (fileOwner).
 func (e *Edge) WriteFile(ctx context.Context, id, path string, data io.Reader, mode os.FileMode, owner string) (api.FileEntry, error) {
@@ -81,15 +162,11 @@ func (e *Edge) WriteFile(ctx context.Context, id, path string, data io.Reader, m
 	if err := e.checkDiskFloor(); err != nil {
 		return fe, err
 	}
-	err := e.withRoot(ctx, id, api.LogFilesWrite, api.LogRequest{Path: path, Mode: modeString(mode), User: owner}, func(r *files.Root, res *api.LogResult) error {
-		o, err := fileOwner(r, owner)
-		if err != nil {
+	err := e.withFiles(ctx, id, api.LogFilesWrite, api.LogRequest{Path: path, Mode: modeString(mode), User: owner}, func(f sandbox.Files, res *api.LogResult) (err error) {
+		if err := validOwner(owner); err != nil {
 			return err
 		}
-		if _, err := r.WriteFile(path, data, mode, e.cfg.MaxUploadBytes, o); err != nil {
-			return err
-		}
-		if fe, err = r.Stat(path); err == nil {
+		if fe, err = f.WriteFile(ctx, path, data, mode, e.cfg.MaxUploadBytes, owner); err == nil {
 			res.Size = &fe.Size
 		}
 		return err
@@ -100,8 +177,8 @@ func (e *Edge) WriteFile(ctx context.Context, id, path string, data io.Reader, m
 // StatFile describes one path (symlinks not followed).
 func (e *Edge) StatFile(ctx context.Context, id, path string) (api.FileEntry, error) {
 	var fe api.FileEntry
-	err := e.withRoot(ctx, id, api.LogFilesStat, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) (err error) {
-		if fe, err = r.Stat(path); err == nil {
+	err := e.withFiles(ctx, id, api.LogFilesStat, api.LogRequest{Path: path}, func(f sandbox.Files, res *api.LogResult) (err error) {
+		if fe, err = f.Stat(ctx, path); err == nil {
 			res.Type, res.Size = fe.Type, &fe.Size
 		}
 		return err
@@ -112,8 +189,8 @@ func (e *Edge) StatFile(ctx context.Context, id, path string) (api.FileEntry, er
 // ListFiles lists a directory to depth levels.
 func (e *Edge) ListFiles(ctx context.Context, id, path string, depth int) ([]api.FileEntry, error) {
 	var out []api.FileEntry
-	err := e.withRoot(ctx, id, api.LogFilesList, api.LogRequest{Path: path, Depth: depth}, func(r *files.Root, res *api.LogResult) (err error) {
-		if out, err = r.List(path, depth); err == nil {
+	err := e.withFiles(ctx, id, api.LogFilesList, api.LogRequest{Path: path, Depth: depth}, func(f sandbox.Files, res *api.LogResult) (err error) {
+		if out, err = f.List(ctx, path, depth); err == nil {
 			n := len(out)
 			res.Entries = &n
 		}
@@ -124,16 +201,16 @@ func (e *Edge) ListFiles(ctx context.Context, id, path string, depth int) ([]api
 
 // RemoveFile removes a path.
 func (e *Edge) RemoveFile(ctx context.Context, id, path string, recursive bool) error {
-	return e.withRoot(ctx, id, api.LogFilesRemove, api.LogRequest{Path: path, Recursive: recursive}, func(r *files.Root, _ *api.LogResult) error {
-		return r.Remove(path, recursive)
+	return e.withFiles(ctx, id, api.LogFilesRemove, api.LogRequest{Path: path, Recursive: recursive}, func(f sandbox.Files, _ *api.LogResult) error {
+		return f.Remove(ctx, path, recursive)
 	})
 }
 
 // WriteTar streams a tar of path to w.
 func (e *Edge) WriteTar(ctx context.Context, id, path string, w io.Writer) error {
-	return e.withRoot(ctx, id, api.LogFilesTarOut, api.LogRequest{Path: path}, func(r *files.Root, res *api.LogResult) error {
+	return e.withFiles(ctx, id, api.LogFilesTarOut, api.LogRequest{Path: path}, func(f sandbox.Files, res *api.LogResult) error {
 		cw := &countWriter{w: w}
-		err := r.WriteTar(path, cw)
+		err := f.WriteTar(ctx, path, cw)
 		res.Bytes = &cw.n
 		return err
 	})
@@ -148,12 +225,11 @@ func (e *Edge) ExtractTar(ctx context.Context, id, path string, rd io.Reader, ow
 	if err := e.checkDiskFloor(); err != nil {
 		return tr, err
 	}
-	err := e.withRoot(ctx, id, api.LogFilesTarIn, api.LogRequest{Path: path, User: owner}, func(r *files.Root, res *api.LogResult) error {
-		o, err := fileOwner(r, owner)
-		if err != nil {
+	err := e.withFiles(ctx, id, api.LogFilesTarIn, api.LogRequest{Path: path, User: owner}, func(f sandbox.Files, res *api.LogResult) (err error) {
+		if err := validOwner(owner); err != nil {
 			return err
 		}
-		tr, err = r.ExtractTar(path, rd, files.TarOptions{MaxBytes: e.cfg.MaxUploadBytes, MaxFiles: 1 << 20, Owner: o})
+		tr, err = f.ExtractTar(ctx, path, rd, e.cfg.MaxUploadBytes, 1<<20, owner)
 		if err == nil {
 			res.Files, res.Bytes = &tr.Files, &tr.Bytes
 		}
@@ -166,12 +242,11 @@ func (e *Edge) ExtractTar(ctx context.Context, id, path string, rd io.Reader, ow
 // owner (fileOwner); one already there is already_exists.
 func (e *Edge) MakeDir(ctx context.Context, id, path, owner string) (api.FileEntry, error) {
 	var fe api.FileEntry
-	err := e.withRoot(ctx, id, api.LogFilesMkdir, api.LogRequest{Path: path, User: owner}, func(r *files.Root, res *api.LogResult) error {
-		o, err := fileOwner(r, owner)
-		if err != nil {
+	err := e.withFiles(ctx, id, api.LogFilesMkdir, api.LogRequest{Path: path, User: owner}, func(f sandbox.Files, res *api.LogResult) (err error) {
+		if err := validOwner(owner); err != nil {
 			return err
 		}
-		if fe, err = r.Mkdir(path, o); err == nil {
+		if fe, err = f.Mkdir(ctx, path, owner); err == nil {
 			res.Type = fe.Type
 		}
 		return err
@@ -183,8 +258,8 @@ func (e *Edge) MakeDir(ctx context.Context, id, path, owner string) (api.FileEnt
 // parents.
 func (e *Edge) MoveFile(ctx context.Context, id, src, dst string) (api.FileEntry, error) {
 	var fe api.FileEntry
-	err := e.withRoot(ctx, id, api.LogFilesMove, api.LogRequest{Path: src, Dest: dst}, func(r *files.Root, res *api.LogResult) (err error) {
-		if fe, err = r.Rename(src, dst); err == nil {
+	err := e.withFiles(ctx, id, api.LogFilesMove, api.LogRequest{Path: src, Dest: dst}, func(f sandbox.Files, res *api.LogResult) (err error) {
+		if fe, err = f.Rename(ctx, src, dst); err == nil {
 			res.Type, res.Size = fe.Type, &fe.Size
 		}
 		return err

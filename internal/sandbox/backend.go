@@ -12,6 +12,8 @@ import (
 	"io"
 	"os"
 	"syscall"
+
+	"github.com/dsecproject/dsec/api"
 )
 
 // Backend runs sandboxes on one node. The edge composes each sandbox's root
@@ -210,4 +212,28 @@ type InnerProc interface {
 // masks and the host-kernel probes of the attack suite do not apply.
 type OwnKernel interface {
 	OwnKernel() bool
+}
+
+// FileServer is implemented by backends that serve a sandbox's files
+// themselves, from inside it, because the node cannot reach them (a VM's
+// disk): the edge's files API then goes through Files instead of a
+// host-side view of the rootfs.
+type FileServer interface {
+	Files(ctx context.Context, id string) (Files, error)
+}
+
+// Files is a sandbox's files as the files API acts on them: paths are the
+// sandbox's, confined to its root; owners are users of the sandbox (as
+// exec's user; "" is root); errors are classified as package errdefs
+// does.
+type Files interface {
+	ReadFile(ctx context.Context, path string) (io.ReadCloser, api.FileEntry, error)
+	WriteFile(ctx context.Context, path string, data io.Reader, mode os.FileMode, maxBytes int64, owner string) (api.FileEntry, error)
+	Stat(ctx context.Context, path string) (api.FileEntry, error)
+	List(ctx context.Context, path string, depth int) ([]api.FileEntry, error)
+	Remove(ctx context.Context, path string, recursive bool) error
+	Mkdir(ctx context.Context, path, owner string) (api.FileEntry, error)
+	Rename(ctx context.Context, src, dst string) (api.FileEntry, error)
+	WriteTar(ctx context.Context, path string, w io.Writer) error
+	ExtractTar(ctx context.Context, path string, rd io.Reader, maxBytes int64, maxFiles int, owner string) (api.TarResult, error)
 }

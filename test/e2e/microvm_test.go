@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"bytes"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -112,9 +113,51 @@ func TestMicroVMLifecycleExecSessionsPause(t *testing.T) {
 	if r, err := client.SessionRun(c, sb.ID, sid, api.SessionRunRequest{Command: "pwd; echo $KEEP"}); err != nil || r.Stdout != "/root\nme\n" {
 		t.Fatalf("session: %+v %v", r, err)
 	}
+	// Files: served by the agent inside the guest, confined to the
+	// sandbox's root (the agent's own root, with its /init, is above it).
+	if err := client.WriteFile(c, sb.ID, "/tmp/dir/in", strings.NewReader("from-api"), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	if r := sh(t, sb.ID, "cat /tmp/dir/in; stat -c ' %a %U' /tmp/dir/in; echo from-inside > /root/out; ln -s /init /root/agent-init"); r.Stdout != "from-api 640 root\n" {
+		t.Fatalf("file written by the API, read inside: %+v", r)
+	}
+	if b, err := client.ReadFile(c, sb.ID, "/root/out"); err != nil || string(b) != "from-inside\n" {
+		t.Fatalf("file written inside, read by the API: %q %v", b, err)
+	}
+	big := strings.Repeat("0123456789abcdef", 1<<16) // 1 MiB: many chunks each way
+	if err := client.WriteFile(c, sb.ID, "/root/big", strings.NewReader(big), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := client.ReadFile(c, sb.ID, "/root/big"); err != nil || string(b) != big {
+		t.Fatalf("1 MiB round trip: %d bytes, %v", len(b), err)
+	}
+	if fe, err := client.StatFile(c, sb.ID, "/root/big"); err != nil || fe.Size != int64(len(big)) || fe.Type != "file" {
+		t.Fatalf("stat: %+v %v", fe, err)
+	}
+	if ents, err := client.ListFiles(c, sb.ID, "/tmp", 2); err != nil || len(ents) < 2 {
+		t.Fatalf("list: %+v %v", ents, err)
+	}
+	for _, p := range []string{"/../../init", "/root/agent-init", "/../sandbox/../init"} {
+		if b, err := client.ReadFile(c, sb.ID, p); err == nil {
+			t.Fatalf("CONTAINMENT FAILURE: %s read %d bytes outside the sandbox's root", p, len(b))
+		}
+	}
+	var tarball bytes.Buffer
+	if _, err := client.DownloadTar(c, sb.ID, "/tmp/dir", &tarball); err != nil || tarball.Len() == 0 {
+		t.Fatalf("tar out: %v", err)
+	}
+	if tr, err := client.UploadTar(c, sb.ID, "/srv/copy", &tarball); err != nil || tr.Files < 1 {
+		t.Fatalf("tar in: %+v %v", tr, err)
+	}
+	if r := sh(t, sb.ID, "cat /srv/copy/in"); r.Stdout != "from-api" {
+		t.Fatalf("tar round trip: %+v", r)
+	}
+	if err := client.DeleteFile(c, sb.ID, "/srv", true); err != nil {
+		t.Fatal(err)
+	}
+	_, err = client.StatFile(c, sb.ID, "/srv")
+	wantCode(t, err, "not_found")
 	// What the node cannot do for a VM is refused, not faked.
-	_, err = client.ReadFile(c, sb.ID, "/etc/passwd")
-	wantCode(t, err, "failed_precondition")
 	_, err = client.Exec(c, sb.ID, api.ExecRequest{Cmd: "true", Private: true})
 	wantCode(t, err, "failed_precondition")
 	// Pause is a snapshot file: no VMM runs; any exec resumes it.

@@ -104,6 +104,8 @@ var (
 	_ sandbox.InnerSignaler = (*Backend)(nil)
 	_ sandbox.NetworkFirst  = (*Backend)(nil)
 	_ sandbox.OwnKernel     = (*Backend)(nil)
+	_ sandbox.FileServer    = (*Backend)(nil)
+	_ sandbox.Files         = agent.Files{}
 )
 
 // New prepares the guest (downloading Debian's kernel package into
@@ -393,6 +395,16 @@ func (b *Backend) Exec(ctx context.Context, id string, p sandbox.Process) (_ san
 		return nil, err
 	}
 	return &proc{p: ap}, nil
+}
+
+// Files implements sandbox.FileServer: the agent serves the files API
+// inside the guest (resuming a paused VM, as any request does).
+func (b *Backend) Files(ctx context.Context, id string) (sandbox.Files, error) {
+	vm, err := b.running(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	return agent.Files{C: vm.Agent}, nil
 }
 
 // proc is a process in a VM: it has no host pid.

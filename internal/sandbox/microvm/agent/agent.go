@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/internal/files"
 )
 
 // Server is the agent's state across connections: the sandbox once set
@@ -29,7 +31,9 @@ type Server struct {
 	root string
 	// cgroupFD is the sandbox's cgroup in the guest (-1: none).
 	cgroupFD int
-	procs    map[uint64]*proc
+	// files serves the files API on root (nil until setup).
+	files *files.Root
+	procs map[uint64]*proc
 }
 
 // NewServer returns a server that starts reaping its children (as the
@@ -65,6 +69,13 @@ func (c *conn) send(m Msg) {
 	}
 }
 
+// failed reports whether a write to the host failed.
+func (c *conn) failed() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err != nil
+}
+
 // Serve answers the host on rw until it reads EOF or fails, then kills
 // the processes this connection started that still run. It writes "ready"
 // first.
@@ -85,7 +96,10 @@ func (s *Server) Serve(rw io.ReadWriter) error {
 		}
 		s.mu.Unlock()
 		for _, p := range left {
-			killTree(p.pid, syscall.SIGKILL, true, true)
+			if p.pid > 0 {
+				killTree(p.pid, syscall.SIGKILL, true, true)
+			}
+			p.abort()
 		}
 	}()
 	r := bufio.NewReaderSize(rw, 256<<10)
@@ -96,7 +110,7 @@ func (s *Server) Serve(rw io.ReadWriter) error {
 			if jerr := json.Unmarshal(line, &m); jerr != nil {
 				c.send(Msg{Op: "error", Error: "bad message: " + jerr.Error()})
 			} else {
-				if m.Op == "exec" {
+				if m.Op == "exec" || m.Op == "fs" {
 					started[m.ID] = true
 				}
 				s.handle(c, m)
@@ -133,13 +147,23 @@ func (s *Server) handle(c *conn, m Msg) {
 		if err := s.exec(c, m); err != nil {
 			reply(err)
 		}
-	case "stdin", "stdin_close":
+	case "stdin", "stdin_close", "stdin_abort":
 		s.mu.Lock()
 		p := s.procs[m.ID]
 		s.mu.Unlock()
-		if p != nil {
+		switch {
+		case p == nil:
+		case m.Op == "stdin_abort":
+			p.abort()
+		default:
 			p.input(m.Op == "stdin_close", m.Data)
 		}
+	case "fs":
+		if m.FS == nil {
+			reply(fmt.Errorf("%w: fs without a request", errInvalid))
+			return
+		}
+		s.fs(c, m)
 	case "kill":
 		s.mu.Lock()
 		p := s.procs[m.Of]
@@ -170,12 +194,24 @@ var errInvalid = errors.New("invalid")
 
 // proc is a process the agent started for the host.
 type proc struct {
-	pid int
+	pid int // 0 for a file operation's data
 
-	mu     sync.Mutex
-	queue  [][]byte // stdin the process has not read yet
-	closed bool     // stdin_close came (or the process ended)
-	wake   chan struct{}
+	mu      sync.Mutex
+	queue   [][]byte // stdin the process has not read yet
+	closed  bool     // stdin_close came (or the process ended)
+	aborted bool     // the host gave up on the data
+	wake    chan struct{}
+}
+
+// errAborted ends an upload the host gave up on.
+var errAborted = errors.New("the upload was cut short")
+
+// abort ends stdin as given up: a file operation reading it fails.
+func (p *proc) abort() {
+	p.mu.Lock()
+	p.aborted = true
+	p.mu.Unlock()
+	p.input(true, nil)
 }
 
 // input queues stdin data (or its end) for the process. It never blocks:
@@ -197,9 +233,19 @@ func (p *proc) input(closing bool, data []byte) {
 	}
 }
 
-// feed writes the queued stdin to w until stdin is closed, then closes w.
-func (p *proc) feed(w *os.File) {
-	defer w.Close()
+// feed writes the queued stdin to w until stdin is closed, then closes w
+// (with errAborted when aborted, where w takes an error).
+func (p *proc) feed(w io.WriteCloser) {
+	defer func() {
+		p.mu.Lock()
+		aborted := p.aborted
+		p.mu.Unlock()
+		if pw, ok := w.(*io.PipeWriter); ok && aborted {
+			pw.CloseWithError(errAborted)
+			return
+		}
+		w.Close()
+	}()
 	for {
 		p.mu.Lock()
 		q, closed := p.queue, p.closed

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"strings"
 	"sync"
 	"syscall"
@@ -16,6 +17,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/files"
 )
 
 // syncBuffer is a bytes.Buffer safe to read while output is written.
@@ -278,4 +280,100 @@ func TestHostAgainstAHostileGuest(t *testing.T) {
 			t.Fatalf("wait after kill: %d %v after %v", code, err, time.Since(start))
 		}
 	})
+}
+
+// failingReader gives data, then fails: an upload cut short.
+type failingReader struct{ n int }
+
+func (f *failingReader) Read(p []byte) (int, error) {
+	if f.n <= 0 {
+		return 0, errors.New("client went away")
+	}
+	k := min(len(p), f.n)
+	for i := range p[:k] {
+		p[i] = 'x'
+	}
+	f.n -= k
+	return k, nil
+}
+
+// TestFilesOverAConnection: the files API served by the agent (here on a
+// temp dir as the sandbox's root): data both ways in many chunks, errors
+// rebuilt with their class, confinement, and an upload cut short that
+// leaves no file.
+func TestFilesOverAConnection(t *testing.T) {
+	root := t.TempDir()
+	fr, err := files.Open(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := NewServer()
+	srv.files = fr
+	a, b := net.Pipe()
+	go srv.Serve(a)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := Connect(ctx, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	f := Files{C: c}
+	big := strings.Repeat("0123456789abcdef", 40000) // 640 kB
+	fe, err := f.WriteFile(ctx, "/d/big", strings.NewReader(big), 0o600, 0, "")
+	if err != nil || fe.Size != int64(len(big)) {
+		t.Fatalf("write: %+v %v", fe, err)
+	}
+	if b, _ := os.ReadFile(root + "/d/big"); string(b) != big {
+		t.Fatalf("written: %d bytes", len(b))
+	}
+	rc, fe, err := f.ReadFile(ctx, "/d/big")
+	if err != nil || fe.Size != int64(len(big)) {
+		t.Fatalf("read: %+v %v", fe, err)
+	}
+	got, err := io.ReadAll(rc)
+	rc.Close()
+	if err != nil || string(got) != big {
+		t.Fatalf("read back %d bytes, %v", len(got), err)
+	}
+	if _, _, err := f.ReadFile(ctx, "/nope"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("missing file: %v", err)
+	}
+	if _, _, err := f.ReadFile(ctx, "/../../etc/passwd"); err == nil {
+		t.Fatal("a read left the root")
+	}
+	if _, err := f.Mkdir(ctx, "/d", ""); !errors.Is(err, errdefs.ErrAlreadyExists) {
+		t.Fatalf("mkdir of an existing dir: %v", err)
+	}
+	if _, err := f.Rename(ctx, "/d/big", "/e/moved"); err != nil {
+		t.Fatal(err)
+	}
+	if ents, err := f.List(ctx, "/e", 1); err != nil || len(ents) != 1 || ents[0].Path != "/e/moved" {
+		t.Fatalf("list: %+v %v", ents, err)
+	}
+	var tb bytes.Buffer
+	if err := f.WriteTar(ctx, "/e", &tb); err != nil || tb.Len() == 0 {
+		t.Fatalf("tar out: %v", err)
+	}
+	if tr, err := f.ExtractTar(ctx, "/copy", &tb, 0, 0, ""); err != nil || tr.Files < 1 {
+		t.Fatalf("tar in: %+v %v", tr, err)
+	}
+	if _, err := f.Stat(ctx, "/copy/moved"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteFile(ctx, "/limited", strings.NewReader(big), 0o644, 1000, ""); err == nil {
+		t.Fatal("a write past its limit succeeded")
+	}
+	if _, err := f.WriteFile(ctx, "/cut", &failingReader{n: 100000}, 0o644, 0, ""); err == nil {
+		t.Fatal("an upload cut short succeeded")
+	}
+	if _, err := os.Stat(root + "/cut"); !os.IsNotExist(err) {
+		t.Fatalf("an upload cut short left a file: %v", err)
+	}
+	if err := f.Remove(ctx, "/copy", true); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.Stat(ctx, "/copy"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("after remove: %v", err)
+	}
 }

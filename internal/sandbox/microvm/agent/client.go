@@ -34,6 +34,9 @@ type call struct {
 	exited         chan struct{}
 	once           sync.Once
 	stdout, stderr io.Writer
+	// onExit, if set, is given the "exit" (a file operation's answer),
+	// from the connection's reader, after the data before it.
+	onExit func(Msg)
 }
 
 // finish delivers an exec's exit code (the first one given).
@@ -163,6 +166,10 @@ func (c *Client) read(r *bufio.Reader) {
 				_, _ = cl.stderr.Write(m.Data)
 			}
 		case "exit":
+			if cl.onExit != nil {
+				cl.onExit(m)
+				break
+			}
 			select {
 			case cl.reply <- m:
 			default:
@@ -328,24 +335,33 @@ func (c *Client) Exec(ctx context.Context, m Msg, stdin io.Reader, stdout, stder
 			}()
 		}
 	}
-	go func() {
-		if stdin != nil {
-			buf := make([]byte, ChunkSize)
-			for {
-				n, err := stdin.Read(buf)
-				if n > 0 {
-					if c.send(Msg{ID: m.ID, Op: "stdin", Data: append([]byte(nil), buf[:n]...)}) != nil {
-						return
-					}
-				}
-				if err != nil {
-					break
+	go c.pump(m.ID, stdin)
+	return p, nil
+}
+
+// pump sends in (nil: nothing) as request id's stdin, then its end:
+// stdin_close at EOF, stdin_abort when in fails (an upload cut short must
+// not land as a shorter file).
+func (c *Client) pump(id uint64, in io.Reader) {
+	end := "stdin_close"
+	if in != nil {
+		buf := make([]byte, ChunkSize)
+		for {
+			n, err := in.Read(buf)
+			if n > 0 {
+				if c.send(Msg{ID: id, Op: "stdin", Data: append([]byte(nil), buf[:n]...)}) != nil {
+					return
 				}
 			}
+			if err != nil {
+				if err != io.EOF {
+					end = "stdin_abort"
+				}
+				break
+			}
 		}
-		_ = c.send(Msg{ID: m.ID, Op: "stdin_close"})
-	}()
-	return p, nil
+	}
+	_ = c.send(Msg{ID: id, Op: end})
 }
 
 // Pid is the process's pid inside the guest (0 if it did not start).

@@ -18,6 +18,8 @@
 // This package must build without cgo: it runs in a guest that has no libc.
 package agent
 
+import "github.com/dsecproject/dsec/api"
+
 // PortName is the name of the virtio-serial port the agent serves.
 const PortName = "dsec.agent"
 
@@ -64,6 +66,38 @@ type Msg struct {
 
 	// setup: the sandbox's root filesystem and limits.
 	Setup *Setup `json:"setup,omitempty"`
+
+	// fs: a file operation on the sandbox's root (FS), answered by an
+	// "exit" carrying FSResult (or Error and Kind, an errdefs code);
+	// ReadFile and WriteTar first answer "started" (with FSResult's
+	// Entry) and stream the data as "stdout"; WriteFile and ExtractTar
+	// take theirs as "stdin".
+	FS       *FSRequest `json:"fs,omitempty"`
+	FSResult *FSResult  `json:"fs_result,omitempty"`
+}
+
+// FSRequest is a file operation, as the files API has them.
+type FSRequest struct {
+	// Method is read, write, stat, list, remove, mkdir, rename, tar_out
+	// or tar_in.
+	Method    string `json:"method"`
+	Path      string `json:"path"`
+	Dest      string `json:"dest,omitempty"`
+	Mode      uint32 `json:"mode,omitempty"`
+	MaxBytes  int64  `json:"max_bytes,omitempty"`
+	MaxFiles  int    `json:"max_files,omitempty"`
+	Depth     int    `json:"depth,omitempty"`
+	Recursive bool   `json:"recursive,omitempty"`
+	// Owner is a user of the sandbox (as exec's User) that what the call
+	// creates belongs to ("": root).
+	Owner string `json:"owner,omitempty"`
+}
+
+// FSResult is what a file operation returns.
+type FSResult struct {
+	Entry   *api.FileEntry  `json:"entry,omitempty"`
+	Entries []api.FileEntry `json:"entries,omitempty"`
+	Tar     *api.TarResult  `json:"tar,omitempty"`
 }
 
 // Setup makes the sandbox inside the guest: the root filesystem from the

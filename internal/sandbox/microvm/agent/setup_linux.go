@@ -97,8 +97,12 @@ func (s *Server) setup(su Setup) error {
 	if err := setupNetwork(su.Net); err != nil {
 		return err
 	}
+	fr, err := openFiles(Root)
+	if err != nil {
+		return err
+	}
 	s.mu.Lock()
-	s.root, s.cgroupFD = Root, cgfd
+	s.root, s.cgroupFD, s.files = Root, cgfd, fr
 	s.mu.Unlock()
 	return nil
 }

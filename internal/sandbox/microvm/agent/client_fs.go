@@ -1,0 +1,166 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+// Files is the sandbox's files served by its agent (the files API of a
+// VM): the methods of the edge's files API, each a "fs" request.
+type Files struct{ C *Client }
+
+// fsErr rebuilds an error the agent classified.
+func fsErr(m Msg) error {
+	if m.Error == "" {
+		return nil
+	}
+	if m.Kind == "" || m.Kind == "internal" {
+		return fmt.Errorf("the agent: %s", m.Error)
+	}
+	return errdefs.FromCode(m.Kind, m.Error)
+}
+
+// call runs one file operation: in is sent as its data, what it streams
+// goes to out (written from the connection's reader); it returns the
+// answer.
+func (f Files) call(ctx context.Context, q FSRequest, in io.Reader, out io.Writer) (FSResult, error) {
+	c := f.C
+	done := make(chan Msg, 1)
+	cl := &call{reply: make(chan Msg, 1), stdout: out, onExit: func(m Msg) { done <- m }}
+	m := Msg{Op: "fs", FS: &q}
+	if err := c.register(&m, cl); err != nil {
+		return FSResult{}, err
+	}
+	defer c.forget(m.ID)
+	if err := c.send(m); err != nil {
+		return FSResult{}, err
+	}
+	if in != nil {
+		go c.pump(m.ID, in)
+	}
+	select {
+	case r := <-done:
+		if err := fsErr(r); err != nil {
+			return FSResult{}, err
+		}
+		if r.FSResult == nil {
+			return FSResult{}, nil
+		}
+		return *r.FSResult, nil
+	case <-c.done:
+		return FSResult{}, c.gone()
+	case <-ctx.Done():
+		return FSResult{}, ctx.Err()
+	}
+}
+
+func entry(r FSResult) api.FileEntry {
+	if r.Entry == nil {
+		return api.FileEntry{}
+	}
+	return *r.Entry
+}
+
+// ReadFile opens path; its data streams as the returned reader is read.
+// The connection's reader writes it: a reader of it that stops holds up
+// the VM's other streams until it is closed.
+func (f Files) ReadFile(ctx context.Context, path string) (io.ReadCloser, api.FileEntry, error) {
+	c := f.C
+	pr, pw := io.Pipe()
+	started := make(chan Msg, 1)
+	cl := &call{reply: started, stdout: pw, onExit: func(m Msg) {
+		if err := fsErr(m); err != nil {
+			pw.CloseWithError(err)
+			select {
+			case started <- m: // a failure before any data
+			default:
+			}
+			return
+		}
+		pw.Close()
+	}}
+	m := Msg{Op: "fs", FS: &FSRequest{Method: "read", Path: path}}
+	if err := c.register(&m, cl); err != nil {
+		return nil, api.FileEntry{}, err
+	}
+	if err := c.send(m); err != nil {
+		c.forget(m.ID)
+		return nil, api.FileEntry{}, err
+	}
+	select {
+	case r := <-started:
+		if err := fsErr(r); err != nil {
+			c.forget(m.ID)
+			return nil, api.FileEntry{}, err
+		}
+		if r.Op != "started" || r.FSResult == nil {
+			c.forget(m.ID)
+			pr.Close()
+			return nil, api.FileEntry{}, fmt.Errorf("%w: the agent answered %q to a read", ErrGone, r.Op)
+		}
+		return pr, entry(*r.FSResult), nil
+	case <-c.done:
+		return nil, api.FileEntry{}, c.gone()
+	case <-ctx.Done():
+		c.forget(m.ID)
+		pr.Close()
+		return nil, api.FileEntry{}, ctx.Err()
+	}
+}
+
+// WriteFile writes path from data (at most maxBytes; parents made),
+// owned by owner.
+func (f Files) WriteFile(ctx context.Context, path string, data io.Reader, mode os.FileMode, maxBytes int64, owner string) (api.FileEntry, error) {
+	r, err := f.call(ctx, FSRequest{Method: "write", Path: path, Mode: uint32(mode), MaxBytes: maxBytes, Owner: owner}, data, nil)
+	return entry(r), err
+}
+
+// Stat describes path.
+func (f Files) Stat(ctx context.Context, path string) (api.FileEntry, error) {
+	r, err := f.call(ctx, FSRequest{Method: "stat", Path: path}, nil, nil)
+	return entry(r), err
+}
+
+// List lists a directory to depth levels.
+func (f Files) List(ctx context.Context, path string, depth int) ([]api.FileEntry, error) {
+	r, err := f.call(ctx, FSRequest{Method: "list", Path: path, Depth: depth}, nil, nil)
+	return r.Entries, err
+}
+
+// Remove removes path.
+func (f Files) Remove(ctx context.Context, path string, recursive bool) error {
+	_, err := f.call(ctx, FSRequest{Method: "remove", Path: path, Recursive: recursive}, nil, nil)
+	return err
+}
+
+// Mkdir makes a directory and its parents, owned by owner.
+func (f Files) Mkdir(ctx context.Context, path, owner string) (api.FileEntry, error) {
+	r, err := f.call(ctx, FSRequest{Method: "mkdir", Path: path, Owner: owner}, nil, nil)
+	return entry(r), err
+}
+
+// Rename moves src to dst.
+func (f Files) Rename(ctx context.Context, src, dst string) (api.FileEntry, error) {
+	r, err := f.call(ctx, FSRequest{Method: "rename", Path: src, Dest: dst}, nil, nil)
+	return entry(r), err
+}
+
+// WriteTar writes a tar of path to w.
+func (f Files) WriteTar(ctx context.Context, path string, w io.Writer) error {
+	_, err := f.call(ctx, FSRequest{Method: "tar_out", Path: path}, nil, w)
+	return err
+}
+
+// ExtractTar extracts a tar (or gzip'd tar) into path.
+func (f Files) ExtractTar(ctx context.Context, path string, rd io.Reader, maxBytes int64, maxFiles int, owner string) (api.TarResult, error) {
+	r, err := f.call(ctx, FSRequest{Method: "tar_in", Path: path, MaxBytes: maxBytes, MaxFiles: maxFiles, Owner: owner}, rd, nil)
+	if r.Tar == nil {
+		return api.TarResult{}, err
+	}
+	return *r.Tar, err
+}

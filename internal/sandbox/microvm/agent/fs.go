@@ -1,0 +1,172 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/files"
+)
+
+// The files API inside the guest: the same package the edge uses on a
+// container's rootfs (files, confined with openat2), here on the
+// sandbox's root as the guest sees it. Errors travel as errdefs codes
+// and are rebuilt on the host.
+
+// fs runs m's file operation; its data and answer go out on c.
+func (s *Server) fs(c *conn, m Msg) {
+	s.mu.Lock()
+	root := s.files
+	s.mu.Unlock()
+	fail := func(err error) {
+		c.send(Msg{ID: m.ID, Op: "exit", Error: err.Error(), Kind: errdefs.Code(err)})
+	}
+	if root == nil {
+		fail(errdefs.Precondition("the sandbox is not set up"))
+		return
+	}
+	q := *m.FS
+	var owner *files.Owner
+	if q.Owner != "" {
+		cred, _, err := resolveUser(Root, q.Owner, nil)
+		if err != nil {
+			fail(errdefs.Invalid("owner %q: %v", q.Owner, err))
+			return
+		}
+		owner = &files.Owner{UID: int(cred.Uid), GID: int(cred.Gid)}
+	}
+	done := func(res FSResult) { c.send(Msg{ID: m.ID, Op: "exit", FSResult: &res}) }
+	out := &chunkWriter{c: c, id: m.ID}
+	switch q.Method {
+	case "read":
+		rc, fe, err := root.ReadFile(q.Path)
+		if err != nil {
+			fail(err)
+			return
+		}
+		go func() {
+			defer rc.Close()
+			c.send(Msg{ID: m.ID, Op: "started", FSResult: &FSResult{Entry: &fe}})
+			if _, err := io.Copy(out, rc); err != nil {
+				fail(err)
+				return
+			}
+			done(FSResult{})
+		}()
+	case "tar_out":
+		go func() {
+			c.send(Msg{ID: m.ID, Op: "started"})
+			if err := root.WriteTar(q.Path, out); err != nil {
+				fail(err)
+				return
+			}
+			done(FSResult{})
+		}()
+	case "write", "tar_in":
+		// The data comes as stdin, queued like a process's and read
+		// from a pipe; an upload the host gives up on (stdin_abort, or
+		// its connection going) fails the call instead of ending it.
+		pr, pw := io.Pipe()
+		p := &proc{wake: make(chan struct{}, 1)}
+		s.mu.Lock()
+		s.procs[m.ID] = p
+		s.mu.Unlock()
+		go p.feed(pw)
+		go func() {
+			defer func() {
+				pr.Close()
+				p.input(true, nil)
+				s.mu.Lock()
+				delete(s.procs, m.ID)
+				s.mu.Unlock()
+			}()
+			if q.Method == "write" {
+				_, err := root.WriteFile(q.Path, pr, os.FileMode(q.Mode), q.MaxBytes, owner)
+				if err != nil {
+					fail(err)
+					return
+				}
+				fe, err := root.Stat(q.Path)
+				if err != nil {
+					fail(err)
+					return
+				}
+				done(FSResult{Entry: &fe})
+				return
+			}
+			tr, err := root.ExtractTar(q.Path, pr, files.TarOptions{MaxBytes: q.MaxBytes, MaxFiles: q.MaxFiles, Owner: owner})
+			if err != nil {
+				fail(err)
+				return
+			}
+			done(FSResult{Tar: &tr})
+		}()
+	case "stat":
+		fe, err := root.Stat(q.Path)
+		if err != nil {
+			fail(err)
+			return
+		}
+		done(FSResult{Entry: &fe})
+	case "list":
+		ents, err := root.List(q.Path, q.Depth)
+		if err != nil {
+			fail(err)
+			return
+		}
+		done(FSResult{Entries: ents})
+	case "remove":
+		if err := root.Remove(q.Path, q.Recursive); err != nil {
+			fail(err)
+			return
+		}
+		done(FSResult{})
+	case "mkdir":
+		fe, err := root.Mkdir(q.Path, owner)
+		if err != nil {
+			fail(err)
+			return
+		}
+		done(FSResult{Entry: &fe})
+	case "rename":
+		fe, err := root.Rename(q.Path, q.Dest)
+		if err != nil {
+			fail(err)
+			return
+		}
+		done(FSResult{Entry: &fe})
+	default:
+		fail(errdefs.Invalid("unknown file method %q", q.Method))
+	}
+}
+
+// chunkWriter sends what is written to it as "stdout" messages of at most
+// ChunkSize.
+type chunkWriter struct {
+	c  *conn
+	id uint64
+}
+
+func (w *chunkWriter) Write(p []byte) (int, error) {
+	n := len(p)
+	for len(p) > 0 {
+		k := min(len(p), ChunkSize)
+		w.c.send(Msg{ID: w.id, Op: "stdout", Data: append([]byte(nil), p[:k]...)})
+		p = p[k:]
+	}
+	if w.c.failed() {
+		return 0, errors.New("the host's connection is gone")
+	}
+	return n, nil
+}
+
+// openFiles opens the sandbox's root for the file service.
+func openFiles(root string) (*files.Root, error) {
+	r, err := files.Open(root)
+	if err != nil {
+		return nil, fmt.Errorf("opening the sandbox's root for files: %w", err)
+	}
+	return r, nil
+}
