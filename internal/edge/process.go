@@ -627,7 +627,13 @@ func (e *Edge) ResizeProcess(ctx context.Context, id string, sel edgeapi.Process
 		if m.tty == nil {
 			return errdefs.Precondition("process %d has no terminal", m.info.PID)
 		}
-		return setWinsize(m.tty, size)
+		if err := setWinsize(m.tty, size); err != nil {
+			return err
+		}
+		if r, ok := m.proc.(sandbox.Resizer); ok {
+			return r.Resize(ctx, size.Rows, size.Cols)
+		}
+		return nil
 	})
 }
 

@@ -148,6 +148,14 @@ type Proc interface {
 	Pid() int
 }
 
+// Resizer is implemented by the Procs of a backend whose terminals are
+// its own rather than the pseudo-terminal the edge made (a VM's, inside
+// the guest, which the backend joins to the edge's): the edge tells them
+// each new size it gives its terminal.
+type Resizer interface {
+	Resize(ctx context.Context, rows, cols uint16) error
+}
+
 // Pinner is implemented by backends that give every sandbox a shell the
 // sandbox cannot modify (a read-only mount of a static shell): sessions and
 // graders use it so that a sandbox that overwrites its own /bin/sh or

@@ -85,6 +85,11 @@ func TestGVisorTerminal(t *testing.T) {
 	terminalCase(t, api.BackendGVisor)
 }
 
+func TestMicroVMTerminal(t *testing.T) {
+	needMicroVM(t)
+	terminalCase(t, api.BackendMicroVM)
+}
+
 // terminalCase drives a terminal in a sandbox of backend: size, resize,
 // ^C, exit status, and what closing the socket kills.
 func terminalCase(t *testing.T, backend string) {

@@ -18,6 +18,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/dsecproject/dsec/internal/cgroup"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/sandbox"
@@ -105,6 +107,7 @@ var (
 	_ sandbox.NetworkFirst  = (*Backend)(nil)
 	_ sandbox.OwnKernel     = (*Backend)(nil)
 	_ sandbox.FileServer    = (*Backend)(nil)
+	_ sandbox.Resizer       = (*proc)(nil)
 	_ sandbox.Files         = agent.Files{}
 )
 
@@ -344,9 +347,6 @@ func (b *Backend) running(ctx context.Context, id string) (*VM, error) {
 
 // Exec implements sandbox.Backend: the agent starts the process.
 func (b *Backend) Exec(ctx context.Context, id string, p sandbox.Process) (_ sandbox.Proc, err error) {
-	if p.TTY {
-		return nil, errdefs.Precondition("microvm: terminals are not served by this backend yet")
-	}
 	if p.Private {
 		return nil, errdefs.Precondition("microvm: private runs are a container feature")
 	}
@@ -368,26 +368,35 @@ func (b *Backend) Exec(ctx context.Context, id string, p sandbox.Process) (_ san
 	if stderr == nil {
 		stderr = io.Discard
 	}
+	msg := agent.Msg{Args: p.Args, Env: p.Env, Cwd: p.Cwd, User: user}
 	stdin := p.Stdin
 	if f, ok := stdin.(*os.File); ok {
 		// The caller may close its file once Exec returns (a runtime's
 		// child holds its own copy): the agent's client reads a copy.
-		fd, err := syscall.Dup(int(f.Fd()))
+		dup, err := dupFile(f)
 		if err != nil {
-			return nil, fmt.Errorf("duplicating stdin: %w", err)
+			return nil, err
 		}
-		syscall.CloseOnExec(fd)
-		// Pollable, so that closing it ends a read in progress.
-		_ = syscall.SetNonblock(fd, true)
-		dup := os.NewFile(uintptr(fd), f.Name())
 		defer func() {
 			if err != nil {
 				dup.Close()
 			}
 		}()
 		stdin = dup
+		if p.TTY {
+			// The edge's terminal is joined to one the agent makes in
+			// the guest (which does the terminal's work: echo, ^C, job
+			// control): the edge's side passes bytes as they are.
+			if msg.Rows, msg.Cols, err = rawTerminal(dup); err != nil {
+				return nil, err
+			}
+			msg.TTY = true
+			stdout, stderr = dup, dup
+		}
+	} else if p.TTY {
+		return nil, errdefs.Invalid("microvm: a terminal process needs the terminal as a file")
 	}
-	ap, err := vm.Agent.Exec(ctx, agent.Msg{Args: p.Args, Env: p.Env, Cwd: p.Cwd, User: user}, stdin, stdout, stderr)
+	ap, err := vm.Agent.Exec(ctx, msg, stdin, stdout, stderr)
 	if err != nil {
 		if errors.Is(err, agent.ErrGone) {
 			return nil, errdefs.Precondition("sandbox %s: its VM's agent is gone: %v", id, err)
@@ -414,6 +423,63 @@ func (p *proc) Wait() (int, error) { return p.p.Wait() }
 func (p *proc) Kill() error        { return p.p.Kill() }
 func (p *proc) Pid() int           { return 0 }
 func (p *proc) InnerPid() int      { return p.p.Pid() }
+
+// Resize implements sandbox.Resizer.
+func (p *proc) Resize(ctx context.Context, rows, cols uint16) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	return p.p.Resize(ctx, rows, cols)
+}
+
+// dupFile is a pollable copy of f's descriptor.
+func dupFile(f *os.File) (*os.File, error) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	fd := -1
+	var derr error
+	_ = rc.Control(func(ofd uintptr) { fd, derr = unix.FcntlInt(ofd, unix.F_DUPFD_CLOEXEC, 0) })
+	if derr != nil {
+		return nil, fmt.Errorf("duplicating stdin: %w", derr)
+	}
+	// Pollable, so that closing it ends a read in progress.
+	_ = unix.SetNonblock(fd, true)
+	return os.NewFile(uintptr(fd), f.Name()), nil
+}
+
+// rawTerminal puts the terminal f in raw mode and returns its size.
+func rawTerminal(f *os.File) (rows, cols uint16, err error) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return 0, 0, err
+	}
+	var terr error
+	_ = rc.Control(func(fd uintptr) {
+		t, err := unix.IoctlGetTermios(int(fd), unix.TCGETS)
+		if err != nil {
+			terr = err
+			return
+		}
+		// cfmakeraw.
+		t.Iflag &^= unix.IGNBRK | unix.BRKINT | unix.PARMRK | unix.ISTRIP | unix.INLCR | unix.IGNCR | unix.ICRNL | unix.IXON
+		t.Oflag &^= unix.OPOST
+		t.Lflag &^= unix.ECHO | unix.ECHONL | unix.ICANON | unix.ISIG | unix.IEXTEN
+		t.Cflag &^= unix.CSIZE | unix.PARENB
+		t.Cflag |= unix.CS8
+		t.Cc[unix.VMIN], t.Cc[unix.VTIME] = 1, 0
+		if terr = unix.IoctlSetTermios(int(fd), unix.TCSETS, t); terr != nil {
+			return
+		}
+		if ws, err := unix.IoctlGetWinsize(int(fd), unix.TIOCGWINSZ); err == nil {
+			rows, cols = ws.Row, ws.Col
+		}
+	})
+	if terr != nil {
+		return 0, 0, fmt.Errorf("setting up the terminal: %w", terr)
+	}
+	return rows, cols, nil
+}
 
 // Signal implements sandbox.InnerSignaler.
 func (b *Backend) Signal(ctx context.Context, id string, pid int, sig syscall.Signal, self, tree bool) error {

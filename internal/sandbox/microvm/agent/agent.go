@@ -172,6 +172,15 @@ func (s *Server) handle(c *conn, m Msg) {
 			killTree(p.pid, syscall.SIGKILL, true, true)
 		}
 		reply(nil)
+	case "resize":
+		s.mu.Lock()
+		p := s.procs[m.Of]
+		s.mu.Unlock()
+		if p == nil || p.tty == nil {
+			reply(fmt.Errorf("%w: request %d has no terminal", errInvalid, m.Of))
+			return
+		}
+		reply(setWinsize(p.tty, m.Rows, m.Cols))
 	case "signal":
 		if m.Pid <= 1 || m.Signal <= 0 {
 			reply(fmt.Errorf("%w: signal %d to pid %d", errInvalid, m.Signal, m.Pid))
@@ -195,6 +204,8 @@ var errInvalid = errors.New("invalid")
 // proc is a process the agent started for the host.
 type proc struct {
 	pid int // 0 for a file operation's data
+	// tty is the master of the process's terminal, if it has one.
+	tty *os.File
 
 	mu      sync.Mutex
 	queue   [][]byte // stdin the process has not read yet
@@ -297,25 +308,36 @@ func (s *Server) exec(c *conn, m Msg) error {
 	if cwd == "" {
 		cwd = "/"
 	}
-	inR, inW, err := os.Pipe()
-	if err != nil {
-		return err
+	var inR, inW, outR, outW, errR, errW *os.File
+	var tty *os.File
+	if m.TTY {
+		master, slave, err := openPTY(root, m.Rows, m.Cols)
+		if err != nil {
+			return failed(126, err.Error())
+		}
+		tty = master
+		inR, outW, errW = slave, slave, slave
+		// The master carries both ways; stdin never closes it (that
+		// would hang up the terminal).
+		inW, outR = nil, master
+	} else {
+		if inR, inW, err = os.Pipe(); err != nil {
+			return err
+		}
+		if outR, outW, err = os.Pipe(); err != nil {
+			inR.Close()
+			inW.Close()
+			return err
+		}
+		if errR, errW, err = os.Pipe(); err != nil {
+			inR.Close()
+			inW.Close()
+			outR.Close()
+			outW.Close()
+			return err
+		}
 	}
-	outR, outW, err := os.Pipe()
-	if err != nil {
-		inR.Close()
-		inW.Close()
-		return err
-	}
-	errR, errW, err := os.Pipe()
-	if err != nil {
-		inR.Close()
-		inW.Close()
-		outR.Close()
-		outW.Close()
-		return err
-	}
-	sys := &syscall.SysProcAttr{Setsid: true, Credential: cred}
+	sys := &syscall.SysProcAttr{Setsid: true, Credential: cred, Setctty: m.TTY}
 	if root != "" {
 		sys.Chroot = root
 	}
@@ -323,15 +345,15 @@ func (s *Server) exec(c *conn, m Msg) error {
 		sys.UseCgroupFD, sys.CgroupFD = true, cgfd
 	}
 	attr := &syscall.ProcAttr{Dir: cwd, Env: env, Files: []uintptr{inR.Fd(), outW.Fd(), errW.Fd()}, Sys: sys}
-	p := &proc{wake: make(chan struct{}, 1)}
+	p := &proc{wake: make(chan struct{}, 1), tty: tty}
 	pid, wait, err := s.reaper.start(func() (int, error) { return syscall.ForkExec(path, m.Args, attr) })
 	inR.Close()
-	outW.Close()
-	errW.Close()
+	if !m.TTY {
+		outW.Close()
+		errW.Close()
+	}
 	if err != nil {
-		inW.Close()
-		outR.Close()
-		errR.Close()
+		closeAll(inW, outR, errR)
 		code := 126
 		if errors.Is(err, syscall.ENOENT) && m.Cwd == "" {
 			code = 127
@@ -343,7 +365,11 @@ func (s *Server) exec(c *conn, m Msg) error {
 	s.procs[m.ID] = p
 	s.mu.Unlock()
 	c.send(Msg{ID: m.ID, Op: "started", Pid: pid})
-	go p.feed(inW)
+	if m.TTY {
+		go p.feed(noClose{tty})
+	} else {
+		go p.feed(inW)
+	}
 	var pumps sync.WaitGroup
 	pump := func(r *os.File, op string) {
 		defer pumps.Done()
@@ -366,9 +392,12 @@ func (s *Server) exec(c *conn, m Msg) error {
 			}
 		}
 	}
-	pumps.Add(2)
+	pumps.Add(1)
 	go pump(outR, "stdout")
-	go pump(errR, "stderr")
+	if errR != nil {
+		pumps.Add(1)
+		go pump(errR, "stderr")
+	}
 	go func() {
 		ws := <-wait
 		// What the process wrote is in the pipes; a child it left behind
@@ -381,7 +410,9 @@ func (s *Server) exec(c *conn, m Msg) error {
 			// Stop waiting for more; what is in the pipes now is still
 			// read (drainNow) before the exit is reported.
 			_ = outR.SetReadDeadline(time.Now())
-			_ = errR.SetReadDeadline(time.Now())
+			if errR != nil {
+				_ = errR.SetReadDeadline(time.Now())
+			}
 			<-drained
 		}
 		p.input(true, nil)
@@ -395,6 +426,21 @@ func (s *Server) exec(c *conn, m Msg) error {
 		c.send(Msg{ID: m.ID, Op: "exit", Code: code})
 	}()
 	return nil
+}
+
+// noClose is a terminal's master as stdin's writer: the end of stdin
+// does not close it.
+type noClose struct{ *os.File }
+
+func (noClose) Close() error { return nil }
+
+// closeAll closes the files that are set.
+func closeAll(fs ...*os.File) {
+	for _, f := range fs {
+		if f != nil {
+			f.Close()
+		}
+	}
 }
 
 // drainNow reads what r holds now, without waiting for more.

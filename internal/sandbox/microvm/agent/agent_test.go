@@ -377,3 +377,47 @@ func TestFilesOverAConnection(t *testing.T) {
 		t.Fatalf("after remove: %v", err)
 	}
 }
+
+// TestTerminal: a process on a terminal the agent makes: it is a
+// terminal of the size asked for, a resize reaches it, and its input is
+// the terminal's (echoed by it).
+func TestTerminal(t *testing.T) {
+	a, b := net.Pipe()
+	go NewServer().Serve(a)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := Connect(ctx, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	inR, inW := io.Pipe()
+	var out syncBuffer
+	p, err := c.Exec(ctx, Msg{Args: []string{"sh", "-c", "[ -t 0 ] && echo is-a-terminal; stty size; read x; stty size; echo got=$x"}, TTY: true, Rows: 30, Cols: 100}, inR, &out, &out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitOut := func(want string) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); !strings.Contains(out.String(), want); time.Sleep(10 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("want %q in %q", want, out.String())
+			}
+		}
+	}
+	waitOut("30 100")
+	if err := p.Resize(ctx, 43, 132); err != nil {
+		t.Fatal(err)
+	}
+	inW.Write([]byte("hello\n"))
+	if code, err := p.Wait(); code != 0 || err != nil {
+		t.Fatalf("exit %d %v: %q", code, err, out.String())
+	}
+	waitOut("43 132")
+	if s := out.String(); !strings.Contains(s, "is-a-terminal") || !strings.Contains(s, "hello\r\n") || !strings.Contains(s, "got=hello") {
+		t.Fatalf("terminal output %q: want the test, the echo of the input (CRLF) and its value", s)
+	}
+	if err := c.Call(ctx, Msg{Op: "resize", Of: 12345, Rows: 1, Cols: 1}); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("resize of no terminal: %v", err)
+	}
+}

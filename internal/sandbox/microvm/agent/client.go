@@ -425,6 +425,11 @@ func (p *Process) Kill() error {
 	return err
 }
 
+// Resize sets the size of the process's terminal.
+func (p *Process) Resize(ctx context.Context, rows, cols uint16) error {
+	return p.c.Call(ctx, Msg{Op: "resize", Of: p.id, Rows: rows, Cols: cols})
+}
+
 // Close closes the connection.
 func (c *Client) Close() error { return c.c.Close() }
 

@@ -43,6 +43,12 @@ type Msg struct {
 	Env  []string `json:"env,omitempty"`
 	Cwd  string   `json:"cwd,omitempty"`
 	User string   `json:"user,omitempty"`
+	// TTY runs it on a new terminal of Rows×Cols in the sandbox (its
+	// controlling terminal, in a session of its own): its output is all
+	// "stdout". resize: a new size for the terminal of exec request Of.
+	TTY  bool   `json:"tty,omitempty"`
+	Rows uint16 `json:"rows,omitempty"`
+	Cols uint16 `json:"cols,omitempty"`
 
 	// stdin, stdout, stderr: a chunk of a stream.
 	Data []byte `json:"data,omitempty"`

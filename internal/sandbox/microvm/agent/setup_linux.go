@@ -237,3 +237,65 @@ func setupNetwork(n *NetSetup) error {
 	}
 	return nil
 }
+
+// openPTY makes a terminal of rows×cols on the devpts of root ("" is the
+// agent's own /dev/ptmx): the master, and its slave opened through it
+// (TIOCGPTPEER: no path of the sandbox's is looked up for it).
+func openPTY(root string, rows, cols uint16) (master, slave *os.File, err error) {
+	ptmx := "/dev/ptmx"
+	if root != "" {
+		ptmx = filepath.Join(root, "dev/pts/ptmx")
+	}
+	master, err = os.OpenFile(ptmx, os.O_RDWR|unix.O_NOCTTY, 0)
+	if err != nil {
+		return nil, nil, fmt.Errorf("opening a terminal: %w", err)
+	}
+	rc, err := master.SyscallConn()
+	if err != nil {
+		master.Close()
+		return nil, nil, err
+	}
+	var sfd int
+	var ierr error
+	_ = rc.Control(func(fd uintptr) {
+		if ierr = unix.IoctlSetPointerInt(int(fd), unix.TIOCSPTLCK, 0); ierr != nil {
+			return
+		}
+		// TIOCGPTPEER takes the slave's open flags as its argument.
+		r, _, errno := unix.Syscall(unix.SYS_IOCTL, fd, unix.TIOCGPTPEER, uintptr(unix.O_RDWR|unix.O_NOCTTY|unix.O_CLOEXEC))
+		sfd = int(r)
+		if errno != 0 {
+			ierr = errno
+		}
+	})
+	if ierr != nil {
+		master.Close()
+		return nil, nil, fmt.Errorf("opening a terminal: %w", ierr)
+	}
+	slave = os.NewFile(uintptr(sfd), "pty")
+	if err := setWinsize(master, rows, cols); err != nil {
+		master.Close()
+		slave.Close()
+		return nil, nil, err
+	}
+	return master, slave, nil
+}
+
+// setWinsize sets a terminal's size (0 leaves it as it is).
+func setWinsize(f *os.File, rows, cols uint16) error {
+	if rows == 0 || cols == 0 {
+		return nil
+	}
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var werr error
+	_ = rc.Control(func(fd uintptr) {
+		werr = unix.IoctlSetWinsize(int(fd), unix.TIOCSWINSZ, &unix.Winsize{Row: rows, Col: cols})
+	})
+	if werr != nil {
+		return fmt.Errorf("resizing the terminal: %w", werr)
+	}
+	return nil
+}
