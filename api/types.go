@@ -151,7 +151,9 @@ type PauseResult struct {
 	MemoryAfterBytes  uint64  `json:"memory_after_bytes"`
 	MemoryFreedBytes  uint64  `json:"memory_freed_bytes"`
 	// ReclaimMethod names the kernel interface used (memory.reclaim on
-	// cgroup v2, memory.force_empty on v1).
+	// cgroup v2, memory.force_empty on v1), or "backend" when the backend
+	// paused the sandbox itself (the figures are then the working set
+	// before and after).
 	ReclaimMethod string `json:"reclaim_method,omitempty"`
 	DurationMS    int64  `json:"duration_ms"`
 }

@@ -40,10 +40,28 @@ func (e *Edge) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
 	res := &api.PauseResult{}
 	thaw := func() { _ = e.deps.Cgroups.Thaw(cg) }
 	if byBackend {
+		// What the sandbox's cgroup holds before and after: a backend
+		// whose pause ends its processes (a VM saved to a file) gives
+		// their memory back; one that stops them keeps it.
+		var before uint64
+		if e.deps.Cgroups != nil && cg != "" {
+			if st, err := e.deps.Cgroups.Stats(cg); err == nil {
+				before = st.MemoryBytes
+			}
+		}
 		if err := pauser.Pause(ctx, id); err != nil {
 			return nil, err
 		}
 		thaw = func() { _ = pauser.Resume(context.Background(), id) }
+		if e.deps.Cgroups != nil && cg != "" && before > 0 {
+			if st, err := e.deps.Cgroups.Stats(cg); err == nil {
+				res.MemoryBeforeBytes, res.MemoryAfterBytes = before, st.MemoryBytes
+				if st.MemoryBytes < before {
+					res.MemoryFreedBytes = before - st.MemoryBytes
+				}
+				res.ReclaimMethod = "backend"
+			}
+		}
 	} else {
 		if err := e.deps.Cgroups.Freeze(ctx, cg); err != nil {
 			return nil, err

@@ -166,6 +166,11 @@ func TestMicroVMLifecycleExecSessionsPause(t *testing.T) {
 	if err != nil || p.Sandbox.State != api.StatePaused {
 		t.Fatalf("pause: %+v %v", p, err)
 	}
+	// The VMM's memory is given back, and said so.
+	if p.ReclaimMethod != "backend" || p.MemoryFreedBytes < 64<<20 {
+		t.Fatalf("pause of a VM freed %d of %d bytes (%s), want its memory back", p.MemoryFreedBytes, p.MemoryBeforeBytes, p.ReclaimMethod)
+	}
+	t.Logf("pause freed %d MiB of %d MiB", p.MemoryFreedBytes>>20, p.MemoryBeforeBytes>>20)
 	if v := vmmsOf(t, sb.ID); len(v) != 0 {
 		t.Fatalf("a VMM runs while paused: %v", v)
 	}
