@@ -21,17 +21,24 @@ import (
 // needGVisor skips unless the daemon offers the gvisor backend.
 func needGVisor(t *testing.T) {
 	t.Helper()
+	needBackend(t, api.BackendGVisor, "apt-get install runsc")
+}
+
+// needBackend skips unless the daemon offers backend (hint says how to
+// get it).
+func needBackend(t *testing.T, backend, hint string) {
+	t.Helper()
 	needDaemon(t)
 	nodes, err := client.ListNodes(ctx(t))
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, n := range nodes {
-		if slices.Contains(n.Backends, api.BackendGVisor) {
+		if slices.Contains(n.Backends, backend) {
 			return
 		}
 	}
-	t.Skip("the daemon offers no gvisor backend (apt-get install runsc)")
+	t.Skipf("the daemon offers no %s backend (%s)", backend, hint)
 }
 
 func gvSandbox(t *testing.T, spec api.SandboxSpec) *api.Sandbox {

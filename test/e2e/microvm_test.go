@@ -23,17 +23,7 @@ import (
 // needMicroVM skips unless the daemon offers the microvm backend.
 func needMicroVM(t *testing.T) {
 	t.Helper()
-	needDaemon(t)
-	nodes, err := client.ListNodes(ctx(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, n := range nodes {
-		if slices.Contains(n.Backends, api.BackendMicroVM) {
-			return
-		}
-	}
-	t.Skip("the daemon offers no microvm backend (apt-get install qemu-system-x86; the guest kernel comes from apt)")
+	needBackend(t, api.BackendMicroVM, "apt-get install qemu-system-x86; the guest kernel comes from apt")
 }
 
 func vmSandbox(t *testing.T, spec api.SandboxSpec) *api.Sandbox {

@@ -281,16 +281,22 @@ func (b *Backend) start(ctx context.Context, id string, sc startConfig, snapshot
 	})
 }
 
-// slot returns id's VM, adopting a VMM an earlier edge started (or a VM
-// it saved) when the backend has none in memory. Nil: no such sandbox.
-func (b *Backend) slot(ctx context.Context, id string) *vmSlot {
+// slotOf returns id's slot, put in the map empty if there is none.
+func (b *Backend) slotOf(id string) *vmSlot {
 	b.mu.Lock()
+	defer b.mu.Unlock()
 	s := b.vms[id]
 	if s == nil {
 		s = &vmSlot{}
 		b.vms[id] = s
 	}
-	b.mu.Unlock()
+	return s
+}
+
+// slot returns id's VM, adopting a VMM an earlier edge started (or a VM
+// it saved) when the backend has none in memory. Nil: no such sandbox.
+func (b *Backend) slot(ctx context.Context, id string) *vmSlot {
+	s := b.slotOf(id)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.gone {
@@ -571,13 +577,7 @@ func (b *Backend) resumeLocked(ctx context.Context, id string, s *vmSlot) error 
 func (b *Backend) Destroy(ctx context.Context, id string) error {
 	// The slot goes in the map (if none is there), so that no adoption
 	// starts on the VM being destroyed.
-	b.mu.Lock()
-	s := b.vms[id]
-	if s == nil {
-		s = &vmSlot{}
-		b.vms[id] = s
-	}
-	b.mu.Unlock()
+	s := b.slotOf(id)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return b.destroy(s, id)
