@@ -12,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/dsecproject/dsec/internal/pty"
 	dsec "github.com/dsecproject/dsec/sdk/go"
 )
 
@@ -83,21 +84,11 @@ func runTerminal(ctx context.Context, id string, o dsec.TerminalOptions) error {
 // makeRaw puts the terminal fd in raw mode (no echo, no line editing, no
 // signals from keys: ^C goes to the sandbox) and returns how to restore it.
 func makeRaw(fd int) (func(), error) {
-	t, err := unix.IoctlGetTermios(fd, unix.TCGETS)
+	old, err := pty.MakeRaw(fd)
 	if err != nil {
 		return nil, err
 	}
-	old := *t
-	t.Iflag &^= unix.IGNBRK | unix.BRKINT | unix.PARMRK | unix.ISTRIP | unix.INLCR | unix.IGNCR | unix.ICRNL | unix.IXON
-	t.Oflag &^= unix.OPOST
-	t.Lflag &^= unix.ECHO | unix.ECHONL | unix.ICANON | unix.ISIG | unix.IEXTEN
-	t.Cflag &^= unix.CSIZE | unix.PARENB
-	t.Cflag |= unix.CS8
-	t.Cc[unix.VMIN], t.Cc[unix.VTIME] = 1, 0
-	if err := unix.IoctlSetTermios(fd, unix.TCSETS, t); err != nil {
-		return nil, err
-	}
-	return func() { _ = unix.IoctlSetTermios(fd, unix.TCSETS, &old) }, nil
+	return func() { _ = unix.IoctlSetTermios(fd, unix.TCSETS, old) }, nil
 }
 
 // shellJoin quotes argv for /bin/sh -c.

@@ -21,6 +21,7 @@ import (
 	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/proctree"
+	"github.com/dsecproject/dsec/internal/pty"
 	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
@@ -291,7 +292,7 @@ func (e *Edge) startProcess(ctx context.Context, s *sbx, id string, req edgeapi.
 	}()
 	switch {
 	case req.PTY != nil:
-		master, slave, err := openPTY(*req.PTY)
+		master, slave, err := pty.Open("/dev/ptmx", req.PTY.Rows, req.PTY.Cols)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -627,7 +628,7 @@ func (e *Edge) ResizeProcess(ctx context.Context, id string, sel edgeapi.Process
 		if m.tty == nil {
 			return errdefs.Precondition("process %d has no terminal", m.info.PID)
 		}
-		if err := setWinsize(m.tty, size); err != nil {
+		if err := pty.SetSize(m.tty, size.Rows, size.Cols); err != nil {
 			return err
 		}
 		if r, ok := m.proc.(sandbox.Resizer); ok {
@@ -748,63 +749,6 @@ func (s *sbx) killProcs() {
 			return
 		}
 	}
-}
-
-// openPTY makes a pseudo-terminal of the given size: the master, which
-// the edge keeps, and the slave, which becomes the process's stdio. The
-// slave is opened from the master (TIOCGPTPEER), not by a path, and
-// never becomes the edge's controlling terminal.
-func openPTY(size edgeapi.PTYSize) (master, slave *os.File, err error) {
-	master, err = os.OpenFile("/dev/ptmx", os.O_RDWR|unix.O_NOCTTY, 0)
-	if err != nil {
-		return nil, nil, fmt.Errorf("opening a terminal: %w", err)
-	}
-	rc, err := master.SyscallConn()
-	if err != nil {
-		master.Close()
-		return nil, nil, err
-	}
-	var sfd uintptr
-	var ierr error
-	cerr := rc.Control(func(fd uintptr) {
-		if ierr = unix.IoctlSetPointerInt(int(fd), unix.TIOCSPTLCK, 0); ierr != nil {
-			return
-		}
-		r, _, errno := unix.Syscall(unix.SYS_IOCTL, fd, unix.TIOCGPTPEER, uintptr(unix.O_RDWR|unix.O_NOCTTY|unix.O_CLOEXEC))
-		if errno != 0 {
-			ierr = errno
-			return
-		}
-		sfd = r
-	})
-	if cerr != nil || ierr != nil {
-		master.Close()
-		return nil, nil, fmt.Errorf("opening a terminal: %v %v", cerr, ierr)
-	}
-	slave = os.NewFile(sfd, "pty")
-	if err := setWinsize(master, size); err != nil {
-		master.Close()
-		slave.Close()
-		return nil, nil, err
-	}
-	return master, slave, nil
-}
-
-func setWinsize(f *os.File, size edgeapi.PTYSize) error {
-	rc, err := f.SyscallConn()
-	if err != nil {
-		return err
-	}
-	var werr error
-	if err := rc.Control(func(fd uintptr) {
-		werr = unix.IoctlSetWinsize(int(fd), unix.TIOCSWINSZ, &unix.Winsize{Row: size.Rows, Col: size.Cols})
-	}); err != nil {
-		return err
-	}
-	if werr != nil {
-		return fmt.Errorf("resizing the terminal: %w", werr)
-	}
-	return nil
 }
 
 var _ io.Writer = procWriter{}

@@ -22,6 +22,7 @@ import (
 
 	"github.com/dsecproject/dsec/internal/cgroup"
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/pty"
 	"github.com/dsecproject/dsec/internal/sandbox"
 	"github.com/dsecproject/dsec/internal/sandbox/microvm/agent"
 )
@@ -327,17 +328,28 @@ func (b *Backend) slot(ctx context.Context, id string) *vmSlot {
 	return nil
 }
 
-// running returns id's running VM, resuming it when saved.
-func (b *Backend) running(ctx context.Context, id string) (*VM, error) {
+// lockedSlot returns id's slot, locked, holding a VM (running or saved);
+// NotFound if it has none (or it was destroyed since slot found it).
+func (b *Backend) lockedSlot(ctx context.Context, id string) (*vmSlot, error) {
 	s := b.slot(ctx, id)
 	if s == nil {
 		return nil, errdefs.NotFound("sandbox %s has no VM", id)
 	}
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	if !s.live() {
+		s.mu.Unlock()
 		return nil, errdefs.NotFound("sandbox %s has no VM", id)
 	}
+	return s, nil
+}
+
+// running returns id's running VM, resuming it when saved.
+func (b *Backend) running(ctx context.Context, id string) (*VM, error) {
+	s, err := b.lockedSlot(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	defer s.mu.Unlock()
 	if s.vm == nil {
 		if err := b.resumeLocked(ctx, id, s); err != nil {
 			return nil, err
@@ -462,19 +474,7 @@ func rawTerminal(f *os.File) (rows, cols uint16, err error) {
 	}
 	var terr error
 	_ = rc.Control(func(fd uintptr) {
-		t, err := unix.IoctlGetTermios(int(fd), unix.TCGETS)
-		if err != nil {
-			terr = err
-			return
-		}
-		// cfmakeraw.
-		t.Iflag &^= unix.IGNBRK | unix.BRKINT | unix.PARMRK | unix.ISTRIP | unix.INLCR | unix.IGNCR | unix.ICRNL | unix.IXON
-		t.Oflag &^= unix.OPOST
-		t.Lflag &^= unix.ECHO | unix.ECHONL | unix.ICANON | unix.ISIG | unix.IEXTEN
-		t.Cflag &^= unix.CSIZE | unix.PARENB
-		t.Cflag |= unix.CS8
-		t.Cc[unix.VMIN], t.Cc[unix.VTIME] = 1, 0
-		if terr = unix.IoctlSetTermios(int(fd), unix.TCSETS, t); terr != nil {
+		if _, terr = pty.MakeRaw(int(fd)); terr != nil {
 			return
 		}
 		if ws, err := unix.IoctlGetWinsize(int(fd), unix.TIOCGWINSZ); err == nil {
@@ -504,15 +504,11 @@ func (b *Backend) Signal(ctx context.Context, id string, pid int, sig syscall.Si
 // a snapshot file in its directory and the VMM exits, so a paused sandbox
 // holds no memory and no process.
 func (b *Backend) Pause(ctx context.Context, id string) error {
-	s := b.slot(ctx, id)
-	if s == nil {
-		return errdefs.NotFound("sandbox %s has no VM", id)
+	s, err := b.lockedSlot(ctx, id)
+	if err != nil {
+		return err
 	}
-	s.mu.Lock()
 	defer s.mu.Unlock()
-	if !s.live() {
-		return errdefs.NotFound("sandbox %s has no VM", id)
-	}
 	if s.saved {
 		return nil
 	}
@@ -534,15 +530,11 @@ func (b *Backend) Pause(ctx context.Context, id string) error {
 
 // Resume implements sandbox.Pauser: a new VMM resumes the snapshot.
 func (b *Backend) Resume(ctx context.Context, id string) error {
-	s := b.slot(ctx, id)
-	if s == nil {
-		return errdefs.NotFound("sandbox %s has no VM", id)
+	s, err := b.lockedSlot(ctx, id)
+	if err != nil {
+		return err
 	}
-	s.mu.Lock()
 	defer s.mu.Unlock()
-	if !s.live() {
-		return errdefs.NotFound("sandbox %s has no VM", id)
-	}
 	if !s.saved {
 		return nil
 	}

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/internal/files"
+	"github.com/dsecproject/dsec/internal/pty"
 )
 
 // Server is the agent's state across connections: the sandbox once set
@@ -180,7 +181,7 @@ func (s *Server) handle(c *conn, m Msg) {
 			reply(fmt.Errorf("%w: request %d has no terminal", errInvalid, m.Of))
 			return
 		}
-		reply(setWinsize(p.tty, m.Rows, m.Cols))
+		reply(pty.SetSize(p.tty, m.Rows, m.Cols))
 	case "signal":
 		if m.Pid <= 1 || m.Signal <= 0 {
 			reply(fmt.Errorf("%w: signal %d to pid %d", errInvalid, m.Signal, m.Pid))
@@ -311,7 +312,11 @@ func (s *Server) exec(c *conn, m Msg) error {
 	var inR, inW, outR, outW, errR, errW *os.File
 	var tty *os.File
 	if m.TTY {
-		master, slave, err := openPTY(root, m.Rows, m.Cols)
+		ptmx := "/dev/ptmx"
+		if root != "" {
+			ptmx = filepath.Join(root, "dev/pts/ptmx")
+		}
+		master, slave, err := pty.Open(ptmx, m.Rows, m.Cols)
 		if err != nil {
 			return failed(126, err.Error())
 		}
