@@ -5,7 +5,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"os"
 	"path"
@@ -159,13 +158,6 @@ func shellQuote(s string) string {
 	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
-// notStarted reports whether proc is a process of an InnerSignaler backend
-// that never started (its command was not found: it has no pid inside).
-func notStarted(proc sandbox.Proc) bool {
-	ip, ok := proc.(sandbox.InnerProc)
-	return ok && ip.InnerPid() == 0
-}
-
 // bashSetup prepares a bash session so that a timed-out command can be
 // aborted without killing the shell: SIGUSR1 sets an abort flag, and a
 // DEBUG trap (with extdebug, inherited into functions by set -T) skips every
@@ -227,34 +219,21 @@ func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionReques
 	if err := sandbox.ValidateEnv(req.Env, 1024); err != nil {
 		return nil, err
 	}
-	s.mu.Lock()
-	images := s.rec.Images
-	s.mu.Unlock()
+	// Through the files API's view: a VM's files are its agent's to look at.
+	fs, err := e.filesOf(ctx, s)
+	if err != nil {
+		return nil, err
+	}
 	shell := req.Shell
-	// The shells to try in turn: a backend whose files the node cannot
-	// read (LayerImages) is asked to start each, and one that does not
-	// start there is not in the sandbox.
-	shells := []string{shell}
-	if images {
-		if shell == "" {
-			shells = []string{"/bin/bash", "/bin/sh"}
+	if shell == "" {
+		shell = "/bin/sh"
+		if _, err := fs.Stat(ctx, "/bin/bash"); err == nil {
+			shell = "/bin/bash"
 		}
-	} else {
-		root, err := e.root(s)
-		if err != nil {
-			return nil, err
+	} else if !e.isPinnedShell(e.backendOf(s), shell) {
+		if _, err := fs.Stat(ctx, shell); err != nil {
+			return nil, errdefs.Invalid("shell %s does not exist in the sandbox", shell)
 		}
-		if shell == "" {
-			shell = "/bin/sh"
-			if _, err := root.Stat("/bin/bash"); err == nil {
-				shell = "/bin/bash"
-			}
-		} else if !e.isPinnedShell(e.backendOf(s), shell) {
-			if _, err := root.Stat(shell); err != nil {
-				return nil, errdefs.Invalid("shell %s does not exist in the sandbox", shell)
-			}
-		}
-		shells = []string{shell}
 	}
 	s.mu.Lock()
 	if len(s.sessions)+s.opening >= e.cfg.MaxSessions {
@@ -286,38 +265,20 @@ func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionReques
 	if err != nil {
 		return nil, err
 	}
+	p.Args = []string{shell}
 	r, w, err := os.Pipe()
 	if err != nil {
 		return nil, fmt.Errorf("creating session pipe: %w", err)
 	}
 	se := &session{id: "ss-" + nonce()[:16], stdin: w, out: newCapture(), err: newCapture(),
-		exited: make(chan struct{}), release: release}
+		exited: make(chan struct{}), bash: strings.Contains(path.Base(shell), "bash"), release: release}
 	p.Stdin, p.Stdout, p.Stderr = r, se.out, se.err
-	var proc sandbox.Proc
-	for _, sh := range shells {
-		shell = sh
-		p.Args = []string{shell}
-		// Fresh captures: a shell that did not start said so on stderr.
-		se.out, se.err = newCapture(), newCapture()
-		p.Stdout, p.Stderr = se.out, se.err
-		proc, err = e.backendOf(s).Exec(ctx, id, p)
-		if err != nil || !images || !notStarted(proc) {
-			break
-		}
-		proc, err = nil, errdefs.Invalid("shell %s does not exist in the sandbox", shell)
-		if req.Shell == "" {
-			err = errdefs.Invalid("the sandbox has neither /bin/bash nor /bin/sh")
-		}
-	}
+	proc, err := e.backendOf(s).Exec(ctx, id, p)
 	r.Close()
 	if err != nil {
 		w.Close()
-		if errors.Is(err, errdefs.ErrInvalid) {
-			return nil, err
-		}
 		return nil, fmt.Errorf("starting session shell: %w", err)
 	}
-	se.bash = strings.Contains(path.Base(shell), "bash")
 	se.proc = proc
 	go func() {
 		se.code, _ = proc.Wait()
