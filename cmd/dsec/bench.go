@@ -137,7 +137,7 @@ func runBench(args []string) error {
 	f.BoolVar(&o.userns, "userns", false, "create: user-namespace sandboxes")
 	f.IntVar(&o.nestedDepth, "nested-key-depth", 0, "create: also create with a member key of a project this many levels below root (0-64), and with a quota on that chain, interleaved one at a time with the caller's key: the price of authorization and quotas")
 	f.Var(&o.allow, "allow", "create: egress allow rule for each sandbox (repeatable; gives it a veth)")
-	f.StringVar(&o.backend, "backend", api.BackendContainer, "create, exec: the backend to measure; other than container, the container backend is measured in the same run as its baseline")
+	f.StringVar(&o.backend, "backend", api.BackendContainer, "create, exec, snapshot: the backend to measure; other than container, the container backend is measured in the same run as its baseline")
 	f.StringVar(&o.cmd, "cmd", "", "exec: the shell command to run (default: /bin/true); e.g. a syscall-heavy loop to compare backends")
 	if _, err := f.parseN(args[1:], 0, 0); err != nil {
 		return err
@@ -148,8 +148,8 @@ func runBench(args []string) error {
 	if o.nestedDepth < 0 || o.nestedDepth > 64 || o.nestedDepth > 0 && sub != "create" {
 		return errors.New("bench: --nested-key-depth is 0-64, for bench create only")
 	}
-	if o.backend != api.BackendContainer && sub != "create" && sub != "exec" {
-		return errors.New("bench: --backend is for bench create and bench exec")
+	if o.backend != api.BackendContainer && sub != "create" && sub != "exec" && sub != "snapshot" {
+		return errors.New("bench: --backend is for bench create, exec and snapshot")
 	}
 	if o.cmd != "" && sub != "exec" {
 		return errors.New("bench: --cmd is for bench exec")
@@ -610,9 +610,30 @@ func benchPause(ctx context.Context, c *dsec.Client, o benchOpts, ref string) ([
 // benchSnapshot measures pack_diff: a sandbox writes a diff of random data
 // (1 MiB, then 100 MiB), and each snapshot is timed --count times.
 func benchSnapshot(ctx context.Context, c *dsec.Client, o benchOpts, ref string) ([]benchRow, error) {
+	if o.backend == api.BackendContainer {
+		return snapshotRound(ctx, c, o, ref, o.backend)
+	}
+	// The named backend, then the container backend, in one run.
+	other, err := snapshotRound(ctx, c, o, ref, o.backend)
+	if err != nil {
+		return nil, err
+	}
+	ctr, err := snapshotRound(ctx, c, o, ref, api.BackendContainer)
+	if err != nil {
+		return nil, err
+	}
+	for i := range other {
+		other[i] = withBaseline(other[i], ctr[i], "container")
+	}
+	return other, nil
+}
+
+// snapshotRound snapshots a sandbox of backend count times, with a diff
+// of 1 MiB and then one of 100 MiB.
+func snapshotRound(ctx context.Context, c *dsec.Client, o benchOpts, ref, backend string) ([]benchRow, error) {
 	var rows []benchRow
 	for _, mib := range []int{1, 100} {
-		sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": "snapshot"}})
+		sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: ref, Backend: backend, Labels: map[string]string{"bench": "snapshot"}})
 		if err != nil {
 			return nil, err
 		}
@@ -624,7 +645,11 @@ func benchSnapshot(ctx context.Context, c *dsec.Client, o benchOpts, ref string)
 			_ = c.DeleteSandbox(context.Background(), sb.ID)
 			return nil, err
 		}
-		fmt.Fprintf(os.Stderr, "dsec: snapshot of a %d MiB diff ×%d...\n", mib, o.count)
+		what := fmt.Sprintf("snapshot %d MiB", mib)
+		if backend != api.BackendContainer {
+			what += " (" + backend + ")"
+		}
+		fmt.Fprintf(os.Stderr, "dsec: %s ×%d in a %s sandbox...\n", what, o.count, backend)
 		var refs []string
 		var mu sync.Mutex
 		durs, fails, wall, ferr := runParallel(o.count, 1, func(i int) error {
@@ -644,7 +669,7 @@ func benchSnapshot(ctx context.Context, c *dsec.Client, o benchOpts, ref string)
 		if ferr != nil {
 			fmt.Fprintf(os.Stderr, "first snapshot failure: %v\n", ferr)
 		}
-		rows = append(rows, row(fmt.Sprintf("snapshot %d MiB", mib), o.count, 1, durs, fails, wall))
+		rows = append(rows, row(what, o.count, 1, durs, fails, wall))
 	}
 	return rows, nil
 }

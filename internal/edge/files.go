@@ -97,6 +97,20 @@ func (l localFiles) Rename(_ context.Context, src, dst string) (api.FileEntry, e
 	return l.r.Rename(src, dst)
 }
 
+func (l localFiles) Watch(_ context.Context, path string, depth, maxEntries int) (sandbox.Watcher, error) {
+	w, err := l.r.Watch(path, depth, maxEntries)
+	if err != nil {
+		return nil, err
+	}
+	return localWatch{w}, nil
+}
+
+// localWatch is sandbox.Watcher on files.Watch.
+type localWatch struct{ w *files.Watch }
+
+func (l localWatch) Poll(context.Context) ([]api.FileEvent, error) { return l.w.Poll() }
+func (l localWatch) Close()                                        {}
+
 func (l localFiles) WriteTar(_ context.Context, path string, w io.Writer) error {
 	return l.r.WriteTar(path, w)
 }
@@ -269,7 +283,7 @@ func (e *Edge) MoveFile(ctx context.Context, id, src, dst string) (api.FileEntry
 
 // Directory watches (WatchDir) poll: every watchInterval the watched tree
 // is scanned through the confined root and compared with the last scan
-// (files.Watch). An inotify watch from the host would be cheaper, but it
+// (files.Watch), on the host or, for a VM, by its agent (sandbox.Files). An inotify watch from the host would be cheaper, but it
 // does not see what a sandbox writes through a mount of its own namespace
 // (a private rootfs) or inside a microVM's disk; a scan sees every backend
 // alike. The cost is bounded: at most watchMaxEntries names per watch,
@@ -294,13 +308,14 @@ func (e *Edge) WatchDir(ctx context.Context, id, path string, recursive bool, em
 	}
 	start := time.Now()
 	req := api.LogRequest{Path: path, Recursive: recursive}
-	w, err := e.startWatch(s, path, recursive)
+	w, err := e.startWatch(ctx, s, path, recursive)
 	done()
 	if err != nil {
 		e.record(s, api.LogFilesWatch, start, req, api.LogResult{}, err)
 		return err
 	}
 	defer func() {
+		w.Close()
 		s.mu.Lock()
 		s.watches--
 		s.mu.Unlock()
@@ -316,7 +331,7 @@ func (e *Edge) WatchDir(ctx context.Context, id, path string, recursive bool, em
 }
 
 // startWatch counts a new watch of s and takes its first scan.
-func (e *Edge) startWatch(s *sbx, path string, recursive bool) (*files.Watch, error) {
+func (e *Edge) startWatch(ctx context.Context, s *sbx, path string, recursive bool) (sandbox.Watcher, error) {
 	s.mu.Lock()
 	if s.watches >= maxWatches {
 		s.mu.Unlock()
@@ -328,10 +343,10 @@ func (e *Edge) startWatch(s *sbx, path string, recursive bool) (*files.Watch, er
 	if recursive {
 		depth = watchMaxDepth
 	}
-	r, err := e.root(s)
-	var w *files.Watch
+	f, err := e.filesOf(ctx, s)
+	var w sandbox.Watcher
 	if err == nil {
-		w, err = r.Watch(path, depth, watchMaxEntries)
+		w, err = f.Watch(ctx, path, depth, watchMaxEntries)
 	}
 	if err != nil {
 		s.mu.Lock()
@@ -344,7 +359,7 @@ func (e *Edge) startWatch(s *sbx, path string, recursive bool) (*files.Watch, er
 
 // runWatch emits the start event, then polls w until ctx ends or the
 // sandbox stops running; n counts the changes emitted.
-func (e *Edge) runWatch(ctx context.Context, s *sbx, id string, w *files.Watch, emit func(api.FileEvent) error, n *int) error {
+func (e *Edge) runWatch(ctx context.Context, s *sbx, id string, w sandbox.Watcher, emit func(api.FileEvent) error, n *int) error {
 	if err := emit(api.FileEvent{Type: api.FileEventStart}); err != nil {
 		return err
 	}
@@ -359,7 +374,7 @@ func (e *Edge) runWatch(ctx context.Context, s *sbx, id string, w *files.Watch, 
 		if err := stillRunning(s, id); err != nil {
 			return err
 		}
-		evs, err := w.Poll()
+		evs, err := w.Poll(ctx)
 		if err != nil {
 			// A root closed under the scan means the sandbox stopped.
 			if serr := stillRunning(s, id); serr != nil {

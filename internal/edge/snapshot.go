@@ -2,6 +2,7 @@ package edge
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -15,6 +16,7 @@ import (
 	"github.com/dsecproject/dsec/internal/cleanup"
 	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/files"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/sandbox"
 )
@@ -35,7 +37,10 @@ const DefaultSnapshotDepth = 8
 // Snapshot packs the sandbox's writable layer (the overlay upper, with its
 // whiteouts and opaque directories) into a new EROFS snapshot layer
 // (pack_diff). A running sandbox is frozen for the time of the pack and
-// thawed after; a paused one stays paused. Include keeps only the given
+// thawed after; a paused one stays paused. A backend whose writable layer
+// the node cannot read (a VM) exports it instead (sandbox.DiffExporter),
+// consistent by its own means, into a staging directory packed the same
+// way. Include keeps only the given
 // paths; exclude scrubs paths (e.g. /root/.cache, a builder's answers); both
 // apply to what the sandbox changed and are recorded with the snapshot.
 // Files written through the files API while the pack runs may or may not be
@@ -76,10 +81,15 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOption
 	default:
 		return nil, errdefs.Precondition("sandbox %s is %s; only a running or paused sandbox can be snapshotted", id, rec.Sandbox.State)
 	}
+	var exporter sandbox.DiffExporter
 	if rec.Images {
-		// Its writable layer is the backend's, in a form of its own.
-		return nil, errdefs.Precondition("sandbox %s runs on the %s backend, whose writable layer the node cannot pack: snapshots do not serve it",
-			id, rec.Sandbox.Backend)
+		// Its writable layer is the backend's, in a form of its own,
+		// which the backend exports if it can.
+		var ok bool
+		if exporter, ok = e.backendOf(s).(sandbox.DiffExporter); !ok {
+			return nil, errdefs.Precondition("sandbox %s runs on the %s backend, whose writable layer the node cannot pack: snapshots do not serve it",
+				id, rec.Sandbox.Backend)
+		}
 	}
 	// The layers above base, workspace and toolkits are the snapshot
 	// layers the sandbox was started on.
@@ -107,12 +117,19 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOption
 			return nil, err
 		}
 	}
-	thaw, err := e.freeze(ctx, id, rec)
-	if err != nil {
-		return nil, err
+	thaw, upper := func() {}, s.upperDir()
+	if exporter != nil {
+		// The backend makes its export consistent itself (a VM freezes
+		// its disk); the copy is all the pack needs from the sandbox.
+		if upper, err = e.exportDiff(ctx, exporter, id, &cl); err != nil {
+			return nil, err
+		}
+	} else {
+		if thaw, err = e.freeze(ctx, id, rec); err != nil {
+			return nil, err
+		}
+		defer thaw()
 	}
-	defer thaw()
-	upper := s.upperDir()
 	excludes := append([]string(nil), req.Exclude...)
 	if len(req.Include) > 0 {
 		more, err := layer.ExcludesForInclude(upper, req.Include)
@@ -163,6 +180,52 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOption
 	e.log.Info("snapshot taken", "sandbox_id", id, "ref", l.Ref, "digest", l.Digest,
 		"size_bytes", l.SizeBytes, "flattened", info.Flattened, "ms", time.Since(start).Milliseconds())
 	return &l, nil
+}
+
+// exportDiff unpacks the writable layer a backend exports into a new
+// staging directory and returns it; cl removes it. The archive comes from
+// inside the sandbox: it is unpacked as an untrusted diff (no devices but
+// whiteouts, no xattrs that would steer an overlay or the host), bounded
+// as layer builds are.
+func (e *Edge) exportDiff(ctx context.Context, be sandbox.DiffExporter, id string, cl *cleanup.Stack) (string, error) {
+	dir, err := e.newStage(cl)
+	if err != nil {
+		return "", err
+	}
+	r, err := files.Open(dir)
+	if err != nil {
+		return "", fmt.Errorf("staging the changes of %s: %w", id, err)
+	}
+	defer r.Close()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	pr, pw := io.Pipe()
+	exported := make(chan error, 1)
+	go func() {
+		err := be.ExportDiff(ctx, id, pw)
+		pw.CloseWithError(err)
+		exported <- err
+	}()
+	start := time.Now()
+	res, xerr := r.ExtractTar("/", pr, files.TarOptions{Diff: true, MaxBytes: layer.DefaultMaxBytes, MaxFiles: layer.DefaultMaxFiles})
+	if xerr != nil {
+		cancel() // the export stops
+	}
+	// Its writes fail from now on: what follows the archive's end (none
+	// from a sound agent) is not waited for.
+	pr.CloseWithError(errors.New("the archive has ended"))
+	eerr := <-exported
+	if eerr != nil && xerr == nil {
+		xerr = eerr
+	}
+	if xerr != nil {
+		if eerr != nil && !errors.Is(eerr, context.Canceled) {
+			xerr = eerr // the export's own failure explains the archive's
+		}
+		return "", fmt.Errorf("exporting the changes of %s: %w", id, xerr)
+	}
+	e.log.Info("sandbox changes exported", "sandbox_id", id, "files", res.Files, "bytes", res.Bytes, "ms", time.Since(start).Milliseconds())
+	return dir, nil
 }
 
 func (e *Edge) snapshotDepth() int {

@@ -26,6 +26,16 @@ type TarOptions struct {
 	MaxFiles      int   // entries allowed (0 = unlimited)
 	PreserveOwner bool  // chown entries to the tar's uid/gid (used when building layers as root)
 	AllowDevices  bool  // create char/block devices and fifos (layer builds); otherwise such entries are refused with Invalid
+	// Diff marks the archive as an overlay writable layer packed by an
+	// untrusted writer (a VM's agent, which root in the VM controls):
+	// owners and setuid/setgid bits are kept, as the sandbox had them;
+	// whiteouts (0:0 character devices) and fifos are created, any other
+	// device is refused with Invalid; of the xattrs only user.*,
+	// security.capability and trusted.overlay.opaque="y" are applied,
+	// so the writer cannot steer the overlays the layer goes under
+	// (trusted.overlay.redirect, .metacopy, .origin) or the host's
+	// security labels.
+	Diff bool
 	// Owner, without PreserveOwner, owns every entry created and the
 	// missing parents of the destination (host IDs: Root.HostOwner); nil
 	// means the root's owner (Root.SetOwner), if any.
@@ -38,6 +48,8 @@ type TarOptions struct {
 // and user.* xattrs are applied, so an API client cannot smuggle privilege
 // (or overlayfs's trusted.overlay.* markers) into a sandbox.
 const (
+	// opaqueXattr marks an overlay directory that hides the lowers'.
+	opaqueXattr       = "trusted.overlay.opaque"
 	keptModeBits      = 0o1777
 	privilegedModeBit = 0o6000
 )
@@ -49,6 +61,19 @@ const (
 // within the tree are stored once; devices and FIFOs are stored as headers,
 // never opened; sockets are skipped. Mode, owner and mtime are kept.
 func (r *Root) WriteTar(p string, w io.Writer) error {
+	return r.writeTar(p, w, false)
+}
+
+// WriteDiffTar is WriteTar with every entry's xattrs (as PAX
+// SCHILY.xattr records, trusted.* included when the caller may read
+// them): the form in which an overlay's writable layer, whiteouts and
+// opaque directories included, travels to ExtractTar with
+// TarOptions.Diff.
+func (r *Root) WriteDiffTar(p string, w io.Writer) error {
+	return r.writeTar(p, w, true)
+}
+
+func (r *Root) writeTar(p string, w io.Writer, xattrs bool) error {
 	if err := r.hold(); err != nil {
 		return err
 	}
@@ -66,7 +91,7 @@ func (r *Root) WriteTar(p string, w io.Writer) error {
 	if err := unix.Fstat(pfd, &st); err != nil {
 		return opErr("archiving", clean, err)
 	}
-	t := &tarWriter{r: r, tw: tar.NewWriter(w), links: map[fileID]string{}}
+	t := &tarWriter{r: r, tw: tar.NewWriter(w), links: map[fileID]string{}, xattrs: xattrs}
 	if isDir(&st) {
 		// O_PATH fds cannot be read; "." reopens the very same directory.
 		dfd, err := openat2(pfd, ".", unix.O_RDONLY|unix.O_DIRECTORY, 0, noSymlinks)
@@ -74,8 +99,8 @@ func (r *Root) WriteTar(p string, w io.Writer) error {
 			return opErr("archiving", clean, err)
 		}
 		defer unix.Close(dfd)
-		if err := t.tw.WriteHeader(header(&st, "./", "")); err != nil {
-			return fmt.Errorf("writing archive: %w", err)
+		if err := t.writeHeader(t.withXattrs(pfd, ".", header(&st, "./", ""))); err != nil {
+			return err
 		}
 		if err := t.dir(dfd, "", clean, 1); err != nil {
 			return err
@@ -92,9 +117,40 @@ func (r *Root) WriteTar(p string, w io.Writer) error {
 type fileID struct{ dev, ino uint64 }
 
 type tarWriter struct {
-	r     *Root
-	tw    *tar.Writer
-	links map[fileID]string // first tar name of each multiply-linked file
+	r      *Root
+	tw     *tar.Writer
+	links  map[fileID]string // first tar name of each multiply-linked file
+	xattrs bool              // record each entry's xattrs (WriteDiffTar)
+}
+
+// withXattrs adds the xattrs of entry name of dirfd to h when the writer
+// records them. An entry whose xattrs cannot be read (gone meanwhile, or
+// a filesystem without them) is written without.
+func (t *tarWriter) withXattrs(dirfd int, name string, h *tar.Header) *tar.Header {
+	if !t.xattrs {
+		return h
+	}
+	// Through the directory's descriptor; the l-calls never follow name
+	// ("." is the directory itself).
+	p := fdPath(dirfd) + "/" + name
+	names, err := listXattrs(p)
+	if err != nil {
+		return h
+	}
+	for _, x := range names {
+		v, err := getXattr(p, x)
+		if err != nil || v == nil {
+			continue
+		}
+		if h.PAXRecords == nil {
+			h.PAXRecords = map[string]string{}
+		}
+		h.PAXRecords["SCHILY.xattr."+x] = string(v)
+	}
+	if h.PAXRecords != nil {
+		h.Format = tar.FormatPAX
+	}
+	return h
 }
 
 // single writes the non-directory p, already open as the O_PATH fd pfd.
@@ -107,7 +163,7 @@ func (t *tarWriter) single(pfd int, st *unix.Stat_t, name, apiPath string) error
 		}
 		f := newFile(fd, apiPath)
 		defer f.Close()
-		return t.regular(f, st, name, apiPath)
+		return t.regular(f, header(st, name, ""), st.Size, apiPath)
 	case unix.S_IFCHR, unix.S_IFBLK, unix.S_IFIFO:
 		return t.writeHeader(header(st, name, ""))
 	}
@@ -124,11 +180,11 @@ func (t *tarWriter) writeHeader(h *tar.Header) error {
 // regular writes one regular file. A file that shrinks while we read it is
 // padded with zeros, one that grows is cut at the size in its header, so the
 // stream stays a valid tar whatever the sandbox does meanwhile.
-func (t *tarWriter) regular(f io.Reader, st *unix.Stat_t, name, apiPath string) error {
-	if err := t.writeHeader(header(st, name, "")); err != nil {
+func (t *tarWriter) regular(f io.Reader, h *tar.Header, size int64, apiPath string) error {
+	if err := t.writeHeader(h); err != nil {
 		return err
 	}
-	if _, err := io.CopyN(t.tw, io.MultiReader(f, zeros{}), st.Size); err != nil {
+	if _, err := io.CopyN(t.tw, io.MultiReader(f, zeros{}), size); err != nil {
 		var pe *fs.PathError
 		if errors.As(err, &pe) {
 			return opErr("archiving", apiPath, pe.Err)
@@ -170,7 +226,7 @@ func (t *tarWriter) dir(dirfd int, prefix, apiPath string, level int) error {
 		}
 		switch st.Mode & unix.S_IFMT {
 		case unix.S_IFDIR:
-			if err := t.writeHeader(header(&st, tarName+"/", "")); err != nil {
+			if err := t.writeHeader(t.withXattrs(dirfd, name, header(&st, tarName+"/", ""))); err != nil {
 				return err
 			}
 			fd, err := openat2(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0, noSymlinks)
@@ -204,7 +260,7 @@ func (t *tarWriter) dir(dirfd int, prefix, apiPath string, level int) error {
 				}
 				return opErr("archiving", child, err)
 			}
-			err = t.regular(f, &fst, tarName, child)
+			err = t.regular(f, t.withXattrs(dirfd, name, header(&fst, tarName, "")), fst.Size, child)
 			f.Close()
 			if err != nil {
 				return err
@@ -220,11 +276,11 @@ func (t *tarWriter) dir(dirfd int, prefix, apiPath string, level int) error {
 				}
 				return opErr("archiving", child, err)
 			}
-			if err := t.writeHeader(header(&st, tarName, target)); err != nil {
+			if err := t.writeHeader(t.withXattrs(dirfd, name, header(&st, tarName, target))); err != nil {
 				return err
 			}
 		case unix.S_IFCHR, unix.S_IFBLK, unix.S_IFIFO:
-			if err := t.writeHeader(header(&st, tarName, "")); err != nil {
+			if err := t.writeHeader(t.withXattrs(dirfd, name, header(&st, tarName, ""))); err != nil {
 				return err
 			}
 		}
@@ -334,10 +390,10 @@ func (r *Root) ExtractTar(p string, rd io.Reader, opts TarOptions) (api.TarResul
 		return res, err
 	}
 	// The destination's missing parents go to the entries' owner, or
-	// with PreserveOwner (a layer build: no entry names them) to the
-	// root's.
+	// with PreserveOwner or Diff (a layer build: no entry names them) to
+	// the root's.
 	dirOwner := r.owner
-	if !opts.PreserveOwner {
+	if !opts.PreserveOwner && !opts.Diff {
 		opts.Owner = r.ownerOr(opts.Owner)
 		dirOwner = opts.Owner
 	}
@@ -513,6 +569,13 @@ func (x *extractor) entry(hdr *tar.Header, tr io.Reader, res *api.TarResult) (in
 			return 0, fmt.Errorf("extracting %q: hard link: %w", hdr.Name, err)
 		}
 	case tar.TypeChar, tar.TypeBlock, tar.TypeFifo:
+		if x.opts.Diff {
+			if hdr.Typeflag == tar.TypeFifo || (hdr.Typeflag == tar.TypeChar && hdr.Devmajor == 0 && hdr.Devminor == 0) {
+				break
+			}
+			return 0, errdefs.Invalid("extracting %q: a writable layer may hold whiteouts (0:0 character devices) and fifos, not device %d:%d",
+				hdr.Name, hdr.Devmajor, hdr.Devminor)
+		}
 		if !x.opts.AllowDevices {
 			return 0, errdefs.Invalid("extracting %q: device and fifo entries are not allowed", hdr.Name)
 		}
@@ -660,7 +723,8 @@ func (x *extractor) finishDirs() error {
 // (an O_PATH fd or an open file), in that order: chown clears setuid bits
 // and file capabilities, and every change but utimes touches ctime only.
 func (x *extractor) meta(fd int, isLink bool, hdr *tar.Header) error {
-	if x.opts.PreserveOwner {
+	keepOwner := x.opts.PreserveOwner || x.opts.Diff
+	if keepOwner {
 		if err := unix.Fchownat(fd, "", hdr.Uid, hdr.Gid, unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW); err != nil {
 			return err
 		}
@@ -671,7 +735,7 @@ func (x *extractor) meta(fd int, isLink bool, hdr *tar.Header) error {
 	}
 	if !isLink {
 		mode := uint32(hdr.Mode) & keptModeBits
-		if x.opts.PreserveOwner {
+		if keepOwner {
 			mode |= uint32(hdr.Mode) & privilegedModeBit
 		}
 		if err := chmodFd(fd, mode); err != nil {
@@ -683,7 +747,12 @@ func (x *extractor) meta(fd int, isLink bool, hdr *tar.Header) error {
 				continue
 			}
 			user := strings.HasPrefix(name, "user.")
-			if !user && !x.opts.PreserveOwner {
+			switch {
+			case x.opts.Diff:
+				if !user && name != "security.capability" && (name != opaqueXattr || v != "y") {
+					continue
+				}
+			case !user && !x.opts.PreserveOwner:
 				continue
 			}
 			err := unix.Setxattr(fdPath(fd), name, []byte(v), 0)

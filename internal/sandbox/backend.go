@@ -222,6 +222,18 @@ type OwnKernel interface {
 	OwnKernel() bool
 }
 
+// DiffExporter is implemented by LayerImages backends that can hand out
+// a sandbox's writable layer for a snapshot (pack_diff), which the node
+// cannot read itself: a tar of the overlay upper in the overlay's own
+// form (whiteouts as 0:0 character devices, opaque directories with
+// trusted.overlay.opaque="y", xattrs as PAX SCHILY.xattr records), as it
+// was at one moment. A paused sandbox is paused again after. The tar is
+// made inside the sandbox, so whoever is root there controls it: the edge
+// unpacks it with files.TarOptions.Diff.
+type DiffExporter interface {
+	ExportDiff(ctx context.Context, id string, w io.Writer) error
+}
+
 // FileServer is implemented by backends that serve a sandbox's files
 // themselves, from inside it, because the node cannot reach them (a VM's
 // disk): the edge's files API then goes through Files instead of a
@@ -244,4 +256,15 @@ type Files interface {
 	Rename(ctx context.Context, src, dst string) (api.FileEntry, error)
 	WriteTar(ctx context.Context, path string, w io.Writer) error
 	ExtractTar(ctx context.Context, path string, rd io.Reader, maxBytes int64, maxFiles int, owner string) (api.TarResult, error)
+	// Watch starts watching the directory path, depth levels deep (1:
+	// its children), of at most maxEntries names, as files.Root.Watch
+	// does; the caller closes it.
+	Watch(ctx context.Context, path string, depth, maxEntries int) (Watcher, error)
+}
+
+// Watcher is a directory watch of Files: each Poll returns the changes
+// since the one before (files.Watch.Poll). Polls come one at a time.
+type Watcher interface {
+	Poll(ctx context.Context) ([]api.FileEvent, error)
+	Close()
 }

@@ -235,3 +235,52 @@ func TestMicroVMSurvivesEdgeRestart(t *testing.T) {
 		t.Fatalf("after restart: %+v %v", got, err)
 	}
 }
+
+// TestMicroVMSnapshotAndFork: a VM's changes (a new file, a deleted file
+// of its base, a replaced directory) become a snapshot layer like a
+// container's: a container started from it and a fork of the VM (taken
+// while it is paused, which it stays) see the same files.
+func TestMicroVMSnapshotAndFork(t *testing.T) {
+	needMicroVM(t)
+	c := ctx(t)
+	sb := vmSandbox(t, api.SandboxSpec{})
+	sh(t, sb.ID, "echo kept > /root/f && echo no > /root/secret && rm /etc/group && rm -rf /home/user && mkdir /home/user && echo h > /home/user/h")
+	const ref = "snapshot/vm-e2e:v1"
+	l, err := client.Snapshot(c, sb.ID, api.SnapshotRequest{Ref: ref, Exclude: []string{"/root/secret"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cli("layer", "delete", ref) })
+	t.Logf("snapshot of a VM: %d bytes", l.SizeBytes)
+	const check = "cat /root/f /home/user/h; ls /etc/group /root/secret 2>&1 | wc -l; ls /home/user"
+	const want = "kept\nh\n2\nh\n"
+	ct := newSandbox(t, api.SandboxSpec{Snapshot: ref})
+	if ct.Backend != api.BackendContainer {
+		t.Fatalf("sandbox from the snapshot runs on %s", ct.Backend)
+	}
+	if r := sh(t, ct.ID, check+"; ls /etc/group 2>&1 | grep -c 'No such'"); r.Stdout != want+"1\n" {
+		t.Fatalf("a container from a VM's snapshot: %q", r.Stdout)
+	}
+	if _, err := client.Pause(c, sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	fk, err := client.Fork(c, sb.ID, 1, nil)
+	if err != nil || len(fk.Sandboxes) != 1 {
+		t.Fatalf("fork: %v %+v", err, fk)
+	}
+	child := fk.Sandboxes[0]
+	t.Cleanup(func() { _ = client.DeleteSandbox(ctx(t), child.ID) })
+	if child.Backend != api.BackendMicroVM {
+		t.Fatalf("the fork runs on %s", child.Backend)
+	}
+	if got, err := client.GetSandbox(c, sb.ID); err != nil || got.State != api.StatePaused {
+		t.Fatalf("the forked VM after the fork: %+v %v, want it paused", got, err)
+	}
+	if v := vmmsOf(t, sb.ID); len(v) != 0 {
+		t.Fatalf("a VMM runs for the paused VM after its fork: %v", v)
+	}
+	// The fork has everything (no excludes): /root/secret too.
+	if r := sh(t, child.ID, "cat /root/f /home/user/h /root/secret; ls /etc/group 2>&1 | grep -c 'No such'"); r.Stdout != "kept\nh\nno\n1\n" {
+		t.Fatalf("fork of a VM: %+v", r)
+	}
+}

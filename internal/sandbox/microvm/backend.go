@@ -512,6 +512,12 @@ func (b *Backend) Pause(ctx context.Context, id string) error {
 	if s.saved {
 		return nil
 	}
+	return b.saveLocked(ctx, id, s)
+}
+
+// saveLocked saves s's running VM to its snapshot file and stops it.
+// Preconditions: s.mu is held; s.vm is set.
+func (b *Backend) saveLocked(ctx context.Context, id string, s *vmSlot) error {
 	snap := filepath.Join(b.dir(id), "snapshot")
 	// A request that goes away does not cut a save short: saving a VM
 	// takes as long as its memory takes to write.
@@ -526,6 +532,63 @@ func (b *Backend) Pause(ctx context.Context, id string) error {
 	s.saved = true
 	s.meta.Saved, s.meta.Pid = true, 0
 	return b.saveMeta(id, s.meta)
+}
+
+// ExportDiff implements sandbox.DiffExporter: the agent streams the
+// writable layer, its disk frozen meanwhile. A paused VM is resumed for
+// it and saved again after.
+func (b *Backend) ExportDiff(ctx context.Context, id string, w io.Writer) error {
+	s, err := b.lockedSlot(ctx, id)
+	if err != nil {
+		return err
+	}
+	defer s.mu.Unlock()
+	if s.saved {
+		if err := b.resumeLocked(ctx, id, s); err != nil {
+			return err
+		}
+		defer func() {
+			if serr := b.saveLocked(ctx, id, s); serr != nil {
+				b.cfg.Log.Warn("pausing the VM again after its snapshot", "sandbox_id", id, "err", serr)
+			}
+		}()
+	}
+	// Whatever the VM sends is bounded by what its disk can hold: twice
+	// its size leaves room for the archive's headers, while a sparse
+	// file, which the archive spells out, cannot fill the node's disk.
+	lw := &limitWriter{w: w, left: 2 * int64(b.cfg.DiskGB) << 30}
+	if err := (agent.Files{C: s.vm.Agent}).WriteDiff(ctx, lw); err != nil {
+		if errors.Is(err, agent.ErrGone) {
+			return errdefs.Precondition("sandbox %s: its VM's agent is gone: %v", id, err)
+		}
+		return err
+	}
+	return lw.err
+}
+
+// limitWriter passes at most left bytes to w and fails after; err is
+// the first failure (the agent's client, which
+// writes to it, does not look).
+type limitWriter struct {
+	w    io.Writer
+	left int64
+	err  error
+}
+
+func (l *limitWriter) Write(p []byte) (int, error) {
+	if l.err != nil {
+		return 0, l.err
+	}
+	if int64(len(p)) > l.left {
+		l.err = errdefs.Invalid("the VM's writable layer archive is larger than twice its disk (sparse files are archived whole)")
+		return 0, l.err
+	}
+	l.left -= int64(len(p))
+	n, err := l.w.Write(p)
+	if err != nil {
+		l.err = err
+	}
+	return n, err
 }
 
 // Resume implements sandbox.Pauser: a new VMM resumes the snapshot.

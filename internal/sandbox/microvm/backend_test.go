@@ -3,6 +3,7 @@ package microvm
 import (
 	"bytes"
 	"context"
+	"io"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -12,6 +13,10 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/files"
 	"github.com/dsecproject/dsec/internal/sandbox"
 	"github.com/dsecproject/dsec/internal/sandbox/sandboxtest"
 )
@@ -241,5 +246,123 @@ func TestPauseIsASnapshot(t *testing.T) {
 	}
 	if _, err := os.Stat(b.dir(cfg.ID)); !os.IsNotExist(err) {
 		t.Fatalf("VM dir left: %v", err)
+	}
+}
+
+// TestExportDiff: the writable layer comes out as the overlay keeps it
+// (a deleted lower file a whiteout, a replaced lower directory opaque),
+// with the disk frozen only while it is read (a writer running meanwhile
+// goes on after), and from a paused VM, which stays paused.
+func TestExportDiff(t *testing.T) {
+	b := testBackend(t)
+	b.cfg.Log = slog.New(slog.NewTextHandler(tWriter{t}, nil))
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	top := t.TempDir()
+	for _, f := range []string{"opt/a/x", "opt/b/y"} {
+		os.MkdirAll(filepath.Join(top, filepath.Dir(f)), 0o755)
+		os.WriteFile(filepath.Join(top, f), []byte("lower\n"), 0o644)
+	}
+	topImg := filepath.Join(t.TempDir(), "top.erofs")
+	if out, err := exec.Command("mkfs.erofs", "--quiet", topImg, top).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs.erofs: %v %s", err, out)
+	}
+	cfg := newConfig(t, "diff")
+	cfg.Images = append(cfg.Images, topImg)
+	if err := b.Create(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	defer b.Destroy(ctx, cfg.ID)
+	sh := func(script string) string {
+		var out bytes.Buffer
+		p, err := b.Exec(ctx, cfg.ID, sandbox.Process{Args: []string{"/bin/sh", "-c", script}, Stdout: &out, Stderr: &out})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if code, err := p.Wait(); code != 0 || err != nil {
+			t.Fatalf("%s: %d %v %s", script, code, err, out.String())
+		}
+		return out.String()
+	}
+	sh("rm /opt/a/x && rm -rf /opt/b && mkdir /opt/b && echo z > /opt/b/z && echo new > /root/new && ln -s new /root/link && mkfifo /root/fifo")
+	// A writer that never stops: the export freezes it and lets it go.
+	bg, err := b.Exec(ctx, cfg.ID, sandbox.Process{Args: []string{"/bin/sh", "-c", "while :; do echo x >> /root/grow; done"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bg.Kill()
+	export := func() string {
+		dir := t.TempDir()
+		r, err := files.Open(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		pr, pw := io.Pipe()
+		go func() { pw.CloseWithError(b.ExportDiff(ctx, cfg.ID, pw)) }()
+		start := time.Now()
+		res, err := r.ExtractTar("/", pr, files.TarOptions{Diff: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("exported %d files, %d bytes in %v", res.Files, res.Bytes, time.Since(start))
+		return dir
+	}
+	dir := export()
+	var st unix.Stat_t
+	if err := unix.Lstat(filepath.Join(dir, "opt/a/x"), &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFCHR || st.Rdev != 0 {
+		t.Errorf("deleted lower file: %+v %v, want a whiteout", st, err)
+	}
+	buf := make([]byte, 8)
+	if n, err := unix.Lgetxattr(filepath.Join(dir, "opt/b"), "trusted.overlay.opaque", buf); err != nil || string(buf[:n]) != "y" {
+		t.Errorf("replaced lower directory: opaque %q %v", buf[:max(n, 0)], err)
+	}
+	if _, err := os.Lstat(filepath.Join(dir, "opt/b/y")); !os.IsNotExist(err) {
+		t.Errorf("opt/b/y in the diff: %v", err)
+	}
+	for f, want := range map[string]string{"opt/b/z": "z\n", "root/new": "new\n"} {
+		if got, err := os.ReadFile(filepath.Join(dir, f)); err != nil || string(got) != want {
+			t.Errorf("%s = %q %v", f, got, err)
+		}
+	}
+	if l, err := os.Readlink(filepath.Join(dir, "root/link")); err != nil || l != "new" {
+		t.Errorf("link = %q %v", l, err)
+	}
+	if err := unix.Lstat(filepath.Join(dir, "root/fifo"), &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFIFO {
+		t.Errorf("fifo: %v", err)
+	}
+	// The disk is thawed: the writer goes on.
+	size := func() string { return sh("wc -c < /root/grow") }
+	before := size()
+	time.Sleep(500 * time.Millisecond)
+	if after := size(); after == before {
+		t.Fatalf("the writer stopped after the export (%s bytes)", strings.TrimSpace(after))
+	}
+	bg.Kill()
+	// A directory watch runs in the guest: it sees what the sandbox does.
+	fs, err := b.Files(ctx, cfg.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := fs.Watch(ctx, "/opt", 2, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh("echo 2 > /opt/b/z2; rm /opt/b/z")
+	evs, err := w.Poll(ctx)
+	if err != nil || len(evs) != 3 || evs[0].Name != "b/z" || evs[0].Type != api.FileEventRemove || evs[1].Name != "b/z2" {
+		t.Fatalf("watch in the guest: %+v %v", evs, err)
+	}
+	w.Close()
+	sh("echo paused > /root/p")
+	if err := b.Pause(ctx, cfg.ID); err != nil {
+		t.Fatal(err)
+	}
+	dir = export()
+	if got, err := os.ReadFile(filepath.Join(dir, "root/p")); err != nil || string(got) != "paused\n" {
+		t.Errorf("export of a paused VM: root/p = %q %v", got, err)
+	}
+	if st, err := b.Status(ctx, cfg.ID); err != nil || st.Pid != 0 {
+		t.Fatalf("after the export of a paused VM: %+v %v, want it paused", st, err)
 	}
 }

@@ -34,7 +34,12 @@ type Server struct {
 	cgroupFD int
 	// files serves the files API on root (nil until setup).
 	files *files.Root
-	procs map[uint64]*proc
+	// upper is the overlay's writable layer (nil until setup), on the
+	// filesystem mounted at upperFS, which a snapshot freezes ("": none
+	// to freeze, as in tests).
+	upper   *files.Root
+	upperFS string
+	procs   map[uint64]*proc
 }
 
 // NewServer returns a server that starts reaping its children (as the
@@ -60,6 +65,11 @@ type conn struct {
 	mu  sync.Mutex
 	enc *json.Encoder
 	err error
+
+	// watches are the directory watches this connection started, by
+	// the id of the request that started each; they end with it.
+	wmu     sync.Mutex
+	watches map[uint64]*watch
 }
 
 func (c *conn) send(m Msg) {
@@ -81,7 +91,7 @@ func (c *conn) failed() bool {
 // the processes this connection started that still run. It writes "ready"
 // first.
 func (s *Server) Serve(rw io.ReadWriter) error {
-	c := &conn{enc: json.NewEncoder(rw)}
+	c := &conn{enc: json.NewEncoder(rw), watches: map[uint64]*watch{}}
 	c.send(Msg{Op: "ready"})
 	if c.err != nil {
 		return c.err

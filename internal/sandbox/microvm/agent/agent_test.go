@@ -10,12 +10,14 @@ import (
 	"io"
 	"net"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/files"
 )
@@ -419,5 +421,83 @@ func TestTerminal(t *testing.T) {
 	}
 	if err := c.Call(ctx, Msg{Op: "resize", Of: 12345, Rows: 1, Cols: 1}); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("resize of no terminal: %v", err)
+	}
+}
+
+// TestWatchOverAConnection: a directory watch kept by the agent reports
+// changes poll by poll; it cannot see outside the root; a stopped watch
+// is gone; watches are bounded per connection, and end with it.
+func TestWatchOverAConnection(t *testing.T) {
+	root := t.TempDir()
+	fr, err := files.Open(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := NewServer()
+	srv.files = fr
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	connect := func() *Client {
+		a, b := net.Pipe()
+		go srv.Serve(a)
+		c, err := Connect(ctx, b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	c := connect()
+	f := Files{C: c}
+	os.MkdirAll(filepath.Join(root, "w"), 0o755)
+	os.WriteFile(filepath.Join(filepath.Dir(root), "outside"), []byte("x"), 0o644)
+	if w, err := f.Watch(ctx, "/../..", 1, 100); err == nil {
+		// Clamped at the root: it sees the root's names, none of its parent's.
+		os.WriteFile(filepath.Join(filepath.Dir(root), "outside2"), []byte("x"), 0o644)
+		if evs, err := w.Poll(ctx); err != nil || len(evs) != 0 {
+			t.Fatalf("a watch of /../.. saw %+v %v", evs, err)
+		}
+		w.Close()
+	}
+	w, err := f.Watch(ctx, "/w", 2, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(filepath.Join(root, "w", "new"), []byte("x"), 0o644)
+	evs, err := w.Poll(ctx)
+	if err != nil || len(evs) == 0 || evs[0].Name != "new" || evs[0].Type != api.FileEventCreate {
+		t.Fatalf("poll: %+v %v", evs, err)
+	}
+	if evs, err := w.Poll(ctx); err != nil || len(evs) != 0 {
+		t.Fatalf("poll without changes: %+v %v", evs, err)
+	}
+	os.Remove(filepath.Join(root, "w", "new"))
+	if evs, err := w.Poll(ctx); err != nil || len(evs) != 1 || evs[0].Type != api.FileEventRemove {
+		t.Fatalf("poll after remove: %+v %v", evs, err)
+	}
+	w.Close()
+	if _, err := w.Poll(ctx); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("poll of a stopped watch: %v", err)
+	}
+	for i := 0; ; i++ {
+		_, err := f.Watch(ctx, "/w", 1, 100)
+		if errors.Is(err, errdefs.ErrExhausted) {
+			if i > MaxWatches {
+				t.Fatalf("%d watches before the bound", i)
+			}
+			break
+		}
+		if err != nil || i > MaxWatches {
+			t.Fatalf("watch %d: %v", i, err)
+		}
+	}
+	// A new connection (an edge restart) starts with none.
+	c.Close()
+	c2 := connect()
+	defer c2.Close()
+	if _, err := (&Watch{c: c2, id: w.(*Watch).id}).Poll(ctx); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("a watch of the last connection: %v", err)
+	}
+	if _, err := (Files{C: c2}).Watch(ctx, "/w", 1, 100); err != nil {
+		t.Fatalf("a watch after the last connection's ended: %v", err)
 	}
 }

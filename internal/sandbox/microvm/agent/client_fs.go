@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"time"
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
 // Files is the sandbox's files served by its agent (the files API of a
@@ -153,6 +155,46 @@ func (f Files) Rename(ctx context.Context, src, dst string) (api.FileEntry, erro
 // WriteTar writes a tar of path to w.
 func (f Files) WriteTar(ctx context.Context, path string, w io.Writer) error {
 	_, err := f.call(ctx, FSRequest{Method: "tar_out", Path: path}, nil, w)
+	return err
+}
+
+// Watch starts a directory watch in the guest (see FSRequest's watch).
+func (f Files) Watch(ctx context.Context, path string, depth, maxEntries int) (sandbox.Watcher, error) {
+	r, err := f.call(ctx, FSRequest{Method: "watch", Path: path, Depth: depth, MaxFiles: maxEntries}, nil, nil)
+	if err != nil {
+		return nil, err
+	}
+	if r.Watch == 0 {
+		return nil, fmt.Errorf("the agent: a watch without an id")
+	}
+	return &Watch{c: f.C, id: r.Watch}, nil
+}
+
+// Watch is a directory watch the agent keeps.
+type Watch struct {
+	c  *Client
+	id uint64
+}
+
+// Poll returns the changes since the last poll.
+func (w *Watch) Poll(ctx context.Context) ([]api.FileEvent, error) {
+	r, err := (Files{C: w.c}).call(ctx, FSRequest{Method: "watch_poll", Watch: w.id}, nil, nil)
+	return r.Events, err
+}
+
+// Close ends the watch in the agent (which ends it anyway with the
+// connection).
+func (w *Watch) Close() {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, _ = (Files{C: w.c}).call(ctx, FSRequest{Method: "watch_stop", Watch: w.id}, nil, nil)
+}
+
+// WriteDiff writes the sandbox's writable layer to w as a tar (see
+// FSRequest's diff_out). Root in the VM controls what it holds: the
+// reader must take it as files.TarOptions.Diff does.
+func (f Files) WriteDiff(ctx context.Context, w io.Writer) error {
+	_, err := f.call(ctx, FSRequest{Method: "diff_out", Path: "/"}, nil, w)
 	return err
 }
 

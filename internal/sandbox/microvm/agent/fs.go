@@ -5,6 +5,9 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"sync"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/files"
@@ -18,10 +21,13 @@ import (
 // fs runs m's file operation; its data and answer go out on c.
 func (s *Server) fs(c *conn, m Msg) {
 	s.mu.Lock()
-	root := s.files
+	root, upper, upperFS := s.files, s.upper, s.upperFS
 	s.mu.Unlock()
 	fail := func(err error) {
 		c.send(Msg{ID: m.ID, Op: "exit", Error: err.Error(), Kind: errdefs.Code(err)})
+	}
+	if m.FS.Method == "diff_out" {
+		root = upper
 	}
 	if root == nil {
 		fail(errdefs.Precondition("the sandbox is not set up"))
@@ -59,6 +65,23 @@ func (s *Server) fs(c *conn, m Msg) {
 		go func() {
 			c.send(Msg{ID: m.ID, Op: "started"})
 			if err := root.WriteTar(q.Path, out); err != nil {
+				fail(err)
+				return
+			}
+			done(FSResult{})
+		}()
+	case "diff_out":
+		// The writable layer, frozen while it is read: the sandbox's
+		// writes wait, so the layer is one moment's.
+		go func() {
+			thaw, err := freezeFS(upperFS)
+			if err != nil {
+				fail(err)
+				return
+			}
+			defer thaw()
+			c.send(Msg{ID: m.ID, Op: "started"})
+			if err := root.WriteDiffTar("/", out); err != nil {
 				fail(err)
 				return
 			}
@@ -137,9 +160,65 @@ func (s *Server) fs(c *conn, m Msg) {
 			return
 		}
 		done(FSResult{Entry: &fe})
+	case "watch":
+		c.wmu.Lock()
+		n := len(c.watches)
+		c.wmu.Unlock()
+		if n >= MaxWatches {
+			fail(errdefs.Exhausted("the agent has %d directory watches on this connection, the most it keeps", n))
+			return
+		}
+		// The first scan can take a while: not on the reader.
+		go func() {
+			w, err := root.Watch(q.Path, q.Depth, q.MaxFiles)
+			if err != nil {
+				fail(err)
+				return
+			}
+			c.wmu.Lock()
+			n := len(c.watches)
+			if n < MaxWatches {
+				c.watches[m.ID] = &watch{w: w}
+			}
+			c.wmu.Unlock()
+			if n >= MaxWatches {
+				fail(errdefs.Exhausted("the agent has %d directory watches on this connection, the most it keeps", n))
+				return
+			}
+			done(FSResult{Watch: m.ID})
+		}()
+	case "watch_poll":
+		c.wmu.Lock()
+		w := c.watches[q.Watch]
+		c.wmu.Unlock()
+		if w == nil {
+			fail(errdefs.NotFound("no directory watch %d", q.Watch))
+			return
+		}
+		go func() {
+			w.mu.Lock()
+			evs, err := w.w.Poll()
+			w.mu.Unlock()
+			if err != nil {
+				fail(err)
+				return
+			}
+			done(FSResult{Events: evs})
+		}()
+	case "watch_stop":
+		c.wmu.Lock()
+		delete(c.watches, q.Watch)
+		c.wmu.Unlock()
+		done(FSResult{})
 	default:
 		fail(errdefs.Invalid("unknown file method %q", q.Method))
 	}
+}
+
+// watch is a directory watch a connection started; its polls take turns.
+type watch struct {
+	mu sync.Mutex
+	w  *files.Watch
 }
 
 // chunkWriter sends what is written to it as "stdout" messages of at most
@@ -160,6 +239,36 @@ func (w *chunkWriter) Write(p []byte) (int, error) {
 		return 0, errors.New("the host's connection is gone")
 	}
 	return n, nil
+}
+
+// FIFREEZE and FITHAW (linux/fs.h: _IOWR('X', 119, int), _IOWR('X', 120, int)).
+const (
+	fiFreeze = 0xc0045877
+	fiThaw   = 0xc0045878
+)
+
+// freezeFS freezes the filesystem mounted at dir (writes to it wait,
+// its dirty data is on disk) and returns what thaws it; "" freezes
+// nothing.
+func freezeFS(dir string) (thaw func(), err error) {
+	if dir == "" {
+		return func() {}, nil
+	}
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("freezing the writable disk: %w", err)
+	}
+	if _, _, e := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), fiFreeze, 0); e != 0 {
+		unix.Close(fd)
+		if e == unix.EBUSY {
+			return nil, errdefs.Precondition("the writable disk is frozen already (another snapshot is under way)")
+		}
+		return nil, fmt.Errorf("freezing the writable disk: %w", e)
+	}
+	return func() {
+		unix.Syscall(unix.SYS_IOCTL, uintptr(fd), fiThaw, 0)
+		unix.Close(fd)
+	}, nil
 }
 
 // openFiles opens the sandbox's root for the file service.

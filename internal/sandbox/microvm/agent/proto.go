@@ -84,8 +84,12 @@ type Msg struct {
 
 // FSRequest is a file operation, as the files API has them.
 type FSRequest struct {
-	// Method is read, write, stat, list, remove, mkdir, rename, tar_out
-	// or tar_in.
+	// Method is read, write, stat, list, remove, mkdir, rename, tar_out,
+	// tar_in, watch, watch_poll or watch_stop, on the sandbox's root; or
+	// diff_out: the overlay's
+	// writable layer (whiteouts and opaque directories included, xattrs
+	// as PAX records; see files.Root.WriteDiffTar), read while its
+	// filesystem is frozen, streamed as tar_out streams.
 	Method    string `json:"method"`
 	Path      string `json:"path"`
 	Dest      string `json:"dest,omitempty"`
@@ -97,6 +101,12 @@ type FSRequest struct {
 	// Owner is a user of the sandbox (as exec's User) that what the call
 	// creates belongs to ("": root).
 	Owner string `json:"owner,omitempty"`
+	// watch starts a directory watch of Path, Depth levels deep, of at
+	// most MaxFiles names (files.Root.Watch), answered with its id in
+	// FSResult.Watch; watch_poll (Watch: the id) answers the changes
+	// since the last poll in FSResult.Events; watch_stop ends it. A
+	// connection's watches end with it.
+	Watch uint64 `json:"watch,omitempty"`
 }
 
 // FSResult is what a file operation returns.
@@ -104,7 +114,12 @@ type FSResult struct {
 	Entry   *api.FileEntry  `json:"entry,omitempty"`
 	Entries []api.FileEntry `json:"entries,omitempty"`
 	Tar     *api.TarResult  `json:"tar,omitempty"`
+	Watch   uint64          `json:"watch,omitempty"`
+	Events  []api.FileEvent `json:"events,omitempty"`
 }
+
+// MaxWatches bounds the directory watches of one connection.
+const MaxWatches = 64
 
 // Setup makes the sandbox inside the guest: the root filesystem from the
 // layer disks and the writable disk, its hostname and its limits.
@@ -133,6 +148,9 @@ type NetSetup struct {
 
 // Root is where the agent mounts the sandbox's root filesystem.
 const Root = "/sandbox"
+
+// upperDir is the overlay's writable layer, on the writable disk.
+const upperDir = "/rw/upper"
 
 // ChunkSize bounds the data of one stdin, stdout or stderr Msg.
 const ChunkSize = 32 << 10

@@ -50,12 +50,16 @@ func (s *Server) setup(su Setup) error {
 	if err := unix.Mount(disks[su.Upper], "/rw", "ext4", unix.MS_NODEV, ""); err != nil {
 		return fmt.Errorf("mounting the writable disk %s: %w", disks[su.Upper], err)
 	}
-	for _, d := range []string{"/rw/upper", "/rw/work", Root} {
+	for _, d := range []string{upperDir, "/rw/work", Root} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return err
 		}
 	}
-	opts := "lowerdir=" + strings.Join(lowers, ":") + ",upperdir=/rw/upper,workdir=/rw/work"
+	// As the host's overlays (package layer): the upper then describes
+	// its changes with plain files, whiteouts and opaque directories
+	// only, so it can be packed into a snapshot layer on its own.
+	opts := "lowerdir=" + strings.Join(lowers, ":") + ",upperdir=" + upperDir + ",workdir=/rw/work" +
+		",index=off,redirect_dir=off,metacopy=off,xino=auto"
 	if err := unix.Mount("overlay", Root, "overlay", 0, opts); err != nil {
 		return fmt.Errorf("mounting the sandbox's overlay: %w", err)
 	}
@@ -101,8 +105,13 @@ func (s *Server) setup(su Setup) error {
 	if err != nil {
 		return err
 	}
+	up, err := openFiles(upperDir)
+	if err != nil {
+		return err
+	}
 	s.mu.Lock()
 	s.root, s.cgroupFD, s.files = Root, cgfd, fr
+	s.upper, s.upperFS = up, "/rw"
 	s.mu.Unlock()
 	return nil
 }
