@@ -37,8 +37,8 @@ type Config struct {
 	KernelCache string
 	// Agent is the static dsec-agent binary.
 	Agent string
-	// QEMU is the VMM binary ("" = qemu-system-x86_64); Accel is "tcg"
-	// (the default) or "kvm".
+	// QEMU is the VMM binary ("" = qemu-system-x86_64); Accel is "tcg",
+	// "kvm", or "" to choose (DetectAccel).
 	QEMU, Accel string
 	// MemoryMB is a guest's memory when its spec sets none (0 = 512).
 	MemoryMB int
@@ -98,6 +98,9 @@ type startConfig struct {
 	CPUs     int    `json:"cpus"`
 	Disks    []Disk `json:"disks"`
 	NIC      string `json:"nic,omitempty"`
+	// Balloon: the VM has a balloon device reporting free pages (VMs
+	// saved by an edge before it had one resume without).
+	Balloon bool `json:"balloon,omitempty"`
 }
 
 var (
@@ -121,8 +124,9 @@ func New(ctx context.Context, cfg Config) (*Backend, error) {
 	if cfg.QEMU == "" {
 		cfg.QEMU = "qemu-system-x86_64"
 	}
+	why := "configured"
 	if cfg.Accel == "" {
-		cfg.Accel = "tcg"
+		cfg.Accel, why = DetectAccel("/dev/kvm", "/sys/module")
 	}
 	if cfg.MemoryMB == 0 {
 		cfg.MemoryMB = 512
@@ -148,7 +152,29 @@ func New(ctx context.Context, cfg Config) (*Backend, error) {
 	if err != nil {
 		return nil, fmt.Errorf("preparing the guest: %w", err)
 	}
+	cfg.Log.Info("microvm VMM chosen", "vmm", "qemu-microvm/"+cfg.Accel, "why", why)
 	return &Backend{cfg: cfg, guest: g, vms: map[string]*vmSlot{}}, nil
+}
+
+// DetectAccel chooses QEMU's accelerator from the host: "kvm" where KVM
+// runs ordinary guests (its device exists and a hardware module, kvm_intel
+// or kvm_amd, is loaded), else "tcg", with the reason. A KVM that only
+// PVM backs (kvm_pvm, as on this project's reference machine) boots
+// PVM-enabled guest kernels only, not Debian's: TCG there. dev is the KVM
+// device and modules the kernel's module directory in sysfs.
+func DetectAccel(dev, modules string) (accel, why string) {
+	if _, err := os.Stat(dev); err != nil {
+		return "tcg", "no " + dev + ": software emulation"
+	}
+	for _, m := range []string{"kvm_intel", "kvm_amd"} {
+		if _, err := os.Stat(filepath.Join(modules, m)); err == nil {
+			return "kvm", m + " is loaded"
+		}
+	}
+	if _, err := os.Stat(filepath.Join(modules, "kvm_pvm")); err == nil {
+		return "tcg", "KVM here is PVM's, which boots PVM guest kernels only: software emulation"
+	}
+	return "tcg", "no hardware KVM module (kvm_intel, kvm_amd): software emulation"
 }
 
 // Guest is what the backend's VMs boot.
@@ -206,7 +232,7 @@ func (b *Backend) Create(ctx context.Context, cfg sandbox.Config) (err error) {
 	if err := makeExt4(ctx, upper, b.cfg.DiskGB); err != nil {
 		return err
 	}
-	sc := startConfig{MemoryMB: b.cfg.MemoryMB, CPUs: 1}
+	sc := startConfig{MemoryMB: b.cfg.MemoryMB, CPUs: 1, Balloon: true}
 	if m := cfg.Limits.MemoryBytes >> 20; m > 0 {
 		sc.MemoryMB = int(max(m, 128))
 	}
@@ -277,7 +303,7 @@ func (b *Backend) start(ctx context.Context, id string, sc startConfig, snapshot
 	dir := b.dir(id)
 	return Start(ctx, VMConfig{
 		QEMU: b.cfg.QEMU, Guest: b.guest, Dir: dir, Accel: b.cfg.Accel,
-		MemoryMB: sc.MemoryMB, CPUs: sc.CPUs, Disks: sc.Disks, NIC: sc.NIC,
+		MemoryMB: sc.MemoryMB, CPUs: sc.CPUs, Disks: sc.Disks, NIC: sc.NIC, Balloon: sc.Balloon,
 		NetNSPath: filepath.Join(dir, "netns"), Incoming: snapshot, Cgroup: procs,
 	})
 }

@@ -3,11 +3,13 @@ package microvm
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -364,5 +366,68 @@ func TestExportDiff(t *testing.T) {
 	}
 	if st, err := b.Status(ctx, cfg.ID); err != nil || st.Pid != 0 {
 		t.Fatalf("after the export of a paused VM: %+v %v, want it paused", st, err)
+	}
+}
+
+// TestFreedMemoryGoesBack: the balloon reports what the guest frees, and
+// the VMM gives it back to the host: a guest that filled 200 MiB and
+// freed it does not keep holding it.
+func TestFreedMemoryGoesBack(t *testing.T) {
+	b := testBackend(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	cfg := newConfig(t, "balloon")
+	cfg.Limits.MemoryBytes = 512 << 20
+	if err := b.Create(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	defer b.Destroy(ctx, cfg.ID)
+	sh := func(script string) {
+		var out bytes.Buffer
+		p, err := b.Exec(ctx, cfg.ID, sandbox.Process{Args: []string{"/bin/sh", "-c", script}, Stdout: &out, Stderr: &out})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if code, err := p.Wait(); code != 0 || err != nil {
+			t.Fatalf("%s: %d %v %s", script, code, err, out.String())
+		}
+	}
+	st, err := b.Status(ctx, cfg.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rss := func() int64 {
+		data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", st.Pid))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, line := range strings.Split(string(data), "\n") {
+			if f := strings.Fields(line); len(f) >= 2 && f[0] == "VmRSS:" {
+				kb, _ := strconv.ParseInt(f[1], 10, 64)
+				return kb << 10
+			}
+		}
+		t.Fatal("no VmRSS")
+		return 0
+	}
+	idle := rss()
+	sh("dd if=/dev/zero of=/dev/shm/fill bs=1M count=200 2>/dev/null")
+	full := rss()
+	sh("rm /dev/shm/fill")
+	// The guest reports free pages in 2 MiB blocks a couple of seconds
+	// after they are freed.
+	var after int64
+	for i := 0; i < 30; i++ {
+		time.Sleep(time.Second)
+		if after = rss(); full-after > 150<<20 {
+			break
+		}
+	}
+	t.Logf("VMM RSS: idle %d MiB, filled %d MiB, after the free %d MiB", idle>>20, full>>20, after>>20)
+	if full-idle < 150<<20 {
+		t.Fatalf("filling 200 MiB grew the VMM by %d MiB only", (full-idle)>>20)
+	}
+	if full-after < 150<<20 {
+		t.Fatalf("the guest freed 200 MiB and the VMM gave back %d MiB", (full-after)>>20)
 	}
 }

@@ -32,11 +32,12 @@ type Guest struct {
 }
 
 // GuestModules are the modules the agent loads, in this order, each after
-// its dependencies: the virtio transport and devices, and the filesystems
+// its dependencies: the virtio transport and devices (the balloon reports
+// the pages the guest frees), and the filesystems
 // of a sandbox's disks. crc32c_generic comes first: libcrc32c (erofs,
 // ext4) needs the crc32c algorithm when it loads and names it only as a
 // soft dependency, which module order does not follow.
-var GuestModules = []string{"crc32c_generic", "virtio_mmio", "virtio_console", "virtio_blk", "virtio_net", "erofs", "overlay", "ext4"}
+var GuestModules = []string{"crc32c_generic", "virtio_mmio", "virtio_console", "virtio_blk", "virtio_net", "virtio_balloon", "erofs", "overlay", "ext4"}
 
 // PrepareGuest makes the guest in out from agentBin (a static dsec-agent)
 // and Debian's kernel package (linux-image-amd64's kernel, downloaded into

@@ -49,6 +49,10 @@ type VMConfig struct {
 	Incoming string
 	// Cgroup, if set, are cgroup.procs files the VMM joins.
 	Cgroup []string
+	// Balloon gives the guest a balloon device that reports the pages
+	// it frees, which the VMM then gives back to the host: a guest's
+	// memory is what it uses now, not the most it ever touched.
+	Balloon bool
 }
 
 // Disk is a virtio block device of the guest, named by its serial.
@@ -149,6 +153,11 @@ func Start(ctx context.Context, cfg VMConfig) (*VM, error) {
 		args = append(args,
 			"-netdev", "tap,id=n0,ifname="+TapName+",script=no,downscript=no,vhost=off",
 			"-device", "virtio-net-device,netdev=n0,mac="+cfg.NIC)
+	}
+	if cfg.Balloon {
+		// deflate-on-oom: a balloon the host inflated gives way before
+		// the guest's OOM killer takes a process.
+		args = append(args, "-device", "virtio-balloon-device,free-page-reporting=on,deflate-on-oom=on")
 	}
 	if cfg.Incoming != "" {
 		args = append(args, "-incoming", "exec:cat "+shellQuote(cfg.Incoming))

@@ -66,17 +66,89 @@ type conn struct {
 	enc *json.Encoder
 	err error
 
-	// watches are the directory watches this connection started, by
-	// the id of the request that started each; they end with it.
+	// wmu guards watches, the directory watches this connection
+	// started, and windows, the host's credit for each request's data
+	// (Msg.Window), by request id; both end with the connection.
 	wmu     sync.Mutex
 	watches map[uint64]*watch
+	windows map[uint64]*window
 }
 
 func (c *conn) send(m Msg) {
+	if m.Op == "exit" {
+		// The request's data went before: its window is done.
+		c.wmu.Lock()
+		w := c.windows[m.ID]
+		delete(c.windows, m.ID)
+		c.wmu.Unlock()
+		if w != nil {
+			w.close()
+		}
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.err == nil {
 		c.err = c.enc.Encode(m)
+	}
+}
+
+// sendData sends a chunk of request id's output (op stdout or stderr),
+// once the host has room for it if the request has a window.
+func (c *conn) sendData(id uint64, op string, data []byte) {
+	c.wmu.Lock()
+	w := c.windows[id]
+	c.wmu.Unlock()
+	if w != nil {
+		w.take(int64(len(data)))
+	}
+	c.send(Msg{ID: id, Op: op, Data: data})
+}
+
+// window is the host's credit for one request's data. A chunk goes out
+// while any credit is left (it may overdraw by one chunk, so a window
+// smaller than a chunk still moves).
+type window struct {
+	mu     sync.Mutex
+	avail  int64
+	closed bool
+	wake   chan struct{}
+}
+
+func newWindow(n int64) *window { return &window{avail: n, wake: make(chan struct{}, 1)} }
+
+// take waits for credit (or the window's end) and spends n of it.
+func (w *window) take(n int64) {
+	for {
+		w.mu.Lock()
+		if w.closed || w.avail > 0 {
+			w.avail -= n
+			w.mu.Unlock()
+			return
+		}
+		w.mu.Unlock()
+		<-w.wake
+	}
+}
+
+func (w *window) give(n int64) {
+	w.mu.Lock()
+	w.avail += n
+	w.mu.Unlock()
+	w.signal()
+}
+
+// close ends the waiting for good (the request ended, or the connection).
+func (w *window) close() {
+	w.mu.Lock()
+	w.closed = true
+	w.mu.Unlock()
+	w.signal()
+}
+
+func (w *window) signal() {
+	select {
+	case w.wake <- struct{}{}:
+	default:
 	}
 }
 
@@ -91,13 +163,20 @@ func (c *conn) failed() bool {
 // the processes this connection started that still run. It writes "ready"
 // first.
 func (s *Server) Serve(rw io.ReadWriter) error {
-	c := &conn{enc: json.NewEncoder(rw), watches: map[uint64]*watch{}}
-	c.send(Msg{Op: "ready"})
+	c := &conn{enc: json.NewEncoder(rw), watches: map[uint64]*watch{}, windows: map[uint64]*window{}}
+	c.send(Msg{Op: "ready", Features: features})
 	if c.err != nil {
 		return c.err
 	}
 	started := map[uint64]bool{}
 	defer func() {
+		// Nothing waits for credit from a host that is gone.
+		c.wmu.Lock()
+		for id, w := range c.windows {
+			w.close()
+			delete(c.windows, id)
+		}
+		c.wmu.Unlock()
 		s.mu.Lock()
 		var left []*proc
 		for id := range started {
@@ -123,6 +202,13 @@ func (s *Server) Serve(rw io.ReadWriter) error {
 			} else {
 				if m.Op == "exec" || m.Op == "fs" {
 					started[m.ID] = true
+					if m.Window > 0 {
+						c.wmu.Lock()
+						if _, ok := c.windows[m.ID]; !ok {
+							c.windows[m.ID] = newWindow(m.Window)
+						}
+						c.wmu.Unlock()
+					}
 				}
 				s.handle(c, m)
 			}
@@ -133,7 +219,9 @@ func (s *Server) Serve(rw io.ReadWriter) error {
 			}
 			return err
 		}
-		if c.err != nil {
+		if c.failed() {
+			c.mu.Lock()
+			defer c.mu.Unlock()
 			return c.err
 		}
 	}
@@ -153,7 +241,14 @@ func (s *Server) handle(c *conn, m Msg) {
 	}
 	switch m.Op {
 	case "ping":
-		reply(nil)
+		c.send(Msg{ID: m.ID, Op: "ok", Features: features})
+	case "ack":
+		c.wmu.Lock()
+		w := c.windows[m.ID]
+		c.wmu.Unlock()
+		if w != nil && m.Acked > 0 {
+			w.give(m.Acked)
+		}
 	case "exec":
 		if err := s.exec(c, m); err != nil {
 			reply(err)
@@ -211,6 +306,10 @@ func (s *Server) handle(c *conn, m Msg) {
 }
 
 var errInvalid = errors.New("invalid")
+
+// features are what this agent tells the host it does beyond the base
+// protocol.
+var features = []string{FeatureWindow}
 
 // proc is a process the agent started for the host.
 type proc struct {
@@ -390,7 +489,7 @@ func (s *Server) exec(c *conn, m Msg) error {
 		defer pumps.Done()
 		defer r.Close()
 		buf := make([]byte, ChunkSize)
-		emit := func(b []byte) { c.send(Msg{ID: m.ID, Op: op, Data: append([]byte(nil), b...)}) }
+		emit := func(b []byte) { c.sendData(m.ID, op, append([]byte(nil), b...)) }
 		for {
 			n, err := r.Read(buf)
 			if n > 0 {

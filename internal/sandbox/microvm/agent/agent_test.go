@@ -501,3 +501,124 @@ func TestWatchOverAConnection(t *testing.T) {
 		t.Fatalf("a watch after the last connection's ended: %v", err)
 	}
 }
+
+// gateWriter blocks every write until open is closed, then counts.
+type gateWriter struct {
+	open chan struct{}
+	mu   sync.Mutex
+	n    int
+}
+
+func (g *gateWriter) Write(p []byte) (int, error) {
+	<-g.open
+	g.mu.Lock()
+	g.n += len(p)
+	g.mu.Unlock()
+	return len(p), nil
+}
+
+// TestSlowReaderHoldsUpOnlyItsOwnCommand: a command whose output nobody
+// reads stops at the window (its pipe fills, as a container's would),
+// while other commands and file calls on the connection go on; the host
+// holds no more than the window for it; once read, all of it arrives.
+func TestSlowReaderHoldsUpOnlyItsOwnCommand(t *testing.T) {
+	root := t.TempDir()
+	fr, err := files.Open(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, b := net.Pipe()
+	srv := NewServer()
+	srv.files = fr
+	go srv.Serve(a)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	c, err := Connect(ctx, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if !c.window {
+		t.Fatal("the agent does not offer flow control")
+	}
+	const size = 8 << 20
+	g := &gateWriter{open: make(chan struct{})}
+	big, err := c.Exec(ctx, Msg{Args: []string{"head", "-c", fmt.Sprint(size), "/dev/zero"}}, nil, g, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond) // let it fill what it may
+	start := time.Now()
+	if code, out, _ := run(t, c, Msg{Args: []string{"echo", "meanwhile"}}, ""); code != 0 || out != "meanwhile\n" {
+		t.Fatalf("exec beside an unread one: %d %q", code, out)
+	}
+	if _, err := (Files{C: c}).WriteFile(ctx, "/f", strings.NewReader("x"), 0o644, 0, ""); err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Fatalf("an exec and a write beside an unread command took %v", d)
+	}
+	big.cl.dq.mu.Lock()
+	queued := big.cl.dq.bytes
+	big.cl.dq.mu.Unlock()
+	if queued > Window+ChunkSize {
+		t.Fatalf("the host holds %d bytes of the unread command's output, more than its window", queued)
+	}
+	close(g.open)
+	if code, err := big.Wait(); code != 0 || err != nil {
+		t.Fatalf("unread command: %d %v", code, err)
+	}
+	if g.n != size {
+		t.Fatalf("read %d of %d bytes", g.n, size)
+	}
+}
+
+// TestAgentOverrunningItsWindowIsCutOff: a guest that says it keeps the
+// window and then floods the host ends its connection; the host does not
+// buffer it.
+func TestAgentOverrunningItsWindowIsCutOff(t *testing.T) {
+	a, b := net.Pipe()
+	go func() {
+		enc := json.NewEncoder(a)
+		enc.Encode(Msg{Op: "ready", Features: []string{FeatureWindow}})
+		r := bufio.NewReader(a)
+		for {
+			line, err := r.ReadBytes('\n')
+			if err != nil {
+				return
+			}
+			var m Msg
+			json.Unmarshal(line, &m)
+			if m.Op != "exec" {
+				continue
+			}
+			enc.Encode(Msg{ID: m.ID, Op: "started", Pid: 42})
+			chunk := make([]byte, ChunkSize)
+			go func() {
+				for enc.Encode(Msg{ID: m.ID, Op: "stdout", Data: chunk}) == nil {
+				}
+			}()
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := Connect(ctx, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	g := &gateWriter{open: make(chan struct{})} // never read
+	p, err := c.Exec(ctx, Msg{Args: []string{"x"}}, nil, g, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-c.Done():
+	case <-ctx.Done():
+		t.Fatal("a flooding agent kept its connection")
+	}
+	if _, err := p.Wait(); !errors.Is(err, ErrGone) {
+		t.Fatalf("wait: %v", err)
+	}
+	close(g.open)
+}

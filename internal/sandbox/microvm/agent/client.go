@@ -25,7 +25,18 @@ type Client struct {
 	next  uint64
 	err   error // set once the connection is gone
 	done  chan struct{}
+
+	// window says the agent keeps flow control (FeatureWindow); then
+	// acks of written data are sent by one goroutine, coalesced.
+	window  bool
+	ackMu   sync.Mutex
+	acks    map[uint64]int64
+	ackWake chan struct{}
 }
+
+// Window is the data (stdout, stderr, file data) the host takes for one
+// request before the agent waits for it to be written out.
+const Window = 1 << 20
 
 // call is what waits for the answers to one request.
 type call struct {
@@ -35,8 +46,33 @@ type call struct {
 	once           sync.Once
 	stdout, stderr io.Writer
 	// onExit, if set, is given the "exit" (a file operation's answer),
-	// from the connection's reader, after the data before it.
+	// after the data before it.
 	onExit func(Msg)
+	// dq, for a call with output, queues its data and exit for a
+	// goroutine of its own that writes them out in order (deliver): a
+	// slow writer holds up its own call, not the connection's reader.
+	dq *delivery
+}
+
+// delivery is a call's queue of "stdout", "stderr" and "exit" messages.
+type delivery struct {
+	mu    sync.Mutex
+	q     []Msg
+	bytes int64
+	quit  bool          // the call was forgotten: no more waiting
+	wake  chan struct{} // something queued, or quit
+	room  chan struct{} // something taken off
+}
+
+func newDelivery() *delivery {
+	return &delivery{wake: make(chan struct{}, 1), room: make(chan struct{}, 1)}
+}
+
+func notify(ch chan struct{}) {
+	select {
+	case ch <- struct{}{}:
+	default:
+	}
 }
 
 // finish delivers an exec's exit code (the first one given).
@@ -88,6 +124,7 @@ const helloID = 1
 func Connect(ctx context.Context, conn io.ReadWriteCloser) (*Client, error) {
 	r := bufio.NewReaderSize(conn, 256<<10)
 	ready := make(chan error, 1)
+	var feats []string
 	// (Written apart from the reading: the agent may write first. Calls
 	// write after it.)
 	hello := make(chan struct{})
@@ -108,6 +145,7 @@ func Connect(ctx context.Context, conn io.ReadWriteCloser) (*Client, error) {
 			}
 			var m Msg
 			if json.Unmarshal(line, &m) == nil && (m.Op == "ready" || m.Op == "ok" && m.ID == helloID) {
+				feats = m.Features
 				ready <- nil
 				return
 			}
@@ -130,14 +168,144 @@ func Connect(ctx context.Context, conn io.ReadWriteCloser) (*Client, error) {
 	c := &Client{c: conn, enc: json.NewEncoder(conn), calls: map[uint64]*call{}, done: make(chan struct{}),
 		// Ids differ from those of an earlier connection, whose late
 		// answers are then ignored.
-		next: uint64(time.Now().UnixNano())}
+		next: uint64(time.Now().UnixNano()), acks: map[uint64]int64{}, ackWake: make(chan struct{}, 1)}
+	for _, f := range feats {
+		c.window = c.window || f == FeatureWindow
+	}
 	go c.read(r)
+	if c.window {
+		go c.acker()
+	}
 	return c, nil
+}
+
+// ack credits request id with n bytes written out (or dropped).
+func (c *Client) ack(id uint64, n int) {
+	if !c.window || n == 0 {
+		return
+	}
+	c.ackMu.Lock()
+	c.acks[id] += int64(n)
+	c.ackMu.Unlock()
+	notify(c.ackWake)
+}
+
+// acker sends the acks, those that piled up while it wrote merged.
+func (c *Client) acker() {
+	for {
+		select {
+		case <-c.ackWake:
+		case <-c.done:
+			return
+		}
+		c.ackMu.Lock()
+		acks := c.acks
+		c.acks = map[uint64]int64{}
+		c.ackMu.Unlock()
+		for id, n := range acks {
+			if c.send(Msg{ID: id, Op: "ack", Acked: n}) != nil {
+				return
+			}
+		}
+	}
+}
+
+// enqueue queues m for cl's deliverer. An agent that keeps the window
+// never has more than it queued; one that overruns it by far is broken
+// or hostile, and its connection is closed. Without the window (an
+// older agent) the reader waits for room, as it used to wait for the
+// writer.
+func (c *Client) enqueue(cl *call, m Msg) bool {
+	d := cl.dq
+	limit := int64(2*Window + 2*ChunkSize)
+	for {
+		d.mu.Lock()
+		if d.quit || d.bytes+int64(len(m.Data)) <= limit || len(d.q) == 0 {
+			if d.quit {
+				d.mu.Unlock()
+				c.ack(m.ID, len(m.Data)) // given up on: dropped
+				return true
+			}
+			d.q = append(d.q, m)
+			d.bytes += int64(len(m.Data))
+			d.mu.Unlock()
+			notify(d.wake)
+			return true
+		}
+		d.mu.Unlock()
+		if c.window {
+			return false
+		}
+		<-d.room
+	}
+}
+
+// deliver writes cl's queued messages out in order until its exit (or
+// the connection's end, or the call is forgotten), acking the data.
+func (c *Client) deliver(id uint64, cl *call) {
+	d := cl.dq
+	for {
+		d.mu.Lock()
+		var m Msg
+		have := len(d.q) > 0
+		if have {
+			m = d.q[0]
+			d.q[0] = Msg{}
+			d.q = d.q[1:]
+			d.bytes -= int64(len(m.Data))
+		}
+		quit := d.quit
+		d.mu.Unlock()
+		if !have {
+			if quit {
+				return
+			}
+			select {
+			case <-d.wake:
+				continue
+			case <-c.done:
+				return
+			}
+		}
+		notify(d.room)
+		switch m.Op {
+		case "stdout", "stderr":
+			w := cl.stdout
+			if m.Op == "stderr" {
+				w = cl.stderr
+			}
+			if w != nil && !quit {
+				_, _ = w.Write(m.Data)
+			}
+			c.ack(id, len(m.Data))
+		case "exit":
+			c.exited(cl, m)
+			return
+		}
+	}
+}
+
+// exited hands an exit to its call.
+func (c *Client) exited(cl *call, m Msg) {
+	if cl.onExit != nil {
+		cl.onExit(m)
+		return
+	}
+	select {
+	case cl.reply <- m:
+	default:
+	}
+	if cl.exit != nil {
+		cl.finish(m.Code)
+	}
 }
 
 func (c *Client) read(r *bufio.Reader) {
 	var err error
 	for {
+		if err != nil {
+			break // the agent broke the protocol
+		}
 		var line []byte
 		line, err = readLine(r)
 		if err != nil {
@@ -154,28 +322,28 @@ func (c *Client) read(r *bufio.Reader) {
 		}
 		c.mu.Unlock()
 		if cl == nil {
+			if m.Op == "stdout" || m.Op == "stderr" {
+				c.ack(m.ID, len(m.Data)) // a request the host gave up on
+			}
 			continue
 		}
 		switch m.Op {
-		case "stdout":
-			if cl.stdout != nil {
-				_, _ = cl.stdout.Write(m.Data)
-			}
-		case "stderr":
-			if cl.stderr != nil {
-				_, _ = cl.stderr.Write(m.Data)
-			}
-		case "exit":
-			if cl.onExit != nil {
-				cl.onExit(m)
+		case "stdout", "stderr", "exit":
+			if cl.dq != nil {
+				if !c.enqueue(cl, m) {
+					err = fmt.Errorf("the agent sent request %d more data than its window", m.ID)
+					c.c.Close()
+				}
 				break
 			}
-			select {
-			case cl.reply <- m:
-			default:
+			w := cl.stdout
+			if m.Op == "stderr" {
+				w = cl.stderr
 			}
-			if cl.exit != nil {
-				cl.finish(m.Code)
+			if m.Op == "exit" {
+				c.exited(cl, m)
+			} else if w != nil {
+				_, _ = w.Write(m.Data)
 			}
 		default: // ok, error, started
 			select {
@@ -218,13 +386,30 @@ func (c *Client) register(m *Msg, cl *call) error {
 	c.next++
 	m.ID = c.next
 	c.calls[m.ID] = cl
+	if cl.stdout != nil || cl.stderr != nil || cl.onExit != nil || cl.exit != nil {
+		cl.dq = newDelivery()
+		if c.window {
+			m.Window = Window
+		}
+		go c.deliver(m.ID, cl)
+	}
 	return nil
 }
 
+// forget drops call id: what comes for it is dropped (and acked), and its
+// deliverer, once what is queued is acked, ends.
 func (c *Client) forget(id uint64) {
 	c.mu.Lock()
+	cl := c.calls[id]
 	delete(c.calls, id)
 	c.mu.Unlock()
+	if cl != nil && cl.dq != nil {
+		cl.dq.mu.Lock()
+		cl.dq.quit = true
+		cl.dq.mu.Unlock()
+		notify(cl.dq.wake)
+		notify(cl.dq.room)
+	}
 }
 
 func (c *Client) gone() error {
@@ -278,9 +463,10 @@ type Process struct {
 }
 
 // Exec starts a command (m.Op "exec"): stdin is sent to it (nil: closed at
-// once; an io.Closer is closed once the command exits), and its output written to stdout and stderr (as it comes, from
-// the connection's reader: a slow writer holds up every stream). It
-// returns once the command started (or could not: then Wait gives 127 or
+// once; an io.Closer is closed once the command exits), and its output
+// written to stdout and stderr as it comes, by a goroutine of the call's
+// own: with an agent that keeps the window, a slow writer holds up this
+// command alone (its output waits in the guest). It returns once the command started (or could not: then Wait gives 127 or
 // 126 and stderr says why).
 func (c *Client) Exec(ctx context.Context, m Msg, stdin io.Reader, stdout, stderr io.Writer) (*Process, error) {
 	m.Op = "exec"

@@ -28,8 +28,8 @@ func fsErr(m Msg) error {
 }
 
 // call runs one file operation: in is sent as its data, what it streams
-// goes to out (written from the connection's reader); it returns the
-// answer.
+// goes to out (written by the call's deliverer, see Client.Exec); it
+// returns the answer.
 func (f Files) call(ctx context.Context, q FSRequest, in io.Reader, out io.Writer) (FSResult, error) {
 	c := f.C
 	done := make(chan Msg, 1)
@@ -68,9 +68,8 @@ func entry(r FSResult) api.FileEntry {
 	return *r.Entry
 }
 
-// ReadFile opens path; its data streams as the returned reader is read.
-// The connection's reader writes it: a reader of it that stops holds up
-// the VM's other streams until it is closed.
+// ReadFile opens path; its data streams as the returned reader is read
+// (a reader that stops holds up this call alone).
 func (f Files) ReadFile(ctx context.Context, path string) (io.ReadCloser, api.FileEntry, error) {
 	c := f.C
 	pr, pw := io.Pipe()

@@ -232,7 +232,7 @@ func (w *chunkWriter) Write(p []byte) (int, error) {
 	n := len(p)
 	for len(p) > 0 {
 		k := min(len(p), ChunkSize)
-		w.c.send(Msg{ID: w.id, Op: "stdout", Data: append([]byte(nil), p[:k]...)})
+		w.c.sendData(w.id, "stdout", append([]byte(nil), p[:k]...))
 		p = p[k:]
 	}
 	if w.c.failed() {

@@ -10,7 +10,8 @@
 // "stdin_close" for it; the agent answers "started" (with the pid inside),
 // "stdout" and "stderr" chunks as they come, and "exit". Requests that are
 // not processes ("setup", "signal", "kill", "ping") are answered "ok" or
-// "error" with their id. Every connection begins with the agent's "ready":
+// "error" with their id; "ack" (flow control, see Msg.Window) is not
+// answered. Every connection begins with the agent's "ready":
 // the host may go and come back (an edge restart), and the agent serves
 // the next connection the same way, killing the processes the previous one
 // started and left running.
@@ -80,7 +81,21 @@ type Msg struct {
 	// take theirs as "stdin".
 	FS       *FSRequest `json:"fs,omitempty"`
 	FSResult *FSResult  `json:"fs_result,omitempty"`
+
+	// Flow control. ready, and the answer to a ping, list the agent's
+	// Features; with "window", an exec or fs request may carry Window:
+	// the bytes of stdout, stderr and file data the host takes for it
+	// before the agent waits for an "ack" (Acked: bytes the host has
+	// written out since its last ack of that request). A consumer that
+	// reads slowly then holds up its own request alone, not the
+	// connection; the host acks data of a request it gave up on at once.
+	Features []string `json:"features,omitempty"`
+	Window   int64    `json:"window,omitempty"`
+	Acked    int64    `json:"acked,omitempty"`
 }
+
+// FeatureWindow is the flow control feature (Msg.Window).
+const FeatureWindow = "window"
 
 // FSRequest is a file operation, as the files API has them.
 type FSRequest struct {
