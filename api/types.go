@@ -547,6 +547,9 @@ type Template struct {
 	Toolkits  []string `json:"toolkits,omitempty"`
 	// User runs the sandbox's processes; empty: the base image's user.
 	User string `json:"user,omitempty"`
+	// Backend is the backend its sandboxes run on (SandboxSpec.Backend);
+	// empty: the default, container.
+	Backend string `json:"backend,omitempty"`
 	// Project is the project of the key that made the alias; it is seen
 	// as layers are (its project, those above and those below it).
 	Project   string    `json:"project,omitempty"`

@@ -21,7 +21,7 @@ func runTemplate(ctx context.Context, args []string) error {
 }
 
 func templateAlias(ctx context.Context, args []string) error {
-	fs := newCmdFlags("template alias", "NAME --base REF [--workspace REF] [--toolkit REF]... [--user USER] [--json]",
+	fs := newCmdFlags("template alias", "NAME --base REF [--workspace REF] [--toolkit REF]... [--user USER] [--backend B] [--json]",
 		"Make NAME an E2B template: Sandbox.create(\"NAME\") in the E2B SDK then starts a\n"+
 			"sandbox on these layers as USER (default: the base image's user). The alias\n"+
 			"\"base\" is the E2B SDK's default template.")
@@ -30,6 +30,7 @@ func templateAlias(ctx context.Context, args []string) error {
 	var toolkits stringList
 	fs.Var(&toolkits, "toolkit", "toolkit layer `REF` (repeatable, applied in order)")
 	user := fs.String("user", "", "user the sandbox's processes run as, e.g. user (E2B's code expects user with home /home/user)")
+	backend := fs.String("backend", "", "backend its sandboxes run on: container (the default), gvisor or microvm")
 	asJSON := fs.Bool("json", false, "print the API response as JSON")
 	pos, err := fs.parseN(args, 1, 1)
 	if err != nil {
@@ -42,12 +43,16 @@ func templateAlias(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	t, err := c.CreateTemplate(ctx, api.Template{Name: pos[0], Base: *base, Workspace: *workspace, Toolkits: toolkits, User: *user})
+	t, err := c.CreateTemplate(ctx, api.Template{Name: pos[0], Base: *base, Workspace: *workspace, Toolkits: toolkits, User: *user, Backend: *backend})
 	if err != nil {
 		return err
 	}
 	if *asJSON {
 		return printJSON(t)
+	}
+	if t.Backend != "" {
+		printf(os.Stdout, "%s -> %s (%s)\n", t.Name, templateLayers(*t), t.Backend)
+		return nil
 	}
 	printf(os.Stdout, "%s -> %s\n", t.Name, templateLayers(*t))
 	return nil
@@ -80,10 +85,10 @@ func templateList(ctx context.Context, args []string) error {
 		return printJSONList(ts)
 	}
 	tw := newTable()
-	tw.printf("NAME\tLAYERS\tUSER\tPROJECT\tAGE\n")
+	tw.printf("NAME\tLAYERS\tUSER\tBACKEND\tPROJECT\tAGE\n")
 	now := time.Now()
 	for _, t := range ts {
-		tw.printf("%s\t%s\t%s\t%s\t%s\n", t.Name, templateLayers(t), orDash(t.User), orDash(t.Project), humanAge(t.CreatedAt, now))
+		tw.printf("%s\t%s\t%s\t%s\t%s\t%s\n", t.Name, templateLayers(t), orDash(t.User), orDash(t.Backend), orDash(t.Project), humanAge(t.CreatedAt, now))
 	}
 	return tw.Flush()
 }

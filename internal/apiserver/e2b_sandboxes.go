@@ -254,7 +254,7 @@ func (s *Server) e2bTemplateNamed(ctx context.Context, id string) (api.SandboxSp
 	if err != nil {
 		return api.SandboxSpec{}, err
 	}
-	return api.SandboxSpec{Base: t.Base, Workspace: t.Workspace, Toolkits: t.Toolkits, User: t.User}, nil
+	return api.SandboxSpec{Base: t.Base, Workspace: t.Workspace, Toolkits: t.Toolkits, User: t.User, Backend: t.Backend}, nil
 }
 
 // e2bEgress maps E2B's egress settings onto a dsec network policy. E2B

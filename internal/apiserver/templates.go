@@ -85,7 +85,7 @@ func (s *Server) checkTemplate(ctx context.Context, t api.Template) error {
 	}
 	// The checks of a create, on a copy: refs resolve to layers of the
 	// right kind that the caller may see, and the user is well formed.
-	spec := api.SandboxSpec{Base: t.Base, Workspace: t.Workspace, Toolkits: t.Toolkits, User: t.User}
+	spec := api.SandboxSpec{Base: t.Base, Workspace: t.Workspace, Toolkits: t.Toolkits, User: t.User, Backend: t.Backend}
 	if _, err := s.prepare(ctx, &spec); err != nil {
 		return err
 	}

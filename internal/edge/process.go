@@ -274,6 +274,11 @@ func (e *Edge) startProcess(ctx context.Context, s *sbx, id string, req edgeapi.
 	p.Args = req.Argv
 	if req.CwdHome && (req.Cwd == "" || !strings.HasPrefix(req.Cwd, "/")) {
 		home := "/"
+		if p.User != "" {
+			// The backend resolves the user inside the sandbox: it
+			// knows the home (sandbox.Process.Cwd's "~").
+			home = "~"
+		}
 		for _, kv := range p.Env {
 			if h, ok := strings.CutPrefix(kv, "HOME="); ok && strings.HasPrefix(h, "/") {
 				home = h

@@ -116,7 +116,8 @@ type Process struct {
 	// User is set instead of UID and GID for a LayerImages backend, whose
 	// files the node cannot read: the user as the caller gave it (a name,
 	// uid or uid:gid; "" for the image's default), resolved by the backend
-	// inside the sandbox, which also sets HOME and USER.
+	// inside the sandbox, which also sets HOME and USER. Cwd may then be
+	// "~" or begin with "~/": the user's home, as the backend found it.
 	User string
 	// AdditionalGIDs are supplementary groups.
 	AdditionalGIDs []uint32

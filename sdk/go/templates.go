@@ -9,7 +9,8 @@ import (
 )
 
 // Template aliases: names the E2B API's templateID may give for a base
-// layer with an optional workspace, toolkits and user (docs/e2b.md).
+// layer with an optional workspace, toolkits, user and backend
+// (docs/e2b.md).
 
 // CreateTemplate makes the alias t.Name for t's layers and user. A name
 // already taken is ErrAlreadyExists. It carries no Idempotency-Key: a
@@ -18,7 +19,7 @@ func (c *Client) CreateTemplate(ctx context.Context, t api.Template) (*api.Templ
 	if t.Name == "" || t.Base == "" {
 		return nil, errdefs.Invalid("a template alias needs a name and a base layer ref")
 	}
-	req := api.Template{Name: t.Name, Base: t.Base, Workspace: t.Workspace, Toolkits: t.Toolkits, User: t.User}
+	req := api.Template{Name: t.Name, Base: t.Base, Workspace: t.Workspace, Toolkits: t.Toolkits, User: t.User, Backend: t.Backend}
 	var out api.Template
 	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/templates", jsonBody: req}, &out); err != nil {
 		return nil, err

@@ -99,48 +99,95 @@ func TestE2BSDK(t *testing.T) {
 	}
 
 	for _, name := range []string{"lifecycle", "paging", "commands", "files", "pty", "pauseKeepsState", "concurrent", "auth"} {
+		t.Run(name, func(t *testing.T) { runE2BCase(t, dir, name, run, "base", "e2e-user") })
+	}
+	checkE2BLeftNothing(t, run, sessionsBefore)
+}
+
+// TestE2BOnMicroVM: an alias with a backend gives E2B code VMs: the SDK's
+// commands (streamed, background, stdin), files (and watchDir),
+// terminals, and pause and connect keeping state, run unmodified against
+// sandboxes that are VMs.
+func TestE2BOnMicroVM(t *testing.T) {
+	needMicroVM(t)
+	dir := e2bSDK(t)
+	c := ctx(t)
+	for _, tpl := range []api.Template{
+		{Name: "e2e-vm", Base: baseRef, Backend: api.BackendMicroVM},
+		{Name: "e2e-vm-user", Base: baseRef, User: "user", Backend: api.BackendMicroVM},
+	} {
+		if _, err := client.CreateTemplate(c, tpl); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = client.DeleteTemplate(ctx(t), tpl.Name) })
+	}
+	if _, err := client.CreateTemplate(c, api.Template{Name: "e2e-bad-backend", Base: baseRef, Backend: "qemu"}); err == nil {
+		_ = client.DeleteTemplate(c, "e2e-bad-backend")
+		t.Fatal("an alias with an unknown backend was made")
+	}
+	sessionsBefore := sessionsOpen(t)
+	run := fmt.Sprintf("r%d", time.Now().UnixNano())
+	// The commands case checks that its sandbox has a kernel of its own.
+	host, _ := os.ReadFile("/proc/sys/kernel/osrelease")
+	for _, name := range []string{"commands", "files", "pty", "pauseKeepsState"} {
 		t.Run(name, func(t *testing.T) {
-			cmd := exec.CommandContext(c, "node", "suite.mjs", name)
-			cmd.Dir = dir
-			cmd.Env = append(os.Environ(), "E2B_API_URL="+endpoint, "E2B_SANDBOX_URL="+endpoint, "E2B_API_KEY="+d.key,
-				"E2B_TEST_RUN="+run, "E2B_TEST_USER_TEMPLATE=e2e-user", "E2B_TEST_TEMPLATE=base")
-			var stderr bytes.Buffer
-			cmd.Stderr = &stderr
-			out, err := cmd.Output()
-			done, checks := false, 0
-			sc := bufio.NewScanner(bytes.NewReader(out))
-			sc.Buffer(make([]byte, 1<<20), 1<<20)
-			for sc.Scan() {
-				var line struct {
-					Check string
-					OK    bool
-					Got   *string
-					Done  bool
-				}
-				if json.Unmarshal(sc.Bytes(), &line) != nil {
-					continue
-				}
-				switch {
-				case line.Done:
-					done = true
-				case line.Check != "":
-					checks++
-					if !line.OK {
-						got := ""
-						if line.Got != nil {
-							got = *line.Got
-						}
-						t.Errorf("%s: failed (got %s)", line.Check, got)
-					}
-				}
-			}
-			if err != nil || !done || checks == 0 {
-				t.Fatalf("node suite.mjs %s: %v, done=%v, %d checks\nstdout: %s\nstderr: %s", name, err, done, checks, out, stderr.Bytes())
-			}
+			runE2BCase(t, dir, name, run, "e2e-vm", "e2e-vm-user", "E2B_TEST_KERNEL_NOT="+strings.TrimSpace(string(host)))
 		})
 	}
+	checkE2BLeftNothing(t, run, sessionsBefore)
+}
 
-	// Nothing is left: no sandbox of the run, no process slot.
+// runE2BCase runs one case of testdata/e2b/suite.mjs with the SDK in dir,
+// its sandboxes made from template (and userTemplate, where it needs the
+// user "user") and labelled run; env is added to its environment.
+func runE2BCase(t *testing.T, dir, name, run, template, userTemplate string, env ...string) {
+	t.Helper()
+	endpoint := "http://" + d.listen
+	cmd := exec.CommandContext(ctx(t), "node", "suite.mjs", name)
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "E2B_API_URL="+endpoint, "E2B_SANDBOX_URL="+endpoint, "E2B_API_KEY="+d.key,
+		"E2B_TEST_RUN="+run, "E2B_TEST_USER_TEMPLATE="+userTemplate, "E2B_TEST_TEMPLATE="+template)
+	cmd.Env = append(cmd.Env, env...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	done, checks := false, 0
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		var line struct {
+			Check string
+			OK    bool
+			Got   *string
+			Done  bool
+		}
+		if json.Unmarshal(sc.Bytes(), &line) != nil {
+			continue
+		}
+		switch {
+		case line.Done:
+			done = true
+		case line.Check != "":
+			checks++
+			if !line.OK {
+				got := ""
+				if line.Got != nil {
+					got = *line.Got
+				}
+				t.Errorf("%s: failed (got %s)", line.Check, got)
+			}
+		}
+	}
+	if err != nil || !done || checks == 0 {
+		t.Fatalf("node suite.mjs %s: %v, done=%v, %d checks\nstdout: %s\nstderr: %s", name, err, done, checks, out, stderr.Bytes())
+	}
+}
+
+// checkE2BLeftNothing checks that the suite's run left no sandbox and no
+// process slot.
+func checkE2BLeftNothing(t *testing.T, run string, sessionsBefore float64) {
+	t.Helper()
+	c := ctx(t)
 	left, err := client.ListAllSandboxes(c, dsec.ListOptions{Labels: map[string]string{"run": run}})
 	if err != nil {
 		t.Fatal(err)

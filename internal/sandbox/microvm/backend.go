@@ -72,6 +72,9 @@ type vmSlot struct {
 	// slot before finds nothing.
 	gone bool
 	meta meta
+	// agent, while saved, is the client of the agent as it was when the
+	// VM was saved (suspended): resumed, the VM goes on with it.
+	agent *agent.Client
 }
 
 // live reports whether the slot holds a VM, running or saved.
@@ -273,7 +276,7 @@ func (b *Backend) Create(ctx context.Context, cfg sandbox.Config) (err error) {
 	if err := b.saveMeta(cfg.ID, m); err != nil {
 		return err
 	}
-	vm, err := b.start(ctx, cfg.ID, sc, "", procs)
+	vm, err := b.start(ctx, cfg.ID, sc, "", procs, nil)
 	if err != nil {
 		return err
 	}
@@ -299,12 +302,12 @@ func (b *Backend) Create(ctx context.Context, cfg sandbox.Config) (err error) {
 
 // start starts the VMM for id (inside the VM's network namespace),
 // resuming from snapshot when set.
-func (b *Backend) start(ctx context.Context, id string, sc startConfig, snapshot string, procs []string) (*VM, error) {
+func (b *Backend) start(ctx context.Context, id string, sc startConfig, snapshot string, procs []string, reattach *agent.Client) (*VM, error) {
 	dir := b.dir(id)
 	return Start(ctx, VMConfig{
 		QEMU: b.cfg.QEMU, Guest: b.guest, Dir: dir, Accel: b.cfg.Accel,
 		MemoryMB: sc.MemoryMB, CPUs: sc.CPUs, Disks: sc.Disks, NIC: sc.NIC, Balloon: sc.Balloon,
-		NetNSPath: filepath.Join(dir, "netns"), Incoming: snapshot, Cgroup: procs,
+		NetNSPath: filepath.Join(dir, "netns"), Incoming: snapshot, Cgroup: procs, Reattach: reattach,
 	})
 }
 
@@ -384,6 +387,16 @@ func (b *Backend) running(ctx context.Context, id string) (*VM, error) {
 	select {
 	case <-s.vm.Done():
 		return nil, errdefs.Precondition("sandbox %s: its VM has stopped (VMM log: %s)", id, tail(filepath.Join(b.dir(id), vmmLog), 500))
+	default:
+	}
+	select {
+	case <-s.vm.Agent.Done():
+		// The connection broke while the VM runs: a new one (the agent
+		// ends what the old one started, whose calls have failed).
+		b.cfg.Log.Warn("microvm: reconnecting to the agent", "sandbox_id", id, "err", s.vm.Agent.Err())
+		if err := s.vm.connect(ctx, 30*time.Second); err != nil {
+			return nil, errdefs.Precondition("sandbox %s: its VM's agent does not answer: %v", id, err)
+		}
 	default:
 	}
 	return s.vm, nil
@@ -549,12 +562,18 @@ func (b *Backend) saveLocked(ctx context.Context, id string, s *vmSlot) error {
 	// takes as long as its memory takes to write.
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Minute)
 	defer cancel()
+	// The agent's client outlives this VMM: its calls (commands that
+	// run on) wait for the VM's next one.
+	ag := s.vm.DetachAgent()
+	ag.Suspend()
 	if err := s.vm.SaveTo(sctx, snap); err != nil {
 		// The VM may be stopped: start its vCPUs again.
 		_ = s.vm.Resume(context.Background())
+		ag.Unsuspend()
+		s.vm.Agent = ag
 		return fmt.Errorf("pausing the VM: %w", err)
 	}
-	s.vm = nil
+	s.vm, s.agent = nil, ag
 	s.saved = true
 	s.meta.Saved, s.meta.Pid = true, 0
 	return b.saveMeta(id, s.meta)
@@ -641,11 +660,20 @@ func (b *Backend) resumeLocked(ctx context.Context, id string, s *vmSlot) error 
 		}
 	}
 	snap := filepath.Join(b.dir(id), "snapshot")
-	vm, err := b.start(ctx, id, s.meta.Start, snap, procs)
+	// With the agent's client of the VM when it was saved, the commands
+	// it ran go on; a VM an earlier edge saved starts a new connection.
+	vm, err := b.start(ctx, id, s.meta.Start, snap, procs, s.agent)
 	if err != nil {
+		if s.agent != nil {
+			select {
+			case <-s.agent.Done():
+				s.agent = nil // gone with the attempt: the next one starts anew
+			default:
+			}
+		}
 		return fmt.Errorf("resuming the VM: %w", err)
 	}
-	s.vm, s.saved = vm, false
+	s.vm, s.saved, s.agent = vm, false, nil
 	s.meta.Saved, s.meta.Pid = false, vm.Pid
 	if err := b.saveMeta(id, s.meta); err != nil {
 		return err
@@ -674,6 +702,10 @@ func (b *Backend) destroy(s *vmSlot, id string) error {
 	if s.vm != nil {
 		s.vm.Stop()
 		s.vm = nil
+	}
+	if s.agent != nil {
+		s.agent.Close() // the calls of a saved VM end with it
+		s.agent = nil
 	}
 	m, _ := b.loadMeta(id)
 	if m.Cgroup == "" {

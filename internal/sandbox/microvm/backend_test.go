@@ -209,6 +209,20 @@ func TestPauseIsASnapshot(t *testing.T) {
 		return out.String()
 	}
 	sh("echo kept > /tmp/mem; echo 1 > /root/disk")
+	// A command that runs across the pauses: it waits for its stdin.
+	in, inw := io.Pipe()
+	var live syncBuf
+	running, err := b.Exec(ctx, cfg.ID, sandbox.Process{Args: []string{"/bin/sh", "-c", `echo started; read x; echo "got $x"`}, Stdin: in, Stdout: &live, Stderr: &live})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); live.String() != "started\n"; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no output: %q", live.String())
+		}
+	}
+	exited := make(chan int, 1)
+	go func() { code, _ := running.Wait(); exited <- code }()
 	for round := 1; round <= 2; round++ {
 		st, _ := b.Status(ctx, cfg.ID)
 		start := time.Now()
@@ -239,6 +253,20 @@ func TestPauseIsASnapshot(t *testing.T) {
 		if out := sh("cat /tmp/mem"); out != "kept\n" {
 			t.Fatalf("after resume: %q", out)
 		}
+		select {
+		case code := <-exited:
+			t.Fatalf("round %d: the command that waits for stdin ended (%d) across the pause", round, code)
+		default:
+		}
+	}
+	inw.Write([]byte("after\n"))
+	select {
+	case code := <-exited:
+		if code != 0 || live.String() != "started\ngot after\n" {
+			t.Fatalf("the command across two pauses: %d %q", code, live.String())
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the command across two pauses does not end")
 	}
 	if err := b.Pause(ctx, cfg.ID); err != nil {
 		t.Fatal(err)
@@ -430,4 +458,22 @@ func TestFreedMemoryGoesBack(t *testing.T) {
 	if full-after < 150<<20 {
 		t.Fatalf("the guest freed 200 MiB and the VMM gave back %d MiB", (full-after)>>20)
 	}
+}
+
+// syncBuf is a buffer safe for a writer and a reader at once.
+type syncBuf struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuf) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuf) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

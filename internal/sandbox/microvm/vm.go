@@ -47,6 +47,13 @@ type VMConfig struct {
 	// Incoming, if set, is a VM snapshot (SaveTo's file) the VM resumes
 	// from instead of booting.
 	Incoming string
+	// Reattach, with Incoming, is the client of the agent as it was when
+	// the VM was saved (suspended, see DetachAgent): it goes on over the
+	// new VMM's socket, connected before the guest runs again so that the
+	// agent sees no new connection, and its calls (running commands) go
+	// on. Without it the agent sees a new connection and ends what the
+	// last one started.
+	Reattach *agent.Client
 	// Cgroup, if set, are cgroup.procs files the VMM joins.
 	Cgroup []string
 	// Balloon gives the guest a balloon device that reports the pages
@@ -195,6 +202,13 @@ func Start(ctx context.Context, cfg VMConfig) (*VM, error) {
 		if err := os.WriteFile(procs, []byte(strconv.Itoa(v.Pid)), 0); err != nil {
 			return fail(fmt.Errorf("moving the VMM into its cgroup: %w", err))
 		}
+	}
+	if cfg.Incoming != "" && cfg.Reattach != nil {
+		if err := v.resumeAttached(ctx, cfg.Reattach); err != nil {
+			return fail(err)
+		}
+		v.Boot = time.Since(start)
+		return v, nil
 	}
 	if cfg.Incoming != "" {
 		if err := v.continueIncoming(ctx); err != nil {
@@ -399,6 +413,88 @@ func (v *VM) continueIncoming(ctx context.Context) error {
 		case <-time.After(10 * time.Millisecond):
 		}
 	}
+}
+
+// resumeAttached resumes a VM from its snapshot with ag, the client of its
+// agent when it was saved: once the snapshot is read, ag's new socket is
+// connected, then the guest runs again, so that the agent's port finds
+// its host connected as it was when saved.
+func (v *VM) resumeAttached(ctx context.Context, ag *agent.Client) error {
+	q := filepath.Join(v.dir, qmpSock)
+	for {
+		r, err := qmpRun(ctx, q, "query-status", nil)
+		var st struct {
+			Status string `json:"status"`
+		}
+		if err == nil {
+			_ = json.Unmarshal(r, &st)
+		}
+		if err == nil && st.Status != "inmigrate" {
+			break
+		}
+		select {
+		case <-v.done:
+			return errors.New("the VMM exited reading the snapshot")
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	conn, err := net.Dial("unix", filepath.Join(v.dir, agentSock))
+	if err != nil {
+		return fmt.Errorf("connecting to the VMM: %w", err)
+	}
+	// The VMM takes the connection in its own time: the guest must not
+	// run before it has (it would see its host gone, then back).
+	for {
+		r, err := qmpRun(ctx, q, "query-chardev", nil)
+		if err != nil {
+			conn.Close()
+			return err
+		}
+		var devs []struct {
+			Label    string `json:"label"`
+			Filename string `json:"filename"`
+		}
+		_ = json.Unmarshal(r, &devs)
+		connected := false
+		for _, d := range devs {
+			connected = connected || d.Label == "agent" && !strings.HasPrefix(d.Filename, "disconnected")
+		}
+		if connected {
+			break
+		}
+		select {
+		case <-v.done:
+			conn.Close()
+			return errors.New("the VMM exited reading the snapshot")
+		case <-ctx.Done():
+			conn.Close()
+			return ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	go func() {
+		<-v.done
+		conn.Close()
+	}()
+	if err := ag.Attach(ctx, conn); err != nil {
+		return fmt.Errorf("attaching to the guest's agent: %w", err)
+	}
+	if _, err := qmpRun(ctx, q, "cont", nil); err != nil {
+		return err
+	}
+	v.Agent = ag
+	return nil
+}
+
+// DetachAgent takes the agent's client from the VM (which then no longer
+// closes it): a VM about to be saved hands it, suspended, to the VM that
+// will resume it (VMConfig.Reattach).
+func (v *VM) DetachAgent() *agent.Client {
+	ag := v.Agent
+	v.Agent = nil
+	return ag
 }
 
 // SaveTo writes the VM's memory and device state to file (the guest

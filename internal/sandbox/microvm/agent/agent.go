@@ -104,24 +104,27 @@ func (c *conn) sendData(id uint64, op string, data []byte) {
 	c.send(Msg{ID: id, Op: op, Data: data})
 }
 
-// window is the host's credit for one request's data. A chunk goes out
-// while any credit is left (it may overdraw by one chunk, so a window
-// smaller than a chunk still moves).
+// window is the host's credit for one request's data: at most size
+// bytes sent and not yet acked. Acks are cumulative (the bytes the host
+// has written out in all), so one lost with a connection (a VM saved
+// and resumed) is made good by the next. A chunk goes out while the
+// window has any room (it may overdraw by one chunk, so a window smaller
+// than a chunk still moves).
 type window struct {
-	mu     sync.Mutex
-	avail  int64
-	closed bool
-	wake   chan struct{}
+	mu                sync.Mutex
+	size, sent, acked int64
+	closed            bool
+	wake              chan struct{}
 }
 
-func newWindow(n int64) *window { return &window{avail: n, wake: make(chan struct{}, 1)} }
+func newWindow(n int64) *window { return &window{size: n, wake: make(chan struct{}, 1)} }
 
-// take waits for credit (or the window's end) and spends n of it.
+// take waits for room (or the window's end) and counts n sent.
 func (w *window) take(n int64) {
 	for {
 		w.mu.Lock()
-		if w.closed || w.avail > 0 {
-			w.avail -= n
+		if w.closed || w.sent-w.acked < w.size {
+			w.sent += n
 			w.mu.Unlock()
 			return
 		}
@@ -130,9 +133,12 @@ func (w *window) take(n int64) {
 	}
 }
 
-func (w *window) give(n int64) {
+// give records that the host has written out total bytes in all.
+func (w *window) give(total int64) {
 	w.mu.Lock()
-	w.avail += n
+	if total > w.acked {
+		w.acked = total
+	}
 	w.mu.Unlock()
 	w.signal()
 }
@@ -417,6 +423,16 @@ func (s *Server) exec(c *conn, m Msg) error {
 	cwd := m.Cwd
 	if cwd == "" {
 		cwd = "/"
+	}
+	if cwd == "~" || strings.HasPrefix(cwd, "~/") {
+		// The user's home, as resolveUser found it (or the caller set).
+		home := "/"
+		for _, kv := range env {
+			if h, ok := strings.CutPrefix(kv, "HOME="); ok && strings.HasPrefix(h, "/") {
+				home = h
+			}
+		}
+		cwd = filepath.Join(home, strings.TrimPrefix(cwd, "~"))
 	}
 	var inR, inW, outR, outW, errR, errW *os.File
 	var tty *os.File

@@ -622,3 +622,162 @@ func TestAgentOverrunningItsWindowIsCutOff(t *testing.T) {
 	}
 	close(g.open)
 }
+
+// relay stands for a VMM between the agent and the host: the agent's
+// side is one stream for the agent's whole life, while the host's side is
+// a socket of the current VMM, replaced when the VM is saved and resumed
+// by another. Nothing the agent wrote is lost in the swap (a VM's device
+// state keeps what the old VMM had not passed on).
+type relay struct {
+	agent net.Conn
+	mu    sync.Mutex
+	host  net.Conn
+	next  chan struct{}
+}
+
+func newRelay(agentSide net.Conn) *relay {
+	r := &relay{agent: agentSide, next: make(chan struct{})}
+	go func() {
+		buf := make([]byte, 64<<10)
+		for {
+			n, err := r.agent.Read(buf)
+			data := buf[:n]
+			for len(data) > 0 {
+				r.mu.Lock()
+				h, next := r.host, r.next
+				r.mu.Unlock()
+				if h == nil {
+					<-next
+					continue
+				}
+				k, werr := h.Write(data)
+				data = data[k:]
+				if werr != nil {
+					<-next
+				}
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	return r
+}
+
+// vmm gives the host a new socket to the agent (a new VMM's).
+func (r *relay) vmm() net.Conn {
+	hostEnd, relayEnd := net.Pipe()
+	r.mu.Lock()
+	r.host = relayEnd
+	close(r.next)
+	r.next = make(chan struct{})
+	r.mu.Unlock()
+	go io.Copy(r.agent, relayEnd)
+	return hostEnd
+}
+
+// stop ends the current VMM's socket.
+func (r *relay) stop() {
+	r.mu.Lock()
+	h := r.host
+	r.host = nil
+	r.mu.Unlock()
+	h.Close()
+}
+
+// TestCommandsGoOnAcrossAResume: a client suspended while its VM is
+// saved and attached to the next VMM's socket keeps its calls: a command
+// started before waits (no ErrGone), takes stdin sent while suspended,
+// and ends with its output whole; an agent that takes the new socket for
+// a new connection (and so killed the command) fails the calls instead of
+// leaving them hanging.
+func TestCommandsGoOnAcrossAResume(t *testing.T) {
+	agentEnd, relayEnd := net.Pipe()
+	srv := NewServer()
+	go srv.Serve(agentEnd)
+	r := newRelay(relayEnd)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := Connect(ctx, r.vmm())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	in, inw := io.Pipe()
+	var out syncBuffer
+	p, err := c.Exec(ctx, Msg{Args: []string{"sh", "-c", `echo before; read x; echo "got $x"; head -c 3000000 /dev/zero | wc -c`}}, in, &out, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); out.String() != "before\n"; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no output: %q", out.String())
+		}
+	}
+	c.Suspend()
+	r.stop()
+	// Stdin sent while the VM is saved waits for the next VMM.
+	go inw.Write([]byte("resumed\n"))
+	time.Sleep(200 * time.Millisecond)
+	select {
+	case <-c.Done():
+		t.Fatal("the end of a suspended transport failed the connection")
+	default:
+	}
+	if err := c.Attach(ctx, r.vmm()); err != nil {
+		t.Fatal(err)
+	}
+	code, err := p.Wait()
+	if code != 0 || err != nil || out.String() != "before\ngot resumed\n3000000\n" {
+		t.Fatalf("across the resume: %d %v %q", code, err, out.String())
+	}
+	if err := c.Call(ctx, Msg{Op: "ping"}); err != nil {
+		t.Fatalf("a call after the resume: %v", err)
+	}
+	inw.Close()
+
+	// The same, but the agent sees a new connection on the new socket
+	// (its own Serve again): the command it killed is reported gone.
+	p2, err := c.Exec(ctx, Msg{Args: []string{"sleep", "30"}}, nil, io.Discard, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Suspend()
+	r.stop()
+	agentEnd.Close()
+	a2, b2 := net.Pipe()
+	go srv.Serve(a2)
+	if err := c.Attach(ctx, b2); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { _, err := p2.Wait(); done <- err }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, ErrGone) {
+			t.Fatalf("a command the agent killed: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a command the agent killed is still waited for")
+	}
+}
+
+// TestCwdInHome: a cwd of "~" or "~/x" is taken in the user's home.
+func TestCwdInHome(t *testing.T) {
+	a, b := net.Pipe()
+	go NewServer().Serve(a)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := Connect(ctx, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	home := t.TempDir()
+	os.Mkdir(filepath.Join(home, "sub"), 0o755)
+	for cwd, want := range map[string]string{"~": home, "~/sub": home + "/sub", "/tmp": "/tmp"} {
+		if code, out, _ := run(t, c, Msg{Args: []string{"pwd"}, Cwd: cwd, Env: []string{"HOME=" + home}}, ""); code != 0 || strings.TrimSpace(out) != want {
+			t.Errorf("cwd %s: %d %q, want %s", cwd, code, out, want)
+		}
+	}
+}

@@ -13,11 +13,14 @@ import (
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
-// Client is the host's side of one connection to an agent.
+// Client is the host's side of a connection to an agent. The connection
+// may outlive its transport: a VM saved to a file and resumed by a new
+// VMM keeps its agent's state, and the Client, suspended while the VM is
+// saved, goes on over the new VMM's socket (Suspend, Attach), its calls
+// (running commands) with it.
 type Client struct {
-	c io.ReadWriteCloser
-
 	wmu sync.Mutex
+	c   io.ReadWriteCloser // the transport; replaced by Attach
 	enc *json.Encoder
 
 	mu    sync.Mutex
@@ -25,12 +28,22 @@ type Client struct {
 	next  uint64
 	err   error // set once the connection is gone
 	done  chan struct{}
+	once  sync.Once
+	// suspended: the transport is going (Suspend): its end fails
+	// nothing, and sends wait for resumed (closed by Attach).
+	suspended bool
+	closed    bool
+	resumed   chan struct{}
+	// readerDone is closed when the current transport's reader ends.
+	readerDone chan struct{}
 
 	// window says the agent keeps flow control (FeatureWindow); then
-	// acks of written data are sent by one goroutine, coalesced.
+	// acks of written data are sent by one goroutine, coalesced. acked
+	// holds each request's total, dirty those not sent since it grew.
 	window  bool
 	ackMu   sync.Mutex
-	acks    map[uint64]int64
+	acked   map[uint64]int64
+	dirty   map[uint64]bool
 	ackWake chan struct{}
 }
 
@@ -168,11 +181,14 @@ func Connect(ctx context.Context, conn io.ReadWriteCloser) (*Client, error) {
 	c := &Client{c: conn, enc: json.NewEncoder(conn), calls: map[uint64]*call{}, done: make(chan struct{}),
 		// Ids differ from those of an earlier connection, whose late
 		// answers are then ignored.
-		next: uint64(time.Now().UnixNano()), acks: map[uint64]int64{}, ackWake: make(chan struct{}, 1)}
+		next:  uint64(time.Now().UnixNano()),
+		acked: map[uint64]int64{}, dirty: map[uint64]bool{}, ackWake: make(chan struct{}, 1),
+		resumed: make(chan struct{}), readerDone: make(chan struct{})}
+	close(c.resumed)
 	for _, f := range feats {
 		c.window = c.window || f == FeatureWindow
 	}
-	go c.read(r)
+	go c.read(r, conn, c.readerDone, false)
 	if c.window {
 		go c.acker()
 	}
@@ -185,9 +201,18 @@ func (c *Client) ack(id uint64, n int) {
 		return
 	}
 	c.ackMu.Lock()
-	c.acks[id] += int64(n)
+	c.acked[id] += int64(n)
+	c.dirty[id] = true
 	c.ackMu.Unlock()
 	notify(c.ackWake)
+}
+
+// ackDone forgets request id's total once the agent ended the request.
+func (c *Client) ackDone(id uint64) {
+	c.ackMu.Lock()
+	delete(c.acked, id)
+	delete(c.dirty, id)
+	c.ackMu.Unlock()
 }
 
 // acker sends the acks, those that piled up while it wrote merged.
@@ -199,11 +224,14 @@ func (c *Client) acker() {
 			return
 		}
 		c.ackMu.Lock()
-		acks := c.acks
-		c.acks = map[uint64]int64{}
+		var acks []Msg
+		for id := range c.dirty {
+			acks = append(acks, Msg{ID: id, Op: "ack", Acked: c.acked[id]})
+		}
+		c.dirty = map[uint64]bool{}
 		c.ackMu.Unlock()
-		for id, n := range acks {
-			if c.send(Msg{ID: id, Op: "ack", Acked: n}) != nil {
+		for _, m := range acks {
+			if c.send(m) != nil {
 				return
 			}
 		}
@@ -280,6 +308,7 @@ func (c *Client) deliver(id uint64, cl *call) {
 			c.ack(id, len(m.Data))
 		case "exit":
 			c.exited(cl, m)
+			c.ackDone(id)
 			return
 		}
 	}
@@ -300,8 +329,13 @@ func (c *Client) exited(cl *call, m Msg) {
 	}
 }
 
-func (c *Client) read(r *bufio.Reader) {
+// read serves the transport conn (its reader r) until it ends, then
+// closes done; attached says it replaced an earlier transport, on which
+// the agent must not begin anew.
+func (c *Client) read(r *bufio.Reader, conn io.Closer, done chan struct{}, attached bool) {
+	defer close(done)
 	var err error
+	fatal := false // the agent broke the protocol
 	for {
 		if err != nil {
 			break // the agent broke the protocol
@@ -315,6 +349,12 @@ func (c *Client) read(r *bufio.Reader) {
 		if json.Unmarshal(line, &m) != nil {
 			continue
 		}
+		if m.Op == "ready" && attached {
+			// The agent took the new transport for a new connection,
+			// and has killed what the old one started.
+			err, fatal = errors.New("the agent began a new connection on a resumed one"), true
+			break
+		}
 		c.mu.Lock()
 		cl := c.calls[m.ID]
 		if m.Op == "exit" || (m.Op != "started" && m.Op != "stdout" && m.Op != "stderr" && cl != nil && cl.exit == nil) {
@@ -322,8 +362,11 @@ func (c *Client) read(r *bufio.Reader) {
 		}
 		c.mu.Unlock()
 		if cl == nil {
-			if m.Op == "stdout" || m.Op == "stderr" {
+			switch m.Op {
+			case "stdout", "stderr":
 				c.ack(m.ID, len(m.Data)) // a request the host gave up on
+			case "exit":
+				c.ackDone(m.ID)
 			}
 			continue
 		}
@@ -331,8 +374,7 @@ func (c *Client) read(r *bufio.Reader) {
 		case "stdout", "stderr", "exit":
 			if cl.dq != nil {
 				if !c.enqueue(cl, m) {
-					err = fmt.Errorf("the agent sent request %d more data than its window", m.ID)
-					c.c.Close()
+					err, fatal = fmt.Errorf("the agent sent request %d more data than its window", m.ID), true
 				}
 				break
 			}
@@ -352,17 +394,113 @@ func (c *Client) read(r *bufio.Reader) {
 			}
 		}
 	}
-	c.c.Close()
+	conn.Close()
 	c.mu.Lock()
-	c.err = fmt.Errorf("%w: %v", ErrGone, err)
-	c.calls = map[uint64]*call{}
+	quiet := c.suspended && !c.closed && !fatal
 	c.mu.Unlock()
-	close(c.done)
+	if quiet {
+		return // a transport that was going: the calls wait for the next
+	}
+	c.shutdown(err)
+}
+
+// shutdown ends the connection: every call fails with ErrGone.
+func (c *Client) shutdown(why error) {
+	c.once.Do(func() {
+		c.mu.Lock()
+		c.err = fmt.Errorf("%w: %v", ErrGone, why)
+		c.calls = map[uint64]*call{}
+		c.mu.Unlock()
+		close(c.done)
+	})
+}
+
+// Suspend says the transport is about to go (its VM saved, its VMM
+// ended): its end fails no call, and sends wait until Attach gives a new
+// one (or Close).
+func (c *Client) Suspend() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.suspended {
+		c.suspended = true
+		c.resumed = make(chan struct{})
+	}
+}
+
+// Unsuspend undoes Suspend while the transport still serves (a save that
+// failed, its VM running on).
+func (c *Client) Unsuspend() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.suspended {
+		c.suspended = false
+		close(c.resumed)
+	}
+}
+
+// Attach goes on over conn, the socket of the VMM that resumed the
+// agent's VM, once what the old transport carried is read: the agent
+// sees no new connection, and its commands and their streams go on. The
+// totals of the acks are sent again, as one may have been lost with the
+// old transport.
+func (c *Client) Attach(ctx context.Context, conn io.ReadWriteCloser) error {
+	c.mu.Lock()
+	if c.err != nil || c.closed {
+		c.mu.Unlock()
+		conn.Close()
+		return ErrGone
+	}
+	old := c.readerDone
+	c.mu.Unlock()
+	select {
+	case <-old:
+	case <-ctx.Done():
+		conn.Close()
+		return ctx.Err()
+	}
+	c.wmu.Lock()
+	c.c, c.enc = conn, json.NewEncoder(conn)
+	c.wmu.Unlock()
+	rd := make(chan struct{})
+	c.mu.Lock()
+	c.readerDone = rd
+	if c.suspended {
+		c.suspended = false
+		close(c.resumed)
+	}
+	c.mu.Unlock()
+	go c.read(bufio.NewReaderSize(conn, 256<<10), conn, rd, true)
+	c.ackMu.Lock()
+	for id := range c.acked {
+		c.dirty[id] = true
+	}
+	c.ackMu.Unlock()
+	notify(c.ackWake)
+	return nil
 }
 
 // send writes m, within writeTimeout where the connection has deadlines.
 // A failed write may have left part of a line: the connection is closed.
 func (c *Client) send(m Msg) error {
+	for {
+		c.mu.Lock()
+		err, resumed := c.err, c.resumed
+		c.mu.Unlock()
+		if err != nil {
+			return err
+		}
+		select {
+		case <-resumed:
+		default:
+			select { // suspended: wait for the next transport
+			case <-resumed:
+				continue
+			case <-c.done:
+				return c.gone()
+			}
+		}
+		break
+	}
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	dl, hasDeadline := c.c.(interface{ SetWriteDeadline(time.Time) error })
@@ -616,8 +754,20 @@ func (p *Process) Resize(ctx context.Context, rows, cols uint16) error {
 	return p.c.Call(ctx, Msg{Op: "resize", Of: p.id, Rows: rows, Cols: cols})
 }
 
-// Close closes the connection.
-func (c *Client) Close() error { return c.c.Close() }
+// Close ends the connection: every call fails with ErrGone.
+func (c *Client) Close() error {
+	c.mu.Lock()
+	c.closed = true
+	c.mu.Unlock()
+	c.wmu.Lock()
+	err := c.c.Close()
+	c.wmu.Unlock()
+	c.shutdown(errors.New("closed"))
+	return err
+}
+
+// Err is why the connection is gone (nil while it serves).
+func (c *Client) Err() error { return c.gone() }
 
 // Done is closed when the connection is gone.
 func (c *Client) Done() <-chan struct{} { return c.done }

@@ -39,7 +39,8 @@ type Msg struct {
 
 	// exec: the command, run in the sandbox's root once setup made one
 	// (else in the agent's own). User is a name, uid or uid:gid, looked
-	// up in the sandbox's /etc/passwd ("" is root).
+	// up in the sandbox's /etc/passwd ("" is root). A Cwd of "~" or
+	// beginning "~/" is in the user's home.
 	Args []string `json:"args,omitempty"`
 	Env  []string `json:"env,omitempty"`
 	Cwd  string   `json:"cwd,omitempty"`
@@ -85,8 +86,9 @@ type Msg struct {
 	// Flow control. ready, and the answer to a ping, list the agent's
 	// Features; with "window", an exec or fs request may carry Window:
 	// the bytes of stdout, stderr and file data the host takes for it
-	// before the agent waits for an "ack" (Acked: bytes the host has
-	// written out since its last ack of that request). A consumer that
+	// before the agent waits for an "ack" (Acked: the bytes of that
+	// request the host has written out in all, so that a lost ack is
+	// made good by the next). A consumer that
 	// reads slowly then holds up its own request alone, not the
 	// connection; the host acks data of a request it gave up on at once.
 	Features []string `json:"features,omitempty"`

@@ -73,6 +73,10 @@ const cases = {
   async commands() {
     const sb = await Sandbox.create(userTemplate || template, { metadata: { run: process.env.E2B_TEST_RUN } })
     try {
+      if (process.env.E2B_TEST_KERNEL_NOT) {
+        const k = (await sb.commands.run('uname -r')).stdout.trim()
+        check('a kernel of its own', k !== '' && k !== process.env.E2B_TEST_KERNEL_NOT, k)
+      }
       let out = '', err = ''
       const r = await sb.commands.run('echo one; echo two >&2; sleep 0.3; echo three', {
         onStdout: (d) => { out += d }, onStderr: (d) => { err += d }, envs: { X: '1' },
