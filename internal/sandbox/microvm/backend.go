@@ -372,8 +372,10 @@ func (b *Backend) lockedSlot(ctx context.Context, id string) (*vmSlot, error) {
 	return s, nil
 }
 
-// running returns id's running VM, resuming it when saved.
-func (b *Backend) running(ctx context.Context, id string) (*VM, error) {
+// running returns the client of id's running VM's agent, resuming the
+// VM when saved. (The client, read under the slot's lock: a pause may
+// take it from the VM as soon as the lock is released.)
+func (b *Backend) running(ctx context.Context, id string) (*agent.Client, error) {
 	s, err := b.lockedSlot(ctx, id)
 	if err != nil {
 		return nil, err
@@ -399,7 +401,7 @@ func (b *Backend) running(ctx context.Context, id string) (*VM, error) {
 		}
 	default:
 	}
-	return s.vm, nil
+	return s.vm.Agent, nil
 }
 
 // Exec implements sandbox.Backend: the agent starts the process.
@@ -410,7 +412,7 @@ func (b *Backend) Exec(ctx context.Context, id string, p sandbox.Process) (_ san
 	if len(p.Args) == 0 {
 		return nil, errdefs.Invalid("exec: no command")
 	}
-	vm, err := b.running(ctx, id)
+	ag, err := b.running(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -453,7 +455,7 @@ func (b *Backend) Exec(ctx context.Context, id string, p sandbox.Process) (_ san
 	} else if p.TTY {
 		return nil, errdefs.Invalid("microvm: a terminal process needs the terminal as a file")
 	}
-	ap, err := vm.Agent.Exec(ctx, msg, stdin, stdout, stderr)
+	ap, err := ag.Exec(ctx, msg, stdin, stdout, stderr)
 	if err != nil {
 		if errors.Is(err, agent.ErrGone) {
 			return nil, errdefs.Precondition("sandbox %s: its VM's agent is gone: %v", id, err)
@@ -466,11 +468,11 @@ func (b *Backend) Exec(ctx context.Context, id string, p sandbox.Process) (_ san
 // Files implements sandbox.FileServer: the agent serves the files API
 // inside the guest (resuming a paused VM, as any request does).
 func (b *Backend) Files(ctx context.Context, id string) (sandbox.Files, error) {
-	vm, err := b.running(ctx, id)
+	ag, err := b.running(ctx, id)
 	if err != nil {
 		return nil, err
 	}
-	return agent.Files{C: vm.Agent}, nil
+	return agent.Files{C: ag}, nil
 }
 
 // proc is a process in a VM: it has no host pid.
@@ -532,11 +534,11 @@ func (b *Backend) Signal(ctx context.Context, id string, pid int, sig syscall.Si
 	// agent is not trusted to answer.
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	vm, err := b.running(ctx, id)
+	ag, err := b.running(ctx, id)
 	if err != nil {
 		return err
 	}
-	return vm.Agent.Call(ctx, agent.Msg{Op: "signal", Pid: pid, Signal: int(sig), Self: self, Tree: tree})
+	return ag.Call(ctx, agent.Msg{Op: "signal", Pid: pid, Signal: int(sig), Self: self, Tree: tree})
 }
 
 // Pause implements sandbox.Pauser: the VM's memory and device state go to
@@ -573,6 +575,11 @@ func (b *Backend) saveLocked(ctx context.Context, id string, s *vmSlot) error {
 		s.vm.Agent = ag
 		return fmt.Errorf("pausing the VM: %w", err)
 	}
+	select {
+	case <-ag.Done(): // no connection to go on with: the resume makes one
+		ag = nil
+	default:
+	}
 	s.vm, s.agent = nil, ag
 	s.saved = true
 	s.meta.Saved, s.meta.Pid = true, 0
@@ -601,8 +608,15 @@ func (b *Backend) ExportDiff(ctx context.Context, id string, w io.Writer) error 
 	// Whatever the VM sends is bounded by what its disk can hold: twice
 	// its size leaves room for the archive's headers, while a sparse
 	// file, which the archive spells out, cannot fill the node's disk.
-	lw := &limitWriter{w: w, left: 2 * int64(b.cfg.DiskGB) << 30}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	// Over the bound, the agent is told to stop (its disk is frozen
+	// while it sends).
+	lw := &limitWriter{w: w, left: 2 * int64(b.cfg.DiskGB) << 30, over: cancel}
 	if err := (agent.Files{C: s.vm.Agent}).WriteDiff(ctx, lw); err != nil {
+		if lw.err != nil {
+			return lw.err
+		}
 		if errors.Is(err, agent.ErrGone) {
 			return errdefs.Precondition("sandbox %s: its VM's agent is gone: %v", id, err)
 		}
@@ -618,6 +632,7 @@ type limitWriter struct {
 	w    io.Writer
 	left int64
 	err  error
+	over func()
 }
 
 func (l *limitWriter) Write(p []byte) (int, error) {
@@ -626,6 +641,7 @@ func (l *limitWriter) Write(p []byte) (int, error) {
 	}
 	if int64(len(p)) > l.left {
 		l.err = errdefs.Invalid("the VM's writable layer archive is larger than twice its disk (sparse files are archived whole)")
+		l.over()
 		return 0, l.err
 	}
 	l.left -= int64(len(p))

@@ -75,7 +75,7 @@ type conn struct {
 }
 
 func (c *conn) send(m Msg) {
-	if m.Op == "exit" {
+	if m.Op == "exit" || m.Op == "error" && m.ID != 0 {
 		// The request's data went before: its window is done.
 		c.wmu.Lock()
 		w := c.windows[m.ID]
@@ -93,15 +93,17 @@ func (c *conn) send(m Msg) {
 }
 
 // sendData sends a chunk of request id's output (op stdout or stderr),
-// once the host has room for it if the request has a window.
-func (c *conn) sendData(id uint64, op string, data []byte) {
+// once the host has room for it if the request has a window; false if
+// the host cancelled the request (the chunk is not sent).
+func (c *conn) sendData(id uint64, op string, data []byte) bool {
 	c.wmu.Lock()
 	w := c.windows[id]
 	c.wmu.Unlock()
-	if w != nil {
-		w.take(int64(len(data)))
+	if w != nil && !w.take(int64(len(data))) {
+		return false
 	}
 	c.send(Msg{ID: id, Op: op, Data: data})
+	return true
 }
 
 // window is the host's credit for one request's data: at most size
@@ -113,24 +115,42 @@ func (c *conn) sendData(id uint64, op string, data []byte) {
 type window struct {
 	mu                sync.Mutex
 	size, sent, acked int64
-	closed            bool
+	// cancelled: the host gave up on the request (a "kill" of an fs
+	// request): its data is no longer sent.
+	closed, cancelled bool
 	wake              chan struct{}
+	ended             chan struct{} // closed by close: every waiter goes
 }
 
-func newWindow(n int64) *window { return &window{size: n, wake: make(chan struct{}, 1)} }
+func newWindow(n int64) *window {
+	return &window{size: n, wake: make(chan struct{}, 1), ended: make(chan struct{})}
+}
 
-// take waits for room (or the window's end) and counts n sent.
-func (w *window) take(n int64) {
+// take waits for room (or the window's end) and counts n sent; false if
+// the request was cancelled.
+func (w *window) take(n int64) bool {
 	for {
 		w.mu.Lock()
 		if w.closed || w.sent-w.acked < w.size {
 			w.sent += n
+			ok := !w.cancelled
 			w.mu.Unlock()
-			return
+			return ok
 		}
 		w.mu.Unlock()
-		<-w.wake
+		select {
+		case <-w.wake:
+		case <-w.ended:
+		}
 	}
+}
+
+// cancel ends the request's data.
+func (w *window) cancel() {
+	w.mu.Lock()
+	w.cancelled = true
+	w.mu.Unlock()
+	w.close()
 }
 
 // give records that the host has written out total bytes in all.
@@ -146,9 +166,11 @@ func (w *window) give(total int64) {
 // close ends the waiting for good (the request ended, or the connection).
 func (w *window) close() {
 	w.mu.Lock()
-	w.closed = true
+	if !w.closed {
+		w.closed = true
+		close(w.ended)
+	}
 	w.mu.Unlock()
-	w.signal()
 }
 
 func (w *window) signal() {
@@ -280,8 +302,20 @@ func (s *Server) handle(c *conn, m Msg) {
 		s.mu.Lock()
 		p := s.procs[m.Of]
 		s.mu.Unlock()
-		if p != nil {
+		if p != nil && p.pid > 0 {
 			killTree(p.pid, syscall.SIGKILL, true, true)
+		} else {
+			// A file operation: its data stops (and an upload's
+			// stdin is given up).
+			c.wmu.Lock()
+			w := c.windows[m.Of]
+			c.wmu.Unlock()
+			if w != nil {
+				w.cancel()
+			}
+			if p != nil {
+				p.abort()
+			}
 		}
 		reply(nil)
 	case "resize":

@@ -781,3 +781,159 @@ func TestCwdInHome(t *testing.T) {
 		}
 	}
 }
+
+// fakeAgent answers Connect with ready (with flow control) and hands the
+// rest of the stream to serve.
+func fakeAgent(t *testing.T, serve func(enc *json.Encoder, r *bufio.Reader)) *Client {
+	t.Helper()
+	a, b := net.Pipe()
+	go func() {
+		enc := json.NewEncoder(a)
+		enc.Encode(Msg{Op: "ready", Features: []string{FeatureWindow}})
+		serve(enc, bufio.NewReader(a))
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := Connect(ctx, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// TestDataForIDsTheHostNeverIssuedIsDropped: a guest that sends output
+// for requests that do not exist gets no acks and grows nothing on the
+// host.
+func TestDataForIDsTheHostNeverIssuedIsDropped(t *testing.T) {
+	acks := make(chan Msg, 16)
+	c := fakeAgent(t, func(enc *json.Encoder, r *bufio.Reader) {
+		go func() {
+			for {
+				line, err := r.ReadBytes('\n')
+				if err != nil {
+					return
+				}
+				var m Msg
+				if json.Unmarshal(line, &m) == nil && m.Op == "ack" {
+					select {
+					case acks <- m:
+					default:
+					}
+				}
+			}
+		}()
+		for id := uint64(1); id < 20000; id++ {
+			if enc.Encode(Msg{ID: id * 7919, Op: "stdout", Data: []byte("A")}) != nil {
+				return
+			}
+		}
+		enc.Encode(Msg{ID: 3, Op: "exit"})
+	})
+	time.Sleep(500 * time.Millisecond)
+	c.ackMu.Lock()
+	n := len(c.acked)
+	c.ackMu.Unlock()
+	if n != 0 {
+		t.Fatalf("the host keeps %d ack totals for ids it never issued", n)
+	}
+	select {
+	case m := <-acks:
+		t.Fatalf("the host acked data it never asked for: %+v", m)
+	default:
+	}
+}
+
+// TestKillOfACommandOfASavedVM: killing a command while its VM is saved
+// (a delete of a paused sandbox) does not wait for the VM.
+func TestKillOfACommandOfASavedVM(t *testing.T) {
+	c := fakeAgent(t, func(enc *json.Encoder, r *bufio.Reader) {
+		for {
+			line, err := r.ReadBytes('\n')
+			if err != nil {
+				return
+			}
+			var m Msg
+			json.Unmarshal(line, &m)
+			if m.Op == "exec" {
+				enc.Encode(Msg{ID: m.ID, Op: "started", Pid: 7})
+			}
+		}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	p, err := c.Exec(ctx, Msg{Args: []string{"sleep", "100"}}, nil, io.Discard, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Suspend()
+	start := time.Now()
+	if err := p.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if code, err := p.Wait(); code != 137 || err != nil || time.Since(start) > 2*time.Second {
+		t.Fatalf("kill of a saved VM's command: %d %v after %v", code, err, time.Since(start))
+	}
+	callCtx, cancel2 := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel2()
+	if err := c.Call(callCtx, Msg{Op: "ping"}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a call to a saved VM: %v, want its context's end", err)
+	}
+}
+
+// TestALineSplitByTheResumeArrivesWhole: a message the old VMM passed
+// on in part is completed by the new VMM's socket.
+func TestALineSplitByTheResumeArrivesWhole(t *testing.T) {
+	a, b := net.Pipe()
+	lines := make(chan []byte, 1)
+	saving := make(chan struct{})
+	go func() {
+		enc := json.NewEncoder(a)
+		enc.Encode(Msg{Op: "ready", Features: []string{FeatureWindow}})
+		r := bufio.NewReader(a)
+		var m Msg
+		for m.Op != "exec" { // (Connect's ping first)
+			l, err := r.ReadBytes('\n')
+			if err != nil {
+				return
+			}
+			json.Unmarshal(l, &m)
+		}
+		go io.Copy(io.Discard, r)
+		enc.Encode(Msg{ID: m.ID, Op: "started", Pid: 7})
+		line, _ := json.Marshal(Msg{ID: m.ID, Op: "stdout", Data: []byte("HELLO")})
+		lines <- line
+		<-saving
+		a.Write(line[:10]) // then the VM is saved
+		a.Close()
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := Connect(ctx, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	var out syncBuffer
+	p, err := c.Exec(ctx, Msg{Args: []string{"x"}}, nil, &out, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Suspend()
+	close(saving)
+	time.Sleep(100 * time.Millisecond) // the old transport ends
+	line := <-lines
+	a2, b2 := net.Pipe()
+	go func() {
+		a2.Write(line[10:])
+		a2.Write([]byte("\n"))
+		json.NewEncoder(a2).Encode(Msg{ID: p.id, Op: "exit"})
+		io.Copy(io.Discard, a2)
+	}()
+	if err := c.Attach(ctx, b2); err != nil {
+		t.Fatal(err)
+	}
+	if code, err := p.Wait(); code != 0 || err != nil || out.String() != "HELLO" {
+		t.Fatalf("after the resume: %d %v %q", code, err, out.String())
+	}
+}

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -34,8 +35,13 @@ type Client struct {
 	suspended bool
 	closed    bool
 	resumed   chan struct{}
-	// readerDone is closed when the current transport's reader ends.
+	// readerDone is closed when the current transport's reader ended;
+	// cur is the transport (as c, for Close, which must not wait for a
+	// write); tail is what a transport that went carried of a line it
+	// did not end (the next transport carries the rest).
 	readerDone chan struct{}
+	cur        io.Closer
+	tail       []byte
 
 	// window says the agent keeps flow control (FeatureWindow); then
 	// acks of written data are sent by one goroutine, coalesced. acked
@@ -69,16 +75,33 @@ type call struct {
 
 // delivery is a call's queue of "stdout", "stderr" and "exit" messages.
 type delivery struct {
-	mu    sync.Mutex
-	q     []Msg
-	bytes int64
-	quit  bool          // the call was forgotten: no more waiting
-	wake  chan struct{} // something queued, or quit
-	room  chan struct{} // something taken off
+	// delivered is closed when the deliverer is done: the call's writers
+	// are written no more.
+	delivered chan struct{}
+	mu        sync.Mutex
+	q         []Msg
+	bytes     int64
+	quit      bool          // the call was forgotten: no more waiting
+	wake      chan struct{} // something queued, or quit
+	room      chan struct{} // something taken off
+}
+
+// settleTime bounds how long a call that ends with its connection waits
+// for a write to its writers under way (one that never returns, to a
+// consumer that does not read, must not keep it).
+const settleTime = 5 * time.Second
+
+// settle waits until the deliverer writes no more (after the connection
+// ended it writes nothing new), or settleTime.
+func (d *delivery) settle() {
+	select {
+	case <-d.delivered:
+	case <-time.After(settleTime):
+	}
 }
 
 func newDelivery() *delivery {
-	return &delivery{wake: make(chan struct{}, 1), room: make(chan struct{}, 1)}
+	return &delivery{wake: make(chan struct{}, 1), room: make(chan struct{}, 1), delivered: make(chan struct{})}
 }
 
 func notify(ch chan struct{}) {
@@ -183,7 +206,7 @@ func Connect(ctx context.Context, conn io.ReadWriteCloser) (*Client, error) {
 		// answers are then ignored.
 		next:  uint64(time.Now().UnixNano()),
 		acked: map[uint64]int64{}, dirty: map[uint64]bool{}, ackWake: make(chan struct{}, 1),
-		resumed: make(chan struct{}), readerDone: make(chan struct{})}
+		resumed: make(chan struct{}), readerDone: make(chan struct{}), cur: conn}
 	close(c.resumed)
 	for _, f := range feats {
 		c.window = c.window || f == FeatureWindow
@@ -231,9 +254,9 @@ func (c *Client) acker() {
 		c.dirty = map[uint64]bool{}
 		c.ackMu.Unlock()
 		for _, m := range acks {
-			if c.send(m) != nil {
-				return
-			}
+			// A failure (a transport that went) is made good: Attach
+			// sends the totals again.
+			_ = c.send(context.Background(), m)
 		}
 	}
 }
@@ -251,7 +274,11 @@ func (c *Client) enqueue(cl *call, m Msg) bool {
 		if d.quit || d.bytes+int64(len(m.Data)) <= limit || len(d.q) == 0 {
 			if d.quit {
 				d.mu.Unlock()
-				c.ack(m.ID, len(m.Data)) // given up on: dropped
+				if m.Op == "exit" {
+					c.ackDone(m.ID)
+				} else {
+					c.ack(m.ID, len(m.Data)) // given up on: dropped
+				}
 				return true
 			}
 			d.q = append(d.q, m)
@@ -272,6 +299,7 @@ func (c *Client) enqueue(cl *call, m Msg) bool {
 // the connection's end, or the call is forgotten), acking the data.
 func (c *Client) deliver(id uint64, cl *call) {
 	d := cl.dq
+	defer close(d.delivered)
 	for {
 		d.mu.Lock()
 		var m Msg
@@ -296,6 +324,11 @@ func (c *Client) deliver(id uint64, cl *call) {
 			}
 		}
 		notify(d.room)
+		select {
+		case <-c.done:
+			quit = true // the caller has stopped waiting: nothing more is written
+		default:
+		}
 		switch m.Op {
 		case "stdout", "stderr":
 			w := cl.stdout
@@ -335,6 +368,7 @@ func (c *Client) exited(cl *call, m Msg) {
 func (c *Client) read(r *bufio.Reader, conn io.Closer, done chan struct{}, attached bool) {
 	defer close(done)
 	var err error
+	var partial []byte
 	fatal := false // the agent broke the protocol
 	for {
 		if err != nil {
@@ -343,6 +377,7 @@ func (c *Client) read(r *bufio.Reader, conn io.Closer, done chan struct{}, attac
 		var line []byte
 		line, err = readLine(r)
 		if err != nil {
+			partial = line
 			break
 		}
 		var m Msg
@@ -362,12 +397,9 @@ func (c *Client) read(r *bufio.Reader, conn io.Closer, done chan struct{}, attac
 		}
 		c.mu.Unlock()
 		if cl == nil {
-			switch m.Op {
-			case "stdout", "stderr":
-				c.ack(m.ID, len(m.Data)) // a request the host gave up on
-			case "exit":
-				c.ackDone(m.ID)
-			}
+			// Not a request of the host's (or one that ended): dropped.
+			// (A request the host gave up on stays in calls until its
+			// exit, its data acked: see forget.)
 			continue
 		}
 		switch m.Op {
@@ -397,6 +429,9 @@ func (c *Client) read(r *bufio.Reader, conn io.Closer, done chan struct{}, attac
 	conn.Close()
 	c.mu.Lock()
 	quiet := c.suspended && !c.closed && !fatal
+	if quiet {
+		c.tail = append([]byte(nil), partial...)
+	}
 	c.mu.Unlock()
 	if quiet {
 		return // a transport that was going: the calls wait for the next
@@ -420,21 +455,37 @@ func (c *Client) shutdown(why error) {
 // one (or Close).
 func (c *Client) Suspend() {
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	if !c.suspended {
 		c.suspended = true
 		c.resumed = make(chan struct{})
 	}
+	c.mu.Unlock()
+	// A write under way finishes first (the guest still runs and reads
+	// it), so that none is cut by the transport's end.
+	c.wmu.Lock()
+	c.wmu.Unlock()
+}
+
+func (c *Client) isSuspended() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.suspended
 }
 
 // Unsuspend undoes Suspend while the transport still serves (a save that
 // failed, its VM running on).
 func (c *Client) Unsuspend() {
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	if c.suspended {
 		c.suspended = false
 		close(c.resumed)
+	}
+	rd := c.readerDone
+	c.mu.Unlock()
+	select {
+	case <-rd: // the transport went meanwhile, its end taken as planned
+		c.shutdown(errors.New("the transport ended while suspended"))
+	default:
 	}
 }
 
@@ -463,13 +514,15 @@ func (c *Client) Attach(ctx context.Context, conn io.ReadWriteCloser) error {
 	c.wmu.Unlock()
 	rd := make(chan struct{})
 	c.mu.Lock()
-	c.readerDone = rd
+	c.readerDone, c.cur = rd, conn
+	tail := c.tail
+	c.tail = nil
 	if c.suspended {
 		c.suspended = false
 		close(c.resumed)
 	}
 	c.mu.Unlock()
-	go c.read(bufio.NewReaderSize(conn, 256<<10), conn, rd, true)
+	go c.read(bufio.NewReaderSize(io.MultiReader(bytes.NewReader(tail), conn), 256<<10), conn, rd, true)
 	c.ackMu.Lock()
 	for id := range c.acked {
 		c.dirty[id] = true
@@ -481,7 +534,7 @@ func (c *Client) Attach(ctx context.Context, conn io.ReadWriteCloser) error {
 
 // send writes m, within writeTimeout where the connection has deadlines.
 // A failed write may have left part of a line: the connection is closed.
-func (c *Client) send(m Msg) error {
+func (c *Client) send(ctx context.Context, m Msg) error {
 	for {
 		c.mu.Lock()
 		err, resumed := c.err, c.resumed
@@ -497,6 +550,8 @@ func (c *Client) send(m Msg) error {
 				continue
 			case <-c.done:
 				return c.gone()
+			case <-ctx.Done():
+				return ctx.Err()
 			}
 		}
 		break
@@ -539,7 +594,12 @@ func (c *Client) register(m *Msg, cl *call) error {
 func (c *Client) forget(id uint64) {
 	c.mu.Lock()
 	cl := c.calls[id]
-	delete(c.calls, id)
+	if cl == nil || cl.dq == nil {
+		delete(c.calls, id)
+	}
+	// A call with a stream stays until its exit, so that what the agent
+	// still sends for it is acked (and its window does not stall the
+	// agent), while data for ids the host never issued is dropped.
 	c.mu.Unlock()
 	if cl != nil && cl.dq != nil {
 		cl.dq.mu.Lock()
@@ -564,7 +624,7 @@ func (c *Client) Call(ctx context.Context, m Msg) error {
 		return err
 	}
 	defer c.forget(m.ID)
-	if err := c.send(m); err != nil {
+	if err := c.send(ctx, m); err != nil {
 		return err
 	}
 	select {
@@ -617,7 +677,7 @@ func (c *Client) Exec(ctx context.Context, m Msg, stdin io.Reader, stdout, stder
 			sc.Close()
 		}
 	}
-	if err := c.send(m); err != nil {
+	if err := c.send(ctx, m); err != nil {
 		c.forget(m.ID)
 		return nil, err
 	}
@@ -636,7 +696,7 @@ func (c *Client) Exec(ctx context.Context, m Msg, stdin io.Reader, stdout, stder
 			return nil, replyErr(r)
 		default:
 			c.forget(m.ID)
-			go c.send(Msg{Op: "kill", Of: m.ID})
+			go c.send(context.Background(), Msg{Op: "kill", Of: m.ID})
 			return nil, fmt.Errorf("%w: the agent answered %q to an exec", ErrGone, r.Op)
 		}
 	case <-c.done:
@@ -644,7 +704,7 @@ func (c *Client) Exec(ctx context.Context, m Msg, stdin io.Reader, stdout, stder
 	case <-ctx.Done():
 		// It may start all the same: it is killed.
 		c.forget(m.ID)
-		go c.send(Msg{Op: "kill", Of: m.ID})
+		go c.send(context.Background(), Msg{Op: "kill", Of: m.ID})
 		return nil, ctx.Err()
 	}
 	if stdin != nil {
@@ -673,7 +733,7 @@ func (c *Client) pump(id uint64, in io.Reader) {
 		for {
 			n, err := in.Read(buf)
 			if n > 0 {
-				if c.send(Msg{ID: id, Op: "stdin", Data: append([]byte(nil), buf[:n]...)}) != nil {
+				if c.send(context.Background(), Msg{ID: id, Op: "stdin", Data: append([]byte(nil), buf[:n]...)}) != nil {
 					return
 				}
 			}
@@ -685,7 +745,7 @@ func (c *Client) pump(id uint64, in io.Reader) {
 			}
 		}
 	}
-	_ = c.send(Msg{ID: id, Op: end})
+	_ = c.send(context.Background(), Msg{ID: id, Op: end})
 }
 
 // Pid is the process's pid inside the guest (0 if it did not start).
@@ -711,6 +771,9 @@ func (p *Process) Wait() (int, error) {
 			return code, nil
 		default:
 		}
+		if p.cl.dq != nil {
+			p.cl.dq.settle()
+		}
 		return -1, p.c.gone()
 	}
 }
@@ -730,6 +793,14 @@ func (p *Process) Kill() error {
 	case <-p.cl.exited:
 		return nil
 	default:
+	}
+	if p.c.isSuspended() {
+		// Its VM is saved: the kill goes when it runs again (or not at
+		// all if it is destroyed); the caller does not wait for that.
+		go p.c.send(context.Background(), Msg{Op: "kill", Of: p.id})
+		p.c.forget(p.id)
+		p.cl.finish(137)
+		return nil
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), killGrace)
 	defer cancel()
@@ -758,10 +829,9 @@ func (p *Process) Resize(ctx context.Context, rows, cols uint16) error {
 func (c *Client) Close() error {
 	c.mu.Lock()
 	c.closed = true
+	cur := c.cur
 	c.mu.Unlock()
-	c.wmu.Lock()
-	err := c.c.Close()
-	c.wmu.Unlock()
+	err := cur.Close() // not under wmu: a write the guest does not read ends with it
 	c.shutdown(errors.New("closed"))
 	return err
 }

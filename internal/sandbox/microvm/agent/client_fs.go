@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"sync"
 	"time"
 
 	"github.com/dsecproject/dsec/api"
@@ -39,7 +40,7 @@ func (f Files) call(ctx context.Context, q FSRequest, in io.Reader, out io.Write
 		return FSResult{}, err
 	}
 	defer c.forget(m.ID)
-	if err := c.send(m); err != nil {
+	if err := c.send(ctx, m); err != nil {
 		return FSResult{}, err
 	}
 	if in != nil {
@@ -55,8 +56,12 @@ func (f Files) call(ctx context.Context, q FSRequest, in io.Reader, out io.Write
 		}
 		return *r.FSResult, nil
 	case <-c.done:
+		cl.dq.settle() // nothing is written to out after
 		return FSResult{}, c.gone()
 	case <-ctx.Done():
+		// The agent stops the operation (a stream it sends, e.g. a
+		// snapshot's, with its disk frozen meanwhile, ends).
+		go c.send(context.Background(), Msg{Op: "kill", Of: m.ID})
 		return FSResult{}, ctx.Err()
 	}
 }
@@ -89,10 +94,22 @@ func (f Files) ReadFile(ctx context.Context, path string) (io.ReadCloser, api.Fi
 	if err := c.register(&m, cl); err != nil {
 		return nil, api.FileEntry{}, err
 	}
-	if err := c.send(m); err != nil {
+	if err := c.send(ctx, m); err != nil {
 		c.forget(m.ID)
 		return nil, api.FileEntry{}, err
 	}
+	stop := func() {
+		c.forget(m.ID)
+		go c.send(context.Background(), Msg{Op: "kill", Of: m.ID})
+	}
+	go func() {
+		select {
+		case <-c.done: // a reader does not wait for a connection that is gone
+			cl.dq.settle()
+			pw.CloseWithError(c.gone())
+		case <-cl.dq.delivered:
+		}
+	}()
 	select {
 	case r := <-started:
 		if err := fsErr(r); err != nil {
@@ -100,18 +117,31 @@ func (f Files) ReadFile(ctx context.Context, path string) (io.ReadCloser, api.Fi
 			return nil, api.FileEntry{}, err
 		}
 		if r.Op != "started" || r.FSResult == nil {
-			c.forget(m.ID)
+			stop()
 			pr.Close()
 			return nil, api.FileEntry{}, fmt.Errorf("%w: the agent answered %q to a read", ErrGone, r.Op)
 		}
-		return pr, entry(*r.FSResult), nil
+		// Closed before its end, the read stops in the guest too.
+		return &readStream{PipeReader: pr, stop: stop}, entry(*r.FSResult), nil
 	case <-c.done:
 		return nil, api.FileEntry{}, c.gone()
 	case <-ctx.Done():
-		c.forget(m.ID)
+		stop()
 		pr.Close()
 		return nil, api.FileEntry{}, ctx.Err()
 	}
+}
+
+// readStream is a file's data as ReadFile returns it.
+type readStream struct {
+	*io.PipeReader
+	stop func()
+	once sync.Once
+}
+
+func (r *readStream) Close() error {
+	r.once.Do(r.stop)
+	return r.PipeReader.Close()
 }
 
 // WriteFile writes path from data (at most maxBytes; parents made),

@@ -232,7 +232,9 @@ func (w *chunkWriter) Write(p []byte) (int, error) {
 	n := len(p)
 	for len(p) > 0 {
 		k := min(len(p), ChunkSize)
-		w.c.sendData(w.id, "stdout", append([]byte(nil), p[:k]...))
+		if !w.c.sendData(w.id, "stdout", append([]byte(nil), p[:k]...)) {
+			return 0, errors.New("the host gave up on the operation")
+		}
 		p = p[k:]
 	}
 	if w.c.failed() {

@@ -192,7 +192,8 @@ const cases = {
       const again = await Sandbox.connect(sb.sandboxId)
       check('file kept', await again.files.read('/tmp/state.txt') === 'kept')
       check('process kept', (await again.commands.list()).some((x) => x.pid === p.pid))
-      check('process still runs', (await again.commands.run('ps -o args | grep -c "^sleep 600" || true')).stdout.trim() === '1')
+      const ps = (await again.commands.run('ps -o pid,stat,args | grep "sleep 600" | grep -v grep || true')).stdout
+      check('process still runs', ps.trim().split('\n').filter((l) => / sleep 600$/.test(l)).length === 1, JSON.stringify(ps))
     } finally {
       await sb.kill()
     }
