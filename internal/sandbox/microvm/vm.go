@@ -476,6 +476,9 @@ func (v *VM) resumeAttached(ctx context.Context, ag *agent.Client) error {
 	}
 	go func() {
 		<-v.done
+		// The VMM's end gives the reader EOF (what was sent before
+		// it read whole); the close after is for the record.
+		time.Sleep(2 * time.Second)
 		conn.Close()
 	}()
 	if err := ag.Attach(ctx, conn); err != nil {

@@ -937,3 +937,85 @@ func TestALineSplitByTheResumeArrivesWhole(t *testing.T) {
 		t.Fatalf("after the resume: %d %v %q", code, err, out.String())
 	}
 }
+
+// slowWriter takes a while over each write.
+type slowWriter struct{ syncBuffer }
+
+func (w *slowWriter) Write(p []byte) (int, error) {
+	time.Sleep(50 * time.Millisecond)
+	return w.syncBuffer.Write(p)
+}
+
+// TestNoCleanExitWithOutputCut: a connection that ends while a command's
+// output and exit are still queued reports the connection gone, never a
+// clean exit with part of the output.
+func TestNoCleanExitWithOutputCut(t *testing.T) {
+	for i := 0; i < 5; i++ {
+		c := fakeAgent(t, func(enc *json.Encoder, r *bufio.Reader) {
+			for {
+				line, err := r.ReadBytes('\n')
+				if err != nil {
+					return
+				}
+				var m Msg
+				json.Unmarshal(line, &m)
+				if m.Op == "exec" {
+					enc.Encode(Msg{ID: m.ID, Op: "started", Pid: 7})
+					enc.Encode(Msg{ID: m.ID, Op: "stdout", Data: []byte("A")})
+					enc.Encode(Msg{ID: m.ID, Op: "stdout", Data: []byte("B")})
+					enc.Encode(Msg{ID: m.ID, Op: "exit"})
+					return // the connection ends
+				}
+			}
+		})
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		w := &slowWriter{}
+		p, err := c.Exec(ctx, Msg{Args: []string{"x"}}, nil, w, io.Discard)
+		cancel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.Close()
+		time.Sleep(300 * time.Millisecond) // all that is queued is dealt with
+		code, err := p.Wait()
+		if err == nil && (code != 0 || w.String() != "AB") {
+			t.Fatalf("a clean exit %d with output %q", code, w.String())
+		}
+	}
+}
+
+// TestRefusedRequestsLeaveNothing: execs the agent refuses, and calls
+// given up on before they were answered, leave no entry behind.
+func TestRefusedRequestsLeaveNothing(t *testing.T) {
+	a, b := net.Pipe()
+	go NewServer().Serve(a)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := Connect(ctx, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	for i := 0; i < 20; i++ {
+		if _, err := c.Exec(ctx, Msg{Args: []string{"true"}, User: "nosuchuser"}, nil, io.Discard, io.Discard); err == nil {
+			t.Fatal("an exec as a missing user ran")
+		}
+	}
+	c.Suspend()
+	for i := 0; i < 20; i++ {
+		short, cancel := context.WithTimeout(ctx, 10*time.Millisecond)
+		_, err := c.Exec(short, Msg{Args: []string{"true"}}, nil, io.Discard, io.Discard)
+		cancel()
+		if err == nil {
+			t.Fatal("an exec ran while suspended")
+		}
+	}
+	c.Unsuspend()
+	time.Sleep(100 * time.Millisecond)
+	c.mu.Lock()
+	n := len(c.calls)
+	c.mu.Unlock()
+	if n != 0 {
+		t.Fatalf("%d calls left behind", n)
+	}
+}

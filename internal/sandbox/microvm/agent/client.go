@@ -67,6 +67,9 @@ type call struct {
 	// onExit, if set, is given the "exit" (a file operation's answer),
 	// after the data before it.
 	onExit func(Msg)
+	// started: the agent answered "started" (or sent data): a request
+	// under way, which a forget leaves in calls until its exit.
+	started bool
 	// dq, for a call with output, queues its data and exit for a
 	// goroutine of its own that writes them out in order (deliver): a
 	// slow writer holds up its own call, not the connection's reader.
@@ -84,6 +87,15 @@ type delivery struct {
 	quit      bool          // the call was forgotten: no more waiting
 	wake      chan struct{} // something queued, or quit
 	room      chan struct{} // something taken off
+}
+
+// stop ends the deliverer once what is queued is dropped.
+func (d *delivery) stop() {
+	d.mu.Lock()
+	d.quit = true
+	d.mu.Unlock()
+	notify(d.wake)
+	notify(d.room)
 }
 
 // settleTime bounds how long a call that ends with its connection waits
@@ -223,6 +235,12 @@ func (c *Client) ack(id uint64, n int) {
 	if !c.window || n == 0 {
 		return
 	}
+	c.mu.Lock()
+	live := c.calls[id] != nil
+	c.mu.Unlock()
+	if !live {
+		return // the request ended: no window to credit
+	}
 	c.ackMu.Lock()
 	c.acked[id] += int64(n)
 	c.dirty[id] = true
@@ -326,7 +344,9 @@ func (c *Client) deliver(id uint64, cl *call) {
 		notify(d.room)
 		select {
 		case <-c.done:
-			quit = true // the caller has stopped waiting: nothing more is written
+			// The caller has stopped waiting (ErrGone): nothing more
+			// is written, and no exit is reported after data dropped.
+			return
 		default:
 		}
 		switch m.Op {
@@ -377,7 +397,10 @@ func (c *Client) read(r *bufio.Reader, conn io.Closer, done chan struct{}, attac
 		var line []byte
 		line, err = readLine(r)
 		if err != nil {
-			partial = line
+			if err == io.EOF {
+				partial = line // the rest may come on the next transport
+			}
+			fatal = fatal || errors.Is(err, errLineTooLong)
 			break
 		}
 		var m Msg
@@ -392,8 +415,14 @@ func (c *Client) read(r *bufio.Reader, conn io.Closer, done chan struct{}, attac
 		}
 		c.mu.Lock()
 		cl := c.calls[m.ID]
-		if m.Op == "exit" || (m.Op != "started" && m.Op != "stdout" && m.Op != "stderr" && cl != nil && cl.exit == nil) {
+		// The last answer to a request: its exit, or a refusal (no exit
+		// follows an "error"), or the "ok" of a request without one.
+		final := m.Op == "exit" || m.Op == "error" || m.Op == "ok" && cl != nil && cl.exit == nil && cl.onExit == nil
+		if cl != nil && final {
 			delete(c.calls, m.ID)
+		}
+		if cl != nil && m.Op != "ok" && m.Op != "error" {
+			cl.started = true
 		}
 		c.mu.Unlock()
 		if cl == nil {
@@ -401,6 +430,13 @@ func (c *Client) read(r *bufio.Reader, conn io.Closer, done chan struct{}, attac
 			// (A request the host gave up on stays in calls until its
 			// exit, its data acked: see forget.)
 			continue
+		}
+		if m.Op == "error" && cl.dq != nil {
+			cl.dq.stop() // nothing more comes for it
+			if cl.onExit != nil {
+				cl.onExit(m) // a file operation's answer
+				continue
+			}
 		}
 		switch m.Op {
 		case "stdout", "stderr", "exit":
@@ -461,9 +497,47 @@ func (c *Client) Suspend() {
 	}
 	c.mu.Unlock()
 	// A write under way finishes first (the guest still runs and reads
-	// it), so that none is cut by the transport's end.
-	c.wmu.Lock()
+	// it), then a ping's answer says the agent has read all before it:
+	// nothing sent is left in the socket when the VM stops. Bounded: a
+	// guest that reads nothing does not hold up its own pause.
+	ctx, cancel := context.WithTimeout(context.Background(), suspendBarrier)
+	defer cancel()
+	for !c.wmu.TryLock() {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
 	c.wmu.Unlock()
+	cl := &call{reply: make(chan Msg, 1)}
+	m := Msg{Op: "ping"}
+	if c.register(&m, cl) != nil {
+		return
+	}
+	defer c.forget(m.ID)
+	if c.writeNow(m, suspendBarrier) != nil {
+		return
+	}
+	select {
+	case <-cl.reply:
+	case <-ctx.Done():
+	case <-c.done:
+	}
+}
+
+// suspendBarrier bounds Suspend's wait for the agent to read what was
+// sent.
+const suspendBarrier = 2 * time.Second
+
+// writeNow writes m on the transport, even while suspended, within d.
+func (c *Client) writeNow(m Msg, d time.Duration) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	if dl, ok := c.c.(interface{ SetWriteDeadline(time.Time) error }); ok {
+		_ = dl.SetWriteDeadline(time.Now().Add(d))
+	}
+	return c.enc.Encode(m)
 }
 
 func (c *Client) isSuspended() bool {
@@ -514,6 +588,11 @@ func (c *Client) Attach(ctx context.Context, conn io.ReadWriteCloser) error {
 	c.wmu.Unlock()
 	rd := make(chan struct{})
 	c.mu.Lock()
+	if c.err != nil || c.closed {
+		c.mu.Unlock()
+		conn.Close()
+		return ErrGone
+	}
 	c.readerDone, c.cur = rd, conn
 	tail := c.tail
 	c.tail = nil
@@ -594,19 +673,16 @@ func (c *Client) register(m *Msg, cl *call) error {
 func (c *Client) forget(id uint64) {
 	c.mu.Lock()
 	cl := c.calls[id]
-	if cl == nil || cl.dq == nil {
+	if cl == nil || cl.dq == nil || !cl.started {
 		delete(c.calls, id)
 	}
-	// A call with a stream stays until its exit, so that what the agent
-	// still sends for it is acked (and its window does not stall the
-	// agent), while data for ids the host never issued is dropped.
+	// A request under way with a stream stays until its exit, so that
+	// what the agent still sends for it is acked (and its window does
+	// not stall the agent), while data for ids the host never issued (or
+	// that ended) is dropped.
 	c.mu.Unlock()
 	if cl != nil && cl.dq != nil {
-		cl.dq.mu.Lock()
-		cl.dq.quit = true
-		cl.dq.mu.Unlock()
-		notify(cl.dq.wake)
-		notify(cl.dq.room)
+		cl.dq.stop()
 	}
 }
 
@@ -705,6 +781,7 @@ func (c *Client) Exec(ctx context.Context, m Msg, stdin io.Reader, stdout, stder
 		// It may start all the same: it is killed.
 		c.forget(m.ID)
 		go c.send(context.Background(), Msg{Op: "kill", Of: m.ID})
+		cl.dq.settle() // nothing is written to stdout or stderr after
 		return nil, ctx.Err()
 	}
 	if stdin != nil {
@@ -799,6 +876,7 @@ func (p *Process) Kill() error {
 		// all if it is destroyed); the caller does not wait for that.
 		go p.c.send(context.Background(), Msg{Op: "kill", Of: p.id})
 		p.c.forget(p.id)
+		p.cl.dq.settle()
 		p.cl.finish(137)
 		return nil
 	}

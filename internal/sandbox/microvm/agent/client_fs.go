@@ -62,6 +62,8 @@ func (f Files) call(ctx context.Context, q FSRequest, in io.Reader, out io.Write
 		// The agent stops the operation (a stream it sends, e.g. a
 		// snapshot's, with its disk frozen meanwhile, ends).
 		go c.send(context.Background(), Msg{Op: "kill", Of: m.ID})
+		c.forget(m.ID)
+		cl.dq.settle() // nothing is written to out after
 		return FSResult{}, ctx.Err()
 	}
 }
