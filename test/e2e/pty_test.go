@@ -111,7 +111,13 @@ func terminalCase(t *testing.T, backend string) {
 	if err := term.Resize(132, 43); err != nil {
 		t.Fatal(err)
 	}
-	term.Write([]byte("stty size\n"))
+	// A resize travels apart from the keystrokes (a control message
+	// the server applies through its own call): a command typed right
+	// after may run before it lands, so the size is asked again.
+	for i := 0; i < 40 && !strings.Contains(out.String(), "43 132"); i++ {
+		term.Write([]byte("stty size\n"))
+		time.Sleep(500 * time.Millisecond)
+	}
 	out.waitFor(t, "43 132")
 	// ^C reaches the foreground job, not the shell.
 	term.Write([]byte("sleep 600\n"))
