@@ -133,12 +133,12 @@ func (t *tarWriter) withXattrs(dirfd int, name string, h *tar.Header) *tar.Heade
 	// Through the directory's descriptor; the l-calls never follow name
 	// ("." is the directory itself).
 	p := fdPath(dirfd) + "/" + name
-	names, err := listXattrs(p)
+	names, err := ListXattrs(p)
 	if err != nil {
 		return h
 	}
 	for _, x := range names {
-		v, err := getXattr(p, x)
+		v, err := GetXattr(p, x)
 		if err != nil || v == nil {
 			continue
 		}

@@ -6,10 +6,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// listXattrs returns the names of the xattrs of the inode at p, never
+// ListXattrs returns the names of the xattrs of the inode at p, never
 // following p's last component ("/proc/self/fd/N/name": the directory by
 // descriptor, the name as it is). None on a filesystem without xattrs.
-func listXattrs(p string) ([]string, error) {
+func ListXattrs(p string) ([]string, error) {
 	for {
 		n, err := unix.Llistxattr(p, nil)
 		if errors.Is(err, unix.ENOTSUP) || n == 0 {
@@ -40,9 +40,9 @@ func listXattrs(p string) ([]string, error) {
 	}
 }
 
-// getXattr returns the value of xattr name of the inode at p (as
-// listXattrs), nil if it has none.
-func getXattr(p, name string) ([]byte, error) {
+// GetXattr returns the value of xattr name of the inode at p (as
+// ListXattrs), nil if it has none.
+func GetXattr(p, name string) ([]byte, error) {
 	for {
 		n, err := unix.Lgetxattr(p, name, nil)
 		if errors.Is(err, unix.ENODATA) || errors.Is(err, unix.ENOTSUP) {

@@ -10,6 +10,8 @@ import (
 	"strconv"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/internal/files"
 )
 
 // opaqueXattr marks an overlayfs directory that hides whatever the layers
@@ -363,65 +365,20 @@ func procPath(dirfd int, name string) string {
 }
 
 func listXattrs(dirfd int, name string) ([]string, error) {
-	p := procPath(dirfd, name)
-	for {
-		n, err := unix.Llistxattr(p, nil)
-		if errors.Is(err, unix.ENOTSUP) {
-			return nil, nil
-		}
-		if err != nil {
-			return nil, fmt.Errorf("listing xattrs: %w", err)
-		}
-		if n == 0 {
-			return nil, nil
-		}
-		buf := make([]byte, n)
-		n, err = unix.Llistxattr(p, buf)
-		if errors.Is(err, unix.ERANGE) {
-			continue // grew meanwhile
-		}
-		if err != nil {
-			return nil, fmt.Errorf("listing xattrs: %w", err)
-		}
-		return splitNul(buf[:n]), nil
+	names, err := files.ListXattrs(procPath(dirfd, name))
+	if err != nil {
+		return nil, fmt.Errorf("listing xattrs: %w", err)
 	}
-}
-
-func splitNul(b []byte) []string {
-	var out []string
-	start := 0
-	for i, c := range b {
-		if c == 0 {
-			if i > start {
-				out = append(out, string(b[start:i]))
-			}
-			start = i + 1
-		}
-	}
-	return out
+	return names, nil
 }
 
 // getXattr returns the value of xattr attr of entry name, nil if unset.
 func getXattr(dirfd int, name, attr string) ([]byte, error) {
-	p := procPath(dirfd, name)
-	for {
-		n, err := unix.Lgetxattr(p, attr, nil)
-		if errors.Is(err, unix.ENODATA) || errors.Is(err, unix.ENOTSUP) {
-			return nil, nil
-		}
-		if err != nil {
-			return nil, fmt.Errorf("reading xattr %s: %w", attr, err)
-		}
-		buf := make([]byte, n)
-		n, err = unix.Lgetxattr(p, attr, buf)
-		if errors.Is(err, unix.ERANGE) {
-			continue
-		}
-		if err != nil {
-			return nil, fmt.Errorf("reading xattr %s: %w", attr, err)
-		}
-		return buf[:n], nil
+	v, err := files.GetXattr(procPath(dirfd, name), attr)
+	if err != nil {
+		return nil, fmt.Errorf("reading xattr %s: %w", attr, err)
 	}
+	return v, nil
 }
 
 func readlinkAt(dirfd int, name string) (string, error) {

@@ -389,6 +389,17 @@ func (v *VM) Resume(ctx context.Context) error {
 // the guest's vCPUs: the snapshot was taken stopped, and a VMM resumes a
 // snapshot in the run state it was saved in.
 func (v *VM) continueIncoming(ctx context.Context) error {
+	st, err := v.snapshotRead(ctx)
+	if err != nil || st == "running" {
+		return err
+	}
+	_, err = qmpRun(ctx, filepath.Join(v.dir, qmpSock), "cont", nil)
+	return err
+}
+
+// snapshotRead waits until the VMM has read its snapshot (its status is
+// no longer "inmigrate") and returns the status.
+func (v *VM) snapshotRead(ctx context.Context) (string, error) {
 	q := filepath.Join(v.dir, qmpSock)
 	for {
 		r, err := qmpRun(ctx, q, "query-status", nil)
@@ -398,18 +409,14 @@ func (v *VM) continueIncoming(ctx context.Context) error {
 		if err == nil {
 			_ = json.Unmarshal(r, &st)
 		}
-		switch {
-		case err == nil && st.Status == "running":
-			return nil
-		case err == nil && st.Status != "inmigrate":
-			_, err := qmpRun(ctx, q, "cont", nil)
-			return err
+		if err == nil && st.Status != "inmigrate" {
+			return st.Status, nil
 		}
 		select {
 		case <-v.done:
-			return errors.New("the VMM exited reading the snapshot")
+			return "", errors.New("the VMM exited reading the snapshot")
 		case <-ctx.Done():
-			return ctx.Err()
+			return "", ctx.Err()
 		case <-time.After(10 * time.Millisecond):
 		}
 	}
@@ -421,24 +428,8 @@ func (v *VM) continueIncoming(ctx context.Context) error {
 // its host connected as it was when saved.
 func (v *VM) resumeAttached(ctx context.Context, ag *agent.Client) error {
 	q := filepath.Join(v.dir, qmpSock)
-	for {
-		r, err := qmpRun(ctx, q, "query-status", nil)
-		var st struct {
-			Status string `json:"status"`
-		}
-		if err == nil {
-			_ = json.Unmarshal(r, &st)
-		}
-		if err == nil && st.Status != "inmigrate" {
-			break
-		}
-		select {
-		case <-v.done:
-			return errors.New("the VMM exited reading the snapshot")
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(10 * time.Millisecond):
-		}
+	if _, err := v.snapshotRead(ctx); err != nil {
+		return err
 	}
 	conn, err := net.Dial("unix", filepath.Join(v.dir, agentSock))
 	if err != nil {
