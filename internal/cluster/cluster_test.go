@@ -4,11 +4,13 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -197,8 +199,31 @@ func TestRegistry(t *testing.T) {
 	if err := RegisterNode(t.Context(), st2, NodeRecord{Name: "n2", Address: "a:1", Instance: "inst-2"}, nil); !errors.Is(err, errdefs.ErrAlreadyExists) {
 		t.Fatalf("another instance took the name: %v", err)
 	}
-	if err := RegisterNode(t.Context(), st2, NodeRecord{Name: "n2", Address: "a:1", Instance: "inst-1"}, nil); err != nil {
+	// The takeover never shows the name as free: a watch of the registry
+	// sees the new entry replace the old, and the predecessor's end (its
+	// lease lapsing) leaves the new entry in place.
+	var mu sync.Mutex
+	var seen []string
+	wctx, wcancel := context.WithCancel(t.Context())
+	defer wcancel()
+	st2.(store.Watcher).WatchBucket(wctx, bucketNodes, func([]store.KV) {}, func(key string, val []byte) {
+		mu.Lock()
+		defer mu.Unlock()
+		seen = append(seen, fmt.Sprintf("%s:%t", key, val != nil))
+	})
+	if err := RegisterNode(t.Context(), st2, NodeRecord{Name: "n2", Address: "a:2", Instance: "inst-1"}, nil); err != nil {
 		t.Fatalf("the same instance restarting: %v", err)
+	}
+	kill()
+	time.Sleep(50 * time.Millisecond)
+	if m, err := NewSource(st2, func(r NodeRecord) edgeapi.Edge { return nil }).Members(t.Context()); err != nil || m["n2"].Address != "a:2" {
+		t.Fatalf("after the takeover and the predecessor's end: %+v, %v", m, err)
+	}
+	wcancel()
+	mu.Lock()
+	defer mu.Unlock()
+	if got := strings.Join(seen, " "); got != "n2:true" {
+		t.Fatalf("the registry changed as %q during the takeover, want one write", got)
 	}
 	dir := t.TempDir()
 	id, known := StateInstance(dir)

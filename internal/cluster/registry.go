@@ -118,8 +118,9 @@ func ServerAlive(st store.Store, instance string) (bool, error) {
 }
 
 // hold keeps key in bucket under this process's lease while ctx lasts,
-// taking the key over when mine says its holder is this process's own
-// earlier incarnation, and taking it again after a lost lease.
+// taking the key over (atomically) when mine says its holder is this
+// process's own earlier incarnation, and taking it again after a lost
+// lease.
 func hold(ctx context.Context, st store.Store, bucket, key string, v any, what string, log *slog.Logger, mine func([]byte) bool) error {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -133,30 +134,24 @@ func hold(ctx context.Context, st store.Store, bucket, key string, v any, what s
 		return err
 	}
 	try := func() (<-chan struct{}, error) {
-		lost, err := l.Hold(ctx, bucket, key, val, LeaseTTL)
-		if !errors.Is(err, errdefs.ErrAlreadyExists) {
-			return lost, err
-		}
-		b, gerr := st.Get(bucket, key)
-		if gerr != nil || !mine(b) {
+		// Ours from before (a crash, a lost lease): taken over in one
+		// step, so no listing ever finds the key missing meanwhile.
+		took := false
+		lost, err := l.Hold(ctx, bucket, key, val, LeaseTTL, func(cur []byte) bool {
+			took = mine(cur)
+			return took
+		})
+		if errors.Is(err, errdefs.ErrAlreadyExists) {
 			held := ""
-			if gerr == nil {
+			if b, gerr := st.Get(bucket, key); gerr == nil {
 				held = ": " + string(b)
 			}
 			return nil, errdefs.AlreadyExists("%s is held by another live process%s (names must be unique; stop it or pick another name)", what, held)
 		}
-		// Ours from before (a crash, a lost lease): take it over.
-		derr := st.Update(bucket, key, func(cur []byte) ([]byte, error) {
-			if cur != nil && !mine(cur) {
-				return nil, errdefs.AlreadyExists("%s changed hands", what)
-			}
-			return nil, nil
-		})
-		if derr != nil {
-			return nil, derr
+		if err == nil && took {
+			log.Info("took over the registry entry of this process's earlier run", "what", what)
 		}
-		log.Info("took over the registry entry of this process's earlier run", "what", what)
-		return l.Hold(ctx, bucket, key, val, LeaseTTL)
+		return lost, err
 	}
 	lost, err := try()
 	if errors.Is(err, errdefs.ErrAlreadyExists) {

@@ -328,8 +328,10 @@ func (e *Etcd) List(bucket, prefix string) ([]KV, error) {
 	return out, nil
 }
 
-// Hold implements Leaser with an etcd lease, kept alive by the client.
-func (e *Etcd) Hold(ctx context.Context, bucket, key string, val []byte, ttl time.Duration) (<-chan struct{}, error) {
+// Hold implements Leaser with an etcd lease, kept alive by the client. A
+// takeover puts the key on the new lease; the old lease, left to expire or
+// revoked by its holder, no longer carries it.
+func (e *Etcd) Hold(ctx context.Context, bucket, key string, val []byte, ttl time.Duration, takeover func(cur []byte) bool) (<-chan struct{}, error) {
 	if err := checkEtcdName(bucket, key); err != nil {
 		return nil, err
 	}
@@ -345,15 +347,37 @@ func (e *Etcd) Hold(ctx context.Context, bucket, key string, val []byte, ttl tim
 		return nil, e.classify(err)
 	}
 	k := e.key(bucket, key)
-	r, err := again(octx, e.try, func(ctx context.Context) (*clientv3.TxnResponse, error) {
-		return e.c.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(k), "=", 0)).
-			Then(clientv3.OpPut(k, string(val), clientv3.WithLease(lease.ID))).Commit()
-	})
-	if err == nil && !r.Succeeded {
-		// Ours if an earlier attempt's answer was lost: the key is on our lease.
-		if cur, gerr := e.c.Get(octx, k); gerr != nil || len(cur.Kvs) != 1 || cur.Kvs[0].Lease != int64(lease.ID) {
-			err = errdefs.AlreadyExists("%s/%s is held by another process", bucket, key)
+	// The put is compared on the key's absence, or, for a takeover, on the
+	// revision of the value takeover agreed to: a key changed meanwhile is
+	// asked about again. A few rounds at most, then it is held by another.
+	var rev int64
+	for round := 0; ; round++ {
+		cmp := clientv3.Compare(clientv3.CreateRevision(k), "=", 0)
+		if rev != 0 {
+			cmp = clientv3.Compare(clientv3.ModRevision(k), "=", rev)
 		}
+		var r *clientv3.TxnResponse
+		r, err = again(octx, e.try, func(ctx context.Context) (*clientv3.TxnResponse, error) {
+			return e.c.Txn(ctx).If(cmp).
+				Then(clientv3.OpPut(k, string(val), clientv3.WithLease(lease.ID))).
+				Else(clientv3.OpGet(k)).Commit()
+		})
+		if err != nil || r.Succeeded {
+			break
+		}
+		kvs := r.Responses[0].GetResponseRange().GetKvs()
+		if len(kvs) == 0 {
+			rev = 0 // gone meanwhile: create it
+			continue
+		}
+		if kvs[0].Lease == int64(lease.ID) {
+			break // an earlier attempt's answer was lost: the key is on our lease
+		}
+		if takeover == nil || round >= 8 || !takeover(bytes.Clone(kvs[0].Value)) {
+			err = errdefs.AlreadyExists("%s/%s is held by another process", bucket, key)
+			break
+		}
+		rev = kvs[0].ModRevision
 	}
 	if err != nil {
 		_, _ = e.c.Revoke(octx, lease.ID)

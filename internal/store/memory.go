@@ -131,13 +131,18 @@ func (m *memory) list(bucket, prefix string) []KV {
 func (m *memory) Close() error { return nil }
 
 // Hold implements Leaser: the key lives until ctx ends (a memory store
-// has no holder to lose).
-func (m *memory) Hold(ctx context.Context, bucket, key string, val []byte, ttl time.Duration) (<-chan struct{}, error) {
-	if err := m.Create(bucket, key, val); err != nil {
+// has no holder to lose). takeover runs under the store's lock.
+func (m *memory) Hold(ctx context.Context, bucket, key string, val []byte, ttl time.Duration, takeover func(cur []byte) bool) (<-chan struct{}, error) {
+	if err := checkName(bucket, key); err != nil {
 		return nil, err
 	}
 	token := new(byte)
 	m.mu.Lock()
+	if cur, ok := m.buckets[bucket][key]; ok && (takeover == nil || !takeover(bytes.Clone(cur))) {
+		m.mu.Unlock()
+		return nil, errdefs.AlreadyExists("%s/%s is held by another process", bucket, key)
+	}
+	m.set(bucket, key, val)
 	m.holds[bucket+"/"+key] = token
 	m.mu.Unlock()
 	lost := make(chan struct{})

@@ -50,12 +50,18 @@ type Store interface {
 // Leaser is implemented by stores whose keys can be bound to the life of
 // the process that wrote them (etcd leases): the node registry.
 type Leaser interface {
-	// Hold creates key with val (errdefs.ErrAlreadyExists if it exists)
-	// and keeps it while ctx lasts and the store hears from the holder at
-	// least every ttl. The returned channel closes once the key is gone:
-	// ctx ended (the key is then removed) or the lease was lost (the
-	// holder was cut off from the store for longer than ttl).
-	Hold(ctx context.Context, bucket, key string, val []byte, ttl time.Duration) (lost <-chan struct{}, err error)
+	// Hold creates key with val and keeps it while ctx lasts and the
+	// store hears from the holder at least every ttl. The returned channel
+	// closes once the key is gone: ctx ended (the key is then removed) or
+	// the lease was lost (the holder was cut off from the store for longer
+	// than ttl).
+	//
+	// If key exists, takeover (when not nil) is asked about its value: if
+	// it says yes, the key is given val and moved to this hold in one
+	// step, so no reader ever sees it missing, and the earlier holder's
+	// end no longer removes it. Otherwise the answer is
+	// errdefs.ErrAlreadyExists.
+	Hold(ctx context.Context, bucket, key string, val []byte, ttl time.Duration, takeover func(cur []byte) bool) (lost <-chan struct{}, err error)
 }
 
 // checkName rejects the names no backend can store: bbolt refuses empty keys

@@ -266,18 +266,18 @@ func TestDrillEtcdQuorumLost(t *testing.T) {
 		}
 	}
 	restore()
-	// Edges take their registry entries again; creates work again. An
-	// edge takes its entry over by removing the old one and holding it
-	// anew, and the old leases, which the new leader extended, lapse
-	// after quorum returns: an apiserver whose registry listing falls in
-	// that gap drops the node until its next listing. So the nodes are
-	// waited for, then again once those leases are past.
+	// Edges take their registry entries again; creates work again. The
+	// old leases, which the new leader extended, lapse after quorum
+	// returns; each edge moves its entry to a new lease in one step, so
+	// no apiserver's view drops a node meanwhile (it used to remove the
+	// entry and hold it anew, and a listing in that gap lost the node).
 	if err := c.waitNodes(60*time.Second, "e1", "e2", "e3"); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(cluster.LeaseTTL + 4*time.Second)
-	if err := c.waitNodes(60*time.Second, "e1", "e2", "e3"); err != nil {
-		t.Fatal(err)
+	for end := time.Now().Add(cluster.LeaseTTL + 4*time.Second); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+		if err := c.waitNodes(0, "e1", "e2", "e3"); err != nil {
+			t.Fatalf("while the old registry leases lapsed: %v", err)
+		}
 	}
 	for i, pc := range c.perServer {
 		deadline := time.Now().Add(30 * time.Second)

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -314,12 +315,12 @@ func RunLeaser(t *testing.T, open func() store.Store) {
 		t.Fatalf("%T does not implement store.Leaser", s)
 	}
 	ctx, cancel := context.WithCancel(t.Context())
-	lost, err := l.Hold(ctx, "nodes", "n1", []byte("a"), 3*time.Second)
+	lost, err := l.Hold(ctx, "nodes", "n1", []byte("a"), 3*time.Second, nil)
 	if err != nil {
 		t.Fatalf("Hold: %v", err)
 	}
 	wantValue(t, s, "nodes", "n1", "a")
-	if _, err := l.Hold(t.Context(), "nodes", "n1", []byte("b"), 3*time.Second); !errors.Is(err, errdefs.ErrAlreadyExists) {
+	if _, err := l.Hold(t.Context(), "nodes", "n1", []byte("b"), 3*time.Second, nil); !errors.Is(err, errdefs.ErrAlreadyExists) {
 		t.Fatalf("second Hold of a held key: %v, want ErrAlreadyExists", err)
 	}
 	wantValue(t, s, "nodes", "n1", "a")
@@ -339,10 +340,82 @@ func RunLeaser(t *testing.T, open func() store.Store) {
 	// Released: another holder may take it.
 	ctx2, cancel2 := context.WithCancel(t.Context())
 	defer cancel2()
-	if _, err := l.Hold(ctx2, "nodes", "n1", []byte("c"), 3*time.Second); err != nil {
+	lost2, err := l.Hold(ctx2, "nodes", "n1", []byte("c"), 3*time.Second, nil)
+	if err != nil {
 		t.Fatalf("Hold after release: %v", err)
 	}
 	wantValue(t, s, "nodes", "n1", "c")
+
+	// A takeover the holder's value does not allow is refused.
+	if _, err := l.Hold(t.Context(), "nodes", "n1", []byte("x"), 3*time.Second, func(cur []byte) bool { return false }); !errors.Is(err, errdefs.ErrAlreadyExists) {
+		t.Fatalf("Hold with a takeover that says no: %v, want ErrAlreadyExists", err)
+	}
+	wantValue(t, s, "nodes", "n1", "c")
+	// An allowed takeover moves the key to the new holder in one step: a
+	// watch of the bucket sees "d" follow "c", never a deletion between.
+	var mu sync.Mutex
+	var seen []string
+	if w, ok := s.(store.Watcher); ok {
+		wctx, wcancel := context.WithCancel(t.Context())
+		defer wcancel()
+		ready := make(chan struct{})
+		go w.WatchBucket(wctx, "nodes", func([]store.KV) { close(ready) }, func(key string, val []byte) {
+			mu.Lock()
+			defer mu.Unlock()
+			if val == nil {
+				seen = append(seen, key+" deleted")
+			} else {
+				seen = append(seen, key+"="+string(val))
+			}
+		})
+		select {
+		case <-ready:
+		case <-time.After(10 * time.Second):
+			t.Fatal("no reset from WatchBucket")
+		}
+	}
+	var asked []string
+	ctx3, cancel3 := context.WithCancel(t.Context())
+	defer cancel3()
+	lost3, err := l.Hold(ctx3, "nodes", "n1", []byte("d"), 3*time.Second, func(cur []byte) bool {
+		asked = append(asked, string(cur))
+		return string(cur) == "c"
+	})
+	if err != nil {
+		t.Fatalf("Hold with a takeover that says yes: %v", err)
+	}
+	if len(asked) == 0 || asked[len(asked)-1] != "c" {
+		t.Fatalf("takeover was asked about %q, want the held value c", asked)
+	}
+	wantValue(t, s, "nodes", "n1", "d")
+	// The earlier holder's end no longer removes the key.
+	cancel2()
+	select {
+	case <-lost2:
+	case <-time.After(10 * time.Second):
+		t.Fatal("lost not closed after the earlier holder's ctx ended")
+	}
+	select {
+	case <-lost3:
+		t.Fatal("the new holder lost the key when the earlier one ended")
+	case <-time.After(4 * time.Second): // longer than the ttl
+	}
+	wantValue(t, s, "nodes", "n1", "d")
+	if _, ok := s.(store.Watcher); ok {
+		mu.Lock()
+		got := strings.Join(seen, ", ")
+		mu.Unlock()
+		if got != "n1=d" {
+			t.Fatalf("the watch saw %q during the takeover, want just n1=d", got)
+		}
+	}
+	cancel3()
+	select {
+	case <-lost3:
+	case <-time.After(10 * time.Second):
+		t.Fatal("lost not closed after the new holder's ctx ended")
+	}
+	wantNotFound(t, s, "nodes", "n1")
 }
 
 // RunWatcher runs the contract of store.Watcher against a store made by
