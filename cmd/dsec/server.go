@@ -244,7 +244,9 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 	hs.ErrorLog = slog.NewLogLogger(log.Handler(), slog.LevelDebug)
 	nodes := len(view.Snapshot())
 	log.Info("dsec server: serving", "endpoint", "http://"+ln.Addr().String(), "cluster", trust.Info.ID, "instance", instance, "nodes", nodes)
-	return serveUntilDone(ctx, log, "shutting down", serving{hs, func() error { return hs.Serve(lim) }})
+	err = serveUntilDone(ctx, log, "shutting down", serving{hs, func() error { return hs.Serve(lim) }})
+	srv.Settle(5 * time.Second)
+	return err
 }
 
 // clusterPolicy is an apiserver's policy: every backend some edge may

@@ -327,6 +327,8 @@ func up(ctx context.Context, c upConfig, log *slog.Logger) error {
 	hs := lim.Server(n.server.Handler())
 	hs.ErrorLog = slog.NewLogLogger(log.Handler(), slog.LevelDebug)
 	log.Info("dsec up: serving", "endpoint", endpoint)
-	return serveUntilDone(ctx, log, "shutting down; sandboxes keep running and are re-adopted on the next start",
+	err = serveUntilDone(ctx, log, "shutting down; sandboxes keep running and are re-adopted on the next start",
 		serving{hs, func() error { return hs.Serve(lim) }})
+	n.server.Settle(5 * time.Second)
+	return err
 }

@@ -15,11 +15,13 @@ import (
 // which the caller waits for) and answers (puts, which nobody waits for:
 // the caller already has its answer). A claim that finds no write in
 // flight goes at once, with whatever answers are queued; writes that
-// arrive while a transaction is in flight go together in the next one. An
-// answer alone waits up to linger for a claim to travel with (a client
-// sending creates one after another then costs one transaction, one raft
-// entry and one fsync per create, not two). A burst of creates costs one
-// per batch.
+// arrive while a transaction is in flight go together in the next one.
+// Answers wait for a claim to travel with, up to linger after the first of
+// them was queued (more answers arriving meanwhile do not end the wait),
+// or until a batch is full: a client sending creates one after another,
+// and a burst of creates, then cost one transaction, one raft entry and
+// one fsync per create (or per batch), not two. A repeat of a call whose
+// answer still waits here finds its record pending and polls for it.
 //
 // An answer not yet written when the apiserver dies leaves its record
 // pending with a dead owner: a repeat takes the call over and finds what
@@ -36,7 +38,10 @@ type groupCommit struct {
 	mu      sync.Mutex
 	queue   []*commitOp
 	running bool
-	kick    chan struct{}
+	// settling: the server stops; answers no longer wait.
+	settling bool
+	kick     chan struct{}
+	idle     *sync.Cond // signalled when a drain finds the queue empty
 }
 
 type commitOp struct {
@@ -47,15 +52,19 @@ type commitOp struct {
 }
 
 // Batch bounds: etcd takes up to 128 operations and 1.5 MiB per request.
+// commitLinger is how long answers wait for a claim: a few create times,
+// so that under any steady flow of keyed calls they ride with the next
+// claim.
 const (
 	commitMaxOps   = 64
 	commitMaxBytes = 1 << 20
-	commitLinger   = 5 * time.Millisecond
+	commitLinger   = 50 * time.Millisecond
 )
 
 func newGroupCommit(st store.Store, bucket string, log *slog.Logger) *groupCommit {
 	g := &groupCommit{st: st, bucket: bucket, linger: commitLinger, maxOps: commitMaxOps, maxBytes: commitMaxBytes,
 		log: log, kick: make(chan struct{}, 1)}
+	g.idle = sync.NewCond(&g.mu)
 	g.batcher, _ = st.(store.Batcher)
 	if g.batcher == nil {
 		g.linger = 0 // nothing to group
@@ -92,13 +101,41 @@ func (g *groupCommit) enqueue(op *commitOp) {
 	}
 }
 
+// settle writes what is queued without waiting for claims, and returns
+// once nothing is queued or within timeout: for a server that stops, so
+// that the answers it gave are recorded.
+func (g *groupCommit) settle(timeout time.Duration) {
+	g.mu.Lock()
+	g.settling = true
+	g.mu.Unlock()
+	select {
+	case g.kick <- struct{}{}:
+	default:
+	}
+	done := make(chan struct{})
+	go func() {
+		g.mu.Lock()
+		for g.running || len(g.queue) > 0 {
+			g.idle.Wait()
+		}
+		g.mu.Unlock()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(timeout):
+		g.log.Warn("stopping with idempotency answers not yet recorded (their keys will be taken over by a retry)")
+	}
+}
+
 // drain writes batches until the queue is empty.
 func (g *groupCommit) drain() {
-	lingered := false
+	var until time.Time // end of the answers' wait (zero: not waiting)
 	for {
 		g.mu.Lock()
 		if len(g.queue) == 0 {
 			g.running = false
+			g.idle.Broadcast()
 			g.mu.Unlock()
 			return
 		}
@@ -106,17 +143,21 @@ func (g *groupCommit) drain() {
 		for _, op := range g.queue {
 			claims = claims || op.create
 		}
-		if !claims && !lingered && g.linger > 0 && len(g.queue) < g.maxOps {
-			g.mu.Unlock()
-			// Answers only: give a claim a moment to join them.
-			t := time.NewTimer(g.linger)
-			select {
-			case <-g.kick:
-			case <-t.C:
+		if !claims && !g.settling && g.linger > 0 && len(g.queue) < g.maxOps {
+			if until.IsZero() {
+				until = time.Now().Add(g.linger)
 			}
-			t.Stop()
-			lingered = true
-			continue
+			if wait := time.Until(until); wait > 0 {
+				g.mu.Unlock()
+				// Answers only: give a claim a moment to join them.
+				t := time.NewTimer(wait)
+				select {
+				case <-g.kick:
+				case <-t.C:
+				}
+				t.Stop()
+				continue
+			}
 		}
 		// A key goes into a transaction once (etcd refuses a repeat):
 		// a second write of it (a repeat's claim, or an answer and the
@@ -131,7 +172,7 @@ func (g *groupCommit) drain() {
 		batch := append([]*commitOp(nil), g.queue[:n]...)
 		g.queue = g.queue[n:]
 		g.mu.Unlock()
-		lingered = false
+		until = time.Time{}
 		g.write(batch)
 		for _, op := range batch {
 			if op.done != nil {

@@ -166,3 +166,49 @@ func TestGroupCommit(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// TestAnswersWaitForAClaim: answers queued one after another wait
+// together for the next claim (another answer does not end the wait),
+// lone answers are written after the linger, and settle writes them at
+// once.
+func TestAnswersWaitForAClaim(t *testing.T) {
+	bs := &batchStore{Store: store.NewMemory()}
+	g := newGroupCommit(bs, "b", slog.New(slog.DiscardHandler))
+	for i := range 3 {
+		g.put(store.KV{Key: fmt.Sprint("a", i), Value: []byte("answer")})
+		time.Sleep(commitLinger / 5)
+	}
+	if err := g.create(store.KV{Key: "c0", Value: []byte("v")}); err != nil {
+		t.Fatal(err)
+	}
+	if got := bs.log(); fmt.Sprint(got) != "[c1p3]" {
+		t.Fatalf("transactions %v, want the three answers with the claim", got)
+	}
+
+	// Alone, an answer is written once the linger is over.
+	start := time.Now()
+	g.put(store.KV{Key: "lone", Value: []byte("answer")})
+	for {
+		if _, err := bs.Get("b", "lone"); err == nil {
+			break
+		}
+		if time.Since(start) > 2*time.Second {
+			t.Fatal("a lone answer was never written")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if el := time.Since(start); el < commitLinger*9/10 {
+		t.Errorf("a lone answer was written after %v, before the linger (%v)", el, commitLinger)
+	}
+
+	// A stopping server's answers go at once.
+	g.put(store.KV{Key: "last", Value: []byte("answer")})
+	start = time.Now()
+	g.settle(2 * time.Second)
+	if _, err := bs.Get("b", "last"); err != nil {
+		t.Fatalf("after settle: %v", err)
+	}
+	if el := time.Since(start); el > commitLinger/2 {
+		t.Errorf("settle took %v: it waited for the linger", el)
+	}
+}

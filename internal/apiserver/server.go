@@ -107,6 +107,15 @@ func New(deps Deps) *Server {
 	return s
 }
 
+// Settle writes the idempotency records of answers already given that
+// still wait for a transaction to ride with, and returns once they are
+// written or within timeout. Call it once the HTTP server has stopped.
+func (s *Server) Settle(timeout time.Duration) {
+	if s.records != nil {
+		s.records.settle(timeout)
+	}
+}
+
 // stateStore is Deps.StateStore, or Store when there is none.
 func (s *Server) stateStore() store.Store {
 	if s.deps.StateStore != nil {
