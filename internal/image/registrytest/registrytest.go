@@ -13,6 +13,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -67,6 +68,23 @@ func (r *Registry) Stop() {
 		r.cmd.Process.Kill()
 		r.cmd.Wait()
 		r.cmd = nil
+	}
+}
+
+// Pause stops the registry process (SIGSTOP) without closing anything: a
+// source that accepts connections and never answers. Resume undoes it.
+func (r *Registry) Pause() { r.signal(syscall.SIGSTOP) }
+
+// Resume lets a paused registry go on (SIGCONT).
+func (r *Registry) Resume() { r.signal(syscall.SIGCONT) }
+
+func (r *Registry) signal(sig syscall.Signal) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.cmd != nil {
+		if err := r.cmd.Process.Signal(sig); err != nil {
+			r.t.Errorf("signalling the registry: %v", err)
+		}
 	}
 }
 

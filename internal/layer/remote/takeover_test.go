@@ -184,3 +184,76 @@ func readWithin(f *os.File, buf []byte, off int64, d time.Duration) error {
 		return fmt.Errorf("read at %d still waiting after %v", off, d)
 	}
 }
+
+// A read the daemon had taken from the kernel and not yet answered when it
+// died (it waited on a stalled source) completes once the next daemon
+// takes over: the kernel queues it again on the takeover's
+// FUSE_NOTIFY_RESEND.
+func TestReadInFlightAtDaemonDeath(t *testing.T) {
+	w := newLazyCatalog(t, FetchPolicy{Timeout: 3 * time.Second, Attempts: 2})
+	w.src.Command = w.daemonCommand()
+	t.Cleanup(func() {
+		w.reg.Resume()
+		exec.Command("pkill", "-KILL", "-f", "DSEC_TEST_LAYERFS_DIR="+w.dir).Run()
+		w.src.EdgeStopped()
+		w.src.mu.Lock()
+		if w.src.fuse != nil {
+			w.src.fuse.Close()
+			w.src.fuse = nil
+		}
+		w.src.mu.Unlock()
+		unix.Unmount(MountDir(w.dir), unix.MNT_DETACH)
+	})
+	ctx := context.Background()
+	path, release, err := w.src.Open(ctx, w.layer.Digest)
+	must(t, err)
+	defer release()
+	mnt := mountImage(t, path)
+	defer w.src.EdgeStopped()
+	want, err := os.ReadFile(filepath.Join(w.tree, "usr/lib/big.bin"))
+	must(t, err)
+	f, err := os.Open(filepath.Join(mnt, "usr/lib/big.bin"))
+	must(t, err)
+	defer f.Close()
+	head := make([]byte, 4096)
+	if _, err := f.ReadAt(head, 0); err != nil || !bytes.Equal(head, want[:4096]) {
+		t.Fatalf("first page: %v", err)
+	}
+	first := w.src.DaemonPid()
+
+	// The source stalls; a read of what was never fetched reaches the
+	// daemon, which waits on the source.
+	w.reg.Pause()
+	off := int64(len(want) / 2)
+	rest := make([]byte, len(want)-int(off))
+	done := make(chan error, 1)
+	go func() {
+		_, err := f.ReadAt(rest, off)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		t.Fatalf("the read finished while the source stalled: %v", err)
+	case <-time.After(time.Second):
+	}
+	must(t, syscall.Kill(first, syscall.SIGKILL))
+	for syscall.Kill(first, 0) == nil {
+		var ws syscall.WaitStatus
+		syscall.Wait4(first, &ws, syscall.WNOHANG, nil)
+		time.Sleep(10 * time.Millisecond)
+	}
+	w.reg.Resume()
+	select {
+	case err := <-done:
+		if err != nil || !bytes.Equal(rest, want[off:]) {
+			log, _ := os.ReadFile(filepath.Join(w.dir, "layerfs.log"))
+			t.Fatalf("the read in flight at the daemon's death: %v (bytes right: %v)\n%s", err, bytes.Equal(rest, want[off:]), log)
+		}
+	case <-time.After(30 * time.Second):
+		log, _ := os.ReadFile(filepath.Join(w.dir, "layerfs.log"))
+		t.Fatalf("the read in flight at the daemon's death never completed (daemon now %d, was %d)\n%s", w.src.DaemonPid(), first, log)
+	}
+	if second := w.src.DaemonPid(); second == first || second == 0 {
+		t.Fatalf("no new daemon: %d, %d", first, second)
+	}
+}
