@@ -88,7 +88,7 @@ func (c *nodeConfig) register(f *cmdFlags) {
 	f.IntVar(&c.maxStreams, "max-streams", 0, "commands (exec, streamed or not, and fncall) and port connections running on this node at once (each holds pipes or a socket of the daemon's); past it a call is refused with resource_exhausted before it starts; 0 = a sixteenth of the open-files limit, 64 to 16384")
 	f.BoolVar(&c.cleanupExit, "cleanup-on-exit", false, "on shutdown, delete every sandbox of this node first, so that the daemon leaves nothing on the host (mounts, cgroups, veths, nft table, DNS address); without it sandboxes keep running and the next start adopts them")
 	f.Int64Var(&c.layerCacheMB, "layer-cache-mb", defaultLayerCacheMB, "bound of this node's cache of chunks of registry-backed layers (dsec layer add), in MiB, shared by every sandbox on the node and kept across restarts")
-	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of user-namespace sandboxes (spec userns: true), which get 65536 ids from it; 0 refuses userns")
+	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of user-namespace sandboxes (spec userns: true), which get 65536 ids from it; the next 65536 uids own their namespaces, one per sandbox; 0 refuses userns")
 }
 
 // check validates the node flags before anything is touched.
@@ -111,8 +111,8 @@ func (c *nodeConfig) check() error {
 	default:
 		return fmt.Errorf("--microvm %q: want auto, on or off", c.microvm)
 	}
-	if c.usernsBase > 1<<32-1-edge.UserNSSize {
-		return fmt.Errorf("--userns-base %d: too large (the range must end below 2^32-1)", c.usernsBase)
+	if c.usernsBase > 1<<32-1-edge.UserNSReserved {
+		return fmt.Errorf("--userns-base %d: too large (the %d ids from it must end below 2^32-1)", c.usernsBase, edge.UserNSReserved)
 	}
 	if c.usernsBase != 0 && c.usernsBase < 1<<16 {
 		return fmt.Errorf("--userns-base %d: must be 65536 or more, clear of the host's own users", c.usernsBase)

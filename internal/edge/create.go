@@ -148,6 +148,18 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 			return nil, err
 		}
 	}
+	if rec.UserNS {
+		owner, err := e.takeOwnerLocked()
+		if err != nil {
+			if !pooled {
+				e.tenancyAddLocked(req.Dedicated, -1)
+			}
+			e.mu.Unlock()
+			return nil, err
+		}
+		// Held from here until the sandbox is unlisted (unlistLocked).
+		rec.UserNSOwner, s.rec.UserNSOwner = owner, owner
+	}
 	e.live++
 	if !pooled {
 		// In the node's counts (as creating) from now on: numbered so.
@@ -233,6 +245,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 	}
 	if rec.UserNS {
 		cfg.UserNS = e.sandboxIDMap()
+		cfg.UserNS.Owner = rec.UserNSOwner
 	}
 	// Registered before the create: a failed one may have left state or
 	// processes (its cgroup is released by the undo above).

@@ -183,8 +183,13 @@ type Edge struct {
 	// deleteSem bounds background deletes (fncall sandboxes).
 	deleteSem chan struct{}
 
-	idmapMu sync.Mutex
-	idmap   *os.File
+	// owners are the host uids holding the user namespaces of listed
+	// sandboxes, and ownerNext the slot the next search starts at
+	// (userns.go; under mu).
+	owners    map[uint32]bool
+	ownerNext uint32
+	idmapMu   sync.Mutex
+	idmap     *os.File
 	// usernsBroken says why user-namespace sandboxes cannot run here.
 	usernsBroken error
 

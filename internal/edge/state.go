@@ -40,6 +40,9 @@ type record struct {
 	Token string `json:"token,omitempty"`
 	// UserNS is set for a sandbox in a user namespace (userns.go).
 	UserNS bool `json:"userns,omitempty"`
+	// UserNSOwner is the host uid that made its user namespace (userns.go;
+	// 0 for sandboxes of an older edge, whose runtime made it as root).
+	UserNSOwner uint32 `json:"userns_owner,omitempty"`
 	// PrivateRootfs is set when the overlay is mounted only inside the
 	// sandbox's mount namespace (sandbox.Config.RootfsMount), not on the
 	// host at <dir>/rootfs: it goes away with the sandbox's processes, and

@@ -72,10 +72,13 @@ func (e *Edge) recountLocked(s *sbx) {
 }
 
 // listLocked adds s to the node's sandboxes (e.mu held, s.mu not), and
-// its share and create token with it.
+// its share, create token and user-namespace owner with it.
 func (e *Edge) listLocked(id string, s *sbx) {
 	e.sandboxes[id] = s
 	s.mu.Lock()
+	if o := s.rec.UserNSOwner; o != 0 {
+		e.holdOwnerLocked(o)
+	}
 	s.listed = true
 	e.recountLocked(s)
 	e.noteTokenLocked(s)
@@ -83,12 +86,15 @@ func (e *Edge) listLocked(id string, s *sbx) {
 }
 
 // unlistLocked takes s out of the node's sandboxes (e.mu held, s.mu not),
-// and its share and create token with it.
+// and its share, create token and user-namespace owner with it.
 func (e *Edge) unlistLocked(id string, s *sbx) {
 	if e.sandboxes[id] == s {
 		delete(e.sandboxes, id)
 	}
 	s.mu.Lock()
+	if o := s.rec.UserNSOwner; o != 0 && s.listed {
+		delete(e.owners, o)
+	}
 	s.listed = false
 	e.recountLocked(s)
 	e.forgetTokenLocked(s)

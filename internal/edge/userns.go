@@ -38,6 +38,41 @@ import (
 // UserNSSize is how many IDs a user-namespace sandbox has.
 const UserNSSize = 65536
 
+// Each user-namespace sandbox's namespace is made by a host uid of its own
+// (its owner, sandbox.IDMap.Owner), taken from the UserNSSize uids right
+// after the mapped range: UserNSBase+UserNSSize+slot. The kernel charges
+// the per-user counts of a namespace's processes (inotify instances,
+// pending signals, message queues, processes) at the host's level to the
+// namespace's owner, so sandboxes do not share them with host root or
+// with each other. UserNSReserved is how many host IDs from UserNSBase
+// the node uses. Several edges on one host with the same base share the
+// owners' range, and may give two sandboxes the same owner.
+const UserNSReserved = 2 * UserNSSize
+
+// takeOwnerLocked takes a free owner uid for a new sandbox (e.mu held). The
+// search starts after the last one taken, so a freed uid is not given
+// again at once.
+func (e *Edge) takeOwnerLocked() (uint32, error) {
+	for i := uint32(0); i < UserNSSize; i++ {
+		slot := (e.ownerNext + i) % UserNSSize
+		o := e.cfg.UserNSBase + UserNSSize + slot
+		if !e.owners[o] {
+			e.holdOwnerLocked(o)
+			e.ownerNext = slot + 1
+			return o, nil
+		}
+	}
+	return 0, errdefs.Exhausted("node %s has no free user-namespace owner uid (%d user-namespace sandboxes)", e.cfg.Name, len(e.owners))
+}
+
+// holdOwnerLocked marks owner taken (e.mu held).
+func (e *Edge) holdOwnerLocked(owner uint32) {
+	if e.owners == nil {
+		e.owners = map[uint32]bool{}
+	}
+	e.owners[owner] = true
+}
+
 // The OCI runtime sets up a user-namespace sandbox's mounts as the
 // sandbox's root, so that uid must be able to reach the rootfs: every
 // directory above it must be searchable by it. The edge makes its own

@@ -94,6 +94,13 @@ type Config struct {
 type IDMap struct {
 	HostID uint32
 	Size   uint32
+	// Owner, if not 0, is the host uid that makes (owns) the user
+	// namespace. The kernel charges the per-user counts of the sandbox's
+	// processes (inotify instances and watches, pending signals, message
+	// queue bytes, processes) to it at the host's level: a uid of the
+	// sandbox's own keeps them apart from host root's and from other
+	// sandboxes'. 0: the runtime makes it, as root.
+	Owner uint32
 }
 
 // Limits are the resource limits applied to the whole sandbox. Zero means

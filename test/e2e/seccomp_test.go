@@ -229,21 +229,28 @@ func parseProber(t *testing.T, out string) map[string]proberLine {
 // buildProber compiles testdata/prober.c statically, or skips the test.
 func buildProber(t *testing.T) string {
 	t.Helper()
+	return buildStatic(t, "prober")
+}
+
+// buildStatic compiles testdata/NAME.c into a static binary, or skips the
+// test when the host cannot.
+func buildStatic(t *testing.T, name string) string {
+	t.Helper()
 	gcc, err := exec.LookPath("gcc")
 	if err != nil {
-		t.Skip("needs gcc to build the static prober (testdata/prober.c)")
+		t.Skipf("needs gcc to build the static %s (testdata/%s.c)", name, name)
 	}
 	// gcc prints the bare name back when it cannot find the file.
 	if out, err := exec.Command(gcc, "-print-file-name=libc.a").Output(); err != nil || !filepath.IsAbs(strings.TrimSpace(string(out))) {
-		t.Skip("needs a static libc (libc.a, e.g. libc6-dev) to build the static prober")
+		t.Skipf("needs a static libc (libc.a, e.g. libc6-dev) to build the static %s", name)
 	}
-	src, err := filepath.Abs("testdata/prober.c")
+	src, err := filepath.Abs("testdata/" + name + ".c")
 	if err != nil {
 		t.Fatal(err)
 	}
-	bin := filepath.Join(t.TempDir(), "prober")
+	bin := filepath.Join(t.TempDir(), name)
 	if out, err := exec.Command(gcc, "-static", "-O1", "-o", bin, src).CombinedOutput(); err != nil {
-		t.Fatalf("building the prober: %v\n%s", err, out)
+		t.Fatalf("building the %s: %v\n%s", name, err, out)
 	}
 	return bin
 }

@@ -6,6 +6,9 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/api"
 )
@@ -97,5 +100,70 @@ func TestUserNamespaceSandbox(t *testing.T) {
 	}
 	if m := anyMounts(sb.ID); len(m) > 0 {
 		t.Fatalf("mounts left: %v", m)
+	}
+}
+
+// TestUserNSKernelCountsAreTheSandboxs: the kernel's per-user counts of a
+// user-namespace sandbox's processes are charged to a host uid of that
+// sandbox's own (the owner of its namespace), not to host root's: a
+// sandbox that takes every inotify instance its count allows leaves host
+// root and a neighbour sandbox theirs. (A namespace the runtime made as
+// root charged everything to root: host root and every neighbour then got
+// EMFILE.)
+func TestUserNSKernelCountsAreTheSandboxs(t *testing.T) {
+	needDaemon(t)
+	holder := buildStatic(t, "inotify_holder")
+	b, err := os.ReadFile("/proc/sys/fs/inotify/max_user_instances")
+	if err != nil {
+		t.Fatal(err)
+	}
+	max := strings.TrimSpace(string(b))
+	upload := func(id string) {
+		t.Helper()
+		f, err := os.Open(holder)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if err := client.WriteFile(ctx(t), id, "/tmp/holder", f, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a := newSandbox(t, api.SandboxSpec{UserNS: true})
+	nb := newSandbox(t, api.SandboxSpec{UserNS: true})
+	upload(a.ID)
+	upload(nb.ID)
+	// A takes all it can and holds them.
+	if r := sh(t, a.ID, "setsid /tmp/holder hold </dev/null >/tmp/n 2>&1 & for i in $(seq 100); do [ -s /tmp/n ] && break; sleep 0.1; done; cat /tmp/n"); r.Stdout != max+"\n" {
+		t.Fatalf("the holder in A made %q instances (%q), want the per-user limit %s", r.Stdout, r.Stderr, max)
+	}
+	// Host root still gets one.
+	fd, err := unix.InotifyInit1(unix.IN_CLOEXEC)
+	if err != nil {
+		t.Fatalf("host root's inotify_init1 while A holds its instances: %v", err)
+	}
+	unix.Close(fd)
+	// The neighbour gets its own, all of them.
+	if r := sh(t, nb.ID, "/tmp/holder"); r.Stdout != max+"\n" {
+		t.Fatalf("the neighbour made %q instances (%q) while A holds its own, want %s", r.Stdout, r.Stderr, max)
+	}
+	// Each namespace has an owner of its own, neither host root.
+	owner := func(id string) uint32 {
+		t.Helper()
+		f, err := os.Open("/proc/" + itoa(initPid(t, id)) + "/ns/user")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		var uid uint32
+		const nsGetOwnerUID = 0xb704 // _IO(0xb7, 0x4)
+		if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), nsGetOwnerUID, uintptr(unsafe.Pointer(&uid))); errno != 0 {
+			t.Fatalf("NS_GET_OWNER_UID: %v", errno)
+		}
+		return uid
+	}
+	oa, ob := owner(a.ID), owner(nb.ID)
+	if oa == 0 || ob == 0 || oa == ob || oa < usernsBase+65536 || ob < usernsBase+65536 {
+		t.Fatalf("namespace owners %d and %d: want two distinct uids from %d on", oa, ob, usernsBase+65536)
 	}
 }

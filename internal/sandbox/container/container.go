@@ -330,6 +330,24 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 		return errdefs.Precondition("memory_cgroup shared needs dsec's launcher; this node starts sandboxes with %s (%s)", c.flavor, c.nativeWhy)
 	}
 	spec := c.spec(cfg)
+	if m := cfg.UserNS; m != nil && m.Owner != 0 {
+		// The sandbox joins a user namespace of its own uid's, made
+		// here; the runtime would make one as root.
+		if !nsexec.Available {
+			return errdefs.Precondition("a user namespace owned by the sandbox's uid needs a dsec built with cgo")
+		}
+		path, release, err := nsexec.UserNS(m.Owner, m.HostID, m.Size)
+		if err != nil {
+			return fmt.Errorf("starting container: %w", err)
+		}
+		defer release() // the sandbox's processes hold it from the run on
+		for i, n := range spec.Linux.Namespaces {
+			if n.Type == specs.UserNamespace {
+				spec.Linux.Namespaces[i].Path = path
+			}
+		}
+		spec.Linux.UIDMappings, spec.Linux.GIDMappings = nil, nil
+	}
 	data, err := json.Marshal(spec)
 	if err != nil {
 		return fmt.Errorf("encoding OCI spec: %w", err)

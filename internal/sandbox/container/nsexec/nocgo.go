@@ -21,3 +21,8 @@ func RunInMountNS(ctx context.Context, mount *os.File, target string, env []stri
 func Launch(cfg LaunchConfig) (pid, pidfd int, err error) {
 	return 0, -1, errors.New("this dsec was built without cgo: no sandbox launcher")
 }
+
+// UserNS needs the C helper; callers check Available first.
+func UserNS(owner, hostID, size uint32) (path string, release func(), err error) {
+	return "", nil, errors.New("this dsec was built without cgo: no user namespace holder")
+}
