@@ -317,6 +317,12 @@ func (c *Container) run(ctx context.Context, args ...string) error {
 	return nil
 }
 
+// OwnsUserNS reports whether a user-namespace sandbox's namespace is made
+// by its sandbox.IDMap.Owner (a helper of this binary, joined by crun):
+// runc before 1.2 cannot join a user namespace without the ID maps in the
+// spec, so with runc (or without cgo) the runtime makes it, as root.
+func (c *Container) OwnsUserNS() bool { return c.flavor == "crun" && nsexec.Available }
+
 // Create implements sandbox.Backend.
 func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 	if cfg.RootfsMount != nil && !c.TakesDetachedRootfs() {
@@ -330,17 +336,22 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 		return errdefs.Precondition("memory_cgroup shared needs dsec's launcher; this node starts sandboxes with %s (%s)", c.flavor, c.nativeWhy)
 	}
 	spec := c.spec(cfg)
-	if m := cfg.UserNS; m != nil && m.Owner != 0 {
+	release, err := acquire(ctx, c.creating)
+	if err != nil {
+		return fmt.Errorf("starting container: %w", err)
+	}
+	defer release()
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("starting container: %w", err)
+	}
+	if m := cfg.UserNS; m != nil && m.Owner != 0 && c.OwnsUserNS() {
 		// The sandbox joins a user namespace of its own uid's, made
 		// here; the runtime would make one as root.
-		if !nsexec.Available {
-			return errdefs.Precondition("a user namespace owned by the sandbox's uid needs a dsec built with cgo")
-		}
-		path, release, err := nsexec.UserNS(m.Owner, m.HostID, m.Size)
+		path, let, err := nsexec.UserNS(m.Owner, m.HostID, m.Size)
 		if err != nil {
 			return fmt.Errorf("starting container: %w", err)
 		}
-		defer release() // the sandbox's processes hold it from the run on
+		defer let() // the sandbox's processes hold it from the run on
 		for i, n := range spec.Linux.Namespaces {
 			if n.Type == specs.UserNamespace {
 				spec.Linux.Namespaces[i].Path = path
@@ -367,14 +378,6 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 	// profile refuses keyctl, add_key and request_key inside, and
 	// commands exec'd by the helper already share the edge's.
 	args := []string{"--root", c.cfg.StateRoot, "--log", logPath, "run", "-d", "--no-new-keyring", "--bundle", cfg.Dir, cfg.ID}
-	release, err := acquire(ctx, c.creating)
-	if err != nil {
-		return fmt.Errorf("starting container: %w", err)
-	}
-	defer release()
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("starting container: %w", err)
-	}
 	// Once started, the runtime is not killed when ctx ends: killed
 	// halfway, it can leave the sandbox's init running with no state file
 	// to find it by. It finishes (within runtimeTimeout), then the sandbox

@@ -18,7 +18,7 @@ func TestUserNSOwner(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: makes a user namespace as another uid and writes its ID maps")
 	}
-	const owner, base, size = 1_000_131_072, 1_000_000_000, 65536
+	const owner, base, size = 1_000_131_071, 1_000_000_000, 65536 // owner: the last of the owners' range
 	path, release, err := UserNS(owner, base, size)
 	if err != nil {
 		t.Fatal(err)
@@ -45,8 +45,21 @@ func TestUserNSOwner(t *testing.T) {
 			t.Errorf("%s: %q %v", m, b, err)
 		}
 	}
+	// The holder runs as the owner, with no capability left.
+	st, err := os.ReadFile("/proc/" + pid + "/status")
+	if err != nil || !strings.Contains(string(st), "\nUid:\t1000131071\t1000131071\t1000131071\t1000131071\n") ||
+		!strings.Contains(string(st), "\nCapEff:\t0000000000000000\n") || !strings.Contains(string(st), "\nCapPrm:\t0000000000000000\n") {
+		t.Errorf("the holder's status (%v):\n%s", err, st)
+	}
+	var held unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &held); err != nil {
+		t.Fatal(err)
+	}
 	release()
-	if _, err := os.Stat("/proc/" + pid + "/ns/user"); err == nil {
+	// Its pid may be another process's by now, but not with this
+	// namespace.
+	var now unix.Stat_t
+	if err := unix.Stat("/proc/"+pid+"/ns/user", &now); err == nil && now.Ino == held.Ino {
 		t.Error("the holder still runs after release")
 	}
 	if _, _, err := UserNS(0, base, size); err == nil {
