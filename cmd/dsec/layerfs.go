@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/dsecproject/dsec/internal/cgroup"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/layer/remote"
 )
@@ -62,12 +63,23 @@ func runLayerFS(args []string) error {
 // defaultLayerCacheMB bounds a node's chunk cache unless told otherwise.
 const defaultLayerCacheMB = 10 << 10
 
+// The layer daemon's cgroup, a sibling of the sandboxes' parent
+// (<parent>-layerfs), bounds what it may take of the node: memory (its
+// heap is kept near GOMEMLIMIT, 512 MiB; the rest is fetch buffers and the
+// page cache of its chunk files, which is reclaimed first) and tasks.
+const (
+	layerDaemonMemory = 1 << 30
+	layerDaemonPids   = 512
+	fuseDevice        = "c 10:229 rwm" // /dev/fuse, on a v1 devices hierarchy
+)
+
 // layerSource is an edge's source of layer images: the layer directory,
 // and registry-backed layers through the node's layer daemon, which it
-// starts from this binary with its state under stateDir.
-func layerSource(layers *layer.Store, stateDir string, cacheMB int64, log *slog.Logger) *remote.Source {
+// starts from this binary with its state under stateDir, in a cgroup of
+// its own under cg (none with cg nil).
+func layerSource(layers *layer.Store, stateDir string, cacheMB int64, cg *cgroup.Info, cgroupParent string, log *slog.Logger) *remote.Source {
 	dir := filepath.Join(stateDir, "layerfs")
-	return &remote.Source{
+	src := &remote.Source{
 		Store: layers, Dir: dir, PulledDir: filepath.Join(stateDir, "pulled"), Log: log,
 		Command: func() *exec.Cmd {
 			exe, err := os.Executable()
@@ -77,4 +89,14 @@ func layerSource(layers *layer.Store, stateDir string, cacheMB int64, log *slog.
 			return exec.Command(exe, "layerfs", "--dir", dir, "--cache-mb", strconv.FormatInt(cacheMB, 10))
 		},
 	}
+	if cg != nil && cgroupParent != "" {
+		rel := cgroupParent + "-layerfs"
+		src.Cgroup = &remote.DaemonCgroup{
+			Join: func() ([]string, error) {
+				return cg.MakeSandbox(rel, cgroup.Limits{MemoryBytes: layerDaemonMemory, Pids: layerDaemonPids, Devices: []string{fuseDevice}})
+			},
+			Remove: func() error { return cg.RemoveIdle(rel) },
+		}
+	}
+	return src
 }

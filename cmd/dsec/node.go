@@ -185,7 +185,7 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 	if maxStreams == 0 {
 		maxStreams = edge.DefaultMaxStreams(nofile)
 	}
-	blobs := layerSource(layers, edgeDir, c.layerCacheMB, log)
+	blobs := layerSource(layers, edgeDir, c.layerCacheMB, h.Cgroups, h.CgroupParent, log)
 	if err := reg.Register(remote.NewCollector(blobs)); err != nil {
 		if h.Net != nil {
 			h.Net.Close()

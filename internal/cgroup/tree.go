@@ -293,6 +293,23 @@ func (i *Info) Remove(rel string) error {
 	}
 }
 
+// RemoveIdle removes the cgroup rel and its descendants in every hierarchy
+// if no process is in them, and kills nothing: a cgroup still in use gives
+// errdefs.ErrPrecondition, naming where. A missing rel is not an error.
+func (i *Info) RemoveIdle(rel string) error {
+	if err := checkRel(rel); err != nil {
+		return err
+	}
+	busy, err := i.rmdirTree(rel)
+	if err != nil {
+		return err
+	}
+	if len(busy) > 0 {
+		return errdefs.Precondition("cgroup %s is in use: %s", rel, strings.Join(busy, ", "))
+	}
+	return nil
+}
+
 // rmdirTree removes rel's subtree, deepest first, in every hierarchy and
 // returns the directories that are still busy.
 func (i *Info) rmdirTree(rel string) ([]string, error) {

@@ -95,13 +95,20 @@ func TestLayerFromRegistry(t *testing.T) {
 	}
 	t.Logf("lazy layer: %d of %d bytes fetched in %d requests, %.0f%% of chunks read", ls.BytesFetched, ls.SizeBytes, ls.Requests, 100*ls.ReadFraction)
 
+	// The daemon runs in a cgroup of its own, beside the sandboxes'.
+	dir := filepath.Join(d.stateDir, "edge", "layerfs")
+	if out, err := exec.Command("pgrep", "-f", "layerfs --dir "+dir).Output(); err != nil {
+		t.Errorf("finding the layer daemon: %v", err)
+	} else if cg, err := os.ReadFile("/proc/" + strings.Fields(string(out))[0] + "/cgroup"); err != nil || !strings.Contains(string(cg), "-layerfs\n") {
+		t.Errorf("the layer daemon's cgroups (%v):\n%s", err, cg)
+	}
+
 	// The layer daemon killed while a sandbox uses the layer: the edge
 	// starts another on the same mount, and the sandbox reads on.
 	sb := newSandbox(t, api.SandboxSpec{Base: baseRef, Workspace: ref})
 	if res := sh(t, sb.ID, "cat /reg/hello.txt"); res.Stdout != "hello from a registry\n" {
 		t.Fatalf("before the kill: %+v", res)
 	}
-	dir := filepath.Join(d.stateDir, "edge", "layerfs")
 	if killed, err := exec.Command("pkill", "-KILL", "-f", "layerfs --dir "+dir).CombinedOutput(); err != nil {
 		t.Fatalf("killing the layer daemon: %v %s", err, killed)
 	}

@@ -48,6 +48,11 @@ type Source struct {
 	PulledDir string
 	Policy    FetchPolicy
 	Log       *slog.Logger
+	// Cgroup, if set, is the daemon's cgroup: Join returns the
+	// cgroup.procs files it joins once started (making the cgroup, with
+	// its limits, if need be), and Remove takes the cgroup away once no
+	// daemon runs (the edge stopped and the daemon with it).
+	Cgroup *DaemonCgroup
 
 	once   sync.Once
 	absDir string
@@ -267,6 +272,11 @@ func (s *Source) ensureDaemon(ctx context.Context) error {
 	cmd.Env = append(cmd.Env, "GOMEMLIMIT="+daemonMemLimit)
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("starting layer daemon: %w", err)
+	}
+	if err := s.joinCgroup(cmd.Process.Pid); err != nil {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		return errdefs.Unavailable("putting the layer daemon in its cgroup: %v", err)
 	}
 	// Not the edge's OOM shield (-999, inherited): if memory runs out the
 	// kernel may take the daemon before a sandbox, and the watchdog starts
@@ -526,6 +536,7 @@ func (s *Source) EdgeStopped() {
 		held := s.fuse != nil
 		s.mu.Unlock()
 		if !held {
+			s.removeCgroup()
 			return
 		}
 		if mountedImages(s.dir()) > 0 {
@@ -539,6 +550,7 @@ func (s *Source) EdgeStopped() {
 		_ = unix.Unmount(MountDir(s.dir()), unix.MNT_DETACH)
 		s.fuse.Close()
 		s.fuse = nil
+		s.removeCgroup()
 		return
 	}
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://layerfs/exit-if-idle", nil)
@@ -575,6 +587,53 @@ func (s *Source) EdgeStopped() {
 		s.fuse.Close()
 		s.fuse = nil
 	}
+	s.removeCgroup()
+}
+
+// removeCgroup takes the daemon's cgroup away once no daemon runs. A
+// daemon that has just said it exits may take a moment to: the cgroup is
+// asked again for a few seconds.
+func (s *Source) removeCgroup() {
+	c := s.Cgroup
+	if c == nil || c.Remove == nil {
+		return
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		err := c.Remove()
+		if err == nil {
+			return
+		}
+		if !errors.Is(err, errdefs.ErrPrecondition) || time.Now().After(deadline) {
+			s.log().Warn("removing the layer daemon's cgroup", "err", err)
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// DaemonCgroup is where a Source puts its daemon (Source.Cgroup).
+type DaemonCgroup struct {
+	Join   func() ([]string, error)
+	Remove func() error
+}
+
+// joinCgroup moves the daemon pid into its cgroup, in every hierarchy.
+func (s *Source) joinCgroup(pid int) error {
+	c := s.Cgroup
+	if c == nil || c.Join == nil {
+		return nil
+	}
+	procs, err := c.Join()
+	if err != nil {
+		return err
+	}
+	for _, p := range procs {
+		if err := os.WriteFile(p, []byte(strconv.Itoa(pid)), 0); err != nil {
+			return fmt.Errorf("joining %s: %w", p, err)
+		}
+	}
+	return nil
 }
 
 // killDaemon kills the daemon whose pid file is in dir, if that process

@@ -9,11 +9,15 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/internal/cgroup"
 )
 
 // The test binary is also a layer daemon: run with DSEC_TEST_LAYERFS_DIR
@@ -255,5 +259,56 @@ func TestReadInFlightAtDaemonDeath(t *testing.T) {
 	}
 	if second := w.src.DaemonPid(); second == first || second == 0 {
 		t.Fatalf("no new daemon: %d, %d", first, second)
+	}
+}
+
+// The daemon runs in the cgroup the edge gives it (with its limits), and
+// the cgroup goes once the edge stopped and the daemon with it.
+func TestDaemonInItsCgroup(t *testing.T) {
+	w := newLazyCatalog(t, FetchPolicy{Timeout: 3 * time.Second, Attempts: 2})
+	w.src.Command = w.daemonCommand()
+	cg, err := cgroup.Detect()
+	if err != nil {
+		t.Skipf("no cgroups: %v", err)
+	}
+	rel := fmt.Sprintf("/dsec-test-layerfs-%d", os.Getpid())
+	t.Cleanup(func() {
+		exec.Command("pkill", "-KILL", "-f", "DSEC_TEST_LAYERFS_DIR="+w.dir).Run()
+		unix.Unmount(MountDir(w.dir), unix.MNT_DETACH)
+		cg.Remove(rel)
+	})
+	const limit = 256 << 20
+	w.src.Cgroup = &DaemonCgroup{
+		Join: func() ([]string, error) {
+			return cg.MakeSandbox(rel, cgroup.Limits{MemoryBytes: limit, Pids: 128, Devices: []string{"c 10:229 rwm"}})
+		},
+		Remove: func() error { return cg.RemoveIdle(rel) },
+	}
+	path, release, err := w.src.Open(context.Background(), w.layer.Digest)
+	must(t, err)
+	pid := w.src.DaemonPid()
+	if got, err := cg.RelOf(pid); err != nil || got != rel {
+		release()
+		t.Fatalf("the daemon (%d) is in cgroup %q (%v), want %q", pid, got, err, rel)
+	}
+	memFile := filepath.Join(cg.V2Root, rel, "memory.max")
+	if mem, ok := cg.V1["memory"]; ok {
+		memFile = filepath.Join(mem, rel, "memory.limit_in_bytes")
+	}
+	if b, err := os.ReadFile(memFile); err != nil || strings.TrimSpace(string(b)) != strconv.Itoa(limit) {
+		t.Errorf("the daemon's memory limit: %q %v, want %d", b, err, limit)
+	}
+	// Its images still read right from within it.
+	mnt := mountImage(t, path)
+	want, err := os.ReadFile(filepath.Join(w.tree, "usr/lib/big.bin"))
+	must(t, err)
+	if got, err := os.ReadFile(filepath.Join(mnt, "usr/lib/big.bin")); err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("reading through the daemon in its cgroup: %v", err)
+	}
+	must(t, unix.Unmount(mnt, 0))
+	release()
+	w.src.EdgeStopped()
+	if cg.Exists(rel) {
+		t.Error("the daemon's cgroup is still there after the edge stopped and the daemon exited")
 	}
 }
