@@ -469,3 +469,27 @@ func TestRemoveParentHost(t *testing.T) {
 		t.Fatal("RemoveParent accepted a relative path")
 	}
 }
+
+// TestRelOfTheRootCgroup: a process in the root cgroup of every hierarchy
+// is in "/" (callers refuse to remove that), not "/cgroup.procs".
+func TestRelOfTheRootCgroup(t *testing.T) {
+	needRoot(t)
+	info, err := Detect()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("sleep", "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cmd.Process.Kill(); cmd.Wait() }()
+	pid := strconv.Itoa(cmd.Process.Pid)
+	for _, root := range info.roots() {
+		if err := os.WriteFile(filepath.Join(root, "cgroup.procs"), []byte(pid), 0); err != nil {
+			t.Fatalf("moving pid %s to %s: %v", pid, root, err)
+		}
+	}
+	if rel, err := info.RelOf(cmd.Process.Pid); err != nil || rel != "/" {
+		t.Fatalf("RelOf of a process in the root cgroup = %q, %v; want /", rel, err)
+	}
+}

@@ -78,8 +78,9 @@ func (i *Info) RelOf(pid int) (string, error) {
 			continue
 		}
 		for _, root := range i.roots() {
-			if rel, ok := strings.CutPrefix(f, root+"/"); ok {
-				return "/" + strings.TrimSuffix(rel, "/cgroup.procs"), nil
+			if strings.HasPrefix(f, root+"/") {
+				// "/cgroup.procs" is the root cgroup's: "/".
+				return filepath.Dir(f[len(root):]), nil
 			}
 		}
 		return "", fmt.Errorf("cgroup file %s is under no known hierarchy", f)
