@@ -258,13 +258,19 @@ func buildStatic(t *testing.T, name string) string {
 // uploadProber puts the prober at /tmp/prober in the sandbox.
 func uploadProber(t *testing.T, id, bin string) {
 	t.Helper()
+	uploadBinary(t, id, bin, "/tmp/prober")
+}
+
+// uploadBinary puts the host file bin at path in the sandbox, executable.
+func uploadBinary(t *testing.T, id, bin, path string) {
+	t.Helper()
 	f, err := os.Open(bin)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	if err := client.WriteFile(ctx(t), id, "/tmp/prober", f, 0o755); err != nil {
-		t.Fatalf("uploading the prober: %v", err)
+	if err := client.WriteFile(ctx(t), id, path, f, 0o755); err != nil {
+		t.Fatalf("uploading %s: %v", path, err)
 	}
 }
 

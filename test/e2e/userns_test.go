@@ -118,21 +118,10 @@ func TestUserNSKernelCountsAreTheSandboxs(t *testing.T) {
 		t.Fatal(err)
 	}
 	max := strings.TrimSpace(string(b))
-	upload := func(id string) {
-		t.Helper()
-		f, err := os.Open(holder)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
-		if err := client.WriteFile(ctx(t), id, "/tmp/holder", f, 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
 	a := newSandbox(t, api.SandboxSpec{UserNS: true})
 	nb := newSandbox(t, api.SandboxSpec{UserNS: true})
-	upload(a.ID)
-	upload(nb.ID)
+	uploadBinary(t, a.ID, holder, "/tmp/holder")
+	uploadBinary(t, nb.ID, holder, "/tmp/holder")
 	// A takes all it can and holds them.
 	if r := sh(t, a.ID, "setsid /tmp/holder hold </dev/null >/tmp/n 2>&1 & for i in $(seq 100); do [ -s /tmp/n ] && break; sleep 0.1; done; cat /tmp/n"); r.Stdout != max+"\n" {
 		t.Fatalf("the holder in A made %q instances (%q), want the per-user limit %s", r.Stdout, r.Stderr, max)

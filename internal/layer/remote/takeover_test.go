@@ -110,16 +110,7 @@ func TestDaemonTakeover(t *testing.T) {
 		t.Fatalf("first MiB: %v", err)
 	}
 
-	kill := func(pid int) {
-		t.Helper()
-		must(t, syscall.Kill(pid, syscall.SIGKILL))
-		for syscall.Kill(pid, 0) == nil {
-			var ws syscall.WaitStatus
-			syscall.Wait4(pid, &ws, syscall.WNOHANG, nil)
-			time.Sleep(10 * time.Millisecond)
-		}
-	}
-	kill(first)
+	killAndWait(t, first)
 	if !fuseMounted(MountDir(w.dir)) {
 		t.Fatal("the mount went with the daemon")
 	}
@@ -155,7 +146,7 @@ func TestDaemonTakeover(t *testing.T) {
 	w.src.fuse = nil
 	w.src.mu.Unlock()
 	w.src.EdgeStopped() // its watchdog: only edge2's runs now
-	kill(second)
+	killAndWait(t, second)
 	// Drop what the kernel cached, so the read goes to the new daemon.
 	must(t, unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED))
 	img, err := os.Open(path)
@@ -171,6 +162,18 @@ func TestDaemonTakeover(t *testing.T) {
 	edge2.EdgeStopped()
 	if fuseMounted(MountDir(w.dir)) {
 		t.Fatal("the mount is still there after the edge stopped with no image mounted")
+	}
+}
+
+// killAndWait kills pid (a daemon) with SIGKILL and waits until it is
+// gone, reaping it if it is this process's child.
+func killAndWait(t *testing.T, pid int) {
+	t.Helper()
+	must(t, syscall.Kill(pid, syscall.SIGKILL))
+	for syscall.Kill(pid, 0) == nil {
+		var ws syscall.WaitStatus
+		syscall.Wait4(pid, &ws, syscall.WNOHANG, nil)
+		time.Sleep(10 * time.Millisecond)
 	}
 }
 
@@ -240,12 +243,7 @@ func TestReadInFlightAtDaemonDeath(t *testing.T) {
 		t.Fatalf("the read finished while the source stalled: %v", err)
 	case <-time.After(time.Second):
 	}
-	must(t, syscall.Kill(first, syscall.SIGKILL))
-	for syscall.Kill(first, 0) == nil {
-		var ws syscall.WaitStatus
-		syscall.Wait4(first, &ws, syscall.WNOHANG, nil)
-		time.Sleep(10 * time.Millisecond)
-	}
+	killAndWait(t, first)
 	w.reg.Resume()
 	select {
 	case err := <-done:
