@@ -335,7 +335,6 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 		// A runtime makes the cgroup in every hierarchy, memory included.
 		return errdefs.Precondition("memory_cgroup shared needs dsec's launcher; this node starts sandboxes with %s (%s)", c.flavor, c.nativeWhy)
 	}
-	spec := c.spec(cfg)
 	release, err := acquire(ctx, c.creating)
 	if err != nil {
 		return fmt.Errorf("starting container: %w", err)
@@ -344,22 +343,18 @@ func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("starting container: %w", err)
 	}
+	userns := "" // a user namespace made here for the runtime to join
 	if m := cfg.UserNS; m != nil && m.Owner != 0 && c.OwnsUserNS() {
-		// The sandbox joins a user namespace of its own uid's, made
-		// here; the runtime would make one as root.
+		// Made by the sandbox's own uid; the runtime would make one as
+		// root.
 		path, let, err := nsexec.UserNS(m.Owner, m.HostID, m.Size)
 		if err != nil {
 			return fmt.Errorf("starting container: %w", err)
 		}
 		defer let() // the sandbox's processes hold it from the run on
-		for i, n := range spec.Linux.Namespaces {
-			if n.Type == specs.UserNamespace {
-				spec.Linux.Namespaces[i].Path = path
-			}
-		}
-		spec.Linux.UIDMappings, spec.Linux.GIDMappings = nil, nil
+		userns = path
 	}
-	data, err := json.Marshal(spec)
+	data, err := json.Marshal(c.spec(cfg, userns))
 	if err != nil {
 		return fmt.Errorf("encoding OCI spec: %w", err)
 	}

@@ -224,7 +224,7 @@ func (c *Container) launch(ctx context.Context, cfg sandbox.Config) (err error) 
 	if c.null == nil {
 		return errors.New("starting sandbox: backend closed")
 	}
-	spec := c.spec(cfg)
+	spec := c.spec(cfg, "")
 	mounts, err := c.launchMounts(spec)
 	if err != nil {
 		return fmt.Errorf("starting sandbox: %w", err)

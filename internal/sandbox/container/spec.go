@@ -148,7 +148,10 @@ const PinnedShell = "/dev/sh"
 
 const defaultPath = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-func (c *Container) spec(cfg sandbox.Config) *specs.Spec {
+// spec is the OCI spec of the sandbox cfg. With cfg.UserNS, userns is the
+// path of a user namespace made for it (ID maps written) for the runtime
+// to join, or "" for the runtime to make one with the maps.
+func (c *Container) spec(cfg sandbox.Config, userns string) *specs.Spec {
 	ns := []specs.LinuxNamespace{
 		{Type: specs.PIDNamespace}, {Type: specs.IPCNamespace}, {Type: specs.UTSNamespace},
 		{Type: specs.MountNamespace}, {Type: specs.NetworkNamespace},
@@ -157,7 +160,11 @@ func (c *Container) spec(cfg sandbox.Config) *specs.Spec {
 		ns = append(ns, specs.LinuxNamespace{Type: specs.CgroupNamespace})
 	}
 	var uidMap, gidMap []specs.LinuxIDMapping
-	if m := cfg.UserNS; m != nil {
+	switch m := cfg.UserNS; {
+	case m != nil && userns != "":
+		// Joined: its ID maps are written already.
+		ns = append(ns, specs.LinuxNamespace{Type: specs.UserNamespace, Path: userns})
+	case m != nil:
 		ns = append(ns, specs.LinuxNamespace{Type: specs.UserNamespace})
 		uidMap = []specs.LinuxIDMapping{{ContainerID: 0, HostID: m.HostID, Size: m.Size}}
 		gidMap = uidMap

@@ -331,11 +331,7 @@ func RunLeaser(t *testing.T, open func() store.Store) {
 	}
 	wantValue(t, s, "nodes", "n1", "a")
 	cancel()
-	select {
-	case <-lost:
-	case <-time.After(10 * time.Second):
-		t.Fatal("lost not closed after the holder's ctx ended")
-	}
+	wantClosed(t, lost, "lost not closed after the holder's ctx ended")
 	wantNotFound(t, s, "nodes", "n1")
 	// Released: another holder may take it.
 	ctx2, cancel2 := context.WithCancel(t.Context())
@@ -390,11 +386,7 @@ func RunLeaser(t *testing.T, open func() store.Store) {
 	wantValue(t, s, "nodes", "n1", "d")
 	// The earlier holder's end no longer removes the key.
 	cancel2()
-	select {
-	case <-lost2:
-	case <-time.After(10 * time.Second):
-		t.Fatal("lost not closed after the earlier holder's ctx ended")
-	}
+	wantClosed(t, lost2, "lost not closed after the earlier holder's ctx ended")
 	select {
 	case <-lost3:
 		t.Fatal("the new holder lost the key when the earlier one ended")
@@ -410,12 +402,18 @@ func RunLeaser(t *testing.T, open func() store.Store) {
 		}
 	}
 	cancel3()
-	select {
-	case <-lost3:
-	case <-time.After(10 * time.Second):
-		t.Fatal("lost not closed after the new holder's ctx ended")
-	}
+	wantClosed(t, lost3, "lost not closed after the new holder's ctx ended")
 	wantNotFound(t, s, "nodes", "n1")
+}
+
+// wantClosed fails the test unless ch closes within 10 s.
+func wantClosed(t *testing.T, ch <-chan struct{}, failure string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(10 * time.Second):
+		t.Fatal(failure)
+	}
 }
 
 // RunWatcher runs the contract of store.Watcher against a store made by

@@ -234,16 +234,12 @@ func TestHostAgainstAHostileGuest(t *testing.T) {
 	})
 	t.Run("ok-for-an-exec", func(t *testing.T) {
 		c := fakeGuest(t, func(conn net.Conn, r *bufio.Reader) {
-			for {
-				line, err := r.ReadBytes('\n')
-				if err != nil {
-					return
-				}
-				var m Msg
-				if json.Unmarshal(line, &m) == nil && m.Op == "exec" {
+			readMsgs(r, func(m Msg) bool {
+				if m.Op == "exec" {
 					fmt.Fprintf(conn, `{"id":%d,"op":"ok"}`+"\n", m.ID)
 				}
-			}
+				return true
+			})
 		})
 		p, err := c.Exec(ctx, Msg{Args: []string{"true"}}, nil, nil, nil)
 		if err == nil || p != nil {
@@ -252,22 +248,15 @@ func TestHostAgainstAHostileGuest(t *testing.T) {
 	})
 	t.Run("killed-but-never-exits", func(t *testing.T) {
 		c := fakeGuest(t, func(conn net.Conn, r *bufio.Reader) {
-			for {
-				line, err := r.ReadBytes('\n')
-				if err != nil {
-					return
-				}
-				var m Msg
-				if json.Unmarshal(line, &m) != nil {
-					continue
-				}
+			readMsgs(r, func(m Msg) bool {
 				switch m.Op {
 				case "exec":
 					fmt.Fprintf(conn, `{"id":%d,"op":"started","pid":42}`+"\n", m.ID)
 				case "kill":
 					fmt.Fprintf(conn, `{"id":%d,"op":"ok"}`+"\n", m.ID)
 				}
-			}
+				return true
+			})
 		})
 		p, err := c.Exec(ctx, Msg{Args: []string{"sleep", "1000"}}, nil, nil, nil)
 		if err != nil {
@@ -582,15 +571,9 @@ func TestAgentOverrunningItsWindowIsCutOff(t *testing.T) {
 		enc := json.NewEncoder(a)
 		enc.Encode(Msg{Op: "ready", Features: []string{FeatureWindow}})
 		r := bufio.NewReader(a)
-		for {
-			line, err := r.ReadBytes('\n')
-			if err != nil {
-				return
-			}
-			var m Msg
-			json.Unmarshal(line, &m)
+		readMsgs(r, func(m Msg) bool {
 			if m.Op != "exec" {
-				continue
+				return true
 			}
 			enc.Encode(Msg{ID: m.ID, Op: "started", Pid: 42})
 			chunk := make([]byte, ChunkSize)
@@ -598,7 +581,8 @@ func TestAgentOverrunningItsWindowIsCutOff(t *testing.T) {
 				for enc.Encode(Msg{ID: m.ID, Op: "stdout", Data: chunk}) == nil {
 				}
 			}()
-		}
+			return true
+		})
 	}()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -784,6 +768,25 @@ func TestCwdInHome(t *testing.T) {
 
 // fakeAgent answers Connect with ready (with flow control) and hands the
 // rest of the stream to serve.
+// readMsgs decodes the host's messages from r and hands each to fn until
+// the connection ends or fn returns false; a line that is not a message
+// is skipped.
+func readMsgs(r *bufio.Reader, fn func(m Msg) bool) {
+	for {
+		line, err := r.ReadBytes('\n')
+		if err != nil {
+			return
+		}
+		var m Msg
+		if json.Unmarshal(line, &m) != nil {
+			continue
+		}
+		if !fn(m) {
+			return
+		}
+	}
+}
+
 func fakeAgent(t *testing.T, serve func(enc *json.Encoder, r *bufio.Reader)) *Client {
 	t.Helper()
 	a, b := net.Pipe()
@@ -808,21 +811,15 @@ func fakeAgent(t *testing.T, serve func(enc *json.Encoder, r *bufio.Reader)) *Cl
 func TestDataForIDsTheHostNeverIssuedIsDropped(t *testing.T) {
 	acks := make(chan Msg, 16)
 	c := fakeAgent(t, func(enc *json.Encoder, r *bufio.Reader) {
-		go func() {
-			for {
-				line, err := r.ReadBytes('\n')
-				if err != nil {
-					return
-				}
-				var m Msg
-				if json.Unmarshal(line, &m) == nil && m.Op == "ack" {
-					select {
-					case acks <- m:
-					default:
-					}
+		go readMsgs(r, func(m Msg) bool {
+			if m.Op == "ack" {
+				select {
+				case acks <- m:
+				default:
 				}
 			}
-		}()
+			return true
+		})
 		for id := uint64(1); id < 20000; id++ {
 			if enc.Encode(Msg{ID: id * 7919, Op: "stdout", Data: []byte("A")}) != nil {
 				return
@@ -848,17 +845,12 @@ func TestDataForIDsTheHostNeverIssuedIsDropped(t *testing.T) {
 // (a delete of a paused sandbox) does not wait for the VM.
 func TestKillOfACommandOfASavedVM(t *testing.T) {
 	c := fakeAgent(t, func(enc *json.Encoder, r *bufio.Reader) {
-		for {
-			line, err := r.ReadBytes('\n')
-			if err != nil {
-				return
-			}
-			var m Msg
-			json.Unmarshal(line, &m)
+		readMsgs(r, func(m Msg) bool {
 			if m.Op == "exec" {
 				enc.Encode(Msg{ID: m.ID, Op: "started", Pid: 7})
 			}
-		}
+			return true
+		})
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -952,21 +944,16 @@ func (w *slowWriter) Write(p []byte) (int, error) {
 func TestNoCleanExitWithOutputCut(t *testing.T) {
 	for i := 0; i < 5; i++ {
 		c := fakeAgent(t, func(enc *json.Encoder, r *bufio.Reader) {
-			for {
-				line, err := r.ReadBytes('\n')
-				if err != nil {
-					return
+			readMsgs(r, func(m Msg) bool {
+				if m.Op != "exec" {
+					return true
 				}
-				var m Msg
-				json.Unmarshal(line, &m)
-				if m.Op == "exec" {
-					enc.Encode(Msg{ID: m.ID, Op: "started", Pid: 7})
-					enc.Encode(Msg{ID: m.ID, Op: "stdout", Data: []byte("A")})
-					enc.Encode(Msg{ID: m.ID, Op: "stdout", Data: []byte("B")})
-					enc.Encode(Msg{ID: m.ID, Op: "exit"})
-					return // the connection ends
-				}
-			}
+				enc.Encode(Msg{ID: m.ID, Op: "started", Pid: 7})
+				enc.Encode(Msg{ID: m.ID, Op: "stdout", Data: []byte("A")})
+				enc.Encode(Msg{ID: m.ID, Op: "stdout", Data: []byte("B")})
+				enc.Encode(Msg{ID: m.ID, Op: "exit"})
+				return false // the connection ends
+			})
 		})
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		w := &slowWriter{}
