@@ -318,10 +318,11 @@ func (c *Container) run(ctx context.Context, args ...string) error {
 }
 
 // OwnsUserNS reports whether a user-namespace sandbox's namespace is made
-// by its sandbox.IDMap.Owner (a helper of this binary, joined by crun):
-// runc before 1.2 cannot join a user namespace without the ID maps in the
-// spec, so with runc (or without cgo) the runtime makes it, as root.
-func (c *Container) OwnsUserNS() bool { return c.flavor == "crun" && nsexec.Available }
+// by its sandbox.IDMap.Owner (a helper of this binary, joined by the
+// launcher or crun): runc before 1.2 cannot join a user namespace without
+// the ID maps in the spec, so with runc as the launcher (or without cgo)
+// the runtime makes it, as root.
+func (c *Container) OwnsUserNS() bool { return nsexec.Available && (c.native || c.flavor == "crun") }
 
 // Create implements sandbox.Backend.
 func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {

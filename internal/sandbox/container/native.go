@@ -53,7 +53,16 @@ import (
 //     maskMounts). A sandbox now has 6: overlay, proc and devpts, the
 //     /dev tmpfs, and the proc and mqueue the kernel makes for every pid
 //     and ipc namespace.
-//   - Sandboxes in a user namespace still go through the runtime.
+//   - A sandbox in a user namespace (Config.UserNS) has its namespace
+//     made by its owner uid (a task of the launcher, not a holder process
+//     as for the runtime) and joined by init last, once
+//     its mounts are made as host root; its other namespaces belong to
+//     the host's user namespace, so root inside can never mount, unmount
+//     or set the hostname in them (under a runtime it may, with
+//     CAP_SYS_ADMIN, which the sandbox is not given). Every user may
+//     bind any port in its network namespace (ip_unprivileged_port_start
+//     is 0 there), which CAP_NET_BIND_SERVICE over that namespace would
+//     otherwise be needed for.
 
 // nativeLauncher reports whether this backend can start sandboxes itself.
 func nativeLauncher(cfg Config, filter bool) (bool, string) {
@@ -103,7 +112,7 @@ func (c *Container) NetnsPool() (free int, ok bool) {
 
 // launchable reports whether cfg can go through the own launcher.
 func (c *Container) launchable(cfg sandbox.Config) bool {
-	return c.native && cfg.UserNS == nil
+	return c.native && (cfg.UserNS == nil || cfg.UserNS.Owner != 0)
 }
 
 // deviceNodes are bind-mounted from the host's /dev into every sandbox's.
@@ -267,6 +276,10 @@ func (c *Container) launch(ctx context.Context, cfg sandbox.Config) (err error) 
 	if r := spec.Process.Rlimits; len(r) > 0 {
 		nofile = r[0].Hard
 	}
+	var userns *nsexec.IDMap // nil: the host's
+	if m := cfg.UserNS; m != nil {
+		userns = &nsexec.IDMap{Owner: m.Owner, HostID: m.HostID, Size: m.Size}
+	}
 	var netns *os.File // nil: init makes its own
 	if c.netns != nil {
 		// Used or not, it is never handed out again.
@@ -276,7 +289,7 @@ func (c *Container) launch(ctx context.Context, cfg sandbox.Config) (err error) 
 	}
 	pid, fd, err := nsexec.Launch(nsexec.LaunchConfig{
 		RootfsMount: cfg.RootfsMount, Rootfs: cfg.Rootfs, Mounts: mounts,
-		Hostname: cfg.Hostname, CgroupProcs: procs, CgroupNS: c.cfg.CgroupNS, NetNS: netns,
+		Hostname: cfg.Hostname, CgroupProcs: procs, CgroupNS: c.cfg.CgroupNS, NetNS: netns, UserNS: userns,
 		Caps: capMask(defaultCaps), NoFile: nofile, Filter: c.filter,
 		Argv: spec.Process.Args, Env: spec.Process.Env, Null: c.null,
 	})

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -541,4 +542,164 @@ func TestNativeSharedMemory(t *testing.T) {
 	if !errors.Is(err, errdefs.ErrPrecondition) {
 		t.Errorf("runtime create below the shared memory parent: %v, want a precondition error", err)
 	}
+}
+
+// TestNativeUserNS: a sandbox with a user namespace starts through the
+// launcher in the namespace its owner uid made: init runs as host uid
+// HostID with the sandbox's capabilities held there only, what it writes
+// lands with the mapped IDs, and root inside may listen on port 80 in a
+// network namespace its user namespace does not own, pooled or not.
+func TestNativeUserNS(t *testing.T) {
+	const base, owner = 1_000_000_000, 1_000_065_537
+	for _, pooled := range []bool{true, false} {
+		t.Run(map[bool]string{true: "pooled", false: "fresh"}[pooled], func(t *testing.T) {
+			c := newNativeBackend(t)
+			if pooled {
+				waitFree(t, c.netns, 4)
+			} else {
+				c.netns.close()
+				c.netns = nil
+			}
+			rootfs := sandboxtest.BusyboxRootfs(t)
+			if err := os.Symlink("busybox", filepath.Join(rootfs, "bin/nc")); err != nil {
+				t.Fatal(err)
+			}
+			// The rootfs shows files with the mapped IDs, as the edge's
+			// idmapped layers do.
+			if err := filepath.Walk(rootfs, func(p string, _ os.FileInfo, err error) error {
+				if err != nil {
+					return err
+				}
+				return os.Lchown(p, base, base)
+			}); err != nil {
+				t.Fatal(err)
+			}
+			cfg, err := nativeSandbox(t, c, rootfs, func(cfg *sandbox.Config) {
+				cfg.UserNS = &sandbox.IDMap{HostID: base, Size: 65536, Owner: owner}
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if pooled && c.netns.Free() != 3 {
+				t.Errorf("the create took no namespace from the pool (%d left of 4)", c.netns.Free())
+			}
+			st, err := c.Status(context.Background(), cfg.ID)
+			if err != nil || !st.Running {
+				t.Fatalf("status %+v %v", st, err)
+			}
+			if l, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", st.Pid)); !bytes.HasPrefix(l, []byte(initPath)) {
+				t.Errorf("init is %q, not started by the launcher", l)
+			}
+			status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", st.Pid))
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := fmt.Sprintf("%016x", capMask(defaultCaps))
+			for _, line := range []string{"Uid:\t1000000000\t1000000000\t1000000000\t1000000000", "Gid:\t1000000000\t1000000000\t1000000000\t1000000000",
+				"Groups:\t ", "CapEff:\t" + want, "NoNewPrivs:\t1", "Seccomp:\t2"} {
+				if !strings.Contains(string(status), "\n"+line+"\n") {
+					t.Errorf("init lacks %q:\n%s", line, status)
+				}
+			}
+			f, err := os.Open(fmt.Sprintf("/proc/%d/ns/user", st.Pid))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			var uid uint32
+			const nsGetOwnerUID = 0xb704 // _IO(0xb7, 0x4)
+			if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), nsGetOwnerUID, uintptr(unsafe.Pointer(&uid))); errno != 0 || uid != owner {
+				t.Errorf("the sandbox's user namespace belongs to uid %d (%v), want %d", uid, errno, owner)
+			}
+			// The other namespaces are the host's user namespace's: an
+			// NS_GET_USERNS of the mount namespace gives the host's.
+			var hostUserNS, mntOwner unix.Stat_t
+			if err := unix.Stat("/proc/self/ns/user", &hostUserNS); err != nil {
+				t.Fatal(err)
+			}
+			m, err := os.Open(fmt.Sprintf("/proc/%d/ns/mnt", st.Pid))
+			if err != nil {
+				t.Fatal(err)
+			}
+			const nsGetUserNS = 0xb701 // _IO(0xb7, 0x1)
+			ufd, _, errno := unix.Syscall(unix.SYS_IOCTL, m.Fd(), nsGetUserNS, 0)
+			m.Close()
+			if errno != 0 {
+				t.Fatalf("NS_GET_USERNS: %v", errno)
+			}
+			err = unix.Fstat(int(ufd), &mntOwner)
+			unix.Close(int(ufd))
+			if err != nil || mntOwner.Ino != hostUserNS.Ino {
+				t.Errorf("the sandbox's mount namespace is not the host user namespace's (%v)", err)
+			}
+			script := "id -u; cat /proc/self/uid_map; touch /tmp/made; nc -l -p 80 </dev/null >/dev/null 2>&1 & sleep 0.3; netstat -ltn | grep -c ':80 '; kill $!"
+			if code, out := sh(t, c, cfg.ID, script); code != 0 || strings.Join(strings.Fields(out), " ") != "0 0 1000000000 65536 1" {
+				t.Errorf("in the sandbox (%d): %q, want root, the map and a listener on port 80", code, out)
+			}
+			var made unix.Stat_t
+			if err := unix.Stat(filepath.Join(rootfs, "tmp/made"), &made); err != nil || made.Uid != base || made.Gid != base {
+				t.Errorf("a file root inside made is owned by %d:%d on the host (%v), want %d", made.Uid, made.Gid, err, base)
+			}
+			// The task that made the namespace is gone: nothing runs as
+			// the owner.
+			if pids := pidsOfUID(t, owner); len(pids) > 0 {
+				t.Errorf("processes %v run as the owner uid after the create", pids)
+			}
+		})
+	}
+	// A namespace whose ID maps the kernel refuses (a range past 2^32)
+	// fails the create with the step named, and leaves no state, cgroup,
+	// process or fd behind.
+	t.Run("refused map", func(t *testing.T) {
+		c := newNativeBackend(t)
+		c.netns.close() // its fds come and go
+		c.netns = nil
+		fds := openFDs(t)
+		cfg, err := nativeSandbox(t, c, sandboxtest.BusyboxRootfs(t), func(cfg *sandbox.Config) {
+			cfg.UserNS = &sandbox.IDMap{HostID: 1<<32 - 1000, Size: 65536, Owner: owner}
+		})
+		var le *nsexec.LaunchError
+		if !errors.As(err, &le) || !strings.Contains(err.Error(), "uid_map") {
+			t.Fatalf("create: %v, want the launcher's error naming uid_map", err)
+		}
+		if _, err := os.Stat(filepath.Join(c.cfg.StateRoot, cfg.ID)); err == nil {
+			t.Error("state left")
+		}
+		if pids, err := c.cfg.Cgroups.Procs(cfg.CgroupPath); !errors.Is(err, errdefs.ErrNotFound) {
+			t.Errorf("cgroup left (processes %v, %v)", pids, err)
+		}
+		if pids := pidsOfUID(t, owner); len(pids) > 0 {
+			t.Errorf("processes %v run as the owner uid", pids)
+		}
+		if now := openFDs(t); now > fds {
+			t.Errorf("%d fds open after the failed create, %d before", now, fds)
+		}
+	})
+}
+
+// pidsOfUID lists the processes whose real uid is uid.
+func pidsOfUID(t *testing.T, uid uint32) []string {
+	t.Helper()
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, e := range ents {
+		st, err := os.ReadFile("/proc/" + e.Name() + "/status")
+		if err == nil && strings.Contains(string(st), fmt.Sprintf("\nUid:\t%d\t", uid)) {
+			out = append(out, e.Name())
+		}
+	}
+	return out
+}
+
+// openFDs counts the test process's open fds.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
 }

@@ -25,7 +25,8 @@
 //      fd (move_mount), so no path is walked twice.
 //   4. bring up lo; set the hostname; pivot_root into the rootfs and
 //      detach the old root.
-//   5. open-files limit; drop the bounding set and trim capabilities;
+//   5. open-files limit; with a user namespace, join it and become its
+//      root (join_userns); drop the bounding set and trim capabilities;
 //      no_new_privs; mark every fd close-on-exec; install the seccomp
 //      filter; restore the signal mask; execve init.
 // A failure writes "step: errno N" into the caller's error buffer (shared
@@ -34,6 +35,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <linux/capability.h>
 #include <linux/filter.h>
 #include <linux/mount.h>
@@ -47,6 +49,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <poll.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -57,6 +60,7 @@
 #include <unistd.h>
 
 #include "launch.h"
+#include "owner.h"
 #include "vforked.h"
 
 #ifndef CLOSE_RANGE_CLOEXEC
@@ -365,6 +369,43 @@ static void reset_oom_score(struct dsec_launch *l) {
 	close(fd);
 }
 
+// open_ports lets every user of the sandbox's network namespace bind any
+// port (net.ipv4.ip_unprivileged_port_start, which covers IPv6 as well).
+// The namespace belongs to the host's user namespace, over which root of a
+// sandbox's own user namespace holds no CAP_NET_BIND_SERVICE: without
+// this, its web server could not listen on port 80. Written through the
+// host's /proc before the pivot: /proc/sys/net is the writer's network
+// namespace's. Pooled namespaces had it written when they were made.
+static void open_ports(struct dsec_launch *l) {
+	int fd = open("/proc/sys/net/ipv4/ip_unprivileged_port_start", O_WRONLY | O_CLOEXEC);
+	if (fd < 0)
+		fail(l, "opening ip_unprivileged_port_start", NULL, errno);
+	if (write(fd, "0", 1) != 1)
+		fail(l, "writing ip_unprivileged_port_start", NULL, errno);
+	close(fd);
+}
+
+// join_userns moves init, its setup done as host root, into the sandbox's
+// user namespace (ID maps written, owned by the sandbox's owner uid) as
+// its root: from here on it holds capabilities only there. Its other
+// namespaces, made before, stay the host's: root inside cannot mount,
+// unmount or set the hostname in them, whatever capabilities it is given.
+//
+// The change of credentials makes the memory it shares with the edge
+// (CLONE_VM) non-dumpable, the edge's included: Launch makes the edge
+// non-dumpable itself before the first such launch, so that its state
+// does not flip back and forth with them.
+static void join_userns(struct dsec_launch *l) {
+	if (setns(l->userns_fd, CLONE_NEWUSER) < 0)
+		fail(l, "joining the user namespace", NULL, errno);
+	if (setgroups(0, NULL) < 0)
+		fail(l, "setgroups in the user namespace", NULL, errno);
+	if (setresgid(0, 0, 0) < 0)
+		fail(l, "setresgid in the user namespace", NULL, errno);
+	if (setresuid(0, 0, 0) < 0)
+		fail(l, "setresuid in the user namespace", NULL, errno);
+}
+
 static void drop_caps(struct dsec_launch *l) {
 	for (int cap = 0; cap <= l->last_cap; cap++) {
 		if (cap < 64 && (l->caps & (1ULL << cap)))
@@ -406,6 +447,8 @@ static int child(void *arg) {
 		fail(l, "unshare(CLONE_NEWCGROUP)", NULL, errno);
 	if (l->netns_fd >= 0 && setns(l->netns_fd, CLONE_NEWNET) < 0)
 		fail(l, "joining the network namespace", NULL, errno);
+	if (l->netns_fd < 0)
+		open_ports(l);
 
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
 		fail(l, "making mounts private", NULL, errno);
@@ -449,6 +492,8 @@ static int child(void *arg) {
 	struct rlimit rl = {.rlim_cur = l->nofile, .rlim_max = l->nofile};
 	if (l->nofile && setrlimit(RLIMIT_NOFILE, &rl) < 0)
 		fail(l, "setting the open-files limit", NULL, errno);
+	if (l->userns_fd >= 0)
+		join_userns(l);
 	drop_caps(l);
 	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
 		fail(l, "no_new_privs", NULL, errno);
@@ -467,6 +512,119 @@ static int child(void *arg) {
 
 #define STACK_SIZE (128 << 10)
 
+// One region holds the stacks of the middle, init and the owner task.
+#define STACKS 3
+
+// owner_task becomes the sandbox's owner uid in a new user namespace
+// (become_owner, owner.h), says so on the ready pipe, and waits for the
+// middle to write the namespace's ID maps and open it: EOF on the go
+// pipe. It shares the edge's memory and fd table.
+static int owner_task(void *arg) {
+	struct dsec_launch *l = arg;
+	int err = 0;
+	const char *step = become_owner(l->userns_owner, &err);
+	if (step)
+		fail(l, step, NULL, err);
+	if (write(l->uns_ready, "1", 1) != 1)
+		fail(l, "reporting the user namespace", NULL, errno);
+	char b;
+	while (read(l->uns_go, &b, 1) < 0 && errno == EINTR)
+		;
+	_exit(0);
+}
+
+// proc_path writes "/proc/<pid>/<file>" into buf.
+static void proc_path(char *buf, size_t cap, pid_t pid, const char *file) {
+	size_t n = 0;
+	put(buf, &n, cap, "/proc/");
+	put_num(buf, &n, cap, (unsigned)pid);
+	put(buf, &n, cap, "/");
+	put(buf, &n, cap, file);
+}
+
+// write_map writes "0 host size" into /proc/<pid>/<file>, returning 0 or
+// an errno.
+static int write_map(struct dsec_launch *l, pid_t pid, const char *file) {
+	char path[64], m[64];
+	size_t k = 0;
+	proc_path(path, sizeof path, pid, file);
+	put(m, &k, sizeof m, "0 ");
+	put_num(m, &k, sizeof m, l->userns_host);
+	put(m, &k, sizeof m, " ");
+	put_num(m, &k, sizeof m, l->userns_size);
+	put(m, &k, sizeof m, "\n");
+	int fd = open(path, O_WRONLY | O_CLOEXEC);
+	if (fd < 0)
+		return errno;
+	int err = write(fd, m, k) == (ssize_t)k ? 0 : errno;
+	close(fd);
+	return err;
+}
+
+// make_userns makes the sandbox's user namespace, owned by its owner uid
+// rather than root (the kernel's per-user counts, owner.h), through a task
+// that shares this memory instead of a holder process to exec; writes its
+// ID maps as host root; and leaves it open at l->userns_fd for init to
+// join. On failure it exits the middle, with nothing of its own left.
+static void make_userns(struct dsec_launch *l) {
+	int p[2] = {-1, -1}, q[2] = {-1, -1}, pidfd = -1, err = 0;
+	pid_t pid = -1;
+	const char *step = NULL, *arg = NULL;
+	if (pipe2(p, O_CLOEXEC) < 0 || pipe2(q, O_CLOEXEC) < 0) {
+		step = "pipe for the user namespace's owner", err = errno;
+		goto out;
+	}
+	l->uns_ready = p[1];
+	l->uns_go = q[0];
+	pid = clone(owner_task, (char *)l->stack + 3 * STACK_SIZE, CLONE_VM | CLONE_FILES | CLONE_PIDFD | SIGCHLD, l,
+		    &pidfd);
+	if (pid < 0) {
+		step = "clone of the user namespace's owner", err = errno;
+		goto out;
+	}
+	// Ready, or gone: its pidfd turns readable when it exits (having
+	// written why into l->err, unless killed).
+	struct pollfd fds[2] = {{.fd = p[0], .events = POLLIN}, {.fd = pidfd, .events = POLLIN}};
+	while (poll(fds, 2, -1) < 0 && errno == EINTR)
+		;
+	char b = 0;
+	if (!(fds[0].revents & POLLIN) || read(p[0], &b, 1) != 1 || b != '1') {
+		step = "the user namespace's owner task died", err = 0;
+		goto out;
+	}
+	if ((err = write_map(l, pid, "uid_map")) != 0) {
+		step = "writing the user namespace's", arg = "uid_map";
+		goto out;
+	}
+	if ((err = write_map(l, pid, "gid_map")) != 0) {
+		step = "writing the user namespace's", arg = "gid_map";
+		goto out;
+	}
+	char path[64];
+	proc_path(path, sizeof path, pid, "ns/user");
+	l->userns_fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (l->userns_fd < 0)
+		step = "opening the user namespace", err = errno;
+out:
+	if (q[1] >= 0)
+		close(q[1]); // the owner task's EOF
+	if (pid > 0)
+		while (waitpid(pid, NULL, __WALL) < 0 && errno == EINTR)
+			;
+	for (int i = 0; i < 2; i++) {
+		if (p[i] >= 0)
+			close(p[i]);
+	}
+	if (q[0] >= 0)
+		close(q[0]);
+	if (pidfd >= 0)
+		close(pidfd);
+	if (step && !l->err[0])
+		fail(l, step, arg, err);
+	if (step)
+		_exit(125);
+}
+
 // middle runs between the edge and init, so that init is not the edge's
 // child: it clones init (child, above) and exits once init has exec'd,
 // leaving init to the host's reaper, as `crun run -d` does. An init that
@@ -474,6 +632,8 @@ static int child(void *arg) {
 // pids-cgroup charge), whenever it died on its own.
 static int middle(void *arg) {
 	struct dsec_launch *l = arg;
+	if (l->userns_owner)
+		make_userns(l);
 	int flags = CLONE_VM | CLONE_VFORK | CLONE_PIDFD | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS |
 		    SIGCHLD;
 	if (l->netns_fd < 0)
@@ -499,7 +659,8 @@ int dsec_launch(struct dsec_launch *l) {
 	l->pid = 0;
 	l->pidfd = -1;
 	l->leaked = 0;
-	l->stack = mmap(NULL, 2 * STACK_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+	l->userns_fd = -1;
+	l->stack = mmap(NULL, STACKS * STACK_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
 	if (l->stack == MAP_FAILED)
 		return -errno;
 	sigset_t all;
@@ -509,7 +670,7 @@ int dsec_launch(struct dsec_launch *l) {
 	int err = errno;
 	pthread_sigmask(SIG_SETMASK, &l->oldmask, NULL);
 	if (mid < 0) {
-		munmap(l->stack, 2 * STACK_SIZE);
+		munmap(l->stack, STACKS * STACK_SIZE);
 		return -err;
 	}
 	// middle has exited (after init exec'd or failed): reap it.
@@ -521,12 +682,16 @@ int dsec_launch(struct dsec_launch *l) {
 		// the shared stack and memory. Leave both be (leaked) and let
 		// the caller kill what is in the sandbox's cgroup.
 		l->leaked = 1;
+		if (l->userns_fd >= 0)
+			close(l->userns_fd); // init, if started, has its own
 		size_t n = 0;
 		put(l->err, &n, sizeof l->err, "launcher killed before init started: wait status ");
 		put_num(l->err, &n, sizeof l->err, (unsigned)status);
 		return 0;
 	}
-	munmap(l->stack, 2 * STACK_SIZE);
+	munmap(l->stack, STACKS * STACK_SIZE);
+	if (l->userns_fd >= 0)
+		close(l->userns_fd); // init has its own, or failed
 	if (l->err[0])
 		return 0;
 	if (WEXITSTATUS(status) != 0 || l->pid <= 0 || l->pidfd < 0) {

@@ -34,6 +34,12 @@ var lastCap = sync.OnceValue(func() int {
 	return n
 })
 
+// nonDumpable makes the calling process non-dumpable, once: init's change
+// of credentials as it joins a user namespace (launch.c, join_userns) does
+// that to the memory it shares with the caller anyway. For a root process
+// it changes nothing but core dumps.
+var nonDumpable = sync.OnceFunc(func() { _ = unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0) })
+
 // Launch starts the sandbox's init in new pid, mount, ipc, uts and network
 // namespaces (launch.c; the network one may be cfg.NetNS) and returns its pid and a pidfd (the caller
 // closes it) once it has exec'd Argv. Init is not the caller's child: the
@@ -98,6 +104,12 @@ func Launch(cfg LaunchConfig) (pid, pidfd int, err error) {
 	if cfg.NetNS != nil {
 		l.netns_fd = C.int(cfg.NetNS.Fd())
 	}
+	if m := cfg.UserNS; m != nil {
+		if m.Owner == 0 || m.Size == 0 {
+			return 0, -1, errors.New("sandbox launcher: a user namespace needs an owner and IDs")
+		}
+		l.userns_owner, l.userns_host, l.userns_size = C.uint(m.Owner), C.uint(m.HostID), C.uint(m.Size)
+	}
 	l.caps = C.uint64_t(cfg.Caps)
 	l.last_cap = C.int(lastCap())
 	l.nofile = C.uint64_t(cfg.NoFile)
@@ -114,6 +126,9 @@ func Launch(cfg LaunchConfig) (pid, pidfd int, err error) {
 	l.envp = a.strs(cfg.Env)
 	l.null_fd = C.int(cfg.Null.Fd())
 
+	if cfg.UserNS != nil {
+		nonDumpable()
+	}
 	cpid := C.dsec_launch(l)
 	runtime.KeepAlive(cfg.RootfsMount)
 	runtime.KeepAlive(cfg.Null)

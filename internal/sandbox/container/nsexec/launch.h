@@ -41,6 +41,11 @@ struct dsec_launch {
 	int ncgroups;
 	int cgroupns;
 	int netns_fd; // network namespace to join (fresh, lo up), or -1: a new one
+	// A user namespace for init to join last, made by userns_owner (0:
+	// none) with IDs 0..userns_size-1 mapped to host IDs userns_host..
+	unsigned userns_owner, userns_host, userns_size;
+	int userns_fd;          // the namespace, once made (launch.c), or -1
+	int uns_ready, uns_go;  // the owner task's pipes (launch.c)
 	uint64_t caps; // effective = permitted = bounding
 	int last_cap;
 	uint64_t nofile;

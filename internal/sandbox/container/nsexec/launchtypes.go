@@ -50,6 +50,11 @@ type LaunchConfig struct {
 	// making one: a fresh one with lo up, which init alone holds after
 	// the launch (the caller closes its fd).
 	NetNS *os.File
+	// UserNS, if set, is the user namespace init joins as its root once
+	// its mounts are made: its capabilities (Caps) then hold only there.
+	// The launcher makes it, owned by UserNS.Owner. Init's other
+	// namespaces belong to the host's user namespace.
+	UserNS *IDMap
 	// Caps is the bounding, permitted and effective set.
 	Caps   uint64
 	NoFile uint64
@@ -59,6 +64,12 @@ type LaunchConfig struct {
 	// Null is init's stdin, stdout and stderr: /dev/null opened through
 	// a read-only mount (see ReadOnlyNull).
 	Null *os.File
+}
+
+// IDMap is a user namespace's owner and its one ID range (uids and gids
+// alike): IDs 0..Size-1 inside are host IDs HostID...
+type IDMap struct {
+	Owner, HostID, Size uint32
 }
 
 // LaunchError is a failed step of the launcher.
