@@ -60,8 +60,12 @@ type SandboxSpec struct {
 	// labels (dsec edge --node-labels), e.g. {"gpu": "a100"}.
 	NodeSelector map[string]string `json:"node_selector,omitempty"`
 	// UserNS runs the sandbox in a user namespace: root inside is an
-	// unprivileged uid on the host.
-	UserNS bool `json:"userns,omitempty"`
+	// unprivileged uid on the host. Left out, the node decides: container
+	// sandboxes get one where the node's launcher makes it (dsec up
+	// --userns-default); the sandbox's record says which it got. false
+	// asks for none: root inside is then host root (without most of its
+	// capabilities).
+	UserNS *bool `json:"userns,omitempty"`
 	// MemoryCgroup is "own" (the default: a memory cgroup per sandbox,
 	// needed for memory_mb, memory stats and reclaim on pause) or
 	// "shared" (the sandbox is charged to one memory cgroup of the node,
@@ -72,6 +76,10 @@ type SandboxSpec struct {
 	// project when empty, or one below it.
 	Project string `json:"project,omitempty"`
 }
+
+// InUserNS reports whether the spec asks for a user namespace (after the
+// node's default, whether the sandbox has one).
+func (s SandboxSpec) InUserNS() bool { return s.UserNS != nil && *s.UserNS }
 
 // Values of SandboxSpec.MemoryCgroup.
 const (

@@ -40,7 +40,7 @@ type benchOpts struct {
 	diskMB      int64
 	allow       stringList
 	poolGap     time.Duration
-	userns      bool
+	userns      *bool
 	// nestedDepth > 0 compares creates with the caller's key against
 	// creates with a member key of a project that many levels deep.
 	nestedDepth int
@@ -134,7 +134,7 @@ func runBench(args []string) error {
 	f.BoolVar(&o.noBaseline, "no-baseline", false, "skip the bare-runtime baseline")
 	f.Int64Var(&o.diskMB, "disk-mb", 0, "create: give each sandbox a disk of this many MiB (disk_mb)")
 	f.DurationVar(&o.poolGap, "pool-gap", 100*time.Millisecond, "pool: pause between measured creates (lets the pool refill)")
-	f.BoolVar(&o.userns, "userns", false, "create: user-namespace sandboxes")
+	f.Var(optBool{&o.userns}, "userns", "create: user-namespace sandboxes (--userns=false: none; left out: the node's default)")
 	f.IntVar(&o.nestedDepth, "nested-key-depth", 0, "create: also create with a member key of a project this many levels below root (0-64), and with a quota on that chain, interleaved one at a time with the caller's key: the price of authorization and quotas")
 	f.Var(&o.allow, "allow", "create: egress allow rule for each sandbox (repeatable; gives it a veth)")
 	f.StringVar(&o.backend, "backend", api.BackendContainer, "create, exec, snapshot: the backend to measure; other than container, the container backend is measured in the same run as its baseline")
@@ -395,8 +395,8 @@ func createRound(ctx context.Context, c *dsec.Client, o benchOpts, ref, backend 
 	if len(o.allow) > 0 {
 		what += " allow=" + strings.Join(o.allow, ",")
 	}
-	if o.userns {
-		what += " userns"
+	if o.userns != nil {
+		what += map[bool]string{true: " userns", false: " no-userns"}[*o.userns]
 	}
 	create := row(what, o.count, o.concurrency, durs, fails, wall)
 	// Each sandbox's first command, timed apart and added to its create:

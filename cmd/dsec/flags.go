@@ -20,6 +20,28 @@ func (l *stringList) Set(s string) error {
 	return nil
 }
 
+// optBool is a boolean flag that may be left out (nil): --userns sets it
+// true, --userns=false false.
+type optBool struct{ p **bool }
+
+func (b optBool) String() string {
+	if b.p == nil || *b.p == nil {
+		return ""
+	}
+	return strconv.FormatBool(**b.p)
+}
+
+func (b optBool) Set(s string) error {
+	v, err := strconv.ParseBool(s)
+	if err != nil {
+		return fmt.Errorf("want true or false, got %q", s)
+	}
+	*b.p = &v
+	return nil
+}
+
+func (b optBool) IsBoolFlag() bool { return true }
+
 // kvFlag is a repeatable KEY=VALUE flag (--label job=x --env A=b). The value
 // may itself contain '='; a repeated key keeps the last value.
 type kvFlag map[string]string

@@ -32,6 +32,7 @@ type nodeConfig struct {
 	netPresets   string
 	diskQuota    string
 	usernsBase   uint
+	usernsDef    bool
 	poolMax      int
 	poolMin      int
 	cgroupPool   int
@@ -88,7 +89,8 @@ func (c *nodeConfig) register(f *cmdFlags) {
 	f.IntVar(&c.maxStreams, "max-streams", 0, "commands (exec, streamed or not, and fncall) and port connections running on this node at once (each holds pipes or a socket of the daemon's); past it a call is refused with resource_exhausted before it starts; 0 = a sixteenth of the open-files limit, 64 to 16384")
 	f.BoolVar(&c.cleanupExit, "cleanup-on-exit", false, "on shutdown, delete every sandbox of this node first, so that the daemon leaves nothing on the host (mounts, cgroups, veths, nft table, DNS address); without it sandboxes keep running and the next start adopts them")
 	f.Int64Var(&c.layerCacheMB, "layer-cache-mb", defaultLayerCacheMB, "bound of this node's cache of chunks of registry-backed layers (dsec layer add), in MiB, shared by every sandbox on the node and kept across restarts")
-	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of user-namespace sandboxes (spec userns: true), which get 65536 ids from it; the next 65536 uids own their namespaces, one per sandbox; 0 refuses userns")
+	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of user-namespace sandboxes, which get 65536 ids from it; the next 65536 uids own their namespaces, one per sandbox; 0 refuses userns")
+	f.BoolVar(&c.usernsDef, "userns-default", true, "a container sandbox whose spec leaves userns out gets a user namespace where dsec's launcher starts it and the node can (see --userns-base); false: only those asking for one")
 }
 
 // check validates the node flags before anything is touched.
@@ -198,7 +200,7 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 		MaxSandboxes: c.maxSandboxes, Policy: sandbox.DefaultPolicy(),
 		CgroupParent: h.CgroupParent, MaxPaused: c.maxPaused,
 		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth, DiskQuota: h.DiskQuota,
-		UserNSBase: uint32(c.usernsBase), PoolMax: c.poolMax, PoolMin: c.poolMin, CgroupPool: c.cgroupPool, SharedMemoryMB: c.sharedMemMB,
+		UserNSBase: uint32(c.usernsBase), UserNSDefault: c.usernsDef, PoolMax: c.poolMax, PoolMin: c.poolMin, CgroupPool: c.cgroupPool, SharedMemoryMB: c.sharedMemMB,
 		OutputBufferMB: c.outputMB, MinFreeDiskMB: c.minFreeMB, BundleDir: h.BundleDir(),
 		MaxSessionsTotal: maxSessions, MaxStreams: maxStreams,
 		HostReserveMB: c.reserveMB, HostReservePids: c.reservePids, PidMax: c.pidMax,

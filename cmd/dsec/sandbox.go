@@ -54,7 +54,7 @@ func sandboxCreate(ctx context.Context, args []string) error {
 	fs.StringVar(&spec.Workdir, "workdir", "", "default working directory")
 	fs.StringVar(&spec.Project, "project", "", "project `ID` the sandbox belongs to (default: your key's; one below it is allowed)")
 	fs.StringVar(&spec.QoS, "qos", "", "ls (latency-sensitive) | be (best-effort)")
-	fs.BoolVar(&spec.UserNS, "userns", false, "run in a user namespace (root inside is unprivileged on the host)")
+	fs.Var(optBool{&spec.UserNS}, "userns", "run in a user namespace, root inside unprivileged on the host (left out: the node decides, a user namespace for container sandboxes where it can; --userns=false: none)")
 	fs.StringVar(&spec.MemoryCgroup, "memory-cgroup", "", "own (a memory cgroup of its own, the default) | shared (charged to the node's shared one: denser, no --memory-mb)")
 	fs.Var(&allow, "allow", "egress allow rule: preset, CIDR or CIDR:port/proto (repeatable)")
 	fs.Var(&deny, "deny", "egress deny rule (repeatable)")

@@ -120,8 +120,8 @@ func checkSpecBounds(t *testing.T, s *api.SandboxSpec, p sandbox.Policy) {
 		bad("user %q, workdir %q", s.User, s.Workdir)
 	case s.MemoryCgroup != api.MemoryCgroupOwn && s.MemoryCgroup != api.MemoryCgroupShared:
 		bad("memory_cgroup %q", s.MemoryCgroup)
-	case s.MemoryCgroup == api.MemoryCgroupShared && (s.MemoryMB > 0 || s.UserNS):
-		bad("shared memory cgroup with memory_mb %d, userns %v", s.MemoryMB, s.UserNS)
+	case s.MemoryCgroup == api.MemoryCgroupShared && s.MemoryMB > 0:
+		bad("shared memory cgroup with memory_mb %d", s.MemoryMB)
 	case s.QoS != "ls" && s.QoS != "be":
 		bad("qos %q", s.QoS)
 	case len(s.Toolkits) > 16:

@@ -41,7 +41,7 @@ func (e *Edge) create(ctx context.Context, req edgeapi.CreateRequest) (*api.Sand
 		return &v, nil
 	}
 	spec := req.Spec
-	if err := sandbox.Normalize(&spec, e.cfg.Policy); err != nil {
+	if err := e.normalize(&spec); err != nil {
 		return nil, err
 	}
 	if err := e.checkSelector(spec); err != nil {
@@ -78,7 +78,7 @@ func (e *Edge) checkSelector(spec api.SandboxSpec) error {
 // createSbx does the work of a create; pooled makes a pool sandbox.
 func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled bool) (*sbx, error) {
 	spec := req.Spec
-	if err := sandbox.Normalize(&spec, e.cfg.Policy); err != nil {
+	if err := e.normalize(&spec); err != nil {
 		return nil, err
 	}
 	if len(req.Digests) == 0 {
@@ -103,7 +103,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 	if be == nil { // Normalize checked it against the node's policy
 		return nil, errdefs.Precondition("node %s does not offer the %s backend", e.cfg.Name, spec.Backend)
 	}
-	if err := e.checkUserNS(be, spec.UserNS); err != nil {
+	if err := e.checkUserNS(be, spec.InUserNS()); err != nil {
 		return nil, err
 	}
 	var undo cleanup.Stack
@@ -122,7 +122,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 		Dedicated:   req.Dedicated,
 		Digests:     req.Digests,
 		Disk:        spec.DiskMB > 0,
-		UserNS:      spec.UserNS,
+		UserNS:      spec.InUserNS(),
 		Pooled:      pooled,
 		Token:       req.Token,
 		Images:      takesImages(be),

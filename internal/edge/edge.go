@@ -102,6 +102,10 @@ type Config struct {
 	// UserNSBase is the first host ID of user-namespace sandboxes
 	// (userns.go); 0 refuses spec.userns.
 	UserNSBase uint32
+	// UserNSDefault gives a sandbox whose spec leaves userns out a user
+	// namespace where its backend makes one by default
+	// (sandbox.UserNSDefault) and the node can (userns.go).
+	UserNSDefault bool
 	// DiskQuota is how disk_mb is enforced: DiskLoop (a disk per
 	// sandbox) or DiskOff (disk_mb refused).
 	DiskQuota string
@@ -148,6 +152,10 @@ type Edge struct {
 	// noDetached is set once the kernel refused a detached overlay: every
 	// rootfs is then mounted on the host (see detachedRootfs).
 	noDetached atomic.Bool
+	// noDetachedLowers is set once the kernel refused a detached overlay
+	// on detached idmapped layers (userns.go): user-namespace sandboxes
+	// then get their idmapped layers mounted on the host.
+	noDetachedLowers atomic.Bool
 	// output bounds the node's buffered command output.
 	output *outputBudget
 	// sessions and streams bound the node's open sessions and its running
@@ -311,6 +319,15 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 			e.usernsBroken = err
 			e.log.Warn("user-namespace sandboxes unavailable", "err", err)
 		}
+	}
+	if cfg.UserNSDefault {
+		var by []string
+		for _, b := range e.backends() {
+			if e.userNSByDefault(b.Name()) {
+				by = append(by, b.Name())
+			}
+		}
+		e.log.Info("user namespaces by default", "backends", by)
 	}
 	e.metrics.bind(e)
 	return e, nil

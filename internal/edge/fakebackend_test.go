@@ -248,7 +248,7 @@ func TestLayerImagesBackendRefusesHostOnlyFeatures(t *testing.T) {
 	}
 	defer e.Close()
 	layers := src.digests(t, 1)
-	_, err = e.Create(ctx, edgeapi.CreateRequest{Spec: api.SandboxSpec{Base: "base/x:1", UserNS: true}, Digests: layers})
+	_, err = e.Create(ctx, edgeapi.CreateRequest{Spec: api.SandboxSpec{Base: "base/x:1", UserNS: new(true)}, Digests: layers})
 	if !errors.Is(err, errdefs.ErrPrecondition) || !strings.Contains(err.Error(), "userns") {
 		t.Fatalf("userns: %v, want failed_precondition naming userns", err)
 	}

@@ -8,7 +8,6 @@ import (
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
-	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
 // Warm pools. A create is served from a pool when one holds a ready
@@ -59,7 +58,7 @@ func keyOf(spec api.SandboxSpec, digests []string) poolKey {
 		UserNS  bool
 		Network *api.NetworkPolicy
 		MemCG   string
-	}{digests, spec.Backend, spec.CPU, spec.MemoryMB, spec.Pids, spec.DiskMB, spec.QoS, spec.UserNS, spec.Network, spec.MemoryCgroup}
+	}{digests, spec.Backend, spec.CPU, spec.MemoryMB, spec.Pids, spec.DiskMB, spec.QoS, spec.InUserNS(), spec.Network, spec.MemoryCgroup}
 	b, _ := json.Marshal(class)
 	return poolKey(b)
 }
@@ -356,7 +355,7 @@ func (e *Edge) PoolSizes() map[string]int {
 // until claimed.
 func (e *Edge) createPooled(ctx context.Context, req edgeapi.CreateRequest) (*sbx, error) {
 	spec := req.Spec
-	if err := sandbox.Normalize(&spec, e.cfg.Policy); err != nil {
+	if err := e.normalize(&spec); err != nil {
 		return nil, err
 	}
 	req.Spec = spec

@@ -199,12 +199,20 @@ func (e *Edge) composeRootfs(dir string, rec *record, digests []string, undo *cl
 		// Overlay wants the topmost lower first.
 		lowers[len(digests)-1-i] = mp
 	}
+	c := composed{rootfs: rootfsDir(dir)}
 	if rec.UserNS {
+		mnt, err := e.detachedUserNSRootfs(e.backend(rec.Sandbox.Backend), lowers, upper, work)
+		if err != nil {
+			return composed{}, err
+		}
+		if mnt != nil {
+			c.mnt = mnt
+			return c, nil
+		}
 		if lowers, err = e.idmapLowers(dir, lowers); err != nil {
 			return composed{}, err
 		}
 	}
-	c := composed{rootfs: rootfsDir(dir)}
 	mnt, err := e.detachedRootfs(e.backend(rec.Sandbox.Backend), lowers, upper, work)
 	if err != nil {
 		return composed{}, err

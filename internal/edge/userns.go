@@ -9,6 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/sandbox"
@@ -123,6 +124,31 @@ func (e *Edge) userNSMap() layer.IDMap {
 	return layer.IDMap{HostID: e.cfg.UserNSBase, Size: UserNSSize}
 }
 
+// normalize is sandbox.Normalize with the node's choice of spec.UserNS
+// where the spec leaves it out: a user namespace where the sandbox's
+// backend makes one by default and the node can run one.
+func (e *Edge) normalize(spec *api.SandboxSpec) error {
+	if err := sandbox.Normalize(spec, e.cfg.Policy); err != nil {
+		return err
+	}
+	if spec.UserNS == nil {
+		on := e.userNSByDefault(spec.Backend)
+		spec.UserNS = &on
+	}
+	return nil
+}
+
+// userNSByDefault reports whether a sandbox of backend gets a user
+// namespace when its spec does not say.
+func (e *Edge) userNSByDefault(backend string) bool {
+	if !e.cfg.UserNSDefault {
+		return false
+	}
+	be := e.backend(backend)
+	d, ok := be.(sandbox.UserNSDefault)
+	return ok && d.UserNSByDefault() && e.checkUserNS(be, true) == nil
+}
+
 // checkUserNS refuses userns on a node without it.
 func (e *Edge) checkUserNS(be sandbox.Backend, want bool) error {
 	if !want {
@@ -156,6 +182,48 @@ func (e *Edge) idmapNS() (*os.File, error) {
 	}
 	e.idmap = f
 	return f, nil
+}
+
+// detachedUserNSRootfs makes a user-namespace sandbox's overlay as a
+// detached mount on detached idmapped views of the layer mounts mps: no
+// mount of the sandbox's is on the host at all (with host mounts, each of
+// a node's sandboxes would add one per layer to the host's mount table).
+// It returns nil where the backend takes no detached rootfs or the kernel
+// refuses (then, once, it says why and the caller mounts the views on the
+// host, idmapLowers).
+func (e *Edge) detachedUserNSRootfs(be sandbox.Backend, mps []string, upper, work string) (*os.File, error) {
+	if b, ok := be.(sandbox.DetachedRootfs); !ok || !b.TakesDetachedRootfs() || e.noDetached.Load() || e.noDetachedLowers.Load() {
+		return nil, nil
+	}
+	ns, err := e.idmapNS()
+	if err != nil {
+		return nil, err
+	}
+	views := make([]*os.File, 0, len(mps))
+	defer func() {
+		for _, v := range views {
+			v.Close()
+		}
+	}()
+	lowers := make([]string, len(mps))
+	for i, mp := range mps {
+		v, err := layer.IDMapClone(mp, ns)
+		if err != nil {
+			return nil, err
+		}
+		views = append(views, v)
+		lowers[i] = "/proc/self/fd/" + strconv.Itoa(int(v.Fd()))
+	}
+	mnt, err := layer.DetachedOverlay(lowers, upper, work)
+	if err != nil {
+		// A kernel before 6.15 takes no detached mount as a layer; one
+		// before 6.8 builds no detached overlay at all.
+		if !e.noDetachedLowers.Swap(true) {
+			e.log.Info("user-namespace sandboxes get their idmapped layers mounted on the host", "reason", err)
+		}
+		return nil, nil
+	}
+	return mnt, nil
 }
 
 // idmapLowers mounts idmapped views of the layer mounts mps at

@@ -179,6 +179,13 @@ type DetachedRootfs interface {
 	TakesDetachedRootfs() bool
 }
 
+// UserNSDefault is implemented by backends whose sandboxes run in a user
+// namespace of their own by default when the spec leaves userns out:
+// those that make one at little cost (the container backend's launcher).
+type UserNSDefault interface {
+	UserNSByDefault() bool
+}
+
 // Pauser is implemented by backends that pause and resume sandboxes
 // themselves (a VM's own pause, a simulated runtime) rather than by the
 // edge freezing the sandbox's cgroup. Pause of a paused sandbox and

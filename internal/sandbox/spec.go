@@ -172,9 +172,6 @@ func Normalize(spec *api.SandboxSpec, p Policy) error {
 		if spec.MemoryMB > 0 {
 			return errdefs.Invalid("memory_mb needs memory_cgroup %q: a shared memory cgroup has no limit per sandbox", api.MemoryCgroupOwn)
 		}
-		if spec.UserNS {
-			return errdefs.Invalid("memory_cgroup %q is not available with userns", api.MemoryCgroupShared)
-		}
 	default:
 		return errdefs.Invalid("memory_cgroup must be own or shared, got %q", spec.MemoryCgroup)
 	}

@@ -50,7 +50,7 @@ func TestNormalize(t *testing.T) {
 		{"shared memory cgroup", api.SandboxSpec{Base: "b", MemoryCgroup: "shared"}, nil},
 		{"own memory cgroup with a limit", api.SandboxSpec{Base: "b", MemoryCgroup: "own", MemoryMB: 64}, nil},
 		{"shared memory cgroup with a limit", api.SandboxSpec{Base: "b", MemoryCgroup: "shared", MemoryMB: 64}, errdefs.ErrInvalid},
-		{"shared memory cgroup in a userns", api.SandboxSpec{Base: "b", MemoryCgroup: "shared", UserNS: true}, errdefs.ErrInvalid},
+		{"shared memory cgroup in a userns", api.SandboxSpec{Base: "b", MemoryCgroup: "shared", UserNS: new(true)}, nil},
 		{"bad memory cgroup", api.SandboxSpec{Base: "b", MemoryCgroup: "Shared"}, errdefs.ErrInvalid},
 	}
 	for _, tt := range tests {

@@ -138,7 +138,7 @@ func TestGVisorLifecycleExecFilesSessions(t *testing.T) {
 
 func TestGVisorRefusesWhatItCannotDo(t *testing.T) {
 	needGVisor(t)
-	_, err := client.CreateSandbox(ctx(t), api.SandboxSpec{Base: baseRef, Backend: api.BackendGVisor, UserNS: true})
+	_, err := client.CreateSandbox(ctx(t), api.SandboxSpec{Base: baseRef, Backend: api.BackendGVisor, UserNS: new(true)})
 	wantCode(t, err, "failed_precondition")
 	sb := gvSandbox(t, api.SandboxSpec{})
 	_, err = client.Exec(ctx(t), sb.ID, api.ExecRequest{Cmd: "true", Private: true})

@@ -27,8 +27,8 @@ done`
 // found and killed (the attack works, so the test can fail).
 func TestPrivateExec(t *testing.T) {
 	needDaemon(t)
-	for _, spec := range []api.SandboxSpec{{}, {UserNS: true}} {
-		t.Run(map[bool]string{false: "root", true: "userns"}[spec.UserNS], func(t *testing.T) {
+	for _, spec := range []api.SandboxSpec{{UserNS: new(false)}, {UserNS: new(true)}} {
+		t.Run(map[bool]string{false: "root", true: "userns"}[spec.InUserNS()], func(t *testing.T) {
 			sb := newSandbox(t, spec)
 			c := ctx(t)
 			if err := client.WriteFile(c, sb.ID, "/tmp/hunter.sh", strings.NewReader(hunter), 0o755); err != nil {

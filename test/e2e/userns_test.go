@@ -2,7 +2,9 @@ package e2e
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -25,13 +27,20 @@ func TestUserNamespaceSandbox(t *testing.T) {
 	if err := syscall.Stat("/dev/null", &null); err != nil {
 		t.Fatal(err)
 	}
-	sb := newSandbox(t, api.SandboxSpec{UserNS: true, Workspace: workspaceRef})
+	sb := newSandbox(t, api.SandboxSpec{UserNS: new(true), Workspace: workspaceRef})
 	// crun chowns its stdio to the sandbox's root; it must not reach the
 	// host's /dev/null (it then belonged to the sandbox's root, which
 	// could chmod it for the whole host).
 	var after syscall.Stat_t
 	if err := syscall.Stat("/dev/null", &after); err != nil || after.Uid != null.Uid || after.Ctim != null.Ctim {
 		t.Errorf("host /dev/null changed by a userns create: owner %d, was %d (%v)", after.Uid, null.Uid, err)
+	}
+
+	// Nothing of it is mounted on the host: its overlay and the idmapped
+	// views of its layers are detached mounts that only its own mount
+	// namespace holds (one host mount per layer per sandbox otherwise).
+	if b, err := os.ReadFile("/proc/self/mountinfo"); err != nil || strings.Contains(string(b), sb.ID) {
+		t.Errorf("the host's mount table shows the sandbox's mounts (%v):\n%s", err, grepLines(string(b), sb.ID))
 	}
 
 	// Inside: root, with the image's ownership.
@@ -104,37 +113,55 @@ func TestUserNamespaceSandbox(t *testing.T) {
 }
 
 // TestUserNSKernelCountsAreTheSandboxs: the kernel's per-user counts of a
-// user-namespace sandbox's processes are charged to a host uid of that
-// sandbox's own (the owner of its namespace), not to host root's: a
-// sandbox that takes every inotify instance its count allows leaves host
-// root and a neighbour sandbox theirs. (A namespace the runtime made as
-// root charged everything to root: host root and every neighbour then got
-// EMFILE.)
+// default sandbox's processes are charged to a host uid of that sandbox's
+// own (the owner of its user namespace), not to host root's: a sandbox
+// that takes every inotify instance, queued signal or message queue byte
+// its count allows leaves host root and a neighbour sandbox theirs. (A
+// sandbox whose root is host root, or a namespace made by root, charged
+// everything to root: host root and every neighbour then got none.)
 func TestUserNSKernelCountsAreTheSandboxs(t *testing.T) {
 	needDaemon(t)
-	holder := buildStatic(t, "inotify_holder")
-	b, err := os.ReadFile("/proc/sys/fs/inotify/max_user_instances")
-	if err != nil {
-		t.Fatal(err)
+	holder := buildStatic(t, "counts_holder")
+	// Default specs: container sandboxes get a user namespace unless
+	// they say otherwise.
+	a := newSandbox(t, api.SandboxSpec{})
+	nb := newSandbox(t, api.SandboxSpec{})
+	for _, sb := range []*api.Sandbox{a, nb} {
+		if !sb.Spec.InUserNS() {
+			t.Fatalf("a default sandbox's record says userns %v, want true", sb.Spec.UserNS)
+		}
+		uploadBinary(t, sb.ID, holder, "/tmp/holder")
 	}
-	max := strings.TrimSpace(string(b))
-	a := newSandbox(t, api.SandboxSpec{UserNS: true})
-	nb := newSandbox(t, api.SandboxSpec{UserNS: true})
-	uploadBinary(t, a.ID, holder, "/tmp/holder")
-	uploadBinary(t, nb.ID, holder, "/tmp/holder")
-	// A takes all it can and holds them.
-	if r := sh(t, a.ID, "setsid /tmp/holder hold </dev/null >/tmp/n 2>&1 & for i in $(seq 100); do [ -s /tmp/n ] && break; sleep 0.1; done; cat /tmp/n"); r.Stdout != max+"\n" {
-		t.Fatalf("the holder in A made %q instances (%q), want the per-user limit %s", r.Stdout, r.Stderr, max)
+	host := func(res string) int {
+		t.Helper()
+		out, err := exec.Command(holder, res).Output()
+		n, cerr := strconv.Atoi(strings.TrimSpace(string(out)))
+		if err != nil || cerr != nil {
+			t.Fatalf("the holder on the host (%s): %q %v", res, out, err)
+		}
+		return n
 	}
-	// Host root still gets one.
-	fd, err := unix.InotifyInit1(unix.IN_CLOEXEC)
-	if err != nil {
-		t.Fatalf("host root's inotify_init1 while A holds its instances: %v", err)
-	}
-	unix.Close(fd)
-	// The neighbour gets its own, all of them.
-	if r := sh(t, nb.ID, "/tmp/holder"); r.Stdout != max+"\n" {
-		t.Fatalf("the neighbour made %q instances (%q) while A holds its own, want %s", r.Stdout, r.Stderr, max)
+	for _, res := range []string{"inotify", "sigpending", "mqueue"} {
+		t.Run(res, func(t *testing.T) {
+			before := host(res)
+			// A takes all it can and holds them.
+			r := sh(t, a.ID, "setsid /tmp/holder "+res+" hold </dev/null >/tmp/n-"+res+" 2>&1 & echo $! >/tmp/pid-"+res+
+				"; for i in $(seq 300); do [ -s /tmp/n-"+res+" ] && break; sleep 0.1; done; cat /tmp/n-"+res)
+			na, err := strconv.Atoi(strings.TrimSpace(r.Stdout))
+			if err != nil || na <= 0 {
+				t.Fatalf("the holder in A took %q (%q)", r.Stdout, r.Stderr)
+			}
+			defer sh(t, a.ID, "kill -9 $(cat /tmp/pid-"+res+")")
+			// Host root still gets its share, not what A left of it.
+			if after := host(res); after < 1 || after < before/2 {
+				t.Errorf("host root took %d while A holds %d, %d before", after, na, before)
+			}
+			// The neighbour gets its own, as many as A.
+			r = sh(t, nb.ID, "/tmp/holder "+res)
+			if nn, err := strconv.Atoi(strings.TrimSpace(r.Stdout)); err != nil || nn != na {
+				t.Errorf("the neighbour took %q (%q) while A holds %d, want as many", r.Stdout, r.Stderr, na)
+			}
+		})
 	}
 	// Each namespace has an owner of its own, neither host root.
 	owner := func(id string) uint32 {

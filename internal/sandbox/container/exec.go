@@ -126,6 +126,14 @@ func (c *Container) execHelper(id string, p sandbox.Process, env []string, cwd s
 			flags |= ns.flag
 		}
 	}
+	var stdioOwner *[2]uint32
+	if flags&unix.CLONE_NEWUSER != 0 {
+		uid, uok := hostID(pid, "uid_map", p.UID)
+		gid, gok := hostID(pid, "gid_map", p.GID)
+		if uok && gok {
+			stdioOwner = &[2]uint32{uid, gid}
+		}
+	}
 	capSet := capMask(defaultCaps)
 	var nofile uint64
 	if rl := rlimits(); len(rl) > 0 {
@@ -135,11 +143,37 @@ func (c *Container) execHelper(id string, p sandbox.Process, env []string, cwd s
 		Pidfd: pf, NSFlags: flags, CgroupProcs: procs,
 		UID: p.UID, GID: p.GID, Groups: p.AdditionalGIDs,
 		Caps: capSet, Bounding: capSet, NoFile: nofile, TTY: p.TTY, Private: p.Private, Cwd: cwd, Filter: c.filter,
+		StdioOwner: stdioOwner,
 	}, p.Args, env, p.Stdin, p.Stdout, p.Stderr)
 	if err != nil {
 		return nil, err
 	}
 	return &runtimeProc{cmd: cmd}, nil
+}
+
+// hostID maps id inside pid's user namespace to the host's, through its
+// uid_map or gid_map; false if the map does not cover it.
+func hostID(pid int, file string, id uint32) (uint32, bool) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/" + file)
+	if err != nil {
+		return 0, false
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) != 3 {
+			continue
+		}
+		in, err1 := strconv.ParseUint(f[0], 10, 32)
+		out, err2 := strconv.ParseUint(f[1], 10, 32)
+		n, err3 := strconv.ParseUint(f[2], 10, 32)
+		if err1 != nil || err2 != nil || err3 != nil {
+			continue
+		}
+		if uint64(id) >= in && uint64(id)-in < n {
+			return uint32(out + uint64(id) - in), true
+		}
+	}
+	return 0, false
 }
 
 // sameNamespace reports whether pid is in the edge's own namespace of the

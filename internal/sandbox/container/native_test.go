@@ -640,6 +640,17 @@ func TestNativeUserNS(t *testing.T) {
 			if err := unix.Stat(filepath.Join(rootfs, "tmp/made"), &made); err != nil || made.Uid != base || made.Gid != base {
 				t.Errorf("a file root inside made is owned by %d:%d on the host (%v), want %d", made.Uid, made.Gid, err, base)
 			}
+			// A command's stdio pipes are its user's: it can open
+			// /dev/stdin again (host root's pipe would be nobody's).
+			var out bytes.Buffer
+			pr, err := c.Exec(context.Background(), cfg.ID, sandbox.Process{Args: []string{"/bin/sh", "-c", "cat /dev/stdin; echo; echo reopened >/dev/stdout"},
+				Stdin: strings.NewReader("from stdin"), Stdout: &out, Stderr: &out, Cwd: "/"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if code, err := pr.Wait(); code != 0 || err != nil || out.String() != "from stdin\nreopened\n" {
+				t.Errorf("reopening stdio (%d, %v): %q", code, err, out.String())
+			}
 			// The task that made the namespace is gone: nothing runs as
 			// the owner.
 			if pids := pidsOfUID(t, owner); len(pids) > 0 {

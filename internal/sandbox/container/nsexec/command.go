@@ -42,9 +42,16 @@ type Config struct {
 	// sandbox's processes cannot see, signal or trace it.
 	Private bool
 	Cwd     string
+	// StdioOwner, if set, is the host uid and gid the command's stdio
+	// pipes, sockets and terminal are given to before it starts (a
+	// command in a user namespace: host root's would be nobody's inside).
+	StdioOwner *[2]uint32
 	// Filter is the seccomp program, installed last before exec.
 	Filter []unix.SockFilter
 }
+
+// noOwner in the config leaves stdio's owner be (nsexec.c, NO_OWNER).
+const noOwner = 0xffffffff
 
 // encode writes the config in the layout read_config in nsexec.c parses.
 func (c *Config) encode() ([]byte, error) {
@@ -66,7 +73,7 @@ func (c *Config) encode() ([]byte, error) {
 		b.WriteString(s)
 		return nil
 	}
-	b.WriteString("DSX2")
+	b.WriteString("DSX3")
 	u32(c.UID)
 	u32(c.GID)
 	u32(uint32(len(c.Groups)))
@@ -85,6 +92,13 @@ func (c *Config) encode() ([]byte, error) {
 		flags |= 2 // FLAG_PRIVATE
 	}
 	u32(flags)
+	if o := c.StdioOwner; o != nil {
+		u32(o[0])
+		u32(o[1])
+	} else {
+		u32(noOwner)
+		u32(noOwner)
+	}
 	if err := str(c.Cwd); err != nil {
 		return nil, err
 	}

@@ -41,6 +41,7 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -74,6 +75,7 @@ struct config {
 	uint32_t nsflags;
 	uint64_t caps, bounding, nofile;
 	uint32_t flags;
+	uint32_t stdio_uid, stdio_gid; // host IDs; NO_OWNER: leave stdio be
 	char *cwd;
 	uint32_t ncgroups;
 	char *cgroups[MAX_CGROUPS];
@@ -133,9 +135,11 @@ static char *getstr(struct reader *r) {
 	return s;
 }
 
-// read_config parses, in little-endian: "DSX2", uid, gid, ngroups,
-// groups[ngroups], nsflags (u32); caps, bounding, nofile (u64); flags
-// (u32); cwd
+#define NO_OWNER 0xffffffffu
+
+// read_config parses, in little-endian: "DSX3", uid, gid, ngroups,
+// groups[ngroups], nsflags (u32); caps, bounding, nofile (u64); flags,
+// stdio_uid, stdio_gid (u32); cwd
 // (u32 length + bytes); ncgroups (u32) and each cgroup.procs path; nfilter
 // (u32) and nfilter struct sock_filter (8 bytes each).
 static void read_config(struct config *c) {
@@ -157,7 +161,7 @@ static void read_config(struct config *c) {
 	}
 	close(FD_CONFIG);
 	struct reader r = {buf, buf + len};
-	if (len < 4 || memcmp(buf, "DSX2", 4) != 0)
+	if (len < 4 || memcmp(buf, "DSX3", 4) != 0)
 		fail("setup", "config: bad magic");
 	r.p += 4;
 	c->uid = get32(&r);
@@ -172,6 +176,8 @@ static void read_config(struct config *c) {
 	c->bounding = get64(&r);
 	c->nofile = get64(&r);
 	c->flags = get32(&r);
+	c->stdio_uid = get32(&r);
+	c->stdio_gid = get32(&r);
 	c->cwd = getstr(&r);
 	c->ncgroups = get32(&r);
 	if (c->ncgroups > MAX_CGROUPS)
@@ -182,6 +188,28 @@ static void read_config(struct config *c) {
 	if (c->nfilter == 0 || c->nfilter > BPF_MAXINSNS || (size_t)(r.end - r.p) != (size_t)c->nfilter * sizeof(struct sock_filter))
 		fail("setup", "config: bad seccomp filter (%u instructions)", c->nfilter);
 	c->filter = (struct sock_filter *)r.p;
+}
+
+// own_stdio gives the command's stdio, where it is a pipe, a socket or a
+// terminal made for it, to the user it runs as, seen from the host: in a
+// user namespace, host root's pipe is nobody's inside, and the command
+// could not open /dev/stdin (/proc/self/fd/0) again, as shells do for
+// `sh /dev/stdin`. Done while the helper is still host root; anything
+// else (the host's /dev/null, through a read-only mount) is left be.
+static void own_stdio(struct config *c) {
+	if (c->stdio_uid == NO_OWNER)
+		return;
+	for (int fd = 0; fd < 3; fd++) {
+		struct stat st;
+		if (fstat(fd, &st) < 0)
+			fail("setup", "stdio %d: %s", fd, strerror(errno));
+		unsigned maj = major(st.st_rdev);
+		int pty = S_ISCHR(st.st_mode) && maj >= 136 && maj <= 143; // a devpts slave
+		if (!S_ISFIFO(st.st_mode) && !S_ISSOCK(st.st_mode) && !pty)
+			continue;
+		if (fchown(fd, c->stdio_uid, c->stdio_gid) < 0)
+			fail("setup", "giving stdio %d to the command's user: %s", fd, strerror(errno));
+	}
 }
 
 static void join_cgroups(struct config *c) {
@@ -360,6 +388,7 @@ static void child(struct config *c, char **argv) {
 static void nsexec(char **argv) {
 	struct config c = {0};
 	read_config(&c);
+	own_stdio(&c);
 	join_cgroups(&c);
 	uint32_t join = c.nsflags;
 	if (c.flags & FLAG_PRIVATE)

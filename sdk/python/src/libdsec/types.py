@@ -60,7 +60,8 @@ class DSecContainerRunArgs:
     ``env`` ``workdir``       ``env`` ``workdir``
     ``labels`` ``qos``        ``labels`` ``qos``
     ``backend``               ``backend``
-    ``userns``                ``userns`` (root inside unprivileged on the host)
+    ``userns``                ``userns`` (root inside unprivileged on the host;
+                              None: the node decides, False: none)
     ``memory_cgroup``         ``memory_cgroup``: ``"own"`` (default) or
                               ``"shared"`` (denser; no ``memory_mb``)
     ``project``               ``project`` (default: the key's own; one
@@ -96,7 +97,7 @@ class DSecContainerRunArgs:
     pids_limit: int = 0
     qos: Optional[str] = None
     backend: Optional[str] = None
-    userns: bool = False
+    userns: Optional[bool] = None
     memory_cgroup: Optional[str] = None
     project: Optional[str] = None
 
@@ -105,8 +106,8 @@ class DSecContainerRunArgs:
         spec: dict[str, Any] = {}
         if self.backend:
             spec["backend"] = self.backend
-        if self.userns:
-            spec["userns"] = True
+        if self.userns is not None:
+            spec["userns"] = bool(self.userns)
         if self.container_image:
             spec["base"] = self.container_image
         if self.workspace:

@@ -1,0 +1,87 @@
+// counts_holder takes one per-user kernel resource until the kernel
+// refuses more and prints how many it took; with "hold" it then keeps
+// them until killed. The kernel charges these per user, up the chain of
+// user namespaces to each namespace's owner:
+//   inotify    inotify instances (fs.inotify.max_user_instances)
+//   sigpending queued real-time signals (RLIMIT_SIGPENDING)
+//   mqueue     POSIX message queues of 8 x 1 KiB (RLIMIT_MSGQUEUE bytes)
+// Usage: counts_holder RESOURCE [hold]
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <mqueue.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/inotify.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int take_inotify(void) {
+	int n = 0;
+	while (inotify_init1(IN_CLOEXEC) >= 0)
+		n++;
+	return n;
+}
+
+static int take_sigpending(void) {
+	sigset_t set;
+	sigemptyset(&set);
+	sigaddset(&set, SIGRTMIN);
+	sigprocmask(SIG_BLOCK, &set, NULL);
+	int n = 0;
+	for (;;) {
+		siginfo_t si;
+		memset(&si, 0, sizeof si);
+		si.si_signo = SIGRTMIN;
+		si.si_code = SI_QUEUE;
+		si.si_pid = getpid();
+		si.si_uid = getuid();
+		if (syscall(SYS_rt_sigqueueinfo, getpid(), SIGRTMIN, &si) < 0)
+			break;
+		n++;
+	}
+	return n;
+}
+
+static int take_mqueue(void) {
+	struct mq_attr a;
+	memset(&a, 0, sizeof a);
+	a.mq_maxmsg = 8;
+	a.mq_msgsize = 1024;
+	int n = 0;
+	for (;;) {
+		char name[64];
+		snprintf(name, sizeof name, "/counts-holder-%d-%d", getpid(), n);
+		mqd_t q = mq_open(name, O_CREAT | O_EXCL | O_RDWR, 0600, &a);
+		if (q == (mqd_t)-1)
+			break;
+		mq_unlink(name); // held by q alone; gone with the process
+		n++;
+	}
+	return n;
+}
+
+int main(int argc, char **argv) {
+	if (argc < 2) {
+		fprintf(stderr, "usage: counts_holder inotify|sigpending|mqueue [hold]\n");
+		return 2;
+	}
+	int n;
+	if (strcmp(argv[1], "inotify") == 0)
+		n = take_inotify();
+	else if (strcmp(argv[1], "sigpending") == 0)
+		n = take_sigpending();
+	else if (strcmp(argv[1], "mqueue") == 0)
+		n = take_mqueue();
+	else {
+		fprintf(stderr, "unknown resource %s\n", argv[1]);
+		return 2;
+	}
+	printf("%d\n", n);
+	fflush(stdout);
+	if (argc > 2)
+		for (;;)
+			pause();
+	return 0;
+}
