@@ -134,7 +134,7 @@ func runBench(args []string) error {
 	f.BoolVar(&o.noBaseline, "no-baseline", false, "skip the bare-runtime baseline")
 	f.Int64Var(&o.diskMB, "disk-mb", 0, "create: give each sandbox a disk of this many MiB (disk_mb)")
 	f.DurationVar(&o.poolGap, "pool-gap", 100*time.Millisecond, "pool: pause between measured creates (lets the pool refill)")
-	f.Var(optBool{&o.userns}, "userns", "create: user-namespace sandboxes (--userns=false: none; left out: the node's default)")
+	f.Var(optBool{&o.userns}, "userns", "create, exec, snapshot: user-namespace sandboxes (--userns=false: none; left out: the node's default)")
 	f.IntVar(&o.nestedDepth, "nested-key-depth", 0, "create: also create with a member key of a project this many levels below root (0-64), and with a quota on that chain, interleaved one at a time with the caller's key: the price of authorization and quotas")
 	f.Var(&o.allow, "allow", "create: egress allow rule for each sandbox (repeatable; gives it a veth)")
 	f.StringVar(&o.backend, "backend", api.BackendContainer, "create, exec, snapshot: the backend to measure; other than container, the container backend is measured in the same run as its baseline")
@@ -523,7 +523,7 @@ func benchExec(ctx context.Context, c *dsec.Client, o benchOpts, ref, digest, rt
 
 // execRound runs the exec measure in one sandbox of backend.
 func execRound(ctx context.Context, c *dsec.Client, o benchOpts, ref, backend string) (benchRow, error) {
-	sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: ref, Backend: backend, Labels: map[string]string{"bench": "exec"}})
+	sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: ref, Backend: backend, Labels: map[string]string{"bench": "exec"}, UserNS: o.userns})
 	if err != nil {
 		return benchRow{}, err
 	}
@@ -633,7 +633,7 @@ func benchSnapshot(ctx context.Context, c *dsec.Client, o benchOpts, ref string)
 func snapshotRound(ctx context.Context, c *dsec.Client, o benchOpts, ref, backend string) ([]benchRow, error) {
 	var rows []benchRow
 	for _, mib := range []int{1, 100} {
-		sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: ref, Backend: backend, Labels: map[string]string{"bench": "snapshot"}})
+		sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: ref, Backend: backend, Labels: map[string]string{"bench": "snapshot"}, UserNS: o.userns})
 		if err != nil {
 			return nil, err
 		}

@@ -355,6 +355,7 @@ func runBenchDensity(args []string) error {
 	f.IntVar(&o.concurrency, "concurrency", 16, "creates and deletes in flight at once")
 	f.IntVar(&o.samples, "exec-samples", 200, "execs of `true` at density, round-robin over the sandboxes, one at a time")
 	f.BoolVar(&o.keep, "keep", false, "leave the sandboxes running (no teardown or leak check)")
+	f.Var(optBool{&o.userns}, "userns", "the sandboxes in user namespaces (--userns=false: none; left out: the node's default)")
 	f.StringVar(&o.memoryCgroup, "memory-cgroup", api.MemoryCgroupOwn, "the sandboxes' memory_cgroup: own (a memory cgroup each) or shared (charged to one of the node's)")
 	f.StringVar(&o.stateDir, "state-dir", "/var/lib/dsec", "the daemon's state dir (mounts are counted under it; the baseline reads the layer blob)")
 	f.StringVar(&o.base, "base", "", "base layer ref to use (default: build base/bench:busybox from the host's busybox)")
@@ -776,7 +777,7 @@ func (d *densityRun) runDsec(ctx context.Context, ref string) ([]benchRow, densi
 				canceled.Add(1)
 				return err
 			}
-			sb, err := d.c.CreateSandbox(fillCtx, api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": label}, MemoryCgroup: o.memoryCgroup})
+			sb, err := d.c.CreateSandbox(fillCtx, api.SandboxSpec{Base: ref, Labels: map[string]string{"bench": label}, MemoryCgroup: o.memoryCgroup, UserNS: o.userns})
 			if err != nil && fillCtx.Err() != nil {
 				canceled.Add(1)
 			}
