@@ -398,11 +398,12 @@ static void open_ports(struct dsec_launch *l) {
 static void join_userns(struct dsec_launch *l) {
 	if (setns(l->userns_fd, CLONE_NEWUSER) < 0)
 		fail(l, "joining the user namespace", NULL, errno);
-	if (setgroups(0, NULL) < 0)
+	// Raw system calls, not glibc's wrappers (owner.h says why).
+	if (syscall(SYS_setgroups, 0, NULL) < 0)
 		fail(l, "setgroups in the user namespace", NULL, errno);
-	if (setresgid(0, 0, 0) < 0)
+	if (syscall(SYS_setresgid, 0, 0, 0) < 0)
 		fail(l, "setresgid in the user namespace", NULL, errno);
-	if (setresuid(0, 0, 0) < 0)
+	if (syscall(SYS_setresuid, 0, 0, 0) < 0)
 		fail(l, "setresuid in the user namespace", NULL, errno);
 }
 

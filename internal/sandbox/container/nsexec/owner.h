@@ -1,6 +1,10 @@
 // Becoming the owner of a sandbox's user namespace, shared by the holder
 // (userns.c, for the runtime) and the launcher (launch.c): system calls
-// only, safe in a task that shares the Go process's memory.
+// only, safe in a task that shares the Go process's memory. The changes
+// of credentials are raw system calls: glibc's setresuid and friends in a
+// process it knows to have threads (the Go process's, whose memory the
+// task shares) would take glibc's thread-list lock and mark every one of
+// those threads for a credential change they are not part of.
 #ifndef DSEC_OWNER_H
 #define DSEC_OWNER_H
 
@@ -62,11 +66,11 @@ static inline const char *become_owner(unsigned long owner, int *err) {
 		return *err = errno, "PR_SET_DUMPABLE";
 	if (prctl(PR_SET_KEEPCAPS, 1) < 0)
 		return *err = errno, "PR_SET_KEEPCAPS";
-	if (setgroups(0, NULL) < 0)
+	if (syscall(SYS_setgroups, 0, NULL) < 0)
 		return *err = errno, "setgroups";
-	if (setresgid((gid_t)owner, (gid_t)owner, (gid_t)owner) < 0)
+	if (syscall(SYS_setresgid, (gid_t)owner, (gid_t)owner, (gid_t)owner) < 0)
 		return *err = errno, "setresgid to the owner";
-	if (setresuid((uid_t)owner, (uid_t)owner, (uid_t)owner) < 0)
+	if (syscall(SYS_setresuid, (uid_t)owner, (uid_t)owner, (uid_t)owner) < 0)
 		return *err = errno, "setresuid to the owner";
 	if (owner_caps(1ULL << CAP_SYS_ADMIN) < 0)
 		return *err = errno, "capset";
