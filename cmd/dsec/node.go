@@ -89,7 +89,7 @@ func (c *nodeConfig) register(f *cmdFlags) {
 	f.IntVar(&c.maxStreams, "max-streams", 0, "commands (exec, streamed or not, and fncall) and port connections running on this node at once (each holds pipes or a socket of the daemon's); past it a call is refused with resource_exhausted before it starts; 0 = a sixteenth of the open-files limit, 64 to 16384")
 	f.BoolVar(&c.cleanupExit, "cleanup-on-exit", false, "on shutdown, delete every sandbox of this node first, so that the daemon leaves nothing on the host (mounts, cgroups, veths, nft table, DNS address); without it sandboxes keep running and the next start adopts them")
 	f.Int64Var(&c.layerCacheMB, "layer-cache-mb", defaultLayerCacheMB, "bound of this node's cache of chunks of registry-backed layers (dsec layer add), in MiB, shared by every sandbox on the node and kept across restarts")
-	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of user-namespace sandboxes, which get 65536 ids from it; the next 65536 uids own their namespaces, one per sandbox; 0 refuses userns")
+	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of dsec's for user-namespace sandboxes: a shared range of 65536 ids, 65536 owner uids (one per sandbox), then a range of 65536 ids per sandbox started by dsec's launcher, as many as fit below 2^32-1; 0 refuses userns")
 	f.BoolVar(&c.usernsDef, "userns-default", true, "a container sandbox whose spec leaves userns out gets a user namespace where dsec's launcher starts it and the node can (see --userns-base); false: only those asking for one")
 }
 

@@ -159,6 +159,10 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 		}
 		// Held from here until the sandbox is unlisted (unlistLocked).
 		rec.UserNSOwner, s.rec.UserNSOwner = owner, owner
+		if r, ok := be.(sandbox.IDRangePerSandbox); ok && r.IDRangePerSandbox() {
+			host := e.rangeOf(owner)
+			rec.UserNSHost, s.rec.UserNSHost = host, host
+		}
 	}
 	e.live++
 	if !pooled {
@@ -198,7 +202,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 			_ = e.removeTree(dir)
 		}
 	})
-	if rec.UserNS {
+	if rec.UserNS && rec.UserNSHost == 0 {
 		if err := groupSearchable(dir, e.cfg.UserNSBase); err != nil {
 			return nil, err
 		}
@@ -244,8 +248,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 		cfg.ResolvConf = filepath.Join(e.cfg.StateDir, "resolv.conf")
 	}
 	if rec.UserNS {
-		cfg.UserNS = e.sandboxIDMap()
-		cfg.UserNS.Owner = rec.UserNSOwner
+		cfg.UserNS = e.sandboxIDMap(&rec)
 	}
 	// Registered before the create: a failed one may have left state or
 	// processes (its cgroup is released by the undo above).

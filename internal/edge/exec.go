@@ -221,9 +221,10 @@ func (e *Edge) root(s *sbx) (*files.Root, error) {
 		return nil, fmt.Errorf("opening sandbox rootfs: %w", err)
 	}
 	if s.rec.UserNS {
-		base := int(e.cfg.UserNSBase)
+		m := e.userNSMapOf(&s.rec)
+		base := int(m.HostID)
 		r.SetOwner(files.Owner{UID: base, GID: base})
-		r.SetIDMap(e.cfg.UserNSBase, UserNSSize)
+		r.SetIDMap(m.HostID, m.Size)
 	}
 	s.root = r
 	return r, nil

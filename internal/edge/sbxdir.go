@@ -109,7 +109,7 @@ func (e *Edge) makeWritable(dir string, rec *record) (upper, work string, err er
 	}
 	if rec.UserNS {
 		// The upper's root is the sandbox's "/": its root must own it.
-		base := int(e.cfg.UserNSBase)
+		base := int(e.userNSMapOf(rec).HostID)
 		if err := os.Chown(upper, base, base); err != nil {
 			return "", "", fmt.Errorf("creating sandbox dir: %w", err)
 		}
@@ -201,7 +201,12 @@ func (e *Edge) composeRootfs(dir string, rec *record, digests []string, undo *cl
 	}
 	c := composed{rootfs: rootfsDir(dir)}
 	if rec.UserNS {
-		mnt, err := e.detachedUserNSRootfs(e.backend(rec.Sandbox.Backend), lowers, upper, work)
+		ns, release, err := e.idmapNSFor(rec)
+		if err != nil {
+			return composed{}, err
+		}
+		defer release()
+		mnt, err := e.detachedUserNSRootfs(e.backend(rec.Sandbox.Backend), ns, lowers, upper, work)
 		if err != nil {
 			return composed{}, err
 		}
@@ -209,7 +214,7 @@ func (e *Edge) composeRootfs(dir string, rec *record, digests []string, undo *cl
 			c.mnt = mnt
 			return c, nil
 		}
-		if lowers, err = e.idmapLowers(dir, lowers); err != nil {
+		if lowers, err = e.idmapLowers(dir, ns, lowers); err != nil {
 			return composed{}, err
 		}
 	}

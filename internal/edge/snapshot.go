@@ -155,7 +155,7 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOption
 		src, excludes = stage, nil
 		info.Layers, info.Flattened = append([]string(nil), below...), len(chain)
 		if rec.UserNS {
-			if err := unshiftTree(stage, e.userNSMap()); err != nil {
+			if err := unshiftTree(stage, e.userNSMapOf(&rec)); err != nil {
 				return nil, fmt.Errorf("snapshotting %s: %w", id, err)
 			}
 		}
@@ -168,7 +168,7 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOption
 			return nil, fmt.Errorf("copying the changes of %s: %v: %s", id, err, strings.TrimSpace(string(out)))
 		}
 		thaw()
-		if err := unshiftTree(stage, e.userNSMap()); err != nil {
+		if err := unshiftTree(stage, e.userNSMapOf(&rec)); err != nil {
 			return nil, fmt.Errorf("snapshotting %s: %w", id, err)
 		}
 		src = stage

@@ -43,6 +43,9 @@ type record struct {
 	// UserNSOwner is the host uid that made its user namespace (userns.go;
 	// 0 for sandboxes of an older edge, whose runtime made it as root).
 	UserNSOwner uint32 `json:"userns_owner,omitempty"`
+	// UserNSHost is the first host ID of the sandbox's own ID range
+	// (userns.go); 0: the node's shared range at Config.UserNSBase.
+	UserNSHost uint32 `json:"userns_host,omitempty"`
 	// PrivateRootfs is set when the overlay is mounted only inside the
 	// sandbox's mount namespace (sandbox.Config.RootfsMount), not on the
 	// host at <dir>/rootfs: it goes away with the sandbox's processes, and

@@ -32,9 +32,17 @@ import (
 //   - a snapshot copies the upper and shifts its IDs back (base+k → k)
 //     before packing, so snapshot layers look like any other layer.
 //
-// All user-namespace sandboxes of a node share the one range: they are
-// kept apart by their other namespaces and by the state directory (0700,
-// host root), not by distinct IDs.
+// Each user-namespace sandbox whose backend allows it
+// (sandbox.IDRangePerSandbox) has an ID range of its own, tied to its
+// owner: the owner base+UserNSSize+slot maps the sandbox's IDs to
+// base+2*UserNSSize+slot*UserNSSize.., so the counts the kernel keeps per
+// host uid (epoll watches, pipe buffer pages, fds in flight over unix
+// sockets) are not shared between sandboxes either, and a process that
+// got out of one sandbox's namespaces would own none of another's files.
+// The others (a runtime joins the namespace before it reaches the
+// rootfs) share the node's one range at base, and the state directory
+// is opened to its group (prepareUserNSDirs); so do sandboxes whose
+// owner's range would pass 2^32-1 (a high --userns-base).
 
 // UserNSSize is how many IDs a user-namespace sandbox has.
 const UserNSSize = 65536
@@ -120,8 +128,43 @@ func groupSearchable(d string, gid uint32) error {
 	return nil
 }
 
+// userNSMap is the node's shared range.
 func (e *Edge) userNSMap() layer.IDMap {
 	return layer.IDMap{HostID: e.cfg.UserNSBase, Size: UserNSSize}
+}
+
+// userNSMapOf is the range of the sandbox of rec.
+func (e *Edge) userNSMapOf(rec *record) layer.IDMap {
+	if rec.UserNSHost != 0 {
+		return layer.IDMap{HostID: rec.UserNSHost, Size: UserNSSize}
+	}
+	return e.userNSMap()
+}
+
+// rangeOf returns the first host ID of owner's own range, or 0 where it
+// would pass 2^32-1.
+func (e *Edge) rangeOf(owner uint32) uint32 {
+	slot := uint64(owner) - uint64(e.cfg.UserNSBase) - UserNSSize
+	first := uint64(e.cfg.UserNSBase) + 2*UserNSSize + slot*UserNSSize
+	if first+UserNSSize-1 > 1<<32-2 { // 2^32-1 is no ID
+		return 0
+	}
+	return uint32(first)
+}
+
+// idmapNSFor returns a namespace with the mapping of rec's sandbox for
+// idmapped views of its layers, and what to call once they are made (the
+// mounts hold the namespace from then on).
+func (e *Edge) idmapNSFor(rec *record) (*os.File, func(), error) {
+	if rec.UserNSHost == 0 {
+		ns, err := e.idmapNS()
+		return ns, func() {}, err
+	}
+	ns, err := layer.NewIDMapNS(e.userNSMapOf(rec))
+	if err != nil {
+		return nil, nil, err
+	}
+	return ns, func() { ns.Close() }, nil
 }
 
 // normalize is sandbox.Normalize with the node's choice of spec.UserNS
@@ -191,13 +234,9 @@ func (e *Edge) idmapNS() (*os.File, error) {
 // It returns nil where the backend takes no detached rootfs or the kernel
 // refuses (then, once, it says why and the caller mounts the views on the
 // host, idmapLowers).
-func (e *Edge) detachedUserNSRootfs(be sandbox.Backend, mps []string, upper, work string) (*os.File, error) {
+func (e *Edge) detachedUserNSRootfs(be sandbox.Backend, ns *os.File, mps []string, upper, work string) (*os.File, error) {
 	if b, ok := be.(sandbox.DetachedRootfs); !ok || !b.TakesDetachedRootfs() || e.noDetached.Load() || e.noDetachedLowers.Load() {
 		return nil, nil
-	}
-	ns, err := e.idmapNS()
-	if err != nil {
-		return nil, err
 	}
 	views := make([]*os.File, 0, len(mps))
 	defer func() {
@@ -228,11 +267,7 @@ func (e *Edge) detachedUserNSRootfs(be sandbox.Backend, mps []string, upper, wor
 
 // idmapLowers mounts idmapped views of the layer mounts mps at
 // <dir>/lower/<i> and returns their paths.
-func (e *Edge) idmapLowers(dir string, mps []string) ([]string, error) {
-	ns, err := e.idmapNS()
-	if err != nil {
-		return nil, err
-	}
+func (e *Edge) idmapLowers(dir string, ns *os.File, mps []string) ([]string, error) {
 	if err := os.MkdirAll(filepath.Join(dir, "lower"), 0o700); err != nil {
 		return nil, fmt.Errorf("creating sandbox dir: %w", err)
 	}
@@ -267,10 +302,10 @@ func unmountLowers(dir string) error {
 	return nil
 }
 
-// sandboxIDMap is the backend's view of the mapping.
-func (e *Edge) sandboxIDMap() *sandbox.IDMap {
-	m := e.userNSMap()
-	return &sandbox.IDMap{HostID: m.HostID, Size: m.Size}
+// sandboxIDMap is the backend's view of the mapping of rec's sandbox.
+func (e *Edge) sandboxIDMap(rec *record) *sandbox.IDMap {
+	m := e.userNSMapOf(rec)
+	return &sandbox.IDMap{HostID: m.HostID, Size: m.Size, Owner: rec.UserNSOwner}
 }
 
 // unshiftTree rewrites the owners of every entry under root from the

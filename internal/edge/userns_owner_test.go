@@ -58,3 +58,44 @@ func TestUserNSOwners(t *testing.T) {
 		}
 	}
 }
+
+// TestUserNSRanges: each owner's sandbox has an ID range of its own after
+// the shared range and the owners', none two owners share, none crossing
+// 2^32-1; an owner whose range would cross it gets none (the shared range).
+func TestUserNSRanges(t *testing.T) {
+	const base = 1_000_000_000
+	e, err := New(Config{Name: "n1", StateDir: t.TempDir(), Policy: sandbox.DefaultPolicy(), UserNSBase: base}, Deps{Backend: fake.New("container"), Blobs: &testImages{dir: t.TempDir()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	owners := uint32(base + UserNSSize)
+	if r := e.rangeOf(owners); r != base+2*UserNSSize {
+		t.Fatalf("the first owner's range starts at %d, want %d", r, base+2*UserNSSize)
+	}
+	seen := map[uint32]bool{}
+	var last uint32
+	some, none := 0, 0
+	for slot := uint32(0); slot < UserNSSize; slot++ {
+		r := e.rangeOf(owners + slot)
+		if r == 0 {
+			none++
+			continue
+		}
+		some++
+		if seen[r] || r < base+2*UserNSSize || r <= last || uint64(r)+UserNSSize-1 > 1<<32-2 {
+			t.Fatalf("slot %d: range %d (last %d)", slot, r, last)
+		}
+		seen[r], last = true, r
+	}
+	// floor((2^32-1 - 1,000,131,072) / 65,536) whole ranges fit.
+	if some != 50275 || none != UserNSSize-50275 {
+		t.Fatalf("%d owners with a range, %d without", some, none)
+	}
+	rec := record{UserNS: true, UserNSOwner: owners + 3, UserNSHost: e.rangeOf(owners + 3)}
+	if m := e.userNSMapOf(&rec); m.HostID != base+5*UserNSSize || m.Size != UserNSSize {
+		t.Fatalf("map of a sandbox with a range: %+v", m)
+	}
+	if m := e.userNSMapOf(&record{UserNS: true, UserNSOwner: owners}); m.HostID != base {
+		t.Fatalf("map of a sandbox without one: %+v, want the shared range at %d", m, base)
+	}
+}

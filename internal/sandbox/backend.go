@@ -186,6 +186,16 @@ type UserNSDefault interface {
 	UserNSByDefault() bool
 }
 
+// IDRangePerSandbox is implemented by backends that can give each
+// user-namespace sandbox an ID range of its own: nothing of the sandbox's
+// on the host needs to be reachable by its mapped IDs (dsec's launcher
+// makes every mount as host root; a runtime that joins the namespace
+// first reaches the rootfs as the mapped root, through directories open
+// to the node's one range).
+type IDRangePerSandbox interface {
+	IDRangePerSandbox() bool
+}
+
 // Pauser is implemented by backends that pause and resume sandboxes
 // themselves (a VM's own pause, a simulated runtime) rather than by the
 // edge freezing the sandbox's cgroup. Pause of a paused sandbox and

@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -43,9 +44,15 @@ func TestUserNamespaceSandbox(t *testing.T) {
 		t.Errorf("the host's mount table shows the sandbox's mounts (%v):\n%s", err, grepLines(string(b), sb.ID))
 	}
 
+	// Its IDs are a range of its own, after the node's shared one and the
+	// owners' (dsec up's launcher gives each sandbox one).
+	host := hostRange(t, sb.ID)
+	if host < usernsBase+2*65536 || (host-usernsBase)%65536 != 0 {
+		t.Fatalf("the sandbox's IDs start at host %d: want a range of its own from %d on", host, usernsBase+2*65536)
+	}
 	// Inside: root, with the image's ownership.
 	r := sh(t, sb.ID, "id -u; cat /proc/self/uid_map | tr -s ' '; stat -c '%u %g' /bin/busybox /repo/a.txt /")
-	want := "0\n 0 1000000000 65536\n0 0\n0 0\n0 0\n"
+	want := fmt.Sprintf("0\n 0 %d 65536\n0 0\n0 0\n0 0\n", host)
 	if r.Stdout != want {
 		t.Fatalf("inside: %q, want %q (stderr %q)", r.Stdout, want, r.Stderr)
 	}
@@ -54,7 +61,7 @@ func TestUserNamespaceSandbox(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(string(st), "Uid:\t1000000000\t1000000000\t1000000000\t1000000000") {
+	if !strings.Contains(string(st), fmt.Sprintf("Uid:\t%d\t%d\t%d\t%d", host, host, host, host)) {
 		t.Fatalf("init's host credentials:\n%s", st)
 	}
 	// Root inside can change the image's files (copy-up) and make new ones.
@@ -64,8 +71,8 @@ func TestUserNamespaceSandbox(t *testing.T) {
 	}
 	upper := filepath.Join(d.stateDir, "edge", "sandboxes", sb.ID, "upper")
 	var fst syscall.Stat_t
-	if err := syscall.Lstat(filepath.Join(upper, "work", "x", "f"), &fst); err != nil || fst.Uid != usernsBase+1000 {
-		t.Fatalf("on disk the file is owned by %d (%v), want %d", fst.Uid, err, usernsBase+1000)
+	if err := syscall.Lstat(filepath.Join(upper, "work", "x", "f"), &fst); err != nil || fst.Uid != host+1000 {
+		t.Fatalf("on disk the file is owned by %d (%v), want %d", fst.Uid, err, host+1000)
 	}
 	// Files written through the API belong to the sandbox's root.
 	if err := client.WriteFile(ctx(t), sb.ID, "/api/dir/put.txt", strings.NewReader("from api"), 0o600); err != nil {
@@ -118,7 +125,10 @@ func TestUserNamespaceSandbox(t *testing.T) {
 // that takes every inotify instance, queued signal or message queue byte
 // its count allows leaves host root and a neighbour sandbox theirs. (A
 // sandbox whose root is host root, or a namespace made by root, charged
-// everything to root: host root and every neighbour then got none.)
+// everything to root: host root and every neighbour then got none.) The
+// counts kept per host uid (pipe buffer pages) are the sandbox's too: its
+// IDs are a range of its own (with one range for all, the neighbour's
+// new pipes were cut to a few pages).
 func TestUserNSKernelCountsAreTheSandboxs(t *testing.T) {
 	needDaemon(t)
 	holder := buildStatic(t, "counts_holder")
@@ -132,6 +142,11 @@ func TestUserNSKernelCountsAreTheSandboxs(t *testing.T) {
 		}
 		uploadBinary(t, sb.ID, holder, "/tmp/holder")
 	}
+	// Counts the kernel keeps per host uid are theirs too: their IDs are
+	// ranges of their own.
+	if ra, rb := hostRange(t, a.ID), hostRange(t, nb.ID); ra == rb {
+		t.Fatalf("both sandboxes' IDs start at host %d", ra)
+	}
 	host := func(res string) int {
 		t.Helper()
 		out, err := exec.Command(holder, res).Output()
@@ -141,9 +156,14 @@ func TestUserNSKernelCountsAreTheSandboxs(t *testing.T) {
 		}
 		return n
 	}
-	for _, res := range []string{"inotify", "sigpending", "mqueue"} {
+	for _, res := range []string{"inotify", "sigpending", "mqueue", "pipes"} {
 		t.Run(res, func(t *testing.T) {
-			before := host(res)
+			// Host root is exempt from the pipe pages' limit.
+			onHost := res != "pipes"
+			var before int
+			if onHost {
+				before = host(res)
+			}
 			// A takes all it can and holds them.
 			r := sh(t, a.ID, "setsid /tmp/holder "+res+" hold </dev/null >/tmp/n-"+res+" 2>&1 & echo $! >/tmp/pid-"+res+
 				"; for i in $(seq 300); do [ -s /tmp/n-"+res+" ] && break; sleep 0.1; done; cat /tmp/n-"+res)
@@ -153,8 +173,10 @@ func TestUserNSKernelCountsAreTheSandboxs(t *testing.T) {
 			}
 			defer sh(t, a.ID, "kill -9 $(cat /tmp/pid-"+res+")")
 			// Host root still gets its share, not what A left of it.
-			if after := host(res); after < 1 || after < before/2 {
-				t.Errorf("host root took %d while A holds %d, %d before", after, na, before)
+			if onHost {
+				if after := host(res); after < 1 || after < before/2 {
+					t.Errorf("host root took %d while A holds %d, %d before", after, na, before)
+				}
 			}
 			// The neighbour gets its own, as many as A.
 			r = sh(t, nb.ID, "/tmp/holder "+res)
@@ -182,4 +204,23 @@ func TestUserNSKernelCountsAreTheSandboxs(t *testing.T) {
 	if oa == 0 || ob == 0 || oa == ob || oa < usernsBase+65536 || ob < usernsBase+65536 {
 		t.Fatalf("namespace owners %d and %d: want two distinct uids from %d on", oa, ob, usernsBase+65536)
 	}
+}
+
+// hostRange returns the first host ID of sandbox id's user namespace, from
+// its init's uid_map.
+func hostRange(t *testing.T, id string) uint32 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/" + itoa(initPid(t, id)) + "/uid_map")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := strings.Fields(string(b))
+	if len(f) != 3 || f[0] != "0" || f[2] != "65536" {
+		t.Fatalf("sandbox %s's uid_map: %q", id, b)
+	}
+	n, err := strconv.ParseUint(f[1], 10, 32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return uint32(n)
 }

@@ -112,6 +112,12 @@ type Container struct {
 	// says why not when it is off.
 	native    bool
 	nativeWhy string
+	// launchDeadline bounds a launch: past it, the sandbox's cgroup is
+	// killed (launchWatchdog).
+	launchDeadline time.Duration
+	// ownerWait bounds the making of a sandbox's user namespace (0: the
+	// launcher's 10 s).
+	ownerWait time.Duration
 	maskOps   []nsexec.Mount
 	// sysfs is the sysfs every sandbox of the launcher gets a clone of
 	// (sharedSysfs); nil: a sysfs each.
@@ -322,7 +328,9 @@ func (c *Container) run(ctx context.Context, args ...string) error {
 // launcher or crun): runc before 1.2 cannot join a user namespace without
 // the ID maps in the spec, so with runc as the launcher (or without cgo)
 // the runtime makes it, as root.
-func (c *Container) OwnsUserNS() bool { return nsexec.Available && (c.native || c.flavor == "crun") }
+func (c *Container) OwnsUserNS() bool {
+	return nsexec.Available && (c.launchesUserNS() || c.flavor == "crun")
+}
 
 // Create implements sandbox.Backend.
 func (c *Container) Create(ctx context.Context, cfg sandbox.Config) error {

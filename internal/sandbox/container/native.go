@@ -10,6 +10,8 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync/atomic"
+	"time"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
@@ -95,7 +97,28 @@ func (c *Container) Launcher() string {
 // UserNSByDefault implements sandbox.UserNSDefault: the launcher makes a
 // sandbox's user namespace for a few percent of a create (the runtime for
 // about 5x).
-func (c *Container) UserNSByDefault() bool { return c.native }
+func (c *Container) UserNSByDefault() bool { return c.launchesUserNS() }
+
+// suidDumpable reads fs.suid_dumpable (tests replace it).
+var suidDumpable = func() string {
+	b, _ := os.ReadFile("/proc/sys/fs/suid_dumpable")
+	return strings.TrimSpace(string(b))
+}
+
+// launchesUserNS reports whether the launcher starts user-namespace
+// sandboxes. Not where fs.suid_dumpable is 1: the owner task and init
+// change credentials while they share the edge's memory, and the kernel
+// then sets that memory's dumpable flag to fs.suid_dumpable; at 1 the
+// edge would be open to ptrace by the owner uid, which holds every
+// capability over the sandbox's namespace (0 and 2 leave it to root).
+// Such sandboxes then go through the runtime, whose holder is a process
+// of its own.
+func (c *Container) launchesUserNS() bool { return c.native && suidDumpable() != "1" }
+
+// IDRangePerSandbox implements sandbox.IDRangePerSandbox: the launcher
+// makes a sandbox's mounts as host root before init joins its user
+// namespace.
+func (c *Container) IDRangePerSandbox() bool { return c.launchesUserNS() }
 
 // LauncherWhy is Launcher and, when it is not "dsec", why not.
 func (c *Container) LauncherWhy() (string, string) { return c.Launcher(), c.nativeWhy }
@@ -117,8 +140,12 @@ func (c *Container) NetnsPool() (free int, ok bool) {
 
 // launchable reports whether cfg can go through the own launcher.
 func (c *Container) launchable(cfg sandbox.Config) bool {
-	return c.native && (cfg.UserNS == nil || cfg.UserNS.Owner != 0)
+	return c.native && (cfg.UserNS == nil || (cfg.UserNS.Owner != 0 && c.launchesUserNS()))
 }
+
+// defaultLaunchDeadline is how long a launch may take before the
+// sandbox's cgroup is killed.
+const defaultLaunchDeadline = time.Minute
 
 // deviceNodes are bind-mounted from the host's /dev into every sandbox's.
 var deviceNodes = []string{"null", "zero", "full", "random", "urandom", "tty"}
@@ -292,12 +319,31 @@ func (c *Container) launch(ctx context.Context, cfg sandbox.Config) (err error) 
 			defer netns.Close()
 		}
 	}
+	// A launch that does not end (init stopped during its setup by
+	// something allowed to signal it: the owner uid holds every
+	// capability over its user namespace) would hold its slot for good:
+	// past the deadline, whatever is in the cgroup is killed, and the
+	// launch fails.
+	deadline := c.launchDeadline
+	if deadline == 0 {
+		deadline = defaultLaunchDeadline
+	}
+	var overdue atomic.Bool
+	watchdog := time.AfterFunc(deadline, func() {
+		overdue.Store(true)
+		_ = c.cfg.Cgroups.Kill(cfg.CgroupPath)
+	})
 	pid, fd, err := nsexec.Launch(nsexec.LaunchConfig{
 		RootfsMount: cfg.RootfsMount, Rootfs: cfg.Rootfs, Mounts: mounts,
-		Hostname: cfg.Hostname, CgroupProcs: procs, CgroupNS: c.cfg.CgroupNS, NetNS: netns, UserNS: userns,
+		Hostname: cfg.Hostname, CgroupProcs: procs, CgroupNS: c.cfg.CgroupNS, NetNS: netns, UserNS: userns, OwnerWait: c.ownerWait,
 		Caps: capMask(defaultCaps), NoFile: nofile, Filter: c.filter,
 		Argv: spec.Process.Args, Env: spec.Process.Env, Null: c.null,
 	})
+	watchdog.Stop()
+	if err == nil && overdue.Load() {
+		unix.Close(fd)
+		err = fmt.Errorf("init did not start within %v (killed)", deadline)
+	}
 	if err != nil {
 		var le *nsexec.LaunchError
 		if errors.As(err, &le) && le.Killed {

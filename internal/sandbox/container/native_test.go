@@ -6,9 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 	"unsafe"
@@ -112,6 +114,11 @@ func TestNativeInitAndCgroup(t *testing.T) {
 	if code, out := sh(t, c, cfg.ID, "hostname; echo $$; cat /sys/fs/cgroup/pids.max /sys/fs/cgroup/pids/pids.max 2>/dev/null; ls /dev"); code != 0 ||
 		!strings.HasPrefix(out, "native\n") {
 		t.Errorf("in the sandbox (%d): %s", code, out)
+	}
+	// Without a user namespace the uids inside are host uids: only root
+	// may bind ports below 1024 (user-namespace sandboxes open them all).
+	if code, out := sh(t, c, cfg.ID, "cat /proc/sys/net/ipv4/ip_unprivileged_port_start"); code != 0 || out != "1024\n" {
+		t.Errorf("ip_unprivileged_port_start (%d): %q, want the kernel's 1024", code, out)
 	}
 	// Masks and read-only paths hold (a writable /proc/sys would reach
 	// host-wide settings; hostname is per uts namespace, safe to try).
@@ -550,7 +557,10 @@ func TestNativeSharedMemory(t *testing.T) {
 // lands with the mapped IDs, and root inside may listen on port 80 in a
 // network namespace its user namespace does not own, pooled or not.
 func TestNativeUserNS(t *testing.T) {
-	const base, owner = 1_000_000_000, 1_000_065_537
+	const base = 1_000_000_000
+	// An owner of this run's own: the test looks for processes left
+	// running as it, which another run's would be.
+	owner := uint32(1_000_065_537 + os.Getpid()%60000)
 	for _, pooled := range []bool{true, false} {
 		t.Run(map[bool]string{true: "pooled", false: "fresh"}[pooled], func(t *testing.T) {
 			c := newNativeBackend(t)
@@ -587,7 +597,13 @@ func TestNativeUserNS(t *testing.T) {
 			if err != nil || !st.Running {
 				t.Fatalf("status %+v %v", st, err)
 			}
-			if l, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", st.Pid)); !bytes.HasPrefix(l, []byte(initPath)) {
+			// The launch returns once init's exec has replaced its memory,
+			// which may be before the kernel has set its arguments.
+			var l []byte
+			for deadline := time.Now().Add(time.Second); len(l) == 0 && time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+				l, _ = os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", st.Pid))
+			}
+			if !bytes.HasPrefix(l, []byte(initPath)) {
 				t.Errorf("init is %q, not started by the launcher", l)
 			}
 			status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", st.Pid))
@@ -631,6 +647,12 @@ func TestNativeUserNS(t *testing.T) {
 			unix.Close(int(ufd))
 			if err != nil || mntOwner.Ino != hostUserNS.Ino {
 				t.Errorf("the sandbox's mount namespace is not the host user namespace's (%v)", err)
+			}
+			// Its root holds nothing over the namespaces the host's user
+			// namespace owns: no mount, unmount, hostname or sysctl.
+			if code, out := sh(t, c, cfg.ID, "mount -t tmpfs x /tmp && echo MOUNTED; umount /proc/kcore && echo UNMOUNTED; busybox hostname x && echo RENAMED; echo 1024 > /proc/sys/net/ipv4/ip_unprivileged_port_start && echo WROTE; true"); code != 0 ||
+				strings.ContainsAny(out, "MUWR") && (strings.Contains(out, "MOUNTED") || strings.Contains(out, "RENAMED") || strings.Contains(out, "WROTE")) {
+				t.Errorf("root inside changed what it must not (%d): %s", code, out)
 			}
 			script := "id -u; cat /proc/self/uid_map; touch /tmp/made; nc -l -p 80 </dev/null >/dev/null 2>&1 & sleep 0.3; netstat -ltn | grep -c ':80 '; kill $!"
 			if code, out := sh(t, c, cfg.ID, script); code != 0 || strings.Join(strings.Fields(out), " ") != "0 0 1000000000 65536 1" {
@@ -686,6 +708,84 @@ func TestNativeUserNS(t *testing.T) {
 			t.Errorf("%d fds open after the failed create, %d before", now, fds)
 		}
 	})
+}
+
+// TestNativeUserNSOwnerStopped: anything running as the owner uid can
+// signal the task that makes the namespace (the same uid) and the
+// sandbox's init (the owner holds every capability over its namespace).
+// With one stopping every process of that uid over and over, every create
+// still ends within a bound (the owner task's answer within 10 s, the
+// launch within its deadline), and nothing is left running as the owner
+// or holding the test's fds.
+func TestNativeUserNSOwnerStopped(t *testing.T) {
+	c := newNativeBackend(t)
+	c.netns.close()
+	c.netns = nil
+	c.launchDeadline, c.ownerWait = 2*time.Second, 500*time.Millisecond
+	owner := uint32(1_000_065_537 + (os.Getpid()+1)%60000)
+	rootfs := sandboxtest.BusyboxRootfs(t) // before the stopper: it skips without busybox
+	fds := openFDs(t)
+	// A shell running as the owner stops every other process of its uid
+	// (kill -1 from the shell itself spares the shell).
+	stopper := exec.Command("busybox", "sh", "-c", "while :; do kill -STOP -1 2>/dev/null; done")
+	stopper.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: owner, Gid: owner}}
+	if err := stopper.Start(); err != nil {
+		t.Fatal(err)
+	}
+	failed := 0
+	const creates = 8
+	for i := range creates {
+		start := time.Now()
+		cfg, err := nativeSandbox(t, c, rootfs, func(cfg *sandbox.Config) {
+			cfg.ID += fmt.Sprint(i)
+			cfg.UserNS = &sandbox.IDMap{HostID: 1_000_000_000, Size: 65536, Owner: owner}
+		})
+		if took := time.Since(start); took > 10*time.Second {
+			t.Errorf("create %d took %v (%v)", i, took, err)
+		}
+		if err != nil {
+			failed++
+			if !strings.Contains(err.Error(), "did not answer in time") && !strings.Contains(err.Error(), "did not start") && !strings.Contains(err.Error(), "died") {
+				t.Errorf("create %d: %v", i, err)
+			}
+			if _, serr := os.Stat(filepath.Join(c.cfg.StateRoot, cfg.ID)); serr == nil {
+				t.Errorf("create %d failed and left its state", i)
+			}
+		} else {
+			_ = c.Destroy(context.Background(), cfg.ID)
+		}
+	}
+	_ = stopper.Process.Kill()
+	_ = stopper.Wait()
+	t.Logf("%d of %d creates failed with their owner task or init stopped", failed, creates)
+	if pids := pidsOfUID(t, owner); len(pids) > 0 {
+		t.Errorf("processes %v run as the owner uid", pids)
+	}
+	if now := openFDs(t); now > fds {
+		t.Errorf("%d fds open after the creates, %d before", now, fds)
+	}
+}
+
+// TestNativeUserNSNotWhereDumpable: where fs.suid_dumpable is 1 the
+// launcher starts no user-namespace sandbox (its tasks' credential changes
+// would leave the edge's memory open to ptrace by the owner uid): they go
+// to the runtime, and none gets a user namespace by default or an ID
+// range of its own.
+func TestNativeUserNSNotWhereDumpable(t *testing.T) {
+	c := newNativeBackend(t)
+	cfg := sandbox.Config{UserNS: &sandbox.IDMap{HostID: 1_000_000_000, Size: 65536, Owner: 1_000_065_536}}
+	if !c.launchable(cfg) || !c.UserNSByDefault() || !c.IDRangePerSandbox() {
+		t.Fatal("the launcher refuses user namespaces with fs.suid_dumpable at the host's value")
+	}
+	saved := suidDumpable
+	t.Cleanup(func() { suidDumpable = saved })
+	suidDumpable = func() string { return "1" }
+	if c.launchable(cfg) || c.UserNSByDefault() || c.IDRangePerSandbox() {
+		t.Error("with fs.suid_dumpable 1 the launcher still takes user-namespace sandboxes")
+	}
+	if !c.launchable(sandbox.Config{}) {
+		t.Error("with fs.suid_dumpable 1 the launcher refuses sandboxes without a user namespace")
+	}
 }
 
 // pidsOfUID lists the processes whose real uid is uid.

@@ -309,9 +309,7 @@ func freshNetns(home int) (int, error) {
 	if err == nil {
 		err = loopbackUp()
 	}
-	if err == nil {
-		err = openPorts()
-	}
+
 	if serr := unix.Setns(home, unix.CLONE_NEWNET); serr != nil {
 		if fd >= 0 {
 			unix.Close(fd)
@@ -325,17 +323,6 @@ func freshNetns(home int) (int, error) {
 		return -1, fmt.Errorf("netns pool: %w", err)
 	}
 	return fd, nil
-}
-
-// openPorts lets every user in the calling thread's network namespace bind
-// any port, as the launcher does for a namespace it makes (launch.c,
-// open_ports): root of a sandbox's user namespace holds no
-// CAP_NET_BIND_SERVICE over a namespace the host's user namespace owns.
-func openPorts() error {
-	if err := os.WriteFile("/proc/sys/net/ipv4/ip_unprivileged_port_start", []byte("0"), 0); err != nil {
-		return fmt.Errorf("ip_unprivileged_port_start: %w", err)
-	}
-	return nil
 }
 
 // loopbackUp brings lo up in the calling thread's network namespace.

@@ -5,6 +5,10 @@
 //   inotify    inotify instances (fs.inotify.max_user_instances)
 //   sigpending queued real-time signals (RLIMIT_SIGPENDING)
 //   mqueue     POSIX message queues of 8 x 1 KiB (RLIMIT_MSGQUEUE bytes)
+// and one the kernel keeps per host uid, whatever the namespace:
+//   pipes      pipes of 1 MiB until a new pipe gets less than the default
+//              64 KiB (fs.pipe-user-pages-soft; host root, with
+//              CAP_SYS_ADMIN, is exempt: do not run this one there)
 // Usage: counts_holder RESOURCE [hold]
 #define _GNU_SOURCE
 #include <errno.h>
@@ -62,9 +66,26 @@ static int take_mqueue(void) {
 	return n;
 }
 
+static int take_pipes(void) {
+	int n = 0;
+	while (n < 4096) {
+		int p[2];
+		if (pipe(p) < 0)
+			break;
+		if (fcntl(p[1], F_GETPIPE_SZ) < 65536) {
+			close(p[0]);
+			close(p[1]);
+			break;
+		}
+		fcntl(p[1], F_SETPIPE_SZ, 1 << 20); // refused past the limit
+		n++;
+	}
+	return n;
+}
+
 int main(int argc, char **argv) {
 	if (argc < 2) {
-		fprintf(stderr, "usage: counts_holder inotify|sigpending|mqueue [hold]\n");
+		fprintf(stderr, "usage: counts_holder inotify|sigpending|mqueue|pipes [hold]\n");
 		return 2;
 	}
 	int n;
@@ -74,6 +95,8 @@ int main(int argc, char **argv) {
 		n = take_sigpending();
 	else if (strcmp(argv[1], "mqueue") == 0)
 		n = take_mqueue();
+	else if (strcmp(argv[1], "pipes") == 0)
+		n = take_pipes();
 	else {
 		fprintf(stderr, "unknown resource %s\n", argv[1]);
 		return 2;

@@ -369,13 +369,14 @@ static void reset_oom_score(struct dsec_launch *l) {
 	close(fd);
 }
 
-// open_ports lets every user of the sandbox's network namespace bind any
-// port (net.ipv4.ip_unprivileged_port_start, which covers IPv6 as well).
-// The namespace belongs to the host's user namespace, over which root of a
-// sandbox's own user namespace holds no CAP_NET_BIND_SERVICE: without
-// this, its web server could not listen on port 80. Written through the
-// host's /proc before the pivot: /proc/sys/net is the writer's network
-// namespace's. Pooled namespaces had it written when they were made.
+// open_ports lets every user of a user-namespace sandbox's network
+// namespace bind any port (net.ipv4.ip_unprivileged_port_start, which
+// covers IPv6 as well). The namespace belongs to the host's user
+// namespace, over which the sandbox's root holds no CAP_NET_BIND_SERVICE:
+// without this, its web server could not listen on port 80. (In a sandbox
+// without one, the uids inside are host uids, and only root may.) Written
+// through the host's /proc before the pivot: /proc/sys/net is the
+// writer's network namespace's.
 static void open_ports(struct dsec_launch *l) {
 	int fd = open("/proc/sys/net/ipv4/ip_unprivileged_port_start", O_WRONLY | O_CLOEXEC);
 	if (fd < 0)
@@ -448,7 +449,7 @@ static int child(void *arg) {
 		fail(l, "unshare(CLONE_NEWCGROUP)", NULL, errno);
 	if (l->netns_fd >= 0 && setns(l->netns_fd, CLONE_NEWNET) < 0)
 		fail(l, "joining the network namespace", NULL, errno);
-	if (l->netns_fd < 0)
+	if (l->userns_fd >= 0)
 		open_ports(l);
 
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
@@ -516,22 +517,45 @@ static int child(void *arg) {
 // One region holds the stacks of the middle, init and the owner task.
 #define STACKS 3
 
+
+// The owner task's fds in l->uns_fds.
+enum { UNS_READY_R, UNS_READY_W, UNS_GO_R, UNS_GO_W, UNS_PIDFD };
+
 // owner_task becomes the sandbox's owner uid in a new user namespace
-// (become_owner, owner.h), says so on the ready pipe, and waits for the
-// middle to write the namespace's ID maps and open it: EOF on the go
-// pipe. It shares the edge's memory and fd table.
+// (become_owner, owner.h), says so on the ready pipe, and waits to be
+// killed (or for EOF on the go pipe) once the middle has written the
+// namespace's ID maps and opened it. It shares the edge's memory and fd
+// table. Its parent-death signal is set in become_owner: if the middle
+// died before that, it exits at once.
 static int owner_task(void *arg) {
 	struct dsec_launch *l = arg;
 	int err = 0;
 	const char *step = become_owner(l->userns_owner, &err);
 	if (step)
 		fail(l, step, NULL, err);
-	if (write(l->uns_ready, "1", 1) != 1)
+	if (getppid() != l->middle_pid)
+		_exit(125);
+	if (write(l->uns_fds[UNS_READY_W], "1", 1) != 1)
 		fail(l, "reporting the user namespace", NULL, errno);
 	char b;
-	while (read(l->uns_go, &b, 1) < 0 && errno == EINTR)
+	while (read(l->uns_fds[UNS_GO_R], &b, 1) < 0 && errno == EINTR)
 		;
 	_exit(0);
+}
+
+// close_uns closes what the owner task left open: it is killed first
+// (through its pidfd, stopped or not), then every pipe end.
+static void close_uns(struct dsec_launch *l) {
+	if (l->uns_fds[UNS_PIDFD] >= 0)
+		syscall(SYS_pidfd_send_signal, l->uns_fds[UNS_PIDFD], SIGKILL, NULL, 0);
+	for (int i = 0; i < 5; i++) {
+		// Forgotten before it is closed: a middle killed in between
+		// leaks it rather than have the edge close a reused number.
+		int fd = l->uns_fds[i];
+		l->uns_fds[i] = -1;
+		if (fd >= 0)
+			close(fd);
+	}
 }
 
 // proc_path writes "/proc/<pid>/<file>" into buf.
@@ -571,24 +595,36 @@ static void make_userns(struct dsec_launch *l) {
 	int p[2] = {-1, -1}, q[2] = {-1, -1}, pidfd = -1, err = 0;
 	pid_t pid = -1;
 	const char *step = NULL, *arg = NULL;
+	l->middle_pid = getpid();
 	if (pipe2(p, O_CLOEXEC) < 0 || pipe2(q, O_CLOEXEC) < 0) {
 		step = "pipe for the user namespace's owner", err = errno;
 		goto out;
 	}
-	l->uns_ready = p[1];
-	l->uns_go = q[0];
+	l->uns_fds[UNS_READY_R] = p[0];
+	l->uns_fds[UNS_READY_W] = p[1];
+	l->uns_fds[UNS_GO_R] = q[0];
+	l->uns_fds[UNS_GO_W] = q[1];
 	pid = clone(owner_task, (char *)l->stack + 3 * STACK_SIZE, CLONE_VM | CLONE_FILES | CLONE_PIDFD | SIGCHLD, l,
 		    &pidfd);
 	if (pid < 0) {
 		step = "clone of the user namespace's owner", err = errno;
 		goto out;
 	}
+	l->uns_fds[UNS_PIDFD] = pidfd;
 	// Ready, or gone: its pidfd turns readable when it exits (having
-	// written why into l->err, unless killed).
+	// written why into l->err, unless killed). Or neither within
+	// l->owner_wait_ms: a task stopped or held by anything that runs as the
+	// owner uid (nothing should) would otherwise hold the launch, and
+	// its create slot, forever.
 	struct pollfd fds[2] = {{.fd = p[0], .events = POLLIN}, {.fd = pidfd, .events = POLLIN}};
-	while (poll(fds, 2, -1) < 0 && errno == EINTR)
+	int n;
+	while ((n = poll(fds, 2, l->owner_wait_ms)) < 0 && errno == EINTR)
 		;
 	char b = 0;
+	if (n == 0) {
+		step = "the user namespace's owner task did not answer in time", err = ETIMEDOUT;
+		goto out;
+	}
 	if (!(fds[0].revents & POLLIN) || read(p[0], &b, 1) != 1 || b != '1') {
 		step = "the user namespace's owner task died", err = 0;
 		goto out;
@@ -607,19 +643,12 @@ static void make_userns(struct dsec_launch *l) {
 	if (l->userns_fd < 0)
 		step = "opening the user namespace", err = errno;
 out:
-	if (q[1] >= 0)
-		close(q[1]); // the owner task's EOF
+	// Killed, not asked to go: a task stopped after its ready byte
+	// would not read the EOF, and the reap below would wait for good.
+	close_uns(l);
 	if (pid > 0)
 		while (waitpid(pid, NULL, __WALL) < 0 && errno == EINTR)
 			;
-	for (int i = 0; i < 2; i++) {
-		if (p[i] >= 0)
-			close(p[i]);
-	}
-	if (q[0] >= 0)
-		close(q[0]);
-	if (pidfd >= 0)
-		close(pidfd);
 	if (step && !l->err[0])
 		fail(l, step, arg, err);
 	if (step)
@@ -661,6 +690,8 @@ int dsec_launch(struct dsec_launch *l) {
 	l->pidfd = -1;
 	l->leaked = 0;
 	l->userns_fd = -1;
+	for (int i = 0; i < 5; i++)
+		l->uns_fds[i] = -1;
 	l->stack = mmap(NULL, STACKS * STACK_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
 	if (l->stack == MAP_FAILED)
 		return -errno;
@@ -685,6 +716,7 @@ int dsec_launch(struct dsec_launch *l) {
 		l->leaked = 1;
 		if (l->userns_fd >= 0)
 			close(l->userns_fd); // init, if started, has its own
+		close_uns(l);        // the middle died waiting for the owner task
 		size_t n = 0;
 		put(l->err, &n, sizeof l->err, "launcher killed before init started: wait status ");
 		put_num(l->err, &n, sizeof l->err, (unsigned)status);

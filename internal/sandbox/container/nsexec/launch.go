@@ -17,6 +17,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -109,6 +110,11 @@ func Launch(cfg LaunchConfig) (pid, pidfd int, err error) {
 			return 0, -1, errors.New("sandbox launcher: a user namespace needs an owner and IDs")
 		}
 		l.userns_owner, l.userns_host, l.userns_size = C.uint(m.Owner), C.uint(m.HostID), C.uint(m.Size)
+		wait := cfg.OwnerWait
+		if wait <= 0 {
+			wait = 10 * time.Second
+		}
+		l.owner_wait_ms = C.int(wait.Milliseconds())
 	}
 	l.caps = C.uint64_t(cfg.Caps)
 	l.last_cap = C.int(lastCap())

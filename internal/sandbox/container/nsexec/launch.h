@@ -45,7 +45,12 @@ struct dsec_launch {
 	// none) with IDs 0..userns_size-1 mapped to host IDs userns_host..
 	unsigned userns_owner, userns_host, userns_size;
 	int userns_fd;          // the namespace, once made (launch.c), or -1
-	int uns_ready, uns_go;  // the owner task's pipes (launch.c)
+	int owner_wait_ms;      // how long the owner task may take to make it
+	// The owner task's pipes (ready read and write ends, go read and
+	// write ends) and pidfd while it runs, -1 once closed; the middle's
+	// pid (launch.c).
+	int uns_fds[5];
+	int middle_pid;
 	uint64_t caps; // effective = permitted = bounding
 	int last_cap;
 	uint64_t nofile;

@@ -5,6 +5,7 @@ import (
 	"os"
 	"strconv"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -55,6 +56,8 @@ type LaunchConfig struct {
 	// The launcher makes it, owned by UserNS.Owner. Init's other
 	// namespaces belong to the host's user namespace.
 	UserNS *IDMap
+	// OwnerWait bounds the making of the user namespace (0: 10 s).
+	OwnerWait time.Duration
 	// Caps is the bounding, permitted and effective set.
 	Caps   uint64
 	NoFile uint64
