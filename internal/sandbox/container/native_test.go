@@ -701,12 +701,7 @@ func TestNativeUserNS(t *testing.T) {
 		if pids, err := c.cfg.Cgroups.Procs(cfg.CgroupPath); !errors.Is(err, errdefs.ErrNotFound) {
 			t.Errorf("cgroup left (processes %v, %v)", pids, err)
 		}
-		if pids := pidsOfUID(t, owner); len(pids) > 0 {
-			t.Errorf("processes %v run as the owner uid", pids)
-		}
-		if now := openFDs(t); now > fds {
-			t.Errorf("%d fds open after the failed create, %d before", now, fds)
-		}
+		nothingLeft(t, owner, fds)
 	})
 }
 
@@ -758,11 +753,18 @@ func TestNativeUserNSOwnerStopped(t *testing.T) {
 	_ = stopper.Process.Kill()
 	_ = stopper.Wait()
 	t.Logf("%d of %d creates failed with their owner task or init stopped", failed, creates)
+	nothingLeft(t, owner, fds)
+}
+
+// nothingLeft checks that no process runs as owner and that the test holds
+// no more than fds open fds.
+func nothingLeft(t *testing.T, owner uint32, fds int) {
+	t.Helper()
 	if pids := pidsOfUID(t, owner); len(pids) > 0 {
 		t.Errorf("processes %v run as the owner uid", pids)
 	}
 	if now := openFDs(t); now > fds {
-		t.Errorf("%d fds open after the creates, %d before", now, fds)
+		t.Errorf("%d fds open, %d before", now, fds)
 	}
 }
 
