@@ -355,19 +355,22 @@ static void loopback_up(struct dsec_launch *l) {
 	close(s);
 }
 
+// write_zero writes "0" into the kernel file path (name in errors).
+static void write_zero(struct dsec_launch *l, const char *path, const char *name) {
+	int fd = open(path, O_WRONLY | O_CLOEXEC);
+	if (fd < 0)
+		fail(l, "opening", name, errno);
+	if (write(fd, "0", 1) != 1)
+		fail(l, "writing", name, errno);
+	close(fd);
+}
+
 // reset_oom_score gives the sandbox the default OOM score adjustment (0),
 // not the daemon's -999 it inherited: the daemon is shielded from the OOM
 // killer, its sandboxes are not. Written while CAP_SYS_RESOURCE is still
 // held, it is also the floor: the sandbox (without that capability)
 // cannot lower it again.
-static void reset_oom_score(struct dsec_launch *l) {
-	int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
-	if (fd < 0)
-		fail(l, "opening oom_score_adj", NULL, errno);
-	if (write(fd, "0", 1) != 1)
-		fail(l, "writing oom_score_adj", NULL, errno);
-	close(fd);
-}
+static void reset_oom_score(struct dsec_launch *l) { write_zero(l, "/proc/self/oom_score_adj", "oom_score_adj"); }
 
 // open_ports lets every user of a user-namespace sandbox's network
 // namespace bind any port (net.ipv4.ip_unprivileged_port_start, which
@@ -378,12 +381,7 @@ static void reset_oom_score(struct dsec_launch *l) {
 // through the host's /proc before the pivot: /proc/sys/net is the
 // writer's network namespace's.
 static void open_ports(struct dsec_launch *l) {
-	int fd = open("/proc/sys/net/ipv4/ip_unprivileged_port_start", O_WRONLY | O_CLOEXEC);
-	if (fd < 0)
-		fail(l, "opening ip_unprivileged_port_start", NULL, errno);
-	if (write(fd, "0", 1) != 1)
-		fail(l, "writing ip_unprivileged_port_start", NULL, errno);
-	close(fd);
+	write_zero(l, "/proc/sys/net/ipv4/ip_unprivileged_port_start", "ip_unprivileged_port_start");
 }
 
 // join_userns moves init, its setup done as host root, into the sandbox's
@@ -392,10 +390,10 @@ static void open_ports(struct dsec_launch *l) {
 // namespaces, made before, stay the host's: root inside cannot mount,
 // unmount or set the hostname in them, whatever capabilities it is given.
 //
-// The change of credentials makes the memory it shares with the edge
-// (CLONE_VM) non-dumpable, the edge's included: Launch makes the edge
-// non-dumpable itself before the first such launch, so that its state
-// does not flip back and forth with them.
+// The change of credentials sets the dumpable flag of the memory it
+// shares with the edge (CLONE_VM) to fs.suid_dumpable: Launch makes the
+// edge non-dumpable itself before the first such launch, and the backend
+// launches none where that setting is 1 (native.go, launchesUserNS).
 static void join_userns(struct dsec_launch *l) {
 	if (setns(l->userns_fd, CLONE_NEWUSER) < 0)
 		fail(l, "joining the user namespace", NULL, errno);
