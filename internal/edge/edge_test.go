@@ -183,7 +183,7 @@ func TestResolveUser(t *testing.T) {
 		{"broken", 0, 0, "", true},
 	}
 	for _, tt := range tests {
-		u, err := resolveUser(r, tt.spec)
+		u, err := resolveUser(rootFiles(r), tt.spec)
 		if tt.wantErr {
 			if err == nil {
 				t.Errorf("%s: no error", tt.spec)

@@ -153,20 +153,43 @@ func (e *Edge) process(s *sbx, user, cwd string, env map[string]string) (sandbox
 	s.mu.Lock()
 	images := s.rec.Images
 	s.mu.Unlock()
+	var read sandboxFile
 	if images {
-		// The node cannot read this sandbox's /etc/passwd: the backend
-		// resolves the user inside it.
-		return sandbox.Process{Env: envList(nil, spec.Env, env), Cwd: filepath.Clean(cwd), User: user}, nil
-	}
-	root, err := e.root(s)
-	if err != nil {
-		return sandbox.Process{}, err
+		if user != spec.User {
+			// The node cannot read this sandbox's /etc/passwd: the
+			// backend resolves the user inside it.
+			return sandbox.Process{Env: envList(nil, spec.Env, env), Cwd: filepath.Clean(cwd), User: user}, nil
+		}
+		// The default user is resolved once through the backend's
+		// files and kept, as for the others.
+		fsrv, ok := e.backendFor(&s.rec).(sandbox.FileServer)
+		if !ok {
+			return sandbox.Process{Env: envList(nil, spec.Env, env), Cwd: filepath.Clean(cwd), User: user}, nil
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		id := s.rec.Sandbox.ID
+		read = func(p string) (io.ReadCloser, error) {
+			f, err := fsrv.Files(ctx, id)
+			if err != nil {
+				return nil, err
+			}
+			rc, _, err := f.ReadFile(ctx, p)
+			return rc, err
+		}
+	} else {
+		root, err := e.root(s)
+		if err != nil {
+			return sandbox.Process{}, err
+		}
+		read = rootFiles(root)
 	}
 	var u userInfo
+	var err error
 	if user == spec.User {
-		u, err = e.defaultUser(s, root, user)
+		u, err = e.defaultUser(s, read, user)
 	} else {
-		u, err = resolveUser(root, user)
+		u, err = resolveUser(read, user)
 	}
 	if err != nil {
 		return sandbox.Process{}, err
@@ -286,9 +309,21 @@ type userRecord struct {
 	Home string `json:"home"`
 }
 
+// sandboxFile opens a file of a sandbox's for reading (a regular file
+// only: the sandbox's files may be hostile).
+type sandboxFile func(path string) (io.ReadCloser, error)
+
+// rootFiles reads files through a confined root.
+func rootFiles(root *files.Root) sandboxFile {
+	return func(p string) (io.ReadCloser, error) {
+		rc, _, err := root.ReadFile(p)
+		return rc, err
+	}
+}
+
 // defaultUser returns the identity of the spec's user, resolving it the
 // first time and keeping it in the record.
-func (e *Edge) defaultUser(s *sbx, root *files.Root, spec string) (userInfo, error) {
+func (e *Edge) defaultUser(s *sbx, root sandboxFile, spec string) (userInfo, error) {
 	s.mu.Lock()
 	if du := s.rec.DefaultUser; du != nil {
 		s.mu.Unlock()
@@ -317,7 +352,7 @@ func (e *Edge) defaultUser(s *sbx, root *files.Root, spec string) (userInfo, err
 // resolveUser maps NAME, UID, NAME:GROUP or UID:GID to ids using the
 // sandbox's own /etc/passwd and /etc/group, read through the confined root
 // (the files are the sandbox's and may be hostile: only parsed, bounded).
-func resolveUser(root *files.Root, spec string) (userInfo, error) {
+func resolveUser(root sandboxFile, spec string) (userInfo, error) {
 	userPart, groupPart, hasGroup := strings.Cut(spec, ":")
 	u := userInfo{home: "/"}
 	if n, err := strconv.ParseUint(userPart, 10, 32); err == nil {
@@ -365,8 +400,8 @@ func resolveUser(root *files.Root, spec string) (userInfo, error) {
 }
 
 // lookupDB scans a colon-separated database file inside the sandbox.
-func lookupDB(root *files.Root, path string, match func([]string) bool) ([]string, bool) {
-	rc, _, err := root.ReadFile(path)
+func lookupDB(root sandboxFile, path string, match func([]string) bool) ([]string, bool) {
+	rc, err := root(path)
 	if err != nil {
 		return nil, false
 	}

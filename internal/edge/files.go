@@ -150,7 +150,7 @@ func fileOwner(r *files.Root, owner string) (*files.Owner, error) {
 	if err := sandbox.ValidateUser(owner); err != nil {
 		return nil, err
 	}
-	u, err := resolveUser(r, owner)
+	u, err := resolveUser(rootFiles(r), owner)
 	if err != nil {
 		return nil, err
 	}

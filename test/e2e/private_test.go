@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -27,9 +26,21 @@ done`
 // found and killed (the attack works, so the test can fail).
 func TestPrivateExec(t *testing.T) {
 	needDaemon(t)
-	for _, spec := range []api.SandboxSpec{{UserNS: new(false)}, {UserNS: new(true)}} {
-		t.Run(map[bool]string{false: "root", true: "userns"}[spec.InUserNS()], func(t *testing.T) {
-			sb := newSandbox(t, spec)
+	cases := []struct {
+		name string
+		spec api.SandboxSpec
+		need func(*testing.T)
+	}{
+		{"root", api.SandboxSpec{UserNS: new(false)}, nil},
+		{"userns", api.SandboxSpec{UserNS: new(true)}, nil},
+		{"microvm", api.SandboxSpec{Backend: api.BackendMicroVM}, needMicroVM},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.need != nil {
+				tc.need(t)
+			}
+			sb := newSandbox(t, tc.spec)
 			c := ctx(t)
 			if err := client.WriteFile(c, sb.ID, "/tmp/hunter.sh", strings.NewReader(hunter), 0o755); err != nil {
 				t.Fatal(err)
@@ -77,28 +88,30 @@ func TestPrivateExec(t *testing.T) {
 			if plain.Stdout != private.Stdout || !strings.Contains(private.Stdout, "Read-only") {
 				t.Errorf("masks differ in a private exec:\nordinary: %s\nprivate:  %s", plain.Stdout, private.Stdout)
 			}
-			// What it starts in the background ends with it.
-			if _, err := client.Exec(c, sb.ID, api.ExecRequest{Cmd: "sleep 777 & echo started", Private: true}); err != nil {
+			// What it starts in the background ends with it: a loop that
+			// counts every 100 ms stops writing.
+			if _, err := client.Exec(c, sb.ID, api.ExecRequest{Cmd: "(i=0; while :; do i=$((i+1)); echo $i > /tmp/alive; sleep 0.1; done) >/dev/null 2>&1 & sleep 0.3; echo started", Private: true}); err != nil {
 				t.Fatal(err)
 			}
+			alive := func() string { return sh(t, sb.ID, "cat /tmp/alive").Stdout }
+			first := alive()
+			if first == "" {
+				t.Fatal("the private exec's background loop never wrote: the check below proves nothing")
+			}
 			deadline := time.Now().Add(5 * time.Second)
-			for hostHas(t, "sleep 777") {
+			for {
+				a := alive()
+				time.Sleep(500 * time.Millisecond)
+				if b := alive(); a == b {
+					break
+				}
 				if time.Now().After(deadline) {
 					t.Fatal("a private exec's background child outlived it")
 				}
-				time.Sleep(100 * time.Millisecond)
 			}
 			if log := sh(t, sb.ID, "cat /tmp/hunter.log 2>/dev/null | wc -l").Stdout; strings.TrimSpace(log) == "0" {
 				t.Errorf("the hunter hit nothing: it did not run, so the test proves nothing")
 			}
 		})
 	}
-}
-
-// hostHas reports whether a process with this command line runs on the
-// host.
-func hostHas(t *testing.T, cmdline string) bool {
-	t.Helper()
-	out, _ := exec.Command("pgrep", "-f", "^"+cmdline+"$").Output()
-	return len(strings.TrimSpace(string(out))) > 0
 }

@@ -214,7 +214,15 @@ func TestRedteamForkBomb(t *testing.T) {
 // home, never as another; a lookup of another name is refused cleanly.
 func TestRedteamPasswdReplaced(t *testing.T) {
 	needDaemon(t)
-	sb := newSandbox(t, api.SandboxSpec{User: "user"})
+	t.Run("container", func(t *testing.T) { passwdReplaced(t, api.SandboxSpec{User: "user"}) })
+	t.Run("microvm", func(t *testing.T) {
+		needMicroVM(t)
+		passwdReplaced(t, api.SandboxSpec{User: "user", Backend: api.BackendMicroVM})
+	})
+}
+
+func passwdReplaced(t *testing.T, spec api.SandboxSpec) {
+	sb := newSandbox(t, spec)
 	// The uid from /proc: id(1) would read /etc/passwd itself, and block
 	// on the FIFO in the sandbox (that much is the agent's own doing).
 	const whoami = "awk '/^Uid:/{print $2}' /proc/self/status; echo $HOME"

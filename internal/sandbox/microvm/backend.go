@@ -406,9 +406,6 @@ func (b *Backend) running(ctx context.Context, id string) (*agent.Client, error)
 
 // Exec implements sandbox.Backend: the agent starts the process.
 func (b *Backend) Exec(ctx context.Context, id string, p sandbox.Process) (_ sandbox.Proc, err error) {
-	if p.Private {
-		return nil, errdefs.Precondition("microvm: private runs are a container feature")
-	}
 	if len(p.Args) == 0 {
 		return nil, errdefs.Invalid("exec: no command")
 	}
@@ -417,7 +414,9 @@ func (b *Backend) Exec(ctx context.Context, id string, p sandbox.Process) (_ san
 		return nil, err
 	}
 	user := p.User
-	if user == "" && (p.UID != 0 || p.GID != 0) {
+	if user == "" {
+		// Resolved by the edge (the sandbox's default user, kept from
+		// its first exec): the agent looks nothing up.
 		user = fmt.Sprintf("%d:%d", p.UID, p.GID)
 	}
 	stdout, stderr := p.Stdout, p.Stderr
@@ -427,7 +426,7 @@ func (b *Backend) Exec(ctx context.Context, id string, p sandbox.Process) (_ san
 	if stderr == nil {
 		stderr = io.Discard
 	}
-	msg := agent.Msg{Args: p.Args, Env: p.Env, Cwd: p.Cwd, User: user}
+	msg := agent.Msg{Args: p.Args, Env: p.Env, Cwd: p.Cwd, User: user, Private: p.Private}
 	stdin := p.Stdin
 	if f, ok := stdin.(*os.File); ok {
 		// The caller may close its file once Exec returns (a runtime's
@@ -459,6 +458,9 @@ func (b *Backend) Exec(ctx context.Context, id string, p sandbox.Process) (_ san
 	if err != nil {
 		if errors.Is(err, agent.ErrGone) {
 			return nil, errdefs.Precondition("sandbox %s: its VM's agent is gone: %v", id, err)
+		}
+		if errors.Is(err, agent.ErrNoPrivate) {
+			return nil, errdefs.Precondition("sandbox %s: %v", id, err)
 		}
 		return nil, err
 	}

@@ -290,9 +290,10 @@ done; echo done`}})
 	t.Run("own-network-namespace-loopback-up", func(t *testing.T) {
 		// Only lo exists, and it is up. Asked over netlink (ip), not
 		// sysfs: /sys may be shared between sandboxes (dsec's launcher).
-		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "busybox ip -o link | wc -l; busybox ip -o link show lo; readlink /proc/self/ns/net; readlink /proc/1/ns/net"}})
+		r := run(t, b, id, sandbox.Process{Args: []string{"/bin/sh", "-c", "busybox ip -o link | wc -l; busybox ip -o link show lo; readlink /proc/self/ns/net; readlink /proc/1/ns/net || echo unreadable"}})
 		lines := strings.Split(strings.TrimSpace(r.stdout), "\n")
-		// A kernel of the backend's own numbers its namespaces as it likes.
+		// A kernel of the backend's own numbers its namespaces as it likes
+		// (and a VM's init, holding the agent's socket, may hide them).
 		_, own := b.(sandbox.InnerSignaler)
 		if r.code != 0 || len(lines) != 4 || strings.TrimSpace(lines[0]) != "1" || !strings.Contains(lines[1], "lo: <LOOPBACK,UP") || (!own && lines[2] != lines[3]) {
 			t.Fatalf("got %+v", r)

@@ -40,6 +40,9 @@ type Server struct {
 	upper   *files.Root
 	upperFS string
 	procs   map[uint64]*proc
+	// spawner starts the sandbox's commands in its namespaces (nil until
+	// setup: the agent's own, as in tests).
+	spawner *spawner
 }
 
 // NewServer returns a server that starts reaping its children (as the
@@ -332,7 +335,18 @@ func (s *Server) handle(c *conn, m Msg) {
 			reply(fmt.Errorf("%w: signal %d to pid %d", errInvalid, m.Signal, m.Pid))
 			return
 		}
-		killTree(m.Pid, syscall.Signal(m.Signal), m.Self, m.Tree)
+		pid := m.Pid
+		s.mu.Lock()
+		sp := s.spawner
+		s.mu.Unlock()
+		if sp != nil {
+			// The host names the pid the sandbox sees.
+			if pid = sp.outerPid(m.Pid); pid == 0 {
+				reply(nil) // gone: as kill(2) of an exited process the caller does not learn of
+				return
+			}
+		}
+		killTree(pid, syscall.Signal(m.Signal), m.Self, m.Tree)
 		reply(nil)
 	case "setup":
 		if m.Setup == nil {
@@ -349,7 +363,7 @@ var errInvalid = errors.New("invalid")
 
 // features are what this agent tells the host it does beyond the base
 // protocol.
-var features = []string{FeatureWindow}
+var features = []string{FeatureWindow, FeaturePrivate}
 
 // proc is a process the agent started for the host.
 type proc struct {
@@ -435,9 +449,12 @@ func (s *Server) exec(c *conn, m Msg) error {
 		return fmt.Errorf("%w: exec without a command", errInvalid)
 	}
 	s.mu.Lock()
-	root, cgfd := s.root, s.cgroupFD
+	root, cgfd, sp := s.root, s.cgroupFD, s.spawner
 	_, dup := s.procs[m.ID]
 	s.mu.Unlock()
+	if m.Private && root == "" {
+		return fmt.Errorf("%w: a private run needs a sandbox (setup first)", errInvalid)
+	}
 	if dup {
 		return fmt.Errorf("%w: request %d already runs", errInvalid, m.ID)
 	}
@@ -501,16 +518,28 @@ func (s *Server) exec(c *conn, m Msg) error {
 			return err
 		}
 	}
-	sys := &syscall.SysProcAttr{Setsid: true, Credential: cred, Setctty: m.TTY}
-	if root != "" {
-		sys.Chroot = root
-	}
-	if cgfd >= 0 {
-		sys.UseCgroupFD, sys.CgroupFD = true, cgfd
-	}
-	attr := &syscall.ProcAttr{Dir: cwd, Env: env, Files: []uintptr{inR.Fd(), outW.Fd(), errW.Fd()}, Sys: sys}
 	p := &proc{wake: make(chan struct{}, 1), tty: tty}
-	pid, wait, err := s.reaper.start(func() (int, error) { return syscall.ForkExec(path, m.Args, attr) })
+	var (
+		pid, innerPid int
+		wait          chan syscall.WaitStatus
+	)
+	switch {
+	case m.Private:
+		pid, wait, err = s.startPrivate(root, cgfd, privateSpec{Path: path, Args: m.Args, Env: env, Dir: cwd, UID: cred.Uid, GID: cred.Gid}, m.TTY, [3]*os.File{inR, outW, errW})
+	case sp != nil:
+		pid, innerPid, wait, err = sp.spawn(spawnRequest{Path: path, Args: m.Args, Env: env, Dir: cwd, UID: cred.Uid, GID: cred.Gid, TTY: m.TTY}, [3]*os.File{inR, outW, errW})
+	default:
+		sys := &syscall.SysProcAttr{Setsid: true, Credential: cred, Setctty: m.TTY}
+		if root != "" {
+			sys.Chroot = root
+		}
+		if cgfd >= 0 {
+			sys.UseCgroupFD, sys.CgroupFD = true, cgfd
+		}
+		attr := &syscall.ProcAttr{Dir: cwd, Env: env, Files: []uintptr{inR.Fd(), outW.Fd(), errW.Fd()}, Sys: sys}
+		pid, wait, err = s.reaper.start(func() (int, error) { return syscall.ForkExec(path, m.Args, attr) })
+		innerPid = pid
+	}
 	inR.Close()
 	if !m.TTY {
 		outW.Close()
@@ -528,7 +557,7 @@ func (s *Server) exec(c *conn, m Msg) error {
 	s.mu.Lock()
 	s.procs[m.ID] = p
 	s.mu.Unlock()
-	c.send(Msg{ID: m.ID, Op: "started", Pid: pid})
+	c.send(Msg{ID: m.ID, Op: "started", Pid: innerPid})
 	if m.TTY {
 		go p.feed(noClose{tty})
 	} else {
@@ -805,6 +834,27 @@ func openInRoot(root, p string) (int, error) {
 	return unix.Openat2(rfd, strings.TrimPrefix(p, "/"), &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: unix.RESOLVE_IN_ROOT})
 }
 
+// readDB reads a database file of the sandbox's (such as /etc/passwd): a
+// regular file only (a FIFO would hold the agent), its first 4 MiB.
+func readDB(root, p string) []byte {
+	fd, err := openInRoot(root, p)
+	if err != nil {
+		return nil
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if unix.Fstat(fd, &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return nil
+	}
+	f, err := os.OpenFile(fmt.Sprintf("/proc/self/fd/%d", fd), os.O_RDONLY|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return nil
+	}
+	defer f.Close()
+	b, _ := io.ReadAll(io.LimitReader(f, 4<<20))
+	return b
+}
+
 // resolveUser finds user in root's /etc/passwd (a name, a uid, or
 // uid:gid) and returns its credential and env with HOME and USER set
 // unless env has them. "" is root.
@@ -825,16 +875,15 @@ func resolveUser(root, user string, env []string) (*syscall.Credential, []string
 		user = "0"
 	}
 	name, group, hasGroup := strings.Cut(user, ":")
-	var passwd []byte
-	if root != "" {
-		if fd, err := openInRoot(root, "/etc/passwd"); err == nil {
-			passwd, _ = os.ReadFile(fmt.Sprintf("/proc/self/fd/%d", fd))
-			unix.Close(fd)
-		}
-	}
 	uid, gid, home, uname := -1, -1, "/", ""
 	if n, err := strconv.Atoi(name); err == nil && n >= 0 {
 		uid, gid = n, n
+	}
+	var passwd []byte
+	if root != "" && (uid < 0 || !has("HOME")) {
+		// Ids given with their HOME (the edge's, resolved once) need no
+		// lookup in a file the sandbox may have made hostile.
+		passwd = readDB(root, "/etc/passwd")
 	}
 	for _, line := range strings.Split(string(passwd), "\n") {
 		f := strings.Split(line, ":")

@@ -46,7 +46,9 @@ type Client struct {
 	// window says the agent keeps flow control (FeatureWindow); then
 	// acks of written data are sent by one goroutine, coalesced. acked
 	// holds each request's total, dirty those not sent since it grew.
-	window  bool
+	window bool
+	// private says the agent runs private commands (FeaturePrivate).
+	private bool
 	ackMu   sync.Mutex
 	acked   map[uint64]int64
 	dirty   map[uint64]bool
@@ -157,6 +159,11 @@ func readLine(r *bufio.Reader) ([]byte, error) {
 // its port ends its connection instead of holding up the host.
 const writeTimeout = 30 * time.Second
 
+// ErrNoPrivate is a private run asked of an agent that does not offer
+// them (a VM started by an older edge): it would run it as an ordinary
+// command.
+var ErrNoPrivate = errors.New("this VM's agent does not offer private runs (the VM was started by an older dsec: recreate it)")
+
 // ErrGone is returned for calls on a connection that broke.
 var ErrGone = errors.New("the agent's connection is gone")
 
@@ -222,6 +229,7 @@ func Connect(ctx context.Context, conn io.ReadWriteCloser) (*Client, error) {
 	close(c.resumed)
 	for _, f := range feats {
 		c.window = c.window || f == FeatureWindow
+		c.private = c.private || f == FeaturePrivate
 	}
 	go c.read(r, conn, c.readerDone, false)
 	if c.window {
@@ -744,6 +752,9 @@ type Process struct {
 // 126 and stderr says why).
 func (c *Client) Exec(ctx context.Context, m Msg, stdin io.Reader, stdout, stderr io.Writer) (*Process, error) {
 	m.Op = "exec"
+	if m.Private && !c.private {
+		return nil, ErrNoPrivate
+	}
 	cl := &call{reply: make(chan Msg, 1), exit: make(chan int, 1), exited: make(chan struct{}), stdout: stdout, stderr: stderr}
 	if err := c.register(&m, cl); err != nil {
 		return nil, err

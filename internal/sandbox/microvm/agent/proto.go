@@ -51,6 +51,11 @@ type Msg struct {
 	TTY  bool   `json:"tty,omitempty"`
 	Rows uint16 `json:"rows,omitempty"`
 	Cols uint16 `json:"cols,omitempty"`
+	// Private runs the command in a pid namespace beside the sandbox's
+	// (the "private" feature), which no process of the sandbox can see:
+	// pid 1 there, with a /proc of its own; what it leaves running ends
+	// with it. Its started Pid is 0.
+	Private bool `json:"private,omitempty"`
 
 	// stdin, stdout, stderr: a chunk of a stream.
 	Data []byte `json:"data,omitempty"`
@@ -98,6 +103,11 @@ type Msg struct {
 
 // FeatureWindow is the flow control feature (Msg.Window).
 const FeatureWindow = "window"
+
+// FeaturePrivate is Msg.Private, and with it the sandbox's processes in
+// namespaces of their own (contain_linux.go): an agent without it would
+// run a private command as an ordinary one.
+const FeaturePrivate = "private"
 
 // FSRequest is a file operation, as the files API has them.
 type FSRequest struct {

@@ -68,9 +68,12 @@ func (s *Server) setup(su Setup) error {
 		flags            uintptr
 		data             string
 	}{
-		{"proc", "proc", "proc", unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC, ""},
+		// /proc is the sandbox's init's to mount (contain_linux.go): one
+		// mounted here would show the guest's pid namespace.
 		{"sysfs", "sys", "sysfs", unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC | unix.MS_RDONLY, ""},
-		{"devtmpfs", "dev", "devtmpfs", unix.MS_NOSUID, ""},
+		// Not the guest's devtmpfs (its disks, the agent's port, /dev/mem):
+		// the devices a container has.
+		{"tmpfs", "dev", "tmpfs", unix.MS_NOSUID | unix.MS_NOEXEC, "mode=0755,size=64k"},
 		{"devpts", "dev/pts", "devpts", unix.MS_NOSUID | unix.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620"},
 		{"shm", "dev/shm", "tmpfs", unix.MS_NOSUID | unix.MS_NODEV, "mode=1777"},
 	} {
@@ -81,9 +84,12 @@ func (s *Server) setup(su Setup) error {
 		if err := unix.Mount(m.src, dst, m.fstype, m.flags, m.data); err != nil {
 			return fmt.Errorf("mounting %s: %w", dst, err)
 		}
+		if m.dst == "dev" {
+			if err := makeDevices(dst); err != nil {
+				return err
+			}
+		}
 	}
-	_ = os.Remove(filepath.Join(Root, "dev/ptmx"))
-	_ = os.Symlink("pts/ptmx", filepath.Join(Root, "dev/ptmx"))
 	if su.ResolvConf != nil {
 		if err := showFile(su.ResolvConf, "/etc/resolv.conf"); err != nil {
 			return err
@@ -109,10 +115,46 @@ func (s *Server) setup(su Setup) error {
 	if err != nil {
 		return err
 	}
+	sp, err := s.startSpawner(Root, cgfd)
+	if err != nil {
+		return err
+	}
 	s.mu.Lock()
 	s.root, s.cgroupFD, s.files = Root, cgfd, fr
 	s.upper, s.upperFS = up, "/rw"
+	s.spawner = sp
 	s.mu.Unlock()
+	return nil
+}
+
+// makeDevices fills the sandbox's /dev (a tmpfs at dev) with the devices
+// a container gets.
+func makeDevices(dev string) error {
+	for _, d := range []struct {
+		name         string
+		major, minor uint32
+	}{{"null", 1, 3}, {"zero", 1, 5}, {"full", 1, 7}, {"random", 1, 8}, {"urandom", 1, 9}, {"tty", 5, 0}} {
+		p := filepath.Join(dev, d.name)
+		if err := unix.Mknod(p, unix.S_IFCHR|0o666, int(unix.Mkdev(d.major, d.minor))); err != nil {
+			return fmt.Errorf("making %s: %w", p, err)
+		}
+		if err := unix.Chmod(p, 0o666); err != nil { // past the umask
+			return err
+		}
+	}
+	for name, target := range map[string]string{
+		"ptmx": "pts/ptmx", "fd": "/proc/self/fd", "stdin": "/proc/self/fd/0",
+		"stdout": "/proc/self/fd/1", "stderr": "/proc/self/fd/2",
+	} {
+		if err := os.Symlink(target, filepath.Join(dev, name)); err != nil {
+			return err
+		}
+	}
+	for _, d := range []string{"pts", "shm"} {
+		if err := os.Mkdir(filepath.Join(dev, d), 0o755); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 

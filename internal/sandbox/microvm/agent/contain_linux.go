@@ -1,0 +1,303 @@
+package agent
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// The sandbox's processes do not run in the guest's own namespaces, where
+// the agent is. The agent starts the sandbox's init (the dsec-agent binary
+// again, with SandboxInitArg) in a pid and a mount namespace of its own:
+// the sandbox's root is the root of that mount namespace (the guest's
+// initramfs, the agent's /proc and /dev are out of reach beneath it), its
+// /proc shows only the sandbox's pid namespace, /proc/sys is read-only,
+// and no process of it holds more than sandboxCaps (the container
+// backend's set: no CAP_SYS_ADMIN, CAP_SYS_PTRACE, CAP_SYS_MODULE or
+// CAP_NET_ADMIN). The init starts every ordinary command as its child, on
+// the agent's request over a socket (spawnRequest), so all of them are in
+// that namespace. A private run (Msg.Private) is started by the agent in a
+// pid namespace beside it (PrivateArg), which no process of the sandbox
+// can see, signal or trace.
+
+// SandboxInitArg and PrivateArg are the first argument of the agent's
+// binary run as the sandbox's init, and as a private run's pid 1.
+const (
+	SandboxInitArg = "-sandbox-init"
+	PrivateArg     = "-private"
+)
+
+// sandboxCaps are the capabilities a sandbox's processes may hold: the
+// container backend's (internal/sandbox/container's defaultCaps).
+var sandboxCaps = []uintptr{
+	unix.CAP_CHOWN, unix.CAP_DAC_OVERRIDE, unix.CAP_FSETID, unix.CAP_FOWNER, unix.CAP_MKNOD,
+	unix.CAP_SETGID, unix.CAP_SETUID, unix.CAP_SETFCAP, unix.CAP_SETPCAP,
+	unix.CAP_NET_BIND_SERVICE, unix.CAP_SYS_CHROOT, unix.CAP_KILL, unix.CAP_AUDIT_WRITE,
+}
+
+// enterSandboxRoot makes root this mount namespace's root (moved over the
+// initramfs's, as switch_root does: pivot_root refuses the initramfs) and
+// mounts a /proc of this pid namespace in it, /proc/sys read-only and
+// /proc/sysrq-trigger masked.
+func enterSandboxRoot(root string) error {
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+		return fmt.Errorf("making mounts private: %w", err)
+	}
+	if err := unix.Chdir(root); err != nil {
+		return err
+	}
+	if err := unix.Mount(".", "/", "", unix.MS_MOVE, ""); err != nil {
+		return fmt.Errorf("moving the sandbox's root: %w", err)
+	}
+	if err := unix.Chroot("."); err != nil {
+		return fmt.Errorf("entering the sandbox's root: %w", err)
+	}
+	if err := unix.Chdir("/"); err != nil {
+		return err
+	}
+	if err := os.MkdirAll("/proc", 0o555); err != nil {
+		return err
+	}
+	if err := unix.Mount("proc", "/proc", "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return fmt.Errorf("mounting /proc: %w", err)
+	}
+	// Writable sysctls would let root inside run a program outside the
+	// namespace (kernel.core_pattern, kernel.modprobe).
+	if err := unix.Mount("/proc/sys", "/proc/sys", "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+		return fmt.Errorf("binding /proc/sys: %w", err)
+	}
+	if err := unix.Mount("", "/proc/sys", "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return fmt.Errorf("making /proc/sys read-only: %w", err)
+	}
+	if err := unix.Mount("/dev/null", "/proc/sysrq-trigger", "", unix.MS_BIND, ""); err != nil {
+		return fmt.Errorf("masking /proc/sysrq-trigger: %w", err)
+	}
+	return nil
+}
+
+// limitCaps leaves every thread of this process sandboxCaps at most, in
+// its bounding set and in its own sets, so neither it nor a program it
+// starts holds more.
+func limitCaps() error {
+	if err := dropBounding(); err != nil {
+		return err
+	}
+	var mask [2]uint32
+	for _, c := range sandboxCaps {
+		mask[c/32] |= 1 << (c % 32)
+	}
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	data := [2]unix.CapUserData{
+		{Effective: mask[0], Permitted: mask[0]},
+		{Effective: mask[1], Permitted: mask[1]},
+	}
+	if _, _, e := syscall.AllThreadsSyscall(unix.SYS_CAPSET, uintptr(unsafe.Pointer(&hdr)), uintptr(unsafe.Pointer(&data[0])), 0); e != 0 {
+		return fmt.Errorf("limiting capabilities: %w", e)
+	}
+	return nil
+}
+
+// dropBounding takes every capability but sandboxCaps out of the bounding
+// set of every thread, so no program this process starts holds more.
+func dropBounding() error {
+	keep := map[uintptr]bool{}
+	for _, c := range sandboxCaps {
+		keep[c] = true
+	}
+	for c := uintptr(0); c <= unix.CAP_LAST_CAP; c++ {
+		if keep[c] {
+			continue
+		}
+		if _, _, e := syscall.AllThreadsSyscall(syscall.SYS_PRCTL, unix.PR_CAPBSET_DROP, c, 0); e != 0 {
+			if e == syscall.EINVAL {
+				continue // a capability this kernel does not have
+			}
+			return fmt.Errorf("dropping capability %d: %w", c, e)
+		}
+	}
+	return nil
+}
+
+// spawnRequest is what the agent asks the sandbox's init to start, with
+// the command's stdin, stdout and stderr as the message's descriptors.
+type spawnRequest struct {
+	Seq  uint64   `json:"seq"`
+	Path string   `json:"path"`
+	Args []string `json:"args"`
+	Env  []string `json:"env"`
+	Dir  string   `json:"dir"`
+	UID  uint32   `json:"uid"`
+	GID  uint32   `json:"gid"`
+	// TTY makes stdin the controlling terminal.
+	TTY bool `json:"tty,omitempty"`
+}
+
+// spawnReply answers a spawnRequest (with the child's pidfd as the
+// message's descriptor) or reports its end (Exited, with Status as
+// wait(2) gives it).
+type spawnReply struct {
+	Seq    uint64 `json:"seq"`
+	Pid    int    `json:"pid,omitempty"`
+	Error  string `json:"error,omitempty"`
+	Exited bool   `json:"exited,omitempty"`
+	Status uint32 `json:"status,omitempty"`
+	Ready  bool   `json:"ready,omitempty"`
+}
+
+// RunSandboxInit is the sandbox's init: pid 1 of its pid namespace, in a
+// mount namespace of its own, with its socket to the agent on fd 3. It
+// enters root, drops the capabilities sandboxes do not get, reports
+// ready, then starts what the agent asks and reaps every process of the
+// namespace. It returns when the agent's end closes.
+func RunSandboxInit(root string) error {
+	conn, err := net.FileConn(os.NewFile(3, "agent"))
+	if err != nil {
+		return err
+	}
+	uc, ok := conn.(*net.UnixConn)
+	if !ok {
+		return errors.New("fd 3 is not a unix socket")
+	}
+	send := func(r spawnReply, rights []byte) error {
+		b, _ := json.Marshal(r)
+		_, _, err := uc.WriteMsgUnix(b, rights, nil)
+		return err
+	}
+	setup := func() error {
+		if err := enterSandboxRoot(root); err != nil {
+			return err
+		}
+		// Not traceable, and its /proc entries not readable, by the
+		// sandbox's root: it holds the agent's socket.
+		if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
+			return err
+		}
+		return limitCaps()
+	}
+	if err := setup(); err != nil {
+		_ = send(spawnReply{Error: err.Error()}, nil)
+		return err
+	}
+	var mu sync.Mutex
+	children := map[int]uint64{}
+	// Reap every process of the namespace; report those the agent
+	// started.
+	go func() {
+		sigs := make(chan os.Signal, 64)
+		signal.Notify(sigs, syscall.SIGCHLD)
+		for range sigs {
+			for {
+				mu.Lock()
+				var ws syscall.WaitStatus
+				pid, err := syscall.Wait4(-1, &ws, syscall.WNOHANG, nil)
+				if pid <= 0 || err != nil {
+					mu.Unlock()
+					break
+				}
+				seq, ok := children[pid]
+				delete(children, pid)
+				if ok {
+					_ = send(spawnReply{Seq: seq, Exited: true, Status: uint32(ws)}, nil)
+				}
+				mu.Unlock()
+			}
+		}
+	}()
+	if err := send(spawnReply{Ready: true}, nil); err != nil {
+		return err
+	}
+	buf := make([]byte, 1<<20)
+	oob := make([]byte, unix.CmsgSpace(3*4))
+	for {
+		n, oobn, _, _, err := uc.ReadMsgUnix(buf, oob)
+		if err != nil || n == 0 {
+			return err
+		}
+		var fds []int
+		if msgs, err := unix.ParseSocketControlMessage(oob[:oobn]); err == nil {
+			for _, m := range msgs {
+				if f, err := unix.ParseUnixRights(&m); err == nil {
+					fds = append(fds, f...)
+				}
+			}
+		}
+		var req spawnRequest
+		if err := json.Unmarshal(buf[:n], &req); err != nil || len(fds) != 3 || len(req.Args) == 0 {
+			for _, fd := range fds {
+				unix.Close(fd)
+			}
+			_ = send(spawnReply{Seq: req.Seq, Error: "malformed request"}, nil)
+			continue
+		}
+		pidfd := -1
+		sys := &syscall.SysProcAttr{
+			Setsid: true, Setctty: req.TTY, Ctty: 0, PidFD: &pidfd,
+			Credential: &syscall.Credential{Uid: req.UID, Gid: req.GID, Groups: []uint32{}},
+		}
+		attr := &syscall.ProcAttr{Dir: req.Dir, Env: req.Env, Files: []uintptr{uintptr(fds[0]), uintptr(fds[1]), uintptr(fds[2])}, Sys: sys}
+		mu.Lock()
+		pid, err := syscall.ForkExec(req.Path, req.Args, attr)
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+		if err != nil {
+			mu.Unlock()
+			_ = send(spawnReply{Seq: req.Seq, Error: err.Error()}, nil)
+			continue
+		}
+		children[pid] = req.Seq
+		_ = send(spawnReply{Seq: req.Seq, Pid: pid}, unix.UnixRights(pidfd))
+		mu.Unlock()
+		unix.Close(pidfd)
+	}
+}
+
+// privateSpec is a private run's command, as the agent passes it.
+type privateSpec struct {
+	Path string   `json:"path"`
+	Args []string `json:"args"`
+	Env  []string `json:"env"`
+	Dir  string   `json:"dir"`
+	UID  uint32   `json:"uid"`
+	GID  uint32   `json:"gid"`
+}
+
+// RunPrivate becomes a private run's command: pid 1 of a new pid
+// namespace, in a mount namespace of its own over the sandbox's root, so
+// that what it starts in the background ends with it. It returns only if
+// that fails.
+func RunPrivate(root, specJSON string) error {
+	var sp privateSpec
+	if err := json.Unmarshal([]byte(specJSON), &sp); err != nil || len(sp.Args) == 0 {
+		return fmt.Errorf("malformed private run: %v", err)
+	}
+	if err := enterSandboxRoot(root); err != nil {
+		return err
+	}
+	if err := dropBounding(); err != nil {
+		return err
+	}
+	if err := syscall.Setgroups(nil); err != nil {
+		return err
+	}
+	if err := syscall.Setgid(int(sp.GID)); err != nil {
+		return err
+	}
+	if err := syscall.Setuid(int(sp.UID)); err != nil {
+		return err
+	}
+	if err := unix.Chdir(sp.Dir); err != nil {
+		return fmt.Errorf("%s: %w", sp.Dir, err)
+	}
+	err := syscall.Exec(sp.Path, sp.Args, sp.Env)
+	return fmt.Errorf("starting %s: %w", strings.Join(sp.Args[:1], ""), err)
+}
