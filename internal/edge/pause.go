@@ -214,13 +214,31 @@ func (e *Edge) byLabels(ctx context.Context, sel map[string]string, state string
 // pause, resume or snapshot of the sandbox is under way. It reports
 // whether it thawed anything.
 func (e *Edge) thawStray(s *sbx, why string) bool {
-	if e.deps.Cgroups == nil {
-		return false
-	}
 	s.mu.Lock()
 	state, cg, id := s.rec.Sandbox.State, s.rec.CgroupPath, s.rec.Sandbox.ID
 	s.mu.Unlock()
-	if state != api.StateRunning || cg == "" {
+	if state != api.StateRunning {
+		return false
+	}
+	if pauser, ok := e.backendOf(s).(sandbox.Pauser); ok {
+		// A backend that pauses by itself (gVisor's Sentry stops its
+		// tasks, a VM is saved): a pause cut short after the backend's
+		// and before the record's leaves it paused.
+		st, err := e.backendOf(s).Status(context.Background(), id)
+		if err != nil || !st.Paused {
+			return false
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		if err := pauser.Resume(ctx, id); err != nil {
+			e.log.Warn("resuming a running sandbox left paused", "sandbox_id", id, "why", why, "err", err)
+			return false
+		}
+		e.metrics.strayThaws.Inc()
+		e.log.Warn("resumed a running sandbox left paused (an interrupted pause)", "sandbox_id", id, "why", why)
+		return true
+	}
+	if e.deps.Cgroups == nil || cg == "" {
 		return false
 	}
 	frozen, err := e.deps.Cgroups.Frozen(cg)
@@ -257,18 +275,28 @@ func (e *Edge) checkStrayFreezes(all []*sbx) {
 // cut short after its freeze) is thawed; paused but thawed (a resume cut
 // short after its thaw) is running, as the resume asked.
 func (e *Edge) reconcileFreezer(s *sbx) {
-	if e.deps.Cgroups == nil {
-		return
-	}
 	if e.thawStray(s, "recovery") {
 		return
 	}
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.rec.Sandbox.State != api.StatePaused || s.rec.CgroupPath == "" {
+	state, cg, id := s.rec.Sandbox.State, s.rec.CgroupPath, s.rec.Sandbox.ID
+	s.mu.Unlock()
+	if state != api.StatePaused {
 		return
 	}
-	if frozen, err := e.deps.Cgroups.Frozen(s.rec.CgroupPath); err != nil || frozen {
+	if _, ok := e.backendOf(s).(sandbox.Pauser); ok {
+		st, err := e.backendOf(s).Status(context.Background(), id)
+		if err != nil || !st.Running || st.Paused {
+			return
+		}
+	} else if e.deps.Cgroups == nil || cg == "" {
+		return
+	} else if frozen, err := e.deps.Cgroups.Frozen(cg); err != nil || frozen {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.rec.Sandbox.State != api.StatePaused {
 		return
 	}
 	s.rec.Sandbox.State, s.rec.Sandbox.PausedAt = api.StateRunning, nil

@@ -47,6 +47,9 @@ type Status struct {
 	Running bool
 	// Pid is the host pid of the sandbox's init, when running.
 	Pid int
+	// Paused says a Pauser backend holds the sandbox paused (Running
+	// stays true: it is there to resume).
+	Paused bool
 }
 
 // Config describes one sandbox to a backend.

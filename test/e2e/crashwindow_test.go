@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -57,9 +58,16 @@ func execWithin(t *testing.T, id string, within time.Duration) {
 // before it is there: the log is read again for a few seconds.
 func thawedBy(t *testing.T, id, why string) {
 	t.Helper()
+	loggedBy(t, id, "thawed a running sandbox left frozen", why)
+}
+
+// loggedBy asserts that the daemon logs msg for id with why (read again
+// for a few seconds, as thawedBy).
+func loggedBy(t *testing.T, id, msg, why string) {
+	t.Helper()
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(100 * time.Millisecond) {
 		for _, line := range strings.Split(logSince(0), "\n") {
-			if strings.Contains(line, "thawed a running sandbox left frozen") && strings.Contains(line, id) && strings.Contains(line, why) {
+			if strings.Contains(line, msg) && strings.Contains(line, id) && strings.Contains(line, why) {
 				return
 			}
 		}
@@ -67,7 +75,7 @@ func thawedBy(t *testing.T, id, why string) {
 			break
 		}
 	}
-	t.Errorf("no log line says %s thawed %s", why, id)
+	t.Errorf("no log line says %s: %s %s", why, msg, id)
 }
 
 func TestRedteamFrozenRunningSandbox(t *testing.T) {
@@ -143,4 +151,53 @@ func TestRedteamFrozenRunningSandbox(t *testing.T) {
 	if b, err := os.ReadFile(hostFile); err != nil || string(b) != "host\n" {
 		t.Errorf("the host file behind the symlink: %q %v", b, err)
 	}
+}
+
+// TestRedteamPausedRunningGVisor: the same crash window for a backend
+// that pauses by itself. gVisor's pause stops the Sentry's tasks (runsc
+// pause), not the host's freezer: a pause killed after runsc's and before
+// the record's leaves the sandbox paused while reported running. Made
+// here with runsc pause behind the daemon's back; recovery, resume and
+// the liveness check each resume it.
+func TestRedteamPausedRunningGVisor(t *testing.T) {
+	needGVisor(t)
+	restartDaemonOnCleanup(t)
+	pauseByHand := func(id string) {
+		t.Helper()
+		if out, err := exec.Command("runsc", "--root", filepath.Join(d.stateDir, "runsc"), "pause", id).CombinedOutput(); err != nil {
+			t.Fatalf("runsc pause %s: %v %s", id, err, out)
+		}
+	}
+	const msg = "resumed a running sandbox left paused"
+	viaRestart := gvSandbox(t, api.SandboxSpec{})
+	viaResume := gvSandbox(t, api.SandboxSpec{})
+	viaCheck := gvSandbox(t, api.SandboxSpec{})
+
+	pauseByHand(viaRestart.ID)
+	d.kill9()
+	if err := d.start(); err != nil {
+		t.Fatal(err)
+	}
+	execWithin(t, viaRestart.ID, 10*time.Second)
+	loggedBy(t, viaRestart.ID, msg, "why=recovery")
+
+	pauseByHand(viaResume.ID)
+	if _, err := client.Resume(ctx(t), viaResume.ID); err != nil {
+		t.Fatal(err)
+	}
+	execWithin(t, viaResume.ID, 10*time.Second)
+	loggedBy(t, viaResume.ID, msg, "why=resume")
+
+	pauseByHand(viaCheck.ID)
+	deadline := time.Now().Add(25 * time.Second)
+	for {
+		res, err := client.Exec(ctx(t), viaCheck.ID, api.ExecRequest{Cmd: "echo alive", Timeout: 2})
+		if err == nil && res.Stdout == "alive\n" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a running gvisor sandbox left paused was not resumed within 25 s: %v %+v", err, res)
+		}
+	}
+	loggedBy(t, viaCheck.ID, msg, `why="liveness check"`)
 }

@@ -246,7 +246,7 @@ func (b *Backend) Status(ctx context.Context, id string) (sandbox.Status, error)
 	if !ok {
 		return sandbox.Status{}, errdefs.NotFound("no runtime state for %s", id)
 	}
-	return sandbox.Status{Running: s.Running}, nil
+	return sandbox.Status{Running: s.Running, Paused: s.Running && s.Paused}, nil
 }
 
 // List implements sandbox.Backend.

@@ -495,7 +495,7 @@ func (g *GVisor) Status(ctx context.Context, id string) (sandbox.Status, error) 
 	}
 	pid := st.Sandbox.Pid
 	running := (st.Status == "running" || st.Status == "paused") && isSentry(pid, id)
-	return sandbox.Status{Running: running, Pid: pid}, nil
+	return sandbox.Status{Running: running, Pid: pid, Paused: running && st.Status == "paused"}, nil
 }
 
 // isSentry reports whether pid is the running Sentry of sandbox id (runsc

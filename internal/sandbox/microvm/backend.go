@@ -790,7 +790,7 @@ func (b *Backend) Status(ctx context.Context, id string) (sandbox.Status, error)
 		return sandbox.Status{}, errdefs.NotFound("sandbox %s has no VM", id)
 	}
 	if s.saved {
-		return sandbox.Status{Running: true}, nil
+		return sandbox.Status{Running: true, Paused: true}, nil
 	}
 	select {
 	case <-s.vm.Done():
