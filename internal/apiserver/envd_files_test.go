@@ -40,7 +40,7 @@ func (f *fixture) envdSandbox(t *testing.T) (string, string) {
 
 // envdTokenOf computes sandbox id's token as any apiserver over the
 // fixture's store does.
-func (f *fixture) envdTokenOf(t *testing.T, id string) string {
+func (f *fixture) envdTokenOf(t testing.TB, id string) string {
 	t.Helper()
 	s := New(Deps{IAM: f.iam, Nodes: f.view, Store: f.st, Log: slog.New(slog.DiscardHandler)})
 	tok, err := s.envdToken(id)

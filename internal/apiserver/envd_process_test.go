@@ -35,7 +35,7 @@ func (h headerTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 	return http.DefaultTransport.RoundTrip(r)
 }
 
-func (f *fixture) sandboxFor(t *testing.T) string {
+func (f *fixture) sandboxFor(t testing.TB) string {
 	t.Helper()
 	resp, b := f.do(t, f.admin, "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
 	if resp.StatusCode != 201 {

@@ -37,7 +37,7 @@ type fixture struct {
 	digests map[string]string
 }
 
-func newFixture(t *testing.T, wire bool) *fixture {
+func newFixture(t testing.TB, wire bool) *fixture {
 	t.Helper()
 	st := store.NewMemory()
 	ident, err := iam.New(st)
@@ -89,12 +89,12 @@ func newFixture(t *testing.T, wire bool) *fixture {
 
 // apiserver starts another apiserver named instance over the fixture's
 // store, IAM and edge (a cluster's apiservers share etcd).
-func (f *fixture) apiserver(t *testing.T, instance string) *httptest.Server {
+func (f *fixture) apiserver(t testing.TB, instance string) *httptest.Server {
 	return f.apiserverWith(t, instance, nil)
 }
 
 // apiserverWith is apiserver with its Deps changed by tune first.
-func (f *fixture) apiserverWith(t *testing.T, instance string, tune func(*Deps)) *httptest.Server {
+func (f *fixture) apiserverWith(t testing.TB, instance string, tune func(*Deps)) *httptest.Server {
 	f.setAlive(instance, true)
 	deps := Deps{IAM: f.iam, Layers: f.layers, Nodes: f.view, Policy: sandbox.DefaultPolicy(),
 		Log: slog.New(slog.NewTextHandler(io.Discard, nil)), Store: f.st, QuotaStore: f.st, Instance: instance,
@@ -125,13 +125,13 @@ func bothWays(t *testing.T, fn func(t *testing.T, f *fixture)) {
 	t.Run("wire", func(t *testing.T) { fn(t, newFixture(t, true)) })
 }
 
-func (f *fixture) do(t *testing.T, key, method, path, body string) (*http.Response, []byte) {
+func (f *fixture) do(t testing.TB, key, method, path, body string) (*http.Response, []byte) {
 	t.Helper()
 	return f.doAt(t, f.srv, key, "", method, path, body)
 }
 
 // doAt sends a request to srv, with an Idempotency-Key if idem is set.
-func (f *fixture) doAt(t *testing.T, srv *httptest.Server, key, idem, method, path, body string) (*http.Response, []byte) {
+func (f *fixture) doAt(t testing.TB, srv *httptest.Server, key, idem, method, path, body string) (*http.Response, []byte) {
 	t.Helper()
 	req, _ := http.NewRequest(method, srv.URL+path, strings.NewReader(body))
 	if idem != "" {

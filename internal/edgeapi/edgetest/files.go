@@ -368,6 +368,10 @@ func (f *Fake) MoveFile(ctx context.Context, id, src, dst string) (api.FileEntry
 	if t[from] == nil {
 		return api.FileEntry{}, errdefs.NotFound("moving %s: no such file or directory", from)
 	}
+	if from == to {
+		// As rename(2): nothing to do.
+		return entryOf(to, t[to]), nil
+	}
 	if n := t[to]; n != nil && n.dir {
 		if len(below(t, to)) > 1 {
 			return api.FileEntry{}, errdefs.Precondition("moving %s to %s: the destination is a directory that is not empty", from, to)
