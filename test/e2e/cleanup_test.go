@@ -80,6 +80,59 @@ func TestCleanupOnExit(t *testing.T) {
 	}
 }
 
+// TestEmptyNodeStopLeavesNothing (issue 21, class 9): a node stopped
+// without --cleanup-on-exit once its last sandbox is gone removes its nft
+// table, its DNS address on lo and its cgroups, so another instance can
+// take the same pool; its layers stay mounted only while it runs.
+func TestEmptyNodeStopLeavesNothing(t *testing.T) {
+	needDaemon(t)
+	if netw.skip != "" {
+		t.Skip(netw.skip)
+	}
+	in := startInstance(t, "--sandbox-cidr", "10.214.0.0/16", "--warm-pool-max", "0")
+	base := filepath.Join(in.dir, "base")
+	if err := hostfs.Build(base, hostfs.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if out, errOut, err := in.cli("layer", "build", "--kind", "base", "--name", "c", "--tag", "v1", base); err != nil {
+		t.Fatalf("layer build: %v: %s %s", err, out, errOut)
+	}
+	sb, err := in.client.CreateSandbox(ctx(t), api.SandboxSpec{Base: "base/c:v1", Network: &api.NetworkPolicy{Allow: []string{"192.0.2.1/32"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	logged, _ := os.ReadFile(in.logPath)
+	m := regexp.MustCompile(`table="inet (dsec_[0-9a-f]+)"`).FindSubmatch(logged)
+	if m == nil {
+		t.Fatalf("the instance's log names no nft table")
+	}
+	table := "table inet " + string(m[1])
+	if !slices.Contains(nftTableLines(t), table) || !loHas(t, "10.214.") {
+		t.Fatalf("the instance's networking is not up: tables %v, lo %v", nftTableLines(t), loHas(t, "10.214."))
+	}
+	if err := in.client.DeleteSandbox(ctx(t), sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	in.stop()
+	if slices.Contains(nftTableLines(t), table) {
+		t.Errorf("%s is still there after an empty node stopped", table)
+	}
+	if loHas(t, "10.214.") {
+		t.Errorf("the DNS address is still on lo after an empty node stopped")
+	}
+	for _, root := range cgroupHierarchies() {
+		if _, err := os.Stat(filepath.Join(root, in.cgroupParent())); err == nil {
+			t.Errorf("cgroup left: %s", filepath.Join(root, in.cgroupParent()))
+		}
+	}
+	if m := hostMounts(in.dir + "/"); len(m) > 0 {
+		t.Errorf("mounts left under the state dir: %v", m)
+	}
+	// A second instance takes the same pool.
+	again := startInstance(t, "--sandbox-cidr", "10.214.0.0/16", "--warm-pool-max", "0")
+	again.stop()
+}
+
 func nftTableLines(t *testing.T) []string {
 	t.Helper()
 	out, err := exec.Command("nft", "list", "tables").Output()

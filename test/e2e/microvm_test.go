@@ -285,3 +285,56 @@ func TestMicroVMSnapshotAndFork(t *testing.T) {
 		t.Fatalf("fork of a VM: %+v", r)
 	}
 }
+
+// TestMicroVMContainment (issue 21): inside the guest, the sandbox's root
+// is a container's root, not the guest's. It holds no descriptor of the
+// agent's (the init's socket would let it forge exits and pids), cannot
+// end the sandbox's init with a catchable signal, make a device node (the
+// guest's disks, the agent's port), make a user namespace, or read the
+// masked kernel state, and its /proc shows the sandbox's processes only.
+func TestMicroVMContainment(t *testing.T) {
+	needMicroVM(t)
+	sb := vmSandbox(t, api.SandboxSpec{})
+	probe := `ls -l /proc/self/fd | grep -c socket
+for s in HUP INT TERM QUIT USR1 USR2 PIPE ALRM; do kill -$s 1; done; sleep 0.2; echo signalled
+mknod /tmp/disk b 254 0 2>/dev/null && echo mknod-ok || echo mknod-refused
+unshare -U true 2>/dev/null && echo userns-ok || echo userns-refused
+wc -c < /proc/keys; wc -c < /proc/timer_list
+cat /proc/1/cmdline | tr '\0' ' '; echo
+grep -E '^CapBnd' /proc/self/status`
+	r := sh(t, sb.ID, probe)
+	lines := strings.Split(strings.TrimSpace(r.Stdout), "\n")
+	want := []string{"0", "signalled", "mknod-refused", "userns-refused", "0", "0"}
+	if len(lines) < len(want)+2 {
+		t.Fatalf("probe: %+v", r)
+	}
+	for i, w := range want {
+		if strings.TrimSpace(lines[i]) != w {
+			t.Errorf("probe line %d: %q, want %q (all: %q)", i, lines[i], w, r.Stdout)
+		}
+	}
+	if !strings.Contains(lines[6], "sandbox-init") {
+		t.Errorf("pid 1 of the sandbox is %q, want the sandbox's init", lines[6])
+	}
+	// CAP_MKNOD (27), CAP_SYS_ADMIN (21), CAP_SYS_PTRACE (19), CAP_SYS_MODULE (16) are out.
+	if f := strings.Fields(lines[7]); len(f) == 2 {
+		bnd, _ := strconv.ParseUint(f[1], 16, 64)
+		for _, c := range []uint{27, 21, 19, 16, 12, 17} {
+			if bnd&(1<<c) != 0 {
+				t.Errorf("the bounding set %s holds capability %d", f[1], c)
+			}
+		}
+	} else {
+		t.Errorf("no CapBnd line: %q", lines[7])
+	}
+	// What the init drops it does not pass on ignored (^C must reach a
+	// terminal's command).
+	sig, err := client.Exec(ctx(t), sb.ID, api.ExecRequest{Argv: []string{"grep", "^SigIgn", "/proc/self/status"}})
+	if err != nil || sig.Stdout != "SigIgn:\t0000000000000000\n" {
+		t.Errorf("a command starts with signals ignored: %+v %v", sig, err)
+	}
+	// The init lived through the signals: commands still run.
+	if r := sh(t, sb.ID, "echo still"); r.Stdout != "still\n" {
+		t.Fatalf("after signals to pid 1: %+v", r)
+	}
+}

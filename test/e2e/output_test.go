@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
 // Issue 21, class 1: the daemon's memory is not the sandbox's to spend.
@@ -32,8 +33,13 @@ const (
 // rawExec posts an exec and counts the answer's bytes without keeping
 // them (the Go SDK would hold ~800 MB per answer in the test process).
 func rawExec(id string, req api.ExecRequest) (status int, n int64, head []byte, err error) {
+	return rawPost("/v1/sandboxes/"+id+"/exec", req)
+}
+
+// rawPost posts req as JSON to path and counts the answer's bytes.
+func rawPost(path string, req any) (status int, n int64, head []byte, err error) {
 	body, _ := json.Marshal(req)
-	hr, _ := http.NewRequest("POST", "http://"+d.listen+"/v1/sandboxes/"+id+"/exec", bytes.NewReader(body))
+	hr, _ := http.NewRequest("POST", "http://"+d.listen+path, bytes.NewReader(body))
 	hr.Header.Set("Authorization", "Bearer "+d.key)
 	hr.Header.Set("Content-Type", "application/json")
 	resp, err := http.DefaultClient.Do(hr)
@@ -60,17 +66,33 @@ func (l *limitedBuffer) Write(p []byte) (int, error) {
 
 func TestRedteamOutputMemory(t *testing.T) {
 	needDaemon(t)
-	// A budget for exactly outputCalls worst-case calls.
-	withPoolFlags(t, "--output-buffer-mb", fmt.Sprint(outputCalls*2*outputCap>>20+8))
+	// A budget for exactly outputCalls worst-case calls (a fncall also
+	// takes its fetched files' bound, sandbox.MaxFnCallFetchBytes).
+	withPoolFlags(t, "--output-buffer-mb", fmt.Sprint((outputCalls*2*outputCap+sandbox.MaxFnCallFetchBytes)>>20+8))
 	by := newBystander(t)
 	sbs := make([]*api.Sandbox, outputCalls)
 	for i := range sbs {
 		sbs[i] = newSandbox(t, api.SandboxSpec{})
 	}
+	// The calls that buffer output are each in the flood: a one-shot
+	// exec, a session run and a fncall (its own fresh sandbox).
+	sid, err := client.CreateSession(ctx(t), sbs[1].ID, api.SessionRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
 	base := daemonRSS(t)
 	// Both streams full of NULs, after a pause that lets the calls overlap.
-	flood := api.ExecRequest{Cmd: fmt.Sprintf("sleep 2; head -c %d /dev/zero; head -c %d /dev/zero >&2", outputCap, outputCap),
-		MaxOutputBytes: outputCap, Timeout: 120}
+	floodCmd := fmt.Sprintf("sleep 2; head -c %d /dev/zero; head -c %d /dev/zero >&2", outputCap, outputCap)
+	flood := api.ExecRequest{Cmd: floodCmd, MaxOutputBytes: outputCap, Timeout: 120}
+	calls := []func() (int, int64, []byte, error){
+		func() (int, int64, []byte, error) { return rawExec(sbs[0].ID, flood) },
+		func() (int, int64, []byte, error) {
+			return rawPost("/v1/sandboxes/"+sbs[1].ID+"/sessions/"+sid+"/run", api.SessionRunRequest{Command: floodCmd, MaxOutputBytes: outputCap, Timeout: 120})
+		},
+		func() (int, int64, []byte, error) {
+			return rawPost("/v1/fncall", api.FnCallRequest{Base: baseRef, Cmd: floodCmd, MaxOutputBytes: outputCap, Timeout: 120})
+		},
+	}
 
 	var peak int64
 	stop := make(chan struct{})
@@ -96,12 +118,12 @@ func TestRedteamOutputMemory(t *testing.T) {
 		err    error
 	}
 	answers := make([]answer, outputCalls)
-	for i, sb := range sbs {
+	for i, call := range calls {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			a := &answers[i]
-			a.status, a.n, a.head, a.err = rawExec(sb.ID, flood)
+			a.status, a.n, a.head, a.err = call()
 		}()
 	}
 	// While they hold the budget, one more worst-case call is refused
@@ -120,12 +142,12 @@ func TestRedteamOutputMemory(t *testing.T) {
 	for i, a := range answers {
 		// 2 × 64 MiB of NULs is 768 MiB of JSON.
 		if a.err != nil || a.status != 200 || a.n < 12*outputCap {
-			t.Fatalf("flood %d: HTTP %d, %d bytes, %v: %.200s", i, a.status, a.n, a.err, a.head)
+			t.Fatalf("flood %d (%s): HTTP %d, %d bytes, %v: %.200s", i, []string{"exec", "session run", "fncall"}[i], a.status, a.n, a.err, a.head)
 		}
 	}
-	bound := int64(outputCalls) * 2 * 2 * outputCap
-	t.Logf("daemon RSS: %d MiB before, %d MiB at most during %d execs of 2 × %d MiB of NULs (bound +%d MiB)",
-		base>>20, peak>>20, outputCalls, outputCap>>20, bound>>20)
+	bound := 2 * (int64(outputCalls)*2*outputCap + sandbox.MaxFnCallFetchBytes)
+	t.Logf("daemon RSS: %d MiB before, %d MiB at most during an exec, a session run and a fncall each of 2 × %d MiB of NULs (bound +%d MiB)",
+		base>>20, peak>>20, outputCap>>20, bound>>20)
 	if peak-base > bound {
 		t.Errorf("daemon RSS grew by %d MiB during the floods; the bound is %d MiB", (peak-base)>>20, bound>>20)
 	}

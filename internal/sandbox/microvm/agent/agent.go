@@ -455,6 +455,11 @@ func (s *Server) exec(c *conn, m Msg) error {
 	if m.Private && root == "" {
 		return fmt.Errorf("%w: a private run needs a sandbox (setup first)", errInvalid)
 	}
+	if m.Private && m.TTY {
+		// Its terminal would be on the sandbox's devpts, in reach of
+		// the sandbox's root.
+		return fmt.Errorf("%w: a private run has no terminal", errInvalid)
+	}
 	if dup {
 		return fmt.Errorf("%w: request %d already runs", errInvalid, m.ID)
 	}

@@ -22,8 +22,8 @@ import (
 // initramfs, the agent's /proc and /dev are out of reach beneath it), its
 // /proc shows only the sandbox's pid namespace, /proc/sys is read-only,
 // and no process of it holds more than sandboxCaps (the container
-// backend's set: no CAP_SYS_ADMIN, CAP_SYS_PTRACE, CAP_SYS_MODULE or
-// CAP_NET_ADMIN). The init starts every ordinary command as its child, on
+// backend's set less CAP_MKNOD: no CAP_SYS_ADMIN, CAP_SYS_PTRACE,
+// CAP_SYS_MODULE or CAP_NET_ADMIN). The init starts every ordinary command as its child, on
 // the agent's request over a socket (spawnRequest), so all of them are in
 // that namespace. A private run (Msg.Private) is started by the agent in a
 // pid namespace beside it (PrivateArg), which no process of the sandbox
@@ -37,9 +37,12 @@ const (
 )
 
 // sandboxCaps are the capabilities a sandbox's processes may hold: the
-// container backend's (internal/sandbox/container's defaultCaps).
+// container backend's (internal/sandbox/container's defaultCaps) but
+// CAP_MKNOD. A container's devices cgroup keeps it from opening the nodes
+// it makes; here they would be the guest's disks (under its mounted
+// filesystems), the agent's port and /dev/kmsg.
 var sandboxCaps = []uintptr{
-	unix.CAP_CHOWN, unix.CAP_DAC_OVERRIDE, unix.CAP_FSETID, unix.CAP_FOWNER, unix.CAP_MKNOD,
+	unix.CAP_CHOWN, unix.CAP_DAC_OVERRIDE, unix.CAP_FSETID, unix.CAP_FOWNER,
 	unix.CAP_SETGID, unix.CAP_SETUID, unix.CAP_SETFCAP, unix.CAP_SETPCAP,
 	unix.CAP_NET_BIND_SERVICE, unix.CAP_SYS_CHROOT, unix.CAP_KILL, unix.CAP_AUDIT_WRITE,
 }
@@ -78,11 +81,30 @@ func enterSandboxRoot(root string) error {
 	if err := unix.Mount("", "/proc/sys", "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
 		return fmt.Errorf("making /proc/sys read-only: %w", err)
 	}
-	if err := unix.Mount("/dev/null", "/proc/sysrq-trigger", "", unix.MS_BIND, ""); err != nil {
-		return fmt.Errorf("masking /proc/sysrq-trigger: %w", err)
+	for _, p := range []string{"/proc/bus", "/proc/fs", "/proc/irq"} {
+		if err := unix.Mount(p, p, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+			if errors.Is(err, unix.ENOENT) {
+				continue
+			}
+			return fmt.Errorf("binding %s: %w", p, err)
+		}
+		if err := unix.Mount("", p, "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+			return fmt.Errorf("making %s read-only: %w", p, err)
+		}
+	}
+	// The host kernel's masks (the container backend's maskedPaths) that
+	// exist here: kernel state and triggers.
+	for _, p := range []string{"/proc/sysrq-trigger", "/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug", "/proc/kallsyms", "/proc/kpagecount", "/proc/kpageflags", "/proc/kpagecgroup"} {
+		if err := unix.Mount("/dev/null", p, "", unix.MS_BIND, ""); err != nil && !errors.Is(err, unix.ENOENT) {
+			return fmt.Errorf("masking %s: %w", p, err)
+		}
 	}
 	return nil
 }
+
+// maxSpawnMessage bounds a spawnRequest: the command and its environment
+// (ARG_MAX, 2 MiB, and more).
+const maxSpawnMessage = 4 << 20
 
 // limitCaps leaves every thread of this process sandboxCaps at most, in
 // its bounding set and in its own sets, so neither it nor a program it
@@ -159,7 +181,11 @@ type spawnReply struct {
 // ready, then starts what the agent asks and reaps every process of the
 // namespace. It returns when the agent's end closes.
 func RunSandboxInit(root string) error {
-	conn, err := net.FileConn(os.NewFile(3, "agent"))
+	// Nothing the sandbox runs may hold the agent's socket: FileConn
+	// keeps a close-on-exec copy, and fd 3 itself goes now.
+	f3 := os.NewFile(3, "agent")
+	conn, err := net.FileConn(f3)
+	f3.Close()
 	if err != nil {
 		return err
 	}
@@ -187,6 +213,29 @@ func RunSandboxInit(root string) error {
 		_ = send(spawnReply{Error: err.Error()}, nil)
 		return err
 	}
+	// As a pid namespace's init it gets only the signals it handles, and
+	// the Go runtime handles them all, most by exiting: root inside
+	// could end the sandbox with kill -HUP 1. They are caught and
+	// dropped, not ignored: an ignored signal stays ignored in what the
+	// init starts (^C would not reach a terminal's command), a caught
+	// one is back to its default there.
+	var caught []os.Signal
+	for sig := syscall.Signal(1); sig <= 31; sig++ {
+		switch sig {
+		case syscall.SIGKILL, syscall.SIGSTOP, syscall.SIGCHLD, syscall.SIGURG,
+			syscall.SIGSEGV, syscall.SIGBUS, syscall.SIGFPE, syscall.SIGILL, syscall.SIGTRAP, syscall.SIGSYS:
+			// Not catchable, reaped, the runtime's own, or faults (sent
+			// with kill(2), the runtime drops these).
+		default:
+			caught = append(caught, sig)
+		}
+	}
+	dropped := make(chan os.Signal, 16)
+	signal.Notify(dropped, caught...)
+	go func() {
+		for range dropped {
+		}
+	}()
 	var mu sync.Mutex
 	children := map[int]uint64{}
 	// Reap every process of the namespace; report those the agent
@@ -215,7 +264,7 @@ func RunSandboxInit(root string) error {
 	if err := send(spawnReply{Ready: true}, nil); err != nil {
 		return err
 	}
-	buf := make([]byte, 1<<20)
+	buf := make([]byte, maxSpawnMessage)
 	oob := make([]byte, unix.CmsgSpace(3*4))
 	for {
 		n, oobn, _, _, err := uc.ReadMsgUnix(buf, oob)

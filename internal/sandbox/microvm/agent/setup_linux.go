@@ -60,7 +60,9 @@ func (s *Server) setup(su Setup) error {
 	// only, so it can be packed into a snapshot layer on its own.
 	opts := "lowerdir=" + strings.Join(lowers, ":") + ",upperdir=" + upperDir + ",workdir=/rw/work" +
 		",index=off,redirect_dir=off,metacopy=off,xino=auto"
-	if err := unix.Mount("overlay", Root, "overlay", 0, opts); err != nil {
+	// nodev: a device node that reached the upper (a snapshot's are
+	// refused, and the sandbox has no CAP_MKNOD) opens nothing.
+	if err := unix.Mount("overlay", Root, "overlay", unix.MS_NODEV, opts); err != nil {
 		return fmt.Errorf("mounting the sandbox's overlay: %w", err)
 	}
 	for _, m := range []struct {
@@ -115,8 +117,15 @@ func (s *Server) setup(su Setup) error {
 	if err != nil {
 		return err
 	}
+	// No user namespaces in the guest: the sandbox's root would hold
+	// every capability in one, over kernel code its own would not reach.
+	if err := os.WriteFile("/proc/sys/user/max_user_namespaces", []byte("0"), 0); err != nil {
+		unix.Close(cgfd)
+		return fmt.Errorf("refusing user namespaces: %w", err)
+	}
 	sp, err := s.startSpawner(Root, cgfd)
 	if err != nil {
+		unix.Close(cgfd)
 		return err
 	}
 	s.mu.Lock()

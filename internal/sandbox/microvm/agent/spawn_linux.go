@@ -58,6 +58,11 @@ func (s *Server) startSpawner(root string, cgfd int) (*spawner, error) {
 		return nil, err
 	}
 	conn := c.(*net.UnixConn)
+	if rc, err := conn.SyscallConn(); err == nil {
+		_ = rc.Control(func(fd uintptr) {
+			_ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUFFORCE, maxSpawnMessage)
+		})
+	}
 	sys := &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID | syscall.CLONE_NEWNS, Setsid: true}
 	if cgfd >= 0 {
 		sys.UseCgroupFD, sys.CgroupFD = true, cgfd
@@ -71,12 +76,19 @@ func (s *Server) startSpawner(root string, cgfd int) (*spawner, error) {
 		return nil, fmt.Errorf("starting the sandbox's init: %w", err)
 	}
 	sp := &spawner{conn: conn, pid: pid, pending: map[uint64]*spawnWait{}}
-	sp.pidNS, _ = os.Readlink(fmt.Sprintf("/proc/%d/ns/pid", pid))
-	_ = conn.SetReadDeadline(time.Now().Add(30 * time.Second))
-	r, _, err := sp.read()
-	_ = conn.SetReadDeadline(time.Time{})
-	if err == nil && !r.Ready {
-		err = errors.New(r.Error)
+	sp.pidNS, err = os.Readlink(fmt.Sprintf("/proc/%d/ns/pid", pid))
+	if err == nil {
+		_ = conn.SetReadDeadline(time.Now().Add(30 * time.Second))
+		var r spawnReply
+		var fd int
+		r, fd, err = sp.read()
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+		_ = conn.SetReadDeadline(time.Time{})
+		if err == nil && !r.Ready {
+			err = errors.New(r.Error)
+		}
 	}
 	if err != nil {
 		_ = syscall.Kill(pid, syscall.SIGKILL)
@@ -164,8 +176,15 @@ func (sp *spawner) loop() {
 			}
 			continue
 		}
+		// One answer per request: a second is dropped, never waited on.
 		w.pidfd = fd
-		w.reply <- r
+		select {
+		case w.reply <- r:
+		default:
+			if fd >= 0 {
+				unix.Close(fd)
+			}
+		}
 	}
 }
 
@@ -196,25 +215,33 @@ func (sp *spawner) spawn(req spawnRequest, stdio [3]*os.File) (outer, inner int,
 		sp.mu.Unlock()
 		return 0, 0, nil, fmt.Errorf("asking the sandbox's init: %w", err)
 	}
-	r := <-w.reply
+	var r spawnReply
+	select {
+	case r = <-w.reply:
+	case <-time.After(spawnWaitLimit):
+		r.Error = fmt.Sprintf("the sandbox's init did not answer within %s", spawnWaitLimit)
+	}
 	if r.Error != "" {
 		sp.mu.Lock()
 		delete(sp.pending, req.Seq)
 		sp.mu.Unlock()
 		return 0, 0, nil, errors.New(r.Error)
 	}
-	outer = r.Pid
+	// The guest's pid of the command comes from its pidfd alone; one
+	// already reaped has none (-1), and then nothing is to be killed.
 	if w.pidfd >= 0 {
-		if p := pidOfPidfd(w.pidfd); p > 0 {
-			outer = p
-		}
+		outer = pidOfPidfd(w.pidfd)
 		unix.Close(w.pidfd)
 	}
-	return outer, r.Pid, w.exit, nil
+	return max(outer, 0), r.Pid, w.exit, nil
 }
 
+// spawnWaitLimit bounds the wait for the init's answer to a spawn: the
+// agent's connection reader waits for it.
+const spawnWaitLimit = 10 * time.Second
+
 // pidOfPidfd is the pid, in this process's namespace, of the process
-// pidfd refers to (0 if it is gone).
+// pidfd refers to: -1 if it is gone, 0 if pidfd is not a pidfd.
 func pidOfPidfd(pidfd int) int {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/self/fdinfo/%d", pidfd))
 	if err != nil {
