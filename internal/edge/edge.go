@@ -342,6 +342,7 @@ func (e *Edge) Start(ctx context.Context) error {
 		}
 		e.raisePidMax()
 		e.reserveForHost()
+		e.repairDevNull()
 	}
 	started := time.Now()
 	if err := e.recover(ctx); err != nil {

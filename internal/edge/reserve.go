@@ -2,9 +2,12 @@ package edge
 
 import (
 	"bufio"
+	"fmt"
 	"os"
 	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/dsecproject/dsec/internal/cgroup"
 )
@@ -45,6 +48,29 @@ func (e *Edge) raisePidMax() {
 		return
 	}
 	e.log.Info("raised kernel.pid_max", "from", have, "to", want)
+}
+
+// repairDevNull gives the host's /dev/null back to root. Earlier gVisor
+// backends handed it to runsc as the sandbox's stdio, and runsc gave it to
+// the sandbox's user (nobody): any process of that uid could then change
+// the mode of a node every program on the host writes to.
+func (e *Edge) repairDevNull() {
+	var st unix.Stat_t
+	if err := unix.Stat("/dev/null", &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFCHR || st.Rdev != unix.Mkdev(1, 3) {
+		return
+	}
+	if st.Uid == 0 && st.Gid == 0 && st.Mode&0o7777 == 0o666 {
+		return
+	}
+	if err := unix.Chown("/dev/null", 0, 0); err != nil {
+		e.log.Warn("the host's /dev/null is not root's; could not give it back", "owner", fmt.Sprintf("%d:%d", st.Uid, st.Gid), "err", err)
+		return
+	}
+	if err := unix.Chmod("/dev/null", 0o666); err != nil {
+		e.log.Warn("could not reset the mode of the host's /dev/null", "mode", fmt.Sprintf("%o", st.Mode&0o7777), "err", err)
+	}
+	e.log.Warn("gave the host's /dev/null back to root (an earlier dsec's gVisor backend had given it to the sandbox's user)",
+		"owner_was", fmt.Sprintf("%d:%d", st.Uid, st.Gid), "mode_was", fmt.Sprintf("%o", st.Mode&0o7777))
 }
 
 // reserveForHost applies the reserve to the top dsec cgroup. Best effort:

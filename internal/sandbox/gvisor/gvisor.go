@@ -194,7 +194,8 @@ func clip(s string) string {
 }
 
 // runLogged runs a runsc command whose stdio become the sandbox's (create,
-// start): they get /dev/null, and runsc's errors are read from its log.
+// start): they get pipes of their own (below), and runsc's errors are read
+// from its log.
 func (g *GVisor) runLogged(ctx context.Context, logPath string, wrap []string, args ...string) error {
 	full := append(append([]string{}, g.flags()...), append([]string{"--log", logPath, "--log-format", "json"}, args...)...)
 	var cmd *exec.Cmd
@@ -204,11 +205,40 @@ func (g *GVisor) runLogged(ctx context.Context, logPath string, wrap []string, a
 		cmd = exec.CommandContext(ctx, g.runsc, full...)
 	}
 	cmd.WaitDelay = 5 * time.Second
-	// nil stdio: os/exec opens /dev/null.
-	if err := cmd.Run(); err != nil {
+	// Not the host's /dev/null, which os/exec would open for nil stdio:
+	// runsc gives its stdio to the sandbox's user (fchown to nobody), and
+	// the host's /dev/null became nobody's, writable by the Sentry's uid.
+	// A pipe whose other end is closed: stdin reads EOF, and what the
+	// sandbox's init writes fails (EPIPE) instead of landing anywhere.
+	in, out, err := closedPipes()
+	if err != nil {
+		return fmt.Errorf("runsc %s: %w", args[0], err)
+	}
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = in, out, out
+	err = cmd.Run()
+	in.Close()
+	out.Close()
+	if err != nil {
 		return fmt.Errorf("runsc %s: %w: %s", args[0], err, logErrors(logPath))
 	}
 	return nil
+}
+
+// closedPipes returns the read end of a pipe whose write end is closed
+// and the write end of one whose read end is closed.
+func closedPipes() (in, out *os.File, err error) {
+	in, w, err := os.Pipe()
+	if err != nil {
+		return nil, nil, err
+	}
+	w.Close()
+	r, out, err := os.Pipe()
+	if err != nil {
+		in.Close()
+		return nil, nil, err
+	}
+	r.Close()
+	return in, out, nil
 }
 
 // logErrors returns the error lines of a runsc JSON log.

@@ -90,8 +90,21 @@ func Run(t *testing.T, e Env) {
 	ctx := context.Background()
 	id := fmt.Sprintf("conf-%d", time.Now().UnixNano()%1e9)
 	cfg := e.NewConfig(t, id)
+	var nullBefore syscall.Stat_t
+	if err := syscall.Stat("/dev/null", &nullBefore); err != nil {
+		t.Fatal(err)
+	}
 	if err := b.Create(ctx, cfg); err != nil {
 		t.Fatalf("create: %v", err)
+	}
+	// Creating a sandbox leaves the host's /dev/null alone (a runtime
+	// that hands its stdio to the sandbox's user would chown it).
+	var nullAfter syscall.Stat_t
+	if err := syscall.Stat("/dev/null", &nullAfter); err != nil {
+		t.Fatal(err)
+	}
+	if nullAfter.Uid != 0 || nullAfter.Gid != 0 || nullAfter.Ctim != nullBefore.Ctim {
+		t.Errorf("creating a sandbox changed the host's /dev/null: owner %d:%d, ctime %v -> %v", nullAfter.Uid, nullAfter.Gid, nullBefore.Ctim, nullAfter.Ctim)
 	}
 	destroyed := false
 	t.Cleanup(func() {
