@@ -553,9 +553,19 @@ func (s *Source) EdgeStopped() {
 		s.removeCgroup()
 		return
 	}
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://layerfs/exit-if-idle", nil)
-	resp, err := s.client().Do(req)
+	// Asked a few times: a busy host can fail one request to a daemon
+	// that is there (it answered healthy just now).
+	var resp *http.Response
+	var err error
+	for try := 0; try < 3; try++ {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://layerfs/exit-if-idle", nil)
+		if resp, err = s.client().Do(req); err == nil {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 	if err != nil {
+		s.log().Warn("asking the layer daemon to exit", "err", err)
 		return
 	}
 	resp.Body.Close()

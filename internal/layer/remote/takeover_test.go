@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -131,7 +132,8 @@ func TestDaemonTakeover(t *testing.T) {
 	}
 
 	// An edge that restarted: a new source, no descriptor of its own.
-	edge2 := &Source{Store: w.src.Store, Dir: w.dir, Command: w.daemonCommand()}
+	// Its log in the test's: a mount left behind says why.
+	edge2 := &Source{Store: w.src.Store, Dir: w.dir, Command: w.daemonCommand(), Log: slog.New(slog.NewTextHandler(newTWriter(t), nil))}
 	edges = append(edges, edge2)
 	must(t, edge2.ensureDaemon(ctx))
 	edge2.mu.Lock()
@@ -309,4 +311,31 @@ func TestDaemonInItsCgroup(t *testing.T) {
 	if cg.Exists(rel) {
 		t.Error("the daemon's cgroup is still there after the edge stopped and the daemon exited")
 	}
+}
+
+// tWriter writes log lines into a test's log while the test runs (the
+// source's goroutines may log after it ended, which t.Log refuses).
+type tWriter struct {
+	mu   sync.Mutex
+	t    *testing.T
+	done bool
+}
+
+func newTWriter(t *testing.T) *tWriter {
+	w := &tWriter{t: t}
+	t.Cleanup(func() {
+		w.mu.Lock()
+		w.done = true
+		w.mu.Unlock()
+	})
+	return w
+}
+
+func (w *tWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.done {
+		w.t.Log(strings.TrimRight(string(p), "\n"))
+	}
+	return len(p), nil
 }
