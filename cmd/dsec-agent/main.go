@@ -17,14 +17,14 @@ func main() {
 		fmt.Fprintln(os.Stderr, "dsec-agent: runs as a microVM guest's init (pid 1), started by dsec")
 		os.Exit(2)
 	}
-	if len(os.Args) == 3 && os.Args[1] == agent.SandboxInitArg {
-		if err := agent.RunSandboxInit(os.Args[2]); err != nil {
+	if len(os.Args) == 5 && os.Args[1] == agent.SandboxInitArg {
+		if err := agent.RunSandboxInit(os.Args[2], os.Args[3], os.Args[4]); err != nil {
 			fmt.Fprintln(os.Stderr, "dsec-agent: the sandbox's init:", err)
 		}
 		os.Exit(1)
 	}
-	if len(os.Args) == 4 && os.Args[1] == agent.PrivateArg {
-		err := agent.RunPrivate(os.Args[2], os.Args[3])
+	if len(os.Args) == 6 && os.Args[1] == agent.PrivateArg {
+		err := agent.RunPrivate(os.Args[2], os.Args[3], os.Args[4], os.Args[5])
 		fmt.Fprintln(os.Stderr, "dsec: private run:", err)
 		os.Exit(126)
 	}

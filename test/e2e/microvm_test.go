@@ -338,3 +338,23 @@ grep -E '^CapBnd' /proc/self/status`
 		t.Fatalf("after signals to pid 1: %+v", r)
 	}
 }
+
+// TestMicroVMSeccomp: the sandbox's processes in a VM run under the
+// container backend's seccomp profile and masks (installed by the
+// sandbox's init in the guest), so the prober's attacks get the answers
+// they get in a container, but where the guest is not the host
+// (microvmProberDiffers).
+func TestMicroVMSeccomp(t *testing.T) {
+	needMicroVM(t)
+	seccompAttack(t, api.BackendMicroVM, microvmProberDiffers)
+}
+
+// microvmProberDiffers are the probes whose answer in a VM differs from a
+// container's, and why.
+var microvmProberDiffers = map[string]proberWant{
+	// The sandbox's init is not dumpable: its /proc/1/ns is not open to
+	// root inside (EACCES before setns is tried).
+	"setns_mnt": wantFail,
+	// No host file is bound into a VM.
+	"ioctl_fiemap_host_bind": wantFail,
+}

@@ -178,10 +178,13 @@ func TestUserNSKernelCountsAreTheSandboxs(t *testing.T) {
 					t.Errorf("host root took %d while A holds %d, %d before", after, na, before)
 				}
 			}
-			// The neighbour gets its own, as many as A.
+			// The neighbour gets its own, about as many as A (sharing A's
+			// count it would get none). Not exactly: A's shell makes
+			// pipes of its own while its holder runs, and a pipe near
+			// the limit keeps its default size, which moves the count.
 			r = sh(t, nb.ID, "/tmp/holder "+res)
-			if nn, err := strconv.Atoi(strings.TrimSpace(r.Stdout)); err != nil || nn != na {
-				t.Errorf("the neighbour took %q (%q) while A holds %d, want as many", r.Stdout, r.Stderr, na)
+			if nn, err := strconv.Atoi(strings.TrimSpace(r.Stdout)); err != nil || nn < na*3/4 {
+				t.Errorf("the neighbour took %q (%q) while A holds %d, want about as many", r.Stdout, r.Stderr, na)
 			}
 		})
 	}

@@ -133,6 +133,12 @@ var readonlyPaths = []string{
 	"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
 }
 
+// MaskedPaths and ReadonlyPaths return the masks of every container
+// sandbox's /proc and /sys, for a backend that applies them itself (a VM's
+// agent).
+func MaskedPaths() []string   { return append([]string(nil), maskedPaths...) }
+func ReadonlyPaths() []string { return append([]string(nil), readonlyPaths...) }
+
 // initPath is where the host's init binary appears inside the sandbox. /dev
 // is a tmpfs set up by the runtime, so the bind mount leaves no trace in the
 // sandbox's writable layer.

@@ -3,6 +3,7 @@ package microvm
 import (
 	"context"
 	"crypto/rand"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -24,6 +25,7 @@ import (
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/pty"
 	"github.com/dsecproject/dsec/internal/sandbox"
+	"github.com/dsecproject/dsec/internal/sandbox/container"
 	"github.com/dsecproject/dsec/internal/sandbox/microvm/agent"
 )
 
@@ -57,6 +59,8 @@ type Config struct {
 type Backend struct {
 	cfg   Config
 	guest *Guest
+	// seccomp is the filter of the sandbox's processes (Setup.Seccomp).
+	seccomp []byte
 
 	mu  sync.Mutex
 	vms map[string]*vmSlot
@@ -156,7 +160,17 @@ func New(ctx context.Context, cfg Config) (*Backend, error) {
 		return nil, fmt.Errorf("preparing the guest: %w", err)
 	}
 	cfg.Log.Info("microvm VMM chosen", "vmm", "qemu-microvm/"+cfg.Accel, "why", why)
-	return &Backend{cfg: cfg, guest: g, vms: map[string]*vmSlot{}}, nil
+	// The container backend's seccomp profile, for the sandbox's
+	// processes in the guest (the agent installs it).
+	f64, err := container.SeccompFilterBase64()
+	if err != nil {
+		return nil, fmt.Errorf("compiling the seccomp profile: %w", err)
+	}
+	filter, err := base64.StdEncoding.DecodeString(f64)
+	if err != nil {
+		return nil, err
+	}
+	return &Backend{cfg: cfg, guest: g, vms: map[string]*vmSlot{}, seccomp: filter}, nil
 }
 
 // DetectAccel chooses QEMU's accelerator from the host: "kvm" where KVM
@@ -242,7 +256,8 @@ func (b *Backend) Create(ctx context.Context, cfg sandbox.Config) (err error) {
 	if cfg.Limits.CPU > 1 {
 		sc.CPUs = int(math.Ceil(cfg.Limits.CPU))
 	}
-	setup := agent.Setup{Upper: "upper", Hostname: cfg.Hostname, Pids: cfg.Limits.Pids}
+	setup := agent.Setup{Upper: "upper", Hostname: cfg.Hostname, Pids: cfg.Limits.Pids, Seccomp: b.seccomp,
+		Masked: container.MaskedPaths(), ReadOnly: container.ReadonlyPaths()}
 	for i, img := range cfg.Images {
 		serial := "l" + strconv.Itoa(i)
 		sc.Disks = append(sc.Disks, Disk{Path: img, Serial: serial, ReadOnly: true})

@@ -41,8 +41,13 @@ type Server struct {
 	upperFS string
 	procs   map[uint64]*proc
 	// spawner starts the sandbox's commands in its namespaces (nil until
-	// setup: the agent's own, as in tests).
+	// setup: the agent's own, as in tests); filter is the seccomp filter
+	// they run under (Setup.Seccomp, base64; "": none).
 	spawner *spawner
+	filter  string
+	// masks are the paths of /proc and /sys hidden and read-only
+	// (contain_linux.go's masks, JSON).
+	masks string
 }
 
 // NewServer returns a server that starts reaping its children (as the

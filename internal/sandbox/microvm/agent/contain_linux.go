@@ -1,12 +1,15 @@
 package agent
 
 import (
+	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
 	"os"
 	"os/signal"
+	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -51,7 +54,7 @@ var sandboxCaps = []uintptr{
 // initramfs's, as switch_root does: pivot_root refuses the initramfs) and
 // mounts a /proc of this pid namespace in it, /proc/sys read-only and
 // /proc/sysrq-trigger masked.
-func enterSandboxRoot(root string) error {
+func enterSandboxRoot(root string, masked, readOnly []string) error {
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return fmt.Errorf("making mounts private: %w", err)
 	}
@@ -74,14 +77,9 @@ func enterSandboxRoot(root string) error {
 		return fmt.Errorf("mounting /proc: %w", err)
 	}
 	// Writable sysctls would let root inside run a program outside the
-	// namespace (kernel.core_pattern, kernel.modprobe).
-	if err := unix.Mount("/proc/sys", "/proc/sys", "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
-		return fmt.Errorf("binding /proc/sys: %w", err)
-	}
-	if err := unix.Mount("", "/proc/sys", "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
-		return fmt.Errorf("making /proc/sys read-only: %w", err)
-	}
-	for _, p := range []string{"/proc/bus", "/proc/fs", "/proc/irq"} {
+	// namespace (kernel.core_pattern, kernel.modprobe): /proc/sys is
+	// always among the read-only paths, and so is the sysrq trigger.
+	for _, p := range append(readOnly, "/proc/sys", "/proc/sysrq-trigger") {
 		if err := unix.Mount(p, p, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
 			if errors.Is(err, unix.ENOENT) {
 				continue
@@ -92,10 +90,20 @@ func enterSandboxRoot(root string) error {
 			return fmt.Errorf("making %s read-only: %w", p, err)
 		}
 	}
-	// The host kernel's masks (the container backend's maskedPaths) that
-	// exist here: kernel state and triggers.
-	for _, p := range []string{"/proc/sysrq-trigger", "/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug", "/proc/kallsyms", "/proc/kpagecount", "/proc/kpageflags", "/proc/kpagecgroup"} {
-		if err := unix.Mount("/dev/null", p, "", unix.MS_BIND, ""); err != nil && !errors.Is(err, unix.ENOENT) {
+	// Kernel state and triggers: a file reads as /dev/null, a directory
+	// as an empty read-only tmpfs.
+	for _, p := range append(masked, "/proc/kcore") {
+		var st unix.Stat_t
+		if err := unix.Lstat(p, &st); err != nil {
+			continue // not on this kernel
+		}
+		var err error
+		if st.Mode&unix.S_IFMT == unix.S_IFDIR {
+			err = unix.Mount("tmpfs", p, "tmpfs", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "size=0,mode=0555")
+		} else {
+			err = unix.Mount("/dev/null", p, "", unix.MS_BIND, "")
+		}
+		if err != nil {
 			return fmt.Errorf("masking %s: %w", p, err)
 		}
 	}
@@ -125,6 +133,30 @@ func limitCaps() error {
 	if _, _, e := syscall.AllThreadsSyscall(unix.SYS_CAPSET, uintptr(unsafe.Pointer(&hdr)), uintptr(unsafe.Pointer(&data[0])), 0); e != 0 {
 		return fmt.Errorf("limiting capabilities: %w", e)
 	}
+	return nil
+}
+
+// installFilter installs prog (Setup.Seccomp, base64) on every thread of
+// this process, and so on everything it starts. It runs while the caller
+// still holds CAP_SYS_ADMIN (no no_new_privs needed).
+func installFilter(b64 string) error {
+	if b64 == "" {
+		return nil
+	}
+	raw, err := base64.StdEncoding.DecodeString(b64)
+	if err != nil || len(raw) == 0 || len(raw)%8 != 0 || len(raw)/8 > 4096 {
+		return fmt.Errorf("malformed seccomp filter (%d bytes): %v", len(raw), err)
+	}
+	prog := make([]unix.SockFilter, len(raw)/8)
+	for i := range prog {
+		b := raw[8*i:]
+		prog[i] = unix.SockFilter{Code: binary.LittleEndian.Uint16(b), Jt: b[2], Jf: b[3], K: binary.LittleEndian.Uint32(b[4:])}
+	}
+	fprog := unix.SockFprog{Len: uint16(len(prog)), Filter: &prog[0]}
+	if _, _, e := syscall.RawSyscall(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, unix.SECCOMP_FILTER_FLAG_TSYNC, uintptr(unsafe.Pointer(&fprog))); e != 0 {
+		return fmt.Errorf("installing the seccomp filter: %w", e)
+	}
+	runtime.KeepAlive(prog)
 	return nil
 }
 
@@ -180,7 +212,7 @@ type spawnReply struct {
 // enters root, drops the capabilities sandboxes do not get, reports
 // ready, then starts what the agent asks and reaps every process of the
 // namespace. It returns when the agent's end closes.
-func RunSandboxInit(root string) error {
+func RunSandboxInit(root, filter, masks string) error {
 	// Nothing the sandbox runs may hold the agent's socket: FileConn
 	// keeps a close-on-exec copy, and fd 3 itself goes now.
 	f3 := os.NewFile(3, "agent")
@@ -199,12 +231,19 @@ func RunSandboxInit(root string) error {
 		return err
 	}
 	setup := func() error {
-		if err := enterSandboxRoot(root); err != nil {
+		m, err := parseMasks(masks)
+		if err != nil {
+			return err
+		}
+		if err := enterSandboxRoot(root, m.Masked, m.ReadOnly); err != nil {
 			return err
 		}
 		// Not traceable, and its /proc entries not readable, by the
 		// sandbox's root: it holds the agent's socket.
 		if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
+			return err
+		}
+		if err := installFilter(filter); err != nil {
 			return err
 		}
 		return limitCaps()
@@ -324,12 +363,19 @@ type privateSpec struct {
 // namespace, in a mount namespace of its own over the sandbox's root, so
 // that what it starts in the background ends with it. It returns only if
 // that fails.
-func RunPrivate(root, specJSON string) error {
+func RunPrivate(root, specJSON, filter, masks string) error {
 	var sp privateSpec
 	if err := json.Unmarshal([]byte(specJSON), &sp); err != nil || len(sp.Args) == 0 {
 		return fmt.Errorf("malformed private run: %v", err)
 	}
-	if err := enterSandboxRoot(root); err != nil {
+	m, err := parseMasks(masks)
+	if err != nil {
+		return err
+	}
+	if err := enterSandboxRoot(root, m.Masked, m.ReadOnly); err != nil {
+		return err
+	}
+	if err := installFilter(filter); err != nil {
 		return err
 	}
 	if err := dropBounding(); err != nil {
@@ -347,6 +393,29 @@ func RunPrivate(root, specJSON string) error {
 	if err := unix.Chdir(sp.Dir); err != nil {
 		return fmt.Errorf("%s: %w", sp.Dir, err)
 	}
-	err := syscall.Exec(sp.Path, sp.Args, sp.Env)
+	err = syscall.Exec(sp.Path, sp.Args, sp.Env)
 	return fmt.Errorf("starting %s: %w", strings.Join(sp.Args[:1], ""), err)
+}
+
+// masks are Setup.Masked and Setup.ReadOnly, as the agent passes them to
+// the init and to private runs (JSON).
+type masks struct {
+	Masked   []string `json:"masked,omitempty"`
+	ReadOnly []string `json:"read_only,omitempty"`
+}
+
+func parseMasks(s string) (masks, error) {
+	var m masks
+	if s == "" {
+		return m, nil
+	}
+	if err := json.Unmarshal([]byte(s), &m); err != nil {
+		return m, fmt.Errorf("malformed masks: %w", err)
+	}
+	for _, p := range append(append([]string(nil), m.Masked...), m.ReadOnly...) {
+		if !strings.HasPrefix(p, "/proc/") && !strings.HasPrefix(p, "/sys/") || strings.Contains(p, "..") {
+			return m, fmt.Errorf("mask %q: not below /proc or /sys", p)
+		}
+	}
+	return m, nil
 }

@@ -163,6 +163,17 @@ type Setup struct {
 	Net *NetSetup `json:"net,omitempty"`
 	// ResolvConf is shown at the sandbox's /etc/resolv.conf.
 	ResolvConf []byte `json:"resolv_conf,omitempty"`
+	// Seccomp is the filter every process of the sandbox runs under
+	// (the container backend's profile as classic BPF: a raw sock_filter
+	// array, little-endian), installed by the sandbox's init and by each
+	// private run before they drop their capabilities. None: no filter.
+	Seccomp []byte `json:"seccomp,omitempty"`
+	// Masked and ReadOnly are the paths of the sandbox's /proc and /sys
+	// its init hides (a file under /dev/null, a directory under an empty
+	// read-only tmpfs) and makes read-only: the container backend's. None
+	// given: the init's own few.
+	Masked   []string `json:"masked,omitempty"`
+	ReadOnly []string `json:"read_only,omitempty"`
 }
 
 // NetSetup is the address of the guest's interface (the one with MAC) and

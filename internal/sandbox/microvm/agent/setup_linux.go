@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -123,7 +125,9 @@ func (s *Server) setup(su Setup) error {
 		unix.Close(cgfd)
 		return fmt.Errorf("refusing user namespaces: %w", err)
 	}
-	sp, err := s.startSpawner(Root, cgfd)
+	filter := base64.StdEncoding.EncodeToString(su.Seccomp)
+	mb, _ := json.Marshal(masks{Masked: su.Masked, ReadOnly: su.ReadOnly})
+	sp, err := s.startSpawner(Root, cgfd, filter, string(mb))
 	if err != nil {
 		unix.Close(cgfd)
 		return err
@@ -131,7 +135,7 @@ func (s *Server) setup(su Setup) error {
 	s.mu.Lock()
 	s.root, s.cgroupFD, s.files = Root, cgfd, fr
 	s.upper, s.upperFS = up, "/rw"
-	s.spawner = sp
+	s.spawner, s.filter, s.masks = sp, filter, string(mb)
 	s.mu.Unlock()
 	return nil
 }

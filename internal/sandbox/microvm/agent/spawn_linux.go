@@ -44,7 +44,7 @@ var errInitGone = errors.New("the sandbox's init has exited (its processes ended
 
 // startSpawner starts the sandbox's init over root, in the guest cgroup
 // cgfd (-1: the agent's), and waits for it to be ready.
-func (s *Server) startSpawner(root string, cgfd int) (*spawner, error) {
+func (s *Server) startSpawner(root string, cgfd int, filter, masks string) (*spawner, error) {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, err
@@ -63,13 +63,13 @@ func (s *Server) startSpawner(root string, cgfd int) (*spawner, error) {
 			_ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUFFORCE, maxSpawnMessage)
 		})
 	}
-	sys := &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID | syscall.CLONE_NEWNS, Setsid: true}
+	sys := &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID | syscall.CLONE_NEWNS | syscall.CLONE_NEWCGROUP, Setsid: true}
 	if cgfd >= 0 {
 		sys.UseCgroupFD, sys.CgroupFD = true, cgfd
 	}
 	attr := &syscall.ProcAttr{Files: []uintptr{devNull(), os.Stderr.Fd(), os.Stderr.Fd(), theirs.Fd()}, Sys: sys}
 	pid, _, err := s.reaper.start(func() (int, error) {
-		return syscall.ForkExec("/proc/self/exe", []string{"dsec-agent", SandboxInitArg, root}, attr)
+		return syscall.ForkExec("/proc/self/exe", []string{"dsec-agent", SandboxInitArg, root, filter, masks}, attr)
 	})
 	if err != nil {
 		conn.Close()
@@ -294,16 +294,19 @@ func (sp *spawner) outerPid(inner int) int {
 // terminal of its own with tty, and returns its pid and the channel of
 // its status.
 func (s *Server) startPrivate(root string, cgfd int, sp privateSpec, tty bool, stdio [3]*os.File) (int, chan syscall.WaitStatus, error) {
+	s.mu.Lock()
+	filter, masks := s.filter, s.masks
+	s.mu.Unlock()
 	b, err := json.Marshal(sp)
 	if err != nil {
 		return 0, nil, err
 	}
-	sys := &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID | syscall.CLONE_NEWNS, Setsid: true, Setctty: tty, Ctty: 0}
+	sys := &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID | syscall.CLONE_NEWNS | syscall.CLONE_NEWCGROUP, Setsid: true, Setctty: tty, Ctty: 0}
 	if cgfd >= 0 {
 		sys.UseCgroupFD, sys.CgroupFD = true, cgfd
 	}
 	attr := &syscall.ProcAttr{Files: []uintptr{stdio[0].Fd(), stdio[1].Fd(), stdio[2].Fd()}, Sys: sys}
 	return s.reaper.start(func() (int, error) {
-		return syscall.ForkExec("/proc/self/exe", []string{"dsec-agent", PrivateArg, root, string(b)}, attr)
+		return syscall.ForkExec("/proc/self/exe", []string{"dsec-agent", PrivateArg, root, string(b), filter, masks}, attr)
 	})
 }
