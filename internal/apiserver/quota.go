@@ -18,8 +18,9 @@ package apiserver
 //     the node's sequence number of the create (api.Sandbox.CreateSeq),
 //     which counts only for an apiserver whose view of that node has a
 //     lower api.Node.CreateSeq, i.e. does not count the sandbox yet: no
-//     clocks are compared, and nothing counts twice; after
-//     reservationDoneTTL every view has polled since, and it is dropped;
+//     clocks are compared, and nothing counts twice; it is dropped after
+//     reservationDoneTTL once the writing apiserver's view counts it
+//     (else after reservationTTL);
 //     a failed create drops its reservation at once;
 //   - a reservation of an apiserver that died mid-create expires after
 //     reservationTTL.
@@ -48,10 +49,15 @@ import (
 // quotaBucket holds the ledgers, by the id of their project.
 const quotaBucket = "quota"
 
+// reservationDoneTTL is how long a done reservation is kept at least:
+// every apiserver's view of its node has usually polled since (about a
+// second). It is kept longer, up to reservationTTL, while the writing
+// apiserver's view does not count it yet (polls held up by a slow store or
+// a busy node): dropped earlier, the sandbox would count nowhere, and a
+// burst got one past its quota that way. A variable for tests.
+var reservationDoneTTL = 5 * time.Second
+
 const (
-	// reservationDoneTTL is how long a done reservation is kept: every
-	// apiserver's view of its node has polled since (about a second).
-	reservationDoneTTL = 5 * time.Second
 	// reservationTTL bounds a reservation whose create never finished
 	// (its apiserver died).
 	reservationTTL = 2 * time.Minute
@@ -297,7 +303,9 @@ func (q *quotas) write(ledger string, batch []*quotaOp) {
 		l.InFlight = inFlight
 		done := l.Done[:0]
 		for _, d := range l.Done {
-			if now.Before(d.At.Add(reservationDoneTTL)) {
+			seen, ok := polled[d.Node]
+			uncounted := ok && d.Seq != 0 && seen < d.Seq
+			if now.Before(d.At.Add(reservationDoneTTL)) || uncounted && now.Before(d.At.Add(reservationTTL)) {
 				done = append(done, d)
 			}
 		}

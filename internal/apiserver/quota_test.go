@@ -139,3 +139,36 @@ func TestQuotaUpTheLineage(t *testing.T) {
 		t.Fatalf("cpu refusal: %s", e.Message)
 	}
 }
+
+// TestQuotaDoneCountsUntilSeen: a done create keeps counting while the
+// view of its node does not show it, however long the node's polls are
+// held up (a slow store, a busy node): past reservationDoneTTL it used to
+// count nowhere, and a create got past the quota.
+func TestQuotaDoneCountsUntilSeen(t *testing.T) {
+	old := reservationDoneTTL
+	reservationDoneTTL = 100 * time.Millisecond
+	t.Cleanup(func() { reservationDoneTTL = old })
+	f := newFixture(t, false)
+	f.mkProject(t, f.admin, "root", "slow", `{"sandboxes":3}`)
+	key, _ := f.mkKey(t, f.admin, "slow", "member")
+	made, _ := f.burst(t, []*httptest.Server{f.srv}, key, `{"base":"base/py:1"}`, 3)
+	if made != 3 {
+		t.Fatalf("%d made of a quota of 3", made)
+	}
+	// No poll of the node; the done entries outlive their TTL, and a
+	// write prunes the ledger.
+	time.Sleep(5 * reservationDoneTTL)
+	for range 3 {
+		resp, body := f.do(t, key, "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
+		wantError(t, resp, body, 429, "quota_exceeded")
+		time.Sleep(reservationDoneTTL)
+	}
+	if n := f.edge.Len(); n != 3 {
+		t.Fatalf("%d sandboxes on the node, quota 3", n)
+	}
+	// Once the view shows them, they count there (and the ledger may
+	// drop them): still full.
+	f.view.Sync(t.Context())
+	resp, body := f.do(t, key, "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
+	wantError(t, resp, body, 429, "quota_exceeded")
+}

@@ -29,12 +29,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
@@ -80,6 +82,13 @@ type GVisor struct {
 	// of its own in which /proc/sys/net is hidden.
 	hideNetSysctl bool
 	log           *slog.Logger
+
+	// sink is the write end of a pipe whose read end a goroutine drains
+	// for as long as the process runs: the stdout and stderr of runsc
+	// create and start, and so of every sandbox's init (sinkOnce makes it).
+	sinkOnce sync.Once
+	sink     *os.File
+	sinkErr  error
 }
 
 var (
@@ -208,37 +217,50 @@ func (g *GVisor) runLogged(ctx context.Context, logPath string, wrap []string, a
 	// Not the host's /dev/null, which os/exec would open for nil stdio:
 	// runsc gives its stdio to the sandbox's user (fchown to nobody), and
 	// the host's /dev/null became nobody's, writable by the Sentry's uid.
-	// A pipe whose other end is closed: stdin reads EOF, and what the
-	// sandbox's init writes fails (EPIPE) instead of landing anywhere.
-	in, out, err := closedPipes()
+	// Pipes instead: stdin one whose other end is closed (EOF), stdout and
+	// stderr the edge's sink, drained and dropped. (A pipe nobody reads
+	// would kill runsc, a Go program, with SIGPIPE at its first warning;
+	// after an edge restart the old sandboxes' writes fail with EPIPE.)
+	in, err := eofPipe()
 	if err != nil {
+		return fmt.Errorf("runsc %s: %w", args[0], err)
+	}
+	out, err := g.drained()
+	if err != nil {
+		in.Close()
 		return fmt.Errorf("runsc %s: %w", args[0], err)
 	}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = in, out, out
 	err = cmd.Run()
 	in.Close()
-	out.Close()
 	if err != nil {
 		return fmt.Errorf("runsc %s: %w: %s", args[0], err, logErrors(logPath))
 	}
 	return nil
 }
 
-// closedPipes returns the read end of a pipe whose write end is closed
-// and the write end of one whose read end is closed.
-func closedPipes() (in, out *os.File, err error) {
-	in, w, err := os.Pipe()
+// eofPipe returns the read end of a pipe whose write end is closed.
+func eofPipe() (*os.File, error) {
+	r, w, err := os.Pipe()
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	w.Close()
-	r, out, err := os.Pipe()
-	if err != nil {
-		in.Close()
-		return nil, nil, err
-	}
-	r.Close()
-	return in, out, nil
+	return r, nil
+}
+
+// drained returns the write end of the sink (see GVisor.sink).
+func (g *GVisor) drained() (*os.File, error) {
+	g.sinkOnce.Do(func() {
+		r, w, err := os.Pipe()
+		if err != nil {
+			g.sinkErr = err
+			return
+		}
+		g.sink = w
+		go func() { _, _ = io.Copy(io.Discard, r) }()
+	})
+	return g.sink, g.sinkErr
 }
 
 // logErrors returns the error lines of a runsc JSON log.
