@@ -220,11 +220,12 @@ func (e *Edge) thawStray(s *sbx, why string) bool {
 	if state != api.StateRunning {
 		return false
 	}
-	if pauser, ok := e.backendOf(s).(sandbox.Pauser); ok {
+	be := e.backendOf(s)
+	if pauser, ok := be.(sandbox.Pauser); ok {
 		// A backend that pauses by itself (gVisor's Sentry stops its
 		// tasks, a VM is saved): a pause cut short after the backend's
 		// and before the record's leaves it paused.
-		st, err := e.backendOf(s).Status(context.Background(), id)
+		st, err := be.Status(context.Background(), id)
 		if err != nil || !st.Paused {
 			return false
 		}
@@ -253,6 +254,8 @@ func (e *Edge) thawStray(s *sbx, why string) bool {
 	e.log.Warn("thawed a running sandbox left frozen (an interrupted pause or snapshot)", "sandbox_id", id, "why", why)
 	return true
 }
+
+func isPauser(be sandbox.Backend) bool { _, ok := be.(sandbox.Pauser); return ok }
 
 // strayFreezeEvery is how many reaper ticks pass between checks that no
 // running sandbox is frozen (a cgroup file read each).
@@ -284,8 +287,8 @@ func (e *Edge) reconcileFreezer(s *sbx) {
 	if state != api.StatePaused {
 		return
 	}
-	if _, ok := e.backendOf(s).(sandbox.Pauser); ok {
-		st, err := e.backendOf(s).Status(context.Background(), id)
+	if be := e.backendOf(s); isPauser(be) {
+		st, err := be.Status(context.Background(), id)
 		if err != nil || !st.Running || st.Paused {
 			return
 		}

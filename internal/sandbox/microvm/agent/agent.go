@@ -533,11 +533,12 @@ func (s *Server) exec(c *conn, m Msg) error {
 		pid, innerPid int
 		wait          chan syscall.WaitStatus
 	)
+	cmd := command{Path: path, Args: m.Args, Env: env, Dir: cwd, UID: cred.Uid, GID: cred.Gid}
 	switch {
 	case m.Private:
-		pid, wait, err = s.startPrivate(root, cgfd, privateSpec{Path: path, Args: m.Args, Env: env, Dir: cwd, UID: cred.Uid, GID: cred.Gid}, m.TTY, [3]*os.File{inR, outW, errW})
+		pid, wait, err = s.startPrivate(root, cgfd, cmd, m.TTY, [3]*os.File{inR, outW, errW})
 	case sp != nil:
-		pid, innerPid, wait, err = sp.spawn(spawnRequest{Path: path, Args: m.Args, Env: env, Dir: cwd, UID: cred.Uid, GID: cred.Gid, TTY: m.TTY}, [3]*os.File{inR, outW, errW})
+		pid, innerPid, wait, err = sp.spawn(spawnRequest{command: cmd, TTY: m.TTY}, [3]*os.File{inR, outW, errW})
 	default:
 		sys := &syscall.SysProcAttr{Setsid: true, Credential: cred, Setctty: m.TTY}
 		if root != "" {

@@ -181,16 +181,22 @@ func dropBounding() error {
 	return nil
 }
 
-// spawnRequest is what the agent asks the sandbox's init to start, with
-// the command's stdin, stdout and stderr as the message's descriptors.
-type spawnRequest struct {
-	Seq  uint64   `json:"seq"`
+// command is a command to start in the sandbox: its path there, argv,
+// environment, directory and ids.
+type command struct {
 	Path string   `json:"path"`
 	Args []string `json:"args"`
 	Env  []string `json:"env"`
 	Dir  string   `json:"dir"`
 	UID  uint32   `json:"uid"`
 	GID  uint32   `json:"gid"`
+}
+
+// spawnRequest is what the agent asks the sandbox's init to start, with
+// the command's stdin, stdout and stderr as the message's descriptors.
+type spawnRequest struct {
+	Seq uint64 `json:"seq"`
+	command
 	// TTY makes stdin the controlling terminal.
 	TTY bool `json:"tty,omitempty"`
 }
@@ -349,22 +355,12 @@ func RunSandboxInit(root, filter, masks string) error {
 	}
 }
 
-// privateSpec is a private run's command, as the agent passes it.
-type privateSpec struct {
-	Path string   `json:"path"`
-	Args []string `json:"args"`
-	Env  []string `json:"env"`
-	Dir  string   `json:"dir"`
-	UID  uint32   `json:"uid"`
-	GID  uint32   `json:"gid"`
-}
-
 // RunPrivate becomes a private run's command: pid 1 of a new pid
 // namespace, in a mount namespace of its own over the sandbox's root, so
 // that what it starts in the background ends with it. It returns only if
 // that fails.
 func RunPrivate(root, specJSON, filter, masks string) error {
-	var sp privateSpec
+	var sp command
 	if err := json.Unmarshal([]byte(specJSON), &sp); err != nil || len(sp.Args) == 0 {
 		return fmt.Errorf("malformed private run: %v", err)
 	}

@@ -67,7 +67,13 @@ func (s *Server) startSpawner(root string, cgfd int, filter, masks string) (*spa
 	if cgfd >= 0 {
 		sys.UseCgroupFD, sys.CgroupFD = true, cgfd
 	}
-	attr := &syscall.ProcAttr{Files: []uintptr{devNull(), os.Stderr.Fd(), os.Stderr.Fd(), theirs.Fd()}, Sys: sys}
+	null, err := os.OpenFile("/dev/null", os.O_RDWR, 0)
+	if err != nil {
+		conn.Close()
+		return nil, err
+	}
+	defer null.Close()
+	attr := &syscall.ProcAttr{Files: []uintptr{null.Fd(), os.Stderr.Fd(), os.Stderr.Fd(), theirs.Fd()}, Sys: sys}
 	pid, _, err := s.reaper.start(func() (int, error) {
 		return syscall.ForkExec("/proc/self/exe", []string{"dsec-agent", SandboxInitArg, root, filter, masks}, attr)
 	})
@@ -97,14 +103,6 @@ func (s *Server) startSpawner(root string, cgfd int, filter, masks string) (*spa
 	}
 	go sp.loop()
 	return sp, nil
-}
-
-func devNull() uintptr {
-	f, err := os.OpenFile("/dev/null", os.O_RDWR, 0)
-	if err != nil {
-		return os.Stdin.Fd()
-	}
-	return f.Fd() // kept open: one per setup
 }
 
 // read reads one message of the init, with the descriptor it carries
@@ -293,7 +291,7 @@ func (sp *spawner) outerPid(inner int) int {
 // startPrivate starts a private run (RunPrivate) of sp with stdio, on a
 // terminal of its own with tty, and returns its pid and the channel of
 // its status.
-func (s *Server) startPrivate(root string, cgfd int, sp privateSpec, tty bool, stdio [3]*os.File) (int, chan syscall.WaitStatus, error) {
+func (s *Server) startPrivate(root string, cgfd int, sp command, tty bool, stdio [3]*os.File) (int, chan syscall.WaitStatus, error) {
 	s.mu.Lock()
 	filter, masks := s.filter, s.masks
 	s.mu.Unlock()
