@@ -1322,12 +1322,12 @@ func printCPReport(r *cpReport) error {
 			fmt.Fprintf(tw, "placement strategies\t%d creates each from empty edges, through apiservers of their own\n", s.Creates)
 		}
 		ov := map[bool]string{true: "overlay", false: "no overlay"}[s.Overlay]
-		fmt.Fprintf(tw, "  %s (k %s), %s\tmax/mean %.3f at the end (stddev %.1f), worst %.3f during; a job's max/mean %.3f; %.0f creates/s, %d failed\n",
-			s.Strategy, s.PlacementK, ov, s.MaxOverMean, s.Stddev, s.WorstDuring, s.JobMaxOverMean, s.CreatesPerSec, s.FailedCreates)
+		fmt.Fprintf(tw, "  %s (k %s), %s\tmax/mean %.3f at the end (stddev %.1f), worst %.3f during; a job's max/mean %.3f; %.0f creates/s, %d failed %v\n",
+			s.Strategy, s.PlacementK, ov, s.MaxOverMean, s.Stddev, s.WorstDuring, s.JobMaxOverMean, s.CreatesPerSec, s.FailedCreates, s.Errors)
 	}
 	if b := r.CloudBurst; b != nil {
-		fmt.Fprintf(tw, "cloud bursting\t%d cloud edges, threshold %.4f (%d per edge, reached after %d creates on average); %d creates, %d failed\n",
-			b.CloudEdges, b.Threshold, b.ThresholdAt, b.ThresholdCreates, b.Creates, b.FailedCreates)
+		fmt.Fprintf(tw, "cloud bursting\t%d cloud edges, threshold %.4f (%d per edge, reached after %d creates on average); %d creates, %d failed %v\n",
+			b.CloudEdges, b.Threshold, b.ThresholdAt, b.ThresholdCreates, b.Creates, b.FailedCreates, b.Errors)
 		fmt.Fprintf(tw, "  \t%d to the cloud pool, the first after %d creates, %d before the threshold; %.1f%% of the creates after it (the pool is %.1f%% of the edges); regular edges hold at least %d\n",
 			b.ToCloud, b.FirstToCloud, b.BeforeThreshold, 100*b.ShareAfter, 100*b.CloudShareOfEdges, b.RegularMin)
 	}

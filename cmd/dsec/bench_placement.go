@@ -73,12 +73,14 @@ func (t *cpTier) stop() {
 // (--placement-compare): the same creates, from empty edges, through
 // apiservers started with that strategy.
 type cpStrategy struct {
-	Strategy      string  `json:"strategy"`
-	PlacementK    string  `json:"placement_k"`
-	Overlay       bool    `json:"overlay"`
-	Creates       int     `json:"creates"`
-	FailedCreates int     `json:"failed_creates"`
-	CreatesPerSec float64 `json:"creates_per_sec"`
+	Strategy      string `json:"strategy"`
+	PlacementK    string `json:"placement_k"`
+	Overlay       bool   `json:"overlay"`
+	Creates       int    `json:"creates"`
+	FailedCreates int    `json:"failed_creates"`
+	// Errors counts the failed creates by their error's first words.
+	Errors        map[string]int `json:"errors,omitempty"`
+	CreatesPerSec float64        `json:"creates_per_sec"`
 	// MaxOverMean and Stddev are the per-edge load once every create is
 	// in the view; WorstDuring is the largest max/mean the view showed
 	// while the burst ran (once the mean was a tenth of its end), where
@@ -139,6 +141,7 @@ func (w *cpWorld) comparePlacement(ctx context.Context, o cpOpts, n int, live *a
 			job := fmt.Sprintf("place-%d-%d", si, j)
 			ph := w.createsVia(ctx, o, tier.clients, job, min(jobSize, n-made), o.rate, time.Time{}, live)
 			r.FailedCreates += ph.fails
+			r.Errors = addCounts(r.Errors, ph.errs)
 			made += min(jobSize, n-made)
 			jobs = append(jobs, job)
 		}
@@ -246,6 +249,8 @@ type cpBurst struct {
 	ThresholdCreates int     `json:"threshold_after_creates"`
 	Creates          int     `json:"creates"`
 	FailedCreates    int     `json:"failed_creates"`
+	// Errors counts the failed creates by their error's first words.
+	Errors map[string]int `json:"errors,omitempty"`
 	// ToCloud counts the creates placed on the cloud pool; FirstToCloud
 	// is how many creates had succeeded before the first one did (in the
 	// order they were answered); BeforeThreshold counts those that went
@@ -298,7 +303,7 @@ func (w *cpWorld) cloudBurst(ctx context.Context, o cpOpts, n int, live *atomic.
 		return nil, err
 	}
 	ph := w.createsVia(ctx, o, tier.clients, "cloud-burst", n, o.rate, time.Time{}, live)
-	out.FailedCreates = ph.fails
+	out.FailedCreates, out.Errors = ph.fails, addCounts(nil, ph.errs)
 	out.FirstToCloud = -1
 	after := 0
 	for i, node := range ph.nodes {
@@ -340,4 +345,16 @@ func (w *cpWorld) cloudBurst(ctx context.Context, o cpOpts, n int, live *atomic.
 		return nil, fmt.Errorf("after the cloud burst was deleted the nodes hold %d, want %d (%v)", held, base, err)
 	}
 	return out, nil
+}
+
+// addCounts adds b's counts to a (made when nil and b has any) and returns
+// it.
+func addCounts(a, b map[string]int) map[string]int {
+	for k, v := range b {
+		if a == nil {
+			a = map[string]int{}
+		}
+		a[k] += v
+	}
+	return a
 }
