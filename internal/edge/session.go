@@ -324,6 +324,14 @@ func (e *Edge) OpenSession(ctx context.Context, id string, req api.SessionReques
 // sandbox is nsPid, or leaves them nil if it cannot be found.
 func (se *session) findShell(be sandbox.Backend, id string, proc sandbox.Proc, nsPid int) {
 	if in, ok := be.(sandbox.InnerSignaler); ok {
+		// The backend's pid for the shell, where it has one: in a gvisor
+		// sandbox it counts in the Sentry's root pid namespace, not in
+		// the sandbox's, where $$ counts.
+		if ip, ok := proc.(sandbox.InnerProc); ok {
+			if pid := ip.InnerPid(); pid > 0 {
+				nsPid = pid
+			}
+		}
 		ctx := context.Background()
 		se.kill = func(self bool) { _ = in.Signal(ctx, id, nsPid, unix.SIGKILL, self, true) }
 		se.usr1 = func() { _ = in.Signal(ctx, id, nsPid, unix.SIGUSR1, true, false) }

@@ -229,7 +229,10 @@ type NetworkFirst interface {
 
 // InnerSignaler is implemented by backends whose sandbox processes have no
 // host pids the edge could signal (a user-space kernel, a VM): their
-// Proc.Pid is 0, and the edge reaches a process by its pid inside.
+// Proc.Pid is 0, and the edge reaches a process by its pid in the
+// backend's kernel (InnerPid: for a VM the pid inside, for gVisor the pid
+// in the Sentry's root pid namespace, which the sandbox's own differs
+// from).
 type InnerSignaler interface {
 	// Signal sends sig to process pid of sandbox id (with self) and to
 	// every descendant of it (with tree).
@@ -238,7 +241,8 @@ type InnerSignaler interface {
 
 // InnerProc is implemented by the Procs of an InnerSignaler backend.
 type InnerProc interface {
-	// InnerPid is the process's pid inside the sandbox (0 if unknown).
+	// InnerPid is the process's pid in the backend's kernel, the one
+	// InnerSignaler.Signal takes (0 if unknown).
 	InnerPid() int
 }
 

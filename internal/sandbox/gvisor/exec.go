@@ -39,9 +39,6 @@ func (g *GVisor) Exec(ctx context.Context, id string, p sandbox.Process) (sandbo
 	if len(p.Args) == 0 {
 		return nil, errors.New("exec: empty argv")
 	}
-	if p.Private {
-		return nil, errdefs.Precondition("the gvisor backend does not offer private runs (a pid namespace beside the sandbox's)")
-	}
 	st, err := readState(g.cfg.StateRoot, id)
 	if err != nil {
 		return nil, err
@@ -49,28 +46,11 @@ func (g *GVisor) Exec(ctx context.Context, id string, p sandbox.Process) (sandbo
 	if st.Status != "running" && st.Status != "paused" {
 		return nil, errdefs.Precondition("gvisor sandbox %s is %s", id, st.Status)
 	}
-	env := p.Env
-	if !hasPath(env) {
-		env = append([]string{container.DefaultPath}, env...)
+	if p.Private {
+		return g.execPrivate(ctx, id, p)
 	}
-	cwd := p.Cwd
-	if cwd == "" {
-		cwd = "/"
-	}
-	// The helper installs the seccomp profile (runsc gives it to init
-	// only) and takes DSEC_SECCOMP out of the environment before the
-	// command sees it.
-	proc := specs.Process{
-		Terminal:        p.TTY,
-		Args:            append([]string{execHelperPath}, p.Args...),
-		Env:             slices.Concat(env, []string{g.filter}),
-		Cwd:             cwd,
-		User:            specs.User{UID: p.UID, GID: p.GID, AdditionalGids: p.AdditionalGIDs},
-		NoNewPrivileges: true,
-		Capabilities:    container.Caps(p.UID),
-		Rlimits:         container.Rlimits(),
-	}
-	data, err := json.Marshal(&proc)
+	proc := g.process(p)
+	data, err := json.Marshal(proc)
 	if err != nil {
 		return nil, fmt.Errorf("encoding process spec: %w", err)
 	}
@@ -83,7 +63,7 @@ func (g *GVisor) Exec(ctx context.Context, id string, p sandbox.Process) (sandbo
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(g.runsc, append(g.flags(), "exec", "--process", "/proc/self/fd/3", "--internal-pid-file", pidFile, id)...)
+	cmd := exec.Command(g.runsc, append(g.flags(), "exec", "--process", "/proc/self/fd/3", "--internal-pid-file", pidFile, g.target(id))...)
 	cmd.ExtraFiles = []*os.File{mf}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = p.Stdin, p.Stdout, p.Stderr
 	if p.TTY {
@@ -110,6 +90,30 @@ func (g *GVisor) Exec(ctx context.Context, id string, p sandbox.Process) (sandbo
 		return nil, fmt.Errorf("starting runsc exec: %w", err)
 	}
 	return &gproc{g: g, id: id, cmd: cmd, pidFile: pidFile}, nil
+}
+
+// process is the OCI process that runs p. The helper installs the seccomp
+// profile (runsc gives it to a container's init only) and takes
+// DSEC_SECCOMP out of the environment before the command sees it.
+func (g *GVisor) process(p sandbox.Process) *specs.Process {
+	env := p.Env
+	if !hasPath(env) {
+		env = append([]string{container.DefaultPath}, env...)
+	}
+	cwd := p.Cwd
+	if cwd == "" {
+		cwd = "/"
+	}
+	return &specs.Process{
+		Terminal:        p.TTY,
+		Args:            append([]string{execHelperPath}, p.Args...),
+		Env:             slices.Concat(env, []string{g.filter}),
+		Cwd:             cwd,
+		User:            specs.User{UID: p.UID, GID: p.GID, AdditionalGids: p.AdditionalGIDs},
+		NoNewPrivileges: true,
+		Capabilities:    container.Caps(p.UID),
+		Rlimits:         container.Rlimits(),
+	}
 }
 
 func hasPath(env []string) bool {
@@ -277,7 +281,7 @@ func (g *GVisor) Signal(ctx context.Context, id string, pid int, sig syscall.Sig
 // kill sends sig to process pid of sandbox id; one that has ended is no
 // error.
 func (g *GVisor) kill(ctx context.Context, id string, pid int, sig syscall.Signal) error {
-	_, err := g.run(ctx, "kill", "--pid", strconv.Itoa(pid), id, strconv.Itoa(int(sig)))
+	_, err := g.run(ctx, "kill", "--pid", strconv.Itoa(pid), g.target(id), strconv.Itoa(int(sig)))
 	g.log.Debug("signalling a gvisor sandbox's process", "sandbox_id", id, "pid", pid, "signal", int(sig), "err", err)
 	if err != nil && strings.Contains(err.Error(), "no such process") {
 		return nil
@@ -290,7 +294,7 @@ type psEntry struct{ pid, ppid int }
 
 // ps lists the sandbox's processes.
 func (g *GVisor) ps(ctx context.Context, id string) ([]psEntry, error) {
-	out, err := g.run(ctx, "ps", id)
+	out, err := g.run(ctx, "ps", g.target(id))
 	if err != nil {
 		if _, serr := readState(g.cfg.StateRoot, id); errors.Is(serr, errdefs.ErrNotFound) {
 			return nil, serr

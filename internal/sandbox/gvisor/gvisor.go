@@ -21,6 +21,17 @@
 // The edge owns the process tree of none of the sandbox's programs: host
 // pids are the Sentry's and the gofer's, so commands are started, listed
 // and killed through runsc (exec, ps, kill).
+//
+// A sandbox is three kinds of container in one Sentry. The root container
+// (named as the sandbox) holds the cgroup, the network and the Sentry's
+// root pid namespace, and runs only the follower (seccomp_exec.csrc), which
+// ends the sandbox when the sandbox's init is gone. The sandbox's own
+// container ("w-" and the id) is a subcontainer in a pid namespace of its
+// own, and every command runs in it. A private run (a grader's) is one more
+// subcontainer ("p", a number, "-" and the id) on the same rootfs, in a pid
+// namespace beside the sandbox's: gVisor makes each subcontainer's pid
+// namespace a child of the root's, so the sandbox's processes cannot see or
+// signal it, while the root, where nothing of the sandbox runs, could.
 package gvisor
 
 import (
@@ -34,6 +45,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -81,7 +93,10 @@ type GVisor struct {
 	// for the host's (see startArgs); it then runs in a mount namespace
 	// of its own in which /proc/sys/net is hidden.
 	hideNetSysctl bool
-	log           *slog.Logger
+	// pauseRoot is the root filesystem of every sandbox's root container:
+	// empty but for its mount points, read-only.
+	pauseRoot string
+	log       *slog.Logger
 
 	// sink is the write end of a pipe whose read end a goroutine drains
 	// for as long as the process runs: the stdout and stderr of runsc
@@ -136,8 +151,14 @@ func New(cfg Config) (*GVisor, error) {
 	if err != nil {
 		return nil, err
 	}
+	pauseRoot := filepath.Join(cfg.StateRoot, "pause-root")
+	for _, d := range []string{"dev", "proc"} {
+		if err := os.MkdirAll(filepath.Join(pauseRoot, d), 0o555); err != nil {
+			return nil, fmt.Errorf("creating the root container's rootfs: %w", err)
+		}
+	}
 	return &GVisor{cfg: cfg, runsc: rs, seccomp: container.SeccompProfile(), helper: helper, filter: "DSEC_SECCOMP=" + filter,
-		hideNetSysctl: netSysctlEverywhere(), log: log}, nil
+		hideNetSysctl: netSysctlEverywhere(), pauseRoot: pauseRoot, log: log}, nil
 }
 
 // Name implements sandbox.Backend.
@@ -299,7 +320,8 @@ func (g *GVisor) Create(ctx context.Context, cfg sandbox.Config) (err error) {
 	case cfg.UserNS != nil:
 		return errdefs.Precondition("the gvisor backend does not run sandboxes in a host user namespace (root inside is the Sentry's, not the host's); omit userns")
 	}
-	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
+	workload := filepath.Join(cfg.Dir, "workload")
+	if err := os.MkdirAll(workload, 0o700); err != nil {
 		return fmt.Errorf("creating bundle dir: %w", err)
 	}
 	// /tmp is the rootfs's own (as in a container): without a mount there,
@@ -307,11 +329,16 @@ func (g *GVisor) Create(ctx context.Context, cfg sandbox.Config) (err error) {
 	if err := ensureTmp(cfg.Rootfs); err != nil {
 		return err
 	}
-	data, err := json.Marshal(g.spec(cfg))
+	if err := writeSpec(cfg.Dir, g.rootSpec(cfg)); err != nil {
+		return err
+	}
+	// The bundle goes once the sandbox runs; private runs start from the
+	// copy kept with the backend's state.
+	wspec, err := json.Marshal(subcontainer(g.spec(cfg), cfg.ID))
 	if err != nil {
 		return fmt.Errorf("encoding OCI spec: %w", err)
 	}
-	if err := os.WriteFile(filepath.Join(cfg.Dir, "config.json"), data, 0o600); err != nil {
+	if err := os.WriteFile(filepath.Join(workload, "config.json"), wspec, 0o600); err != nil {
 		return fmt.Errorf("writing OCI spec: %w", err)
 	}
 	// Once started, runsc is not killed when ctx ends (half a create can
@@ -329,8 +356,11 @@ func (g *GVisor) Create(ctx context.Context, cfg sandbox.Config) (err error) {
 		}
 	}()
 	// First: a failed create's cgroup is found by it.
-	if err := g.saveMeta(cfg.ID, meta{Pids: cfg.Limits.Pids, Cgroup: cfg.CgroupPath}); err != nil {
+	if err := g.saveMeta(cfg.ID, meta{Pids: cfg.Limits.Pids, Cgroup: cfg.CgroupPath, Split: true}); err != nil {
 		return err
+	}
+	if err := os.WriteFile(g.specPath(cfg.ID), wspec, 0o600); err != nil {
+		return fmt.Errorf("saving sandbox spec: %w", err)
 	}
 	logPath := filepath.Join(cfg.Dir, "runsc.log")
 	if err := g.runLogged(rctx, logPath, nil, "create", "--bundle", cfg.Dir, cfg.ID); err != nil {
@@ -350,7 +380,72 @@ func (g *GVisor) Create(ctx context.Context, cfg sandbox.Config) (err error) {
 			return fmt.Errorf("attaching network: %w", err)
 		}
 	}
-	return g.runLogged(rctx, logPath, g.startWrap(), "start", cfg.ID)
+	if err := g.runLogged(rctx, logPath, g.startWrap(), "start", cfg.ID); err != nil {
+		return err
+	}
+	if err := g.runLogged(rctx, logPath, nil, "create", "--bundle", workload, workloadID(cfg.ID)); err != nil {
+		return err
+	}
+	return g.runLogged(rctx, logPath, nil, "start", workloadID(cfg.ID))
+}
+
+// workloadID is the container id of sandbox id's own container.
+func workloadID(id string) string { return "w-" + id }
+
+// target is the container id commands of sandbox id run in: its own
+// container, or for a sandbox made before the root was split from it, the
+// one container it has.
+func (g *GVisor) target(id string) string {
+	if g.meta(id).Split {
+		return workloadID(id)
+	}
+	return id
+}
+
+// writeSpec writes spec as dir's config.json.
+func writeSpec(dir string, spec *specs.Spec) error {
+	data, err := json.Marshal(spec)
+	if err != nil {
+		return fmt.Errorf("encoding OCI spec: %w", err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "config.json"), data, 0o600); err != nil {
+		return fmt.Errorf("writing OCI spec: %w", err)
+	}
+	return nil
+}
+
+// subcontainer makes spec that of a container in sandbox id's Sentry: its
+// cgroup and limits are the root container's (runsc would otherwise apply
+// them again, and remove the cgroup when the subcontainer goes).
+func subcontainer(spec *specs.Spec, id string) *specs.Spec {
+	spec.Annotations = map[string]string{
+		"io.kubernetes.cri.container-type": "container",
+		"io.kubernetes.cri.sandbox-id":     id,
+	}
+	spec.Linux.CgroupsPath = ""
+	spec.Linux.Resources = nil
+	return spec
+}
+
+// rootSpec is the root container's: the sandbox's cgroup, limits, hostname
+// and namespaces, the follower as its only process, no capabilities.
+func (g *GVisor) rootSpec(cfg sandbox.Config) *specs.Spec {
+	spec := g.spec(cfg)
+	spec.Root = &specs.Root{Path: g.pauseRoot, Readonly: true}
+	spec.Mounts = []specs.Mount{
+		{Destination: "/proc", Type: "proc", Source: "proc", Options: []string{"nosuid", "noexec", "nodev"}},
+		{Destination: "/dev", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "noexec", "mode=755", "size=64k"}},
+		{Destination: execHelperPath, Type: "bind", Source: g.helper, Options: []string{"bind", "ro", "nosuid", "nodev"}},
+	}
+	spec.Process = &specs.Process{
+		Args:            []string{execHelperPath, "--dsec-follow"},
+		Env:             []string{container.DefaultPath},
+		Cwd:             "/",
+		NoNewPrivileges: true,
+		OOMScoreAdj:     container.OOMScoreAdj(),
+		Capabilities:    &specs.LinuxCapabilities{},
+	}
+	return spec
 }
 
 // startWrap is the command runsc start runs under, if any.
@@ -458,6 +553,11 @@ func rlimits(pids int64) []specs.POSIXRlimit {
 type meta struct {
 	Pids   int64  `json:"pids,omitempty"`
 	Cgroup string `json:"cgroup,omitempty"`
+	// Split says the sandbox's own container is a subcontainer, whose
+	// spec (specPath) private runs start from; false for a sandbox whose
+	// one container is both root and its own (made by an older dsec: no
+	// private runs).
+	Split bool `json:"split,omitempty"`
 }
 
 func (g *GVisor) metaPath(id string) string {
@@ -484,7 +584,15 @@ func (g *GVisor) meta(id string) meta {
 	return m
 }
 
-func (g *GVisor) forget(id string) { _ = os.Remove(g.metaPath(id)) }
+// specPath is where the spec of sandbox id's own container is kept.
+func (g *GVisor) specPath(id string) string {
+	return filepath.Join(g.cfg.StateRoot, "dsec", id+".spec.json")
+}
+
+func (g *GVisor) forget(id string) {
+	_ = os.Remove(g.specPath(id))
+	_ = os.Remove(g.metaPath(id))
+}
 
 // loUp sets lo up in the network namespace of pid.
 func loUp(pid int) error {
@@ -609,13 +717,37 @@ func (g *GVisor) Destroy(ctx context.Context, id string) error {
 			return fmt.Errorf("removing sandbox cgroup: %w", err)
 		}
 	}
-	for _, p := range []string{statePath(g.cfg.StateRoot, id), filepath.Join(g.cfg.StateRoot, id+"_sandbox:"+id+".lock")} {
+	// Private runs' bundles (left by an edge that died while they ran),
+	// then every container's state and lock files: the root's last, as
+	// List finds a sandbox by it.
+	bundles, _ := filepath.Glob(filepath.Join(g.cfg.StateRoot, "private", "p????????????-"+id))
+	for _, b := range bundles {
+		if err := os.RemoveAll(b); err != nil {
+			return fmt.Errorf("removing a private run's bundle: %w", err)
+		}
+	}
+	files, _ := filepath.Glob(filepath.Join(g.cfg.StateRoot, "*_sandbox:"+id+".*"))
+	slices.SortFunc(files, func(a, b string) int {
+		return cmpBool(filepath.Base(a) == id+"_sandbox:"+id+".state", filepath.Base(b) == id+"_sandbox:"+id+".state")
+	})
+	for _, p := range files {
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return fmt.Errorf("removing runsc state: %w", err)
 		}
 	}
 	g.forget(id)
 	return nil
+}
+
+// cmpBool orders false before true.
+func cmpBool(a, b bool) int {
+	switch {
+	case a == b:
+		return 0
+	case a:
+		return 1
+	}
+	return -1
 }
 
 // killWait SIGKILLs the Sentry of sandbox id through a pidfd and waits

@@ -8,8 +8,10 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/dsecproject/dsec/internal/cgroup"
 	"github.com/dsecproject/dsec/internal/errdefs"
@@ -113,5 +115,62 @@ func TestStaleStateKillsNobody(t *testing.T) {
 	}
 	if _, err := g.Status(context.Background(), "ghost"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("status after destroy: %v, want not found", err)
+	}
+}
+
+// TestInitExitEndsSandbox: the sandbox's init runs in a subcontainer under
+// a root container that does nothing of the sandbox's; when the init dies
+// the sandbox must end (the root's follower exits, and with it the
+// Sentry), as it would with one container, not linger as running. The
+// sandbox's commands, a private run's and the root's processes live in
+// three pid namespaces; a private run sees only its own.
+func TestInitExitEndsSandbox(t *testing.T) {
+	g := newTestBackend(t)
+	ctx := context.Background()
+	id := "init-exit-" + strconv.Itoa(os.Getpid())
+	if err := g.Create(ctx, sandbox.Config{ID: id, Dir: t.TempDir(), Rootfs: sandboxtest.BusyboxRootfs(t), Hostname: id}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = g.Destroy(ctx, id) })
+	run := func(private bool, cmd string) string {
+		t.Helper()
+		var out strings.Builder
+		p, err := g.Exec(ctx, id, sandbox.Process{Args: []string{"/bin/sh", "-c", cmd}, Stdout: &out, Stderr: &out, Private: private})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if code, err := p.Wait(); code != 0 || err != nil {
+			t.Fatalf("%q (private %v): exit %d, %v: %s", cmd, private, code, err, out.String())
+		}
+		return strings.TrimSpace(out.String())
+	}
+	if got := run(true, "echo $$; ls /proc | grep -c '^[0-9]'"); got != "1\n3" {
+		t.Fatalf("a private run sees pid %q, want itself as 1 and three processes (it, ls and grep)", got)
+	}
+	if got := run(false, "cat /proc/1/cmdline | tr '\\0' ' '"); got != "/dev/init -P" {
+		t.Fatalf("the sandbox's pid 1 is %q, want its init", got)
+	}
+	if _, err := g.run(ctx, "kill", workloadID(id), "9"); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		st, err := g.Status(ctx, id)
+		if err == nil && !st.Running {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("10 s after its init was killed the sandbox is %+v, %v; want not running", st, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if err := g.Destroy(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	if left, _ := filepath.Glob(filepath.Join(g.cfg.StateRoot, "*"+id+"*")); len(left) != 0 {
+		t.Fatalf("left after destroy: %v", left)
+	}
+	if left, _ := filepath.Glob(filepath.Join(g.cfg.StateRoot, "dsec", "*"+id+"*")); len(left) != 0 {
+		t.Fatalf("left after destroy: %v", left)
 	}
 }
