@@ -45,7 +45,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -157,8 +156,10 @@ func New(cfg Config) (*GVisor, error) {
 			return nil, fmt.Errorf("creating the root container's rootfs: %w", err)
 		}
 	}
-	return &GVisor{cfg: cfg, runsc: rs, seccomp: container.SeccompProfile(), helper: helper, filter: "DSEC_SECCOMP=" + filter,
-		hideNetSysctl: netSysctlEverywhere(), pauseRoot: pauseRoot, log: log}, nil
+	g := &GVisor{cfg: cfg, runsc: rs, seccomp: container.SeccompProfile(), helper: helper, filter: "DSEC_SECCOMP=" + filter,
+		hideNetSysctl: netSysctlEverywhere(), pauseRoot: pauseRoot, log: log}
+	g.removeOrphans(filepath.Join(cfg.StateRoot, "private"))
+	return g, nil
 }
 
 // Name implements sandbox.Backend.
@@ -702,6 +703,9 @@ func (g *GVisor) List(ctx context.Context) ([]string, error) {
 func (g *GVisor) Destroy(ctx context.Context, id string) error {
 	st, err := readState(g.cfg.StateRoot, id)
 	if errors.Is(err, errdefs.ErrNotFound) {
+		if err := g.removeState(id); err != nil {
+			return err
+		}
 		g.forget(id)
 		return nil
 	}
@@ -717,37 +721,39 @@ func (g *GVisor) Destroy(ctx context.Context, id string) error {
 			return fmt.Errorf("removing sandbox cgroup: %w", err)
 		}
 	}
-	// Private runs' bundles (left by an edge that died while they ran),
-	// then every container's state and lock files: the root's last, as
-	// List finds a sandbox by it.
+	if err := g.removeState(id); err != nil {
+		return err
+	}
+	g.forget(id)
+	return nil
+}
+
+// removeState removes the bundles of sandbox id's private runs (left by an
+// edge that died while they ran), then the state and lock files of every
+// container of it: the root's last, as List finds a sandbox by them.
+func (g *GVisor) removeState(id string) error {
 	bundles, _ := filepath.Glob(filepath.Join(g.cfg.StateRoot, "private", "p????????????-"+id))
 	for _, b := range bundles {
 		if err := os.RemoveAll(b); err != nil {
 			return fmt.Errorf("removing a private run's bundle: %w", err)
 		}
 	}
-	files, _ := filepath.Glob(filepath.Join(g.cfg.StateRoot, "*_sandbox:"+id+".*"))
-	slices.SortFunc(files, func(a, b string) int {
-		return cmpBool(filepath.Base(a) == id+"_sandbox:"+id+".state", filepath.Base(b) == id+"_sandbox:"+id+".state")
-	})
+	var files []string
+	for _, ext := range []string{".lock", ".state"} {
+		subs, _ := filepath.Glob(filepath.Join(g.cfg.StateRoot, "*_sandbox:"+id+ext))
+		for _, f := range subs {
+			if filepath.Base(f) != id+"_sandbox:"+id+ext {
+				files = append(files, f)
+			}
+		}
+	}
+	files = append(files, filepath.Join(g.cfg.StateRoot, id+"_sandbox:"+id+".lock"), statePath(g.cfg.StateRoot, id))
 	for _, p := range files {
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return fmt.Errorf("removing runsc state: %w", err)
 		}
 	}
-	g.forget(id)
 	return nil
-}
-
-// cmpBool orders false before true.
-func cmpBool(a, b bool) int {
-	switch {
-	case a == b:
-		return 0
-	case a:
-		return 1
-	}
-	return -1
 }
 
 // killWait SIGKILLs the Sentry of sandbox id through a pidfd and waits

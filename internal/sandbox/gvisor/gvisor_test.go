@@ -128,7 +128,7 @@ func TestInitExitEndsSandbox(t *testing.T) {
 	g := newTestBackend(t)
 	ctx := context.Background()
 	id := "init-exit-" + strconv.Itoa(os.Getpid())
-	if err := g.Create(ctx, sandbox.Config{ID: id, Dir: t.TempDir(), Rootfs: sandboxtest.BusyboxRootfs(t), Hostname: id}); err != nil {
+	if err := g.Create(ctx, sandbox.Config{ID: id, Dir: t.TempDir(), Rootfs: sandboxtest.BusyboxRootfs(t), Hostname: id, Limits: sandbox.Limits{Pids: 64}}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = g.Destroy(ctx, id) })
@@ -146,6 +146,10 @@ func TestInitExitEndsSandbox(t *testing.T) {
 	}
 	if got := run(true, "echo $$; ls /proc | grep -c '^[0-9]'"); got != "1\n3" {
 		t.Fatalf("a private run sees pid %q, want itself as 1 and three processes (it, ls and grep)", got)
+	}
+	// A private run is held to the sandbox's limits (pids: RLIMIT_NPROC).
+	if got := run(true, "ulimit -u"); got != "64" {
+		t.Fatalf("a private run's RLIMIT_NPROC is %q, want the sandbox's 64", got)
 	}
 	if got := run(false, "cat /proc/1/cmdline | tr '\\0' ' '"); got != "/dev/init -P" {
 		t.Fatalf("the sandbox's pid 1 is %q, want its init", got)

@@ -5,7 +5,6 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -29,7 +28,8 @@ func (g *GVisor) execPrivate(ctx context.Context, id string, p sandbox.Process) 
 	if p.TTY {
 		return nil, errdefs.Precondition("a private run has no terminal")
 	}
-	if !g.meta(id).Split {
+	m := g.meta(id)
+	if !m.Split {
 		return nil, errdefs.Precondition("gvisor sandbox %s was made by a dsec without private runs (its commands share the Sentry's root pid namespace): recreate it for them", id)
 	}
 	var spec specs.Spec
@@ -50,11 +50,14 @@ func (g *GVisor) execPrivate(ctx context.Context, id string, p sandbox.Process) 
 		return nil, fmt.Errorf("creating private run bundle: %w", err)
 	}
 	spec.Process = g.process(p)
+	// A subcontainer's init gets its own spec's rlimits: the sandbox's.
+	spec.Process.Rlimits = rlimits(m.Pids)
 	if err := writeSpec(dir, subcontainer(&spec, id)); err != nil {
 		os.RemoveAll(dir)
 		return nil, err
 	}
 	pr := &privateProc{g: g, cid: cid, dir: dir, done: make(chan struct{})}
+	pr.waitCtx, pr.cancelWait = context.WithCancel(context.Background())
 	if err := pr.start(ctx, p); err != nil {
 		pr.remove()
 		return nil, fmt.Errorf("starting private run: %w", err)
@@ -74,6 +77,10 @@ type privateProc struct {
 	// copied (or given up on, copyGrace after it exited).
 	outs []*os.File
 	done chan struct{}
+	// waitCtx bounds runsc wait: Kill ends it if the run does not end
+	// after its SIGKILL (a Sentry that hangs).
+	waitCtx    context.Context
+	cancelWait context.CancelFunc
 
 	once sync.Once
 	code int
@@ -90,8 +97,9 @@ func (pr *privateProc) start(ctx context.Context, p sandbox.Process) error {
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), runscTimeout)
 	defer cancel()
 	logPath := filepath.Join(pr.dir, "runsc.log")
-	if _, err := pr.g.run(rctx, "--log", logPath, "create", "--bundle", pr.dir, pr.cid); err != nil {
-		return err
+	logFlags := []string{"--log", logPath, "--log-format", "json"}
+	if _, err := pr.g.run(rctx, append(logFlags, "create", "--bundle", pr.dir, pr.cid)...); err != nil {
+		return fmt.Errorf("runsc create: %w: %s", err, logErrors(logPath))
 	}
 	inR, inW, err := os.Pipe()
 	if err != nil {
@@ -122,7 +130,7 @@ func (pr *privateProc) start(ctx context.Context, p sandbox.Process) error {
 			_, _ = io.Copy(w, r)
 		}()
 	}
-	cmd := pr.g.command(rctx, "start", pr.cid)
+	cmd := pr.g.command(rctx, append(logFlags, "start", pr.cid)...)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = ends[0], ends[1], ends[2]
 	if err := cmd.Run(); err != nil {
 		inW.Close()
@@ -149,7 +157,8 @@ func (pr *privateProc) closeOuts() {
 func (pr *privateProc) Wait() (int, error) {
 	pr.once.Do(func() {
 		defer close(pr.done)
-		out, err := pr.g.run(context.Background(), "wait", pr.cid)
+		defer pr.cancelWait()
+		out, err := pr.g.run(pr.waitCtx, "wait", pr.cid)
 		var st struct {
 			ExitStatus int `json:"exitStatus"`
 		}
@@ -166,6 +175,10 @@ func (pr *privateProc) Wait() (int, error) {
 		select {
 		case <-copied:
 		case <-time.After(copyGrace):
+			// Closing the read ends ends the copies: none writes after
+			// Wait has returned.
+			pr.closeOuts()
+			<-copied
 		}
 		pr.closeOuts()
 		go pr.remove()
@@ -192,14 +205,37 @@ func (pr *privateProc) Kill() error {
 		return nil
 	default:
 	}
-	_, err := pr.g.run(context.Background(), "kill", "--all", pr.cid, "9")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	_, err := pr.g.run(ctx, "kill", "--all", pr.cid, "9")
+	// Its wait ends with it; if it does not (a Sentry that hangs), the
+	// wait is given up after a while, so that no caller waits for ever.
+	go func() {
+		select {
+		case <-pr.done:
+		case <-time.After(killGrace):
+			pr.cancelWait()
+		}
+	}()
 	if err != nil && (strings.Contains(err.Error(), "no such process") || strings.Contains(err.Error(), "stopped")) {
 		return nil
 	}
-	if errors.Is(err, context.Canceled) {
-		return nil
-	}
 	return err
+}
+
+// killGrace is how long Kill lets a private run's wait go on after its
+// SIGKILL before it ends the wait.
+const killGrace = 10 * time.Second
+
+// removeOrphans deletes the containers of private runs an edge that died
+// left (their bundles are in dir): each runs on, unwaited for, until its
+// sandbox goes otherwise.
+func (g *GVisor) removeOrphans(dir string) {
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		pr := &privateProc{g: g, cid: e.Name(), dir: filepath.Join(dir, e.Name())}
+		pr.remove()
+	}
 }
 
 // Pid implements sandbox.Proc: no host pid.
