@@ -1,6 +1,11 @@
 package e2e
 
 import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -200,4 +205,140 @@ func TestRedteamPausedRunningGVisor(t *testing.T) {
 		}
 	}
 	loggedBy(t, viaCheck.ID, msg, `why="liveness check"`)
+}
+
+// qmpByHand runs one QMP command (a name, or a whole JSON request) on the
+// VMM of microVM sandbox id, behind the daemon's back, and returns the
+// reply line.
+func qmpByHand(t *testing.T, id, command string) string {
+	t.Helper()
+	conn, err := net.Dial("unix", filepath.Join(d.stateDir, "microvm", "vm", id, "qmp.sock"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+	r := bufio.NewReader(conn)
+	if _, err := r.ReadString('\n'); err != nil { // the greeting
+		t.Fatal(err)
+	}
+	for _, cmd := range []string{"qmp_capabilities", command} {
+		req := cmd
+		if !strings.HasPrefix(cmd, "{") {
+			req = fmt.Sprintf("{\"execute\":%q}", cmd)
+		}
+		if _, err := fmt.Fprintln(conn, req); err != nil {
+			t.Fatal(err)
+		}
+		for {
+			line, err := r.ReadString('\n')
+			if err != nil {
+				t.Fatalf("qmp %s: %v", cmd, err)
+			}
+			if strings.Contains(line, `"return"`) || strings.Contains(line, `"error"`) {
+				if cmd == command {
+					return line
+				}
+				break
+			}
+		}
+	}
+	return ""
+}
+
+// TestRedteamPausedRunningMicroVM is class 5 for microVMs, whose pause
+// saves the VM to a file and ends its VMM: an edge killed during it leaves
+// a VMM whose guest is stopped (mid-migration, or done and waiting for the
+// quit that never came) while the record and the backend's meta say
+// running, or a VMM gone with a whole snapshot the meta does not know of.
+// One VM is stopped by hand (QMP stop), one has its pause cut by kill -9,
+// and one is saved by hand while the daemon is down, its VMM quit and its
+// meta left saying a save began (as an edge killed between the VMM's quit
+// and its record leaves it); after the restart all three answer, and what
+// ran in them runs on.
+func TestRedteamPausedRunningMicroVM(t *testing.T) {
+	needMicroVM(t)
+	restartDaemonOnCleanup(t)
+	byHand := vmSandbox(t, api.SandboxSpec{})
+	midPause := vmSandbox(t, api.SandboxSpec{})
+	afterQuit := vmSandbox(t, api.SandboxSpec{})
+	all := []*api.Sandbox{byHand, midPause, afterQuit}
+	for _, sb := range all {
+		sh(t, sb.ID, "sleep 1000 >/dev/null 2>&1 </dev/null & echo $! > /root/bg")
+	}
+	if r := qmpByHand(t, byHand.ID, "stop"); !strings.Contains(r, "return") {
+		t.Fatalf("qmp stop: %s", r)
+	}
+	// The attack works: a stopped guest answers nothing. (Not even the
+	// exec's own timeout: the agent cannot be told to kill the command,
+	// so the call is given up on here.)
+	sctx, cancel := context.WithTimeout(ctx(t), 5*time.Second)
+	res, err := client.Exec(sctx, byHand.ID, api.ExecRequest{Cmd: "echo alive", Timeout: 2})
+	cancel()
+	if err == nil && res.Stdout == "alive\n" {
+		t.Fatal("a VM stopped by hand still answers: the test cannot tell")
+	}
+	go func() { _, _ = client.Pause(context.Background(), midPause.ID) }()
+	time.Sleep(300 * time.Millisecond)
+	d.kill9()
+	saveByHand(t, afterQuit.ID)
+	if err := d.start(); err != nil {
+		t.Fatal(err)
+	}
+	for _, sb := range all {
+		execWithin(t, sb.ID, 60*time.Second)
+		if r := sh(t, sb.ID, "kill -0 $(cat /root/bg) && echo running"); r.Stdout != "running\n" {
+			t.Fatalf("%s: the background command is gone after the restart: %+v", sb.ID, r)
+		}
+		if got, err := client.GetSandbox(ctx(t), sb.ID); err != nil || got.State != api.StateRunning {
+			t.Fatalf("%s after the restart: %+v %v", sb.ID, got, err)
+		}
+	}
+	loggedBy(t, byHand.ID, "resumed a running sandbox left paused", "why=adoption")
+	loggedBy(t, afterQuit.ID, "saved by an edge that died before recording it", "")
+	loggedBy(t, afterQuit.ID, "resumed a running sandbox left paused", "why=recovery")
+	for _, line := range strings.Split(logSince(0), "\n") {
+		if strings.Contains(line, midPause.ID) && (strings.Contains(line, "resumed") || strings.Contains(line, "saved by an edge") || strings.Contains(line, "adopted")) {
+			t.Logf("the VM whose pause was cut: %s", line)
+		}
+	}
+}
+
+// saveByHand saves microVM sandbox id to its snapshot file and quits its
+// VMM, as the backend's pause does, and leaves its meta saying a save
+// began (the daemon must be down).
+func saveByHand(t *testing.T, id string) {
+	t.Helper()
+	dir := filepath.Join(d.stateDir, "microvm", "vm", id)
+	qmpByHand(t, id, "stop")
+	if r := qmpByHand(t, id, `{"execute":"migrate","arguments":{"uri":"exec:cat > `+filepath.Join(dir, "snapshot")+`"}}`); !strings.Contains(r, "return") {
+		t.Fatalf("qmp migrate: %s", r)
+	}
+	for deadline := time.Now().Add(60 * time.Second); !strings.Contains(qmpByHand(t, id, "query-migrate"), `"completed"`); time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the migration to the snapshot did not complete within 60 s")
+		}
+	}
+	pids := vmmsOf(t, id)
+	qmpByHand(t, id, "quit")
+	for deadline := time.Now().Add(10 * time.Second); len(vmmsOf(t, id)) != 0; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the VMM did not quit: %v", pids)
+		}
+	}
+	var m map[string]any
+	b, err := os.ReadFile(filepath.Join(dir, "meta.json"))
+	if err == nil {
+		err = json.Unmarshal(b, &m)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	m["saving"] = true
+	if b, err = json.Marshal(m); err == nil {
+		err = os.WriteFile(filepath.Join(dir, "meta.json"), b, 0o600)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
 }

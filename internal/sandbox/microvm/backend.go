@@ -79,6 +79,9 @@ type vmSlot struct {
 	// agent, while saved, is the client of the agent as it was when the
 	// VM was saved (suspended): resumed, the VM goes on with it.
 	agent *agent.Client
+	// loaded says the slot was read saved from its meta, written by an
+	// earlier edge, which may have left a VMM resuming it.
+	loaded bool
 }
 
 // live reports whether the slot holds a VM, running or saved.
@@ -95,6 +98,10 @@ type meta struct {
 	CPUQuotaUs int64 `json:"cpu_quota_us,omitempty"`
 	// Saved says the VM is paused to its snapshot file (no VMM runs).
 	Saved bool `json:"saved,omitempty"`
+	// Saving says a save began and has not been recorded as done or
+	// failed: an edge that finds it so, with the VMM gone and the
+	// snapshot whole, takes the VM for saved (see slot).
+	Saving bool `json:"saving,omitempty"`
 	// Start is what the VMM was started with, to resume it the same way.
 	Start startConfig `json:"start"`
 }
@@ -352,7 +359,7 @@ func (b *Backend) slot(ctx context.Context, id string) *vmSlot {
 	}
 	m, err := b.loadMeta(id)
 	if err == nil && m.Saved {
-		s.meta, s.saved = m, true
+		s.meta, s.saved, s.loaded = m, true, true
 		return s
 	}
 	if err == nil && m.Pid > 0 {
@@ -360,9 +367,24 @@ func (b *Backend) slot(ctx context.Context, id string) *vmSlot {
 		if err == nil {
 			s.meta, s.vm = m, vm
 			b.cfg.Log.Info("microvm adopted", "sandbox_id", id, "vmm_pid", m.Pid)
+			if vm.Restarted {
+				b.cfg.Log.Warn("resumed a running sandbox left paused", "sandbox_id", id, "why", "adoption", "detail", "its VMM was adopted with the guest's vCPUs stopped (an edge died saving or resuming it)")
+			}
+			b.settleSave(id, s)
 			return s
 		}
 		b.cfg.Log.Warn("adopting a microvm", "sandbox_id", id, "vmm_pid", m.Pid, "err", err)
+		snap := filepath.Join(b.dir(id), "snapshot")
+		if _, serr := os.Stat(snap); serr == nil && m.Saving && len(vmmPids(b.dir(id))) == 0 {
+			// Saved whole, and the VMM quit, before an edge that died
+			// could record it: the VM is paused.
+			m.Saved, m.Saving, m.Pid = true, false, 0
+			if err := b.saveMeta(id, m); err == nil {
+				s.meta, s.saved, s.loaded = m, true, true
+				b.cfg.Log.Warn("a microvm saved by an edge that died before recording it is kept paused", "sandbox_id", id)
+				return s
+			}
+		}
 	}
 	b.mu.Lock()
 	if b.vms[id] == s {
@@ -370,6 +392,20 @@ func (b *Backend) slot(ctx context.Context, id string) *vmSlot {
 	}
 	b.mu.Unlock()
 	return nil
+}
+
+// settleSave ends what a save an earlier edge began left, for a VM that
+// runs (adopted): the snapshot it wrote, whole or not, and the mark.
+//
+// Preconditions: s.mu is held; s.vm is set.
+func (b *Backend) settleSave(id string, s *vmSlot) {
+	snap := filepath.Join(b.dir(id), "snapshot")
+	_ = os.Remove(snap + ".part")
+	_ = os.Remove(snap)
+	if s.meta.Saving {
+		s.meta.Saving = false
+		_ = b.saveMeta(id, s.meta)
+	}
 }
 
 // lockedSlot returns id's slot, locked, holding a VM (running or saved);
@@ -583,6 +619,10 @@ func (b *Backend) saveLocked(ctx context.Context, id string, s *vmSlot) error {
 	defer cancel()
 	// The agent's client outlives this VMM: its calls (commands that
 	// run on) wait for the VM's next one.
+	s.meta.Saving = true
+	if err := b.saveMeta(id, s.meta); err != nil {
+		return err
+	}
 	ag := s.vm.DetachAgent()
 	ag.Suspend()
 	if err := s.vm.SaveTo(sctx, snap); err != nil {
@@ -590,6 +630,7 @@ func (b *Backend) saveLocked(ctx context.Context, id string, s *vmSlot) error {
 		_ = s.vm.Resume(context.Background())
 		ag.Unsuspend()
 		s.vm.Agent = ag
+		b.settleSave(id, s)
 		return fmt.Errorf("pausing the VM: %w", err)
 	}
 	select {
@@ -599,7 +640,7 @@ func (b *Backend) saveLocked(ctx context.Context, id string, s *vmSlot) error {
 	}
 	s.vm, s.agent = nil, ag
 	s.saved = true
-	s.meta.Saved, s.meta.Pid = true, 0
+	s.meta.Saved, s.meta.Saving, s.meta.Pid = true, false, 0
 	return b.saveMeta(id, s.meta)
 }
 
@@ -693,6 +734,12 @@ func (b *Backend) resumeLocked(ctx context.Context, id string, s *vmSlot) error 
 		}
 	}
 	snap := filepath.Join(b.dir(id), "snapshot")
+	// No VMM may run on the disks already: one an edge that died started
+	// from the snapshot (before it recorded it) is stopped first.
+	if s.loaded {
+		killVMMs(b.dir(id))
+		s.loaded = false
+	}
 	// With the agent's client of the VM when it was saved, the commands
 	// it ran go on; a VM an earlier edge saved starts a new connection.
 	vm, err := b.start(ctx, id, s.meta.Start, snap, procs, s.agent)
@@ -744,12 +791,7 @@ func (b *Backend) destroy(s *vmSlot, id string) error {
 	if m.Cgroup == "" {
 		m.Cgroup = s.meta.Cgroup
 	}
-	for _, pid := range vmmPids(dir) {
-		_ = syscall.Kill(pid, syscall.SIGKILL)
-		for i := 0; i < 500 && isVMM(pid, dir); i++ {
-			time.Sleep(10 * time.Millisecond)
-		}
-	}
+	killVMMs(dir)
 	if err := removeNetns(filepath.Join(dir, "netns")); err != nil {
 		return err
 	}
@@ -774,6 +816,17 @@ func (b *Backend) destroy(s *vmSlot, id string) error {
 // opens (tun for its tap, kvm where it accelerates).
 func vmmLimits(cpuQuotaUs int64) cgroup.Limits {
 	return cgroup.Limits{CPUQuotaUs: cpuQuotaUs, Devices: []string{"c 10:200 rwm", "c 10:232 rwm"}}
+}
+
+// killVMMs SIGKILLs every VMM of dir and waits (up to 5 s each) for it
+// to be gone.
+func killVMMs(dir string) {
+	for _, pid := range vmmPids(dir) {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+		for i := 0; i < 500 && isVMM(pid, dir); i++ {
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
 }
 
 // vmmPids finds the VMMs whose command line names dir's agent socket.

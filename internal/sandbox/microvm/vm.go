@@ -84,7 +84,11 @@ type VM struct {
 	// Boot is how long the VM took from the VMM's start to its agent's
 	// first answer.
 	Boot time.Duration
-	dir  string
+	// Restarted says Adopt found the guest's vCPUs stopped (an edge died
+	// while it saved the VM, or before it started a resumed one) and
+	// started them.
+	Restarted bool
+	dir       string
 }
 
 // Paths in a VM's directory.
@@ -299,12 +303,73 @@ func Adopt(ctx context.Context, dir string, pid int) (*VM, error) {
 		})
 		close(v.done)
 	}()
+	// The agent answers only a running guest.
+	if v.Restarted, err = v.runStopped(ctx); err != nil {
+		v.release()
+		return nil, err
+	}
 	if err := v.connect(ctx, 30*time.Second); err != nil {
 		// Not this VM's fault: it keeps running, for a later adoption.
 		v.release()
 		return nil, err
 	}
 	return v, nil
+}
+
+// runStopped starts the guest's vCPUs if they are stopped, and reports
+// whether they were. An adopted VMM is one its meta says runs: one whose
+// guest is stopped was left so by an edge that died mid-save (a
+// migration to its snapshot, finished or not: called off, the guest goes
+// on from where it was) or mid-resume (a snapshot read, not yet
+// continued). A guest that failed (an internal or I/O error, a panic, a
+// shutdown) is left as it is.
+func (v *VM) runStopped(ctx context.Context) (bool, error) {
+	q := filepath.Join(v.dir, qmpSock)
+	status := func() (string, error) {
+		r, err := qmpRun(ctx, q, "query-status", nil)
+		if err != nil {
+			return "", err
+		}
+		var st struct {
+			Status string `json:"status"`
+		}
+		err = json.Unmarshal(r, &st)
+		return st.Status, err
+	}
+	st, err := status()
+	if err != nil || st == "running" {
+		return false, err
+	}
+	if st == "inmigrate" {
+		if st, err = v.snapshotRead(ctx); err != nil || st == "running" {
+			return false, err
+		}
+	}
+	// A migration still writing is called off; cont refuses to run
+	// while one finishes.
+	_, _ = qmpRun(ctx, q, "migrate_cancel", nil)
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		if st, err = status(); err != nil {
+			return false, err
+		}
+		if st != "finish-migrate" && st != "save-vm" {
+			break
+		}
+		if time.Now().After(deadline) {
+			return false, fmt.Errorf("the VMM stays in %s", st)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	switch st {
+	case "running":
+		return false, nil
+	case "paused", "postmigrate", "prelaunch", "suspended":
+		if _, err := qmpRun(ctx, q, "cont", nil); err != nil {
+			return false, fmt.Errorf("starting the stopped guest: %w", err)
+		}
+		return true, nil
+	}
+	return false, fmt.Errorf("the guest is %s", st)
 }
 
 // isVMM reports whether pid is a QEMU whose command line names dir's agent
@@ -498,8 +563,12 @@ func (v *VM) SaveTo(ctx context.Context, file string) error {
 	if _, err := qmpRun(ctx, q, "stop", nil); err != nil {
 		return err
 	}
+	// The file gets its name once whole: a snapshot by that name is one
+	// to resume (an edge that dies after the VMM quit finds it so).
+	part := file + ".part"
 	os.Remove(file)
-	if _, err := qmpRun(ctx, q, "migrate", map[string]any{"uri": "exec:cat > " + shellQuote(file)}); err != nil {
+	os.Remove(part)
+	if _, err := qmpRun(ctx, q, "migrate", map[string]any{"uri": "exec:cat > " + shellQuote(part)}); err != nil {
 		return err
 	}
 	for {
@@ -514,6 +583,9 @@ func (v *VM) SaveTo(ctx context.Context, file string) error {
 		_ = json.Unmarshal(r, &st)
 		switch st.Status {
 		case "completed":
+			if err := os.Rename(part, file); err != nil {
+				return fmt.Errorf("saving the VM: %w", err)
+			}
 			if v.Agent != nil {
 				v.Agent.Close()
 			}
