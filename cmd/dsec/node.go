@@ -45,6 +45,7 @@ type nodeConfig struct {
 	sharedMemMB  int64
 	outputMB     int64
 	minFreeMB    int64
+	defDiskMB    int64
 	reserveMB    int64
 	reservePids  int64
 	pidMax       int64
@@ -81,6 +82,7 @@ func (c *nodeConfig) register(f *cmdFlags) {
 	f.IntVar(&c.netnsPool, "netns-pool", 1024, "fresh network namespaces dsec's launcher keeps ready (at most --max-sandboxes), made in the background once creates and deletes pause: a create joins one instead of making one (0 = none)")
 	f.Int64Var(&c.sharedMemMB, "shared-memory-mb", 0, "memory limit of all memory_cgroup \"shared\" sandboxes together, in MiB (they have none each; past it the kernel's OOM killer picks among them); 0 = no limit")
 	f.Int64Var(&c.outputMB, "output-buffer-mb", 0, "output that one-shot execs, session runs and fncalls may buffer on this node at once, in MiB: each call holds 2 × its max_output_bytes while it runs, and one that does not fit is refused with resource_exhausted before it starts (streamed execs hold none); 0 = an eighth of the host's memory, 256 MiB to 8 GiB")
+	f.Int64Var(&c.defDiskMB, "default-disk-mb", 0, "disk_mb of a sandbox whose spec has none, in MiB (a disk of its own, as disk_mb makes: about 30 ms more per create here, docs/operating.md, Disk); 0 = none: such a sandbox writes to the state filesystem, which --min-free-disk-mb guards")
 	f.Int64Var(&c.minFreeMB, "min-free-disk-mb", -1, "floor of free space on the state filesystem, in MiB: below it creates and file uploads are refused with resource_exhausted (a sandbox without disk_mb writes to that filesystem); -1 = 2% of it, 1 to 20 GiB; 0 = no floor")
 	f.Int64Var(&c.reserveMB, "host-reserve-mb", -1, "memory the host keeps whatever sandboxes do, in MiB: the top dsec cgroup (every instance's sandboxes) is limited to the rest, so a sandbox without a memory limit is OOM-killed inside it rather than the host running out; -1 = the larger of 2 GiB and 1/16 of the host's memory; 0 = no limit")
 	f.Int64Var(&c.pidMax, "pid-max", edge.DefaultPidMax, "raise kernel.pid_max to this at start if it is lower (a host setting that outlives dsec; the kernel's usual 32768 is eight default sandboxes); 0 leaves it as it is")
@@ -201,7 +203,7 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 		CgroupParent: h.CgroupParent, MaxPaused: c.maxPaused,
 		SnapshotLabels: c.snapLabels, MaxSnapshotDepth: c.snapDepth, DiskQuota: h.DiskQuota,
 		UserNSBase: uint32(c.usernsBase), UserNSDefault: c.usernsDef, PoolMax: c.poolMax, PoolMin: c.poolMin, CgroupPool: c.cgroupPool, SharedMemoryMB: c.sharedMemMB,
-		OutputBufferMB: c.outputMB, MinFreeDiskMB: c.minFreeMB, BundleDir: h.BundleDir(),
+		OutputBufferMB: c.outputMB, MinFreeDiskMB: c.minFreeMB, DefaultDiskMB: c.defDiskMB, BundleDir: h.BundleDir(),
 		MaxSessionsTotal: maxSessions, MaxStreams: maxStreams,
 		HostReserveMB: c.reserveMB, HostReservePids: c.reservePids, PidMax: c.pidMax,
 	}, edge.Deps{

@@ -43,10 +43,11 @@ func (e *Edge) checkDisk(diskMB int64) error {
 	return nil
 }
 
-// createDisk gives the sandbox in dir its own disk of diskMB MiB.
-func createDisk(dir string, diskMB int64) error {
+// createDisk gives the sandbox in dir its own disk of diskMB MiB, copied
+// from the formatted image of that size kept in <state>/disk-templates.
+func (e *Edge) createDisk(dir string, diskMB int64) error {
 	bytes := uint64(diskMB) << 20
-	return quota.CreateDisk(filepath.Join(dir, "disk.img"), filepath.Join(dir, "vol"), bytes, quota.DiskInodes(bytes))
+	return quota.CreateDisk(filepath.Join(dir, "disk.img"), filepath.Join(dir, "vol"), bytes, quota.DiskInodes(bytes), filepath.Join(e.cfg.StateDir, "disk-templates"))
 }
 
 // removeDisk unmounts and deletes a sandbox's disk, if it has one mounted

@@ -78,6 +78,10 @@ type Config struct {
 	// (0: left as it is): the kernel's default of 32,768 is eight
 	// default sandboxes.
 	PidMax int64
+	// DefaultDiskMB is the disk_mb of a sandbox whose spec has none (0:
+	// none; such a sandbox writes to the state filesystem). It needs
+	// DiskQuota loop.
+	DefaultDiskMB int64
 	// MinFreeDiskMB is the state filesystem's floor: creates and file
 	// writes are refused while less is free (0: no floor; -1: 2% of the
 	// filesystem, 1 to 20 GiB).
@@ -232,6 +236,12 @@ func CheckName(name string) error {
 func New(cfg Config, deps Deps) (*Edge, error) {
 	if err := CheckName(cfg.Name); err != nil {
 		return nil, err
+	}
+	switch {
+	case cfg.DefaultDiskMB < 0 || cfg.DefaultDiskMB > 0 && cfg.DefaultDiskMB < sandbox.MinDiskMB:
+		return nil, errdefs.Invalid("--default-disk-mb %d: want 0 (none) or at least %d", cfg.DefaultDiskMB, sandbox.MinDiskMB)
+	case cfg.DefaultDiskMB > 0 && cfg.DiskQuota != DiskLoop:
+		return nil, errdefs.Precondition("--default-disk-mb %d needs disks per sandbox, which this node does not make (--disk-quota %s)", cfg.DefaultDiskMB, cfg.DiskQuota)
 	}
 	if cfg.MaxSandboxes <= 0 {
 		cfg.MaxSandboxes = 4096

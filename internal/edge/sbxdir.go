@@ -98,7 +98,7 @@ func (e *Edge) makeWritable(dir string, rec *record) (upper, work string, err er
 		if err := os.Mkdir(filepath.Join(dir, "vol"), 0o755); err != nil {
 			return "", "", fmt.Errorf("creating sandbox dir: %w", err)
 		}
-		if err := createDisk(dir, rec.Sandbox.Spec.DiskMB); err != nil {
+		if err := e.createDisk(dir, rec.Sandbox.Spec.DiskMB); err != nil {
 			return "", "", err
 		}
 	}

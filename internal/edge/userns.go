@@ -178,6 +178,9 @@ func (e *Edge) normalize(spec *api.SandboxSpec) error {
 		on := e.userNSByDefault(spec.Backend)
 		spec.UserNS = &on
 	}
+	if spec.DiskMB == 0 && e.cfg.DefaultDiskMB > 0 {
+		spec.DiskMB = min(e.cfg.DefaultDiskMB, e.cfg.Policy.MaxDiskMB)
+	}
 	return nil
 }
 

@@ -116,3 +116,26 @@ func TestDiskSurvivesEdgeRestart(t *testing.T) {
 		t.Fatalf("loop devices left: %v", l)
 	}
 }
+
+// TestDefaultDisk: with --default-disk-mb a sandbox whose spec asks for no
+// disk gets one of that size (and says so in its spec), so it cannot fill
+// the state filesystem; one that asks keeps its own size.
+func TestDefaultDisk(t *testing.T) {
+	needDaemon(t)
+	withPoolFlags(t, "--default-disk-mb", "32")
+	sb := newSandbox(t, api.SandboxSpec{})
+	if sb.Spec.DiskMB != 32 {
+		t.Fatalf("a spec without disk_mb got disk_mb %d, want the node's default 32", sb.Spec.DiskMB)
+	}
+	res := sh(t, sb.ID, "dd if=/dev/zero of=/root/big bs=1M count=64 2>&1; echo rc=$?")
+	if !strings.Contains(res.Stdout, "No space left") || strings.Contains(res.Stdout, "rc=0") {
+		t.Fatalf("CONTAINMENT FAILURE: 64 MiB written under a default disk of 32 MiB: %q", res.Stdout)
+	}
+	if _, err := os.Stat(filepath.Join(d.stateDir, "edge", "sandboxes", sb.ID, "disk.img")); err != nil {
+		t.Fatalf("no disk image for the default disk: %v", err)
+	}
+	own := newSandbox(t, api.SandboxSpec{DiskMB: 64})
+	if own.Spec.DiskMB != 64 {
+		t.Fatalf("a spec with disk_mb 64 got %d", own.Spec.DiskMB)
+	}
+}
