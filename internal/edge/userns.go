@@ -178,7 +178,10 @@ func (e *Edge) normalize(spec *api.SandboxSpec) error {
 		on := e.userNSByDefault(spec.Backend)
 		spec.UserNS = &on
 	}
-	if spec.DiskMB == 0 && e.cfg.DefaultDiskMB > 0 {
+	// Not for a backend that makes its rootfs from the layer images (a
+	// VM): its writable disk is a file of a fixed size already, which a
+	// host disk under it would only make a VM that stops when it fills.
+	if spec.DiskMB == 0 && e.cfg.DefaultDiskMB > 0 && !takesImages(e.backend(spec.Backend)) {
 		spec.DiskMB = min(e.cfg.DefaultDiskMB, e.cfg.Policy.MaxDiskMB)
 	}
 	return nil

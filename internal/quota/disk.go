@@ -51,29 +51,34 @@ func CreateDisk(image, dir string, bytes, inodes uint64, templates string) error
 	}
 	var undo cleanup.Stack
 	defer undo.Run()
+	// Both ways create the image exclusively and remove what they made
+	// if they fail: an image already there (someone else's) stays.
+	copied := false
 	if templates != "" {
-		undo.Add(func() { os.Remove(image) })
 		// Twice: a template another create evicted between its lookup
-		// and its copy is made again.
-		for try := 0; ; try++ {
+		// and its copy is made again. A copy that fails otherwise (a
+		// filesystem without copy_file_range) falls back to formatting.
+		for try := 0; try < 2 && !copied; try++ {
 			tmpl, err := template(templates, bytes, inodes)
 			if err != nil {
 				return err
 			}
 			err = copySparse(tmpl, image)
-			if err == nil {
-				break
-			}
-			if !errors.Is(err, os.ErrNotExist) || try == 1 {
+			copied = err == nil
+			if errors.Is(err, os.ErrExist) {
 				return fmt.Errorf("creating disk image: %w", err)
 			}
+			if err != nil && !errors.Is(err, os.ErrNotExist) {
+				break
+			}
 		}
-	} else {
-		undo.Add(func() { os.Remove(image) })
+	}
+	if !copied {
 		if err := format(image, bytes, inodes); err != nil {
 			return err
 		}
 	}
+	undo.Add(func() { os.Remove(image) })
 	loop, err := attachLoopDirect(image)
 	if err != nil {
 		return err
@@ -103,6 +108,7 @@ func format(image string, bytes, inodes uint64) error {
 		err = cerr
 	}
 	if err != nil {
+		os.Remove(image)
 		return fmt.Errorf("creating disk image: %w", err)
 	}
 	// No journal: a sandbox's processes do not survive a host crash, so
@@ -112,6 +118,7 @@ func format(image string, bytes, inodes uint64) error {
 	args := []string{"-q", "-F", "-t", "ext4", "-m", "0", "-N", strconv.FormatUint(inodes, 10),
 		"-O", "^has_journal", "-E", "nodiscard,root_owner=0:0", image}
 	if out, err := exec.Command(mkfs, args...).CombinedOutput(); err != nil {
+		os.Remove(image)
 		return fmt.Errorf("formatting disk image: %w: %s", err, strings.TrimSpace(string(out)))
 	}
 	return nil
@@ -173,8 +180,9 @@ func template(dir string, bytes, inodes uint64) (string, error) {
 }
 
 // copySparse copies src to dst (which must not exist) extent by extent:
-// holes stay holes, and the data is copied in the kernel.
-func copySparse(src, dst string) error {
+// holes stay holes, and the data is copied in the kernel. On error a dst
+// it made is removed.
+func copySparse(src, dst string) (err error) {
 	in, err := os.Open(src)
 	if err != nil {
 		return err
@@ -188,7 +196,12 @@ func copySparse(src, dst string) error {
 	if err != nil {
 		return err
 	}
-	defer out.Close()
+	defer func() {
+		out.Close()
+		if err != nil {
+			os.Remove(dst)
+		}
+	}()
 	size := fi.Size()
 	if err := out.Truncate(size); err != nil {
 		return err

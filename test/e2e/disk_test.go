@@ -3,6 +3,7 @@ package e2e
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -137,5 +138,16 @@ func TestDefaultDisk(t *testing.T) {
 	own := newSandbox(t, api.SandboxSpec{DiskMB: 64})
 	if own.Spec.DiskMB != 64 {
 		t.Fatalf("a spec with disk_mb 64 got %d", own.Spec.DiskMB)
+	}
+	// A VM's writable disk is a file of a fixed size already: no host
+	// disk under it.
+	nodes, err := client.ListNodes(ctx(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(nodes) > 0 && slices.Contains(nodes[0].Backends, api.BackendMicroVM) {
+		if vm := vmSandbox(t, api.SandboxSpec{}); vm.Spec.DiskMB != 0 {
+			t.Fatalf("a microvm sandbox got the default disk_mb %d", vm.Spec.DiskMB)
+		}
 	}
 }

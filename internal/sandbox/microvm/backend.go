@@ -363,7 +363,15 @@ func (b *Backend) slot(ctx context.Context, id string) *vmSlot {
 		return s
 	}
 	if err == nil && m.Pid > 0 {
-		vm, err := Adopt(ctx, b.dir(id), m.Pid)
+		// A snapshot the guest is about to move past must be gone, and
+		// the mark with it, before it runs: an edge that died after
+		// would otherwise resume the snapshot onto a newer disk.
+		vm, err := Adopt(ctx, b.dir(id), m.Pid, func() error {
+			if err := b.dropSave(id, &m); err != nil {
+				return fmt.Errorf("before starting the stopped guest: %w", err)
+			}
+			return nil
+		})
 		if err == nil {
 			s.meta, s.vm = m, vm
 			b.cfg.Log.Info("microvm adopted", "sandbox_id", id, "vmm_pid", m.Pid)
@@ -399,13 +407,27 @@ func (b *Backend) slot(ctx context.Context, id string) *vmSlot {
 //
 // Preconditions: s.mu is held; s.vm is set.
 func (b *Backend) settleSave(id string, s *vmSlot) {
+	_ = b.dropSave(id, &s.meta)
+}
+
+// dropSave removes id's snapshot files and clears m's saving mark (saved
+// when it was set).
+func (b *Backend) dropSave(id string, m *meta) error {
 	snap := filepath.Join(b.dir(id), "snapshot")
-	_ = os.Remove(snap + ".part")
-	_ = os.Remove(snap)
-	if s.meta.Saving {
-		s.meta.Saving = false
-		_ = b.saveMeta(id, s.meta)
+	for _, p := range []string{snap + ".part", snap} {
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
 	}
+	if !m.Saving {
+		return nil
+	}
+	m.Saving = false
+	if err := b.saveMeta(id, *m); err != nil {
+		m.Saving = true
+		return err
+	}
+	return nil
 }
 
 // lockedSlot returns id's slot, locked, holding a VM (running or saved);

@@ -272,7 +272,10 @@ func (v *VM) connect(ctx context.Context, within time.Duration) error {
 // Adopt takes over a VM an earlier process started: the VMM pid (checked
 // to be a VMM whose agent socket is in dir) and a new connection to its
 // agent.
-func Adopt(ctx context.Context, dir string, pid int) (*VM, error) {
+//
+// beforeRun, if set, runs before a stopped guest is started (see
+// runStopped); its error leaves the guest stopped and fails the adoption.
+func Adopt(ctx context.Context, dir string, pid int, beforeRun func() error) (*VM, error) {
 	if !isVMM(pid, dir) {
 		return nil, fmt.Errorf("pid %d is not the VMM of %s", pid, dir)
 	}
@@ -304,7 +307,7 @@ func Adopt(ctx context.Context, dir string, pid int) (*VM, error) {
 		close(v.done)
 	}()
 	// The agent answers only a running guest.
-	if v.Restarted, err = v.runStopped(ctx); err != nil {
+	if v.Restarted, err = v.runStopped(ctx, beforeRun); err != nil {
 		v.release()
 		return nil, err
 	}
@@ -323,7 +326,7 @@ func Adopt(ctx context.Context, dir string, pid int) (*VM, error) {
 // on from where it was) or mid-resume (a snapshot read, not yet
 // continued). A guest that failed (an internal or I/O error, a panic, a
 // shutdown) is left as it is.
-func (v *VM) runStopped(ctx context.Context) (bool, error) {
+func (v *VM) runStopped(ctx context.Context, beforeRun func() error) (bool, error) {
 	q := filepath.Join(v.dir, qmpSock)
 	status := func() (string, error) {
 		r, err := qmpRun(ctx, q, "query-status", nil)
@@ -364,6 +367,11 @@ func (v *VM) runStopped(ctx context.Context) (bool, error) {
 	case "running":
 		return false, nil
 	case "paused", "postmigrate", "prelaunch", "suspended":
+		if beforeRun != nil {
+			if err := beforeRun(); err != nil {
+				return false, err
+			}
+		}
 		if _, err := qmpRun(ctx, q, "cont", nil); err != nil {
 			return false, fmt.Errorf("starting the stopped guest: %w", err)
 		}
