@@ -150,7 +150,6 @@ func template(dir string, bytes, inodes uint64) (string, error) {
 	tmp := name + ".tmp"
 	os.Remove(tmp)
 	if err := format(tmp, bytes, inodes); err != nil {
-		os.Remove(tmp)
 		return "", err
 	}
 	if err := os.Rename(tmp, name); err != nil {

@@ -378,7 +378,7 @@ func (b *Backend) slot(ctx context.Context, id string) *vmSlot {
 			if vm.Restarted {
 				b.cfg.Log.Warn("resumed a running sandbox left paused", "sandbox_id", id, "why", "adoption", "detail", "its VMM was adopted with the guest's vCPUs stopped (an edge died saving or resuming it)")
 			}
-			b.settleSave(id, s)
+			_ = b.dropSave(id, &s.meta)
 			return s
 		}
 		b.cfg.Log.Warn("adopting a microvm", "sandbox_id", id, "vmm_pid", m.Pid, "err", err)
@@ -402,16 +402,8 @@ func (b *Backend) slot(ctx context.Context, id string) *vmSlot {
 	return nil
 }
 
-// settleSave ends what a save an earlier edge began left, for a VM that
-// runs (adopted): the snapshot it wrote, whole or not, and the mark.
-//
-// Preconditions: s.mu is held; s.vm is set.
-func (b *Backend) settleSave(id string, s *vmSlot) {
-	_ = b.dropSave(id, &s.meta)
-}
-
 // dropSave removes id's snapshot files and clears m's saving mark (saved
-// when it was set).
+// when it was set): what a save left, whole or not, once the VM runs on.
 func (b *Backend) dropSave(id string, m *meta) error {
 	snap := filepath.Join(b.dir(id), "snapshot")
 	for _, p := range []string{snap + ".part", snap} {
@@ -648,11 +640,12 @@ func (b *Backend) saveLocked(ctx context.Context, id string, s *vmSlot) error {
 	ag := s.vm.DetachAgent()
 	ag.Suspend()
 	if err := s.vm.SaveTo(sctx, snap); err != nil {
-		// The VM may be stopped: start its vCPUs again.
-		_ = s.vm.Resume(context.Background())
+		// The VM may be stopped, or still migrating (its state could not
+		// be read): called off and started again.
+		_, _ = s.vm.runStopped(context.Background(), nil)
 		ag.Unsuspend()
 		s.vm.Agent = ag
-		b.settleSave(id, s)
+		_ = b.dropSave(id, &s.meta)
 		return fmt.Errorf("pausing the VM: %w", err)
 	}
 	select {

@@ -328,18 +328,7 @@ func Adopt(ctx context.Context, dir string, pid int, beforeRun func() error) (*V
 // shutdown) is left as it is.
 func (v *VM) runStopped(ctx context.Context, beforeRun func() error) (bool, error) {
 	q := filepath.Join(v.dir, qmpSock)
-	status := func() (string, error) {
-		r, err := qmpRun(ctx, q, "query-status", nil)
-		if err != nil {
-			return "", err
-		}
-		var st struct {
-			Status string `json:"status"`
-		}
-		err = json.Unmarshal(r, &st)
-		return st.Status, err
-	}
-	st, err := status()
+	st, err := v.runState(ctx)
 	if err != nil || st == "running" {
 		return false, err
 	}
@@ -352,7 +341,7 @@ func (v *VM) runStopped(ctx context.Context, beforeRun func() error) (bool, erro
 	// while one finishes.
 	_, _ = qmpRun(ctx, q, "migrate_cancel", nil)
 	for deadline := time.Now().Add(10 * time.Second); ; {
-		if st, err = status(); err != nil {
+		if st, err = v.runState(ctx); err != nil {
 			return false, err
 		}
 		if st != "finish-migrate" && st != "save-vm" {
@@ -446,16 +435,18 @@ func (v *VM) Console(ctx context.Context) string {
 // Done is closed when the VMM has exited.
 func (v *VM) Done() <-chan struct{} { return v.done }
 
-// Pause stops the guest's vCPUs (the VMM keeps its memory).
-func (v *VM) Pause(ctx context.Context) error {
-	_, err := qmpRun(ctx, filepath.Join(v.dir, qmpSock), "stop", nil)
-	return err
-}
-
-// Resume restarts the guest's vCPUs.
-func (v *VM) Resume(ctx context.Context) error {
-	_, err := qmpRun(ctx, filepath.Join(v.dir, qmpSock), "cont", nil)
-	return err
+// runState is the guest's run state as the VMM says it (QMP
+// query-status: "running", "paused", "inmigrate", "postmigrate", ...).
+func (v *VM) runState(ctx context.Context) (string, error) {
+	r, err := qmpRun(ctx, filepath.Join(v.dir, qmpSock), "query-status", nil)
+	if err != nil {
+		return "", err
+	}
+	var st struct {
+		Status string `json:"status"`
+	}
+	err = json.Unmarshal(r, &st)
+	return st.Status, err
 }
 
 // continueIncoming waits for the VMM to have read its snapshot and starts
@@ -473,17 +464,9 @@ func (v *VM) continueIncoming(ctx context.Context) error {
 // snapshotRead waits until the VMM has read its snapshot (its status is
 // no longer "inmigrate") and returns the status.
 func (v *VM) snapshotRead(ctx context.Context) (string, error) {
-	q := filepath.Join(v.dir, qmpSock)
 	for {
-		r, err := qmpRun(ctx, q, "query-status", nil)
-		var st struct {
-			Status string `json:"status"`
-		}
-		if err == nil {
-			_ = json.Unmarshal(r, &st)
-		}
-		if err == nil && st.Status != "inmigrate" {
-			return st.Status, nil
+		if st, err := v.runState(ctx); err == nil && st != "inmigrate" {
+			return st, nil
 		}
 		select {
 		case <-v.done:
