@@ -342,3 +342,77 @@ func saveByHand(t *testing.T, id string) {
 		t.Fatal(err)
 	}
 }
+
+// TestRedteamResumeCutMicroVM is class 5 for a microVM's resume: the new
+// VMM reads the snapshot, the guest runs on, and only then did the edge
+// record it running and remove the snapshot. An edge killed in between
+// left a guest running (writing its disk) under a meta saying saved: the
+// next edge reported it paused, and its resume killed that VMM and loaded
+// the old snapshot onto the newer disk. The daemon is killed at several
+// moments just after a VMM has read the snapshot of a VM the earlier
+// daemon saved (so the resume also reconnects to its agent); after each
+// restart, a sandbox reported paused must have no guest running, and one
+// reported running must answer, with what ran in it still running.
+func TestRedteamResumeCutMicroVM(t *testing.T) {
+	needMicroVM(t)
+	restartDaemonOnCleanup(t)
+	sb := vmSandbox(t, api.SandboxSpec{})
+	sh(t, sb.ID, "(while :; do echo x >> /root/ticks; sleep 0.05; done) >/dev/null 2>&1 </dev/null & echo $! > /root/bg")
+	snapshot := filepath.Join(d.stateDir, "microvm", "vm", sb.ID, "snapshot")
+	for _, after := range []time.Duration{0, 20 * time.Millisecond, 60 * time.Millisecond, 150 * time.Millisecond} {
+		if _, err := client.Pause(ctx(t), sb.ID); err != nil {
+			t.Fatal(err)
+		}
+		// A new edge resumes it: no agent client carried over.
+		d.kill9()
+		if err := d.start(); err != nil {
+			t.Fatal(err)
+		}
+		go func() { _, _ = client.Resume(context.Background(), sb.ID) }()
+		// The snapshot is read by a cat the VMM runs; once it is gone,
+		// the VMM is past reading.
+		for deadline := time.Now().Add(60 * time.Second); len(vmmsOf(t, sb.ID)) == 0; time.Sleep(2 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("no VMM started to resume the VM within 60 s")
+			}
+		}
+		seen := false
+		for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+			out, _ := exec.Command("pgrep", "-f", "^cat "+snapshot).Output()
+			reading := len(out) > 0
+			if seen && !reading {
+				break
+			}
+			seen = seen || reading
+			if time.Now().After(deadline) {
+				t.Fatalf("the VMM did not read the snapshot within 60 s (seen reading: %v)", seen)
+			}
+		}
+		time.Sleep(after)
+		d.kill9()
+		if err := d.start(); err != nil {
+			t.Fatal(err)
+		}
+		got, err := client.GetSandbox(ctx(t), sb.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.State == api.StatePaused {
+			for _, vmm := range vmmsOf(t, sb.ID) {
+				if r := qmpByHand(t, sb.ID, "query-status"); strings.Contains(r, `"status": "running"`) {
+					t.Fatalf("killed %v after the snapshot was read: reported paused while its guest runs (%s): %s", after, vmm, r)
+				}
+			}
+			if _, err := client.Resume(ctx(t), sb.ID); err != nil {
+				t.Fatalf("killed %v after the snapshot was read: resume: %v", after, err)
+			}
+		} else if got.State != api.StateRunning {
+			t.Fatalf("killed %v after the snapshot was read: %+v", after, got)
+		}
+		execWithin(t, sb.ID, 60*time.Second)
+		if r := sh(t, sb.ID, "kill -0 $(cat /root/bg) && echo running"); r.Stdout != "running\n" {
+			t.Fatalf("killed %v after the snapshot was read: the background command is gone: %+v", after, r)
+		}
+		t.Logf("killed %v after the snapshot was read: %s after the restart", after, got.State)
+	}
+}

@@ -298,7 +298,7 @@ func (b *Backend) Create(ctx context.Context, cfg sandbox.Config) (err error) {
 	if err := b.saveMeta(cfg.ID, m); err != nil {
 		return err
 	}
-	vm, err := b.start(ctx, cfg.ID, sc, "", procs, nil)
+	vm, err := b.start(ctx, cfg.ID, sc, "", procs, nil, nil)
 	if err != nil {
 		return err
 	}
@@ -324,12 +324,13 @@ func (b *Backend) Create(ctx context.Context, cfg sandbox.Config) (err error) {
 
 // start starts the VMM for id (inside the VM's network namespace),
 // resuming from snapshot when set.
-func (b *Backend) start(ctx context.Context, id string, sc startConfig, snapshot string, procs []string, reattach *agent.Client) (*VM, error) {
+func (b *Backend) start(ctx context.Context, id string, sc startConfig, snapshot string, procs []string, reattach *agent.Client, beforeRun func(pid int) error) (*VM, error) {
 	dir := b.dir(id)
 	return Start(ctx, VMConfig{
 		QEMU: b.cfg.QEMU, Guest: b.guest, Dir: dir, Accel: b.cfg.Accel,
 		MemoryMB: sc.MemoryMB, CPUs: sc.CPUs, Disks: sc.Disks, NIC: sc.NIC, Balloon: sc.Balloon,
 		NetNSPath: filepath.Join(dir, "netns"), Incoming: snapshot, Cgroup: procs, Reattach: reattach,
+		BeforeRun: beforeRun,
 	})
 }
 
@@ -755,9 +756,28 @@ func (b *Backend) resumeLocked(ctx context.Context, id string, s *vmSlot) error 
 		killVMMs(b.dir(id))
 		s.loaded = false
 	}
+	// Before the guest runs past its snapshot, the meta says it runs
+	// (and which VMM) and the snapshot is gone: an edge that died just
+	// after would otherwise find it saved, and resume the old snapshot
+	// onto the disk the guest has written since.
+	beforeRun := func(pid int) error {
+		m := s.meta
+		m.Saved, m.Saving, m.Pid = false, false, pid
+		if err := b.saveMeta(id, m); err != nil {
+			return err
+		}
+		if err := os.Remove(snap); err != nil && !errors.Is(err, os.ErrNotExist) {
+			if rerr := b.saveMeta(id, s.meta); rerr != nil {
+				return fmt.Errorf("%w (and restoring the VM's state: %v)", err, rerr)
+			}
+			return err
+		}
+		s.meta = m
+		return nil
+	}
 	// With the agent's client of the VM when it was saved, the commands
 	// it ran go on; a VM an earlier edge saved starts a new connection.
-	vm, err := b.start(ctx, id, s.meta.Start, snap, procs, s.agent)
+	vm, err := b.start(ctx, id, s.meta.Start, snap, procs, s.agent, beforeRun)
 	if err != nil {
 		if s.agent != nil {
 			select {
@@ -766,14 +786,15 @@ func (b *Backend) resumeLocked(ctx context.Context, id string, s *vmSlot) error 
 			default:
 			}
 		}
+		if !s.meta.Saved {
+			// beforeRun ran: the snapshot is gone and the VMM that read
+			// it with it. Adoption finds nothing to resume now.
+			s.saved = false
+			return fmt.Errorf("resuming the VM: %w (its memory was lost with the VMM that read it)", err)
+		}
 		return fmt.Errorf("resuming the VM: %w", err)
 	}
 	s.vm, s.saved, s.agent = vm, false, nil
-	s.meta.Saved, s.meta.Pid = false, vm.Pid
-	if err := b.saveMeta(id, s.meta); err != nil {
-		return err
-	}
-	_ = os.Remove(snap)
 	return nil
 }
 

@@ -47,6 +47,11 @@ type VMConfig struct {
 	// Incoming, if set, is a VM snapshot (SaveTo's file) the VM resumes
 	// from instead of booting.
 	Incoming string
+	// BeforeRun, with Incoming, runs once the snapshot is read and before
+	// the guest's vCPUs start, given the VMM's pid: what must be recorded
+	// before the guest moves past its snapshot (that it runs, and that
+	// the snapshot is gone) is recorded there. Its error stops the start.
+	BeforeRun func(pid int) error
 	// Reattach, with Incoming, is the client of the agent as it was when
 	// the VM was saved (suspended, see DetachAgent): it goes on over the
 	// new VMM's socket, connected before the guest runs again so that the
@@ -208,14 +213,14 @@ func Start(ctx context.Context, cfg VMConfig) (*VM, error) {
 		}
 	}
 	if cfg.Incoming != "" && cfg.Reattach != nil {
-		if err := v.resumeAttached(ctx, cfg.Reattach); err != nil {
+		if err := v.resumeAttached(ctx, cfg.Reattach, cfg.BeforeRun); err != nil {
 			return fail(err)
 		}
 		v.Boot = time.Since(start)
 		return v, nil
 	}
 	if cfg.Incoming != "" {
-		if err := v.continueIncoming(ctx); err != nil {
+		if err := v.continueIncoming(ctx, cfg.BeforeRun); err != nil {
 			return fail(err)
 		}
 	}
@@ -451,11 +456,21 @@ func (v *VM) runState(ctx context.Context) (string, error) {
 
 // continueIncoming waits for the VMM to have read its snapshot and starts
 // the guest's vCPUs: the snapshot was taken stopped, and a VMM resumes a
-// snapshot in the run state it was saved in.
-func (v *VM) continueIncoming(ctx context.Context) error {
+// snapshot in the run state it was saved in. beforeRun (if set) runs
+// first, also when the guest runs already (then it has written nothing
+// that matters since: the VMM read its snapshot a moment ago).
+func (v *VM) continueIncoming(ctx context.Context, beforeRun func(pid int) error) error {
 	st, err := v.snapshotRead(ctx)
-	if err != nil || st == "running" {
+	if err != nil {
 		return err
+	}
+	if beforeRun != nil {
+		if err := beforeRun(v.Pid); err != nil {
+			return err
+		}
+	}
+	if st == "running" {
+		return nil
 	}
 	_, err = qmpRun(ctx, filepath.Join(v.dir, qmpSock), "cont", nil)
 	return err
@@ -481,8 +496,9 @@ func (v *VM) snapshotRead(ctx context.Context) (string, error) {
 // resumeAttached resumes a VM from its snapshot with ag, the client of its
 // agent when it was saved: once the snapshot is read, ag's new socket is
 // connected, then the guest runs again, so that the agent's port finds
-// its host connected as it was when saved.
-func (v *VM) resumeAttached(ctx context.Context, ag *agent.Client) error {
+// its host connected as it was when saved. beforeRun (if set) runs just
+// before the guest does.
+func (v *VM) resumeAttached(ctx context.Context, ag *agent.Client, beforeRun func(pid int) error) error {
 	q := filepath.Join(v.dir, qmpSock)
 	if _, err := v.snapshotRead(ctx); err != nil {
 		return err
@@ -530,6 +546,11 @@ func (v *VM) resumeAttached(ctx context.Context, ag *agent.Client) error {
 	}()
 	if err := ag.Attach(ctx, conn); err != nil {
 		return fmt.Errorf("attaching to the guest's agent: %w", err)
+	}
+	if beforeRun != nil {
+		if err := beforeRun(v.Pid); err != nil {
+			return err
+		}
 	}
 	if _, err := qmpRun(ctx, q, "cont", nil); err != nil {
 		return err
