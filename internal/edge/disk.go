@@ -1,7 +1,6 @@
 package edge
 
 import (
-	"golang.org/x/sys/unix"
 	"path/filepath"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
@@ -76,19 +75,12 @@ func hasDiskMount(dir string) bool {
 // has less free than the node's floor (Config.MinFreeDiskMB): a sandbox
 // without a disk of its own writes to that filesystem, and a full one
 // stops every sandbox's writes and the daemon's records alike. What a
-// running sandbox writes itself is bounded only by disk_mb.
+// running sandbox writes itself is bounded by disk_mb, or held at the
+// floor by the disk guard (diskguard.go).
 func (e *Edge) checkDiskFloor() error {
-	floor := e.cfg.MinFreeDiskMB << 20
-	if floor == 0 {
-		return nil
-	}
-	var st unix.Statfs_t
-	if err := unix.Statfs(e.cfg.StateDir, &st); err != nil {
-		return nil // the write itself will say what is wrong
-	}
-	size, free := int64(st.Blocks)*st.Bsize, int64(st.Bavail)*st.Bsize
-	if floor < 0 {
-		floor = min(max(size/50, 1<<30), 20<<30)
+	free, floor, ok := e.stateFree()
+	if !ok {
+		return nil // no floor; or the write itself will say what is wrong
 	}
 	if free < floor {
 		return errdefs.Exhausted("node %s: its state filesystem has %d MiB free, below the floor of %d MiB (--min-free-disk-mb): creates and file uploads are refused until sandboxes free space", e.cfg.Name, free>>20, floor>>20)

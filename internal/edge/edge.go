@@ -372,10 +372,14 @@ func (e *Edge) Start(ctx context.Context) error {
 	if err := e.restoreNetwork(ctx); err != nil {
 		return fmt.Errorf("recovering sandbox networks: %w", err)
 	}
-	e.wg.Add(3)
+	e.wg.Add(4)
 	go func() {
 		defer e.wg.Done()
 		e.reapLoop()
+	}()
+	go func() {
+		defer e.wg.Done()
+		e.diskGuard()
 	}()
 	go func() {
 		defer e.wg.Done()

@@ -16,6 +16,8 @@ type Metrics struct {
 	pauseFreed     prometheus.Histogram
 	poolClaims     *prometheus.CounterVec
 	strayThaws     prometheus.Counter
+	// diskPressurePauses counts the sandboxes the disk guard paused.
+	diskPressurePauses prometheus.Counter
 }
 
 // NewMetrics creates the edge's metrics and registers them on reg (nil:
@@ -59,6 +61,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "dsec_sandbox_stray_thaws_total",
 			Help: "Running sandboxes found frozen (a pause or snapshot cut short by a crash) and thawed.",
 		}),
+		diskPressurePauses: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "dsec_sandbox_disk_pressure_pauses_total",
+			Help: "Sandboxes paused by the node because its state filesystem fell below its floor of free space.",
+		}),
 		pauseFreed: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "dsec_sandbox_pause_freed_bytes",
 			Help:    "Memory given back by reclaim when a sandbox is paused.",
@@ -67,7 +73,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.createSeconds, m.execSeconds, m.createFailures, m.reaped,
-			m.pauseSeconds, m.resumeSeconds, m.pauseFreed, m.poolClaims, m.strayThaws)
+			m.pauseSeconds, m.resumeSeconds, m.pauseFreed, m.poolClaims, m.strayThaws, m.diskPressurePauses)
 	}
 	return m
 }

@@ -16,6 +16,12 @@ import (
 // commands in flight are frozen with the sandbox and finish (or time out)
 // after it resumes.
 func (e *Edge) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
+	return e.pause(ctx, id, "")
+}
+
+// pause is Pause, recording reason (api.Sandbox.PauseReason) when the
+// node pauses the sandbox of its own accord.
+func (e *Edge) pause(ctx context.Context, id, reason string) (*api.PauseResult, error) {
 	s, err := e.get(ctx, id)
 	if err != nil {
 		return nil, err
@@ -79,6 +85,7 @@ func (e *Edge) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
 	s.mu.Lock()
 	s.rec.Sandbox.State = api.StatePaused
 	s.rec.Sandbox.PausedAt = &now
+	s.rec.Sandbox.PauseReason = reason
 	e.recountLocked(s)
 	err = s.persistLocked()
 	s.mu.Unlock()
@@ -86,7 +93,7 @@ func (e *Edge) Pause(ctx context.Context, id string) (*api.PauseResult, error) {
 		// Keep memory and disk in agreement: undo the freeze.
 		thaw()
 		s.mu.Lock()
-		s.rec.Sandbox.State, s.rec.Sandbox.PausedAt = api.StateRunning, nil
+		s.rec.Sandbox.State, s.rec.Sandbox.PausedAt, s.rec.Sandbox.PauseReason = api.StateRunning, nil, ""
 		e.recountLocked(s)
 		s.mu.Unlock()
 		return nil, err
@@ -150,7 +157,10 @@ func (e *Edge) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
 		exp := s.rec.Sandbox.ExpiresAt.Add(now.Sub(*p))
 		s.rec.Sandbox.ExpiresAt = &exp
 	}
-	s.rec.Sandbox.State, s.rec.Sandbox.PausedAt = api.StateRunning, nil
+	if s.rec.Sandbox.PauseReason == api.PauseReasonDiskPressure {
+		s.diskResumed = now
+	}
+	s.rec.Sandbox.State, s.rec.Sandbox.PausedAt, s.rec.Sandbox.PauseReason = api.StateRunning, nil, ""
 	e.recountLocked(s)
 	err = s.persistLocked()
 	v := s.viewLocked()
@@ -302,7 +312,7 @@ func (e *Edge) reconcileFreezer(s *sbx) {
 	if s.rec.Sandbox.State != api.StatePaused {
 		return
 	}
-	s.rec.Sandbox.State, s.rec.Sandbox.PausedAt = api.StateRunning, nil
+	s.rec.Sandbox.State, s.rec.Sandbox.PausedAt, s.rec.Sandbox.PauseReason = api.StateRunning, nil, ""
 	e.recountLocked(s)
 	if err := s.persistLocked(); err != nil {
 		e.log.Warn("persisting a sandbox found thawed", "sandbox_id", s.rec.Sandbox.ID, "err", err)

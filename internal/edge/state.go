@@ -99,6 +99,9 @@ type sbx struct {
 	// pooled is set while the sandbox waits in a warm pool: it is then
 	// invisible to the API.
 	pooled bool
+	// diskResumed is when a sandbox the disk guard paused was last
+	// resumed (diskguard.go): it is given a moment to clean up.
+	diskResumed time.Time
 	// ops counts operations in flight (see Edge.begin).
 	ops int
 	// watches counts the directory watches running (WatchDir).

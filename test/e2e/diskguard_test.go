@@ -1,0 +1,106 @@
+package e2e
+
+import (
+	"os"
+	"path/filepath"
+	"strconv"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dsecproject/dsec/api"
+)
+
+// stateFreeMiB is the free space of the daemon's state filesystem.
+func stateFreeMiB(t *testing.T) int64 {
+	t.Helper()
+	var st unix.Statfs_t
+	if err := unix.Statfs(d.stateDir, &st); err != nil {
+		t.Fatal(err)
+	}
+	return int64(st.Bavail) * st.Bsize >> 20
+}
+
+// TestDiskGuard (issue 21, class 8): a sandbox without disk_mb writes to
+// the state filesystem, which admission alone cannot bound. The floor is
+// put 300 MiB below what is free now and a sandbox writes 2 GiB: the node
+// must pause it (pause_reason disk_pressure) before it has written it all
+// and with the filesystem still near its floor, while a neighbour that
+// does not write runs on. Resumed, it gets the time to remove what it
+// wrote, and runs on. For each backend whose writable layer is on the
+// state filesystem (container, gvisor).
+func TestDiskGuard(t *testing.T) {
+	needDaemon(t)
+	for _, backend := range []string{api.BackendContainer, api.BackendGVisor} {
+		t.Run(backend, func(t *testing.T) {
+			if backend == api.BackendGVisor {
+				needBackend(t, backend, "apt-get install runsc")
+			}
+			diskGuard(t, backend)
+		})
+	}
+}
+
+func diskGuard(t *testing.T, backend string) {
+	neighbour := newSandbox(t, api.SandboxSpec{Backend: backend})
+	writer := newSandbox(t, api.SandboxSpec{Backend: backend})
+	sh(t, neighbour.ID, "echo intact > /root/marker")
+	floor := stateFreeMiB(t) - 300
+	withPoolFlags(t, "--min-free-disk-mb", strconv.FormatInt(floor, 10))
+	r := sh(t, writer.ID, "dd if=/dev/zero of=/fill bs=1M count=2048 >/dev/null 2>&1 </dev/null & echo started")
+	if r.Stdout != "started\n" {
+		t.Fatalf("starting the writer: %+v", r)
+	}
+	var got *api.Sandbox
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		var err error
+		if got, err = client.GetSandbox(ctx(t), writer.ID); err != nil {
+			t.Fatal(err)
+		}
+		if got.State == api.StatePaused {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the writer was not paused within 60 s: %+v (free %d MiB, floor %d MiB)", got, stateFreeMiB(t), floor)
+		}
+	}
+	if got.PauseReason != api.PauseReasonDiskPressure {
+		t.Errorf("pause_reason %q, want %q", got.PauseReason, api.PauseReasonDiskPressure)
+	}
+	fill := filepath.Join(d.stateDir, "edge", "sandboxes", writer.ID, "upper", "fill")
+	st, err := os.Stat(fill)
+	if err != nil {
+		t.Fatal(err)
+	}
+	free := stateFreeMiB(t)
+	t.Logf("paused with %d MiB written; %d MiB free against a floor of %d MiB", st.Size()>>20, free, floor)
+	if st.Size() >= 2048<<20 {
+		t.Errorf("the writer wrote all %d MiB before it was paused", st.Size()>>20)
+	}
+	if free < floor-1024 {
+		t.Errorf("%d MiB free: more than 1 GiB past the floor of %d MiB", free, floor)
+	}
+	if n, err := client.GetSandbox(ctx(t), neighbour.ID); err != nil || n.State != api.StateRunning {
+		t.Fatalf("the neighbour, which writes nothing: %+v %v", n, err)
+	}
+	if r := sh(t, neighbour.ID, "cat /root/marker"); r.Stdout != "intact\n" {
+		t.Errorf("the neighbour: %+v", r)
+	}
+	// The writer's owner resumes it and removes what it wrote; it is
+	// given the time (whatever else this shared machine's disk holds
+	// meanwhile), and runs on.
+	if _, err := client.Resume(ctx(t), writer.ID); err != nil {
+		t.Fatal(err)
+	}
+	if r := sh(t, writer.ID, "pkill dd; rm -f /fill; sync; echo cleaned"); r.Stdout != "cleaned\n" {
+		t.Fatalf("cleaning up: %+v", r)
+	}
+	time.Sleep(time.Second)
+	if got, err = client.GetSandbox(ctx(t), writer.ID); err != nil || got.State != api.StateRunning || got.PauseReason != "" {
+		t.Fatalf("the writer after cleaning up: %+v %v", got, err)
+	}
+	if _, err := os.Stat(fill); !os.IsNotExist(err) {
+		t.Errorf("the writer's file after the clean-up: %v", err)
+	}
+}
