@@ -109,16 +109,17 @@ type Sandbox struct {
 	Error string `json:"error,omitempty"`
 	// PausedAt is when the sandbox was paused (state paused only).
 	PausedAt *time.Time `json:"paused_at,omitempty"`
-	// PauseReason says why the node paused the sandbox itself (state
-	// paused only; empty for a pause a caller asked for): see
+	// PauseReason says why the node paused the sandbox itself (empty for
+	// a pause a caller asked for; a resume clears it): see
 	// PauseReasonDiskPressure.
 	PauseReason string `json:"pause_reason,omitempty"`
 }
 
 // PauseReasonDiskPressure is Sandbox.PauseReason for a sandbox the node
 // paused because its state filesystem fell below its floor of free space
-// (dsec up --min-free-disk-mb) while the sandbox held the most there of
-// the sandboxes without a disk of their own.
+// (dsec up --min-free-disk-mb) while the sandbox, without a disk of its
+// own, wrote the most to it. Unlike a pause asked for, it does not stop
+// the sandbox's TTL.
 const PauseReasonDiskPressure = "disk_pressure"
 
 // BatchCreateRequest is the body of POST /v1/sandboxes:batch.

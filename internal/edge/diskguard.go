@@ -3,8 +3,11 @@ package edge
 import (
 	"context"
 	"io/fs"
+	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -17,28 +20,41 @@ import (
 // sandboxes write. A sandbox without a disk of its own (disk_mb) has its
 // writable layer on that filesystem, where admission (checkDiskFloor)
 // cannot bound it: it may write until the filesystem is full, and a full
-// one fails every sandbox's writes and the edge's records alike. Every
-// diskGuardEvery the guard reads the free space (one statfs). Below the
-// floor it measures the writable layers of the running sandboxes without
-// a disk of their own (their allocated blocks) and, from the second look
-// on, pauses the one whose layer grew the most since the look before,
-// with PauseReason disk_pressure: one per look, until free space is back
-// above the floor. Its writes stop with it; what it wrote stays (a pause
-// frees no disk), for its owner to look at, resume and clean up, or
-// delete. A sandbox that does not write is never paused: when the space
-// went to something else, the guard only says so (once a minute) and
-// looks less often.
+// one fails every sandbox's writes and the edge's records alike.
 //
-// What gets past it is what sandboxes write in about two looks, plus the
-// time to walk their writable layers (a layer of a million files takes
-// seconds): the floor (1 GiB at least by default) is the margin.
+// Every diskGuardEvery the guard reads the free space (one statfs). Below
+// the floor, and while the free space keeps falling, it measures what the
+// running container and gVisor sandboxes without a disk of their own
+// write: the bytes their processes dirtied (write_bytes of /proc/<pid>/io,
+// summed over the sandbox's cgroup: it counts writes to files removed
+// while open, and a reaped process's count goes to its parent), every
+// look; and the allocated blocks of their writable layers (which also see
+// fallocate), every diskGuardWalk, as walking a large layer is costly.
+// From its second look on it pauses the sandbox that grew the most by
+// either measure since the look before, at least diskGuardMinGrowth, with
+// PauseReason disk_pressure: one per look. Its writes stop with it; what
+// it wrote stays (a pause frees no disk) for its owner to look at, resume
+// and clean up, or delete, and its TTL runs on.
+//
+// What gets past it is what sandboxes write in about two looks (two walks
+// for fallocate), plus the time to walk the layers: the floor (1 GiB at
+// least by default) is the margin. A single call that allocates more than
+// the floor at once (fallocate of a large file) is beyond any look; a
+// sandbox that must not be able to do that gets disk_mb.
 
-// diskGuardEvery is how often the guard reads the free space, and
-// measures the writable layers while it is below the floor and they grow;
-// diskGuardIdle is how often it measures them while nothing grows.
 const (
+	// diskGuardEvery is how often the guard reads the free space, and
+	// below the floor the bytes written.
 	diskGuardEvery = 100 * time.Millisecond
-	diskGuardIdle  = time.Second
+	// diskGuardWalk is how often, below the floor, it walks the writable
+	// layers.
+	diskGuardWalk = time.Second
+	// diskGuardMinGrowth is the least a sandbox must have written since
+	// the look before to be paused (10 MiB/s): a log line is not the
+	// cause of a full disk.
+	diskGuardMinGrowth = 1 << 20
+	// diskGuardPauseTimeout bounds one pause by the guard.
+	diskGuardPauseTimeout = 30 * time.Second
 )
 
 // diskResumeGrace is how long a sandbox the guard paused is left alone
@@ -65,6 +81,11 @@ func (e *Edge) stateFree() (free, floor int64, ok bool) {
 	return free, floor, true
 }
 
+// diskSample is what the guard measured of one sandbox: the allocated
+// bytes of its writable layer (-1: not walked yet) and the bytes its
+// processes wrote.
+type diskSample struct{ layer, written int64 }
+
 // diskGuard runs the guard until the edge stops.
 func (e *Edge) diskGuard() {
 	if e.cfg.MinFreeDiskMB == 0 {
@@ -73,8 +94,9 @@ func (e *Edge) diskGuard() {
 	t := time.NewTicker(diskGuardEvery)
 	defer t.Stop()
 	var (
-		last       map[string]int64 // writable layers at the last look; nil above the floor
-		nextLook   time.Time
+		last       map[string]diskSample // at the last look; nil above the floor
+		lastFree   int64
+		lastWalk   time.Time
 		quietUntil time.Time
 	)
 	for {
@@ -89,65 +111,116 @@ func (e *Edge) diskGuard() {
 			continue
 		}
 		now := time.Now()
-		if now.Before(nextLook) {
+		first := last == nil
+		falling := first || free < lastFree
+		lastFree = free
+		walk := first || now.Sub(lastWalk) >= diskGuardWalk
+		if !falling && !walk {
 			continue
 		}
-		first := last == nil
-		var grew bool
-		last, grew = e.relieveDisk(last, free, floor)
-		nextLook = now.Add(diskGuardEvery)
-		if !grew && !first {
-			nextLook = now.Add(diskGuardIdle)
-			if now.After(quietUntil) {
-				quietUntil = now.Add(time.Minute)
-				e.log.Warn("the state filesystem is below its floor and no running sandbox without a disk of its own is writing to it",
-					"node", e.cfg.Name, "free_mib", free>>20, "floor_mib", floor>>20)
-			}
+		if walk {
+			lastWalk = now
+		}
+		var paused bool
+		last, paused = e.relieveDisk(last, walk, falling && !first, free, floor)
+		if falling && !first && !paused && walk && now.After(quietUntil) {
+			quietUntil = now.Add(time.Minute)
+			e.log.Warn("the state filesystem is below its floor and losing space, but no running sandbox without a disk of its own is writing much to it",
+				"node", e.cfg.Name, "free_mib", free>>20, "floor_mib", floor>>20)
 		}
 	}
 }
 
-// relieveDisk measures the writable layers of the sandboxes the guard may
-// pause, and pauses the one that grew the most since last (the sizes at
-// the look before; nil at the first look below the floor). It returns the
-// sizes now, and whether a layer grew.
-func (e *Edge) relieveDisk(last map[string]int64, free, floor int64) (map[string]int64, bool) {
-	type held struct {
+// relieveDisk measures the sandboxes the guard may pause (their layers
+// only with walk) and, with pause, pauses the one that grew the most since
+// last (nil at the first look below the floor). It returns the samples
+// now, and whether it paused a sandbox.
+func (e *Edge) relieveDisk(last map[string]diskSample, walk, pause bool, free, floor int64) (map[string]diskSample, bool) {
+	type grown struct {
 		id          string
-		bytes, grew int64
+		grew, layer int64
 	}
 	start := time.Now()
-	var cands []held
-	sizes := map[string]int64{}
+	var cands []grown
+	samples := map[string]diskSample{}
 	for _, s := range e.allSandboxes() {
 		s.mu.Lock()
-		id, state := s.rec.Sandbox.ID, s.rec.Sandbox.State
+		id, state, cg := s.rec.Sandbox.ID, s.rec.Sandbox.State, s.rec.CgroupPath
 		skip := state != api.StateRunning || s.going || s.pooled || s.rec.Disk || s.rec.Images ||
 			start.Sub(s.diskResumed) < diskResumeGrace && free > floor/2
 		s.mu.Unlock()
 		if skip {
 			continue
 		}
-		n := allocatedBytes(s.upperDir())
-		sizes[id] = n
-		if before, ok := last[id]; ok && n > before {
-			cands = append(cands, held{id: id, bytes: n, grew: n - before})
+		before, seen := last[id]
+		now := diskSample{layer: -1, written: e.writtenBytes(cg)}
+		if walk {
+			now.layer = allocatedBytes(s.upperDir())
+		} else if seen {
+			now.layer = before.layer
 		}
+		samples[id] = now
+		if !seen {
+			continue
+		}
+		grew := now.written - before.written
+		if walk && before.layer >= 0 {
+			grew = max(grew, now.layer-before.layer)
+		}
+		if grew >= diskGuardMinGrowth {
+			cands = append(cands, grown{id: id, grew: grew, layer: now.layer})
+		}
+	}
+	if !pause {
+		return samples, false
 	}
 	sort.Slice(cands, func(i, j int) bool { return cands[i].grew > cands[j].grew })
 	for _, c := range cands {
-		if _, err := e.pause(context.Background(), c.id, api.PauseReasonDiskPressure); err != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), diskGuardPauseTimeout)
+		res, err := e.pause(ctx, c.id, api.PauseReasonDiskPressure)
+		cancel()
+		if err != nil {
 			e.log.Warn("pausing a sandbox for disk pressure", "sandbox_id", c.id, "err", err)
 			continue
 		}
-		delete(sizes, c.id)
+		delete(samples, c.id)
+		if res.Sandbox.PauseReason != api.PauseReasonDiskPressure {
+			continue // paused by its owner meanwhile
+		}
 		e.metrics.diskPressurePauses.Inc()
 		e.log.Warn("state filesystem below its floor: paused the sandbox writing the most to it",
-			"sandbox_id", c.id, "grew_mib", c.grew>>20, "holds_mib", c.bytes>>20,
+			"sandbox_id", c.id, "grew_mib", c.grew>>20, "layer_mib", c.layer>>20,
 			"free_mib", free>>20, "floor_mib", floor>>20, "took_ms", time.Since(start).Milliseconds())
-		break
+		return samples, true
 	}
-	return sizes, len(cands) > 0
+	return samples, false
+}
+
+// writtenBytes is what the processes in cgroup cg have written (dirtied)
+// since they started, with what their reaped children wrote: 0 without
+// cgroups.
+func (e *Edge) writtenBytes(cg string) int64 {
+	if e.deps.Cgroups == nil || cg == "" {
+		return 0
+	}
+	pids, err := e.deps.Cgroups.Procs(cg)
+	if err != nil {
+		return 0
+	}
+	var n int64
+	for _, pid := range pids {
+		b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/io")
+		if err != nil {
+			continue // gone
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(line, "write_bytes: "); ok {
+				w, _ := strconv.ParseInt(v, 10, 64)
+				n += w
+			}
+		}
+	}
+	return n
 }
 
 // allocatedBytes is what the files and directories below dir take on disk

@@ -111,6 +111,10 @@ func (e *Edge) nextDueLocked(s *sbx) time.Time {
 		if e.cfg.MaxPaused > 0 && r.Sandbox.PausedAt != nil {
 			earliest(r.Sandbox.PausedAt.Add(e.cfg.MaxPaused))
 		}
+		// The node's own pause does not stop the TTL (diskguard.go).
+		if r.Sandbox.PauseReason == api.PauseReasonDiskPressure && r.Sandbox.ExpiresAt != nil {
+			earliest(*r.Sandbox.ExpiresAt)
+		}
 	case !holdsResources(st):
 		if r.StoppedAt != nil {
 			earliest(r.StoppedAt.Add(e.cfg.StoppedRetention))

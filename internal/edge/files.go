@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"sync"
 	"time"
 
 	"github.com/dsecproject/dsec/api"
@@ -22,11 +23,30 @@ import (
 // withFiles runs fn on the files of a running sandbox and records the
 // call as kind with req; fn fills in the result summary.
 func (e *Edge) withFiles(ctx context.Context, id, kind string, req api.LogRequest, fn func(f sandbox.Files, res *api.LogResult) error) error {
+	return e.filesCall(ctx, id, kind, req, false, nil, fn)
+}
+
+// transfer is withFiles for a call that moves a file's bytes: once the
+// sandbox is found it takes one of the node's streams (--max-streams),
+// given back when fn returns or, with hold, handed to *hold for the
+// caller to give back once the bytes have gone (when fn succeeded).
+func (e *Edge) transfer(ctx context.Context, id, kind string, req api.LogRequest, hold *func(), fn func(f sandbox.Files, res *api.LogResult) error) error {
+	return e.filesCall(ctx, id, kind, req, true, hold, fn)
+}
+
+func (e *Edge) filesCall(ctx context.Context, id, kind string, req api.LogRequest, stream bool, hold *func(), fn func(f sandbox.Files, res *api.LogResult) error) error {
 	s, done, err := e.begin(ctx, id)
 	if err != nil {
 		return err
 	}
 	defer done()
+	release := func() {}
+	if stream {
+		var ok bool
+		if release, ok = e.streams.take(); !ok {
+			return e.streamsFull()
+		}
+	}
 	start := time.Now()
 	var res api.LogResult
 	f, err := e.filesOf(ctx, s)
@@ -34,6 +54,11 @@ func (e *Edge) withFiles(ctx context.Context, id, kind string, req api.LogReques
 		err = fn(f, &res)
 	}
 	e.record(s, kind, start, req, res, err)
+	if hold != nil && err == nil {
+		*hold = release
+	} else {
+		release()
+	}
 	return err
 }
 
@@ -123,18 +148,36 @@ func (l localFiles) ExtractTar(_ context.Context, path string, rd io.Reader, max
 	return l.r.ExtractTar(path, rd, files.TarOptions{MaxBytes: maxBytes, MaxFiles: maxFiles, Owner: o})
 }
 
-// ReadFile opens a file for reading.
+// ReadFile opens a file for reading. Until the reader is closed it holds
+// one of the node's streams (--max-streams), as a download does.
 func (e *Edge) ReadFile(ctx context.Context, id, path string) (io.ReadCloser, api.FileEntry, error) {
 	var rc io.ReadCloser
 	var fe api.FileEntry
-	err := e.withFiles(ctx, id, api.LogFilesRead, api.LogRequest{Path: path}, func(f sandbox.Files, res *api.LogResult) (err error) {
+	var release func()
+	err := e.transfer(ctx, id, api.LogFilesRead, api.LogRequest{Path: path}, &release, func(f sandbox.Files, res *api.LogResult) (err error) {
 		rc, fe, err = f.ReadFile(ctx, path)
 		if err == nil {
 			res.Size = &fe.Size
 		}
 		return err
 	})
-	return rc, fe, err
+	if err != nil {
+		return nil, fe, err
+	}
+	return &releasingReader{ReadCloser: rc, release: release}, fe, nil
+}
+
+// releasingReader gives its stream back when closed (once).
+type releasingReader struct {
+	io.ReadCloser
+	release func()
+	once    sync.Once
+}
+
+func (r *releasingReader) Close() error {
+	err := r.ReadCloser.Close()
+	r.once.Do(r.release)
+	return err
 }
 
 // fileOwner resolves the owner a file call names, a user of the sandbox
@@ -176,7 +219,7 @@ func (e *Edge) WriteFile(ctx context.Context, id, path string, data io.Reader, m
 	if err := e.checkDiskFloor(); err != nil {
 		return fe, err
 	}
-	err := e.withFiles(ctx, id, api.LogFilesWrite, api.LogRequest{Path: path, Mode: modeString(mode), User: owner}, func(f sandbox.Files, res *api.LogResult) (err error) {
+	err := e.transfer(ctx, id, api.LogFilesWrite, api.LogRequest{Path: path, Mode: modeString(mode), User: owner}, nil, func(f sandbox.Files, res *api.LogResult) (err error) {
 		if err := validOwner(owner); err != nil {
 			return err
 		}
@@ -220,9 +263,9 @@ func (e *Edge) RemoveFile(ctx context.Context, id, path string, recursive bool) 
 	})
 }
 
-// WriteTar streams a tar of path to w.
+// WriteTar streams a tar of path to w, holding one of the node's streams.
 func (e *Edge) WriteTar(ctx context.Context, id, path string, w io.Writer) error {
-	return e.withFiles(ctx, id, api.LogFilesTarOut, api.LogRequest{Path: path}, func(f sandbox.Files, res *api.LogResult) error {
+	return e.transfer(ctx, id, api.LogFilesTarOut, api.LogRequest{Path: path}, nil, func(f sandbox.Files, res *api.LogResult) error {
 		cw := &countWriter{w: w}
 		err := f.WriteTar(ctx, path, cw)
 		res.Bytes = &cw.n
@@ -239,7 +282,7 @@ func (e *Edge) ExtractTar(ctx context.Context, id, path string, rd io.Reader, ow
 	if err := e.checkDiskFloor(); err != nil {
 		return tr, err
 	}
-	err := e.withFiles(ctx, id, api.LogFilesTarIn, api.LogRequest{Path: path, User: owner}, func(f sandbox.Files, res *api.LogResult) (err error) {
+	err := e.transfer(ctx, id, api.LogFilesTarIn, api.LogRequest{Path: path, User: owner}, nil, func(f sandbox.Files, res *api.LogResult) (err error) {
 		if err := validOwner(owner); err != nil {
 			return err
 		}

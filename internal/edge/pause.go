@@ -153,7 +153,8 @@ func (e *Edge) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
 	}
 	now := time.Now().UTC()
 	s.mu.Lock()
-	if p := s.rec.Sandbox.PausedAt; p != nil && s.rec.Sandbox.ExpiresAt != nil {
+	// A pause asked for stops the TTL; the node's own does not.
+	if p := s.rec.Sandbox.PausedAt; p != nil && s.rec.Sandbox.ExpiresAt != nil && s.rec.Sandbox.PauseReason == "" {
 		exp := s.rec.Sandbox.ExpiresAt.Add(now.Sub(*p))
 		s.rec.Sandbox.ExpiresAt = &exp
 	}

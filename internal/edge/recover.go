@@ -301,6 +301,7 @@ func (e *Edge) reapOnce(now time.Time, full bool) {
 		s.mu.Lock()
 		id, state := s.rec.Sandbox.ID, s.rec.Sandbox.State
 		expires, paused, stopped := s.rec.Sandbox.ExpiresAt, s.rec.Sandbox.PausedAt, s.rec.StoppedAt
+		nodePaused := state == api.StatePaused && s.rec.Sandbox.PauseReason == api.PauseReasonDiskPressure
 		idle := s.rec.Sandbox.Spec.IdleTimeout
 		busy := s.going
 		inFlight := s.ops
@@ -331,7 +332,7 @@ func (e *Edge) reapOnce(now time.Time, full bool) {
 		switch {
 		case checkLiveness && state == api.StateRunning && !e.initAlive(id):
 			reason, final = "sandbox init exited", api.StateFailed
-		case state == api.StateRunning && expires != nil && now.After(*expires):
+		case (state == api.StateRunning || nodePaused) && expires != nil && now.After(*expires):
 			reason = "ttl expired"
 		case state == api.StatePaused && e.cfg.MaxPaused > 0 && paused != nil &&
 			now.Sub(*paused) > e.cfg.MaxPaused:

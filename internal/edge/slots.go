@@ -52,6 +52,6 @@ func (e *Edge) sessionsFull() error {
 }
 
 func (e *Edge) streamsFull() error {
-	return errdefs.Exhausted("node %s is running %d commands and port connections, its limit (--max-streams); retry later",
+	return errdefs.Exhausted("node %s is running %d commands, port connections and file transfers, its limit (--max-streams); retry later",
 		e.cfg.Name, e.cfg.MaxStreams)
 }

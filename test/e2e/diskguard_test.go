@@ -29,26 +29,35 @@ func stateFreeMiB(t *testing.T) int64 {
 // and with the filesystem still near its floor, while a neighbour that
 // does not write runs on. Resumed, it gets the time to remove what it
 // wrote, and runs on. For each backend whose writable layer is on the
-// state filesystem (container, gvisor).
+// state filesystem (container, gvisor), and for a write to a file removed
+// while open, which the writable layer does not show.
 func TestDiskGuard(t *testing.T) {
 	needDaemon(t)
-	for _, backend := range []string{api.BackendContainer, api.BackendGVisor} {
-		t.Run(backend, func(t *testing.T) {
-			if backend == api.BackendGVisor {
-				needBackend(t, backend, "apt-get install runsc")
+	const (
+		file    = "dd if=/dev/zero of=/fill bs=1M count=2048 >/dev/null 2>&1 </dev/null & echo started"
+		removed = "exec 3>/fill; rm /fill; dd if=/dev/zero bs=1M count=2048 >&3 2>/dev/null </dev/null & echo started"
+	)
+	for _, c := range []struct{ name, backend, write string }{
+		{"container", api.BackendContainer, file},
+		{"gvisor", api.BackendGVisor, file},
+		{"container-removed-file", api.BackendContainer, removed},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if c.backend == api.BackendGVisor {
+				needBackend(t, c.backend, "apt-get install runsc")
 			}
-			diskGuard(t, backend)
+			diskGuard(t, c.backend, c.write, c.write == removed)
 		})
 	}
 }
 
-func diskGuard(t *testing.T, backend string) {
+func diskGuard(t *testing.T, backend, write string, removed bool) {
 	neighbour := newSandbox(t, api.SandboxSpec{Backend: backend})
 	writer := newSandbox(t, api.SandboxSpec{Backend: backend})
 	sh(t, neighbour.ID, "echo intact > /root/marker")
 	floor := stateFreeMiB(t) - 300
 	withPoolFlags(t, "--min-free-disk-mb", strconv.FormatInt(floor, 10))
-	r := sh(t, writer.ID, "dd if=/dev/zero of=/fill bs=1M count=2048 >/dev/null 2>&1 </dev/null & echo started")
+	r := sh(t, writer.ID, write)
 	if r.Stdout != "started\n" {
 		t.Fatalf("starting the writer: %+v", r)
 	}
@@ -69,14 +78,18 @@ func diskGuard(t *testing.T, backend string) {
 		t.Errorf("pause_reason %q, want %q", got.PauseReason, api.PauseReasonDiskPressure)
 	}
 	fill := filepath.Join(d.stateDir, "edge", "sandboxes", writer.ID, "upper", "fill")
-	st, err := os.Stat(fill)
-	if err != nil {
-		t.Fatal(err)
-	}
 	free := stateFreeMiB(t)
-	t.Logf("paused with %d MiB written; %d MiB free against a floor of %d MiB", st.Size()>>20, free, floor)
-	if st.Size() >= 2048<<20 {
-		t.Errorf("the writer wrote all %d MiB before it was paused", st.Size()>>20)
+	if !removed {
+		st, err := os.Stat(fill)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("paused with %d MiB written; %d MiB free against a floor of %d MiB", st.Size()>>20, free, floor)
+		if st.Size() >= 2048<<20 {
+			t.Errorf("the writer wrote all %d MiB before it was paused", st.Size()>>20)
+		}
+	} else {
+		t.Logf("paused; %d MiB free against a floor of %d MiB", free, floor)
 	}
 	if free < floor-1024 {
 		t.Errorf("%d MiB free: more than 1 GiB past the floor of %d MiB", free, floor)
@@ -97,7 +110,8 @@ func diskGuard(t *testing.T, backend string) {
 		t.Fatalf("cleaning up: %+v", r)
 	}
 	time.Sleep(time.Second)
-	if got, err = client.GetSandbox(ctx(t), writer.ID); err != nil || got.State != api.StateRunning || got.PauseReason != "" {
+	got, err := client.GetSandbox(ctx(t), writer.ID)
+	if err != nil || got.State != api.StateRunning || got.PauseReason != "" {
 		t.Fatalf("the writer after cleaning up: %+v %v", got, err)
 	}
 	if _, err := os.Stat(fill); !os.IsNotExist(err) {

@@ -164,3 +164,113 @@ func TestRedteamOutputMemory(t *testing.T) {
 	}
 	by.check(t)
 }
+
+// rawGet starts a GET of path and returns the response, its body unread.
+func rawGet(t *testing.T, path string) *http.Response {
+	t.Helper()
+	hr, _ := http.NewRequest("GET", "http://"+d.listen+path, nil)
+	hr.Header.Set("Authorization", "Bearer "+d.key)
+	resp, err := http.DefaultClient.Do(hr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp
+}
+
+// TestRedteamTransferMemory is class 1 for file transfers: a sandbox's
+// 512 MiB file is downloaded whole, as a tar and as raw bytes, two of each
+// at once, while two more downloads are left unread (a client that stops
+// reading must not make the daemon buffer what it has not taken). Each
+// transfer streams through fixed buffers, so the daemon may grow by a few
+// MiB each: the test allows 32 MiB for the six. And transfers hold the
+// node's streams (--max-streams) as commands do: with 2, two stalled
+// downloads leave none for a third transfer or an exec (503
+// resource_exhausted) until they are closed.
+func TestRedteamTransferMemory(t *testing.T) {
+	needDaemon(t)
+	sb := newSandbox(t, api.SandboxSpec{})
+	if r := sh(t, sb.ID, "mkdir /root/t && head -c 536870912 /dev/zero > /root/t/big && echo ok"); r.Stdout != "ok\n" {
+		t.Fatalf("writing the file: %+v", r)
+	}
+	tarPath := "/v1/sandboxes/" + sb.ID + "/files:tar?path=/root/t"
+	rawPath := "/v1/sandboxes/" + sb.ID + "/files?path=/root/t/big"
+	base := daemonRSS(t)
+	var peak int64
+	stop := make(chan struct{})
+	sampled := make(chan struct{})
+	go func() {
+		defer close(sampled)
+		for {
+			peak = max(peak, daemonRSS(t))
+			select {
+			case <-stop:
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}()
+	stalled := []*http.Response{rawGet(t, tarPath), rawGet(t, rawPath)}
+	var wg sync.WaitGroup
+	got := make([]int64, 4)
+	for i, p := range []string{tarPath, tarPath, rawPath, rawPath} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp := rawGet(t, p)
+			defer resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				got[i], _ = io.Copy(io.Discard, resp.Body)
+			}
+		}()
+	}
+	wg.Wait()
+	time.Sleep(time.Second) // the stalled ones, longer
+	close(stop)
+	<-sampled
+	for _, r := range stalled {
+		r.Body.Close()
+	}
+	for i, n := range got {
+		if n < 512<<20 {
+			t.Errorf("download %d got %d bytes, want all 512 MiB", i, n)
+		}
+	}
+	t.Logf("daemon RSS: %d MiB before, %d MiB at most during 4 downloads of 512 MiB and 2 stalled ones", base>>20, peak>>20)
+	if peak-base > 32<<20 {
+		t.Errorf("daemon RSS grew by %d MiB during the downloads; the bound is 32 MiB", (peak-base)>>20)
+	}
+
+	withPoolFlags(t, "--max-streams", "2")
+	held := []*http.Response{rawGet(t, tarPath), rawGet(t, rawPath)}
+	for _, r := range held {
+		if r.StatusCode != http.StatusOK {
+			t.Fatalf("a download within the limit: HTTP %d", r.StatusCode)
+		}
+	}
+	for _, p := range []string{tarPath, rawPath} {
+		r := rawGet(t, p)
+		head, _ := io.ReadAll(io.LimitReader(r.Body, 4096))
+		r.Body.Close()
+		if r.StatusCode != http.StatusServiceUnavailable || !bytes.Contains(head, []byte("resource_exhausted")) {
+			t.Errorf("a transfer past --max-streams 2 with two downloads open: HTTP %d %.100q; want 503 resource_exhausted", r.StatusCode, head)
+		}
+	}
+	status, _, head, err := rawExec(sb.ID, api.ExecRequest{Cmd: "true"})
+	if err != nil || status != http.StatusServiceUnavailable || !bytes.Contains(head, []byte("resource_exhausted")) {
+		t.Errorf("an exec with two downloads holding the streams: HTTP %d %.200s %v; want 503 resource_exhausted", status, head, err)
+	}
+	for _, r := range held {
+		r.Body.Close()
+	}
+	// Closed, they give their streams back.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		r := rawGet(t, rawPath)
+		r.Body.Close()
+		if r.StatusCode == http.StatusOK {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a download after the others were closed: HTTP %d", r.StatusCode)
+		}
+	}
+}

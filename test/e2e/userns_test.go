@@ -126,6 +126,8 @@ func TestUserNamespaceSandbox(t *testing.T) {
 // its count allows leaves host root and a neighbour sandbox theirs. (A
 // sandbox whose root is host root, or a namespace made by root, charged
 // everything to root: host root and every neighbour then got none.) The
+// processes counted against RLIMIT_NPROC are its own too (a neighbour
+// with the same limit starts as many while it holds all of its). The
 // counts kept per host uid (pipe buffer pages) are the sandbox's too: its
 // IDs are a range of its own (with one range for all, the neighbour's
 // new pipes were cut to a few pages).
@@ -156,10 +158,11 @@ func TestUserNSKernelCountsAreTheSandboxs(t *testing.T) {
 		}
 		return n
 	}
-	for _, res := range []string{"inotify", "sigpending", "mqueue", "pipes"} {
+	for _, res := range []string{"inotify", "sigpending", "mqueue", "pipes", "procs"} {
 		t.Run(res, func(t *testing.T) {
-			// Host root is exempt from the pipe pages' limit.
-			onHost := res != "pipes"
+			// Host root is exempt from the pipe pages' and the processes'
+			// limits.
+			onHost := res != "pipes" && res != "procs"
 			var before int
 			if onHost {
 				before = host(res)

@@ -777,7 +777,12 @@ func (b *Backend) resumeLocked(ctx context.Context, id string, s *vmSlot) error 
 	}
 	// With the agent's client of the VM when it was saved, the commands
 	// it ran go on; a VM an earlier edge saved starts a new connection.
-	vm, err := b.start(ctx, id, s.meta.Start, snap, procs, s.agent, beforeRun)
+	// A caller that goes away does not cut the resume short: past
+	// beforeRun the snapshot is gone, and a VMM stopped then would take
+	// the VM's memory with it.
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Minute)
+	defer cancel()
+	vm, err := b.start(rctx, id, s.meta.Start, snap, procs, s.agent, beforeRun)
 	if err != nil {
 		if s.agent != nil {
 			select {

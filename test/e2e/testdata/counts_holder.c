@@ -5,6 +5,10 @@
 //   inotify    inotify instances (fs.inotify.max_user_instances)
 //   sigpending queued real-time signals (RLIMIT_SIGPENDING)
 //   mqueue     POSIX message queues of 8 x 1 KiB (RLIMIT_MSGQUEUE bytes)
+//   procs      processes, with RLIMIT_NPROC set to 64 first (the count is
+//              the user's, all its processes; host root is exempt from
+//              the limit: do not run this one there). The children wait
+//              and die with the holder.
 // and one the kernel keeps per host uid, whatever the namespace:
 //   pipes      pipes of 1 MiB until a new pipe gets less than the default
 //              64 KiB (fs.pipe-user-pages-soft; host root, with
@@ -18,6 +22,8 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/inotify.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -66,6 +72,25 @@ static int take_mqueue(void) {
 	return n;
 }
 
+static int take_procs(void) {
+	struct rlimit rl = {64, 64};
+	if (setrlimit(RLIMIT_NPROC, &rl) < 0)
+		return -1;
+	int n = 0;
+	while (n < 4096) {
+		pid_t pid = fork();
+		if (pid < 0)
+			break;
+		if (pid == 0) {
+			prctl(PR_SET_PDEATHSIG, SIGKILL);
+			for (;;)
+				pause();
+		}
+		n++;
+	}
+	return n;
+}
+
 static int take_pipes(void) {
 	int n = 0;
 	while (n < 4096) {
@@ -85,7 +110,7 @@ static int take_pipes(void) {
 
 int main(int argc, char **argv) {
 	if (argc < 2) {
-		fprintf(stderr, "usage: counts_holder inotify|sigpending|mqueue|pipes [hold]\n");
+		fprintf(stderr, "usage: counts_holder inotify|sigpending|mqueue|pipes|procs [hold]\n");
 		return 2;
 	}
 	int n;
@@ -97,6 +122,8 @@ int main(int argc, char **argv) {
 		n = take_mqueue();
 	else if (strcmp(argv[1], "pipes") == 0)
 		n = take_pipes();
+	else if (strcmp(argv[1], "procs") == 0)
+		n = take_procs();
 	else {
 		fprintf(stderr, "unknown resource %s\n", argv[1]);
 		return 2;
