@@ -30,14 +30,17 @@ import (
 // while open, and a reaped process's count goes to its parent), every
 // look; and the allocated blocks of their writable layers (which also see
 // fallocate), every diskGuardWalk, as walking a large layer is costly.
-// From its second look on it pauses the sandbox that grew the most by
-// either measure since the look before, at least diskGuardMinGrowth, with
-// PauseReason disk_pressure: one per look. Its writes stop with it; what
+// It pauses the sandbox that grew the most by either measure since the
+// look before, at least diskGuardMinGrowth, with PauseReason
+// disk_pressure: one per look. While free space is less than twice the
+// floor the bytes written are also sampled once a second, so that the
+// first look below the floor can already act on them; far from the floor
+// the guard costs one statfs a look. Its writes stop with it; what
 // it wrote stays (a pause frees no disk) for its owner to look at, resume
 // and clean up, or delete, and its TTL runs on.
 //
-// What gets past it is what sandboxes write in about two looks (two walks
-// for fallocate), plus the time to walk the layers: the floor (1 GiB at
+// What gets past it is what sandboxes write in about a look (two walks
+// for fallocate), plus the time to walk the layers and to freeze: the floor (1 GiB at
 // least by default) is the margin. A single call that allocates more than
 // the floor at once (fallocate of a large file) is beyond any look; a
 // sandbox that must not be able to do that gets disk_mb.
@@ -49,6 +52,9 @@ const (
 	// diskGuardWalk is how often, below the floor, it walks the writable
 	// layers.
 	diskGuardWalk = time.Second
+	// diskGuardNear is how often it samples the bytes written while free
+	// space is above the floor but less than twice it.
+	diskGuardNear = time.Second
 	// diskGuardMinGrowth is the least a sandbox must have written since
 	// the look before to be paused (10 MiB/s): a log line is not the
 	// cause of a full disk.
@@ -94,9 +100,10 @@ func (e *Edge) diskGuard() {
 	t := time.NewTicker(diskGuardEvery)
 	defer t.Stop()
 	var (
-		last       map[string]diskSample // at the last look; nil above the floor
+		last       map[string]diskSample // at the last look (or sample near the floor)
 		lastFree   int64
-		lastWalk   time.Time
+		lastLook   time.Time
+		lastWalk   time.Time // zero: not below the floor at the last look
 		quietUntil time.Time
 	)
 	for {
@@ -106,15 +113,28 @@ func (e *Edge) diskGuard() {
 		case <-t.C:
 		}
 		free, floor, ok := e.stateFree()
-		if !ok || free >= floor {
-			last = nil
+		if !ok {
 			continue
 		}
 		now := time.Now()
-		first := last == nil
-		falling := first || free < lastFree
+		if free >= floor {
+			// Near the floor, what is written is sampled now and then,
+			// so that the first look below it can already tell who
+			// writes; far from it, nothing is.
+			lastWalk = time.Time{}
+			if free >= 2*floor {
+				last = nil
+			} else if now.Sub(lastLook) >= diskGuardNear {
+				last, _ = e.relieveDisk(last, false, false, free, floor)
+				lastLook = now
+			}
+			lastFree = free
+			continue
+		}
+		crossed := lastWalk.IsZero()
+		falling := crossed || free < lastFree
 		lastFree = free
-		walk := first || now.Sub(lastWalk) >= diskGuardWalk
+		walk := crossed || now.Sub(lastWalk) >= diskGuardWalk
 		if !falling && !walk {
 			continue
 		}
@@ -122,8 +142,9 @@ func (e *Edge) diskGuard() {
 			lastWalk = now
 		}
 		var paused bool
-		last, paused = e.relieveDisk(last, walk, falling && !first, free, floor)
-		if falling && !first && !paused && walk && now.After(quietUntil) {
+		last, paused = e.relieveDisk(last, walk, falling, free, floor)
+		lastLook = now
+		if falling && !crossed && !paused && walk && now.After(quietUntil) {
 			quietUntil = now.Add(time.Minute)
 			e.log.Warn("the state filesystem is below its floor and losing space, but no running sandbox without a disk of its own is writing much to it",
 				"node", e.cfg.Name, "free_mib", free>>20, "floor_mib", floor>>20)

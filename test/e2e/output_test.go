@@ -177,23 +177,25 @@ func rawGet(t *testing.T, path string) *http.Response {
 	return resp
 }
 
-// TestRedteamTransferMemory is class 1 for file transfers: a sandbox's
-// 512 MiB file is downloaded whole, as a tar and as raw bytes, two of each
-// at once, while two more downloads are left unread (a client that stops
-// reading must not make the daemon buffer what it has not taken). Each
-// transfer streams through fixed buffers, so the daemon may grow by a few
-// MiB each: the test allows 32 MiB for the six. And transfers hold the
+// TestRedteamTransferMemory is class 1 for file transfers and the ports
+// proxy: a sandbox's 512 MiB file is downloaded whole, as a tar, as raw
+// bytes and from a web server in the sandbox through the ports proxy, two
+// of each at once, while three more downloads are left unread (a client
+// that stops reading must not make the daemon buffer what it has not
+// taken). Each streams through fixed buffers, so the daemon may grow by a
+// few MiB each: the test allows 32 MiB for the nine. And transfers hold the
 // node's streams (--max-streams) as commands do: with 2, two stalled
 // downloads leave none for a third transfer or an exec (503
 // resource_exhausted) until they are closed.
 func TestRedteamTransferMemory(t *testing.T) {
 	needDaemon(t)
 	sb := newSandbox(t, api.SandboxSpec{})
-	if r := sh(t, sb.ID, "mkdir /root/t && head -c 536870912 /dev/zero > /root/t/big && echo ok"); r.Stdout != "ok\n" {
+	if r := sh(t, sb.ID, "mkdir /root/t && head -c 536870912 /dev/zero > /root/t/big && httpd -p 127.0.0.1:8080 -h /root/t && echo ok"); r.Stdout != "ok\n" {
 		t.Fatalf("writing the file: %+v", r)
 	}
 	tarPath := "/v1/sandboxes/" + sb.ID + "/files:tar?path=/root/t"
 	rawPath := "/v1/sandboxes/" + sb.ID + "/files?path=/root/t/big"
+	portPath := "/v1/sandboxes/" + sb.ID + "/ports/8080/big"
 	base := daemonRSS(t)
 	var peak int64
 	stop := make(chan struct{})
@@ -209,10 +211,10 @@ func TestRedteamTransferMemory(t *testing.T) {
 			}
 		}
 	}()
-	stalled := []*http.Response{rawGet(t, tarPath), rawGet(t, rawPath)}
+	stalled := []*http.Response{rawGet(t, tarPath), rawGet(t, rawPath), rawGet(t, portPath)}
 	var wg sync.WaitGroup
-	got := make([]int64, 4)
-	for i, p := range []string{tarPath, tarPath, rawPath, rawPath} {
+	got := make([]int64, 6)
+	for i, p := range []string{tarPath, tarPath, rawPath, rawPath, portPath, portPath} {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -235,7 +237,7 @@ func TestRedteamTransferMemory(t *testing.T) {
 			t.Errorf("download %d got %d bytes, want all 512 MiB", i, n)
 		}
 	}
-	t.Logf("daemon RSS: %d MiB before, %d MiB at most during 4 downloads of 512 MiB and 2 stalled ones", base>>20, peak>>20)
+	t.Logf("daemon RSS: %d MiB before, %d MiB at most during 6 downloads of 512 MiB and 3 stalled ones", base>>20, peak>>20)
 	if peak-base > 32<<20 {
 		t.Errorf("daemon RSS grew by %d MiB during the downloads; the bound is 32 MiB", (peak-base)>>20)
 	}
