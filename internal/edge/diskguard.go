@@ -30,9 +30,9 @@ import (
 // while open, and a reaped process's count goes to its parent), every
 // look; and the allocated blocks of their writable layers (which also see
 // fallocate), every diskGuardWalk, as walking a large layer is costly.
-// It pauses the sandbox that grew the most by either measure since the
-// look before, at least diskGuardMinGrowth, with PauseReason
-// disk_pressure: one per look. While free space is less than twice the
+// It pauses the sandbox that grew the fastest by either measure since the
+// look before, at least diskGuardMinRate, with PauseReason disk_pressure:
+// one per look. While free space is less than twice the
 // floor the bytes written are also sampled once a second, so that the
 // first look below the floor can already act on them; far from the floor
 // the guard costs one statfs a look. Its writes stop with it; what
@@ -55,10 +55,10 @@ const (
 	// diskGuardNear is how often it samples the bytes written while free
 	// space is above the floor but less than twice it.
 	diskGuardNear = time.Second
-	// diskGuardMinGrowth is the least a sandbox must have written since
-	// the look before to be paused (10 MiB/s): a log line is not the
-	// cause of a full disk.
-	diskGuardMinGrowth = 1 << 20
+	// diskGuardMinRate is the least a sandbox must have written a second
+	// since the look before to be paused: a log line is not the cause of
+	// a full disk.
+	diskGuardMinRate = 10 << 20
 	// diskGuardPauseTimeout bounds one pause by the guard.
 	diskGuardPauseTimeout = 30 * time.Second
 )
@@ -87,10 +87,17 @@ func (e *Edge) stateFree() (free, floor int64, ok bool) {
 	return free, floor, true
 }
 
-// diskSample is what the guard measured of one sandbox: the allocated
-// bytes of its writable layer (-1: not walked yet) and the bytes its
-// processes wrote.
-type diskSample struct{ layer, written int64 }
+// diskSample is what the guard measured of one sandbox at a time: the
+// allocated bytes of its writable layer (-1: not walked then) and the
+// bytes each of its processes had written.
+type diskSample struct {
+	at      time.Time
+	written map[int]int64
+	// layer was measured at layerAt: by the last walk, carried over
+	// looks that do not walk.
+	layer   int64
+	layerAt time.Time
+}
 
 // diskGuard runs the guard until the edge stops.
 func (e *Edge) diskGuard() {
@@ -153,13 +160,13 @@ func (e *Edge) diskGuard() {
 }
 
 // relieveDisk measures the sandboxes the guard may pause (their layers
-// only with walk) and, with pause, pauses the one that grew the most since
-// last (nil at the first look below the floor). It returns the samples
-// now, and whether it paused a sandbox.
+// only with walk) and, with pause, pauses the one that wrote the most a
+// second since last (nil at the first look below the floor). It returns
+// the samples now, and whether it paused a sandbox.
 func (e *Edge) relieveDisk(last map[string]diskSample, walk, pause bool, free, floor int64) (map[string]diskSample, bool) {
 	type grown struct {
 		id          string
-		grew, layer int64
+		rate, layer int64
 	}
 	start := time.Now()
 	var cands []grown
@@ -174,28 +181,39 @@ func (e *Edge) relieveDisk(last map[string]diskSample, walk, pause bool, free, f
 			continue
 		}
 		before, seen := last[id]
-		now := diskSample{layer: -1, written: e.writtenBytes(cg)}
+		now := diskSample{at: time.Now(), layer: -1, written: e.writtenByPid(cg)}
 		if walk {
-			now.layer = allocatedBytes(s.upperDir())
+			now.layer, now.layerAt = allocatedBytes(s.upperDir()), now.at
 		} else if seen {
-			now.layer = before.layer
+			now.layer, now.layerAt = before.layer, before.layerAt
 		}
 		samples[id] = now
 		if !seen {
 			continue
 		}
-		grew := now.written - before.written
-		if walk && before.layer >= 0 {
-			grew = max(grew, now.layer-before.layer)
+		// What each process wrote since: a process new since then counts
+		// whole, one whose count fell (its pid reused) not at all; a
+		// reaped child's count moves to its parent, which counts it
+		// again, which only points at a sandbox that writes.
+		var grew int64
+		for pid, w := range now.written {
+			grew += max(0, w-before.written[pid])
 		}
-		if grew >= diskGuardMinGrowth {
-			cands = append(cands, grown{id: id, grew: grew, layer: now.layer})
+		perSec := func(n int64, since time.Time) int64 {
+			return int64(float64(n) / max(now.at.Sub(since).Seconds(), diskGuardEvery.Seconds()))
+		}
+		rate := perSec(grew, before.at)
+		if walk && before.layer >= 0 {
+			rate = max(rate, perSec(now.layer-before.layer, before.layerAt))
+		}
+		if rate >= diskGuardMinRate {
+			cands = append(cands, grown{id: id, rate: rate, layer: now.layer})
 		}
 	}
 	if !pause {
 		return samples, false
 	}
-	sort.Slice(cands, func(i, j int) bool { return cands[i].grew > cands[j].grew })
+	sort.Slice(cands, func(i, j int) bool { return cands[i].rate > cands[j].rate })
 	for _, c := range cands {
 		ctx, cancel := context.WithTimeout(context.Background(), diskGuardPauseTimeout)
 		res, err := e.pause(ctx, c.id, api.PauseReasonDiskPressure)
@@ -210,25 +228,25 @@ func (e *Edge) relieveDisk(last map[string]diskSample, walk, pause bool, free, f
 		}
 		e.metrics.diskPressurePauses.Inc()
 		e.log.Warn("state filesystem below its floor: paused the sandbox writing the most to it",
-			"sandbox_id", c.id, "grew_mib", c.grew>>20, "layer_mib", c.layer>>20,
+			"sandbox_id", c.id, "mib_per_s", c.rate>>20, "layer_mib", c.layer>>20,
 			"free_mib", free>>20, "floor_mib", floor>>20, "took_ms", time.Since(start).Milliseconds())
 		return samples, true
 	}
 	return samples, false
 }
 
-// writtenBytes is what the processes in cgroup cg have written (dirtied)
-// since they started, with what their reaped children wrote: 0 without
+// writtenByPid is what each process in cgroup cg has written (dirtied)
+// since it started, with what its reaped children wrote: nil without
 // cgroups.
-func (e *Edge) writtenBytes(cg string) int64 {
+func (e *Edge) writtenByPid(cg string) map[int]int64 {
 	if e.deps.Cgroups == nil || cg == "" {
-		return 0
+		return nil
 	}
 	pids, err := e.deps.Cgroups.Procs(cg)
 	if err != nil {
-		return 0
+		return nil
 	}
-	var n int64
+	out := make(map[int]int64, len(pids))
 	for _, pid := range pids {
 		b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/io")
 		if err != nil {
@@ -236,12 +254,11 @@ func (e *Edge) writtenBytes(cg string) int64 {
 		}
 		for _, line := range strings.Split(string(b), "\n") {
 			if v, ok := strings.CutPrefix(line, "write_bytes: "); ok {
-				w, _ := strconv.ParseInt(v, 10, 64)
-				n += w
+				out[pid], _ = strconv.ParseInt(v, 10, 64)
 			}
 		}
 	}
-	return n
+	return out
 }
 
 // allocatedBytes is what the files and directories below dir take on disk

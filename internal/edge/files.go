@@ -47,6 +47,12 @@ func (e *Edge) filesCall(ctx context.Context, id, kind string, req api.LogReques
 			return e.streamsFull()
 		}
 	}
+	handed := false
+	defer func() {
+		if !handed {
+			release()
+		}
+	}()
 	start := time.Now()
 	var res api.LogResult
 	f, err := e.filesOf(ctx, s)
@@ -55,9 +61,7 @@ func (e *Edge) filesCall(ctx context.Context, id, kind string, req api.LogReques
 	}
 	e.record(s, kind, start, req, res, err)
 	if hold != nil && err == nil {
-		*hold = release
-	} else {
-		release()
+		*hold, handed = release, true
 	}
 	return err
 }

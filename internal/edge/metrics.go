@@ -95,7 +95,7 @@ func (m *Metrics) bind(e *Edge) {
 	}, func() float64 { return float64(e.sessions.inUse()) }))
 	m.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "dsec_streams_open",
-		Help: "Commands and port connections running on this node (bounded by --max-streams).",
+		Help: "Commands, port connections and file transfers running on this node (bounded by --max-streams).",
 	}, func() float64 { return float64(e.streams.inUse()) }))
 }
 

@@ -31,13 +31,31 @@ func (e *Edge) pause(ctx context.Context, id, reason string) (*api.PauseResult, 
 		return nil, errdefs.Precondition("pause needs cgroups, which this edge runs without")
 	}
 	start := time.Now()
-	s.life.Lock()
+	if reason == "" {
+		s.life.Lock()
+	} else if !s.life.TryLock() {
+		// The node's own pause does not wait behind a snapshot or a
+		// delete: the guard looks again in a moment.
+		return nil, errdefs.Unavailable("sandbox %s is busy (a snapshot, fork or delete); not paused now", id)
+	}
 	defer s.life.Unlock()
 	s.mu.Lock()
 	state, cg := s.rec.Sandbox.State, s.rec.CgroupPath
 	s.mu.Unlock()
 	switch state {
 	case api.StatePaused:
+		if reason == "" {
+			// Paused by the node, and now asked for: the caller's pause,
+			// which stops the TTL.
+			s.mu.Lock()
+			if s.rec.Sandbox.PauseReason != "" {
+				s.rec.Sandbox.PauseReason = ""
+				if err := s.persistLocked(); err != nil {
+					e.log.Warn("persisting a pause asked for", "sandbox_id", id, "err", err)
+				}
+			}
+			s.mu.Unlock()
+		}
 		return &api.PauseResult{Sandbox: s.view()}, nil
 	case api.StateRunning:
 	default:
@@ -72,13 +90,18 @@ func (e *Edge) pause(ctx context.Context, id, reason string) (*api.PauseResult, 
 		if err := e.deps.Cgroups.Freeze(ctx, cg); err != nil {
 			return nil, err
 		}
-		rec, err := e.deps.Cgroups.Reclaim(cg)
-		if err != nil {
-			// The sandbox is paused all the same; it just keeps its memory.
-			e.log.Warn("reclaiming memory of paused sandbox", "sandbox_id", id, "err", err)
-		} else {
-			res.MemoryBeforeBytes, res.MemoryAfterBytes, res.MemoryFreedBytes = rec.BeforeBytes, rec.AfterBytes, rec.Freed()
-			res.ReclaimMethod = rec.Method
+		// The node's own pause stops writes and keeps the memory:
+		// reclaiming it would write its dirty pages back onto the
+		// filesystem short of space, and take long doing it.
+		if reason == "" {
+			rec, err := e.deps.Cgroups.Reclaim(cg)
+			if err != nil {
+				// The sandbox is paused all the same; it just keeps its memory.
+				e.log.Warn("reclaiming memory of paused sandbox", "sandbox_id", id, "err", err)
+			} else {
+				res.MemoryBeforeBytes, res.MemoryAfterBytes, res.MemoryFreedBytes = rec.BeforeBytes, rec.AfterBytes, rec.Freed()
+				res.ReclaimMethod = rec.Method
+			}
 		}
 	}
 	now := time.Now().UTC()
