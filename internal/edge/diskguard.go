@@ -26,24 +26,24 @@ import (
 // the floor, and while the free space keeps falling, it measures what the
 // running container and gVisor sandboxes without a disk of their own
 // write: the bytes their processes dirtied (write_bytes of /proc/<pid>/io,
-// summed over the sandbox's cgroup: it counts writes to files removed
-// while open, and a reaped process's count goes to its parent), every
-// look; and the allocated blocks of their writable layers (which also see
-// fallocate), every diskGuardWalk, as walking a large layer is costly.
-// It pauses the sandbox that grew the fastest by either measure since the
-// look before, at least diskGuardMinRate, with PauseReason disk_pressure:
-// one per look. While free space is less than twice the
-// floor the bytes written are also sampled once a second, so that the
-// first look below the floor can already act on them; far from the floor
-// the guard costs one statfs a look. Its writes stop with it; what
-// it wrote stays (a pause frees no disk) for its owner to look at, resume
-// and clean up, or delete, and its TTL runs on.
+// per process over the sandbox's cgroup: it counts writes to files
+// removed while open, and a reaped process's count goes to its parent),
+// every look; and the allocated blocks of their writable layers (which
+// also see fallocate), every diskGuardWalk, as walking a large layer is
+// costly. It pauses the sandbox that grew the fastest by either measure
+// since the look before, at least diskGuardMinRate, with PauseReason
+// disk_pressure: one per look. While free space is less than twice the
+// floor the bytes written are also sampled every diskGuardNear, so that
+// the first look below the floor can already act on them; far from the
+// floor the guard costs one statfs a look. The paused sandbox's writes
+// stop with it; what it wrote stays (a pause frees no disk) for its owner
+// to look at, resume and clean up, or delete, and its TTL runs on.
 //
 // What gets past it is what sandboxes write in about a look (two walks
-// for fallocate), plus the time to walk the layers and to freeze: the floor (1 GiB at
-// least by default) is the margin. A single call that allocates more than
-// the floor at once (fallocate of a large file) is beyond any look; a
-// sandbox that must not be able to do that gets disk_mb.
+// for fallocate), plus the time to measure and to freeze: the floor (1 GiB
+// at least by default) is the margin. A single call that allocates more
+// than the floor at once (fallocate of a large file) is beyond any look;
+// a sandbox that must not be able to do that gets disk_mb.
 
 const (
 	// diskGuardEvery is how often the guard reads the free space, and

@@ -94,22 +94,7 @@ func TestRedteamOutputMemory(t *testing.T) {
 		},
 	}
 
-	var peak int64
-	stop := make(chan struct{})
-	sampled := make(chan struct{})
-	go func() {
-		defer close(sampled)
-		for {
-			if r := daemonRSS(t); r > peak {
-				peak = r
-			}
-			select {
-			case <-stop:
-				return
-			case <-time.After(20 * time.Millisecond):
-			}
-		}
-	}()
+	peakRSS := sampleRSS(t)
 	var wg sync.WaitGroup
 	type answer struct {
 		status int
@@ -137,8 +122,7 @@ func TestRedteamOutputMemory(t *testing.T) {
 		t.Errorf("the refused call ran, or a small one failed: %q", r.Stdout)
 	}
 	wg.Wait()
-	close(stop)
-	<-sampled
+	peak := peakRSS()
 	for i, a := range answers {
 		// 2 × 64 MiB of NULs is 768 MiB of JSON.
 		if a.err != nil || a.status != 200 || a.n < 12*outputCap {
@@ -163,6 +147,30 @@ func TestRedteamOutputMemory(t *testing.T) {
 		t.Errorf("daemon RSS stayed %d MiB above its baseline after the floods", (after-base)>>20)
 	}
 	by.check(t)
+}
+
+// sampleRSS samples the daemon's RSS every 20 ms until the function it
+// returns is called, which returns the highest reading.
+func sampleRSS(t *testing.T) func() int64 {
+	var peak int64
+	stop := make(chan struct{})
+	sampled := make(chan struct{})
+	go func() {
+		defer close(sampled)
+		for {
+			peak = max(peak, daemonRSS(t))
+			select {
+			case <-stop:
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}()
+	return func() int64 {
+		close(stop)
+		<-sampled
+		return peak
+	}
 }
 
 // rawGet starts a GET of path and returns the response, its body unread.
@@ -197,20 +205,7 @@ func TestRedteamTransferMemory(t *testing.T) {
 	rawPath := "/v1/sandboxes/" + sb.ID + "/files?path=/root/t/big"
 	portPath := "/v1/sandboxes/" + sb.ID + "/ports/8080/big"
 	base := daemonRSS(t)
-	var peak int64
-	stop := make(chan struct{})
-	sampled := make(chan struct{})
-	go func() {
-		defer close(sampled)
-		for {
-			peak = max(peak, daemonRSS(t))
-			select {
-			case <-stop:
-				return
-			case <-time.After(20 * time.Millisecond):
-			}
-		}
-	}()
+	peakRSS := sampleRSS(t)
 	stalled := []*http.Response{rawGet(t, tarPath), rawGet(t, rawPath), rawGet(t, portPath)}
 	var wg sync.WaitGroup
 	got := make([]int64, 6)
@@ -227,8 +222,7 @@ func TestRedteamTransferMemory(t *testing.T) {
 	}
 	wg.Wait()
 	time.Sleep(time.Second) // the stalled ones, longer
-	close(stop)
-	<-sampled
+	peak := peakRSS()
 	for _, r := range stalled {
 		r.Body.Close()
 	}
