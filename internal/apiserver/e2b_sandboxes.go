@@ -630,7 +630,12 @@ func (s *Server) e2bListSandboxes(w http.ResponseWriter, r *http.Request, paged 
 			return
 		}
 	}
-	page, more, skipped, err := s.listPage(r.Context(), states, sel, after, limit)
+	raw, more, skipped, err := s.listPage(r.Context(), states, sel, after, limit)
+	if err != nil {
+		s.e2bError(w, r, err)
+		return
+	}
+	page, err := decodePage(raw)
 	if err != nil {
 		s.e2bError(w, r, err)
 		return

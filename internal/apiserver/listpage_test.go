@@ -1,10 +1,15 @@
 package apiserver
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/http/httptest"
+	"reflect"
+	"slices"
 	"sort"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -100,4 +105,164 @@ func TestListPagesAcrossManyNodes(t *testing.T) {
 			}
 		}
 	}
+}
+
+// TestSandboxListWrittenAsEncoded: a listing written from its edges'
+// JSON is, byte for byte, what encoding the api.SandboxList would give;
+// and api.SandboxList has no field writeSandboxList does not write.
+func TestSandboxListWrittenAsEncoded(t *testing.T) {
+	if n := reflect.TypeFor[api.SandboxList]().NumField(); n != 3 {
+		t.Fatalf("api.SandboxList has %d fields; writeSandboxList writes 3", n)
+	}
+	now := time.Date(2026, 12, 6, 1, 2, 3, 0, time.UTC)
+	sbs := []api.Sandbox{
+		{ID: "sb-n1-a", State: api.StateRunning, Labels: map[string]string{"job": "j", "q": `"<&>\` + "\t\n"}, CreatedAt: now},
+		{ID: "sb-n2-b", State: api.StatePaused, Node: "n2", CreatedAt: now},
+	}
+	raw, err := edgeapi.EncodeRaw(sbs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		page    []api.Sandbox
+		next    string
+		skipped []string
+	}{
+		{page: []api.Sandbox{}},
+		{page: sbs},
+		{page: sbs, next: pageToken("sb-n2-b")},
+		{page: sbs[:1], skipped: []string{"n3", `n"4`}},
+		{page: sbs, next: "x", skipped: []string{"n3"}},
+	} {
+		rec := httptest.NewRecorder()
+		writeSandboxList(rec, raw[:len(c.page)], c.next, c.skipped)
+		var want bytes.Buffer
+		if err := json.NewEncoder(&want).Encode(api.SandboxList{Sandboxes: c.page, NextPageToken: c.next, UnreachableNodes: c.skipped}); err != nil {
+			t.Fatal(err)
+		}
+		if rec.Body.String() != want.String() {
+			t.Fatalf("written:\n%s\nencoded:\n%s", rec.Body, want.String())
+		}
+		if ct := rec.Header().Get("Content-Type"); ct != "application/json" {
+			t.Fatalf("content type %q", ct)
+		}
+	}
+}
+
+// startsEdge records when each List call starts and answers it after a
+// pause, so that the calls of one wave start together and the next wave
+// a pause later.
+type startsEdge struct {
+	edgeapi.Edge
+	mu     *sync.Mutex
+	starts *[]time.Time
+}
+
+func (e startsEdge) List(ctx context.Context, f edgeapi.ListFilter) ([]api.Sandbox, error) {
+	e.mu.Lock()
+	*e.starts = append(*e.starts, time.Now())
+	e.mu.Unlock()
+	time.Sleep(listPause)
+	return e.Edge.List(ctx, f)
+}
+
+const listPause = 60 * time.Millisecond
+
+// jobView is a view whose nodes report the job counts given (stale or
+// wrong ones too).
+type jobView struct {
+	*watcher.Watcher
+	jobs func(node string) map[string]int
+}
+
+func (v jobView) Snapshot() []watcher.View {
+	out := slices.Clone(v.Watcher.Snapshot())
+	for i := range out {
+		out[i].Jobs = v.jobs(out[i].Name)
+	}
+	return out
+}
+
+// TestListPagesSizedByJobCounts: a job's page asks, in one wave, the
+// nodes the view's job counts say hold it, where without counts it takes
+// two waves; counts that are wrong (too low, too high, none) change how
+// many nodes are asked, never what is listed.
+func TestListPagesSizedByJobCounts(t *testing.T) {
+	const nodes, per, limit = 20, 25, 100
+	var mu sync.Mutex
+	var starts []time.Time
+	var targets watcher.Static
+	var want []string
+	for i := range nodes {
+		fe := edgetest.NewFake(fmt.Sprintf("n%02d", i))
+		for range per {
+			sb, err := fe.Create(t.Context(), edgeapi.CreateRequest{Spec: api.SandboxSpec{Base: "base/py:1", Labels: map[string]string{"job": "j"}}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			want = append(want, sb.ID)
+		}
+		targets = append(targets, startsEdge{fe, &mu, &starts})
+	}
+	sort.Strings(want)
+	view := watcher.New(targets, watcher.Config{DownAfter: time.Hour})
+	view.Sync(t.Context())
+	f := newFixture(t, false)
+	list := func(jobs func(string) map[string]int) (pages, waves int) {
+		t.Helper()
+		srv := f.apiserverWith(t, "b", func(d *Deps) { d.Nodes = jobView{view, jobs} })
+		var got []string
+		for token := ""; ; {
+			mu.Lock()
+			starts = starts[:0]
+			mu.Unlock()
+			resp, body := f.doAt(t, srv, f.admin, "", "GET", fmt.Sprintf("/v1/sandboxes?label=job=j&limit=%d&page_token=%s", limit, token), "")
+			var l api.SandboxList
+			if resp.StatusCode != 200 || json.Unmarshal(body, &l) != nil {
+				t.Fatalf("list: %s %s", resp.Status, body)
+			}
+			pages++
+			mu.Lock()
+			slices.SortFunc(starts, time.Time.Compare)
+			for i, at := range starts {
+				if i == 0 || at.Sub(starts[i-1]) > listPause/2 {
+					waves++
+				}
+			}
+			mu.Unlock()
+			for _, sb := range l.Sandboxes {
+				got = append(got, sb.ID)
+			}
+			if l.NextPageToken == "" {
+				break
+			}
+			token = l.NextPageToken
+		}
+		if !slices.Equal(got, want) {
+			t.Fatalf("listed %d sandboxes:\n%v\nwant %d:\n%v", len(got), got, len(want), want)
+		}
+		return pages, waves
+	}
+	counts := func(n int) func(string) map[string]int {
+		return func(string) map[string]int { return map[string]int{"j": n, "other": 1000} }
+	}
+	pages, waves := list(counts(per))
+	if pages != nodes*per/limit+1 && pages != nodes*per/limit {
+		t.Fatalf("%d pages of %d for %d sandboxes", pages, limit, nodes*per)
+	}
+	if waves > pages {
+		t.Fatalf("with the job's counts, %d pages took %d waves, want one each", pages, waves)
+	}
+	if _, w := list(func(string) map[string]int { return nil }); w < pages*3/2 {
+		t.Fatalf("without counts, %d pages took %d waves: the test does not tell waves apart", pages, w)
+	}
+	// Wrong counts: too low, too high, only some nodes'.
+	list(counts(3))
+	list(counts(400))
+	list(func(node string) map[string]int {
+		if node < "n10" {
+			return nil
+		}
+		return map[string]int{"j": per}
+	})
 }

@@ -3,6 +3,8 @@ package apiserver
 import (
 	"context"
 	"encoding/base64"
+	"encoding/json"
+	"fmt"
 	"net/http"
 	"sort"
 	"strconv"
@@ -306,11 +308,62 @@ func (s *Server) listSandboxes(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	out := api.SandboxList{Sandboxes: page, UnreachableNodes: skipped}
+	next := ""
 	if more {
-		out.NextPageToken = pageToken(page[len(page)-1].ID)
+		next = pageToken(page[len(page)-1].ID)
 	}
-	writeJSON(w, http.StatusOK, out)
+	writeSandboxList(w, page, next, skipped)
+}
+
+// writeSandboxList answers an api.SandboxList whose sandboxes are page,
+// as their edges wrote them: a page of 1,000 is not decoded and encoded
+// again. It writes what json.Encoder writes of the struct.
+func writeSandboxList(w http.ResponseWriter, page []edgeapi.RawSandbox, next string, skipped []string) {
+	n := len(`{"sandboxes":[],"next_page_token":"","unreachable_nodes":[]}`) + len(next) + 2
+	for _, sb := range page {
+		n += len(sb.JSON) + 1
+	}
+	for _, node := range skipped {
+		n += len(node) + 3
+	}
+	b := make([]byte, 0, n)
+	b = append(b, `{"sandboxes":[`...)
+	for i, sb := range page {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = append(b, sb.JSON...)
+	}
+	b = append(b, ']')
+	if next != "" {
+		b = append(b, `,"next_page_token":`...)
+		b = appendJSON(b, next)
+	}
+	if len(skipped) > 0 {
+		b = append(b, `,"unreachable_nodes":`...)
+		b = appendJSON(b, skipped)
+	}
+	b = append(b, "}\n"...)
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusOK)
+	_, _ = w.Write(b)
+}
+
+// appendJSON appends the JSON of v (a string or strings: it cannot fail).
+func appendJSON(b []byte, v any) []byte {
+	j, _ := json.Marshal(v)
+	return append(b, j...)
+}
+
+// decodePage decodes the sandboxes of a page.
+func decodePage(page []edgeapi.RawSandbox) ([]api.Sandbox, error) {
+	out := make([]api.Sandbox, len(page))
+	for i, sb := range page {
+		if err := json.Unmarshal(sb.JSON, &out[i]); err != nil {
+			return nil, fmt.Errorf("decoding sandbox %s of a listing: %w", sb.ID, err)
+		}
+	}
+	return out, nil
 }
 
 // pageToken is the token of the page after the sandbox id.
@@ -334,13 +387,15 @@ func pageAfter(name, tok string) (string, error) {
 //
 // An id names its node (sb-NODE-RANDOM, and the apiserver routes by it),
 // so a node's ids all sort at or after "sb-NODE-": a page is filled from
-// the nodes in that order, a wave of them at a time (the first of
-// pageWave, the next as many as the page still needs at the rate the
-// nodes asked so far gave), and the nodes whose ids all sort after a full
-// page's last are not asked. A job spread over
+// the nodes in that order, a wave of them at a time, and the nodes whose
+// ids all sort after a full page's last are not asked. A wave is as many
+// nodes as the view's counts of the selected job say hold what the page
+// still needs, and one more; without counts that add up, the first is
+// pageWave nodes and the next as many as the rate the nodes asked so far
+// gave says. A job spread over
 // every node is then listed a few nodes per page, not all of them (each
 // sending a page's worth) for every page.
-func (s *Server) listPage(ctx context.Context, states []string, sel map[string]string, after string, limit int) (page []api.Sandbox, more bool, skipped []string, err error) {
+func (s *Server) listPage(ctx context.Context, states []string, sel map[string]string, after string, limit int) (page []edgeapi.RawSandbox, more bool, skipped []string, err error) {
 	// Each edge asked returns its first limit+1 after the token, per
 	// state: enough to fill the page and to tell whether there is more.
 	// The token is an id, so it pages the same on any apiserver.
@@ -349,10 +404,10 @@ func (s *Server) listPage(ctx context.Context, states []string, sel map[string]s
 		n = limit + 1
 	}
 	var mu sync.Mutex
-	var all []api.Sandbox
+	var all []edgeapi.RawSandbox
 	list := func(ctx context.Context, e edgeapi.Edge) error {
 		for _, st := range states {
-			l, err := e.List(ctx, edgeapi.ListFilter{State: st, Labels: sel, After: after, Limit: n})
+			l, err := edgeapi.ListRaw(ctx, e, edgeapi.ListFilter{State: st, Labels: sel, After: after, Limit: n})
 			mu.Lock()
 			all = append(all, l...)
 			mu.Unlock()
@@ -382,7 +437,27 @@ func (s *Server) listPage(ctx context.Context, states []string, sel map[string]s
 			}
 		}
 		sort.Slice(order, func(i, j int) bool { return order[i].lo < order[j].lo })
+		// A job's counts per node, from the view, size the waves (a
+		// hint: what the nodes answer decides).
+		jobs := s.jobCounts(sel)
+		cover := func(need int) (int, bool) {
+			if jobs == nil {
+				return 0, false
+			}
+			sum := 0
+			for i, r := range order {
+				if sum += jobs[r.t.Name]; sum >= need {
+					return min(i+2, len(order)), true
+				}
+			}
+			// Fewer than the view counts: not counted (stopped ones are
+			// not), or the view is behind; the nodes' answers size it.
+			return 0, false
+		}
 		wave, asked := pageWave, 0
+		if n, ok := cover(limit + 1); ok {
+			wave = n
+		}
 		for len(order) > 0 {
 			w := order[:min(wave, len(order))]
 			order = order[len(w):]
@@ -406,7 +481,10 @@ func (s *Server) listPage(ctx context.Context, states []string, sel map[string]s
 			// The next wave: as many nodes as the ones asked so far say
 			// the rest of the page needs, and one more.
 			asked += len(w)
-			if have := len(all) - start; have > 0 {
+			have := len(all) - start
+			if n, ok := cover(limit + 1 - have); ok {
+				wave = n
+			} else if have > 0 {
 				wave = max(1, (limit+1-have)*asked/have+1)
 			} else {
 				wave *= 4
@@ -417,16 +495,33 @@ func (s *Server) listPage(ctx context.Context, states []string, sel map[string]s
 	sort.Slice(all, func(i, j int) bool { return all[i].ID < all[j].ID })
 	// An edge client that ignores After still pages right.
 	start := sort.Search(len(all), func(i int) bool { return all[i].ID > after })
-	page = append([]api.Sandbox{}, all[start:]...)
+	page = append([]edgeapi.RawSandbox{}, all[start:]...)
 	if limit > 0 && len(page) > limit {
 		page, more = page[:limit], true
 	}
 	return page, more, skipped, nil
 }
 
-// pageWave is how many nodes a page of a listing asks first. A variable
-// for tests.
+// pageWave is how many nodes a page of a listing asks first when the view
+// cannot tell how many hold the page. A variable for tests.
 var pageWave = 2
+
+// jobCounts is, by node, how many sandboxes of the job sel selects (by
+// api.JobLabel) the view last saw there (creating, running or paused
+// ones); nil when sel names no job.
+func (s *Server) jobCounts(sel map[string]string) map[string]int {
+	job, ok := sel[api.JobLabel]
+	if !ok {
+		return nil
+	}
+	out := map[string]int{}
+	for _, v := range s.deps.Nodes.Snapshot() {
+		if n := v.Jobs[job]; n > 0 {
+			out[v.Name] = n
+		}
+	}
+	return out
+}
 
 func (s *Server) deleteSandbox(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")

@@ -173,6 +173,8 @@ type Edge struct {
 	sandboxes map[string]*sbx
 	// tally holds the counts Info reports (tally.go).
 	tally *tally
+	// labels indexes the sandboxes by label (labelindex.go).
+	labels *labelIndex
 	// tokens are the creates' tokens, under tokMu (tokens.go).
 	tokMu  sync.Mutex
 	tokens map[string]*tokenEntry
@@ -313,6 +315,7 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 		metrics:      deps.Metrics,
 		sandboxes:    map[string]*sbx{},
 		tally:        newTally(),
+		labels:       newLabelIndex(),
 		tokens:       map[string]*tokenEntry{},
 		stop:         make(chan struct{}),
 		trashKick:    make(chan struct{}, 1),
@@ -564,29 +567,30 @@ func (e *Edge) List(ctx context.Context, f edgeapi.ListFilter) ([]api.Sandbox, e
 
 // list is List. It filters on the records and sorts the ids, building the
 // API view of only the sandboxes it returns: a page of 100 out of 10,000
-// costs no 10,000 views. A filter on labels or state is applied before the
-// sort, so that a selective one (a job's label; a takeover looking for the
-// one sandbox an attempt made) sorts only what it keeps.
+// costs no 10,000 views. A filter on labels looks only at the sandboxes
+// the label index has under the least common of them (labelindex.go), and
+// a filter on labels or state is applied before the sort, so that a
+// selective one (a job's label; a takeover looking for the one sandbox an
+// attempt made) sorts only what it keeps.
 //
 // Sandboxes outside the scope of ctx are left out.
 func (e *Edge) list(ctx context.Context, f edgeapi.ListFilter) []api.Sandbox {
-	type entry struct {
-		id string
-		s  *sbx
-	}
 	match := func(s *sbx) bool { // s.mu held
 		return !s.pooled && (f.State == "" || s.rec.Sandbox.State == f.State) && sandbox.LabelsMatch(s.rec.Sandbox.Labels, f.Labels) &&
 			edgeapi.InScope(ctx, s.rec.ProjectPath)
 	}
 	selective := f.State != "" || len(f.Labels) > 0
-	e.mu.RLock()
-	all := make([]entry, 0, len(e.sandboxes))
-	for id, s := range e.sandboxes {
-		if id > f.After {
-			all = append(all, entry{id, s})
+	all, indexed := e.labels.candidates(f.Labels, f.After)
+	if !indexed {
+		e.mu.RLock()
+		all = make([]entry, 0, len(e.sandboxes))
+		for id, s := range e.sandboxes {
+			if id > f.After {
+				all = append(all, entry{id, s})
+			}
 		}
+		e.mu.RUnlock()
 	}
-	e.mu.RUnlock()
 	if selective {
 		kept := all[:0]
 		for _, en := range all {

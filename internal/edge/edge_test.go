@@ -199,11 +199,12 @@ func TestResolveUser(t *testing.T) {
 // TestListPages: List filters on state and labels, skips pool sandboxes,
 // returns ids after After in order, at most Limit of them.
 func TestListPages(t *testing.T) {
-	e := &Edge{sandboxes: map[string]*sbx{}}
+	e := &Edge{sandboxes: map[string]*sbx{}, labels: newLabelIndex()}
 	add := func(id, state, job string, pooled bool) {
-		s := &sbx{pooled: pooled}
+		s := &sbx{pooled: pooled, listed: true}
 		s.rec.Sandbox = api.Sandbox{ID: id, State: state, Labels: map[string]string{"job": job}}
 		e.sandboxes[id] = s
+		e.reindexLocked(s)
 	}
 	add("sb-n-05", api.StateRunning, "a", false)
 	add("sb-n-01", api.StateRunning, "a", false)

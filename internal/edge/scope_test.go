@@ -19,12 +19,13 @@ import (
 // sandbox) before it touches anything; list and the by-label calls must
 // not see it.
 func TestScopeHidesOtherTenants(t *testing.T) {
-	e := &Edge{sandboxes: map[string]*sbx{}}
+	e := &Edge{sandboxes: map[string]*sbx{}, labels: newLabelIndex()}
 	add := func(id, project, path string) {
-		s := &sbx{}
+		s := &sbx{listed: true}
 		s.rec.Sandbox = api.Sandbox{ID: id, Project: project, State: api.StateRunning, Labels: map[string]string{"job": "j"}}
 		s.rec.ProjectPath = path
 		e.sandboxes[id] = s
+		e.reindexLocked(s)
 	}
 	add("sb-n1-a", "team-a", "root/team-a")
 	add("sb-n1-a-sub", "a-sub", "root/team-a/a-sub")

@@ -110,6 +110,8 @@ type sbx struct {
 	// adds to the node's counts (tally.go).
 	listed bool
 	share  share
+	// indexed are the labels s is indexed under (labelindex.go).
+	indexed []label
 
 	// netMu serialises network policy changes.
 	netMu sync.Mutex

@@ -58,11 +58,12 @@ func (s *sbx) shareLocked() share {
 	return sh
 }
 
-// recountLocked brings the node's counts in line with s, and queues it
-// for the reaper (due.go) (s.mu held).
+// recountLocked brings the node's counts and label index in line with s,
+// and queues it for the reaper (due.go) (s.mu held).
 func (e *Edge) recountLocked(s *sbx) {
 	// What moves the counts may move the reaper's next look too.
 	e.scheduleLocked(s)
+	e.reindexLocked(s)
 	want := s.shareLocked()
 	if want == s.share {
 		return

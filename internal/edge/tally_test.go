@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"reflect"
+	"slices"
 	"testing"
 	"time"
 
@@ -76,6 +77,51 @@ func walkByBackend(e *Edge) map[[2]string]int {
 	return c
 }
 
+// walkLabels is what the label index should hold: "k=v" to the ids of
+// the listed sandboxes not pooled that carry it.
+func walkLabels(e *Edge) map[string][]string {
+	out := map[string][]string{}
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	for id, s := range e.sandboxes {
+		s.mu.Lock()
+		if !s.pooled {
+			for k, v := range s.rec.Sandbox.Labels {
+				out[k+"="+v] = append(out[k+"="+v], id)
+			}
+		}
+		s.mu.Unlock()
+	}
+	for _, ids := range out {
+		slices.Sort(ids)
+	}
+	return out
+}
+
+// indexedLabels is what the label index holds, as walkLabels gives it.
+func indexedLabels(e *Edge) map[string][]string {
+	out := map[string][]string{}
+	held := map[string]*sbx{}
+	e.labels.mu.Lock()
+	for l, set := range e.labels.by {
+		kv := l.k + "=" + l.v
+		for id, s := range set {
+			out[kv] = append(out[kv], id)
+			held[id] = s
+		}
+		slices.Sort(out[kv])
+	}
+	e.labels.mu.Unlock()
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	for id, s := range held {
+		if e.sandboxes[id] != s {
+			out["(not the node's) "+id] = nil
+		}
+	}
+	return out
+}
+
 // checkCounts fails unless Info's counts are what a walk over every
 // sandbox finds (CPU compared to a millionth: the walk adds floats).
 func checkCounts(t *testing.T, e *Edge, step string) api.Node {
@@ -96,6 +142,9 @@ func checkCounts(t *testing.T, e *Edge, step string) api.Node {
 		!reflect.DeepEqual(got.Projects, want.Projects) || !reflect.DeepEqual(got.Jobs, want.Jobs) {
 		t.Fatalf("%s: info counts %v backends %v projects %v jobs %v;\n a walk finds %v %v %v %v",
 			step, got.Counts, got.BackendCounts, got.Projects, got.Jobs, want.Counts, want.BackendCounts, want.Projects, want.Jobs)
+	}
+	if got, want := indexedLabels(e), walkLabels(e); !reflect.DeepEqual(got, want) {
+		t.Fatalf("%s: the label index holds %v; a walk finds %v", step, got, want)
 	}
 	if got, want := e.countsByBackend(), walkByBackend(e); !reflect.DeepEqual(got, want) {
 		t.Fatalf("%s: counts by backend and state %v; a walk finds %v", step, got, want)

@@ -242,6 +242,10 @@ func (s *Server) list(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	l, err := s.e.List(r.Context(), f)
+	if err == nil && wantsLines(r) {
+		writeListLines(w, l)
+		return
+	}
 	if l == nil {
 		l = []api.Sandbox{}
 	}
