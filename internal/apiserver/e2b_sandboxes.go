@@ -635,13 +635,13 @@ func (s *Server) e2bListSandboxes(w http.ResponseWriter, r *http.Request, paged 
 		s.e2bError(w, r, err)
 		return
 	}
-	page, err := decodePage(raw)
-	if err != nil {
-		s.e2bError(w, r, err)
-		return
+	page, bad := s.decodePage(raw)
+	if len(bad) > 0 {
+		skipped = append(skipped, bad...)
+		slices.Sort(skipped)
 	}
 	if more {
-		w.Header().Set("X-Next-Token", pageToken(page[len(page)-1].ID))
+		w.Header().Set("X-Next-Token", pageToken(raw[len(raw)-1].ID))
 	}
 	if len(skipped) > 0 {
 		// E2B's answer has no place for them; say it in a header.

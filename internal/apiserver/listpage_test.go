@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"net/http/httptest"
 	"reflect"
 	"slices"
@@ -149,24 +150,35 @@ func TestSandboxListWrittenAsEncoded(t *testing.T) {
 	}
 }
 
-// startsEdge records when each List call starts and answers it after a
-// pause, so that the calls of one wave start together and the next wave
-// a pause later.
-type startsEdge struct {
+// wavesEdge counts the waves of List calls a listing makes: a call that
+// starts while no other is in flight starts a wave (a wave's calls start
+// together and each takes listPause, and the next wave starts only once
+// the last one's calls are all back).
+type wavesEdge struct {
 	edgeapi.Edge
-	mu     *sync.Mutex
-	starts *[]time.Time
+	c *waveCount
 }
 
-func (e startsEdge) List(ctx context.Context, f edgeapi.ListFilter) ([]api.Sandbox, error) {
-	e.mu.Lock()
-	*e.starts = append(*e.starts, time.Now())
-	e.mu.Unlock()
+type waveCount struct {
+	mu              sync.Mutex
+	inFlight, waves int
+}
+
+func (e wavesEdge) List(ctx context.Context, f edgeapi.ListFilter) ([]api.Sandbox, error) {
+	e.c.mu.Lock()
+	if e.c.inFlight == 0 {
+		e.c.waves++
+	}
+	e.c.inFlight++
+	e.c.mu.Unlock()
 	time.Sleep(listPause)
+	e.c.mu.Lock()
+	e.c.inFlight--
+	e.c.mu.Unlock()
 	return e.Edge.List(ctx, f)
 }
 
-const listPause = 60 * time.Millisecond
+const listPause = 100 * time.Millisecond
 
 // jobView is a view whose nodes report the job counts given (stale or
 // wrong ones too).
@@ -189,8 +201,7 @@ func (v jobView) Snapshot() []watcher.View {
 // many nodes are asked, never what is listed.
 func TestListPagesSizedByJobCounts(t *testing.T) {
 	const nodes, per, limit = 20, 25, 100
-	var mu sync.Mutex
-	var starts []time.Time
+	count := &waveCount{}
 	var targets watcher.Static
 	var want []string
 	for i := range nodes {
@@ -202,34 +213,26 @@ func TestListPagesSizedByJobCounts(t *testing.T) {
 			}
 			want = append(want, sb.ID)
 		}
-		targets = append(targets, startsEdge{fe, &mu, &starts})
+		targets = append(targets, wavesEdge{fe, count})
 	}
 	sort.Strings(want)
 	view := watcher.New(targets, watcher.Config{DownAfter: time.Hour})
 	view.Sync(t.Context())
 	f := newFixture(t, false)
-	list := func(jobs func(string) map[string]int) (pages, waves int) {
+	list := func(jobs func(string) map[string]int, query string) (pages, waves int) {
 		t.Helper()
 		srv := f.apiserverWith(t, "b", func(d *Deps) { d.Nodes = jobView{view, jobs} })
+		count.mu.Lock()
+		count.waves = 0
+		count.mu.Unlock()
 		var got []string
 		for token := ""; ; {
-			mu.Lock()
-			starts = starts[:0]
-			mu.Unlock()
-			resp, body := f.doAt(t, srv, f.admin, "", "GET", fmt.Sprintf("/v1/sandboxes?label=job=j&limit=%d&page_token=%s", limit, token), "")
+			resp, body := f.doAt(t, srv, f.admin, "", "GET", fmt.Sprintf("/v1/sandboxes?label=job=j&limit=%d&page_token=%s%s", limit, token, query), "")
 			var l api.SandboxList
 			if resp.StatusCode != 200 || json.Unmarshal(body, &l) != nil {
 				t.Fatalf("list: %s %s", resp.Status, body)
 			}
 			pages++
-			mu.Lock()
-			slices.SortFunc(starts, time.Time.Compare)
-			for i, at := range starts {
-				if i == 0 || at.Sub(starts[i-1]) > listPause/2 {
-					waves++
-				}
-			}
-			mu.Unlock()
 			for _, sb := range l.Sandboxes {
 				got = append(got, sb.ID)
 			}
@@ -241,28 +244,64 @@ func TestListPagesSizedByJobCounts(t *testing.T) {
 		if !slices.Equal(got, want) {
 			t.Fatalf("listed %d sandboxes:\n%v\nwant %d:\n%v", len(got), got, len(want), want)
 		}
-		return pages, waves
+		count.mu.Lock()
+		defer count.mu.Unlock()
+		return pages, count.waves
 	}
 	counts := func(n int) func(string) map[string]int {
 		return func(string) map[string]int { return map[string]int{"j": n, "other": 1000} }
 	}
-	pages, waves := list(counts(per))
+	pages, waves := list(counts(per), "")
 	if pages != nodes*per/limit+1 && pages != nodes*per/limit {
 		t.Fatalf("%d pages of %d for %d sandboxes", pages, limit, nodes*per)
 	}
 	if waves > pages {
 		t.Fatalf("with the job's counts, %d pages took %d waves, want one each", pages, waves)
 	}
-	if _, w := list(func(string) map[string]int { return nil }); w < pages*3/2 {
-		t.Fatalf("without counts, %d pages took %d waves: the test does not tell waves apart", pages, w)
+	_, without := list(func(string) map[string]int { return nil }, "")
+	if without < pages*3/2 {
+		t.Fatalf("without counts, %d pages took %d waves: the test does not tell waves apart", pages, without)
 	}
-	// Wrong counts: too low, too high, only some nodes'.
-	list(counts(3))
-	list(counts(400))
+	// Wrong counts change the waves, never the listing: too low, too high
+	// (given up after a wave that gave far less), only some nodes'.
+	list(counts(3), "")
+	if _, w := list(counts(20*per), ""); w > without {
+		t.Fatalf("with counts 20 times too high, %d waves; without counts %d", w, without)
+	}
 	list(func(node string) map[string]int {
 		if node < "n10" {
 			return nil
 		}
 		return map[string]int{"j": per}
-	})
+	}, "")
+	// Counts are of creating, running and paused sandboxes: they size a
+	// listing of those, and not one of others.
+	if _, w := list(counts(per), "&state=running"); w > pages {
+		t.Fatalf("running: %d waves for %d pages", w, pages)
+	}
+	srv := &Server{deps: Deps{Nodes: jobView{view, counts(per)}}}
+	for _, st := range []string{api.StateStopped, api.StateFailed} {
+		if c := srv.jobCounts(map[string]string{"job": "j"}, []string{api.StateRunning, st}); c != nil {
+			t.Fatalf("job counts used for a listing of %s sandboxes: %v", st, c)
+		}
+	}
+	if c := srv.jobCounts(map[string]string{"job": "j"}, []string{""}); c["n00"] != per {
+		t.Fatalf("job counts for any state: %v", c)
+	}
+}
+
+// TestDecodePageLeavesOutWhatDoesNotDecode: a sandbox an edge listed that
+// does not decode (a field of another type) is left out of a decoded page
+// and its node named, as a node that could not be asked is.
+func TestDecodePageLeavesOutWhatDoesNotDecode(t *testing.T) {
+	good, err := edgeapi.EncodeRaw([]api.Sandbox{{ID: "sb-n1-a", State: api.StateRunning}, {ID: "sb-n3-c", State: api.StatePaused}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	page := []edgeapi.RawSandbox{good[0], {ID: "sb-n2-b", JSON: []byte(`{"id":"sb-n2-b","created_at":"yesterday"}`)}, good[1]}
+	s := &Server{log: slog.New(slog.DiscardHandler)}
+	out, bad := s.decodePage(page)
+	if len(out) != 2 || out[0].ID != "sb-n1-a" || out[1].ID != "sb-n3-c" || out[1].State != api.StatePaused || !slices.Equal(bad, []string{"n2"}) {
+		t.Fatalf("decoded %+v, bad nodes %v", out, bad)
+	}
 }

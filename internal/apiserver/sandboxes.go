@@ -4,8 +4,8 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
-	"fmt"
 	"net/http"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -355,15 +355,24 @@ func appendJSON(b []byte, v any) []byte {
 	return append(b, j...)
 }
 
-// decodePage decodes the sandboxes of a page.
-func decodePage(page []edgeapi.RawSandbox) ([]api.Sandbox, error) {
-	out := make([]api.Sandbox, len(page))
-	for i, sb := range page {
-		if err := json.Unmarshal(sb.JSON, &out[i]); err != nil {
-			return nil, fmt.Errorf("decoding sandbox %s of a listing: %w", sb.ID, err)
+// decodePage decodes the sandboxes of a page. One that does not decode
+// is left out and its node named in bad, as a node that could not be
+// asked is.
+func (s *Server) decodePage(page []edgeapi.RawSandbox) (out []api.Sandbox, bad []string) {
+	out = make([]api.Sandbox, 0, len(page))
+	for _, sb := range page {
+		var v api.Sandbox
+		if err := json.Unmarshal(sb.JSON, &v); err != nil {
+			node, _ := edgeapi.NodeOf(sb.ID)
+			s.log.Warn("a node listed a sandbox that does not decode", "node", node, "sandbox_id", sb.ID, "err", err)
+			if !slices.Contains(bad, node) {
+				bad = append(bad, node)
+			}
+			continue
 		}
+		out = append(out, v)
 	}
-	return out, nil
+	return out, bad
 }
 
 // pageToken is the token of the page after the sandbox id.
@@ -439,7 +448,7 @@ func (s *Server) listPage(ctx context.Context, states []string, sel map[string]s
 		sort.Slice(order, func(i, j int) bool { return order[i].lo < order[j].lo })
 		// A job's counts per node, from the view, size the waves (a
 		// hint: what the nodes answer decides).
-		jobs := s.jobCounts(sel)
+		jobs := s.jobCounts(sel, states)
 		cover := func(need int) (int, bool) {
 			if jobs == nil {
 				return 0, false
@@ -465,6 +474,7 @@ func (s *Server) listPage(ctx context.Context, states []string, sel map[string]s
 			for i, r := range w {
 				ts[i] = r.t
 			}
+			before := len(all)
 			sk, err := s.fanOutTo(ctx, ts, list)
 			skipped = append(skipped, sk...)
 			if err != nil {
@@ -481,6 +491,18 @@ func (s *Server) listPage(ctx context.Context, states []string, sel map[string]s
 			// The next wave: as many nodes as the ones asked so far say
 			// the rest of the page needs, and one more.
 			asked += len(w)
+			if jobs != nil {
+				// Counts that promised far more than the nodes gave
+				// (other labels or projects narrow the job, or the
+				// view is behind) size no more waves.
+				promised := 0
+				for _, r := range w {
+					promised += jobs[r.t.Name]
+				}
+				if 2*(len(all)-before) < promised {
+					jobs = nil
+				}
+			}
 			have := len(all) - start
 			if n, ok := cover(limit + 1 - have); ok {
 				wave = n
@@ -508,11 +530,18 @@ var pageWave = 2
 
 // jobCounts is, by node, how many sandboxes of the job sel selects (by
 // api.JobLabel) the view last saw there (creating, running or paused
-// ones); nil when sel names no job.
-func (s *Server) jobCounts(sel map[string]string) map[string]int {
+// ones); nil when sel names no job or states asks for others.
+func (s *Server) jobCounts(sel map[string]string, states []string) map[string]int {
 	job, ok := sel[api.JobLabel]
 	if !ok {
 		return nil
+	}
+	for _, st := range states {
+		switch st {
+		case "", api.StateCreating, api.StateRunning, api.StatePaused:
+		default:
+			return nil // not counted
+		}
 	}
 	out := map[string]int{}
 	for _, v := range s.deps.Nodes.Snapshot() {

@@ -111,6 +111,10 @@ func TestListRawRefusesAMalformedListing(t *testing.T) {
 		"breaks the array":  "sb-n1-aaaa\t{}],\"x\":[{}\n",
 		"empty JSON":        "sb-n1-aaaa\t\n",
 		"good then garbage": good + "sb-n1-bbbb\tnull\n",
+		"another id":        "sb-n1-bbbb\t" + `{"id":"sb-n1-aaaa"}` + "\n",
+		"id not first":      "sb-n1-aaaa\t" + `{"state":"x","id":"sb-n1-aaaa"}` + "\n",
+		"id prefix only":    "sb-n1-aa\t" + `{"id":"sb-n1-aaaa"}` + "\n",
+		"not UTF-8":         "sb-n1-aaaa\t" + `{"id":"sb-n1-aaaa","x":"` + "\xff" + `"}` + "\n",
 	} {
 		t.Run(name, func(t *testing.T) {
 			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
