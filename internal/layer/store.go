@@ -488,22 +488,7 @@ func (s *Store) publish(tmpPath string, l api.Layer, replace bool, mayReplace fu
 		return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
 	}
 
-	if replace {
-		err = s.st.Update(catalogBucket, l.Ref, func(old []byte) ([]byte, error) {
-			if old != nil && mayReplace != nil {
-				var prev api.Layer
-				if err := json.Unmarshal(old, &prev); err != nil {
-					return nil, fmt.Errorf("decoding layer %s: %w", l.Ref, err)
-				}
-				if err := mayReplace(prev); err != nil {
-					return nil, err
-				}
-			}
-			return val, nil
-		})
-	} else {
-		err = s.st.Create(catalogBucket, l.Ref, val)
-	}
+	err = s.writeEntry(l, val, replace, mayReplace)
 	if err != nil {
 		// A blob this made and nobody names goes with the next GC or
 		// delete of its digest: another process may have named it
@@ -536,21 +521,15 @@ func (s *Store) AddRemote(l api.Layer, opts BuildOptions) (api.Layer, error) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if opts.Replace {
-		err = s.st.Update(catalogBucket, l.Ref, func(old []byte) ([]byte, error) {
-			if old != nil && opts.MayReplace != nil {
-				var prev api.Layer
-				if err := json.Unmarshal(old, &prev); err != nil {
-					return nil, fmt.Errorf("decoding layer %s: %w", r, err)
-				}
-				if err := opts.MayReplace(prev); err != nil {
-					return nil, err
-				}
-			}
-			return val, nil
-		})
-	} else {
-		err = s.st.Create(catalogBucket, l.Ref, val)
+	if err := s.claimIndex(l.Digest, l.Remote.Index); err != nil {
+		return api.Layer{}, fmt.Errorf("adding layer %s: %w", r, err)
+	}
+	err = s.writeEntry(l, val, opts.Replace, opts.MayReplace)
+	if err != nil {
+		// Not named after all: the claim goes unless another ref holds it.
+		if derr := s.dropIndex(l.Digest); derr != nil {
+			s.log.Warn("giving up a chunk index", "ref", l.Ref, "digest", l.Digest, "err", derr)
+		}
 	}
 	if errors.Is(err, errdefs.ErrAlreadyExists) {
 		return api.Layer{}, errdefs.AlreadyExists("layer %s already exists (add with replace to re-point it)", r)
@@ -560,6 +539,40 @@ func (s *Store) AddRemote(l api.Layer, opts BuildOptions) (api.Layer, error) {
 	}
 	s.cache.put(l)
 	return l, nil
+}
+
+// writeEntry writes l's catalog entry (val): a new ref, or with replace
+// over the ref's entry if mayReplace (may be nil) allows it. A registry
+// layer's digest that the entry replaced and nothing names any more gives
+// up its chunk index (s.mu held).
+func (s *Store) writeEntry(l api.Layer, val []byte, replace bool, mayReplace func(api.Layer) error) error {
+	if !replace {
+		return s.st.Create(catalogBucket, l.Ref, val)
+	}
+	var prev *api.Layer
+	err := s.st.Update(catalogBucket, l.Ref, func(old []byte) ([]byte, error) {
+		prev = nil
+		if old == nil {
+			return val, nil
+		}
+		var p api.Layer
+		if err := json.Unmarshal(old, &p); err != nil {
+			return nil, fmt.Errorf("decoding layer %s: %w", l.Ref, err)
+		}
+		if mayReplace != nil {
+			if err := mayReplace(p); err != nil {
+				return nil, err
+			}
+		}
+		prev = &p
+		return val, nil
+	})
+	if err == nil && prev != nil && prev.Remote != nil && prev.Digest != l.Digest {
+		if err := s.dropIndex(prev.Digest); err != nil {
+			s.log.Warn("giving up a replaced layer's chunk index", "ref", l.Ref, "digest", prev.Digest, "err", err)
+		}
+	}
+	return err
 }
 
 // Get returns the layer named by a ref or, for a digest, the first ref (in
@@ -656,6 +669,11 @@ func (s *Store) Delete(ref string, inUse func(digest string) (bool, error)) erro
 		return fmt.Errorf("deleting layer %s: %w", r, err)
 	}
 	s.cache.del(r.String())
+	if l.Remote != nil {
+		if err := s.dropIndex(l.Digest); err != nil {
+			s.log.Warn("giving up a deleted layer's chunk index", "ref", r.String(), "digest", l.Digest, "err", err)
+		}
+	}
 	removed, err := s.collect(l.Digest)
 	if err != nil {
 		return fmt.Errorf("deleting layer %s: %w", r, err)

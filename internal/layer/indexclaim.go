@@ -1,0 +1,53 @@
+package layer
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/dsecproject/dsec/internal/errdefs"
+)
+
+// A registry-backed layer is read by its image's digest on the nodes, and
+// its chunks are checked against its chunk index: one digest must stand
+// for one index (one content) in a catalog, or two nodes could read two
+// contents under one name. Several apiservers may add layers at once, so
+// the rule is a claim made with the store's create-if-absent, not a look
+// at the catalog followed by a write.
+
+// indexBucket holds image digest → the chunk index digest it stands for.
+const indexBucket = "layer_indexes"
+
+// claimIndex makes index the chunk index of image digest, or says which
+// one it already is.
+func (s *Store) claimIndex(digest, index string) error {
+	for range 3 {
+		err := s.st.Create(indexBucket, digest, []byte(index))
+		if err == nil || !errors.Is(err, errdefs.ErrAlreadyExists) {
+			return err
+		}
+		cur, err := s.st.Get(indexBucket, digest)
+		switch {
+		case errors.Is(err, errdefs.ErrNotFound):
+			continue // dropped meanwhile: claim again
+		case err != nil:
+			return err
+		case string(cur) != index:
+			return errdefs.AlreadyExists("image %s is already in the catalog with the chunk index %s, not %s; add that artifact, or push the layer again", digest, cur, index)
+		}
+		return nil
+	}
+	return fmt.Errorf("claiming the chunk index of %s: the claim kept changing", digest)
+}
+
+// dropIndex gives up digest's claim once no ref in the catalog points at
+// it (s.mu held): the digest may then come back with another index. An
+// add of the same digest and index by another apiserver whose entry is
+// not written yet loses its claim here; remote.Add's look at the catalog
+// still refuses another index once that entry is in.
+func (s *Store) dropIndex(digest string) error {
+	named, err := s.referenced(digest)
+	if err != nil || named {
+		return err
+	}
+	return s.st.Delete(indexBucket, digest)
+}
