@@ -240,6 +240,7 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 		return fmt.Errorf("layerfs: %w", err)
 	}
 	os.Chmod(sock, 0o600)
+	unlinkOwn := ownSocket(ln, sock)
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok\n")) })
 	mux.HandleFunc("POST /layers", d.register)
@@ -275,10 +276,11 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 		fdln, err := net.Listen("unix", fdSocketPath(cfg.Dir))
 		if err == nil {
 			os.Chmod(fdSocketPath(cfg.Dir), 0o600)
+			unlinkFD := ownSocket(fdln, fdSocketPath(cfg.Dir))
 			go serveFD(fdln, cfg.FUSE, d.log)
 			defer func() {
 				fdln.Close()
-				os.Remove(fdSocketPath(cfg.Dir))
+				unlinkFD()
 			}()
 		} else {
 			d.log.Warn("serving the FUSE descriptor", "err", err)
@@ -286,7 +288,7 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 	}
 	defer func() {
 		hs.Close()
-		os.Remove(sock)
+		unlinkOwn()
 	}()
 	d.log.Info("layerfs serving", "mount", mnt, "cache_bytes", cfg.CacheBytes, "cached", cache.Size())
 
@@ -804,4 +806,25 @@ func (f *rawFS) ReleaseDir(in *fuse.ReleaseIn) {}
 func (f *rawFS) StatFs(cancel <-chan struct{}, in *fuse.InHeader, out *fuse.StatfsOut) fuse.Status {
 	out.Bsize, out.Frsize, out.NameLen = 4096, 4096, 255
 	return fuse.OK
+}
+
+// ownSocket keeps ln (listening on the socket file path) from removing
+// the file when it closes, and returns what removes it only if it is
+// still this listener's: a daemon that exits must not take away the
+// socket of the one that replaced it (same path, a newer file), which
+// would leave that one running and unreachable.
+func ownSocket(ln net.Listener, path string) (unlink func()) {
+	if ul, ok := ln.(*net.UnixListener); ok {
+		ul.SetUnlinkOnClose(false)
+	}
+	var mine unix.Stat_t
+	if err := unix.Stat(path, &mine); err != nil {
+		return func() {}
+	}
+	return func() {
+		var now unix.Stat_t
+		if unix.Stat(path, &now) == nil && now.Ino == mine.Ino && now.Dev == mine.Dev {
+			os.Remove(path)
+		}
+	}
 }

@@ -528,50 +528,21 @@ func (s *Source) EdgeStopped() {
 	s.mu.Unlock()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	if !s.healthy(ctx) {
-		// No daemon answers (it died and the watchdog had not replaced
-		// it yet). Sandboxes still reading its images get one that
-		// outlives this edge; with none, the mount goes.
-		s.mu.Lock()
-		held := s.fuse != nil
-		s.mu.Unlock()
-		if !held {
-			s.removeCgroup()
+	for {
+		asked, done := s.askToExit(ctx)
+		if done {
 			return
 		}
-		if mountedImages(s.dir()) > 0 {
-			if err := s.ensureDaemon(ctx); err != nil {
-				s.log().Error("starting a layer daemon for the sandboxes that outlive the edge", "err", err)
-			}
-			return
-		}
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		_ = unix.Unmount(MountDir(s.dir()), unix.MNT_DETACH)
-		s.fuse.Close()
-		s.fuse = nil
-		s.removeCgroup()
-		return
-	}
-	// Asked a few times: a busy host can fail one request to a daemon
-	// that is there (it answered healthy just now).
-	var resp *http.Response
-	var err error
-	for try := 0; try < 3; try++ {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://layerfs/exit-if-idle", nil)
-		if resp, err = s.client().Do(req); err == nil {
+		if asked {
 			break
 		}
+		// The daemon that answered went before it could be asked (a
+		// watchdog's replacement under way): look again.
+		if ctx.Err() != nil {
+			s.log().Warn("asking the layer daemon to exit: it kept going away")
+			return
+		}
 		time.Sleep(100 * time.Millisecond)
-	}
-	if err != nil {
-		s.log().Warn("asking the layer daemon to exit", "err", err)
-		return
-	}
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		s.log().Info("layer daemon kept: sandboxes read its images")
-		return
 	}
 	for s.healthy(ctx) {
 		if ctx.Err() != nil {
@@ -598,6 +569,59 @@ func (s *Source) EdgeStopped() {
 		s.fuse = nil
 	}
 	s.removeCgroup()
+}
+
+// askToExit asks the daemon to exit if no image is open. asked says it
+// agreed (it is exiting); done says there is nothing more to do: no
+// daemon answered and what it leaves was seen to, or it refused (images
+// are open). Neither: the daemon stopped answering between the two.
+func (s *Source) askToExit(ctx context.Context) (asked, done bool) {
+	if !s.healthy(ctx) {
+		// No daemon answers (it died and the watchdog had not replaced
+		// it yet). Sandboxes still reading its images get one that
+		// outlives this edge; with none, the mount goes.
+		s.mu.Lock()
+		held := s.fuse != nil
+		s.mu.Unlock()
+		if !held {
+			s.removeCgroup()
+			return false, true
+		}
+		if mountedImages(s.dir()) > 0 {
+			if err := s.ensureDaemon(ctx); err != nil {
+				s.log().Error("starting a layer daemon for the sandboxes that outlive the edge", "err", err)
+			}
+			return false, true
+		}
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		_ = unix.Unmount(MountDir(s.dir()), unix.MNT_DETACH)
+		s.fuse.Close()
+		s.fuse = nil
+		s.removeCgroup()
+		return false, true
+	}
+	// Asked a few times: a busy host can fail one request to a daemon
+	// that is there (it answered healthy just now).
+	var resp *http.Response
+	var err error
+	for try := 0; try < 3; try++ {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://layerfs/exit-if-idle", nil)
+		if resp, err = s.client().Do(req); err == nil {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if err != nil {
+		s.log().Warn("asking the layer daemon to exit", "err", err)
+		return false, false
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		s.log().Info("layer daemon kept: sandboxes read its images")
+		return false, true
+	}
+	return true, false
 }
 
 // removeCgroup takes the daemon's cgroup away once no daemon runs. A
