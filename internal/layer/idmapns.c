@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -19,12 +20,26 @@
 
 #define IDMAP_STACK (64 << 10)
 
-// idmap_task waits for EOF on the pipe whose read end arg points to.
-// System calls only: it shares the Go process's memory.
+struct idmap_arg {
+	int fd;       // the pipe's read end
+	pid_t parent; // the process that cloned the task
+};
+
+// idmap_task waits for EOF on the pipe. System calls only: it shares the
+// Go process's memory.
+//
+// It shares the fd table too, the pipe's write end and every descriptor
+// of the process with it (the edge's listener among them): were the
+// process killed before closing the write end, no EOF would ever come,
+// and the task would hold them all for good (a restarted edge could not
+// listen on its address). So it dies with the thread that cloned it,
+// which waits for it.
 static int idmap_task(void *arg) {
-	int fd = *(int *)arg;
+	struct idmap_arg *a = arg;
+	if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != a->parent)
+		_exit(1); // the parent is already gone
 	char b;
-	while (read(fd, &b, 1) < 0 && errno == EINTR)
+	while (read(a->fd, &b, 1) < 0 && errno == EINTR)
 		;
 	_exit(0);
 }
@@ -56,7 +71,8 @@ int dsec_idmap_ns(unsigned host, unsigned size) {
 	sigset_t all, old;
 	sigfillset(&all);
 	pthread_sigmask(SIG_SETMASK, &all, &old);
-	pid_t pid = clone(idmap_task, (char *)stack + IDMAP_STACK, CLONE_NEWUSER | CLONE_VM | CLONE_FILES | SIGCHLD, &p[0]);
+	struct idmap_arg arg = {.fd = p[0], .parent = getpid()};
+	pid_t pid = clone(idmap_task, (char *)stack + IDMAP_STACK, CLONE_NEWUSER | CLONE_VM | CLONE_FILES | SIGCHLD, &arg);
 	int err = errno;
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	int fd = -1;
