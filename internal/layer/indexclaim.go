@@ -39,12 +39,21 @@ func (s *Store) claimIndex(digest, index string) error {
 	return fmt.Errorf("claiming the chunk index of %s: the claim kept changing", digest)
 }
 
-// dropIndex gives up digest's claim once no ref in the catalog points at
-// it (s.mu held): the digest may then come back with another index. An
-// add of the same digest and index by another apiserver whose entry is
-// not written yet loses its claim here; remote.Add's look at the catalog
-// still refuses another index once that entry is in.
+// dropIndex gives up digest's claim, if it has one, once no ref in the
+// catalog points at it (s.mu held): the digest may then come back with
+// another index. Any ref counts, a local one too (a pushed layer's local
+// ref names the digest its registry ref does).
+//
+// Not closed: an add of the same digest and index by another apiserver
+// whose entry is not written yet loses its claim here; an add of another
+// index in that moment is then refused only by remote.Add's look at the
+// catalog, which a third apiserver can race.
 func (s *Store) dropIndex(digest string) error {
+	if _, err := s.st.Get(indexBucket, digest); errors.Is(err, errdefs.ErrNotFound) {
+		return nil // never claimed: no need to look through the catalog
+	} else if err != nil {
+		return err
+	}
 	named, err := s.referenced(digest)
 	if err != nil || named {
 		return err

@@ -1,6 +1,7 @@
 package layer
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -98,5 +99,35 @@ func TestOneIndexPerDigest(t *testing.T) {
 	}
 	if _, err := stores[1].AddRemote(remoteLayer("base/third:1", d3, i2), BuildOptions{}); err != nil {
 		t.Fatalf("after a failed add: %v", err)
+	}
+}
+
+// TestIndexClaimGoesWithALocalRef: a pushed layer's local ref names the
+// digest its registry ref does; the claim goes when the last of them,
+// local or not, goes (a local ref deleted last used to leave it for good).
+func TestIndexClaimGoesWithALocalRef(t *testing.T) {
+	s, _ := newTestStore(t)
+	d, i1, i2 := digestOf('d'), digestOf('1'), digestOf('2')
+	local, err := json.Marshal(api.Layer{Ref: "base/py:1", Kind: "base", Digest: d, CreatedAt: time.Now().UTC()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.st.Create(catalogBucket, "base/py:1", local); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.AddRemote(remoteLayer("base/py-lazy:1", d, i1), BuildOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Delete("base/py-lazy:1", nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.AddRemote(remoteLayer("base/py-other:1", d, i2), BuildOptions{}); err == nil {
+		t.Fatal("another index was taken while the local ref names the digest")
+	}
+	if err := s.Delete("base/py:1", nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.AddRemote(remoteLayer("base/py-other:1", d, i2), BuildOptions{}); err != nil {
+		t.Fatalf("after the last ref, a local one, was deleted: %v", err)
 	}
 }

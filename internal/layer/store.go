@@ -542,9 +542,9 @@ func (s *Store) AddRemote(l api.Layer, opts BuildOptions) (api.Layer, error) {
 }
 
 // writeEntry writes l's catalog entry (val): a new ref, or with replace
-// over the ref's entry if mayReplace (may be nil) allows it. A registry
-// layer's digest that the entry replaced and nothing names any more gives
-// up its chunk index (s.mu held).
+// over the ref's entry if mayReplace (may be nil) allows it. A digest
+// that the entry replaced and nothing names any more gives up its chunk
+// index, if it had one (s.mu held).
 func (s *Store) writeEntry(l api.Layer, val []byte, replace bool, mayReplace func(api.Layer) error) error {
 	if !replace {
 		return s.st.Create(catalogBucket, l.Ref, val)
@@ -567,7 +567,7 @@ func (s *Store) writeEntry(l api.Layer, val []byte, replace bool, mayReplace fun
 		prev = &p
 		return val, nil
 	})
-	if err == nil && prev != nil && prev.Remote != nil && prev.Digest != l.Digest {
+	if err == nil && prev != nil && prev.Digest != l.Digest {
 		if err := s.dropIndex(prev.Digest); err != nil {
 			s.log.Warn("giving up a replaced layer's chunk index", "ref", l.Ref, "digest", prev.Digest, "err", err)
 		}
@@ -669,10 +669,8 @@ func (s *Store) Delete(ref string, inUse func(digest string) (bool, error)) erro
 		return fmt.Errorf("deleting layer %s: %w", r, err)
 	}
 	s.cache.del(r.String())
-	if l.Remote != nil {
-		if err := s.dropIndex(l.Digest); err != nil {
-			s.log.Warn("giving up a deleted layer's chunk index", "ref", r.String(), "digest", l.Digest, "err", err)
-		}
+	if err := s.dropIndex(l.Digest); err != nil {
+		s.log.Warn("giving up a deleted layer's chunk index", "ref", r.String(), "digest", l.Digest, "err", err)
 	}
 	removed, err := s.collect(l.Digest)
 	if err != nil {

@@ -538,11 +538,11 @@ func (s *Source) EdgeStopped() {
 		}
 		// The daemon that answered went before it could be asked (a
 		// watchdog's replacement under way): look again.
+		time.Sleep(100 * time.Millisecond)
 		if ctx.Err() != nil {
 			s.log().Warn("asking the layer daemon to exit: it kept going away")
 			return
 		}
-		time.Sleep(100 * time.Millisecond)
 	}
 	for s.healthy(ctx) {
 		if ctx.Err() != nil {
