@@ -48,15 +48,22 @@ func (s *Store) claimIndex(digest, index string) error {
 // whose entry is not written yet loses its claim here; an add of another
 // index in that moment is then refused only by remote.Add's look at the
 // catalog, which a third apiserver can race.
-func (s *Store) dropIndex(digest string) error {
-	if _, err := s.st.Get(indexBucket, digest); errors.Is(err, errdefs.ErrNotFound) {
-		return nil // never claimed: no need to look through the catalog
-	} else if err != nil {
-		return err
+//
+// A failure is logged, not returned: the catalog change it follows stands,
+// and the claim is then only refused to another index.
+func (s *Store) dropIndex(digest string) {
+	_, err := s.st.Get(indexBucket, digest)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return // never claimed: no need to look through the catalog
 	}
-	named, err := s.referenced(digest)
-	if err != nil || named {
-		return err
+	named := false
+	if err == nil {
+		named, err = s.referenced(digest)
 	}
-	return s.st.Delete(indexBucket, digest)
+	if err == nil && !named {
+		err = s.st.Delete(indexBucket, digest)
+	}
+	if err != nil {
+		s.log.Warn("giving up the chunk index of an image no ref names", "digest", digest, "err", err)
+	}
 }

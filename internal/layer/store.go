@@ -526,10 +526,7 @@ func (s *Store) AddRemote(l api.Layer, opts BuildOptions) (api.Layer, error) {
 	}
 	err = s.writeEntry(l, val, opts.Replace, opts.MayReplace)
 	if err != nil {
-		// Not named after all: the claim goes unless another ref holds it.
-		if derr := s.dropIndex(l.Digest); derr != nil {
-			s.log.Warn("giving up a chunk index", "ref", l.Ref, "digest", l.Digest, "err", derr)
-		}
+		s.dropIndex(l.Digest) // not named after all, unless by another ref
 	}
 	if errors.Is(err, errdefs.ErrAlreadyExists) {
 		return api.Layer{}, errdefs.AlreadyExists("layer %s already exists (add with replace to re-point it)", r)
@@ -557,6 +554,9 @@ func (s *Store) writeEntry(l api.Layer, val []byte, replace bool, mayReplace fun
 		}
 		var p api.Layer
 		if err := json.Unmarshal(old, &p); err != nil {
+			if mayReplace == nil {
+				return val, nil // nothing to ask: replaced unread
+			}
 			return nil, fmt.Errorf("decoding layer %s: %w", l.Ref, err)
 		}
 		if mayReplace != nil {
@@ -568,9 +568,7 @@ func (s *Store) writeEntry(l api.Layer, val []byte, replace bool, mayReplace fun
 		return val, nil
 	})
 	if err == nil && prev != nil && prev.Digest != l.Digest {
-		if err := s.dropIndex(prev.Digest); err != nil {
-			s.log.Warn("giving up a replaced layer's chunk index", "ref", l.Ref, "digest", prev.Digest, "err", err)
-		}
+		s.dropIndex(prev.Digest)
 	}
 	return err
 }
@@ -669,9 +667,7 @@ func (s *Store) Delete(ref string, inUse func(digest string) (bool, error)) erro
 		return fmt.Errorf("deleting layer %s: %w", r, err)
 	}
 	s.cache.del(r.String())
-	if err := s.dropIndex(l.Digest); err != nil {
-		s.log.Warn("giving up a deleted layer's chunk index", "ref", r.String(), "digest", l.Digest, "err", err)
-	}
+	s.dropIndex(l.Digest)
 	removed, err := s.collect(l.Digest)
 	if err != nil {
 		return fmt.Errorf("deleting layer %s: %w", r, err)
