@@ -461,6 +461,13 @@ type Layer struct {
 	// but in an OCI registry, where edges read it: on demand, chunk by
 	// chunk (pull "lazy"), or whole before first use (pull "full").
 	Remote *LayerRemote `json:"remote,omitempty"`
+	// Lowers are the digests of the layers this base layer sits on,
+	// bottom first: an image cut by a merge threshold (merge_under) into
+	// runs of its layers is its top run's layer over the others. A
+	// sandbox on the base stacks them all.
+	Lowers []string `json:"lowers,omitempty"`
+	// LowersBytes is the size of the lowers' images together.
+	LowersBytes int64 `json:"lowers_bytes,omitempty"`
 }
 
 // LayerRemote is where a registry-backed layer's image lives.
@@ -534,6 +541,11 @@ type SnapshotInfo struct {
 	// one (the stack reached the edge's snapshot depth); zero when the
 	// snapshot holds only its sandbox's changes.
 	Flattened int `json:"flattened,omitempty"`
+	// Below is how many of Layers are the base (with its lowers),
+	// workspace and toolkits; the rest are earlier snapshots. 0 in
+	// records older than lower layers: one base, the workspace if any and
+	// the toolkits.
+	Below int `json:"below,omitempty"`
 }
 
 // SnapshotRequest is the body of POST /v1/sandboxes/{id}/snapshot.
@@ -677,6 +689,9 @@ type ImageResult struct {
 	// went into the base (the rest made the workspace), 0 when not split.
 	ImageLayers int `json:"image_layers"`
 	Split       int `json:"split,omitempty"`
+	// Runs is how many layers a merge threshold (merge_under) cut the
+	// image into: the base's own and its lowers. 0 when not given.
+	Runs int `json:"runs,omitempty"`
 	// Files and Bytes count the entries and regular-file bytes unpacked.
 	Files      int   `json:"files"`
 	Bytes      int64 `json:"bytes"`
@@ -695,6 +710,12 @@ type ImagePullRequest struct {
 	// (workspace/NAME:TAG) as an overlay diff over it.
 	Workspace string `json:"workspace,omitempty"`
 	Split     int    `json:"split,omitempty"`
+	// MergeUnder, in bytes, cuts the image into runs of consecutive layers
+	// whose sizes (compressed, as the registry stores them) add up to at
+	// most it, bottom first, each run one EROFS layer: the base is the top
+	// run's, sitting on the others (Layer.Lowers). 0: the whole image is
+	// one layer. Not with Split.
+	MergeUnder int64 `json:"merge_under,omitempty"`
 	// Platform is os/arch[/variant] to pick from a multi-arch index;
 	// linux/amd64 when empty.
 	Platform string `json:"platform,omitempty"`

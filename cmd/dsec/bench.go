@@ -75,7 +75,7 @@ type benchRow struct {
 
 func runBench(args []string) error {
 	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" {
-		fmt.Print("usage: dsec bench create|exec|pause|snapshot|fork|pool|envsetup|density|soak|cluster|e2b [flags]\n\n" +
+		fmt.Print("usage: dsec bench create|exec|pause|snapshot|fork|pool|envsetup|density|soak|cluster|e2b|control-plane|images|merge [flags]\n\n" +
 			"  create  create → ready latency and throughput through the API, then delete\n" +
 			"  exec    exec round trip of `true` through the API\n" +
 			"  pause   pause (freeze + reclaim) and resume latency, memory freed per pause\n" +
@@ -97,7 +97,10 @@ func runBench(args []string) error {
 			"            creates/s and latency to full concurrency, placement, list/pause/delete\n" +
 			"            of a job by label, CPU, memory and etcd (its own daemons)\n" +
 			"  images    a burst from multi-GB bases kept in a registry (its own, on loopback):\n" +
-			"            pulled whole first, read on demand, and pre-pulled (DSec §9 E1)\n\n" +
+			"            pulled whole first, read on demand, and pre-pulled (DSec §9 E1)\n" +
+			"  merge     one image of many layers imported per image layer, merged into a\n" +
+			"            few runs (--merge-under) and merged whole: layers stacked, mounts,\n" +
+			"            create and task latency, interleaved (DSec §3.4)\n\n" +
 			"Each prints the same measure for the bare OCI runtime (crun/runc run -d,\n" +
 			"exec, delete) on the same EROFS layer with an overlay, measured in the same run.\n" +
 			"Needs a running `dsec up` (DSEC_ENDPOINT/DSEC_API_KEY or its config file) and,\n" +
@@ -122,6 +125,8 @@ func runBench(args []string) error {
 		return runBenchControlPlane(args[1:])
 	case "images":
 		return runBenchImages(args[1:])
+	case "merge":
+		return runBenchMerge(args[1:])
 	}
 	sub := args[0]
 	var o benchOpts

@@ -22,6 +22,7 @@ import (
 	"github.com/dsecproject/dsec/internal/image"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/mountinfo"
+	"github.com/dsecproject/dsec/internal/quota"
 	dsec "github.com/dsecproject/dsec/sdk/go"
 )
 
@@ -35,9 +36,9 @@ func runImage(ctx context.Context, args []string) error {
 
 // splitFlags are the flags import and pull share.
 type splitFlags struct {
-	ref, workspace, platform *string
-	split                    *int
-	asJSON                   *bool
+	ref, workspace, platform, mergeUnder *string
+	split                                *int
+	asJSON                               *bool
 }
 
 func addImageFlags(fs *cmdFlags) splitFlags {
@@ -45,8 +46,10 @@ func addImageFlags(fs *cmdFlags) splitFlags {
 		ref:       fs.String("ref", "", "base layer to build, base/NAME:TAG (required)"),
 		workspace: fs.String("workspace", "", "with --split: workspace layer for the image layers above the split, workspace/NAME:TAG"),
 		split:     fs.Int("split", 0, "with --workspace: how many image layers (bottom first) make the base"),
-		platform:  fs.String("platform", "", "os/arch[/variant] to pick from a multi-arch image (default linux/amd64)"),
-		asJSON:    fs.Bool("json", false, "print the API response as JSON"),
+		mergeUnder: fs.String("merge-under", "", "cut the image into runs of consecutive layers whose sizes add up to at most this (3GB, 512MiB, bytes),\n"+
+			"each one layer: the base sits on the runs below its own (default: the whole image one layer)"),
+		platform: fs.String("platform", "", "os/arch[/variant] to pick from a multi-arch image (default linux/amd64)"),
+		asJSON:   fs.Bool("json", false, "print the API response as JSON"),
 	}
 }
 
@@ -57,7 +60,25 @@ func (f splitFlags) check(cmd string) error {
 	if (*f.workspace == "") != (*f.split == 0) {
 		return fmt.Errorf("%s: --workspace and --split go together", cmd)
 	}
+	if *f.mergeUnder != "" && *f.split != 0 {
+		return fmt.Errorf("%s: give --merge-under or --split, not both", cmd)
+	}
+	if _, err := f.mergeBytes(); err != nil {
+		return fmt.Errorf("%s: %w", cmd, err)
+	}
 	return nil
+}
+
+// mergeBytes is --merge-under in bytes (0 when not given).
+func (f splitFlags) mergeBytes() (int64, error) {
+	if *f.mergeUnder == "" {
+		return 0, nil
+	}
+	n, err := quota.ParseSize(*f.mergeUnder)
+	if err != nil || n == 0 || n > 1<<50 {
+		return 0, fmt.Errorf("--merge-under %q: want a positive size such as 3GB, 512MiB or a byte count", *f.mergeUnder)
+	}
+	return int64(n), nil
 }
 
 const imageAbout = "The image's layers are applied in order (whiteouts and opaque directories\n" +
@@ -65,10 +86,14 @@ const imageAbout = "The image's layers are applied in order (whiteouts and opaqu
 	"the base and used as the defaults of sandboxes created on it. With\n" +
 	"--workspace and --split K, the first K image layers make the base and the\n" +
 	"rest a workspace layer holding only their changes, so task images sharing\n" +
-	"a base store it once. Progress goes to stderr, the layers to stdout."
+	"a base store it once. With --merge-under SIZE, consecutive image layers are\n" +
+	"merged into runs up to SIZE, bottom first, each run one EROFS layer: the\n" +
+	"base is the top run, sitting on the others, and images sharing their\n" +
+	"bottom layers share those runs' layers. Progress goes to stderr, the\n" +
+	"layers to stdout."
 
 func imageImport(ctx context.Context, args []string) error {
-	fs := newCmdFlags("image import", "--ref base/NAME:TAG [--workspace workspace/NAME:TAG --split K] [--platform P] [--json] ARCHIVE",
+	fs := newCmdFlags("image import", "--ref base/NAME:TAG [--workspace workspace/NAME:TAG --split K | --merge-under SIZE] [--platform P] [--json] ARCHIVE",
 		"Import an image archive: an OCI image layout tar (skopeo copy oci-archive:,\n"+
 			"docker buildx --output type=oci) or a `docker save` tar, uncompressed;\n"+
 			"ARCHIVE - reads standard input.\n"+imageAbout)
@@ -100,8 +125,9 @@ func imageImport(ctx context.Context, args []string) error {
 	sent := &countingReader{r: in}
 	stopUpload := sync.OnceFunc(showProgress(sent))
 	start := time.Now()
+	mergeUnder, _ := f.mergeBytes() // checked
 	res, err := c.ImportImage(ctx, sent, dsec.ImportOptions{
-		Ref: *f.ref, Workspace: *f.workspace, Split: *f.split, Platform: *f.platform,
+		Ref: *f.ref, Workspace: *f.workspace, Split: *f.split, MergeUnder: mergeUnder, Platform: *f.platform,
 	}, func(line string) {
 		stopUpload()
 		printf(os.Stderr, "%s\n", line)
@@ -114,7 +140,7 @@ func imageImport(ctx context.Context, args []string) error {
 }
 
 func imagePull(ctx context.Context, args []string) error {
-	fs := newCmdFlags("image pull", "--ref base/NAME:TAG [--insecure] [--username U --password-stdin] [--docker-config PATH] [--workspace workspace/NAME:TAG --split K] [--json] IMAGE",
+	fs := newCmdFlags("image pull", "--ref base/NAME:TAG [--insecure] [--username U --password-stdin] [--docker-config PATH] [--workspace workspace/NAME:TAG --split K | --merge-under SIZE] [--json] IMAGE",
 		"Have the server pull IMAGE (REGISTRY/REPO[:TAG][@sha256:...]; no registry\n"+
 			"means Docker Hub) and build it into layers. Blobs are cached on the server\n"+
 			"and verified against their digests; a broken download resumes.\n"+
@@ -133,8 +159,9 @@ func imagePull(ctx context.Context, args []string) error {
 	if err := f.check("image pull"); err != nil {
 		return err
 	}
+	mergeUnder, _ := f.mergeBytes() // checked
 	req := api.ImagePullRequest{
-		Image: pos[0], Ref: *f.ref, Workspace: *f.workspace, Split: *f.split, Platform: *f.platform,
+		Image: pos[0], Ref: *f.ref, Workspace: *f.workspace, Split: *f.split, MergeUnder: mergeUnder, Platform: *f.platform,
 		Insecure: *insecure, Username: *username,
 	}
 	switch {
@@ -174,6 +201,9 @@ func printImageResult(res *api.ImageResult, asJSON bool, took time.Duration) err
 	}
 	fmt.Fprintf(os.Stderr, "%d image layers, %d files, %s unpacked; done in %s\n",
 		res.ImageLayers, res.Files, humanBytes(res.Bytes), took.Round(100*time.Millisecond))
+	if res.Runs > 0 {
+		fmt.Fprintf(os.Stderr, "merged into %d layers (the base's own and %d below it)\n", res.Runs, res.Runs-1)
+	}
 	for _, l := range res.Layers {
 		printf(os.Stdout, "%s %s %s\n", l.Ref, l.Digest, humanBytes(l.SizeBytes))
 	}

@@ -22,7 +22,7 @@ func (s *Server) fncall(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	spec := api.SandboxSpec{Base: req.Base, MemoryMB: req.MemoryMB, Labels: map[string]string{"dsec.fncall": "true"}}
-	digests, err := s.prepare(r.Context(), &spec)
+	st, err := s.prepare(r.Context(), &spec)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -48,9 +48,9 @@ func (s *Server) fncall(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	var res *api.FnCallResult
-	err = s.onSomeNode(r.Context(), spec, digests, dedicated, "", func(ctx context.Context, e edgeapi.Edge) error {
+	err = s.onSomeNode(r.Context(), spec, st.digests, dedicated, "", func(ctx context.Context, e edgeapi.Edge) error {
 		var err error
-		res, err = e.FnCall(ctx, req, edgeapi.CreateRequest{Spec: spec, Digests: digests, ProjectPath: path, Dedicated: dedicated})
+		res, err = e.FnCall(ctx, req, edgeapi.CreateRequest{Spec: spec, Digests: st.digests, Below: st.below, ProjectPath: path, Dedicated: dedicated})
 		return err
 	})
 	// The call's sandbox is gone once it answers.

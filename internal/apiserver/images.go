@@ -42,14 +42,18 @@ type imageJob struct {
 	base      layer.Ref
 	workspace *layer.Ref
 	split     int
-	platform  string
+	// mergeUnder, if positive, cuts the image into runs of layers under
+	// it (image.Options.MergeUnder): the base is the top run's layer over
+	// the others' (api.Layer.Lowers).
+	mergeUnder int64
+	platform   string
 	// project owns the layers built.
 	project string
 }
 
 // newImageJob checks refs and the split before anything is read or
 // downloaded, and that both refs are still free.
-func (s *Server) newImageJob(ref, workspace string, split int, platform string) (*imageJob, error) {
+func (s *Server) newImageJob(ref, workspace string, split int, mergeUnder int64, platform string) (*imageJob, error) {
 	if ref == "" {
 		return nil, errdefs.Invalid("ref is required (base/NAME:TAG)")
 	}
@@ -60,8 +64,12 @@ func (s *Server) newImageJob(ref, workspace string, split int, platform string) 
 	if base.Kind != api.KindBase {
 		return nil, errdefs.Invalid("ref %s is a %s ref; an image is imported as a base layer (base/NAME:TAG)", ref, base.Kind)
 	}
-	job := &imageJob{base: base, split: split, platform: platform}
+	job := &imageJob{base: base, split: split, mergeUnder: mergeUnder, platform: platform}
 	switch {
+	case mergeUnder < 0:
+		return nil, errdefs.Invalid("merge_under must be a positive byte count, got %d", mergeUnder)
+	case mergeUnder > 0 && (split != 0 || workspace != ""):
+		return nil, errdefs.Invalid("give merge_under or split with a workspace, not both")
 	case split < 0:
 		return nil, errdefs.Invalid("split must be positive, got %d", split)
 	case workspace == "" && split > 0:
@@ -114,11 +122,46 @@ func (s *Server) runImageJob(ctx context.Context, j *imageJob, unpack unpackFunc
 		return nil, fmt.Errorf("staging image: %w", err)
 	}
 	opts := image.Options{Platform: j.platform, MaxBytes: s.deps.MaxLayerBytes, Progress: progress}
-	if j.workspace != nil {
-		opts.SplitAt = j.split
+	if j.workspace != nil || j.mergeUnder > 0 {
+		opts.SplitAt, opts.MergeUnder = j.split, j.mergeUnder
 		opts.UpperDir = filepath.Join(stage, "upper")
 		if err := os.Mkdir(opts.UpperDir, 0o755); err != nil {
 			return nil, fmt.Errorf("staging image: %w", err)
+		}
+	}
+	// The runs below the top one become blobs no entry names until the
+	// base is written: pinned till then, and taken back if it is not.
+	var lowers []string
+	var lowersBytes int64
+	var unpins []func()
+	done := false
+	defer func() {
+		for _, unpin := range unpins {
+			unpin()
+		}
+		for _, d := range lowers {
+			if done {
+				break
+			}
+			if _, err := s.deps.Layers.Collect(d); err != nil {
+				s.log.Warn("removing a lower layer of a failed import", "digest", d, "err", err)
+			}
+		}
+	}()
+	if j.mergeUnder > 0 {
+		opts.Sealed = func(run, runs int, dir string) error {
+			if runs > layer.MaxLowers+1 {
+				return errdefs.Invalid("merge_under %s cuts the image into %d layers, more than a base may stack (%d): raise it",
+					layer.HumanBytes(j.mergeUnder), runs, layer.MaxLowers+1)
+			}
+			printf(progress, "sealing run %d/%d of the image's layers\n", run+1, runs)
+			d, n, unpin, err := s.deps.Layers.BuildBlob(ctx, dir, layer.BuildOptions{}, progress)
+			if err != nil {
+				return err
+			}
+			lowersBytes += n
+			lowers, unpins = append(lowers, d), append(unpins, unpin)
+			return nil
 		}
 	}
 	res, err := unpack(ctx, root, opts)
@@ -134,10 +177,19 @@ func (s *Server) runImageJob(ctx context.Context, j *imageJob, unpack unpackFunc
 		Digest: res.Digest, Platform: res.Platform, Config: cfg, ImageLayers: len(res.Layers),
 		Files: res.Files, Bytes: res.Bytes,
 	}
-	base, err := s.deps.Layers.BuildFromDir(ctx, j.base, root, layer.BuildOptions{Image: &cfg, Project: j.project}, progress)
+	if j.mergeUnder > 0 {
+		out.Runs = len(res.Runs)
+		printf(progress, "sealing run %d/%d of the image's layers\n", len(res.Runs), len(res.Runs))
+	}
+	top := root // the base's tree: the whole image, the split's lower part, or the top run
+	if j.mergeUnder > 0 {
+		top = res.Top
+	}
+	base, err := s.deps.Layers.BuildFromDir(ctx, j.base, top, layer.BuildOptions{Image: &cfg, Project: j.project, Lowers: lowers, LowersBytes: lowersBytes}, progress)
 	if err != nil {
 		return nil, err
 	}
+	done = true
 	out.Layers = append(out.Layers, base)
 	if j.workspace != nil {
 		out.Split = j.split
@@ -153,7 +205,7 @@ func (s *Server) runImageJob(ctx context.Context, j *imageJob, unpack unpackFunc
 	}
 	out.DurationMS = time.Since(start).Milliseconds()
 	s.log.Info("image imported", "ref", j.base.String(), "image_digest", res.Digest, "image_layers", len(res.Layers),
-		"split", j.split, "files", res.Files, "bytes", res.Bytes, "duration_ms", out.DurationMS)
+		"split", j.split, "runs", len(res.Runs), "files", res.Files, "bytes", res.Bytes, "duration_ms", out.DurationMS)
 	return out, nil
 }
 
@@ -177,7 +229,16 @@ func (s *Server) importImage(w http.ResponseWriter, r *http.Request) {
 		}
 		split = n
 	}
-	job, err := s.newImageJob(q.Get("ref"), q.Get("workspace"), split, q.Get("platform"))
+	var mergeUnder int64
+	if v := q.Get("merge_under"); v != "" {
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			s.writeError(w, r, badQuery("merge_under", v, "want a byte count: image layers are merged into runs under it"))
+			return
+		}
+		mergeUnder = n
+	}
+	job, err := s.newImageJob(q.Get("ref"), q.Get("workspace"), split, mergeUnder, q.Get("platform"))
 	if job != nil {
 		job.project = s.callerProject(r.Context())
 	}
@@ -234,7 +295,7 @@ func (s *Server) pullImage(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
-	job, err := s.newImageJob(req.Ref, req.Workspace, req.Split, req.Platform)
+	job, err := s.newImageJob(req.Ref, req.Workspace, req.Split, req.MergeUnder, req.Platform)
 	if job != nil {
 		job.project = s.callerProject(r.Context())
 	}
@@ -435,5 +496,12 @@ func (s *Server) applyImageDefaults(spec *api.SandboxSpec, resolve func(string) 
 	}
 	if spec.User == "" && cfg.User != "" && sandbox.ValidateUser(cfg.User) == nil {
 		spec.User = cfg.User
+	}
+}
+
+// printf writes a progress line to w, if there is one to write to.
+func printf(w io.Writer, format string, args ...any) {
+	if w != nil {
+		fmt.Fprintf(w, format, args...)
 	}
 }

@@ -83,6 +83,9 @@ func TestImageImportBadInput(t *testing.T) {
 			{"ref=base/py:1", "x", 409, "already_exists", "already exists"},
 			{"ref=base/x:1&workspace=workspace/w:1&split=1", "x", 409, "already_exists", "workspace/w:1"},
 			{"ref=base/x:1", "junk", 400, "invalid_argument", "archive"},
+			{"ref=base/x:1&merge_under=-1", "x", 400, "invalid_argument", "merge_under"},
+			{"ref=base/x:1&merge_under=3GB", "x", 400, "invalid_argument", "merge_under"},
+			{"ref=base/x:1&merge_under=1000&workspace=workspace/x:1&split=1", "x", 400, "invalid_argument", "not both"},
 		} {
 			resp, body := f.do(t, f.admin, "POST", "/v1/images:import?"+c.query, c.body)
 			e := wantError(t, resp, body, c.status, c.code)
@@ -96,6 +99,8 @@ func TestImageImportBadInput(t *testing.T) {
 		wantError(t, resp, body, 409, "already_exists")
 		resp, body = f.do(t, f.admin, "POST", "/v1/images:pull", `{"image":"bad image","ref":"base/x:1"}`)
 		wantError(t, resp, body, 400, "invalid_argument")
+		resp, body = f.do(t, f.admin, "POST", "/v1/images:pull", `{"image":"127.0.0.1:1/x:1","ref":"base/x:1","merge_under":-5}`)
+		wantError(t, resp, body, 400, "invalid_argument")
 
 		if left, _ := f.layers.Staged(); len(left) > 0 {
 			t.Errorf("staging not empty: %v", left)
@@ -104,4 +109,59 @@ func TestImageImportBadInput(t *testing.T) {
 			t.Error("base/x:1 was registered")
 		}
 	})
+}
+
+// A base with lowers stacks them under itself, and tells the edge how many
+// layers are base, workspace and toolkits: also for a sandbox started from
+// a snapshot taken on it.
+func TestPrepareStacksLowers(t *testing.T) {
+	st := store.NewMemory()
+	layers, err := layer.NewStore(t.TempDir(), st, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := func(c string) string { return "sha256:" + strings.Repeat(c, 64) }
+	put := func(l api.Layer) {
+		b, _ := json.Marshal(l)
+		if err := st.Put("layers", l.Ref, b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	put(api.Layer{Digest: d("3"), Ref: "base/merged:1", Kind: api.KindBase, Lowers: []string{d("1"), d("2")}})
+	put(api.Layer{Digest: d("4"), Ref: "base/plain:1", Kind: api.KindBase})
+	put(api.Layer{Digest: d("5"), Ref: "workspace/w:1", Kind: api.KindWorkspace})
+	put(api.Layer{Digest: d("6"), Ref: "toolkit/t:1", Kind: api.KindToolkit})
+	put(api.Layer{Digest: d("7"), Ref: "snapshot/new:1", Kind: api.KindSnapshot, Snapshot: &api.SnapshotInfo{
+		Layers: []string{d("1"), d("2"), d("3"), d("5")}, Below: 4,
+		Spec: api.SandboxSpec{Base: "base/merged:1", Workspace: "workspace/w:1"}}})
+	put(api.Layer{Digest: d("8"), Ref: "snapshot/old:1", Kind: api.KindSnapshot, Snapshot: &api.SnapshotInfo{
+		Layers: []string{d("4"), d("5"), d("7")}, Spec: api.SandboxSpec{Base: "base/plain:1", Workspace: "workspace/w:1"}}})
+	put(api.Layer{Digest: d("9"), Ref: "snapshot/bad:1", Kind: api.KindSnapshot, Snapshot: &api.SnapshotInfo{
+		Layers: []string{d("4")}, Below: 3, Spec: api.SandboxSpec{Base: "base/plain:1"}}})
+	s := New(Deps{Layers: layers, Policy: sandbox.DefaultPolicy(), Log: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	for _, c := range []struct {
+		spec    api.SandboxSpec
+		digests []string
+		below   int
+	}{
+		{api.SandboxSpec{Base: "base/merged:1", Workspace: "workspace/w:1", Toolkits: []string{"toolkit/t:1"}},
+			[]string{d("1"), d("2"), d("3"), d("5"), d("6")}, 5},
+		{api.SandboxSpec{Base: "base/plain:1", Workspace: "workspace/w:1"}, []string{d("4"), d("5")}, 0},
+		{api.SandboxSpec{Snapshot: "snapshot/new:1"}, []string{d("1"), d("2"), d("3"), d("5"), d("7")}, 4},
+		// A record from before lowers: one layer each.
+		{api.SandboxSpec{Snapshot: "snapshot/old:1"}, []string{d("4"), d("5"), d("7"), d("8")}, 2},
+	} {
+		spec := c.spec
+		got, err := s.prepare(context.Background(), &spec)
+		if err != nil {
+			t.Fatalf("%+v: %v", c.spec, err)
+		}
+		if !reflect.DeepEqual(got.digests, c.digests) || got.below != c.below {
+			t.Errorf("%+v: digests %v below %d; want %v below %d", c.spec, got.digests, got.below, c.digests, c.below)
+		}
+	}
+	spec := api.SandboxSpec{Snapshot: "snapshot/bad:1"}
+	if _, err := s.prepare(context.Background(), &spec); err == nil {
+		t.Error("a snapshot record claiming more layers below than it lists was used")
+	}
 }

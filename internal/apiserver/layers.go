@@ -175,6 +175,11 @@ func (s *Server) pushLayer(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
+	if len(l.Lowers) > 0 {
+		s.writeError(w, r, errdefs.Precondition("layer %s sits on %d lower layers (an image merged into runs with merge_under); an artifact holds one image: import the image without merge_under to push it",
+			l.Ref, len(l.Lowers)))
+		return
+	}
 	res, err := remote.Push(r.Context(), s.deps.Layers, l.Ref, req.Target, remote.PushOptions{Insecure: req.Insecure, ChunkSize: req.ChunkSize})
 	if err != nil {
 		s.writeError(w, r, registryRefusal(err))

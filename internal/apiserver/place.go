@@ -30,7 +30,7 @@ const (
 )
 
 // place creates a prepared sandbox on a node placement picks.
-func (s *Server) place(ctx context.Context, spec api.SandboxSpec, digests []string) (*api.Sandbox, error) {
+func (s *Server) place(ctx context.Context, spec api.SandboxSpec, st layerStack) (*api.Sandbox, error) {
 	path, err := s.pathOf(spec.Project)
 	if err != nil {
 		return nil, err
@@ -51,9 +51,9 @@ func (s *Server) place(ctx context.Context, spec api.SandboxSpec, digests []stri
 	// sandbox for it, however often it is sent (edgeapi.CreateRequest).
 	token := createToken()
 	var sb *api.Sandbox
-	err = s.onSomeNode(ctx, spec, digests, dedicated, token, func(ctx context.Context, e edgeapi.Edge) error {
+	err = s.onSomeNode(ctx, spec, st.digests, dedicated, token, func(ctx context.Context, e edgeapi.Edge) error {
 		var err error
-		sb, err = e.Create(ctx, edgeapi.CreateRequest{Spec: spec, Digests: digests, ProjectPath: path, Dedicated: dedicated, Token: token})
+		sb, err = e.Create(ctx, edgeapi.CreateRequest{Spec: spec, Digests: st.digests, Below: st.below, ProjectPath: path, Dedicated: dedicated, Token: token})
 		return err
 	})
 	settle(t, sb, err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"slices"
 	"sort"
@@ -48,19 +49,19 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 //
 // It also settles the sandbox's project (sandboxProject): the caller's,
 // or one below it that the spec names.
-func (s *Server) prepare(ctx context.Context, spec *api.SandboxSpec) ([]string, error) {
+func (s *Server) prepare(ctx context.Context, spec *api.SandboxSpec) (layerStack, error) {
 	if _, err := s.sandboxProject(ctx, spec); err != nil {
-		return nil, err
+		return layerStack{}, err
 	}
 	resolve := s.memoResolve(ctx)
 	var snap *api.Layer
 	if spec.Snapshot != "" {
 		l, err := resolve(spec.Snapshot)
 		if err != nil {
-			return nil, err
+			return layerStack{}, err
 		}
 		if l.Kind != api.KindSnapshot || l.Snapshot == nil {
-			return nil, errdefs.Invalid("snapshot %s is a %s layer, want a snapshot", spec.Snapshot, l.Kind)
+			return layerStack{}, errdefs.Invalid("snapshot %s is a %s layer, want a snapshot", spec.Snapshot, l.Kind)
 		}
 		// Layer fields may be omitted (taken from the snapshot) but not
 		// contradict it: the snapshot's diff only makes sense on its stack.
@@ -71,7 +72,7 @@ func (s *Server) prepare(ctx context.Context, spec *api.SandboxSpec) ([]string, 
 		}
 		if base != "" && base != from.Base || spec.Workspace != "" && spec.Workspace != from.Workspace ||
 			len(spec.Toolkits) > 0 && strings.Join(spec.Toolkits, ",") != strings.Join(from.Toolkits, ",") {
-			return nil, errdefs.Invalid("snapshot %s was taken on base %s, workspace %q, toolkits %v; omit those fields or give the same",
+			return layerStack{}, errdefs.Invalid("snapshot %s was taken on base %s, workspace %q, toolkits %v; omit those fields or give the same",
 				spec.Snapshot, from.Base, from.Workspace, from.Toolkits)
 		}
 		spec.Base, spec.Image, spec.Workspace, spec.Toolkits = from.Base, "", from.Workspace, from.Toolkits
@@ -79,10 +80,15 @@ func (s *Server) prepare(ctx context.Context, spec *api.SandboxSpec) ([]string, 
 	}
 	s.applyImageDefaults(spec, resolve) // before Normalize fills user and workdir
 	if err := sandbox.Normalize(spec, s.deps.Policy); err != nil {
-		return nil, err
+		return layerStack{}, err
 	}
 	if snap != nil {
-		return append(append([]string(nil), snap.Snapshot.Layers...), snap.Digest), nil
+		below := edgeapi.StackBelow(snap.Snapshot.Below, snap.Snapshot.Spec)
+		if below > len(snap.Snapshot.Layers) {
+			return layerStack{}, fmt.Errorf("snapshot %s: its record stacks %d layers below it, %d of them base, workspace and toolkits",
+				spec.Snapshot, len(snap.Snapshot.Layers), below)
+		}
+		return layerStack{digests: append(append([]string(nil), snap.Snapshot.Layers...), snap.Digest), below: below}, nil
 	}
 	var digests []string
 	add := func(field, ref, kind string) error {
@@ -93,23 +99,36 @@ func (s *Server) prepare(ctx context.Context, spec *api.SandboxSpec) ([]string, 
 		if l.Kind != kind {
 			return errdefs.Invalid("%s %s is a %s layer, want a %s layer", field, ref, l.Kind, kind)
 		}
-		digests = append(digests, l.Digest)
+		digests = append(append(digests, l.Lowers...), l.Digest)
 		return nil
 	}
 	if err := add("base", spec.Base, api.KindBase); err != nil {
-		return nil, err
+		return layerStack{}, err
 	}
 	if spec.Workspace != "" {
 		if err := add("workspace", spec.Workspace, api.KindWorkspace); err != nil {
-			return nil, err
+			return layerStack{}, err
 		}
 	}
 	for _, t := range spec.Toolkits {
 		if err := add("toolkit", t, api.KindToolkit); err != nil {
-			return nil, err
+			return layerStack{}, err
 		}
 	}
-	return digests, nil
+	st := layerStack{digests: digests}
+	if len(digests) != edgeapi.StackBelow(0, *spec) {
+		st.below = len(digests) // a base with lowers: an older edge would count one
+	}
+	return st, nil
+}
+
+// layerStack is a sandbox's layers as prepare resolved them: digests,
+// bottom first, of which the first are base (with its lowers), workspace
+// and toolkits and the rest snapshot layers; below counts the former when
+// that is not one layer each (edgeapi.CreateRequest.Below).
+type layerStack struct {
+	digests []string
+	below   int
 }
 
 // memoResolve is resolve for one request: each ref is read from the
@@ -158,7 +177,7 @@ func (s *Server) resolve(ref string) (api.Layer, error) {
 // create places a prepared sandbox, retrying on other nodes when an edge
 // rejects it for capacity.
 func (s *Server) create(ctx context.Context, spec api.SandboxSpec) (*api.Sandbox, error) {
-	digests, err := s.prepare(ctx, &spec)
+	st, err := s.prepare(ctx, &spec)
 	if err != nil {
 		return nil, err
 	}
@@ -174,7 +193,7 @@ func (s *Server) create(ctx context.Context, spec api.SandboxSpec) (*api.Sandbox
 			}
 		}
 	}
-	return s.place(ctx, spec, digests)
+	return s.place(ctx, spec, st)
 }
 
 func withLabel(l map[string]string, k, v string) map[string]string {
@@ -254,12 +273,12 @@ func (s *Server) batchCreate(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	spec := req.Spec
-	digests, err := s.prepare(r.Context(), &spec)
+	st, err := s.prepare(r.Context(), &spec)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, s.createMany(r, req.Count, spec, digests))
+	writeJSON(w, http.StatusOK, s.createMany(r, req.Count, spec, st))
 }
 
 func (s *Server) getSandbox(w http.ResponseWriter, r *http.Request) {

@@ -81,17 +81,17 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 		labels[k] = v
 	}
 	spec.Labels = labels
-	digests, err := s.prepare(r.Context(), &spec)
+	st, err := s.prepare(r.Context(), &spec)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, s.createMany(r, req.Count, spec, digests))
+	writeJSON(w, http.StatusOK, s.createMany(r, req.Count, spec, st))
 }
 
 // createMany places count sandboxes of one prepared spec, a few at a time,
 // and reports each outcome (partial success allowed).
-func (s *Server) createMany(r *http.Request, count int, spec api.SandboxSpec, digests []string) api.BatchResult {
+func (s *Server) createMany(r *http.Request, count int, spec api.SandboxSpec, st layerStack) api.BatchResult {
 	res := api.BatchResult{Sandboxes: []api.Sandbox{}, Errors: []api.BatchError{}}
 	if ic := idemFrom(r.Context()); ic != nil {
 		spec.Labels = withLabel(spec.Labels, IdempotencyLabel, ic.label)
@@ -119,7 +119,7 @@ func (s *Server) createMany(r *http.Request, count int, spec api.SandboxSpec, di
 		go func() {
 			defer wg.Done()
 			defer func() { <-sem }()
-			made[i], errs[i] = s.place(r.Context(), spec, digests)
+			made[i], errs[i] = s.place(r.Context(), spec, st)
 		}()
 	}
 	wg.Wait()

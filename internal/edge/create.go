@@ -92,6 +92,9 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 			return nil, errdefs.Invalid("bad layer digest %q", d)
 		}
 	}
+	if req.Below < 0 || req.Below > len(req.Digests) {
+		return nil, errdefs.Invalid("below %d: the sandbox stacks %d layers", req.Below, len(req.Digests))
+	}
 	netp, err := e.compileNetwork(spec.Network)
 	if err != nil {
 		return nil, err
@@ -121,6 +124,7 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 		ProjectPath: req.ProjectPath,
 		Dedicated:   req.Dedicated,
 		Digests:     req.Digests,
+		Below:       req.Below,
 		Disk:        spec.DiskMB > 0,
 		UserNS:      spec.InUserNS(),
 		Pooled:      pooled,

@@ -93,11 +93,7 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOption
 	}
 	// The layers above base, workspace and toolkits are the snapshot
 	// layers the sandbox was started on.
-	spec := rec.Sandbox.Spec
-	n := 1 + len(spec.Toolkits)
-	if spec.Workspace != "" {
-		n++
-	}
+	n := edgeapi.StackBelow(rec.Below, rec.Sandbox.Spec)
 	if n > len(rec.Digests) {
 		return nil, fmt.Errorf("snapshotting %s: its spec names %d layers but it stacks %d", id, n, len(rec.Digests))
 	}
@@ -141,7 +137,7 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOption
 	start := time.Now()
 	info := &api.SnapshotInfo{
 		Sandbox: id, Layers: rec.Digests, Include: req.Include, Exclude: req.Exclude,
-		Spec: rec.Sandbox.Spec, CreatedBy: o.Principal,
+		Spec: rec.Sandbox.Spec, CreatedBy: o.Principal, Below: n,
 	}
 	src := upper
 	if flatten {

@@ -18,10 +18,13 @@ const recordVersion = 1
 
 // record is what the edge persists per sandbox (sandbox.json).
 type record struct {
-	Version    int         `json:"version"`
-	Sandbox    api.Sandbox `json:"sandbox"`
-	Digests    []string    `json:"digests"` // layer digests, bottom first
-	CgroupPath string      `json:"cgroup_path"`
+	Version int         `json:"version"`
+	Sandbox api.Sandbox `json:"sandbox"`
+	Digests []string    `json:"digests"` // layer digests, bottom first
+	// Below is CreateRequest.Below: how many of Digests are base (with
+	// its lowers), workspace and toolkits (0: edgeapi.StackBelow's count).
+	Below      int    `json:"below,omitempty"`
+	CgroupPath string `json:"cgroup_path"`
 	// CgroupCPUBase is the CPU time (ns) the cgroup had counted before
 	// this sandbox got it: a recycled cgroup's counter cannot be reset on
 	// cgroup v2, so stats subtract it.

@@ -121,6 +121,11 @@ type Edge interface {
 type CreateRequest struct {
 	Spec    api.SandboxSpec `json:"spec"`
 	Digests []string        `json:"digests"`
+	// Below is how many of Digests, bottom first, are the base (with its
+	// lowers, api.Layer.Lowers), workspace and toolkits; the rest are
+	// snapshot layers. 0: one base, the workspace if the spec names one
+	// and the toolkits (StackBelow).
+	Below int `json:"below,omitempty"`
 	// ProjectPath is the path of Spec.Project in the project tree
 	// (scope.go); empty: the root's.
 	ProjectPath string `json:"project_path,omitempty"`
@@ -137,6 +142,20 @@ type CreateRequest struct {
 	// which lets its HTTP transport resend a create whose kept-alive
 	// connection died before an answer.
 	Token string `json:"token,omitempty"`
+}
+
+// StackBelow is how many of a sandbox's layers are its base, workspace and
+// toolkits: below if set (CreateRequest.Below, api.SnapshotInfo.Below),
+// else what spec names, each one layer.
+func StackBelow(below int, spec api.SandboxSpec) int {
+	if below > 0 {
+		return below
+	}
+	n := 1 + len(spec.Toolkits)
+	if spec.Workspace != "" {
+		n++
+	}
+	return n
 }
 
 // MaxTokenLen bounds CreateRequest.Token.

@@ -1,9 +1,13 @@
 package image
 
 import (
+	"errors"
+	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -170,4 +174,124 @@ func TestUnpackSplitHostile(t *testing.T) {
 
 	_, err = Unpack(t.Context(), p, t.TempDir(), Options{SplitAt: 1, UpperDir: f.upper})
 	wantClass(t, err, errdefs.ErrPrecondition) // upper not empty any more
+}
+
+// A merge threshold cuts the image into runs: the first a plain tree, each
+// later one an upper directory over all the runs below it. Stacked by the
+// kernel, the sealed runs must show exactly the flat image, whatever the
+// cut: every layer a run of its own (two folds of the plain tree), or two
+// runs of two.
+func TestUnpackMergeUnderRunsStackToTheFlatImage(t *testing.T) {
+	needRoot(t, "sets trusted.overlay.opaque and mounts overlayfs")
+	layers := splitLayers(t)
+	img := buildImage(t, "amd64", true, layers...)
+	p := ociLayout(t, filepath.Join(t.TempDir(), "image.tar"), img)
+	flat := filepath.Join(t.TempDir(), "flat")
+	must(t, os.Mkdir(flat, 0o755))
+	_, err := Unpack(t.Context(), p, flat, Options{})
+	must(t, err)
+	size := func(i int) int64 { return int64(len(img.layers[i])) }
+
+	for _, tc := range []struct {
+		name      string
+		threshold int64
+		want      []Group
+	}{
+		{"one run per layer", 1, []Group{{0, 1, size(0)}, {1, 2, size(1)}, {2, 3, size(2)}, {3, 4, size(3)}}},
+		{"two runs of two", size(0) + size(1), []Group{{0, 2, size(0) + size(1)}, {2, 4, size(2) + size(3)}}},
+		{"one run", 1 << 30, []Group{{0, 4, size(0) + size(1) + size(2) + size(3)}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.name == "two runs of two" && size(2)+size(3) > tc.threshold {
+				t.Skipf("layers 2 and 3 (%d bytes) do not fit under %d", size(2)+size(3), tc.threshold)
+			}
+			f := newFixture(t)
+			keep := t.TempDir()
+			var sealed []string
+			res, err := Unpack(t.Context(), p, f.dest, Options{MergeUnder: tc.threshold, UpperDir: f.upper,
+				Sealed: func(run, runs int, dir string) error {
+					if run != len(sealed) || runs != len(tc.want) {
+						t.Errorf("Sealed(%d, %d) after %d runs sealed, want %d runs", run, runs, len(sealed), len(tc.want))
+					}
+					cp := filepath.Join(keep, strconv.Itoa(run))
+					if out, err := exec.Command("cp", "-a", dir, cp).CombinedOutput(); err != nil {
+						return fmt.Errorf("copying run %d: %v: %s", run, err, out)
+					}
+					sealed = append(sealed, cp)
+					return nil
+				}})
+			must(t, err)
+			if !slices.Equal(res.Runs, tc.want) {
+				t.Fatalf("runs = %v, want %v", res.Runs, tc.want)
+			}
+			if len(res.Layers) != 4 {
+				t.Errorf("result lists %d layers, want 4 (each once)", len(res.Layers))
+			}
+			if len(sealed) != len(tc.want)-1 {
+				t.Fatalf("%d runs sealed, want all but the last (%d)", len(sealed), len(tc.want)-1)
+			}
+			if want := f.dest; len(tc.want) > 1 {
+				want = filepath.Join(f.upper, "run-"+strconv.Itoa(len(tc.want)-1))
+				if res.Top != want {
+					t.Errorf("top = %s, want %s", res.Top, want)
+				}
+			} else if res.Top != want {
+				t.Errorf("top = %s, want the destination", res.Top)
+			}
+			if ents, _ := os.ReadDir(f.upper); len(tc.want) > 1 && len(ents) != 1 {
+				t.Errorf("upper directory holds %d entries; sealed runs should be gone, only the top left", len(ents))
+			}
+			f.checkOutside(t)
+
+			lowers := []string{res.Top}
+			for i := len(sealed) - 1; i >= 0; i-- {
+				lowers = append(lowers, sealed[i])
+			}
+			mnt := t.TempDir()
+			opt := "lowerdir=" + strings.Join(lowers, ":")
+			if len(lowers) == 1 {
+				// One lower alone is not an overlay: compare the tree.
+				mnt = lowers[0]
+			} else if err := unix.Mount("overlay", mnt, "overlay", unix.MS_RDONLY, opt); err != nil {
+				t.Fatalf("mounting the runs: %v", err)
+			} else {
+				defer unix.Unmount(mnt, unix.MNT_DETACH)
+			}
+			want, got := describeTree(t, flat, true), describeTree(t, mnt, true)
+			if !slices.Equal(want, got) {
+				t.Errorf("stacked runs differ from the flat unpack:\nflat:\n  %s\nstacked:\n  %s",
+					strings.Join(want, "\n  "), strings.Join(got, "\n  "))
+			}
+		})
+	}
+}
+
+func TestUnpackMergeUnderRefusals(t *testing.T) {
+	needRoot(t, "sets trusted.overlay.opaque")
+	layers := splitLayers(t)
+	img := buildImage(t, "amd64", true, layers...)
+	p := ociLayout(t, filepath.Join(t.TempDir(), "image.tar"), img)
+	sealed := func(int, int, string) error { return nil }
+	f := newFixture(t)
+	for _, opts := range []Options{
+		{MergeUnder: 1, SplitAt: 1, UpperDir: f.upper, Sealed: sealed},
+		{MergeUnder: -1, UpperDir: f.upper, Sealed: sealed},
+		{MergeUnder: 1, Sealed: sealed},
+		{MergeUnder: 1, UpperDir: f.upper},
+	} {
+		_, err := Unpack(t.Context(), p, f.dest, opts)
+		wantClass(t, err, errdefs.ErrInvalid)
+	}
+	// What Sealed refuses ends the unpack with its error.
+	boom := errors.New("no room for run 1")
+	_, err := Unpack(t.Context(), p, f.dest, Options{MergeUnder: 1, UpperDir: f.upper,
+		Sealed: func(run, _ int, _ string) error {
+			if run == 1 {
+				return boom
+			}
+			return nil
+		}})
+	if !errors.Is(err, boom) {
+		t.Fatalf("Sealed's error: got %v", err)
+	}
 }

@@ -56,6 +56,12 @@ type Result struct {
 	// Files and Bytes count the entries and regular-file bytes written.
 	Files int   `json:"files"`
 	Bytes int64 `json:"bytes"`
+	// Runs are the runs of layers the image was cut into (one unless
+	// Options.SplitAt or MergeUnder cut it), bottom first, and Top the
+	// directory holding the last run's tree (the destination, or one
+	// under Options.UpperDir).
+	Runs []Group `json:"runs"`
+	Top  string  `json:"-"`
 }
 
 // descriptor is the OCI content descriptor, also Docker's.

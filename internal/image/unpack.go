@@ -4,6 +4,9 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
+	"strconv"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -34,6 +37,17 @@ type Options struct {
 	// trusted.overlay.opaque="y"). Needs root for the trusted xattr.
 	SplitAt  int
 	UpperDir string
+	// MergeUnder, when positive, cuts the image into runs of consecutive
+	// layers whose sizes as stored (compressed in a registry) add up to at
+	// most MergeUnder bytes, bottom first (GroupLayers; a larger layer is
+	// a run alone). The first run goes into the destination as a plain
+	// tree; each later run into a fresh directory under UpperDir as an
+	// overlayfs upper directory over the runs below it. Every run's tree
+	// but the last is handed to Sealed as soon as it is complete, and may
+	// change once Sealed returns; the last is left in place and named by
+	// Result.Top. Exclusive with SplitAt; needs root, as SplitAt does.
+	MergeUnder int64
+	Sealed     func(run, runs int, dir string) error
 	// MaxBytes bounds the regular-file bytes written and MaxFiles the tar
 	// entries read, over all layers; zero means DefaultMaxBytes and
 	// DefaultMaxFiles. They stop decompression bombs cleanly.
@@ -49,8 +63,14 @@ func (o *Options) check() error {
 		return errdefs.Invalid("split point %d is negative", o.SplitAt)
 	case o.SplitAt > 0 && o.UpperDir == "":
 		return errdefs.Invalid("a split point needs an upper directory")
-	case o.SplitAt == 0 && o.UpperDir != "":
-		return errdefs.Invalid("an upper directory needs a positive split point")
+	case o.SplitAt > 0 && o.MergeUnder != 0:
+		return errdefs.Invalid("give a split point or a merge threshold, not both")
+	case o.MergeUnder < 0:
+		return errdefs.Invalid("merge threshold %d is negative", o.MergeUnder)
+	case o.MergeUnder > 0 && (o.UpperDir == "" || o.Sealed == nil):
+		return errdefs.Invalid("a merge threshold needs an upper directory and a Sealed function")
+	case o.SplitAt == 0 && o.MergeUnder == 0 && o.UpperDir != "":
+		return errdefs.Invalid("an upper directory needs a positive split point or a merge threshold")
 	case o.MaxBytes < 0 || o.MaxFiles < 0:
 		return errdefs.Invalid("negative limit")
 	}
@@ -202,9 +222,32 @@ func Unpack(ctx context.Context, path, dest string, opts Options) (*Result, erro
 	return res, nil
 }
 
-// applyImage applies img's layers from src onto dest (and opts.UpperDir).
+// runs is how opts cut img's layers: one run of all of them, the two of
+// a split point, or the runs of a merge threshold.
+func (o *Options) runs(layers []descriptor) []Group {
+	n := len(layers)
+	switch {
+	case o.MergeUnder > 0:
+		sizes := make([]int64, n)
+		for i, d := range layers {
+			sizes[i] = d.Size
+		}
+		return GroupLayers(sizes, o.MergeUnder)
+	case o.SplitAt > 0 && o.SplitAt < n:
+		return []Group{{Start: 0, End: o.SplitAt}, {Start: o.SplitAt, End: n}}
+	}
+	return []Group{{Start: 0, End: n}}
+}
+
+// applyImage applies img's layers from src onto dest (and under
+// opts.UpperDir), run by run (Options.runs).
+//
+// Run k > 0 is an upper directory over the plain tree of runs [0, k), so
+// with more than two runs the plain tree must grow run by run: once run k's
+// upper is sealed, its layers are applied again onto the plain tree (read
+// twice from src, verified twice), which is then the lower of run k+1.
 func applyImage(ctx context.Context, img *resolved, src source, dest string, opts Options) (*Result, error) {
-	res := &Result{Digest: img.digest, Platform: img.platform.String(), Config: img.config.public()}
+	res := &Result{Digest: img.digest, Platform: img.platform.String(), Config: img.config.public(), Top: dest}
 	root, err := openEmptyDir(dest)
 	if err != nil {
 		return nil, err
@@ -215,45 +258,81 @@ func applyImage(ctx context.Context, img *resolved, src source, dest string, opt
 	if err := initRoot(root); err != nil {
 		return nil, err
 	}
-	split := len(img.layers)
-	if opts.SplitAt > 0 && opts.SplitAt < split {
-		split = opts.SplitAt
-	}
+	runs := opts.runs(img.layers)
+	res.Runs = runs
 	a := &applier{root: root, lower: -1, maxBytes: opts.MaxBytes, maxFiles: opts.MaxFiles}
-	for i := range split {
+	for i := runs[0].Start; i < runs[0].End; i++ {
 		if err := applyOne(ctx, a, src, img, i, res, opts.Progress); err != nil {
 			return nil, err
 		}
 	}
-	if opts.SplitAt > 0 {
-		upper, err := openEmptyDir(opts.UpperDir)
+	last := a
+	for k := 1; k < len(runs); k++ {
+		if err := seal(opts, k-1, len(runs), res.Top); err != nil {
+			return nil, err
+		}
+		if k > 1 {
+			// Run k-1's upper is sealed: fold its layers into the plain
+			// tree, the lower of run k, and drop the upper.
+			for i := runs[k-1].Start; i < runs[k-1].End; i++ {
+				if err := applyOne(ctx, a, src, img, i, nil, opts.Progress); err != nil {
+					return nil, err
+				}
+			}
+			if err := os.RemoveAll(res.Top); err != nil {
+				return nil, fmt.Errorf("removing sealed run: %w", err)
+			}
+		}
+		dir := opts.UpperDir
+		if opts.MergeUnder > 0 {
+			dir = filepath.Join(opts.UpperDir, "run-"+strconv.Itoa(k))
+			if err := os.Mkdir(dir, 0o700); err != nil {
+				return nil, fmt.Errorf("preparing upper directory: %w", err)
+			}
+		}
+		upper, err := openEmptyDir(dir)
 		if err != nil {
 			return nil, err
 		}
-		defer unix.Close(upper)
 		// The upper's root overrides the lower's in the overlay: it starts
 		// as a copy, which upper layers may change like any directory.
 		if _, err := copyMeta(root, ".", upper, "."); err != nil {
+			unix.Close(upper)
 			return nil, fmt.Errorf("preparing upper directory: %w", err)
 		}
 		up := &applier{root: upper, lower: root, maxBytes: opts.MaxBytes, maxFiles: opts.MaxFiles,
 			files: a.files, bytes: a.bytes}
-		for i := split; i < len(img.layers); i++ {
+		for i := runs[k].Start; i < runs[k].End; i++ {
 			if err := applyOne(ctx, up, src, img, i, res, opts.Progress); err != nil {
+				unix.Close(upper)
 				return nil, err
 			}
 		}
-		a = up
+		unix.Close(upper)
+		res.Top, last = dir, up
 	}
-	res.Files, res.Bytes = a.files, a.bytes
+	res.Files, res.Bytes = last.files, last.bytes
 	return res, nil
 }
 
-// applyOne applies layer i of img with a and checks its digests.
+// seal hands run's finished tree to opts.Sealed, if the runs are merged.
+func seal(opts Options, run, runs int, dir string) error {
+	if opts.Sealed == nil {
+		return nil
+	}
+	return opts.Sealed(run, runs, dir)
+}
+
+// applyOne applies layer i of img with a and checks its digests; res, if
+// not nil, records it (nil: a layer applied again, see applyImage).
 func applyOne(ctx context.Context, a *applier, src source, img *resolved, i int, res *Result, progress io.Writer) error {
 	d := img.layers[i]
 	start := time.Now()
-	printf(progress, "applying layer %d/%d %s (%s)\n", i+1, len(img.layers), d, humanBytes(d.Size))
+	verb := "applying"
+	if res == nil {
+		verb = "folding into the tree below the next run:"
+	}
+	printf(progress, "%s layer %d/%d %s (%s)\n", verb, i+1, len(img.layers), d, humanBytes(d.Size))
 	rc, err := src.layer(ctx, d)
 	if err != nil {
 		return fmt.Errorf("reading layer %s: %w", d, err)
@@ -268,6 +347,9 @@ func applyOne(ctx context.Context, a *applier, src source, img *resolved, i int,
 	}
 	if want := img.config.RootFS.DiffIDs[i]; diffID != want {
 		return errdefs.Invalid("applying layer %s: uncompressed stream has digest %s, config's diff_id is %s", d, diffID, want)
+	}
+	if res == nil {
+		return nil
 	}
 	res.Layers = append(res.Layers, Layer{Digest: digest, DiffID: diffID, MediaType: d.MediaType, Size: d.Size, UnpackedSize: n})
 	printf(progress, "applied layer %d/%d: %s uncompressed in %s\n", i+1, len(img.layers), humanBytes(n), time.Since(start).Round(time.Millisecond))

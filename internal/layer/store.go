@@ -15,6 +15,7 @@ import (
 	"os/exec"
 	"path"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -86,7 +87,20 @@ type BuildOptions struct {
 	// from a container image (internal/image); sandboxes on the base take
 	// their env, workdir and user defaults from it.
 	Image *api.ImageConfig
+	// Lowers are the digests of the layers a base layer sits on, bottom
+	// first (api.Layer.Lowers): the runs of an image cut by a merge
+	// threshold below its top run, each built with BuildBlob and pinned
+	// by the caller until this build has named it.
+	Lowers []string
+	// LowersBytes is the size of the Lowers' images together, recorded
+	// with them (api.Layer.LowersBytes).
+	LowersBytes int64
 }
+
+// MaxLowers bounds BuildOptions.Lowers: with a workspace, toolkits and
+// snapshots above, a sandbox's overlay must stay under the node's stack
+// limit.
+const MaxLowers = 31
 
 // Store is the layer store: EROFS blobs named by digest under dir, and a
 // catalog of refs in a store.Store. Several processes may share one dir
@@ -370,6 +384,17 @@ func checkBuild(ref Ref, opts BuildOptions) error {
 	if opts.Image != nil && ref.Kind != api.KindBase {
 		return errdefs.Invalid("building layer %s: only base layers carry an image configuration", ref)
 	}
+	if len(opts.Lowers) > 0 && ref.Kind != api.KindBase {
+		return errdefs.Invalid("building layer %s: only base layers sit on lower layers", ref)
+	}
+	if len(opts.Lowers) > MaxLowers {
+		return errdefs.Invalid("building layer %s: %d lower layers, at most %d", ref, len(opts.Lowers), MaxLowers)
+	}
+	for _, d := range opts.Lowers {
+		if !IsDigest(d) {
+			return errdefs.Invalid("building layer %s: lower layer %q is not a sha256 digest", ref, d)
+		}
+	}
 	return nil
 }
 
@@ -393,17 +418,103 @@ func (s *Store) checkFree(ref Ref, opts BuildOptions) error {
 // build runs mkfs.erofs on src, hashes the image and publishes it. Every
 // temporary file is pushed on cl.
 func (s *Store) build(ctx context.Context, ref Ref, src string, opts BuildOptions, progress io.Writer, cl *cleanup.Stack) (api.Layer, error) {
+	what := "building layer " + ref.String()
+	tmpPath, digest, size, err := s.seal(ctx, what, src, opts, progress, cl)
+	if err != nil {
+		return api.Layer{}, err
+	}
+	for _, d := range opts.Lowers {
+		if _, err := os.Stat(s.BlobPath(d)); err != nil {
+			return api.Layer{}, errdefs.Invalid("%s: lower layer %s is not stored here: %v", what, d, err)
+		}
+	}
+	l := api.Layer{Digest: digest, Ref: ref.String(), Kind: ref.Kind, SizeBytes: size, CreatedAt: time.Now().UTC(),
+		Snapshot: opts.Snapshot, Image: opts.Image, Project: opts.Project, Lowers: opts.Lowers}
+	if len(opts.Lowers) > 0 {
+		l.LowersBytes = opts.LowersBytes
+	}
+	deduped, err := s.publish(tmpPath, l, opts.Replace, opts.MayReplace)
+	if err != nil {
+		return api.Layer{}, err
+	}
+	note := ""
+	if deduped {
+		note = " (content already stored)"
+	}
+	printf(progress, "layer %s %s %s%s\n", l.Ref, l.Digest, humanBytes(l.SizeBytes), note)
+	s.log.Info("layer built", "ref", l.Ref, "digest", l.Digest, "size_bytes", l.SizeBytes, "lowers", len(l.Lowers), "deduplicated", deduped)
+	return l, nil
+}
+
+// BuildBlob seals the tree at dir into an EROFS image and stores it by
+// digest without a catalog entry: a layer below another of one image
+// (BuildOptions.Lowers). The blob stays pinned until unpin is called,
+// which the caller does once an entry names it (or it gives up): until
+// then no delete or collection of the digest removes it. A blob that
+// nothing names after unpin goes with Collect. opts.Compress, MaxBytes,
+// SourceDateEpoch and Exclude apply; the rest concern entries.
+func (s *Store) BuildBlob(ctx context.Context, dir string, opts BuildOptions, progress io.Writer) (digest string, size int64, unpin func(), err error) {
+	fi, err := os.Stat(dir)
+	if err != nil || !fi.IsDir() {
+		return "", 0, nil, errdefs.Invalid("building a lower layer: %s is not a directory (%v)", dir, err)
+	}
+	if err := checkBuild(Ref{Kind: api.KindBase, Name: "lower", Tag: "lower"}, BuildOptions{Compress: opts.Compress,
+		MaxBytes: opts.MaxBytes, MaxFiles: opts.MaxFiles, SourceDateEpoch: opts.SourceDateEpoch, Exclude: opts.Exclude}); err != nil {
+		return "", 0, nil, err
+	}
+	var cl cleanup.Stack
+	defer cl.Run()
+	tmpPath, digest, size, err := s.seal(ctx, "building a lower layer", dir, opts, progress, &cl)
+	if err != nil {
+		return "", 0, nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	unpin, err = s.pin(digest)
+	if err != nil {
+		return "", 0, nil, fmt.Errorf("publishing lower layer %s: %w", digest, err)
+	}
+	deduped, err := s.place(tmpPath, digest)
+	if err != nil {
+		unpin()
+		return "", 0, nil, fmt.Errorf("publishing lower layer %s: %w", digest, err)
+	}
+	note := ""
+	if deduped {
+		note = " (content already stored)"
+	}
+	printf(progress, "lower layer %s %s%s\n", digest, humanBytes(size), note)
+	s.log.Info("lower layer built", "digest", digest, "size_bytes", size, "deduplicated", deduped)
+	return digest, size, unpin, nil
+}
+
+// Collect removes the blob of digest if nothing names it and nothing pins
+// it (a lower layer BuildBlob made for a build that then failed), and
+// reports whether it did.
+func (s *Store) Collect(digest string) (bool, error) {
+	if !IsDigest(digest) {
+		return false, errdefs.Invalid("collecting %q: not a sha256 digest", digest)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.collect(digest)
+}
+
+// seal runs mkfs.erofs on src into a staging file, pushed on cl, and
+// hashes it.
+func (s *Store) seal(ctx context.Context, what, src string, opts BuildOptions, progress io.Writer, cl *cleanup.Stack) (tmpPath, digest string, size int64, err error) {
 	mkfs, err := exec.LookPath("mkfs.erofs")
 	if err != nil {
-		return api.Layer{}, errdefs.Unavailable("building layer %s: mkfs.erofs not found in PATH (install erofs-utils)", ref)
+		return "", "", 0, errdefs.Unavailable("%s: mkfs.erofs not found in PATH (install erofs-utils)", what)
 	}
 	tmp, err := os.CreateTemp(s.stagingDir(), "image-*.erofs")
 	if err != nil {
-		return api.Layer{}, fmt.Errorf("building layer %s: %w", ref, err)
+		return "", "", 0, fmt.Errorf("%s: %w", what, err)
 	}
-	tmpPath := tmp.Name()
-	cl.Add(func() { os.Remove(tmpPath) })
+	name := tmp.Name()
+	cl.Add(func() { os.Remove(name) })
 	tmp.Close()
+	tmpPath = name
 
 	args := []string{"--quiet", "-U", imageUUID}
 	if opts.Compress != "" {
@@ -426,31 +537,17 @@ func (s *Store) build(ctx context.Context, ref Ref, src string, opts BuildOption
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		if ctx.Err() != nil {
-			return api.Layer{}, fmt.Errorf("building layer %s: %w", ref, ctx.Err())
+			return "", "", 0, fmt.Errorf("%s: %w", what, ctx.Err())
 		}
-		return api.Layer{}, fmt.Errorf("building layer %s: running mkfs.erofs: %w: %s", ref, err, lastLines(out, 5))
+		return "", "", 0, fmt.Errorf("%s: running mkfs.erofs: %w: %s", what, err, lastLines(out, 5))
 	}
 	mkfsTime := time.Since(start)
-
-	digest, size, err := hashFile(tmpPath)
+	digest, size, err = hashFile(tmpPath)
 	if err != nil {
-		return api.Layer{}, fmt.Errorf("building layer %s: %w", ref, err)
+		return "", "", 0, fmt.Errorf("%s: %w", what, err)
 	}
 	printf(progress, "mkfs.erofs: %s, image %s\n", mkfsTime.Round(time.Millisecond), humanBytes(size))
-
-	l := api.Layer{Digest: digest, Ref: ref.String(), Kind: ref.Kind, SizeBytes: size, CreatedAt: time.Now().UTC(), Snapshot: opts.Snapshot, Image: opts.Image, Project: opts.Project}
-	deduped, err := s.publish(tmpPath, l, opts.Replace, opts.MayReplace)
-	if err != nil {
-		return api.Layer{}, err
-	}
-	note := ""
-	if deduped {
-		note = " (content already stored)"
-	}
-	printf(progress, "layer %s %s %s%s\n", l.Ref, l.Digest, humanBytes(l.SizeBytes), note)
-	s.log.Info("layer built", "ref", l.Ref, "digest", l.Digest, "size_bytes", l.SizeBytes,
-		"mkfs_ms", mkfsTime.Milliseconds(), "deduplicated", deduped)
-	return l, nil
+	return tmpPath, digest, size, nil
 }
 
 // publish moves the image at tmpPath to its blob path (unless that content
@@ -462,8 +559,6 @@ func (s *Store) publish(tmpPath string, l api.Layer, replace bool, mayReplace fu
 	if err != nil {
 		return false, fmt.Errorf("encoding layer %s: %w", l.Ref, err)
 	}
-	blob := s.BlobPath(l.Digest)
-
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	unpin, err := s.pin(l.Digest)
@@ -471,20 +566,7 @@ func (s *Store) publish(tmpPath string, l api.Layer, replace bool, mayReplace fu
 		return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
 	}
 	defer unpin()
-	switch _, err := os.Lstat(blob); {
-	case err == nil:
-		deduped = true
-	case errors.Is(err, fs.ErrNotExist):
-		if err := os.Chmod(tmpPath, 0o444); err != nil {
-			return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
-		}
-		if err := os.Rename(tmpPath, blob); err != nil {
-			return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
-		}
-		if err := syncDir(s.blobDir()); err != nil {
-			return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
-		}
-	default:
+	if deduped, err = s.place(tmpPath, l.Digest); err != nil {
 		return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
 	}
 
@@ -501,6 +583,27 @@ func (s *Store) publish(tmpPath string, l api.Layer, replace bool, mayReplace fu
 	}
 	s.cache.put(l)
 	return deduped, nil
+}
+
+// place moves the image at tmpPath to the blob path of digest, unless
+// that content is stored already (deduped). The caller holds a pin on
+// digest.
+func (s *Store) place(tmpPath, digest string) (deduped bool, err error) {
+	blob := s.BlobPath(digest)
+	switch _, err := os.Lstat(blob); {
+	case err == nil:
+		return true, nil
+	case errors.Is(err, fs.ErrNotExist):
+		if err := os.Chmod(tmpPath, 0o444); err != nil {
+			return false, err
+		}
+		if err := os.Rename(tmpPath, blob); err != nil {
+			return false, err
+		}
+		return false, syncDir(s.blobDir())
+	default:
+		return false, err
+	}
 }
 
 // AddRemote records l, whose image lives elsewhere (l.Remote), in the
@@ -672,7 +775,19 @@ func (s *Store) Delete(ref string, inUse func(digest string) (bool, error)) erro
 	if err != nil {
 		return fmt.Errorf("deleting layer %s: %w", r, err)
 	}
-	s.log.Info("layer deleted", "ref", r.String(), "digest", l.Digest, "blob_kept", !removed)
+	// The layers below it may be named by it alone.
+	below := 0
+	for _, d := range stackOf(l) {
+		s.dropIndex(d)
+		gone, err := s.collect(d)
+		if err != nil {
+			return fmt.Errorf("deleting layer %s: %w", r, err)
+		}
+		if gone {
+			below++
+		}
+	}
+	s.log.Info("layer deleted", "ref", r.String(), "digest", l.Digest, "blob_kept", !removed, "blobs_below_removed", below)
 	return nil
 }
 
@@ -730,11 +845,21 @@ func (s *Store) referenced(digest string) (bool, error) {
 		return false, err
 	}
 	for _, l := range all {
-		if l.Digest == digest {
+		if l.Digest == digest || slices.Contains(stackOf(l), digest) {
 			return true, nil
 		}
 	}
 	return false, nil
+}
+
+// stackOf is what l's entry names below its own image: the layers of its
+// image below it, or the layers a snapshot was taken on. Their blobs stay
+// while the entry does.
+func stackOf(l api.Layer) []string {
+	if l.Snapshot != nil {
+		return append(append([]string(nil), l.Lowers...), l.Snapshot.Layers...)
+	}
+	return l.Lowers
 }
 
 // hashFile returns the sha256 digest and size of the file at path, after

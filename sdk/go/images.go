@@ -21,6 +21,9 @@ type ImportOptions struct {
 	// Split layers make the base, the rest the workspace.
 	Workspace string
 	Split     int
+	// MergeUnder, in bytes, cuts the image into runs of layers under it,
+	// each one EROFS layer (api.ImagePullRequest.MergeUnder).
+	MergeUnder int64
 	// Platform picks one image of a multi-arch archive (os/arch[/variant]);
 	// linux/amd64 when empty.
 	Platform string
@@ -38,6 +41,9 @@ func (c *Client) ImportImage(ctx context.Context, archive io.Reader, opts Import
 	}
 	if opts.Split != 0 {
 		q.Set("split", strconv.Itoa(opts.Split))
+	}
+	if opts.MergeUnder != 0 {
+		q.Set("merge_under", strconv.FormatInt(opts.MergeUnder, 10))
 	}
 	if opts.Platform != "" {
 		q.Set("platform", opts.Platform)

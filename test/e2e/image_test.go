@@ -144,6 +144,7 @@ func sha256Digest(b []byte) string {
 type testImage struct {
 	blobs    map[string][]byte
 	raw      [][]byte // uncompressed layer tars, bottom first
+	sizes    []int64  // the layer blobs' sizes, as the manifest gives them
 	config   []byte
 	manifest []byte
 }
@@ -182,6 +183,7 @@ func newTestImage(t *testing.T, compress bool, layers ...[]byte) *testImage {
 			blob, mt = buf.Bytes(), "application/vnd.oci.image.layer.v1.tar+gzip"
 		}
 		img.blobs[sha256Digest(blob)] = blob
+		img.sizes = append(img.sizes, int64(len(blob)))
 		descs = append(descs, desc{mt, sha256Digest(blob), int64(len(blob))})
 		diffIDs = append(diffIDs, sha256Digest(raw))
 	}
