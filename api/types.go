@@ -481,6 +481,11 @@ type LayerRemote struct {
 	Index     string `json:"index"`
 	IndexSize int64  `json:"index_size"`
 	ChunkSize int    `json:"chunk_size"`
+	// Meta and MetaSize name the artifact's metadata pack: the image's
+	// superblock, inodes and directories, which a node fetches whole
+	// when it first mounts the layer (absent in older artifacts).
+	Meta     string `json:"meta,omitempty"`
+	MetaSize int64  `json:"meta_size,omitempty"`
 	// Insecure talks plain HTTP to the registry.
 	Insecure bool `json:"insecure,omitempty"`
 	// Pull is "lazy" (read on demand, the default) or "full" (fetched

@@ -18,6 +18,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -158,6 +159,11 @@ func (s *Server) runImageJob(ctx context.Context, j *imageJob, unpack unpackFunc
 			d, n, unpin, err := s.deps.Layers.BuildBlob(ctx, dir, layer.BuildOptions{}, progress)
 			if err != nil {
 				return err
+			}
+			if slices.Contains(lowers, d) {
+				unpin()
+				return errdefs.Invalid("merge_under %s: run %d of the image's layers has the content of an earlier run (empty layers, or changes undone), and a node mounts a layer once per sandbox: raise merge_under to merge it with its neighbours",
+					layer.HumanBytes(j.mergeUnder), run+1)
 			}
 			lowersBytes += n
 			lowers, unpins = append(lowers, d), append(unpins, unpin)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
-	"fmt"
 	"net/http"
 	"slices"
 	"sort"
@@ -85,7 +84,7 @@ func (s *Server) prepare(ctx context.Context, spec *api.SandboxSpec) (layerStack
 	if snap != nil {
 		below := edgeapi.StackBelow(snap.Snapshot.Below, snap.Snapshot.Spec)
 		if below > len(snap.Snapshot.Layers) {
-			return layerStack{}, fmt.Errorf("snapshot %s: its record stacks %d layers below it, %d of them base, workspace and toolkits",
+			return layerStack{}, errdefs.Precondition("snapshot %s: its record stacks %d layers below it, %d of them base, workspace and toolkits: it cannot be used",
 				spec.Snapshot, len(snap.Snapshot.Layers), below)
 		}
 		return layerStack{digests: append(append([]string(nil), snap.Snapshot.Layers...), snap.Digest), below: below}, nil

@@ -92,8 +92,9 @@ func (e *Edge) createSbx(ctx context.Context, req edgeapi.CreateRequest, pooled 
 			return nil, errdefs.Invalid("bad layer digest %q", d)
 		}
 	}
-	if req.Below < 0 || req.Below > len(req.Digests) {
-		return nil, errdefs.Invalid("below %d: the sandbox stacks %d layers", req.Below, len(req.Digests))
+	if req.Below < 0 || req.Below > len(req.Digests) || req.Below > 0 && req.Below < edgeapi.StackBelow(0, spec) {
+		return nil, errdefs.Invalid("below %d: the sandbox stacks %d layers, at least %d of them base, workspace and toolkits",
+			req.Below, len(req.Digests), edgeapi.StackBelow(0, spec))
 	}
 	netp, err := e.compileNetwork(spec.Network)
 	if err != nil {

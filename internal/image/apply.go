@@ -591,6 +591,13 @@ func (a *applier) copyUp(p string) error {
 	}
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFREG:
+		// What a copy-up writes counts like an entry's data: an upper
+		// run of tiny links to a lower's big files must not write
+		// them again without limit.
+		if a.maxBytes > 0 && st.Size > a.maxBytes-a.bytes {
+			return errdefs.Invalid("image exceeds limit of %d bytes of file data (copying up %q, %d bytes)", a.maxBytes, p, st.Size)
+		}
+		a.bytes += st.Size
 		if err := copyData(lfd, fd, base, &st); err != nil {
 			return err
 		}

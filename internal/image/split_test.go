@@ -295,3 +295,36 @@ func TestUnpackMergeUnderRefusals(t *testing.T) {
 		t.Fatalf("Sealed's error: got %v", err)
 	}
 }
+
+// Copy-ups count against the data limit: an upper run of hard links to a
+// lower's files writes those files again.
+func TestUnpackCopyUpsCountAgainstTheLimit(t *testing.T) {
+	needRoot(t, "sets trusted.overlay.opaque")
+	big := strings.Repeat("x", 100_000)
+	var lower, upper []entry
+	lower = append(lower, dir("d/"))
+	for i := range 5 {
+		name := fmt.Sprintf("d/f%d", i)
+		lower = append(lower, file(name, big))
+		upper = append(upper, hardlink(fmt.Sprintf("l%d", i), name))
+	}
+	img := buildImage(t, "amd64", true, layerTar(t, lower...), layerTar(t, upper...))
+	p := ociLayout(t, filepath.Join(t.TempDir(), "image.tar"), img)
+	f := newFixture(t)
+	_, err := Unpack(t.Context(), p, f.dest, Options{SplitAt: 1, UpperDir: f.upper, MaxBytes: 700_000})
+	wantClass(t, err, errdefs.ErrInvalid)
+	if err != nil && !strings.Contains(err.Error(), "copying up") {
+		t.Errorf("refused for another reason: %v", err)
+	}
+	f2 := newFixture(t)
+	if _, err := Unpack(t.Context(), p, f2.dest, Options{SplitAt: 1, UpperDir: f2.upper, MaxBytes: 1_100_000}); err != nil {
+		t.Errorf("within the limit: %v", err)
+	}
+	// An image without layers, merged: one empty run.
+	empty := ociLayout(t, filepath.Join(t.TempDir(), "empty.tar"), buildImage(t, "amd64", true))
+	f3 := newFixture(t)
+	res, err := Unpack(t.Context(), empty, f3.dest, Options{MergeUnder: 1, UpperDir: f3.upper, Sealed: func(int, int, string) error { return nil }})
+	if err != nil || len(res.Runs) != 1 || res.Top != f3.dest {
+		t.Errorf("image without layers: %+v, %v", res, err)
+	}
+}

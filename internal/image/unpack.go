@@ -227,7 +227,7 @@ func Unpack(ctx context.Context, path, dest string, opts Options) (*Result, erro
 func (o *Options) runs(layers []descriptor) []Group {
 	n := len(layers)
 	switch {
-	case o.MergeUnder > 0:
+	case o.MergeUnder > 0 && n > 0:
 		sizes := make([]int64, n)
 		for i, d := range layers {
 			sizes[i] = d.Size

@@ -3,8 +3,10 @@ package layer
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/dsecproject/dsec/api"
@@ -83,10 +85,15 @@ func TestLowerLayersRefused(t *testing.T) {
 		{"base/b:1", []string{"sha256:nothex"}},
 		{"base/b:1", []string{"../../etc/passwd"}},
 		{"base/b:1", many},
-		{"base/b:1", []string{missing}}, // not stored
+		{"base/b:1", []string{missing, missing}}, // a node mounts a digest once
+		{"base/b:1", []string{missing}},          // not stored: refused, not invalid input
 	} {
 		_, err := s.BuildFromDir(ctx, mustRef(t, tc.ref), dir, BuildOptions{Lowers: tc.lowers}, nil)
-		if !errors.Is(err, errdefs.ErrInvalid) {
+		if len(tc.lowers) == 1 && tc.lowers[0] == missing && tc.ref == "base/b:1" {
+			if err == nil || !strings.Contains(err.Error(), "gone") {
+				t.Errorf("a lower not stored: %v", err)
+			}
+		} else if !errors.Is(err, errdefs.ErrInvalid) {
 			t.Errorf("%s on %d lowers %.20q: %v, want invalid", tc.ref, len(tc.lowers), tc.lowers[0], err)
 		}
 		if _, err := s.Resolve(tc.ref); !errors.Is(err, errdefs.ErrNotFound) {
@@ -95,6 +102,51 @@ func TestLowerLayersRefused(t *testing.T) {
 	}
 	if _, err := s.Collect("nope"); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Errorf("Collect(nope): %v", err)
+	}
+	// A top with the content of one of its lowers could not be stacked.
+	low, _, unpin, err := s.BuildBlob(ctx, dir, BuildOptions{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unpin()
+	if _, err := s.BuildFromDir(ctx, mustRef(t, "base/same:1"), dir, BuildOptions{Lowers: []string{low}}, nil); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Errorf("a top equal to its lower: %v", err)
+	}
+}
+
+// One top digest on two different stacks is two filesystems: a lookup by
+// digest refuses to pick.
+func TestGetByDigestOfTopsOnDifferentLowers(t *testing.T) {
+	needRootAndMkfs(t)
+	s, _ := newTestStore(t)
+	ctx := context.Background()
+	lowA := filepath.Join(t.TempDir(), "a")
+	writeTree(t, lowA, baseTree)
+	lowB := filepath.Join(t.TempDir(), "b")
+	writeTree(t, lowB, append([]node{{path: "etc/other", data: "b"}}, baseTree...))
+	top := filepath.Join(t.TempDir(), "top")
+	writeTree(t, top, workspaceTree)
+	var tops []string
+	for i, dir := range []string{lowA, lowB} {
+		d, _, unpin, err := s.BuildBlob(ctx, dir, BuildOptions{}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		l, err := s.BuildFromDir(ctx, mustRef(t, fmt.Sprintf("base/top%d:1", i)), top, BuildOptions{Lowers: []string{d}}, nil)
+		unpin()
+		if err != nil {
+			t.Fatal(err)
+		}
+		tops = append(tops, l.Digest)
+	}
+	if tops[0] != tops[1] {
+		t.Fatalf("the same top tree sealed to two digests: %v", tops)
+	}
+	if _, err := s.Get(tops[0]); !errors.Is(err, errdefs.ErrPrecondition) {
+		t.Errorf("Get(digest) of one top on two stacks: %v", err)
+	}
+	if l, err := s.Get("base/top1:1"); err != nil || len(l.Lowers) != 1 {
+		t.Errorf("Get(ref): %+v, %v", l, err)
 	}
 }
 

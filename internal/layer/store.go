@@ -390,10 +390,16 @@ func checkBuild(ref Ref, opts BuildOptions) error {
 	if len(opts.Lowers) > MaxLowers {
 		return errdefs.Invalid("building layer %s: %d lower layers, at most %d", ref, len(opts.Lowers), MaxLowers)
 	}
+	seen := map[string]bool{}
 	for _, d := range opts.Lowers {
 		if !IsDigest(d) {
 			return errdefs.Invalid("building layer %s: lower layer %q is not a sha256 digest", ref, d)
 		}
+		if seen[d] {
+			// The node mounts a digest once: an overlay cannot stack it twice.
+			return errdefs.Invalid("building layer %s: lower layer %s is listed twice", ref, d)
+		}
+		seen[d] = true
 	}
 	return nil
 }
@@ -423,10 +429,8 @@ func (s *Store) build(ctx context.Context, ref Ref, src string, opts BuildOption
 	if err != nil {
 		return api.Layer{}, err
 	}
-	for _, d := range opts.Lowers {
-		if _, err := os.Stat(s.BlobPath(d)); err != nil {
-			return api.Layer{}, errdefs.Invalid("%s: lower layer %s is not stored here: %v", what, d, err)
-		}
+	if slices.Contains(opts.Lowers, digest) {
+		return api.Layer{}, errdefs.Invalid("%s: its tree has the content of one of its lower layers (%s), and a node mounts a digest once", what, digest)
 	}
 	l := api.Layer{Digest: digest, Ref: ref.String(), Kind: ref.Kind, SizeBytes: size, CreatedAt: time.Now().UTC(),
 		Snapshot: opts.Snapshot, Image: opts.Image, Project: opts.Project, Lowers: opts.Lowers}
@@ -566,6 +570,19 @@ func (s *Store) publish(tmpPath string, l api.Layer, replace bool, mayReplace fu
 		return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
 	}
 	defer unpin()
+	// The lowers' blobs are pinned here too, from before the check that
+	// they are in place until the entry names them: the caller's pins may
+	// be stale by now (a long import), and a stale pin does not hold.
+	for _, d := range l.Lowers {
+		unpinLower, err := s.pin(d)
+		if err != nil {
+			return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
+		}
+		defer unpinLower()
+		if _, err := os.Lstat(s.BlobPath(d)); err != nil {
+			return false, fmt.Errorf("publishing layer %s: lower layer %s is gone: %w", l.Ref, d, err)
+		}
+	}
 	if deduped, err = s.place(tmpPath, l.Digest); err != nil {
 		return false, fmt.Errorf("publishing layer %s: %w", l.Ref, err)
 	}
@@ -686,12 +703,25 @@ func (s *Store) Get(refOrDigest string) (api.Layer, error) {
 	if err != nil {
 		return api.Layer{}, err
 	}
-	for _, l := range all {
-		if l.Digest == refOrDigest {
-			return l, nil
+	var found *api.Layer
+	for i, l := range all {
+		if l.Digest != refOrDigest {
+			continue
+		}
+		if found == nil {
+			found = &all[i]
+			continue
+		}
+		// A base's own image is a diff over its lowers: one digest on
+		// two stacks is two filesystems, which a digest cannot choose.
+		if !slices.Equal(found.Lowers, l.Lowers) {
+			return api.Layer{}, errdefs.Precondition("%s is the top of layers on different lower layers (%s, %s): name one by its ref", refOrDigest, found.Ref, l.Ref)
 		}
 	}
-	return api.Layer{}, errdefs.NotFound("no layer ref points at %s", refOrDigest)
+	if found == nil {
+		return api.Layer{}, errdefs.NotFound("no layer ref points at %s", refOrDigest)
+	}
+	return *found, nil
 }
 
 // Resolve returns the catalog entry of ref.

@@ -38,7 +38,7 @@ func TestLayerFromRegistry(t *testing.T) {
 	}
 	target := "oci://" + reg.Addr + "/e2e/layers:ws"
 	out, errOut, code := cli("layer", "push", "--insecure", ref, target)
-	if code != 0 || !strings.Contains(out, "3 blob(s) sent") {
+	if code != 0 || !strings.Contains(out, "4 blob(s) sent") { // image, chunk index, metadata pack, config
 		t.Fatalf("layer push: exit %d: %s %s", code, out, errOut)
 	}
 	// Drop it here, so that only the registry has it.

@@ -29,6 +29,7 @@ const (
 	ConfigType     = "application/vnd.dsec.layer.config.v1+json"
 	ImageType      = "application/vnd.dsec.layer.erofs.v1"
 	IndexType      = "application/vnd.dsec.layer.chunks.v1"
+	MetaType       = "application/vnd.dsec.layer.metadata.v1"
 	manifestType   = "application/vnd.oci.image.manifest.v1+json"
 	chunkSizeAnnot = "dev.dsec.chunk-size"
 )
@@ -118,6 +119,10 @@ func Push(ctx context.Context, st *layer.Store, ref, target string, opts PushOpt
 		return api.LayerPushResult{}, fmt.Errorf("opening layer image: %w", err)
 	}
 	ix, err := BuildIndex(f, l.SizeBytes, chunk)
+	var meta []byte
+	if err == nil {
+		meta, err = BuildMetaPack(f, l.SizeBytes)
+	}
 	f.Close()
 	if err != nil {
 		return api.LayerPushResult{}, err
@@ -142,9 +147,14 @@ func Push(ctx context.Context, st *layer.Store, ref, target string, opts PushOpt
 				Annotations: map[string]string{chunkSizeAnnot: strconv.Itoa(chunk)}},
 		},
 	}
-	res := api.LayerPushResult{Ref: l.Ref, Target: target, SizeBytes: l.SizeBytes}
 	small := map[string][]byte{m.Config.Digest: cfgBytes, m.Layers[1].Digest: ixBytes}
-	for _, d := range []descriptor{m.Layers[0], m.Layers[1], m.Config} {
+	if meta != nil {
+		md := descriptor{MediaType: MetaType, Digest: digestOf(meta), Size: int64(len(meta))}
+		m.Layers = append(m.Layers, md)
+		small[md.Digest] = meta
+	}
+	res := api.LayerPushResult{Ref: l.Ref, Target: target, SizeBytes: l.SizeBytes}
+	for _, d := range append(append([]descriptor(nil), m.Layers...), m.Config) {
 		open := func() (io.ReadCloser, error) {
 			if b, ok := small[d.Digest]; ok {
 				return io.NopCloser(bytes.NewReader(b)), nil
@@ -235,16 +245,16 @@ func Add(ctx context.Context, st *layer.Store, ref, source string, opts AddOptio
 		Digest: a.image.Digest, Ref: r.String(), Kind: r.Kind, SizeBytes: a.image.Size,
 		CreatedAt: time.Now().UTC(), Image: a.cfg.Image, Project: opts.Project,
 		Remote: &api.LayerRemote{Source: source, Manifest: a.digest, Index: a.index.Digest, IndexSize: a.index.Size,
-			ChunkSize: a.ix.ChunkSize, Insecure: opts.Insecure, Pull: opts.Pull},
+			ChunkSize: a.ix.ChunkSize, Insecure: opts.Insecure, Pull: opts.Pull, Meta: a.meta.Digest, MetaSize: a.meta.Size},
 	}
 	return st.AddRemote(l, layer.BuildOptions{Replace: opts.Replace, MayReplace: opts.MayReplace})
 }
 
 type artifact struct {
-	digest       string
-	cfg          config
-	image, index descriptor
-	ix           *Index
+	digest             string
+	cfg                config
+	image, index, meta descriptor
+	ix                 *Index
 }
 
 // readArtifact reads and checks a layer artifact's manifest, config and
@@ -271,7 +281,12 @@ func readArtifact(ctx context.Context, repo *image.Repo, tagOrDigest string) (*a
 			a.image = d
 		case IndexType:
 			a.index = d
+		case MetaType:
+			a.meta = d
 		}
+	}
+	if a.meta.Digest != "" && (!layer.IsDigest(a.meta.Digest) || a.meta.Size <= 0 || a.meta.Size > maxMetaBytes) {
+		return nil, errdefs.Invalid("manifest %s: bad metadata pack descriptor", digest)
 	}
 	if a.image.Digest == "" || a.index.Digest == "" || !layer.IsDigest(a.image.Digest) || !layer.IsDigest(a.index.Digest) {
 		return nil, errdefs.Invalid("manifest %s lacks the image or the chunk index", digest)
@@ -308,8 +323,39 @@ func readArtifact(ctx context.Context, repo *image.Repo, tagOrDigest string) (*a
 		if err := a.ix.Check(0, first); err != nil {
 			return nil, fmt.Errorf("the registry's image does not match its index: %w", err)
 		}
+		if a.meta.Digest != "" {
+			if err := checkMetaPack(ctx, repo, a, first); err != nil {
+				return nil, err
+			}
+		}
 	}
 	return a, nil
+}
+
+// checkMetaPack reads the artifact's metadata pack and checks it: its
+// digest, its encoding, and, where it holds bytes of the first chunk
+// (verified against the index), that they are the same. Nodes trust the
+// pack as they trust the index: by the digest the manifest gives.
+func checkMetaPack(ctx context.Context, repo *image.Repo, a *artifact, first []byte) error {
+	b, err := repo.Blob(ctx, a.meta.Digest, a.meta.Size, maxMetaBytes)
+	if err != nil {
+		return fmt.Errorf("reading the metadata pack: %w", err)
+	}
+	m, err := UnmarshalMetaPack(b, a.image.Size)
+	if err != nil {
+		return err
+	}
+	for _, x := range m.ranges {
+		if x.Off >= int64(len(first)) {
+			break
+		}
+		n := min(x.Len, int64(len(first))-x.Off)
+		p := make([]byte, n)
+		if !m.ReadAt(p, x.Off, a.image.Size) || !bytes.Equal(p, first[x.Off:x.Off+n]) {
+			return errdefs.Invalid("the metadata pack does not match the image at %d", x.Off)
+		}
+	}
+	return nil
 }
 
 func digestOf(b []byte) string {
@@ -364,9 +410,13 @@ func Reindex(ctx context.Context, source, target string, chunkSize int, opts ima
 		return "", err
 	}
 	var img descriptor
+	var kept []descriptor // the metadata pack: the same for any chunk size
 	for _, d := range m.Layers {
-		if d.MediaType == ImageType {
+		switch d.MediaType {
+		case ImageType:
 			img = d
+		case MetaType:
+			kept = append(kept, d)
 		}
 	}
 	rc, err := repo.BlobRange(ctx, img.Digest, 0, img.Size)
@@ -390,7 +440,7 @@ func Reindex(ctx context.Context, source, target string, chunkSize int, opts ima
 	}); err != nil {
 		return "", err
 	}
-	m.Layers = []descriptor{img, ixDesc}
+	m.Layers = append([]descriptor{img, ixDesc}, kept...)
 	mb, err := json.Marshal(m)
 	if err != nil {
 		return "", err

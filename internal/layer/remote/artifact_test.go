@@ -1,12 +1,16 @@
 package remote
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
+	"encoding/json"
 	"errors"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -65,7 +69,7 @@ func TestPushAddRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if res.Uploaded != 3 || res.SizeBytes != l.SizeBytes {
+	if res.Uploaded != 4 || res.SizeBytes != l.SizeBytes { // image, index, metadata pack, config
 		t.Fatalf("push: %+v", res)
 	}
 	// A second push sends nothing the registry has.
@@ -85,7 +89,7 @@ func TestPushAddRoundTrip(t *testing.T) {
 		t.Fatal(err)
 	}
 	if got.Digest != l.Digest || got.SizeBytes != l.SizeBytes || got.Remote == nil || got.Remote.Pull != api.PullLazy ||
-		got.Remote.ChunkSize != DefaultChunkSize || got.Remote.Manifest != res.Manifest {
+		got.Remote.ChunkSize != DefaultChunkSize || got.Remote.Manifest != res.Manifest || got.Remote.Meta == "" || got.Remote.MetaSize <= 0 {
 		t.Fatalf("added: %+v %+v", got, got.Remote)
 	}
 	if p := other.BlobPath(l.Digest); fileExists(p) {
@@ -231,5 +235,58 @@ func TestIndexRoundTrip(t *testing.T) {
 	lie[23]++ // and one chunk more than the size needs
 	if _, err := UnmarshalIndex(lie); err == nil {
 		t.Fatal("index with a wrong count accepted")
+	}
+}
+
+// A metadata pack whose bytes differ from the image where the first
+// chunk (verified against the index) shows them is refused at add, and
+// one that does not match its digest is too.
+func TestAddRefusesAMetadataPackThatDoesNotMatchTheImage(t *testing.T) {
+	reg := registrytest.Start(t)
+	st, l, _ := newLayerStore(t)
+	ctx := context.Background()
+	target := Scheme + reg.Addr + "/dsec/layers:meta"
+	if _, err := Push(ctx, st, l.Ref, target, PushOptions{Insecure: true}); err != nil {
+		t.Fatal(err)
+	}
+	sref, _ := ParseSource(target)
+	repo, err := image.OpenRepo(sref, image.RepoOptions{Insecure: true})
+	must(t, err)
+	body, _, _, err := repo.Manifest(ctx, "meta")
+	must(t, err)
+	var m manifest
+	must(t, json.Unmarshal(body, &m))
+	k := slices.IndexFunc(m.Layers, func(d descriptor) bool { return d.MediaType == MetaType })
+	if k < 0 {
+		t.Fatalf("pushed manifest has no metadata pack: %s", body)
+	}
+	pack, err := repo.Blob(ctx, m.Layers[k].Digest, m.Layers[k].Size, maxMetaBytes)
+	must(t, err)
+	pm, err := UnmarshalMetaPack(pack, l.SizeBytes)
+	must(t, err)
+	// The superblock's magic, as the pack holds it.
+	bad := append([]byte(nil), pack...)
+	bad[len(pack)-len(pm.data)+erofsSuperOffset] ^= 0xff
+	bd := descriptor{MediaType: MetaType, Digest: digestOf(bad), Size: int64(len(bad))}
+	_, err = repo.PushBlob(ctx, bd.Digest, bd.Size, func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(bad)), nil })
+	must(t, err)
+	good := m.Layers[k]
+	m.Layers[k] = bd
+	mb, _ := json.Marshal(m)
+	_, err = repo.PushManifest(ctx, "meta-bad", manifestType, mb)
+	must(t, err)
+	other, err := layer.NewStore(t.TempDir(), store.NewMemory(), nil)
+	must(t, err)
+	defer other.Close()
+	if _, err := Add(ctx, other, "base/meta-bad:1", Scheme+reg.Addr+"/dsec/layers:meta-bad", AddOptions{Insecure: true}); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("add with a pack that does not match the image: %v", err)
+	}
+	// The registry's copy of the good pack damaged: its digest fails.
+	corrupt(t, reg.BlobPath(good.Digest), int64(len(pack)-1))
+	if _, err := Add(ctx, other, "base/meta-bad:2", target, AddOptions{Insecure: true}); err == nil {
+		t.Fatal("add with a pack that does not match its digest")
+	}
+	if all, _ := other.List(""); len(all) != 0 {
+		t.Fatalf("refused adds left entries: %+v", all)
 	}
 }

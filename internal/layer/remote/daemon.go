@@ -38,6 +38,10 @@ type Descriptor struct {
 	Insecure  bool   `json:"insecure,omitempty"`
 	Index     string `json:"index"`
 	IndexSize int64  `json:"index_size"`
+	// Meta and MetaSize name the image's metadata pack (metapack.go),
+	// if its artifact has one.
+	Meta     string `json:"meta,omitempty"`
+	MetaSize int64  `json:"meta_size,omitempty"`
 }
 
 func (d Descriptor) check() error {
@@ -46,6 +50,9 @@ func (d Descriptor) check() error {
 	}
 	if d.Size < 0 || d.IndexSize <= 0 || d.IndexSize > maxIndexBytes {
 		return errdefs.Invalid("descriptor: bad sizes")
+	}
+	if d.Meta != "" && (!layer.IsDigest(d.Meta) || d.MetaSize <= 0 || d.MetaSize > maxMetaBytes) {
+		return errdefs.Invalid("descriptor: bad metadata pack")
 	}
 	_, err := ParseSource(d.Source)
 	return err
@@ -487,7 +494,40 @@ func (d *Daemon) make(ctx context.Context, hex string, given *Descriptor) (*Read
 	}
 	rd := NewReader(desc.Digest, ix, repo, d.cache, d.cfg.Policy, d.log.With("layer", short(desc.Digest)))
 	rd.traceKey = strings.TrimPrefix(desc.Index, "sha256:")
+	if desc.Meta != "" {
+		if rd.meta, err = d.metaPack(ctx, repo, desc, rd); err != nil {
+			return nil, err
+		}
+	}
 	return rd, nil
+}
+
+// metaPack returns the metadata pack of desc: kept beside the indexes,
+// or fetched whole (and kept), checked against its digest either way.
+func (d *Daemon) metaPack(ctx context.Context, repo *image.Repo, desc Descriptor, rd *Reader) (*MetaPack, error) {
+	p := filepath.Join(d.cfg.Dir, indexDir, strings.TrimPrefix(desc.Meta, "sha256:")+".meta")
+	b, err := os.ReadFile(p)
+	if err != nil || digestOf(b) != desc.Meta {
+		start := time.Now()
+		fctx, cancel := context.WithTimeout(ctx, 4*d.cfg.Policy.withDefaults().Timeout)
+		b, err = repo.Blob(fctx, desc.Meta, desc.MetaSize, maxMetaBytes)
+		cancel()
+		if err != nil {
+			return nil, fmt.Errorf("fetching the metadata of %s: %w", short(desc.Digest), err)
+		}
+		rd.Stats.BytesFetched.Add(int64(len(b)))
+		rd.Stats.Requests.Add(1)
+		rd.Stats.FetchNanos.Add(int64(time.Since(start)))
+		if err := writeAtomic(p, b); err != nil {
+			d.log.Warn("keeping a metadata pack", "err", err)
+		}
+		d.log.Info("fetched a layer's metadata", "layer", short(desc.Digest), "bytes", len(b), "ms", time.Since(start).Milliseconds())
+	}
+	m, err := UnmarshalMetaPack(b, desc.Size)
+	if err != nil {
+		return nil, fmt.Errorf("metadata of %s: %w", short(desc.Digest), err)
+	}
+	return m, nil
 }
 
 // saveTraces keeps each layer's trace: the chunks the earlier trace had,
@@ -557,6 +597,10 @@ type LayerStats struct {
 	CacheHits     int64   `json:"cache_hits"`
 	CacheMisses   int64   `json:"cache_misses"`
 	BadChunks     int64   `json:"bad_chunks"`
+	// MetaReads counts reads served from the metadata pack, MetaBytes
+	// its size (0: the artifact has none).
+	MetaReads int64 `json:"meta_reads"`
+	MetaBytes int64 `json:"meta_bytes"`
 }
 
 // DaemonStats answer GET /stats.
@@ -577,7 +621,10 @@ func (d *Daemon) stats(w http.ResponseWriter, r *http.Request) {
 		ls := LayerStats{Digest: rd.digest, SizeBytes: rd.ix.Size, ChunkSize: rd.ix.ChunkSize, Chunks: rd.ix.Chunks(), ChunksTouched: s.ChunksTouched.Load(),
 			BytesFetched: s.BytesFetched.Load(), Requests: s.Requests.Load(), FetchErrors: s.FetchErrors.Load(),
 			FetchSeconds: time.Duration(s.FetchNanos.Load()).Seconds(), CacheHits: s.CacheHits.Load(),
-			CacheMisses: s.CacheMisses.Load(), BadChunks: s.BadChunks.Load()}
+			CacheMisses: s.CacheMisses.Load(), BadChunks: s.BadChunks.Load(), MetaReads: s.MetaReads.Load()}
+		if rd.meta != nil {
+			ls.MetaBytes = rd.meta.Bytes()
+		}
 		if ls.Chunks > 0 {
 			ls.ReadFraction = float64(ls.ChunksTouched) / float64(ls.Chunks)
 		}

@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io/fs"
 	"net/http"
 	"os"
@@ -372,4 +373,118 @@ func TestTracePrefetch(t *testing.T) {
 	if after := w.stats(t).Layers[0].Requests; after != before {
 		t.Fatalf("the workload's reads made %d requests after the prefetch", after-before)
 	}
+}
+
+// A walk of a registry-backed layer's tree (names, modes, sizes, links:
+// no file read) is served from the metadata pack fetched at registration:
+// no chunk beyond the first, which registration reads to check the
+// source. Without the pack the same walk fetches most of the image,
+// since mkfs.erofs interleaves metadata with file data.
+func TestMetadataWalkFetchesNoChunk(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: mounts FUSE and EROFS")
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skip("needs /dev/fuse")
+	}
+	img := mkfsImage(t, 16, 24, 40000)
+	reg := registrytest.Start(t)
+	st, err := layer.NewStore(t.TempDir(), store.NewMemory(), nil)
+	must(t, err)
+	t.Cleanup(func() { st.Close() })
+	ctx := context.Background()
+	// The tree as the kernel shows it: the image mounted directly.
+	want := walkTree(t, mountImage(t, img))
+
+	ref, _ := layer.ParseRef("base/meta-walk:1")
+	l, err := st.BuildFromDir(ctx, ref, mountImage(t, img), layer.BuildOptions{}, nil)
+	must(t, err)
+	target := Scheme + reg.Addr + "/dsec/meta-walk:1"
+	_, err = Push(ctx, st, l.Ref, target, PushOptions{Insecure: true, ChunkSize: 64 << 10})
+	must(t, err)
+
+	walk := func(withPack bool) LayerStats {
+		cat, err := layer.NewStore(t.TempDir(), store.NewMemory(), nil)
+		must(t, err)
+		t.Cleanup(func() { cat.Close() })
+		added, err := Add(ctx, cat, "base/meta-walk:1", target, AddOptions{Insecure: true})
+		must(t, err)
+		if added.Remote.Meta == "" || added.Remote.MetaSize <= 0 {
+			t.Fatalf("added layer names no metadata pack: %+v", added.Remote)
+		}
+		if !withPack {
+			added.Remote.Meta, added.Remote.MetaSize = "", 0
+			added, err = cat.AddRemote(added, layer.BuildOptions{Replace: true})
+			must(t, err)
+		}
+		dir := t.TempDir()
+		src := &Source{Store: cat, Dir: dir, PulledDir: filepath.Join(dir, "pulled")}
+		dctx, cancel := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- Serve(dctx, DaemonConfig{Dir: dir, CacheBytes: 64 << 20}) }()
+		w := &lazyWorld{src: src, cancel: cancel, done: done}
+		t.Cleanup(w.stop)
+		for deadline := time.Now().Add(10 * time.Second); !src.healthy(ctx); {
+			if time.Now().After(deadline) {
+				t.Fatal("daemon did not come up")
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		path, release, err := src.Open(ctx, added.Digest)
+		must(t, err)
+		t.Cleanup(release)
+		mnt := mountImage(t, path)
+		if got := walkTree(t, mnt); len(got) != len(want) {
+			t.Fatalf("walk found %d entries, the image has %d", len(got), len(want))
+		} else {
+			for k, v := range want {
+				if got[k] != v {
+					t.Fatalf("%s: %s, want %s", k, got[k], v)
+				}
+			}
+		}
+		s := w.stats(t)
+		if len(s.Layers) != 1 {
+			t.Fatalf("stats: %+v", s)
+		}
+		unix.Unmount(mnt, unix.MNT_DETACH)
+		return s.Layers[0]
+	}
+	with, without := walk(true), walk(false)
+	t.Logf("walk of %d entries, %d chunks of 64 KiB: with the pack (%d KiB) %d chunks touched, %d reads from it, %d KiB fetched; without %d chunks, %d KiB",
+		len(want), with.Chunks, with.MetaBytes>>10, with.ChunksTouched, with.MetaReads, with.BytesFetched>>10, without.ChunksTouched, without.BytesFetched>>10)
+	if with.ChunksTouched > 1 || with.MetaReads == 0 || with.MetaBytes == 0 {
+		t.Errorf("with the pack: %+v (want at most the first chunk touched)", with)
+	}
+	if without.ChunksTouched < 4*max(with.ChunksTouched, 1) {
+		t.Errorf("without the pack the walk touched %d chunks: the comparison shows nothing", without.ChunksTouched)
+	}
+}
+
+// walkTree describes every entry below root: type, mode, size, link
+// target; no file is opened.
+func walkTree(t *testing.T, root string) map[string]string {
+	t.Helper()
+	out := map[string]string{}
+	must(t, filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		fi, err := os.Lstat(p)
+		if err != nil {
+			return err
+		}
+		desc := fmt.Sprintf("%v %d", fi.Mode(), fi.Size())
+		if fi.Mode()&os.ModeSymlink != 0 {
+			l, err := os.Readlink(p)
+			if err != nil {
+				return err
+			}
+			desc += " -> " + l
+		}
+		rel, _ := filepath.Rel(root, p)
+		out[rel] = desc
+		return nil
+	}))
+	return out
 }

@@ -14,8 +14,8 @@ import (
 type Collector struct {
 	src *Source
 
-	fetched, requests, errors, seconds, hits, misses, bad, fraction, size *prometheus.Desc
-	cacheBytes, cacheMax, mounted                                         *prometheus.Desc
+	fetched, requests, errors, seconds, hits, misses, bad, fraction, size, metaReads, metaBytes *prometheus.Desc
+	cacheBytes, cacheMax, mounted                                                               *prometheus.Desc
 }
 
 // NewCollector returns a collector of src's daemon.
@@ -35,6 +35,8 @@ func NewCollector(src *Source) *Collector {
 		bad:        d("dsec_layer_bad_chunks_total", "Chunks the source sent that did not match the layer's index (refused).", l),
 		fraction:   d("dsec_layer_read_fraction", "Fraction of a layer's chunks read at least once since the daemon started.", l),
 		size:       d("dsec_layer_image_bytes", "Size of a registry-backed layer's image.", l),
+		metaReads:  d("dsec_layer_metadata_reads_total", "Reads of a layer's image served from its metadata pack, fetched whole at registration.", l),
+		metaBytes:  d("dsec_layer_metadata_bytes", "Size of a layer's metadata pack (0: its artifact has none).", l),
 		cacheBytes: d("dsec_layer_cache_bytes", "Bytes in the node's chunk cache.", nil),
 		cacheMax:   d("dsec_layer_cache_max_bytes", "Bound of the node's chunk cache.", nil),
 		mounted:    d("dsec_layer_images_mounted", "Registry-backed layer images mounted on the node.", nil),
@@ -43,7 +45,7 @@ func NewCollector(src *Source) *Collector {
 
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.fetched, c.requests, c.errors, c.seconds, c.hits, c.misses, c.bad, c.fraction, c.size,
+	for _, d := range []*prometheus.Desc{c.fetched, c.requests, c.errors, c.seconds, c.hits, c.misses, c.bad, c.fraction, c.size, c.metaReads, c.metaBytes,
 		c.cacheBytes, c.cacheMax, c.mounted} {
 		ch <- d
 	}
@@ -72,5 +74,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.bad, k, float64(l.BadChunks), l.Digest)
 		ch <- prometheus.MustNewConstMetric(c.fraction, g, l.ReadFraction, l.Digest)
 		ch <- prometheus.MustNewConstMetric(c.size, g, float64(l.SizeBytes), l.Digest)
+		ch <- prometheus.MustNewConstMetric(c.metaReads, k, float64(l.MetaReads), l.Digest)
+		ch <- prometheus.MustNewConstMetric(c.metaBytes, g, float64(l.MetaBytes), l.Digest)
 	}
 }

@@ -51,6 +51,9 @@ type Reader struct {
 	policy   FetchPolicy
 	log      *slog.Logger
 	Stats    Stats
+	// meta, if set, serves the reads that fall in the image's metadata
+	// (metapack.go).
+	meta *MetaPack
 
 	mu    sync.Mutex
 	seen  []bool // chunks read at least once
@@ -67,6 +70,7 @@ type Stats struct {
 	CacheMisses   atomic.Int64
 	ChunksTouched atomic.Int64
 	BadChunks     atomic.Int64
+	MetaReads     atomic.Int64
 }
 
 type fetchCall struct {
@@ -93,6 +97,10 @@ func (r *Reader) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 		return 0, io.EOF
 	}
 	end := min(off+int64(len(p)), r.ix.Size)
+	if r.meta != nil && r.meta.ReadAt(p, off, end) {
+		r.Stats.MetaReads.Add(1)
+		return int(end - off), nil
+	}
 	cs := int64(r.ix.ChunkSize)
 	first, last := int(off/cs), int((end-1)/cs)
 	chunks, err := r.chunks(ctx, first, last)

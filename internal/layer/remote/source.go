@@ -154,7 +154,7 @@ func (s *Source) openLazy(ctx context.Context, l api.Layer) (string, error) {
 		return "", err
 	}
 	desc := Descriptor{Digest: l.Digest, Size: l.SizeBytes, Source: l.Remote.Source, Insecure: l.Remote.Insecure,
-		Index: l.Remote.Index, IndexSize: l.Remote.IndexSize}
+		Index: l.Remote.Index, IndexSize: l.Remote.IndexSize, Meta: l.Remote.Meta, MetaSize: l.Remote.MetaSize}
 	body, _ := json.Marshal(desc)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://layerfs/layers", bytes.NewReader(body))
 	if err != nil {

@@ -234,6 +234,10 @@ func (b *Backend) Create(ctx context.Context, cfg sandbox.Config) (err error) {
 	if cfg.UserNS != nil {
 		return errdefs.Precondition("microvm: user namespaces are a container feature; a VM has its own kernel")
 	}
+	if len(cfg.Images) > MaxLayers {
+		return errdefs.Precondition("microvm: a VM stacks at most %d layers (one disk each), this sandbox has %d: import its image with a larger merge_under",
+			MaxLayers, len(cfg.Images))
+	}
 	dir := b.dir(cfg.ID)
 	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
 		return fmt.Errorf("creating VM dir: %w", err)
