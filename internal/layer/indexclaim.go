@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
@@ -14,8 +15,18 @@ import (
 // the rule is a claim made with the store's create-if-absent, not a look
 // at the catalog followed by a write.
 
-// indexBucket holds image digest → the chunk index digest it stands for.
+// indexBucket holds image digest → the chunk index digest it stands for,
+// with the digest of its metadata pack after a newline if it has one: the
+// pack's bytes are served for the digest too.
 const indexBucket = "layer_indexes"
+
+// claimOf is what a remote layer claims for its digest.
+func claimOf(r *api.LayerRemote) string {
+	if r.Meta == "" {
+		return r.Index
+	}
+	return r.Index + "\n" + r.Meta
+}
 
 // claimIndex makes index the chunk index of image digest, or says which
 // one it already is.
@@ -32,7 +43,8 @@ func (s *Store) claimIndex(digest, index string) error {
 		case err != nil:
 			return err
 		case string(cur) != index:
-			return errdefs.AlreadyExists("image %s is already in the catalog with the chunk index %s, not %s; add that artifact, or push the layer again", digest, cur, index)
+			return errdefs.AlreadyExists("image %s is already in the catalog with another chunk index or metadata pack (%q, not %q); add that artifact, or delete the refs naming the digest first",
+				digest, cur, index)
 		}
 		return nil
 	}

@@ -641,7 +641,7 @@ func (s *Store) AddRemote(l api.Layer, opts BuildOptions) (api.Layer, error) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if err := s.claimIndex(l.Digest, l.Remote.Index); err != nil {
+	if err := s.claimIndex(l.Digest, claimOf(l.Remote)); err != nil {
 		return api.Layer{}, fmt.Errorf("adding layer %s: %w", r, err)
 	}
 	err = s.writeEntry(l, val, opts.Replace, opts.MayReplace)

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -121,7 +122,12 @@ func Push(ctx context.Context, st *layer.Store, ref, target string, opts PushOpt
 	ix, err := BuildIndex(f, l.SizeBytes, chunk)
 	var meta []byte
 	if err == nil {
-		meta, err = BuildMetaPack(f, l.SizeBytes)
+		var merr error
+		if meta, merr = BuildMetaPack(f, l.SizeBytes); merr != nil {
+			// The pack only saves fetches: push without it.
+			printf(opts.Progress, "no metadata pack: %v\n", merr)
+			meta = nil
+		}
 	}
 	f.Close()
 	if err != nil {
@@ -237,8 +243,8 @@ func Add(ctx context.Context, st *layer.Store, ref, source string, opts AddOptio
 	// whole image here. Its chunks are checked against the index, so one
 	// digest must not stand for two indexes (two contents) on the nodes,
 	// which read a layer by digest.
-	if prev, err := st.Get(a.image.Digest); err == nil && prev.Remote != nil && prev.Remote.Index != a.index.Digest {
-		return api.Layer{}, errdefs.AlreadyExists("image %s is already in the catalog as %s from %s with another chunk index; add that source, or push the layer again",
+	if prev, err := st.Get(a.image.Digest); err == nil && prev.Remote != nil && (prev.Remote.Index != a.index.Digest || prev.Remote.Meta != a.meta.Digest) {
+		return api.Layer{}, errdefs.AlreadyExists("image %s is already in the catalog as %s from %s with another chunk index or metadata pack; add that source, or push the layer again",
 			a.image.Digest, prev.Ref, prev.Remote.Source)
 	}
 	l := api.Layer{
@@ -285,7 +291,7 @@ func readArtifact(ctx context.Context, repo *image.Repo, tagOrDigest string) (*a
 			a.meta = d
 		}
 	}
-	if a.meta.Digest != "" && (!layer.IsDigest(a.meta.Digest) || a.meta.Size <= 0 || a.meta.Size > maxMetaBytes) {
+	if a.meta.Digest != "" && (!layer.IsDigest(a.meta.Digest) || a.meta.Size <= 0 || a.meta.Size > metaBound(a.image.Size)) {
 		return nil, errdefs.Invalid("manifest %s: bad metadata pack descriptor", digest)
 	}
 	if a.image.Digest == "" || a.index.Digest == "" || !layer.IsDigest(a.image.Digest) || !layer.IsDigest(a.index.Digest) {
@@ -335,16 +341,23 @@ func readArtifact(ctx context.Context, repo *image.Repo, tagOrDigest string) (*a
 // checkMetaPack reads the artifact's metadata pack and checks it: its
 // digest, its encoding, and, where it holds bytes of the first chunk
 // (verified against the index), that they are the same. Nodes trust the
-// pack as they trust the index: by the digest the manifest gives.
+// pack as they trust the index: by the digest the manifest gives, one per
+// image digest in a catalog.
 func checkMetaPack(ctx context.Context, repo *image.Repo, a *artifact, first []byte) error {
-	b, err := repo.Blob(ctx, a.meta.Digest, a.meta.Size, maxMetaBytes)
-	if err != nil {
-		return fmt.Errorf("reading the metadata pack: %w", err)
-	}
-	m, err := UnmarshalMetaPack(b, a.image.Size)
+	dir, err := os.MkdirTemp("", "dsec-meta-")
 	if err != nil {
 		return err
 	}
+	defer os.RemoveAll(dir)
+	p := filepath.Join(dir, "pack")
+	if err := fetchMetaPack(ctx, repo, a.meta.Digest, a.meta.Size, a.image.Size, p); err != nil {
+		return fmt.Errorf("reading the metadata pack: %w", err)
+	}
+	m, err := openMetaPack(p, a.meta.Digest, a.image.Size)
+	if err != nil {
+		return err
+	}
+	defer m.Close()
 	for _, x := range m.ranges {
 		if x.Off >= int64(len(first)) {
 			break

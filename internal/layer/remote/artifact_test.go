@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"io"
@@ -260,7 +261,7 @@ func TestAddRefusesAMetadataPackThatDoesNotMatchTheImage(t *testing.T) {
 	if k < 0 {
 		t.Fatalf("pushed manifest has no metadata pack: %s", body)
 	}
-	pack, err := repo.Blob(ctx, m.Layers[k].Digest, m.Layers[k].Size, maxMetaBytes)
+	pack, err := repo.Blob(ctx, m.Layers[k].Digest, m.Layers[k].Size, 1<<30)
 	must(t, err)
 	pm, err := UnmarshalMetaPack(pack, l.SizeBytes)
 	must(t, err)
@@ -281,6 +282,35 @@ func TestAddRefusesAMetadataPackThatDoesNotMatchTheImage(t *testing.T) {
 	if _, err := Add(ctx, other, "base/meta-bad:1", Scheme+reg.Addr+"/dsec/layers:meta-bad", AddOptions{Insecure: true}); !errors.Is(err, errdefs.ErrInvalid) {
 		t.Fatalf("add with a pack that does not match the image: %v", err)
 	}
+	// Another pack that passes every check (one page of the good one):
+	// the catalog already serves the digest with the first, so it is
+	// refused; a catalog without the digest takes it.
+	one := &bytes.Buffer{}
+	one.Write(metaMagic[:])
+	binary.Write(one, binary.LittleEndian, uint32(1))
+	binary.Write(one, binary.LittleEndian, uint64(pm.ranges[0].Off))
+	binary.Write(one, binary.LittleEndian, uint32(metaPage))
+	one.Write(pm.data[:metaPage])
+	od := descriptor{MediaType: MetaType, Digest: digestOf(one.Bytes()), Size: int64(one.Len())}
+	_, err = repo.PushBlob(ctx, od.Digest, od.Size, func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(one.Bytes())), nil })
+	must(t, err)
+	m.Layers[k] = od
+	mb, _ = json.Marshal(m)
+	_, err = repo.PushManifest(ctx, "meta-other", manifestType, mb)
+	must(t, err)
+	if _, err := Add(ctx, other, "base/meta-good:1", target, AddOptions{Insecure: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Add(ctx, other, "base/meta-other:1", Scheme+reg.Addr+"/dsec/layers:meta-other", AddOptions{Insecure: true}); !errors.Is(err, errdefs.ErrAlreadyExists) {
+		t.Fatalf("a second metadata pack for one digest: %v", err)
+	}
+	fresh, err := layer.NewStore(t.TempDir(), store.NewMemory(), nil)
+	must(t, err)
+	defer fresh.Close()
+	if _, err := Add(ctx, fresh, "base/meta-other:1", Scheme+reg.Addr+"/dsec/layers:meta-other", AddOptions{Insecure: true}); err != nil {
+		t.Fatalf("the other pack in a catalog of its own: %v", err)
+	}
+	must(t, other.Delete("base/meta-good:1", nil))
 	// The registry's copy of the good pack damaged: its digest fails.
 	corrupt(t, reg.BlobPath(good.Digest), int64(len(pack)-1))
 	if _, err := Add(ctx, other, "base/meta-bad:2", target, AddOptions{Insecure: true}); err == nil {

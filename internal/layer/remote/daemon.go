@@ -51,7 +51,7 @@ func (d Descriptor) check() error {
 	if d.Size < 0 || d.IndexSize <= 0 || d.IndexSize > maxIndexBytes {
 		return errdefs.Invalid("descriptor: bad sizes")
 	}
-	if d.Meta != "" && (!layer.IsDigest(d.Meta) || d.MetaSize <= 0 || d.MetaSize > maxMetaBytes) {
+	if d.Meta != "" && (!layer.IsDigest(d.Meta) || d.MetaSize <= 0 || d.MetaSize > metaBound(d.Size)) {
 		return errdefs.Invalid("descriptor: bad metadata pack")
 	}
 	_, err := ParseSource(d.Source)
@@ -375,8 +375,8 @@ func (d *Daemon) checkClaim(hex string, desc Descriptor) error {
 		}
 		if other == hex {
 			old, err := readDescriptor(filepath.Join(d.cfg.Dir, descDir, e.Name()))
-			if err == nil && old.Index != desc.Index {
-				return errdefs.Precondition("image %s is registered on this node with another chunk index (%s)", short(desc.Digest), old.Source)
+			if err == nil && (old.Index != desc.Index || old.Meta != desc.Meta) {
+				return errdefs.Precondition("image %s is registered on this node with another chunk index or metadata pack (%s)", short(desc.Digest), old.Source)
 			}
 			continue
 		}
@@ -503,27 +503,26 @@ func (d *Daemon) make(ctx context.Context, hex string, given *Descriptor) (*Read
 }
 
 // metaPack returns the metadata pack of desc: kept beside the indexes,
-// or fetched whole (and kept), checked against its digest either way.
+// or fetched whole (and kept), checked against its digest either way,
+// and mapped from its file.
 func (d *Daemon) metaPack(ctx context.Context, repo *image.Repo, desc Descriptor, rd *Reader) (*MetaPack, error) {
 	p := filepath.Join(d.cfg.Dir, indexDir, strings.TrimPrefix(desc.Meta, "sha256:")+".meta")
-	b, err := os.ReadFile(p)
-	if err != nil || digestOf(b) != desc.Meta {
-		start := time.Now()
-		fctx, cancel := context.WithTimeout(ctx, 4*d.cfg.Policy.withDefaults().Timeout)
-		b, err = repo.Blob(fctx, desc.Meta, desc.MetaSize, maxMetaBytes)
-		cancel()
-		if err != nil {
-			return nil, fmt.Errorf("fetching the metadata of %s: %w", short(desc.Digest), err)
-		}
-		rd.Stats.BytesFetched.Add(int64(len(b)))
-		rd.Stats.Requests.Add(1)
-		rd.Stats.FetchNanos.Add(int64(time.Since(start)))
-		if err := writeAtomic(p, b); err != nil {
-			d.log.Warn("keeping a metadata pack", "err", err)
-		}
-		d.log.Info("fetched a layer's metadata", "layer", short(desc.Digest), "bytes", len(b), "ms", time.Since(start).Milliseconds())
+	if m, err := openMetaPack(p, desc.Meta, desc.Size); err == nil {
+		return m, nil
 	}
-	m, err := UnmarshalMetaPack(b, desc.Size)
+	start := time.Now()
+	fctx, cancel := context.WithTimeout(ctx, 4*d.cfg.Policy.withDefaults().Timeout)
+	err := fetchMetaPack(fctx, repo, desc.Meta, desc.MetaSize, desc.Size, p)
+	cancel()
+	rd.Stats.Requests.Add(1)
+	rd.Stats.FetchNanos.Add(int64(time.Since(start)))
+	if err != nil {
+		rd.Stats.FetchErrors.Add(1)
+		return nil, fmt.Errorf("fetching the metadata of %s: %w", short(desc.Digest), err)
+	}
+	rd.Stats.BytesFetched.Add(desc.MetaSize)
+	d.log.Info("fetched a layer's metadata", "layer", short(desc.Digest), "bytes", desc.MetaSize, "ms", time.Since(start).Milliseconds())
+	m, err := openMetaPack(p, desc.Meta, desc.Size)
 	if err != nil {
 		return nil, fmt.Errorf("metadata of %s: %w", short(desc.Digest), err)
 	}

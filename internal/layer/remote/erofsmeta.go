@@ -60,14 +60,8 @@ func MetadataRanges(r io.ReaderAt, size int64) ([]Range, error) {
 	metaBlk := int64(binary.LittleEndian.Uint32(sb[40:]))
 	xattrBlk := int64(binary.LittleEndian.Uint32(sb[44:]))
 
-	w := &erofsWalk{r: r, size: size, blksz: blksz, meta: metaBlk * blksz, seen: map[uint64]bool{}}
+	w := &erofsWalk{r: r, size: size, blksz: blksz, meta: metaBlk * blksz, xattrs: xattrBlk * blksz, seen: map[uint64]bool{}}
 	w.add(0, min(size, erofsSuperOffset+blksz)) // the boot area and superblock's block
-	if xattrBlk > 0 {
-		// Shared xattrs sit in their own blocks; mkfs puts them right
-		// after the superblock. Their extent is not recorded, so the
-		// first block of them stands for the area.
-		w.add(xattrBlk*blksz, blksz)
-	}
 	queue := []uint64{rootNid}
 	for len(queue) > 0 {
 		nid := queue[len(queue)-1]
@@ -86,9 +80,14 @@ type erofsWalk struct {
 	size   int64
 	blksz  int64
 	meta   int64
+	xattrs int64 // where shared xattrs start (0: none)
 	seen   map[uint64]bool
 	ranges []Range
 }
+
+// erofsMaxXattr bounds what one shared xattr entry is taken to span: its
+// header, a name and a value the size of a capability or an ACL.
+const erofsMaxXattr = 512
 
 // add records [off, off+n), clamped to the image (a damaged inode may
 // claim a tail past its end).
@@ -144,7 +143,7 @@ func (w *erofsWalk) inode(nid uint64) ([]uint64, error) {
 		isize = int64(binary.LittleEndian.Uint32(hdr[8:]))
 		rawBlk = binary.LittleEndian.Uint32(hdr[16:])
 	}
-	if isize < 0 || isize > w.size*64 {
+	if isize < 0 {
 		return nil, errdefs.Invalid("EROFS inode %d: size %d", nid, isize)
 	}
 	xlen := int64(0)
@@ -172,8 +171,30 @@ func (w *erofsWalk) inode(nid uint64) ([]uint64, error) {
 		tail = min(w.blksz, isize)
 	}
 	w.add(pos, ilen+xlen+tail)
+	if xlen > 0 && w.xattrs > 0 {
+		// The ibody header: a name filter, then the count of shared
+		// xattrs, whose ids (4-byte units from xattr_blkaddr) follow.
+		xh, err := w.read(pos+ilen, xlen)
+		if err != nil {
+			return nil, err
+		}
+		shared := int64(xh[4])
+		for k := range shared {
+			if 12+4*k+4 > xlen {
+				break
+			}
+			id := int64(binary.LittleEndian.Uint32(xh[12+4*k:]))
+			w.add(w.xattrs+id*4, erofsMaxXattr)
+		}
+	}
 
-	const sIFMT, sIFDIR = 0o170000, 0o040000
+	const sIFMT, sIFDIR, sIFLNK = 0o170000, 0o040000, 0o120000
+	if mode&sIFMT == sIFLNK && isize > 0 && (layout == erofsLayoutFlatPlain || layout == erofsLayoutFlatInline) {
+		// A target too long to sit inline is in blocks of its own.
+		if whole := isize - tail; whole > 0 {
+			w.add(int64(rawBlk)*w.blksz, whole)
+		}
+	}
 	if mode&sIFMT != sIFDIR {
 		return nil, nil
 	}

@@ -2,11 +2,19 @@ package remote
 
 import (
 	"bytes"
+	"context"
+	"crypto/sha256"
 	"encoding/binary"
+	"encoding/hex"
+	"fmt"
 	"io"
+	"os"
 	"sort"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/image"
 )
 
 // A metadata pack holds the bytes of an image's metadata (MetadataRanges,
@@ -32,16 +40,31 @@ const (
 	// maxMetaFraction bounds a pack against its image: metadata past a
 	// quarter of an image is no longer worth fetching eagerly.
 	maxMetaFraction = 4
-	// maxMetaBytes bounds a pack read from a registry.
-	maxMetaBytes = 1 << 30
-	metaEntry    = 12
+	metaEntry       = 12
 )
+
+// metaBound is the largest pack an image of size bytes may have: a
+// quarter of it, and the header of as many page ranges as that holds.
+// A node maps the pack from disk rather than holding it on its heap.
+func metaBound(size int64) int64 {
+	data := size / maxMetaFraction
+	return int64(len(metaMagic)) + 4 + (data/metaPage+1)*metaEntry + data
+}
 
 // MetaPack is a decoded metadata pack.
 type MetaPack struct {
 	ranges []Range
 	starts []int64 // offset of each range's bytes in data
 	data   []byte
+	unmap  func() // for a mapped pack (openMetaPack)
+}
+
+// Close releases a mapped pack; it must not be read after.
+func (m *MetaPack) Close() {
+	if m.unmap != nil {
+		m.unmap()
+		m.unmap = nil
+	}
 }
 
 // BuildMetaPack returns the encoded metadata pack of the EROFS image r of
@@ -97,9 +120,13 @@ func UnmarshalMetaPack(b []byte, size int64) (*MetaPack, error) {
 	var at, end int64
 	for i := range n {
 		e := b[head+i*metaEntry:]
-		x := Range{int64(binary.LittleEndian.Uint64(e)), int64(binary.LittleEndian.Uint32(e[8:]))}
-		if x.Off < end || x.Len <= 0 || x.Off > size || x.Len > size-x.Off {
-			return nil, errdefs.Invalid("metadata pack: range %d (%d+%d) is out of order or outside the image", i, x.Off, x.Len)
+		off := binary.LittleEndian.Uint64(e)
+		x := Range{int64(off & (1<<62 - 1)), int64(binary.LittleEndian.Uint32(e[8:]))}
+		// Whole pages (the last may end with the image): at most one
+		// range per page, however the pack was made.
+		if off >= 1<<62 || x.Off < end || x.Len <= 0 || x.Off > size || x.Len > size-x.Off ||
+			x.Off%metaPage != 0 || x.Len%metaPage != 0 && x.Off+x.Len != size {
+			return nil, errdefs.Invalid("metadata pack: range %d (%d+%d) is out of order, not whole pages or outside the image", i, x.Off, x.Len)
 		}
 		m.ranges[i], m.starts[i] = x, at
 		at += x.Len
@@ -129,4 +156,70 @@ func (m *MetaPack) ReadAt(p []byte, off, end int64) bool {
 	s := m.starts[i] + off - m.ranges[i].Off
 	copy(p, m.data[s:s+hi-off])
 	return true
+}
+
+// fetchMetaPack streams the pack d of an image of size bytes from repo
+// into the file path, checking its size and digest on the way (the pack
+// may be large: it is not held in memory).
+func fetchMetaPack(ctx context.Context, repo *image.Repo, d string, n, size int64, path string) error {
+	if n <= 0 || n > metaBound(size) {
+		return errdefs.Invalid("metadata pack of %d bytes for an image of %d", n, size)
+	}
+	rc, err := repo.BlobRange(ctx, d, 0, n)
+	if err != nil {
+		return err
+	}
+	defer rc.Close()
+	tmp := path + ".part"
+	f, err := os.OpenFile(tmp, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp)
+	h := sha256.New()
+	got, err := io.Copy(io.MultiWriter(f, h), io.LimitReader(rc, n+1))
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	switch {
+	case err != nil:
+		return errdefs.Unavailable("reading metadata pack %s: %v", short(d), err)
+	case got != n:
+		return errdefs.Invalid("metadata pack %s: %d bytes, the manifest says %d", short(d), got, n)
+	case "sha256:"+hex.EncodeToString(h.Sum(nil)) != d:
+		return errdefs.Invalid("metadata pack %s does not match its digest", short(d))
+	}
+	return os.Rename(tmp, path)
+}
+
+// openMetaPack maps the pack kept at path (of digest d) and decodes it.
+// The mapping lives as long as the returned pack.
+func openMetaPack(path, d string, size int64) (*MetaPack, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if fi.Size() <= 0 || fi.Size() > metaBound(size) {
+		return nil, errdefs.Invalid("metadata pack of %d bytes for an image of %d", fi.Size(), size)
+	}
+	b, err := unix.Mmap(int(f.Fd()), 0, int(fi.Size()), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("mapping metadata pack: %w", err)
+	}
+	sum := sha256.Sum256(b)
+	m, err := UnmarshalMetaPack(b, size)
+	if err == nil && "sha256:"+hex.EncodeToString(sum[:]) != d {
+		err = errdefs.Invalid("kept metadata pack %s does not match its digest", short(d))
+	}
+	if err != nil {
+		unix.Munmap(b)
+		return nil, err
+	}
+	m.unmap = func() { unix.Munmap(b) }
+	return m, nil
 }
