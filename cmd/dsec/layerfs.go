@@ -80,7 +80,7 @@ const (
 func layerSource(layers *layer.Store, stateDir string, cacheMB int64, cg *cgroup.Info, cgroupParent string, log *slog.Logger) *remote.Source {
 	dir := filepath.Join(stateDir, "layerfs")
 	src := &remote.Source{
-		Store: layers, Dir: dir, PulledDir: filepath.Join(stateDir, "pulled"), Log: log,
+		Store: layers, Dir: dir, PulledDir: filepath.Join(stateDir, "pulled"), PulledKeepBytes: cacheMB << 20, Log: log,
 		Command: func() *exec.Cmd {
 			exe, err := os.Executable()
 			if err != nil {

@@ -263,8 +263,21 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 			os.MkdirAll(filepath.Join(d.cfg.Dir, traceDir), 0o700)
 		}
 		d.mu.Lock()
+		old := d.readers
 		d.readers = map[string]*Reader{}
 		d.mu.Unlock()
+		// Nothing is mounted, so nothing reads the packs: unmap them and
+		// drop the kept copies with the chunks.
+		for _, rd := range old {
+			if rd.meta != nil {
+				rd.meta.Close()
+			}
+		}
+		if packs, err := filepath.Glob(filepath.Join(d.cfg.Dir, indexDir, "*.meta")); err == nil {
+			for _, p := range packs {
+				os.Remove(p)
+			}
+		}
 		d.cache.Clear()
 		w.Write([]byte("dropped\n"))
 	})

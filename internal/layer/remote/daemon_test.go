@@ -297,8 +297,40 @@ func TestFullPull(t *testing.T) {
 	}
 	release()
 	if fileExists(path) {
-		t.Fatal("release left the pulled image")
+		t.Fatal("release left the pulled image with nothing to keep it in (PulledKeepBytes 0)")
 	}
+
+	// With room to keep it, a released image stays for the next use,
+	// which then needs no source; an image held is never dropped.
+	w.src.PulledKeepBytes = l.SizeBytes
+	path, release, err = w.src.pull(context.Background(), l)
+	must(t, err)
+	_, release2, err := w.src.pull(context.Background(), l)
+	must(t, err)
+	release()
+	w.src.PulledKeepBytes = 0
+	w.src.trimPulled()
+	if !fileExists(path) {
+		t.Fatal("an image still held was dropped")
+	}
+	w.src.PulledKeepBytes = l.SizeBytes
+	release2()
+	release2() // twice: counted once
+	if !fileExists(path) {
+		t.Fatal("the released image was not kept within the bound")
+	}
+	w.reg.Stop()
+	again, release3, err := w.src.pull(context.Background(), l)
+	if err != nil || again != path {
+		t.Fatalf("the kept image with the source stopped: %s, %v", again, err)
+	}
+	release3()
+	w.src.PulledKeepBytes = l.SizeBytes - 1
+	w.src.trimPulled()
+	if fileExists(path) {
+		t.Fatal("an unheld image past the bound was kept")
+	}
+	w.reg.Restart()
 	// A source whose image is not the layer's is refused.
 	corrupt(t, w.reg.BlobPath(l.Digest), 10)
 	if _, _, err := w.src.pull(context.Background(), l); err == nil || !strings.Contains(err.Error(), "is not the layer's") {
@@ -450,6 +482,14 @@ func TestMetadataWalkFetchesNoChunk(t *testing.T) {
 			t.Fatalf("stats: %+v", s)
 		}
 		unix.Unmount(mnt, unix.MNT_DETACH)
+		// A cold node for the next measure: the kept pack goes with the
+		// chunks.
+		if ok, err := src.DropCache(ctx, false); !ok || err != nil {
+			t.Fatalf("drop cache: %v %v", ok, err)
+		}
+		if packs, _ := filepath.Glob(filepath.Join(dir, indexDir, "*.meta")); len(packs) != 0 {
+			t.Errorf("kept packs after dropping the cache: %v", packs)
+		}
 		return s.Layers[0]
 	}
 	with, without := walk(true), walk(false)

@@ -9,12 +9,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -44,10 +46,13 @@ type Source struct {
 	// starts it when a lazy layer is first opened, in a session of its
 	// own, so that it outlives a restart of the edge.
 	Command func() *exec.Cmd
-	// PulledDir holds images of pull-full layers while they are mounted.
-	PulledDir string
-	Policy    FetchPolicy
-	Log       *slog.Logger
+	// PulledDir holds images of pull-full layers: while they are
+	// mounted, and after, the least recently used first to go, as long as
+	// those not mounted fit in PulledKeepBytes (0: none is kept).
+	PulledDir       string
+	PulledKeepBytes int64
+	Policy          FetchPolicy
+	Log             *slog.Logger
 	// Cgroup, if set, is the daemon's cgroup: Join returns the
 	// cgroup.procs files it joins once started (making the cgroup, with
 	// its limits, if need be), and Remove takes the cgroup away once no
@@ -70,6 +75,13 @@ type Source struct {
 	// the edge stopped, and no watchdog starts again.
 	stopWatch chan struct{}
 	stopped   bool
+
+	// pulledMu guards pulledRefs: the opens of each pulled image not
+	// released yet (this process's; after a restart the mounts found
+	// are not counted, and their files may go: an open file outlives
+	// its name).
+	pulledMu   sync.Mutex
+	pulledRefs map[string]int
 }
 
 var _ layer.Source = (*Source)(nil)
@@ -457,9 +469,9 @@ func (s *Source) pull(ctx context.Context, l api.Layer) (string, func(), error) 
 		return "", nil, fmt.Errorf("pulling layer %s: %w", l.Ref, err)
 	}
 	final := filepath.Join(s.PulledDir, strings.TrimPrefix(l.Digest, "sha256:")+fileSuffix)
-	release := func() { os.Remove(final) }
 	if fi, err := os.Stat(final); err == nil && fi.Size() == l.SizeBytes {
-		return final, release, nil
+		s.log().Info("layer pulled before, kept on the node", "ref", l.Ref, "bytes", l.SizeBytes)
+		return final, s.holdPulled(final), nil
 	}
 	ref, err := ParseSource(l.Remote.Source)
 	if err != nil {
@@ -477,6 +489,8 @@ func (s *Source) pull(ctx context.Context, l api.Layer) (string, func(), error) 
 		}
 		if lastErr = s.download(ctx, repo, l, final); lastErr == nil {
 			s.log().Info("layer pulled", "ref", l.Ref, "bytes", l.SizeBytes)
+			release := s.holdPulled(final)
+			s.trimPulled()
 			return final, release, nil
 		}
 		if ctx.Err() != nil || errors.Is(lastErr, errdefs.ErrInvalid) {
@@ -484,6 +498,78 @@ func (s *Source) pull(ctx context.Context, l api.Layer) (string, func(), error) 
 		}
 	}
 	return "", nil, errdefs.Unavailable("pulling layer %s from %s: %v", l.Ref, l.Remote.Source, lastErr)
+}
+
+// holdPulled counts an open of the pulled image at p and returns what
+// releases it: the last release dates the file (its last use) and trims
+// the directory to its bound.
+func (s *Source) holdPulled(p string) func() {
+	s.pulledMu.Lock()
+	if s.pulledRefs == nil {
+		s.pulledRefs = map[string]int{}
+	}
+	s.pulledRefs[p]++
+	s.pulledMu.Unlock()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			s.pulledMu.Lock()
+			s.pulledRefs[p]--
+			last := s.pulledRefs[p] <= 0
+			if last {
+				delete(s.pulledRefs, p)
+			}
+			s.pulledMu.Unlock()
+			if last {
+				now := time.Now()
+				_ = os.Chtimes(p, now, now)
+				s.trimPulled()
+			}
+		})
+	}
+}
+
+// trimPulled removes pulled images no open holds, least recently used
+// first, until those left unheld fit in PulledKeepBytes.
+func (s *Source) trimPulled() {
+	s.pulledMu.Lock()
+	defer s.pulledMu.Unlock()
+	entries, err := os.ReadDir(s.PulledDir)
+	if err != nil {
+		return
+	}
+	type kept struct {
+		path string
+		size int64
+		used time.Time
+	}
+	var idle []kept
+	var total int64
+	for _, e := range entries {
+		if !strings.HasSuffix(e.Name(), fileSuffix) {
+			continue
+		}
+		p := filepath.Join(s.PulledDir, e.Name())
+		if s.pulledRefs[p] > 0 {
+			continue
+		}
+		fi, err := e.Info()
+		if err != nil {
+			continue
+		}
+		idle = append(idle, kept{p, fi.Size(), fi.ModTime()})
+		total += fi.Size()
+	}
+	sort.Slice(idle, func(i, j int) bool { return idle[i].used.Before(idle[j].used) })
+	for _, k := range idle {
+		if total <= s.PulledKeepBytes {
+			break
+		}
+		if err := os.Remove(k.path); err == nil || errors.Is(err, fs.ErrNotExist) {
+			total -= k.size
+			s.log().Info("pulled layer image dropped (least recently used)", "file", filepath.Base(k.path), "bytes", k.size)
+		}
+	}
 }
 
 func (s *Source) download(ctx context.Context, repo *image.Repo, l api.Layer, final string) error {
