@@ -507,6 +507,10 @@ type LayerPushRequest struct {
 	// ChunkSize is the bytes each chunk index entry covers (a multiple
 	// of 4 KiB, 4 KiB to 16 MiB; 0: 256 KiB).
 	ChunkSize int `json:"chunk_size,omitempty"`
+	// Username and Password are sent where the registry asks for
+	// credentials; used for this call only, never stored.
+	Username string `json:"username,omitempty"`
+	Password string `json:"password,omitempty"`
 }
 
 // LayerAddRequest is the body of POST /v1/layers:add.
@@ -516,6 +520,11 @@ type LayerAddRequest struct {
 	Insecure bool   `json:"insecure,omitempty"`
 	Pull     string `json:"pull,omitempty"`
 	Replace  bool   `json:"replace,omitempty"`
+	// Username and Password are sent where the registry asks for
+	// credentials while the server checks the artifact; never stored
+	// (nodes read with their own, --registry-config).
+	Username string `json:"username,omitempty"`
+	Password string `json:"password,omitempty"`
 }
 
 // LayerPushResult answers POST /v1/layers:push.

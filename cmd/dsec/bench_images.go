@@ -87,10 +87,13 @@ type imageRun struct {
 }
 
 type imagesReport struct {
-	EagerSeconds         float64           `json:"eager_seconds"`
-	OndemandSeconds      float64           `json:"ondemand_seconds"`
-	PrepulledSeconds     float64           `json:"prepulled_seconds"`
-	TracedSeconds        float64           `json:"traced_seconds,omitempty"`
+	EagerSeconds     float64 `json:"eager_seconds"`
+	OndemandSeconds  float64 `json:"ondemand_seconds"`
+	PrepulledSeconds float64 `json:"prepulled_seconds"`
+	TracedSeconds    float64 `json:"traced_seconds,omitempty"`
+	// NoMeta*: on demand from artifacts without their metadata packs.
+	NoMetaSeconds        float64           `json:"nometa_seconds,omitempty"`
+	NoMetaSourceBytes    int64             `json:"nometa_source_bytes,omitempty"`
 	OndemandReadFraction float64           `json:"ondemand_read_fraction"`
 	OndemandWrittenBytes int64             `json:"ondemand_written_bytes"`
 	EagerWrittenBytes    int64             `json:"eager_written_bytes"`
@@ -118,7 +121,7 @@ func runBenchImages(args []string) error {
 	dir := f.String("dir", "/var/lib/dsec-bench-images", "the bench's directory: the registry's storage and the apt cache (kept: a rerun builds nothing)")
 	stateDir := f.String("state-dir", "/var/lib/dsec", "the daemon's state dir (its disk is the one measured; its layer daemon is reset between modes)")
 	mbps := f.Float64("source-mbps", 0, "pace everything the source serves through one link of this many MB/s, as a node's link to shared storage (0 = loopback speed)")
-	modesFlag := f.String("modes", "eager,ondemand,traced,prepulled", "modes to run, in order (traced: on demand again, with the trace the ondemand run left prefetched)")
+	modesFlag := f.String("modes", "eager,nometa,ondemand,traced,prepulled", "modes to run, in order (nometa: on demand from an artifact without its metadata pack; traced: on demand again, with the trace the ondemand run left prefetched)")
 	chunksFlag := f.String("chunk-kib", "256", "chunk sizes (KiB, comma-separated) to run the on-demand mode with, each in a run of its own; the first is the one reported as ondemand")
 	asJSON := f.Bool("json", false, "print one JSON object")
 	if _, err := f.parseN(args, 0, 0); err != nil {
@@ -132,8 +135,8 @@ func runBenchImages(args []string) error {
 	}
 	modes := strings.Split(*modesFlag, ",")
 	for _, m := range modes {
-		if !slices.Contains([]string{"eager", "ondemand", "traced", "prepulled"}, m) {
-			return fmt.Errorf("bench images: mode %q: want eager, ondemand, traced or prepulled", m)
+		if !slices.Contains([]string{"eager", "nometa", "ondemand", "traced", "prepulled"}, m) {
+			return fmt.Errorf("bench images: mode %q: want eager, nometa, ondemand, traced or prepulled", m)
 		}
 	}
 	var chunks []int
@@ -183,6 +186,8 @@ func runBenchImages(args []string) error {
 				rep.PrepulledSeconds = r.DoneSeconds
 			case m == "traced":
 				rep.TracedSeconds = r.DoneSeconds
+			case m == "nometa":
+				rep.NoMetaSeconds, rep.NoMetaSourceBytes = r.DoneSeconds, r.SourceBytes
 			}
 		}
 	}
@@ -207,7 +212,6 @@ type imagesBench struct {
 	perImage int
 	conc     int
 	chunks   []int // KiB
-	wasReset bool
 
 	regCmd   *exec.Cmd
 	regAddr  string // the registry itself
@@ -392,6 +396,11 @@ func (b *imagesBench) prepare(ctx context.Context) error {
 		fmt.Fprintf(os.Stderr, "bench images: %s pushed (%s)\n", im.name, humanBytes(res.SizeBytes))
 	}
 	for _, im := range b.images {
+		// The same artifact without its metadata pack: what on demand
+		// costs when lookups fetch chunks.
+		if _, err := remote.WithoutMeta(ctx, b.source(im), b.source(im)+"-nometa", image.RepoOptions{Insecure: true}); err != nil {
+			return fmt.Errorf("bench images: %s without its metadata pack: %w", im.name, err)
+		}
 		for _, kib := range b.chunks {
 			if kib == remote.DefaultChunkSize>>10 {
 				continue
@@ -409,14 +418,18 @@ func (b *imagesBench) prepare(ctx context.Context) error {
 func (b *imagesBench) run(ctx context.Context, mode string, kib int) (imageRun, error) {
 	r := imageRun{Mode: mode, ChunkKiB: kib}
 	pull := api.PullFull
-	if mode == "ondemand" || mode == "traced" {
+	if mode == "ondemand" || mode == "traced" || mode == "nometa" {
 		pull = api.PullLazy
 	}
 	refs := map[string]string{}
 	for _, im := range b.images {
 		ref := "base/bench-img-" + mode + "-" + im.name + ":" + b.tags[im.name]
 		_ = b.c.DeleteLayer(ctx, ref)
-		if _, err := b.c.AddLayer(ctx, api.LayerAddRequest{Ref: ref, Source: b.sourceWith(im, kib), Insecure: true, Pull: pull}); err != nil {
+		src := b.sourceWith(im, kib)
+		if mode == "nometa" {
+			src = b.source(im) + "-nometa"
+		}
+		if _, err := b.c.AddLayer(ctx, api.LayerAddRequest{Ref: ref, Source: src, Insecure: true, Pull: pull}); err != nil {
 			return r, err
 		}
 		refs[im.name] = ref
@@ -427,11 +440,9 @@ func (b *imagesBench) run(ctx context.Context, mode string, kib int) (imageRun, 
 			_ = b.c.DeleteLayer(context.Background(), ref)
 		}
 	}()
-	// Traces go at the first reset only: a trace the bench's own
-	// on-demand run leaves is what the traced run prefetches.
-	first := !b.wasReset
-	b.wasReset = true
-	if err := b.resetNode(ctx, !first); err != nil {
+	// Traces go at every reset but the traced run's: a trace the
+	// on-demand run before it leaves is what it prefetches.
+	if err := b.resetNode(ctx, mode == "traced"); err != nil {
 		return r, err
 	}
 	// Pre-pulled: one sandbox per image holds the pulled image on the
@@ -524,7 +535,7 @@ func (b *imagesBench) run(ctx context.Context, mode string, kib int) (imageRun, 
 	r.PeakWriteMBps = float64(peak.Load()) / 1e6
 	r.SourceBytes, r.SourceRequests = b.served.Load()-served0, b.requests.Load()-req0
 	switch mode {
-	case "ondemand", "traced":
+	case "ondemand", "traced", "nometa":
 		if st, err := b.layerfs().Stats(ctx); err == nil {
 			var touched, total int64
 			for _, l := range st.Layers {
@@ -557,6 +568,13 @@ func (b *imagesBench) run(ctx context.Context, mode string, kib int) (imageRun, 
 // (it refuses while any of its images is mounted), no pulled image left,
 // the page cache dropped.
 func (b *imagesBench) resetNode(ctx context.Context, keepTraces bool) error {
+	// A warm pool's sandboxes hold their layers mounted, and the modes
+	// share image digests: one mode's pool would serve the next.
+	if n, err := pooledNow(ctx, b.c); err != nil {
+		return err
+	} else if n > 0 {
+		return fmt.Errorf("the node keeps %d warm-pool sandbox(es), which hold their layers mounted and would serve the next mode: run dsec up with --warm-pool-max 0 for this bench", n)
+	}
 	if !keepTraces {
 		// Also when no daemon runs now: the next one would prefetch
 		// what earlier runs left.
@@ -649,6 +667,16 @@ func freeLoopbackAddr() string {
 	return l.Addr().String()
 }
 
+// OndemandSourceBytes is what the first on-demand run took from the source.
+func (r imagesReport) OndemandSourceBytes() int64 {
+	for _, run := range r.Runs {
+		if run.Mode == "ondemand" {
+			return run.SourceBytes
+		}
+	}
+	return 0
+}
+
 func printImagesReport(r imagesReport) {
 	tw := newTable()
 	tw.printf("MODE\tCHUNK\tSANDBOXES\tFAILED\tALL RUNNING\tALL DONE\tFROM SOURCE\tREQUESTS\tWRITTEN\tPEAK WRITE\tREAD\n")
@@ -674,6 +702,10 @@ func printImagesReport(r imagesReport) {
 	fmt.Println(")")
 	if r.Speedup > 0 {
 		fmt.Printf("on demand: %.2f× faster than eager to all done (DSec E1: 1.71×; target ≥ 1.7×)\n", r.Speedup)
+	}
+	if r.NoMetaSeconds > 0 && r.OndemandSeconds > 0 {
+		fmt.Printf("metadata packs: on demand %.1f s against %.1f s without them (%.2f×), %s from the source against %s\n",
+			r.OndemandSeconds, r.NoMetaSeconds, r.NoMetaSeconds/r.OndemandSeconds, humanBytes(r.OndemandSourceBytes()), humanBytes(r.NoMetaSourceBytes))
 	}
 	if r.TracedSeconds > 0 && r.OndemandSeconds > 0 {
 		fmt.Printf("a recorded trace prefetched: %.1f s against %.1f s without (%.2f×)\n", r.TracedSeconds, r.OndemandSeconds, r.OndemandSeconds/r.TracedSeconds)

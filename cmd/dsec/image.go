@@ -149,9 +149,7 @@ func imagePull(ctx context.Context, args []string) error {
 			"~/.docker/config.json; credential helpers are not run).\n"+imageAbout)
 	f := addImageFlags(fs)
 	insecure := fs.Bool("insecure", false, "talk plain HTTP to the registry")
-	username := fs.String("username", "", "registry user name")
-	passwordStdin := fs.Bool("password-stdin", false, "read the registry password from standard input")
-	dockerConfig := fs.String("docker-config", "", "docker config.json to take registry credentials from")
+	creds := addCredFlags(fs)
 	pos, err := fs.parseN(args, 1, 1)
 	if err != nil {
 		return err
@@ -162,26 +160,10 @@ func imagePull(ctx context.Context, args []string) error {
 	mergeUnder, _ := f.mergeBytes() // checked
 	req := api.ImagePullRequest{
 		Image: pos[0], Ref: *f.ref, Workspace: *f.workspace, Split: *f.split, MergeUnder: mergeUnder, Platform: *f.platform,
-		Insecure: *insecure, Username: *username,
+		Insecure: *insecure,
 	}
-	switch {
-	case *passwordStdin:
-		if *username == "" {
-			return fmt.Errorf("image pull: --password-stdin needs --username")
-		}
-		b, err := io.ReadAll(io.LimitReader(os.Stdin, 64<<10))
-		if err != nil {
-			return fmt.Errorf("reading password: %w", err)
-		}
-		req.Password = strings.TrimRight(string(b), "\r\n")
-	case *username != "":
-		return fmt.Errorf("image pull: --username needs --password-stdin")
-	default:
-		u, p, err := dockerCredentials(*dockerConfig, pos[0])
-		if err != nil {
-			return err
-		}
-		req.Username, req.Password = u, p
+	if req.Username, req.Password, err = creds.resolve("image pull", pos[0]); err != nil {
+		return err
 	}
 	c, err := newClient()
 	if err != nil {
@@ -208,6 +190,42 @@ func printImageResult(res *api.ImageResult, asJSON bool, took time.Duration) err
 		printf(os.Stdout, "%s %s %s\n", l.Ref, l.Digest, humanBytes(l.SizeBytes))
 	}
 	return nil
+}
+
+// credFlags are the registry credential flags of the commands the server
+// carries out against a registry (image pull, layer push and add).
+type credFlags struct {
+	username, dockerConfig *string
+	passwordStdin          *bool
+}
+
+func addCredFlags(fs *cmdFlags) credFlags {
+	return credFlags{
+		username:      fs.String("username", "", "registry user name"),
+		passwordStdin: fs.Bool("password-stdin", false, "read the registry password from standard input"),
+		dockerConfig:  fs.String("docker-config", "", "docker config.json to take registry credentials from"),
+	}
+}
+
+// resolve returns the credentials to send for the registry of ref
+// (HOST/REPO..., or oci://HOST/REPO...): --username with a password read
+// from standard input, else the registry's entry in the docker config,
+// else none.
+func (c credFlags) resolve(cmd, ref string) (user, pass string, err error) {
+	switch {
+	case *c.passwordStdin:
+		if *c.username == "" {
+			return "", "", fmt.Errorf("%s: --password-stdin needs --username", cmd)
+		}
+		b, err := io.ReadAll(io.LimitReader(os.Stdin, 64<<10))
+		if err != nil {
+			return "", "", fmt.Errorf("reading password: %w", err)
+		}
+		return *c.username, strings.TrimRight(string(b), "\r\n"), nil
+	case *c.username != "":
+		return "", "", fmt.Errorf("%s: --username needs --password-stdin", cmd)
+	}
+	return dockerCredentials(*c.dockerConfig, strings.TrimPrefix(ref, "oci://"))
 }
 
 // dockerCredentials returns the credentials a docker config.json holds for

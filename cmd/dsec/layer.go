@@ -286,11 +286,15 @@ func runHealth(ctx context.Context, args []string) error {
 }
 
 func layerPush(ctx context.Context, args []string) error {
-	fs := newCmdFlags("layer push", "[--insecure] [--chunk-kib N] [--json] REF oci://HOST/REPO:TAG",
+	fs := newCmdFlags("layer push", "[--insecure] [--username U --password-stdin] [--docker-config PATH] [--chunk-kib N] [--json] REF oci://HOST/REPO:TAG",
 		"Store layer REF in an OCI registry as an artifact: its EROFS image, a chunk\n"+
 			"index (what edges read on demand by) and a small config. Blobs the registry\n"+
-			"already has are not sent. The server does the push: HOST is reached from it.")
+			"already has are not sent. The server does the push: HOST is reached from it.\n"+
+			"Credentials: --username with --password-stdin, else the registry's entry in\n"+
+			"--docker-config (default $DOCKER_CONFIG/config.json or ~/.docker/config.json),\n"+
+			"sent to the server for this push only.")
 	insecure := fs.Bool("insecure", false, "talk plain HTTP to the registry")
+	creds := addCredFlags(fs)
 	chunkKiB := fs.Int("chunk-kib", 256, "KiB each chunk of the index covers: what an edge fetches at least per miss (4 to 16384, a multiple of 4)")
 	asJSON := fs.Bool("json", false, "print the API response as JSON")
 	pos, err := fs.parseN(args, 2, 2)
@@ -304,8 +308,12 @@ func layerPush(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	req := api.LayerPushRequest{Ref: pos[0], Target: pos[1], Insecure: *insecure, ChunkSize: *chunkKiB << 10}
+	if req.Username, req.Password, err = creds.resolve("layer push", pos[1]); err != nil {
+		return err
+	}
 	fmt.Fprintf(os.Stderr, "pushing %s to %s ...\n", pos[0], pos[1])
-	res, err := c.PushLayer(ctx, api.LayerPushRequest{Ref: pos[0], Target: pos[1], Insecure: *insecure, ChunkSize: *chunkKiB << 10})
+	res, err := c.PushLayer(ctx, req)
 	if err != nil {
 		return err
 	}
@@ -317,13 +325,16 @@ func layerPush(ctx context.Context, args []string) error {
 }
 
 func layerAdd(ctx context.Context, args []string) error {
-	fs := newCmdFlags("layer add", "[--insecure] [--pull lazy|full] [--replace] [--json] REF oci://HOST/REPO:TAG",
+	fs := newCmdFlags("layer add", "[--insecure] [--username U --password-stdin] [--docker-config PATH] [--pull lazy|full] [--replace] [--json] REF oci://HOST/REPO:TAG",
 		"Register REF as the layer artifact at oci://HOST/REPO:TAG (made by dsec layer\n"+
 			"push) without copying it: edges read its image from the registry, chunk by\n"+
 			"chunk as sandboxes touch it (--pull lazy, the default), or whole before the\n"+
 			"first sandbox starts (--pull full). The server checks the artifact and that\n"+
-			"the registry serves byte ranges before it records the layer.")
+			"the registry serves byte ranges before it records the layer. Credentials, as\n"+
+			"for layer push, are the server's for this check only: nodes read with their\n"+
+			"own (dsec up/edge --registry-config).")
 	insecure := fs.Bool("insecure", false, "talk plain HTTP to the registry")
+	creds := addCredFlags(fs)
 	pull := fs.String("pull", api.PullLazy, "lazy (read on demand) or full (fetched whole to each node first)")
 	replace := fs.Bool("replace", false, "re-point REF if it exists")
 	asJSON := fs.Bool("json", false, "print the API response as JSON")
@@ -338,7 +349,11 @@ func layerAdd(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	l, err := c.AddLayer(ctx, api.LayerAddRequest{Ref: pos[0], Source: pos[1], Insecure: *insecure, Pull: *pull, Replace: *replace})
+	req := api.LayerAddRequest{Ref: pos[0], Source: pos[1], Insecure: *insecure, Pull: *pull, Replace: *replace}
+	if req.Username, req.Password, err = creds.resolve("layer add", pos[1]); err != nil {
+		return err
+	}
+	l, err := c.AddLayer(ctx, req)
 	if err != nil {
 		return err
 	}

@@ -77,16 +77,21 @@ const (
 // and registry-backed layers through the node's layer daemon, which it
 // starts from this binary with its state under stateDir, in a cgroup of
 // its own under cg (none with cg nil).
-func layerSource(layers *layer.Store, stateDir string, cacheMB int64, cg *cgroup.Info, cgroupParent string, log *slog.Logger) *remote.Source {
+func layerSource(layers *layer.Store, stateDir string, cacheMB int64, registryConfig string, cg *cgroup.Info, cgroupParent string, log *slog.Logger) *remote.Source {
 	dir := filepath.Join(stateDir, "layerfs")
 	src := &remote.Source{
 		Store: layers, Dir: dir, PulledDir: filepath.Join(stateDir, "pulled"), PulledKeepBytes: cacheMB << 20, Log: log,
+		DockerConfig: registryConfig,
 		Command: func() *exec.Cmd {
 			exe, err := os.Executable()
 			if err != nil {
 				exe = os.Args[0]
 			}
-			return exec.Command(exe, "layerfs", "--dir", dir, "--cache-mb", strconv.FormatInt(cacheMB, 10))
+			args := []string{"layerfs", "--dir", dir, "--cache-mb", strconv.FormatInt(cacheMB, 10)}
+			if registryConfig != "" {
+				args = append(args, "--docker-config", registryConfig)
+			}
+			return exec.Command(exe, args...)
 		},
 	}
 	if cg != nil && cgroupParent != "" {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -54,6 +56,9 @@ type nodeConfig struct {
 	maxStreams   int
 	labels       map[string]string
 	layerCacheMB int64
+	// registryConfig is a docker config.json whose auths the node's reads
+	// of registry-backed layers use.
+	registryConfig string
 }
 
 // register defines the node flags on f (state dir and node name are the
@@ -91,6 +96,7 @@ func (c *nodeConfig) register(f *cmdFlags) {
 	f.IntVar(&c.maxStreams, "max-streams", 0, "commands (exec, streamed or not, and fncall) and port connections running on this node at once (each holds pipes or a socket of the daemon's); past it a call is refused with resource_exhausted before it starts; 0 = a sixteenth of the open-files limit, 64 to 16384")
 	f.BoolVar(&c.cleanupExit, "cleanup-on-exit", false, "on shutdown, delete every sandbox of this node first, so that the daemon leaves nothing on the host (mounts, cgroups, veths, nft table, DNS address); without it sandboxes keep running and the next start adopts them")
 	f.Int64Var(&c.layerCacheMB, "layer-cache-mb", defaultLayerCacheMB, "bound of this node's cache of chunks of registry-backed layers (dsec layer add), in MiB, shared by every sandbox on the node and kept across restarts; the images of --pull full layers no sandbox uses are kept within the same bound, separately")
+	f.StringVar(&c.registryConfig, "registry-config", "", "docker config.json whose auths this node uses to read registry-backed layers (on demand and --pull full; credential helpers are not run); default: none, anonymous reads")
 	f.UintVar(&c.usernsBase, "userns-base", 1_000_000_000, "first host uid/gid of dsec's for user-namespace sandboxes: a shared range of 65536 ids, 65536 owner uids (one per sandbox), then a range of 65536 ids per sandbox started by dsec's launcher, as many as fit below 2^32-1; 0 refuses userns")
 	f.BoolVar(&c.usernsDef, "userns-default", true, "a container sandbox whose spec leaves userns out gets a user namespace where dsec's launcher starts it and the node can (see --userns-base); false: only those asking for one")
 }
@@ -154,6 +160,16 @@ func (c *nodeConfig) check() error {
 	if c.layerCacheMB < 1 {
 		return fmt.Errorf("--layer-cache-mb %d: want at least 1", c.layerCacheMB)
 	}
+	if c.registryConfig != "" {
+		abs, err := filepath.Abs(c.registryConfig)
+		if err != nil {
+			return fmt.Errorf("--registry-config: %w", err)
+		}
+		if fi, err := os.Stat(abs); err != nil || !fi.Mode().IsRegular() {
+			return fmt.Errorf("--registry-config %s: want a docker config.json file (%v)", c.registryConfig, err)
+		}
+		c.registryConfig = abs // the layer daemon runs elsewhere
+	}
 	if c.maxSandboxes < 1 {
 		return fmt.Errorf("--max-sandboxes %d: want at least 1", c.maxSandboxes)
 	}
@@ -189,7 +205,7 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 	if maxStreams == 0 {
 		maxStreams = edge.DefaultMaxStreams(nofile)
 	}
-	blobs := layerSource(layers, edgeDir, c.layerCacheMB, h.Cgroups, h.CgroupParent, log)
+	blobs := layerSource(layers, edgeDir, c.layerCacheMB, c.registryConfig, h.Cgroups, h.CgroupParent, log)
 	if err := reg.Register(remote.NewCollector(blobs)); err != nil {
 		if h.Net != nil {
 			h.Net.Close()

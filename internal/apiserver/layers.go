@@ -11,6 +11,7 @@ import (
 	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/iam"
+	"github.com/dsecproject/dsec/internal/image"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/layer/remote"
 )
@@ -180,7 +181,8 @@ func (s *Server) pushLayer(w http.ResponseWriter, r *http.Request) {
 			l.Ref, len(l.Lowers)))
 		return
 	}
-	res, err := remote.Push(r.Context(), s.deps.Layers, l.Ref, req.Target, remote.PushOptions{Insecure: req.Insecure, ChunkSize: req.ChunkSize})
+	res, err := remote.Push(r.Context(), s.deps.Layers, l.Ref, req.Target, remote.PushOptions{Insecure: req.Insecure, ChunkSize: req.ChunkSize,
+		Repo: image.RepoOptions{Username: req.Username, Password: req.Password}})
 	if err != nil {
 		s.writeError(w, r, registryRefusal(err))
 		return
@@ -203,6 +205,7 @@ func (s *Server) addLayer(w http.ResponseWriter, r *http.Request) {
 	l, err := remote.Add(r.Context(), s.deps.Layers, req.Ref, req.Source, remote.AddOptions{
 		Insecure: req.Insecure, Pull: req.Pull, Replace: req.Replace,
 		MayReplace: s.mayReplace(r.Context()), Project: s.callerProject(r.Context()),
+		Repo: image.RepoOptions{Username: req.Username, Password: req.Password},
 	})
 	if err != nil {
 		s.writeError(w, r, registryRefusal(err))

@@ -320,3 +320,29 @@ func TestAddRefusesAMetadataPackThatDoesNotMatchTheImage(t *testing.T) {
 		t.Fatalf("refused adds left entries: %+v", all)
 	}
 }
+
+// WithoutMeta tags the same artifact without its metadata pack: added
+// from there, a layer names none (and reads as artifacts from before).
+func TestWithoutMeta(t *testing.T) {
+	reg := registrytest.Start(t)
+	st, l, _ := newLayerStore(t)
+	ctx := context.Background()
+	src := Scheme + reg.Addr + "/dsec/layers:wm"
+	if _, err := Push(ctx, st, l.Ref, src, PushOptions{Insecure: true}); err != nil {
+		t.Fatal(err)
+	}
+	dst := src + "-nometa"
+	if _, err := WithoutMeta(ctx, src, dst, image.RepoOptions{Insecure: true}); err != nil {
+		t.Fatal(err)
+	}
+	cat, err := layer.NewStore(t.TempDir(), store.NewMemory(), nil)
+	must(t, err)
+	defer cat.Close()
+	got, err := Add(ctx, cat, "base/wm:1", dst, AddOptions{Insecure: true})
+	if err != nil || got.Remote.Meta != "" || got.Digest != l.Digest {
+		t.Fatalf("added without the pack: %+v %v", got.Remote, err)
+	}
+	if _, err := WithoutMeta(ctx, src, Scheme+"127.0.0.1:1/other:x", image.RepoOptions{Insecure: true}); !errors.Is(err, errdefs.ErrInvalid) {
+		t.Fatalf("into another repository: %v", err)
+	}
+}

@@ -278,6 +278,15 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 				os.Remove(p)
 			}
 		}
+		// The kept descriptors only serve mounted images (a daemon that
+		// takes over); with none mounted, the node forgets which artifact
+		// each digest came from, and the next registration may name
+		// another (another chunk size, or no metadata pack).
+		if descs, err := filepath.Glob(filepath.Join(d.cfg.Dir, descDir, "*.json")); err == nil {
+			for _, p := range descs {
+				os.Remove(p)
+			}
+		}
 		d.cache.Clear()
 		w.Write([]byte("dropped\n"))
 	})

@@ -4,11 +4,15 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
 	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
@@ -490,6 +494,9 @@ func TestMetadataWalkFetchesNoChunk(t *testing.T) {
 		if packs, _ := filepath.Glob(filepath.Join(dir, indexDir, "*.meta")); len(packs) != 0 {
 			t.Errorf("kept packs after dropping the cache: %v", packs)
 		}
+		if descs, _ := filepath.Glob(filepath.Join(dir, descDir, "*.json")); len(descs) != 0 {
+			t.Errorf("kept descriptors after dropping the cache with nothing mounted: %v", descs)
+		}
 		return s.Layers[0]
 	}
 	with, without := walk(true), walk(false)
@@ -529,4 +536,41 @@ func walkTree(t *testing.T, root string) map[string]string {
 		return nil
 	}))
 	return out
+}
+
+// A node's full pull sends the credentials of its registry config
+// (dsec up/edge --registry-config); without them the registry refuses.
+func TestFullPullWithRegistryConfig(t *testing.T) {
+	w := newLazyCatalog(t, FetchPolicy{Timeout: 5 * time.Second, Attempts: 1})
+	u, _ := url.Parse("http://" + w.reg.Addr)
+	rp := httputil.NewSingleHostReverseProxy(u)
+	srv := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		if u, p, ok := r.BasicAuth(); !ok || u != "node" || p != "pw" {
+			rw.Header().Set("Www-Authenticate", `Basic realm="t"`)
+			http.Error(rw, `{"errors":[{"code":"UNAUTHORIZED"}]}`, http.StatusUnauthorized)
+			return
+		}
+		rp.ServeHTTP(rw, r)
+	}))
+	defer srv.Close()
+	host := strings.TrimPrefix(srv.URL, "http://")
+	l := w.layer
+	l.Remote = &api.LayerRemote{}
+	*l.Remote = *w.layer.Remote
+	l.Remote.Pull = api.PullFull
+	l.Remote.Source = strings.Replace(l.Remote.Source, w.reg.Addr, host, 1)
+	if _, _, err := w.src.pull(context.Background(), l); err == nil {
+		t.Fatal("pulled without credentials through a registry that wants them")
+	}
+	cfg := filepath.Join(t.TempDir(), "config.json")
+	must(t, os.WriteFile(cfg, []byte(fmt.Sprintf(`{"auths":{"%s":{"auth":%q}}}`, host, base64.StdEncoding.EncodeToString([]byte("node:pw")))), 0o600))
+	w.src.DockerConfig = cfg
+	path, release, err := w.src.pull(context.Background(), l)
+	must(t, err)
+	defer release()
+	b, err := os.ReadFile(path)
+	must(t, err)
+	if digestOf(b) != l.Digest {
+		t.Fatal("pulled image has another digest")
+	}
 }

@@ -51,8 +51,11 @@ type Source struct {
 	// those not mounted fit in PulledKeepBytes (0: none is kept).
 	PulledDir       string
 	PulledKeepBytes int64
-	Policy          FetchPolicy
-	Log             *slog.Logger
+	// DockerConfig is a docker config.json whose auths full pulls use
+	// (the daemon is given its own, DaemonConfig.DockerConfig).
+	DockerConfig string
+	Policy       FetchPolicy
+	Log          *slog.Logger
 	// Cgroup, if set, is the daemon's cgroup: Join returns the
 	// cgroup.procs files it joins once started (making the cgroup, with
 	// its limits, if need be), and Remove takes the cgroup away once no
@@ -477,7 +480,7 @@ func (s *Source) pull(ctx context.Context, l api.Layer) (string, func(), error) 
 	if err != nil {
 		return "", nil, err
 	}
-	repo, err := image.OpenRepo(ref, image.RepoOptions{Insecure: l.Remote.Insecure})
+	repo, err := image.OpenRepo(ref, image.RepoOptions{Insecure: l.Remote.Insecure, DockerConfig: s.DockerConfig})
 	if err != nil {
 		return "", nil, err
 	}
