@@ -586,7 +586,17 @@ func (b *imagesBench) resetNode(ctx context.Context, keepTraces bool) error {
 			}
 		}
 	}
-	dropped, err := b.layerfs().DropCache(ctx, !keepTraces)
+	// The daemon refuses while it was used in the last moments (a mount
+	// may be under way): the burst's deletes have just ended.
+	var dropped bool
+	var err error
+	for deadline := time.Now().Add(15 * time.Second); ; {
+		dropped, err = b.layerfs().DropCache(ctx, !keepTraces)
+		if err == nil || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
 	if err != nil {
 		return err
 	}

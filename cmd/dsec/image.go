@@ -21,6 +21,7 @@ import (
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/image"
 	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/layer/remote"
 	"github.com/dsecproject/dsec/internal/mountinfo"
 	"github.com/dsecproject/dsec/internal/quota"
 	dsec "github.com/dsecproject/dsec/sdk/go"
@@ -225,13 +226,31 @@ func (c credFlags) resolve(cmd, ref string) (user, pass string, err error) {
 	case *c.username != "":
 		return "", "", fmt.Errorf("%s: --username needs --password-stdin", cmd)
 	}
-	return dockerCredentials(*c.dockerConfig, strings.TrimPrefix(ref, "oci://"))
+	if strings.HasPrefix(ref, remote.Scheme) {
+		// A layer source names its registry host outright (no Docker
+		// Hub default for a host without a dot or port).
+		r, err := remote.ParseSource(ref)
+		if err != nil {
+			return "", "", err
+		}
+		return dockerConfigAuth(*c.dockerConfig, r.Registry)
+	}
+	return dockerCredentials(*c.dockerConfig, ref)
 }
 
 // dockerCredentials returns the credentials a docker config.json holds for
 // the registry of imageRef, or none. path "" means $DOCKER_CONFIG/config.json
 // or ~/.docker/config.json, and is no error when missing.
 func dockerCredentials(path, imageRef string) (user, pass string, err error) {
+	ref, err := image.ParseReference(imageRef)
+	if err != nil {
+		return "", "", err
+	}
+	return dockerConfigAuth(path, ref.Registry)
+}
+
+// dockerConfigAuth is dockerCredentials for a registry host.
+func dockerConfigAuth(path, registry string) (user, pass string, err error) {
 	explicit := path != ""
 	if !explicit {
 		dir := os.Getenv("DOCKER_CONFIG")
@@ -247,11 +266,7 @@ func dockerCredentials(path, imageRef string) (user, pass string, err error) {
 	if _, err := os.Stat(path); !explicit && errors.Is(err, fs.ErrNotExist) {
 		return "", "", nil
 	}
-	ref, err := image.ParseReference(imageRef)
-	if err != nil {
-		return "", "", err
-	}
-	return image.DockerConfigAuth(path, ref.Registry)
+	return image.DockerConfigAuth(path, registry)
 }
 
 // bootstrapConfig is what `image bootstrap` was asked to do. parseBootstrap

@@ -257,22 +257,23 @@ func Serve(ctx context.Context, cfg DaemonConfig) error {
 			http.Error(w, fmt.Sprintf("%d image(s) mounted", n), http.StatusConflict)
 			return
 		}
+		// A registration or a read in the last moments may be a mount
+		// under way (not in the mount table yet): not idle.
+		if time.Since(time.Unix(0, d.lastUsed.Load())) < 2*time.Second {
+			http.Error(w, "in use in the last 2 s", http.StatusConflict)
+			return
+		}
 		d.saveTraces()
 		if r.URL.Query().Get("traces") == "1" {
 			os.RemoveAll(filepath.Join(d.cfg.Dir, traceDir))
 			os.MkdirAll(filepath.Join(d.cfg.Dir, traceDir), 0o700)
 		}
 		d.mu.Lock()
-		old := d.readers
 		d.readers = map[string]*Reader{}
 		d.mu.Unlock()
-		// Nothing is mounted, so nothing reads the packs: unmap them and
-		// drop the kept copies with the chunks.
-		for _, rd := range old {
-			if rd.meta != nil {
-				rd.meta.Close()
-			}
-		}
+		// The kept packs go with the chunks. The old readers' mappings
+		// are not unmapped: a read that slipped past the checks above
+		// still finds its pages (address space only, per reset).
 		if packs, err := filepath.Glob(filepath.Join(d.cfg.Dir, indexDir, "*.meta")); err == nil {
 			for _, p := range packs {
 				os.Remove(p)
@@ -632,10 +633,14 @@ type DaemonStats struct {
 	// the daemon's files in its mount namespace).
 	OpenImages int64        `json:"open_images"`
 	Layers     []LayerStats `json:"layers"`
+	// DockerConfig is the registry config the daemon reads with (its
+	// --docker-config; a path, never its content).
+	DockerConfig string `json:"docker_config,omitempty"`
 }
 
 func (d *Daemon) stats(w http.ResponseWriter, r *http.Request) {
-	out := DaemonStats{CacheBytes: d.cache.Size(), CacheMaxBytes: d.cfg.CacheBytes, OpenImages: int64(d.mounted()), Layers: []LayerStats{}}
+	out := DaemonStats{CacheBytes: d.cache.Size(), CacheMaxBytes: d.cfg.CacheBytes, OpenImages: int64(d.mounted()), Layers: []LayerStats{},
+		DockerConfig: d.cfg.DockerConfig}
 	d.mu.Lock()
 	for _, rd := range d.readers {
 		s := &rd.Stats

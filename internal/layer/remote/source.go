@@ -20,6 +20,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -85,6 +86,28 @@ type Source struct {
 	// its name).
 	pulledMu   sync.Mutex
 	pulledRefs map[string]int
+	// configChecked is set once a running daemon's registry config has
+	// been compared with DockerConfig.
+	configChecked atomic.Bool
+}
+
+// checkDaemonConfig warns, once, when the daemon found running (it
+// outlives an edge restart while images are mounted) reads with another
+// registry config than this edge was given: it keeps its own until it
+// exits, once no image of it is mounted.
+func (s *Source) checkDaemonConfig(ctx context.Context) {
+	if s.configChecked.Swap(true) {
+		return
+	}
+	st, err := s.Stats(ctx)
+	if err != nil {
+		s.configChecked.Store(false)
+		return
+	}
+	if st.DockerConfig != s.DockerConfig {
+		s.log().Warn("the running layer daemon reads registries with another config than this edge's --registry-config; it keeps it until it exits with no image mounted",
+			"daemon", st.DockerConfig, "edge", s.DockerConfig)
+	}
 }
 
 var _ layer.Source = (*Source)(nil)
@@ -227,6 +250,7 @@ const (
 func (s *Source) ensureDaemon(ctx context.Context) error {
 	if s.healthy(ctx) {
 		s.holdFD()
+		s.checkDaemonConfig(ctx)
 		return nil
 	}
 	s.mu.Lock()
@@ -472,10 +496,19 @@ func (s *Source) pull(ctx context.Context, l api.Layer) (string, func(), error) 
 		return "", nil, fmt.Errorf("pulling layer %s: %w", l.Ref, err)
 	}
 	final := filepath.Join(s.PulledDir, strings.TrimPrefix(l.Digest, "sha256:")+fileSuffix)
+	// Held before it is looked at or downloaded: a trim meanwhile (another
+	// image's release) leaves it alone.
+	release := s.holdPulled(final)
 	if fi, err := os.Stat(final); err == nil && fi.Size() == l.SizeBytes {
 		s.log().Info("layer pulled before, kept on the node", "ref", l.Ref, "bytes", l.SizeBytes)
-		return final, s.holdPulled(final), nil
+		return final, release, nil
 	}
+	ok := false
+	defer func() {
+		if !ok {
+			release()
+		}
+	}()
 	ref, err := ParseSource(l.Remote.Source)
 	if err != nil {
 		return "", nil, err
@@ -492,7 +525,7 @@ func (s *Source) pull(ctx context.Context, l api.Layer) (string, func(), error) 
 		}
 		if lastErr = s.download(ctx, repo, l, final); lastErr == nil {
 			s.log().Info("layer pulled", "ref", l.Ref, "bytes", l.SizeBytes)
-			release := s.holdPulled(final)
+			ok = true
 			s.trimPulled()
 			return final, release, nil
 		}
