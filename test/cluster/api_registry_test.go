@@ -16,6 +16,7 @@ import (
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/image/registrytest"
+	"github.com/dsecproject/dsec/internal/layer/remote"
 )
 
 // TestRegistryLayerOnEveryNode: a layer pushed through one apiserver and
@@ -83,6 +84,24 @@ func TestRegistryLayerOnEveryNode(t *testing.T) {
 		sock := filepath.Join(c.dir, sb.Node, "edge", "layerfs", "ctl.sock")
 		if _, err := os.Stat(sock); err != nil {
 			t.Fatalf("%s has no layer daemon of its own: %v", sb.Node, err)
+		}
+		// Each node fetched the artifact's metadata pack and served the
+		// lookups from it.
+		st, err := (&remote.Source{Dir: filepath.Join(c.dir, sb.Node, "edge", "layerfs")}).Stats(ctx(t))
+		if err != nil {
+			t.Fatalf("%s: layer daemon stats: %v", sb.Node, err)
+		}
+		found := false
+		for _, ls := range st.Layers {
+			if ls.Digest == l.Digest {
+				found = true
+				if ls.MetaBytes <= 0 || ls.MetaReads <= 0 {
+					t.Errorf("%s: the layer's metadata pack: %d bytes, %d reads served", sb.Node, ls.MetaBytes, ls.MetaReads)
+				}
+			}
+		}
+		if !found {
+			t.Errorf("%s: its layer daemon does not list %s: %+v", sb.Node, l.Digest, st.Layers)
 		}
 	}
 }
