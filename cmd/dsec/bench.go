@@ -245,41 +245,7 @@ func benchBaseOf(ctx context.Context, c *dsec.Client, ref, tag string, opts host
 // tarDir writes dir as a tar stream (regular files, dirs, symlinks).
 func tarDir(dir string, w io.Writer) error {
 	tw := tar.NewWriter(w)
-	err := filepath.Walk(dir, func(p string, info os.FileInfo, err error) error {
-		if err != nil {
-			return err
-		}
-		rel, _ := filepath.Rel(dir, p)
-		if rel == "." {
-			return nil
-		}
-		link := ""
-		if info.Mode()&os.ModeSymlink != 0 {
-			link, _ = os.Readlink(p)
-		}
-		h, err := tar.FileInfoHeader(info, link)
-		if err != nil {
-			return err
-		}
-		h.Name = rel
-		if info.IsDir() {
-			h.Name += "/"
-		}
-		if err := tw.WriteHeader(h); err != nil {
-			return err
-		}
-		if info.Mode().IsRegular() {
-			f, err := os.Open(p)
-			if err != nil {
-				return err
-			}
-			defer f.Close()
-			_, err = io.Copy(tw, f)
-			return err
-		}
-		return nil
-	})
-	if err != nil {
+	if err := tarInto(tw, dir, ""); err != nil {
 		return err
 	}
 	return tw.Close()

@@ -392,32 +392,9 @@ func printf(w io.Writer, format string, args ...any) {
 // config are the same blobs (not sent again); the image is read once
 // from the registry to index it. It returns the new manifest's digest.
 func Reindex(ctx context.Context, source, target string, chunkSize int, opts image.RepoOptions) (string, error) {
-	sref, err := ParseSource(source)
+	repo, what, m, tag, err := retarget(ctx, source, target, opts)
 	if err != nil {
-		return "", err
-	}
-	tref, err := ParseSource(target)
-	if err != nil {
-		return "", err
-	}
-	if tref.Registry != sref.Registry || tref.Repository != sref.Repository || tref.Tag == "" {
-		return "", errdefs.Invalid("reindex: %s must name a tag in the repository of %s", target, source)
-	}
-	repo, err := image.OpenRepo(sref, opts)
-	if err != nil {
-		return "", err
-	}
-	what := sref.Tag
-	if sref.Digest != "" {
-		what = sref.Digest
-	}
-	body, _, _, err := repo.Manifest(ctx, what)
-	if err != nil {
-		return "", err
-	}
-	var m manifest
-	if err := json.Unmarshal(body, &m); err != nil {
-		return "", errdefs.Invalid("manifest: %v", err)
+		return "", fmt.Errorf("reindex: %w", err)
 	}
 	if _, err := readArtifact(ctx, repo, what); err != nil {
 		return "", err
@@ -458,7 +435,7 @@ func Reindex(ctx context.Context, source, target string, chunkSize int, opts ima
 	if err != nil {
 		return "", err
 	}
-	return repo.PushManifest(ctx, tref.Tag, manifestType, mb)
+	return repo.PushManifest(ctx, tag, manifestType, mb)
 }
 
 // WithoutMeta stores, under target's tag in the same repository, the
@@ -466,32 +443,9 @@ func Reindex(ctx context.Context, source, target string, chunkSize int, opts ima
 // only a manifest is pushed): what nodes read when an artifact has none.
 // For measuring what the pack saves. It returns the new manifest's digest.
 func WithoutMeta(ctx context.Context, source, target string, opts image.RepoOptions) (string, error) {
-	sref, err := ParseSource(source)
+	repo, _, m, tag, err := retarget(ctx, source, target, opts)
 	if err != nil {
 		return "", err
-	}
-	tref, err := ParseSource(target)
-	if err != nil {
-		return "", err
-	}
-	if tref.Registry != sref.Registry || tref.Repository != sref.Repository || tref.Tag == "" {
-		return "", errdefs.Invalid("%s must name a tag in the repository of %s", target, source)
-	}
-	repo, err := image.OpenRepo(sref, opts)
-	if err != nil {
-		return "", err
-	}
-	what := sref.Tag
-	if sref.Digest != "" {
-		what = sref.Digest
-	}
-	body, _, _, err := repo.Manifest(ctx, what)
-	if err != nil {
-		return "", err
-	}
-	var m manifest
-	if err := json.Unmarshal(body, &m); err != nil {
-		return "", errdefs.Invalid("manifest: %v", err)
 	}
 	kept := m.Layers[:0]
 	for _, d := range m.Layers {
@@ -504,5 +458,38 @@ func WithoutMeta(ctx context.Context, source, target string, opts image.RepoOpti
 	if err != nil {
 		return "", err
 	}
-	return repo.PushManifest(ctx, tref.Tag, manifestType, mb)
+	return repo.PushManifest(ctx, tag, manifestType, mb)
+}
+
+// retarget opens the repository of source and reads its manifest, for a
+// new manifest of the same blobs under target's tag, which must be in the
+// same repository: the repository, what names the source (its tag or
+// digest), its manifest, and the target tag.
+func retarget(ctx context.Context, source, target string, opts image.RepoOptions) (repo *image.Repo, what string, m manifest, tag string, err error) {
+	sref, err := ParseSource(source)
+	if err != nil {
+		return nil, "", m, "", err
+	}
+	tref, err := ParseSource(target)
+	if err != nil {
+		return nil, "", m, "", err
+	}
+	if tref.Registry != sref.Registry || tref.Repository != sref.Repository || tref.Tag == "" {
+		return nil, "", m, "", errdefs.Invalid("%s must name a tag in the repository of %s", target, source)
+	}
+	if repo, err = image.OpenRepo(sref, opts); err != nil {
+		return nil, "", m, "", err
+	}
+	what = sref.Tag
+	if sref.Digest != "" {
+		what = sref.Digest
+	}
+	body, _, _, err := repo.Manifest(ctx, what)
+	if err != nil {
+		return nil, "", m, "", err
+	}
+	if err := json.Unmarshal(body, &m); err != nil {
+		return nil, "", m, "", errdefs.Invalid("manifest: %v", err)
+	}
+	return repo, what, m, tref.Tag, nil
 }

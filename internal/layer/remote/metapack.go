@@ -165,28 +165,22 @@ func fetchMetaPack(ctx context.Context, repo *image.Repo, d string, n, size int6
 	if n <= 0 || n > metaBound(size) {
 		return errdefs.Invalid("metadata pack of %d bytes for an image of %d", n, size)
 	}
-	rc, err := repo.BlobRange(ctx, d, 0, n)
-	if err != nil {
-		return err
-	}
-	defer rc.Close()
 	tmp := path + ".part"
 	f, err := os.OpenFile(tmp, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
 	if err != nil {
 		return err
 	}
 	defer os.Remove(tmp)
-	h := sha256.New()
-	got, err := io.Copy(io.MultiWriter(f, h), io.LimitReader(rc, n+1))
+	got, sum, err := copyBlob(ctx, repo, d, n, f)
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
 	switch {
 	case err != nil:
-		return errdefs.Unavailable("reading metadata pack %s: %v", short(d), err)
+		return err
 	case got != n:
 		return errdefs.Invalid("metadata pack %s: %d bytes, the manifest says %d", short(d), got, n)
-	case "sha256:"+hex.EncodeToString(h.Sum(nil)) != d:
+	case sum != d:
 		return errdefs.Invalid("metadata pack %s does not match its digest", short(d))
 	}
 	return os.Rename(tmp, path)

@@ -615,25 +615,37 @@ func (s *Source) download(ctx context.Context, repo *image.Repo, l api.Layer, fi
 	}
 	defer os.Remove(tmp.Name())
 	defer tmp.Close()
-	var body io.ReadCloser = io.NopCloser(bytes.NewReader(nil))
-	if l.SizeBytes > 0 {
-		if body, err = repo.BlobRange(ctx, l.Digest, 0, l.SizeBytes); err != nil {
-			return err
-		}
-	}
-	defer body.Close()
-	h := sha256.New()
-	n, err := io.Copy(io.MultiWriter(tmp, h), io.LimitReader(body, l.SizeBytes+1))
+	n, got, err := copyBlob(ctx, repo, l.Digest, l.SizeBytes, tmp)
 	if err != nil {
-		return errdefs.Unavailable("reading the image: %v", err)
+		return err
 	}
-	if got := "sha256:" + hex.EncodeToString(h.Sum(nil)); n != l.SizeBytes || got != l.Digest {
+	if n != l.SizeBytes || got != l.Digest {
 		return errdefs.Invalid("the source's image (%d bytes, %s) is not the layer's (%d bytes, %s)", n, got, l.SizeBytes, l.Digest)
 	}
 	if err := tmp.Close(); err != nil {
 		return err
 	}
 	return os.Rename(tmp.Name(), final)
+}
+
+// copyBlob copies blob d of size bytes from repo to w (one byte more if
+// the registry sends more) and returns what it copied and its digest, for
+// the caller to check against d and size.
+func copyBlob(ctx context.Context, repo *image.Repo, d string, size int64, w io.Writer) (int64, string, error) {
+	h := sha256.New()
+	if size > 0 {
+		body, err := repo.BlobRange(ctx, d, 0, size)
+		if err != nil {
+			return 0, "", err
+		}
+		defer body.Close()
+		n, err := io.Copy(io.MultiWriter(w, h), io.LimitReader(body, size+1))
+		if err != nil {
+			return n, "", errdefs.Unavailable("reading blob %s: %v", short(d), err)
+		}
+		return n, "sha256:" + hex.EncodeToString(h.Sum(nil)), nil
+	}
+	return 0, "sha256:" + hex.EncodeToString(h.Sum(nil)), nil
 }
 
 // EdgeStopped implements layer.EdgeStopper: the node's layer daemon is
