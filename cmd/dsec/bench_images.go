@@ -81,9 +81,12 @@ type imageRun struct {
 	CacheMisses  int64   `json:"cache_misses,omitempty"`
 	FetchSeconds float64 `json:"fetch_seconds,omitempty"`
 	// MetaReads are reads served from the layers' metadata packs, and
-	// MetaBytes the packs' size (counted in ReadFraction).
-	MetaReads int64 `json:"meta_reads,omitempty"`
-	MetaBytes int64 `json:"meta_bytes,omitempty"`
+	// MetaBytes the packs' size (counted in ReadFraction, which counts
+	// once what a pack and the chunks read share). FromPackBytes are the
+	// bytes of fetched chunks taken from the packs, not the source.
+	MetaReads     int64 `json:"meta_reads,omitempty"`
+	MetaBytes     int64 `json:"meta_bytes,omitempty"`
+	FromPackBytes int64 `json:"from_pack_bytes,omitempty"`
 }
 
 type imagesReport struct {
@@ -539,10 +542,11 @@ func (b *imagesBench) run(ctx context.Context, mode string, kib int) (imageRun, 
 		if st, err := b.layerfs().Stats(ctx); err == nil {
 			var touched, total int64
 			for _, l := range st.Layers {
-				touched += l.ChunksTouched*int64(l.ChunkSize) + l.MetaBytes
+				touched += l.ReadBytes
 				total += l.SizeBytes
 				r.MetaReads += l.MetaReads
 				r.MetaBytes += l.MetaBytes
+				r.FromPackBytes += l.FromPackBytes
 				r.CacheHits += l.CacheHits
 				r.CacheMisses += l.CacheMisses
 				r.FetchSeconds += l.FetchSeconds
@@ -716,6 +720,12 @@ func printImagesReport(r imagesReport) {
 	if r.NoMetaSeconds > 0 && r.OndemandSeconds > 0 {
 		fmt.Printf("metadata packs: on demand %.1f s against %.1f s without them (%.2f×), %s from the source against %s\n",
 			r.OndemandSeconds, r.NoMetaSeconds, r.NoMetaSeconds/r.OndemandSeconds, humanBytes(r.OndemandSourceBytes()), humanBytes(r.NoMetaSourceBytes))
+		for _, run := range r.Runs {
+			if run.Mode == "ondemand" && run.MetaBytes > 0 {
+				fmt.Printf("  packs %s; chunk fetches took %s from them instead of the source\n", humanBytes(run.MetaBytes), humanBytes(run.FromPackBytes))
+				break
+			}
+		}
 	}
 	if r.TracedSeconds > 0 && r.OndemandSeconds > 0 {
 		fmt.Printf("a recorded trace prefetched: %.1f s against %.1f s without (%.2f×)\n", r.TracedSeconds, r.OndemandSeconds, r.OndemandSeconds/r.TracedSeconds)

@@ -623,6 +623,11 @@ type LayerStats struct {
 	// its size (0: the artifact has none).
 	MetaReads int64 `json:"meta_reads"`
 	MetaBytes int64 `json:"meta_bytes"`
+	// FromPackBytes counts the bytes of fetched chunks taken from the
+	// pack instead of the source; ReadBytes is how much of the image
+	// the node has read (pack and chunks, what they share once).
+	FromPackBytes int64 `json:"from_pack_bytes"`
+	ReadBytes     int64 `json:"read_bytes"`
 }
 
 // DaemonStats answer GET /stats.
@@ -647,7 +652,8 @@ func (d *Daemon) stats(w http.ResponseWriter, r *http.Request) {
 		ls := LayerStats{Digest: rd.digest, SizeBytes: rd.ix.Size, ChunkSize: rd.ix.ChunkSize, Chunks: rd.ix.Chunks(), ChunksTouched: s.ChunksTouched.Load(),
 			BytesFetched: s.BytesFetched.Load(), Requests: s.Requests.Load(), FetchErrors: s.FetchErrors.Load(),
 			FetchSeconds: time.Duration(s.FetchNanos.Load()).Seconds(), CacheHits: s.CacheHits.Load(),
-			CacheMisses: s.CacheMisses.Load(), BadChunks: s.BadChunks.Load(), MetaReads: s.MetaReads.Load()}
+			CacheMisses: s.CacheMisses.Load(), BadChunks: s.BadChunks.Load(), MetaReads: s.MetaReads.Load(),
+			FromPackBytes: s.FromPack.Load(), ReadBytes: rd.ReadBytes()}
 		if rd.meta != nil {
 			ls.MetaBytes = rd.meta.Bytes()
 		}

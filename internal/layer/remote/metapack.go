@@ -26,7 +26,10 @@ import (
 // the artifact, fetched whole when an edge first registers the layer
 // (checked against its digest, kept with the node's indexes), and the
 // kernel's metadata reads, single pages through the page cache of the
-// image file, are then served from it without touching the source.
+// image file, are then served from it without touching the source. When
+// a data read fetches the chunks around metadata, the bytes the pack
+// holds are taken from it and only the rest is asked of the source
+// (Reader.fetchRun); the chunk so completed is verified like any other.
 //
 // Encoded: metaMagic, a uint32 count, count × (uint64 offset, uint32
 // length) sorted and disjoint, then the ranges' bytes in order.
@@ -87,6 +90,11 @@ func BuildMetaPack(r io.ReaderAt, size int64) ([]byte, error) {
 	if total*maxMetaFraction > size {
 		return nil, nil
 	}
+	return encodeMetaPack(r, rs)
+}
+
+// encodeMetaPack encodes the ranges rs (sorted, disjoint) of r.
+func encodeMetaPack(r io.ReaderAt, rs []Range) ([]byte, error) {
 	var b bytes.Buffer
 	b.Write(metaMagic[:])
 	binary.Write(&b, binary.LittleEndian, uint32(len(rs)))
@@ -156,6 +164,45 @@ func (m *MetaPack) ReadAt(p []byte, off, end int64) bool {
 	s := m.starts[i] + off - m.ranges[i].Off
 	copy(p, m.data[s:s+hi-off])
 	return true
+}
+
+// Fill copies into p the bytes of [off, off+len(p)) that the pack holds
+// and returns, in order, the stretches it does not hold. A nil pack holds
+// nothing.
+func (m *MetaPack) Fill(p []byte, off int64) []Range {
+	end := off + int64(len(p))
+	var gaps []Range
+	at := off
+	if m != nil {
+		i := sort.Search(len(m.ranges), func(i int) bool { return m.ranges[i].Off+m.ranges[i].Len > off })
+		for ; i < len(m.ranges) && m.ranges[i].Off < end; i++ {
+			x := m.ranges[i]
+			lo, hi := max(x.Off, off), min(x.Off+x.Len, end)
+			if lo > at {
+				gaps = append(gaps, Range{at, lo - at})
+			}
+			s := m.starts[i] + lo - x.Off
+			copy(p[lo-off:hi-off], m.data[s:s+hi-lo])
+			at = hi
+		}
+	}
+	if at < end {
+		gaps = append(gaps, Range{at, end - at})
+	}
+	return gaps
+}
+
+// Held is how many bytes of [off, end) the pack holds (0 for a nil pack).
+func (m *MetaPack) Held(off, end int64) int64 {
+	if m == nil {
+		return 0
+	}
+	var n int64
+	i := sort.Search(len(m.ranges), func(i int) bool { return m.ranges[i].Off+m.ranges[i].Len > off })
+	for ; i < len(m.ranges) && m.ranges[i].Off < end; i++ {
+		n += min(m.ranges[i].Off+m.ranges[i].Len, end) - max(m.ranges[i].Off, off)
+	}
+	return n
 }
 
 // fetchMetaPack streams the pack d of an image of size bytes from repo

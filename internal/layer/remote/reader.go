@@ -35,6 +35,10 @@ func (p FetchPolicy) withDefaults() FetchPolicy {
 // to this many (4 MiB at the default chunk size).
 const maxRun = 16
 
+// minSkip is the least a metadata pack must hold between two stretches
+// of a run for them to be fetched in two requests rather than one.
+const minSkip = 128 << 10
+
 // Reader reads one remote image on demand: each read is served from the
 // node's cache where it can be, and the chunks missing are fetched, runs
 // of adjacent ones in one Range request, and verified against the index
@@ -71,6 +75,9 @@ type Stats struct {
 	ChunksTouched atomic.Int64
 	BadChunks     atomic.Int64
 	MetaReads     atomic.Int64
+	// FromPack counts the bytes of fetched chunks taken from the
+	// metadata pack rather than asked of the source.
+	FromPack atomic.Int64
 }
 
 type fetchCall struct {
@@ -184,6 +191,24 @@ func (r *Reader) touch(i int) {
 	r.mu.Unlock()
 }
 
+// ReadBytes is how much of the image has been brought to the node: the
+// metadata pack and the chunks read, the bytes they share counted once.
+func (r *Reader) ReadBytes() int64 {
+	var n int64
+	if r.meta != nil {
+		n = r.meta.Bytes()
+	}
+	cs := int64(r.ix.ChunkSize)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, i := range r.order {
+		off := int64(i) * cs
+		end := off + int64(r.ix.ChunkLen(i))
+		n += end - off - r.meta.Held(off, end)
+	}
+	return n
+}
+
 // Trace returns the chunks read so far, in the order of their first read.
 func (r *Reader) Trace() []int {
 	r.mu.Lock()
@@ -257,9 +282,12 @@ func (r *Reader) fill(ctx context.Context, first, last int) {
 	}
 }
 
-// fetchRun fetches the adjacent chunks of run in one request (retried
-// under the policy), verifies and caches each, and completes their calls
-// (calls[k] is run[k]'s, claimed by the caller).
+// fetchRun fetches the adjacent chunks of run (retried under the
+// policy), verifies and caches each, and completes their calls (calls[k]
+// is run[k]'s, claimed by the caller). The bytes the metadata pack holds
+// are taken from it: only the stretches it lacks are asked of the source,
+// in one request unless the pack holds at least minSkip between two of
+// them.
 func (r *Reader) fetchRun(ctx context.Context, run []int, calls []*fetchCall) {
 	cs := int64(r.ix.ChunkSize)
 	off := int64(run[0]) * cs
@@ -267,24 +295,21 @@ func (r *Reader) fetchRun(ctx context.Context, run []int, calls []*fetchCall) {
 	for _, i := range run {
 		n += int64(r.ix.ChunkLen(i))
 	}
-	var buf []byte
+	buf := make([]byte, n)
+	gaps := []Range{{off, n}}
+	if r.meta != nil {
+		gaps = joinGaps(r.meta.Fill(buf, off), minSkip)
+	}
+	asked := int64(0)
 	var err error
-	for attempt := range r.policy.Attempts {
-		if attempt > 0 {
-			select {
-			case <-ctx.Done():
-			case <-time.After(time.Duration(attempt) * 250 * time.Millisecond):
-			}
-		}
-		buf, err = r.fetch(ctx, off, n)
-		if err == nil {
+	for _, g := range gaps {
+		asked += g.Len
+		if err = r.fetchRetry(ctx, buf[g.Off-off:g.Off-off+g.Len], g.Off); err != nil {
 			break
 		}
-		r.Stats.FetchErrors.Add(1)
-		r.log.Warn("fetching layer chunks", "digest", r.digest, "offset", off, "bytes", n, "attempt", attempt+1, "err", err)
-		if errors.Is(err, errdefs.ErrInvalid) || errors.Is(err, errdefs.ErrPrecondition) {
-			break // a bad answer will not get better by asking again
-		}
+	}
+	if err == nil {
+		r.Stats.FromPack.Add(n - asked)
 	}
 	pos := 0
 	for k, i := range run {
@@ -295,7 +320,7 @@ func (r *Reader) fetchRun(ctx context.Context, run []int, calls []*fetchCall) {
 			data = buf[pos : pos+l : pos+l]
 			if cerr = r.ix.Check(i, data); cerr != nil {
 				r.Stats.BadChunks.Add(1)
-				r.log.Error("layer source sent a chunk that does not match its digest; refusing it", "digest", r.digest, "chunk", i)
+				r.log.Error("a chunk from the layer source (completed from the metadata pack where it holds the bytes) does not match its digest; refusing it", "digest", r.digest, "chunk", i)
 				data = nil
 			} else if perr := r.cache.Put(r.ix.Sums[i], data); perr != nil {
 				r.log.Warn("caching a layer chunk", "digest", r.digest, "err", perr)
@@ -306,22 +331,58 @@ func (r *Reader) fetchRun(ctx context.Context, run []int, calls []*fetchCall) {
 	}
 }
 
-func (r *Reader) fetch(ctx context.Context, off, n int64) ([]byte, error) {
+// fetchRetry fills p from off of the source, retried under the policy.
+func (r *Reader) fetchRetry(ctx context.Context, p []byte, off int64) error {
+	var err error
+	for attempt := range r.policy.Attempts {
+		if attempt > 0 {
+			select {
+			case <-ctx.Done():
+			case <-time.After(time.Duration(attempt) * 250 * time.Millisecond):
+			}
+		}
+		if err = r.fetch(ctx, p, off); err == nil {
+			return nil
+		}
+		r.Stats.FetchErrors.Add(1)
+		r.log.Warn("fetching layer chunks", "digest", r.digest, "offset", off, "bytes", len(p), "attempt", attempt+1, "err", err)
+		if errors.Is(err, errdefs.ErrInvalid) || errors.Is(err, errdefs.ErrPrecondition) {
+			break // a bad answer will not get better by asking again
+		}
+	}
+	return err
+}
+
+// fetch fills p from off of the source in one request.
+func (r *Reader) fetch(ctx context.Context, p []byte, off int64) error {
 	ctx, cancel := context.WithTimeout(ctx, r.policy.Timeout)
 	defer cancel()
 	start := time.Now()
 	r.Stats.Requests.Add(1)
-	rc, err := r.repo.BlobRange(ctx, r.digest, off, n)
+	rc, err := r.repo.BlobRange(ctx, r.digest, off, int64(len(p)))
 	if err != nil {
-		return nil, err
+		return err
 	}
 	defer rc.Close()
-	buf := make([]byte, n)
-	got, err := io.ReadFull(rc, buf)
+	got, err := io.ReadFull(rc, p)
 	r.Stats.BytesFetched.Add(int64(got))
 	r.Stats.FetchNanos.Add(int64(time.Since(start)))
 	if err != nil {
-		return nil, errdefs.Unavailable("reading %d bytes at %d of %s: %v", n, off, short(r.digest), err)
+		return errdefs.Unavailable("reading %d bytes at %d of %s: %v", len(p), off, short(r.digest), err)
 	}
-	return buf, nil
+	return nil
+}
+
+// joinGaps joins the stretches of gaps (sorted, disjoint) that less than
+// skip separates: asking the source again costs more than that many bytes.
+func joinGaps(gaps []Range, skip int64) []Range {
+	var out []Range
+	for _, g := range gaps {
+		if n := len(out); n > 0 && g.Off-(out[n-1].Off+out[n-1].Len) < skip {
+			out[n-1].Len = g.Off + g.Len - out[n-1].Off
+			continue
+		}
+		out = append(out, g)
+	}
+	return out
 }

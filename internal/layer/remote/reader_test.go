@@ -230,3 +230,75 @@ func TestStalledSourceFailsInBoundedTime(t *testing.T) {
 		t.Fatalf("fetch errors counted: %d", rd.Stats.FetchErrors.Load())
 	}
 }
+
+// The bytes a metadata pack holds are not asked of the source again when
+// the chunks around them are fetched: only the stretches the pack lacks
+// are, two of them in one request unless the pack holds at least minSkip
+// between them. Chunks the pack holds whole cost no request, and a chunk
+// put together from the pack is verified like any other.
+func TestPackHeldBytesAreNotFetched(t *testing.T) {
+	const kib = 1 << 10
+	data := make([]byte, 1<<20)
+	rand.Read(data)
+	mk := func(pack []byte) (*Reader, *blobServer) {
+		srv, repo, digest := newBlobServer(t, data, 0)
+		ix, err := BuildIndex(bytes.NewReader(data), int64(len(data)), 64*kib)
+		must(t, err)
+		cache, err := OpenCache(t.TempDir(), 4<<20)
+		must(t, err)
+		rd := NewReader(digest, ix, repo, cache, FetchPolicy{Timeout: 5 * time.Second, Attempts: 1}, nil)
+		rd.meta, err = UnmarshalMetaPack(pack, int64(len(data)))
+		must(t, err)
+		return rd, srv
+	}
+	// The pack holds 8 KiB at the start, chunks 1-3 whole (more than
+	// minSkip) and one page a little later (less than minSkip).
+	held := []Range{{0, 8 * kib}, {64 * kib, 192 * kib}, {300 * kib, 4 * kib}}
+	pack, err := encodeMetaPack(bytes.NewReader(data), held)
+	must(t, err)
+
+	rd, srv := mk(pack)
+	buf := make([]byte, len(data))
+	if _, err := rd.ReadAt(context.Background(), buf, 0); err != nil || !bytes.Equal(buf, data) {
+		t.Fatalf("read of the whole image: %v", err)
+	}
+	// [8K, 64K) alone; [256K, 1M) in one request over the page at 300K.
+	if n := srv.requests.Load(); n != 2 {
+		t.Fatalf("%d requests, want 2", n)
+	}
+	if got, want := rd.Stats.BytesFetched.Load(), int64(56*kib+768*kib); got != want {
+		t.Fatalf("fetched %d bytes, want %d", got, want)
+	}
+	if got, want := rd.Stats.FromPack.Load(), int64(200*kib); got != want {
+		t.Fatalf("%d bytes taken from the pack, want %d", got, want)
+	}
+	// Read: the whole image, its pack's bytes counted once.
+	if got := rd.ReadBytes(); got != int64(len(data)) {
+		t.Fatalf("ReadBytes = %d, want %d", got, len(data))
+	}
+
+	rd, srv = mk(pack)
+	rd.Prefetch(context.Background(), []int{1, 2, 3}, 1)
+	if n := srv.requests.Load(); n != 0 {
+		t.Fatalf("%d requests for chunks the pack holds whole", n)
+	}
+	if _, err := rd.ReadAt(context.Background(), buf[:100*kib], 64*kib); err != nil || !bytes.Equal(buf[:100*kib], data[64*kib:164*kib]) {
+		t.Fatalf("read of prefetched chunks: %v", err)
+	}
+	// The pack alone: the read fell wholly in it.
+	if got, want := rd.ReadBytes(), int64(204*kib); got != want {
+		t.Fatalf("ReadBytes = %d, want %d", got, want)
+	}
+
+	// A pack whose bytes are not the image's: the chunk it completes is
+	// refused, the read fails.
+	bad := append([]byte(nil), pack...)
+	bad[len(bad)-5000] ^= 1 // in the range at 64K
+	rd, _ = mk(bad)
+	if _, err := rd.ReadAt(context.Background(), buf[:10*kib], 250*kib); err == nil {
+		t.Fatal("a read completed from a pack that does not match the image succeeded")
+	}
+	if rd.Stats.BadChunks.Load() == 0 {
+		t.Fatal("no bad chunk counted")
+	}
+}
