@@ -527,6 +527,13 @@ type LayerAddRequest struct {
 	Password string `json:"password,omitempty"`
 }
 
+// LayerGCResult answers POST /v1/layers:gc: the blobs removed, which no
+// ref named and no sandbox used, and the bytes they held.
+type LayerGCResult struct {
+	Removed      []string `json:"removed"`
+	RemovedBytes int64    `json:"removed_bytes"`
+}
+
 // LayerPushResult answers POST /v1/layers:push.
 type LayerPushResult struct {
 	Ref      string `json:"ref"`

@@ -25,6 +25,7 @@ func runLayer(ctx context.Context, args []string) error {
 		{"delete", "remove a layer ref", layerDelete},
 		{"push", "store a layer in an OCI registry", layerPush},
 		{"add", "register a layer kept in an OCI registry, read on demand", layerAdd},
+		{"gc", "remove layer blobs no ref names and no sandbox uses", layerGC},
 	}, args)
 }
 
@@ -233,6 +234,34 @@ func layerDelete(ctx context.Context, args []string) error {
 		return err
 	}
 	return c.DeleteLayer(ctx, pos[0])
+}
+
+func layerGC(ctx context.Context, args []string) error {
+	fs := newCmdFlags("layer gc", "[--json]",
+		"Remove the layer blobs that no ref names and no sandbox uses: those of refs\n"+
+			"re-pointed with replace, and what an interrupted build or import left (once\n"+
+			"its pins are stale, after 10 minutes). Takes a key of the root project; every\n"+
+			"node must answer (a blob is kept while any sandbox uses it).")
+	asJSON := fs.Bool("json", false, "print the API response as JSON")
+	if _, err := fs.parseN(args, 0, 0); err != nil {
+		return err
+	}
+	c, err := newClient()
+	if err != nil {
+		return err
+	}
+	res, err := c.GCLayers(ctx)
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return printJSON(res)
+	}
+	for _, d := range res.Removed {
+		printf(os.Stdout, "removed %s\n", d)
+	}
+	printf(os.Stdout, "%d blobs removed, %s freed\n", len(res.Removed), humanBytes(res.RemovedBytes))
+	return nil
 }
 
 func runNodes(ctx context.Context, args []string) error {

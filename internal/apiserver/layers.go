@@ -91,6 +91,24 @@ func (s *Server) deleteLayer(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
+// gcLayers removes the layer blobs no ref names and no sandbox uses. The
+// blob directory is every project's: only root's keys collect it.
+func (s *Server) gcLayers(w http.ResponseWriter, r *http.Request) {
+	if s.callerProject(r.Context()) != iam.RootProject {
+		s.writeError(w, r, errdefs.PermissionDenied("collecting layer blobs concerns every project's layers: it takes a key of the root project"))
+		return
+	}
+	removed, n, err := s.deps.Layers.GC(func(d string) (bool, error) { return s.inUse(r.Context(), d) })
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	if removed == nil {
+		removed = []string{}
+	}
+	writeJSON(w, http.StatusOK, api.LayerGCResult{Removed: removed, RemovedBytes: n})
+}
+
 // copyBuffer copies with a 256 KiB buffer (files are often large).
 func copyBuffer(w io.Writer, r io.Reader) (int64, error) {
 	return io.CopyBuffer(w, r, make([]byte, 256<<10))

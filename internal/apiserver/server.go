@@ -196,6 +196,7 @@ func (s *Server) routes() {
 	s.handle("POST /v1/layers", iam.LayerWrite, s.buildLayer)
 	s.handle("POST /v1/layers:push", iam.LayerWrite, s.pushLayer)
 	s.handle("POST /v1/layers:add", iam.LayerWrite, s.addLayer)
+	s.handle("POST /v1/layers:gc", iam.LayerWrite, s.gcLayers)
 	s.handle("GET /v1/layers", iam.LayerRead, s.listLayers)
 	s.handle("GET /v1/layers/{ref...}", iam.LayerRead, s.getLayer)
 	s.handle("DELETE /v1/layers/{ref...}", iam.LayerWrite, s.deleteLayer)

@@ -563,7 +563,7 @@ func TestDeleteAndDedup(t *testing.T) {
 	if err != nil || l.Digest == c {
 		t.Fatalf("Replace build = %+v, %v", l, err)
 	}
-	removed, err := s.GC(func(d string) (bool, error) { return false, nil })
+	removed, _, err := s.GC(func(d string) (bool, error) { return false, nil })
 	if err != nil || len(removed) != 1 || removed[0] != c {
 		t.Errorf("GC = %v, %v; want [%s]", removed, err, c)
 	}
@@ -817,7 +817,7 @@ func TestSharedStoreStagingAndBlobs(t *testing.T) {
 		t.Fatalf("a pinned blob was removed: %v", err)
 	}
 	unpin()
-	removed, err := b.GC(nil)
+	removed, _, err := b.GC(nil)
 	if err != nil || len(removed) != 1 || removed[0] != l.Digest {
 		t.Fatalf("GC after the pin: %v, %v", removed, err)
 	}

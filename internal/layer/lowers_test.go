@@ -52,7 +52,7 @@ func TestLowerLayersLiveWithTheBaseNamingThem(t *testing.T) {
 	if gone, err := s.Collect(low); err != nil || gone {
 		t.Fatalf("Collect of a lower layer a base names: removed %v, %v", gone, err)
 	}
-	if removed, err := s.GC(never); err != nil || len(removed) != 0 {
+	if removed, _, err := s.GC(never); err != nil || len(removed) != 0 {
 		t.Fatalf("GC removed %v (%v); the base names both blobs", removed, err)
 	}
 

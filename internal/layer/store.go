@@ -821,24 +821,30 @@ func (s *Store) Delete(ref string, inUse func(digest string) (bool, error)) erro
 	return nil
 }
 
-// GC removes blobs that no ref points at and inUse (may be nil) does not
-// claim, and returns their digests.
-func (s *Store) GC(inUse func(digest string) (bool, error)) ([]string, error) {
+// GC removes blobs that no ref names (as its image or below it) and that
+// inUse (may be nil) does not claim, and returns their digests and how
+// many bytes they held. Blobs a publisher has pinned stay; so do those a
+// crashed one pinned, until the pin is stale (staleAfter). What GC finds:
+// the blobs of refs re-pointed with replace, and what an interrupted
+// publish or merged import left.
+func (s *Store) GC(inUse func(digest string) (bool, error)) (removed []string, bytes int64, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	all, err := s.List("")
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	named := make(map[string]bool, len(all))
 	for _, l := range all {
 		named[l.Digest] = true
+		for _, d := range stackOf(l) {
+			named[d] = true
+		}
 	}
 	entries, err := os.ReadDir(s.blobDir())
 	if err != nil {
-		return nil, fmt.Errorf("collecting layer blobs: %w", err)
+		return nil, 0, fmt.Errorf("collecting layer blobs: %w", err)
 	}
-	var removed []string
 	for _, e := range entries {
 		hex, ok := strings.CutSuffix(e.Name(), ".erofs")
 		digest := "sha256:" + hex
@@ -848,24 +854,29 @@ func (s *Store) GC(inUse func(digest string) (bool, error)) ([]string, error) {
 		if inUse != nil {
 			used, err := inUse(digest)
 			if err != nil {
-				return removed, fmt.Errorf("collecting layer blobs: %w", err)
+				return removed, bytes, fmt.Errorf("collecting layer blobs: %w", err)
 			}
 			if used {
 				continue
 			}
 		}
+		var size int64
+		if fi, err := e.Info(); err == nil {
+			size = fi.Size()
+		}
 		gone, err := s.collect(digest)
 		if err != nil {
-			return removed, fmt.Errorf("collecting layer blobs: %w", err)
+			return removed, bytes, fmt.Errorf("collecting layer blobs: %w", err)
 		}
 		if gone {
 			removed = append(removed, digest)
+			bytes += size
 		}
 	}
 	if len(removed) > 0 {
-		s.log.Info("layer blobs collected", "count", len(removed))
+		s.log.Info("layer blobs collected", "count", len(removed), "bytes", bytes)
 	}
-	return removed, nil
+	return removed, bytes, nil
 }
 
 // referenced reports whether any ref points at digest.

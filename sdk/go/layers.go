@@ -54,6 +54,17 @@ func (c *Client) DeleteLayer(ctx context.Context, ref string) error {
 	return c.call(ctx, request{method: http.MethodDelete, path: "/v1/layers/" + esc(ref)}, nil)
 }
 
+// GCLayers removes the layer blobs that no ref names and no sandbox uses
+// (those of refs re-pointed with replace, what an interrupted build left).
+// It takes a key of the root project.
+func (c *Client) GCLayers(ctx context.Context) (*api.LayerGCResult, error) {
+	var res api.LayerGCResult
+	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/layers:gc"}, &res); err != nil {
+		return nil, err
+	}
+	return &res, nil
+}
+
 // PushLayer stores a layer of the catalog in an OCI registry as an
 // artifact: req.Target is oci://HOST/REPO:TAG (req.Insecure for plain
 // HTTP). Blobs the registry has are not sent again.
