@@ -227,8 +227,14 @@ type imagesBench struct {
 	tags     map[string]string
 }
 
+// imageLayout is the layout layer images are built with (mkfs.erofs
+// -E noinline_data, layer.Store.seal).
+const imageLayout = "noinline"
+
+// tag names a base by what it holds and how layers are laid out
+// (imageLayout): a registry filled by an older dsec is filled again.
 func (b *imagesBench) tag(im benchImage) string {
-	h := sha256.Sum256([]byte("bookworm\x00" + strings.Join(im.packages, ",")))
+	h := sha256.Sum256([]byte("bookworm\x00" + imageLayout + "\x00" + strings.Join(im.packages, ",")))
 	return hex.EncodeToString(h[:6])
 }
 

@@ -520,7 +520,14 @@ func (s *Store) seal(ctx context.Context, what, src string, opts BuildOptions, p
 	tmp.Close()
 	tmpPath = name
 
-	args := []string{"--quiet", "-U", imageUUID}
+	// noinline_data keeps file data (small files' and tails) out of the
+	// inode area: the image's metadata is then compact, which is what a
+	// node fetches eagerly when it reads the image on demand (its
+	// metadata pack). Measured on three Debian bases of 1-1.3 GiB: packs
+	// of 5 MiB instead of 82 for the largest, 28% fewer bytes from the
+	// source and 10% of the images read instead of 15%, for images 6%
+	// larger (docs/operating.md, "Layers from a registry").
+	args := []string{"--quiet", "-U", imageUUID, "-E", "noinline_data"}
 	if opts.Compress != "" {
 		args = append(args, "-z"+opts.Compress)
 	}
