@@ -21,14 +21,14 @@ func TestImageMergeUnder(t *testing.T) {
 	dir := t.TempDir()
 	i1 := newTestImage(t, true, imageLayers(t, "task-m1")...)
 	i2 := newTestImage(t, true, imageLayers(t, "task-m2")...)
-	if i1.sizes[0] != i2.sizes[0] || i1.sizes[1] != i2.sizes[1] {
-		t.Fatalf("the two images do not share their bottom layers: %v %v", i1.sizes, i2.sizes)
+	if i1.Sizes[0] != i2.Sizes[0] || i1.Sizes[1] != i2.Sizes[1] {
+		t.Fatalf("the two images do not share their bottom layers: %v %v", i1.Sizes, i2.Sizes)
 	}
 	// The base and app layers fit under the threshold, the task layer
 	// does not: two runs.
-	under := strconv.FormatInt(i1.sizes[0]+i1.sizes[1], 10)
-	a1 := i1.ociLayout(t, filepath.Join(dir, "m1.tar"))
-	a2 := i2.ociLayout(t, filepath.Join(dir, "m2.tar"))
+	under := strconv.FormatInt(i1.Sizes[0]+i1.Sizes[1], 10)
+	a1 := i1.OCILayout(t, filepath.Join(dir, "m1.tar"))
+	a2 := i2.OCILayout(t, filepath.Join(dir, "m2.tar"))
 	l1 := importCLI(t, a1, "--ref", "base/img-m1:v1", "--merge-under", under)
 	l2 := importCLI(t, a2, "--ref", "base/img-m2:v1", "--merge-under", under)
 	b1, b2 := l1["base/img-m1:v1"], l2["base/img-m2:v1"]

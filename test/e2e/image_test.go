@@ -1,27 +1,21 @@
 package e2e
 
 import (
-	"archive/tar"
 	"bytes"
 	"compress/gzip"
-	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"io"
-	"io/fs"
 	"net/http"
 	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"sort"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/image/imagetest"
 	dsec "github.com/dsecproject/dsec/sdk/go"
 )
 
@@ -32,127 +26,45 @@ import (
 // `docker save` archives and pulled from Debian's docker-registry on
 // 127.0.0.1, and then run.
 
-// layerEntry is one entry of a layer tar built by the tests.
-type layerEntry struct {
-	name string
-	body string
-	dir  bool
-}
+// The test images are built with internal/image/imagetest; these name
+// its parts as the tests use them.
+type (
+	layerEntry = imagetest.Entry
+	testImage  = imagetest.Image
+)
+
+const mediaManifest = imagetest.MediaManifest
 
 func tarLayer(t *testing.T, entries ...layerEntry) []byte {
 	t.Helper()
-	var buf bytes.Buffer
-	tw := tar.NewWriter(&buf)
-	mtime := time.Date(2024, 5, 6, 7, 8, 9, 0, time.UTC)
-	for _, e := range entries {
-		h := &tar.Header{Name: e.name, Mode: 0o644, ModTime: mtime, Typeflag: tar.TypeReg, Size: int64(len(e.body)), Format: tar.FormatPAX}
-		if e.dir {
-			h.Typeflag, h.Mode, h.Size = tar.TypeDir, 0o755, 0
-		}
-		if err := tw.WriteHeader(h); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := tw.Write([]byte(e.body)); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := tw.Close(); err != nil {
-		t.Fatal(err)
-	}
-	return buf.Bytes()
+	return imagetest.Layer(t, entries...)
 }
 
-// tarTree tars the directory at root as an image layer: owners, modes,
-// mtimes and symlinks as found.
 func tarTree(t *testing.T, root string, extra ...layerEntry) []byte {
 	t.Helper()
-	var buf bytes.Buffer
-	tw := tar.NewWriter(&buf)
-	err := filepath.WalkDir(root, func(p string, de fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		rel, _ := filepath.Rel(root, p)
-		if rel == "." {
-			return nil
-		}
-		fi, err := de.Info()
-		if err != nil {
-			return err
-		}
-		link := ""
-		if fi.Mode()&fs.ModeSymlink != 0 {
-			if link, err = os.Readlink(p); err != nil {
-				return err
-			}
-		}
-		h, err := tar.FileInfoHeader(fi, link)
-		if err != nil {
-			return err
-		}
-		h.Name, h.Format = rel, tar.FormatPAX
-		if fi.IsDir() {
-			h.Name += "/"
-		}
-		if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-			h.Uid, h.Gid = int(st.Uid), int(st.Gid)
-		}
-		h.Uname, h.Gname = "", ""
-		if err := tw.WriteHeader(h); err != nil {
-			return err
-		}
-		if fi.Mode().IsRegular() {
-			f, err := os.Open(p)
-			if err != nil {
-				return err
-			}
-			defer f.Close()
-			if _, err := io.Copy(tw, f); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	mtime := time.Date(2024, 5, 6, 7, 8, 9, 0, time.UTC)
-	for _, e := range extra {
-		h := &tar.Header{Name: e.name, Mode: 0o644, ModTime: mtime, Typeflag: tar.TypeReg, Size: int64(len(e.body)), Format: tar.FormatPAX}
-		if e.dir {
-			h.Typeflag, h.Mode, h.Size = tar.TypeDir, 0o755, 0
-		}
-		if err := tw.WriteHeader(h); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := tw.Write([]byte(e.body)); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := tw.Close(); err != nil {
-		t.Fatal(err)
-	}
-	return buf.Bytes()
+	return imagetest.TreeLayer(t, root, extra...)
 }
 
-func sha256Digest(b []byte) string {
-	s := sha256.Sum256(b)
-	return "sha256:" + hex.EncodeToString(s[:])
+func sha256Digest(b []byte) string { return imagetest.Digest(b) }
+
+func writeTar(t *testing.T, p string, files map[string][]byte) string {
+	t.Helper()
+	return imagetest.WriteTar(t, p, files)
 }
 
-// testImage is an OCI image held in memory.
-type testImage struct {
-	blobs    map[string][]byte
-	raw      [][]byte // uncompressed layer tars, bottom first
-	sizes    []int64  // the layer blobs' sizes, as the manifest gives them
-	config   []byte
-	manifest []byte
+func registryPut(t *testing.T, u, contentType string, body []byte) {
+	t.Helper()
+	imagetest.Put(t, u, contentType, body)
 }
 
-const (
-	mediaManifest = "application/vnd.oci.image.manifest.v1+json"
-	mediaConfig   = "application/vnd.oci.image.config.v1+json"
-)
+// newTestImage builds an image from uncompressed layer tars with the
+// tests' config (imageEnv, imageWorkdir, imageUser), gzipping the blobs
+// when compress is set.
+func newTestImage(t *testing.T, compress bool, layers ...[]byte) *testImage {
+	t.Helper()
+	return imagetest.New(t, compress, imagetest.Config{Env: imageEnv, WorkingDir: imageWorkdir, User: imageUser,
+		Entrypoint: []string{"/bin/sh"}, Cmd: []string{"-c", "echo hi"}}, layers...)
+}
 
 // imageEnv, imageWorkdir and imageUser are the config of every test image.
 var (
@@ -160,145 +72,6 @@ var (
 	imageWorkdir = "/app"
 	imageUser    = "user"
 )
-
-// newTestImage builds an image from uncompressed layer tars, gzipping the
-// blobs when compress is set.
-func newTestImage(t *testing.T, compress bool, layers ...[]byte) *testImage {
-	t.Helper()
-	img := &testImage{blobs: map[string][]byte{}, raw: layers}
-	type desc struct {
-		MediaType string `json:"mediaType"`
-		Digest    string `json:"digest"`
-		Size      int64  `json:"size"`
-	}
-	var descs []desc
-	var diffIDs []string
-	for _, raw := range layers {
-		blob, mt := raw, "application/vnd.oci.image.layer.v1.tar"
-		if compress {
-			var buf bytes.Buffer
-			zw := gzip.NewWriter(&buf)
-			zw.Write(raw)
-			zw.Close()
-			blob, mt = buf.Bytes(), "application/vnd.oci.image.layer.v1.tar+gzip"
-		}
-		img.blobs[sha256Digest(blob)] = blob
-		img.sizes = append(img.sizes, int64(len(blob)))
-		descs = append(descs, desc{mt, sha256Digest(blob), int64(len(blob))})
-		diffIDs = append(diffIDs, sha256Digest(raw))
-	}
-	img.config, _ = json.Marshal(map[string]any{
-		"architecture": "amd64", "os": "linux",
-		"config": map[string]any{"Env": imageEnv, "WorkingDir": imageWorkdir, "User": imageUser,
-			"Entrypoint": []string{"/bin/sh"}, "Cmd": []string{"-c", "echo hi"}},
-		"rootfs": map[string]any{"type": "layers", "diff_ids": diffIDs},
-	})
-	img.blobs[sha256Digest(img.config)] = img.config
-	img.manifest, _ = json.Marshal(map[string]any{
-		"schemaVersion": 2, "mediaType": mediaManifest,
-		"config": desc{mediaConfig, sha256Digest(img.config), int64(len(img.config))},
-		"layers": descs,
-	})
-	img.blobs[sha256Digest(img.manifest)] = img.manifest
-	return img
-}
-
-func writeTar(t *testing.T, p string, files map[string][]byte) string {
-	t.Helper()
-	names := make([]string, 0, len(files))
-	for n := range files {
-		names = append(names, n)
-	}
-	sort.Strings(names)
-	var buf bytes.Buffer
-	tw := tar.NewWriter(&buf)
-	for _, n := range names {
-		tw.WriteHeader(&tar.Header{Name: n, Mode: 0o644, Size: int64(len(files[n])), ModTime: time.Unix(1700000000, 0)})
-		tw.Write(files[n])
-	}
-	tw.Close()
-	if err := os.WriteFile(p, buf.Bytes(), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	return p
-}
-
-// ociLayout writes img as an OCI image layout tar.
-func (img *testImage) ociLayout(t *testing.T, p string) string {
-	t.Helper()
-	index, _ := json.Marshal(map[string]any{"schemaVersion": 2, "manifests": []map[string]any{{
-		"mediaType": mediaManifest, "digest": sha256Digest(img.manifest), "size": len(img.manifest),
-		"annotations": map[string]string{"org.opencontainers.image.ref.name": "v1"},
-	}}})
-	files := map[string][]byte{"oci-layout": []byte(`{"imageLayoutVersion":"1.0.0"}`), "index.json": index}
-	for d, b := range img.blobs {
-		files["blobs/sha256/"+strings.TrimPrefix(d, "sha256:")] = b
-	}
-	return writeTar(t, p, files)
-}
-
-// dockerSave writes img as a `docker save` tar (uncompressed layers).
-func (img *testImage) dockerSave(t *testing.T, p string) string {
-	t.Helper()
-	cfgName := strings.TrimPrefix(sha256Digest(img.config), "sha256:") + ".json"
-	files := map[string][]byte{cfgName: img.config}
-	var layers []string
-	for _, raw := range img.raw {
-		name := strings.TrimPrefix(sha256Digest(raw), "sha256:") + "/layer.tar"
-		files[name] = raw
-		layers = append(layers, name)
-	}
-	files["manifest.json"], _ = json.Marshal([]map[string]any{{"Config": cfgName, "RepoTags": []string{"e2e/img:v1"}, "Layers": layers}})
-	return writeTar(t, p, files)
-}
-
-// push uploads img to the registry at host as repo:tag.
-func (img *testImage) push(t *testing.T, host, repo, tag string) {
-	t.Helper()
-	base := "http://" + host
-	for d, b := range img.blobs {
-		if d == sha256Digest(img.manifest) {
-			continue
-		}
-		resp, err := http.Post(base+"/v2/"+repo+"/blobs/uploads/", "", nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusAccepted {
-			t.Fatalf("starting upload: %s", resp.Status)
-		}
-		loc, err := url.Parse(resp.Header.Get("Location"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		u, _ := url.Parse(base)
-		u = u.ResolveReference(loc)
-		q := u.Query()
-		q.Set("digest", d)
-		u.RawQuery = q.Encode()
-		registryPut(t, u.String(), "application/octet-stream", b)
-	}
-	registryPut(t, base+"/v2/"+repo+"/manifests/"+tag, mediaManifest, img.manifest)
-}
-
-func registryPut(t *testing.T, u, contentType string, body []byte) {
-	t.Helper()
-	req, err := http.NewRequest(http.MethodPut, u, bytes.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	req.Header.Set("Content-Type", contentType)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	msg, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusCreated {
-		t.Fatalf("PUT %s: %s: %s", u, resp.Status, msg)
-	}
-}
 
 const registryBin = "/usr/bin/docker-registry"
 
@@ -350,12 +123,12 @@ func startRegistry(t *testing.T) string {
 func imageLayers(t *testing.T, task string) [][]byte {
 	t.Helper()
 	base := tarTree(t, filepath.Join(workDir, "base"),
-		layerEntry{name: "data/", dir: true}, layerEntry{name: "data/keep1", body: "1\n"}, layerEntry{name: "data/keep2", body: "2\n"})
-	app := tarLayer(t, layerEntry{name: "app/", dir: true}, layerEntry{name: "app/hello.txt", body: "hello from the image\n"})
+		layerEntry{Name: "data/", Dir: true}, layerEntry{Name: "data/keep1", Body: "1\n"}, layerEntry{Name: "data/keep2", Body: "2\n"})
+	app := tarLayer(t, layerEntry{Name: "app/", Dir: true}, layerEntry{Name: "app/hello.txt", Body: "hello from the image\n"})
 	tsk := tarLayer(t,
-		layerEntry{name: "task/", dir: true}, layerEntry{name: "task/id", body: task + "\n"},
-		layerEntry{name: "repo/.wh.base-only"},
-		layerEntry{name: "data/", dir: true}, layerEntry{name: "data/.wh..wh..opq"}, layerEntry{name: "data/new", body: "new\n"})
+		layerEntry{Name: "task/", Dir: true}, layerEntry{Name: "task/id", Body: task + "\n"},
+		layerEntry{Name: "repo/.wh.base-only"},
+		layerEntry{Name: "data/", Dir: true}, layerEntry{Name: "data/.wh..wh..opq"}, layerEntry{Name: "data/new", Body: "new\n"})
 	return [][]byte{base, app, tsk}
 }
 
@@ -409,7 +182,7 @@ func importCLI(t *testing.T, archive string, args ...string) map[string]api.Laye
 func TestImageImportOCILayout(t *testing.T) {
 	needDaemon(t)
 	img := newTestImage(t, true, imageLayers(t, "task-a")...)
-	archive := img.ociLayout(t, filepath.Join(t.TempDir(), "img.tar"))
+	archive := img.OCILayout(t, filepath.Join(t.TempDir(), "img.tar"))
 	ls := importCLI(t, archive, "--ref", "base/img-a:v1")
 	l, ok := ls["base/img-a:v1"]
 	if !ok || len(ls) != 1 {
@@ -439,8 +212,8 @@ func TestImageImportSplitSharesBase(t *testing.T) {
 	dir := t.TempDir()
 	// Two task images on the same base and app layers; one as an OCI
 	// layout with gzip'd layers, the other as a docker save archive.
-	a := newTestImage(t, true, imageLayers(t, "task-1")...).ociLayout(t, filepath.Join(dir, "t1.tar"))
-	b := newTestImage(t, false, imageLayers(t, "task-2")...).dockerSave(t, filepath.Join(dir, "t2.tar"))
+	a := newTestImage(t, true, imageLayers(t, "task-1")...).OCILayout(t, filepath.Join(dir, "t1.tar"))
+	b := newTestImage(t, false, imageLayers(t, "task-2")...).DockerSave(t, filepath.Join(dir, "t2.tar"))
 	l1 := importCLI(t, a, "--ref", "base/img-t1:v1", "--workspace", "workspace/img-t1:v1", "--split", "2")
 	l2 := importCLI(t, b, "--ref", "base/img-t2:v1", "--workspace", "workspace/img-t2:v1", "--split", "2")
 	t.Cleanup(func() {
@@ -480,7 +253,7 @@ func TestImagePullFromRegistry(t *testing.T) {
 	needDaemon(t)
 	reg := startRegistry(t)
 	img := newTestImage(t, true, imageLayers(t, "task-p")...)
-	img.push(t, reg, "e2e/img", "v1")
+	img.Push(t, reg, "e2e/img", "v1")
 	ref := reg + "/e2e/img:v1"
 
 	start := time.Now()
@@ -518,7 +291,7 @@ func TestImagePullFromRegistry(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { client.DeleteLayer(ctx(t), "base/img-pulled-sdk:v1") })
-	if res.Digest != sha256Digest(img.manifest) || res.ImageLayers != 3 || res.Config.WorkingDir != imageWorkdir || len(res.Layers) != 1 {
+	if res.Digest != sha256Digest(img.Manifest) || res.ImageLayers != 3 || res.Config.WorkingDir != imageWorkdir || len(res.Layers) != 1 {
 		t.Errorf("pull result %+v", res)
 	}
 
@@ -561,7 +334,7 @@ func TestImageBadInput(t *testing.T) {
 	needDaemon(t)
 	dir := t.TempDir()
 	img := newTestImage(t, true, imageLayers(t, "task-bad")...)
-	good := img.ociLayout(t, filepath.Join(dir, "good.tar"))
+	good := img.OCILayout(t, filepath.Join(dir, "good.tar"))
 	goodBytes, _ := os.ReadFile(good)
 	layersBefore, err := client.ListLayers(ctx(t), "")
 	if err != nil {

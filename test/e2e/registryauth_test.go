@@ -42,7 +42,7 @@ func TestLayerPushAddWithRegistryCredentials(t *testing.T) {
 	needDaemon(t)
 	reg := registrytest.Start(t)
 	host := authProxy(t, reg.Addr, "alice", "s3cret")
-	tarball := tarLayer(t, layerEntry{name: "auth/", dir: true}, layerEntry{name: "auth/hello.txt", body: "behind a password\n"})
+	tarball := tarLayer(t, layerEntry{Name: "auth/", Dir: true}, layerEntry{Name: "auth/hello.txt", Body: "behind a password\n"})
 	const ref = "workspace/e2e-auth:v1"
 	if _, err := client.BuildLayer(ctx(t), "workspace", "e2e-auth", "v1", bytes.NewReader(tarball)); err != nil {
 		t.Fatal(err)

@@ -29,8 +29,8 @@ func TestLayerFromRegistry(t *testing.T) {
 	big := make([]byte, 2<<20+777)
 	rand.Read(big)
 	sum := sha256.Sum256(big)
-	tarball := tarLayer(t, layerEntry{name: "reg/", dir: true}, layerEntry{name: "reg/hello.txt", body: "hello from a registry\n"},
-		layerEntry{name: "reg/big.bin", body: string(big)})
+	tarball := tarLayer(t, layerEntry{Name: "reg/", Dir: true}, layerEntry{Name: "reg/hello.txt", Body: "hello from a registry\n"},
+		layerEntry{Name: "reg/big.bin", Body: string(big)})
 	const ref = "workspace/e2e-registry:v1"
 	l, err := client.BuildLayer(ctx(t), "workspace", "e2e-registry", "v1", bytes.NewReader(tarball))
 	if err != nil {
