@@ -294,9 +294,11 @@ func (b *imagesBench) startRegistry(ctx context.Context, mbps float64) error {
 	}
 	b.proxy = &http.Server{Handler: rp}
 	go b.proxy.Serve(ln)
+	// Wait for the registry itself: asked through the proxy, a registry
+	// not listening yet makes the proxy log an error per try.
 	deadline := time.Now().Add(15 * time.Second)
 	for {
-		resp, err := http.Get("http://" + b.addr + "/v2/")
+		resp, err := http.Get("http://" + b.regAddr + "/v2/")
 		if err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusOK {
@@ -548,7 +550,11 @@ func (b *imagesBench) run(ctx context.Context, mode string, kib int) (imageRun, 
 		if st, err := b.layerfs().Stats(ctx); err == nil {
 			var touched, total int64
 			for _, l := range st.Layers {
-				touched += l.ReadBytes
+				if l.ReadBytes > 0 || l.ChunksTouched == 0 {
+					touched += l.ReadBytes
+				} else { // a layer daemon from before read_bytes
+					touched += l.ChunksTouched*int64(l.ChunkSize) + l.MetaBytes
+				}
 				total += l.SizeBytes
 				r.MetaReads += l.MetaReads
 				r.MetaBytes += l.MetaBytes

@@ -239,9 +239,9 @@ func layerDelete(ctx context.Context, args []string) error {
 func layerGC(ctx context.Context, args []string) error {
 	fs := newCmdFlags("layer gc", "[--json]",
 		"Remove the layer blobs that no ref names and no sandbox uses: those of refs\n"+
-			"re-pointed with replace, and what an interrupted build or import left (once\n"+
-			"its pins are stale, after 10 minutes). Takes a key of the root project; every\n"+
-			"node must answer (a blob is kept while any sandbox uses it).")
+			"re-pointed with replace, and what a build or import that died left (its pins\n"+
+			"go stale 10 minutes after it died). Takes a builder or admin key of the root\n"+
+			"project; every node must answer (a blob is kept while any sandbox uses it).")
 	asJSON := fs.Bool("json", false, "print the API response as JSON")
 	if _, err := fs.parseN(args, 0, 0); err != nil {
 		return err

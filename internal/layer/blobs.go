@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"os"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
@@ -30,6 +31,9 @@ type blobRecord struct {
 // staleAfter is how old a pin or mark may be before it is taken for one
 // a crashed process left: far longer than a publish or a removal takes.
 const staleAfter = 10 * time.Minute
+
+// pinRenewEvery is how often a live pin is renewed (a variable for tests).
+var pinRenewEvery = staleAfter / 4
 
 var (
 	errCollecting = errors.New("blob being removed")
@@ -95,19 +99,64 @@ func (s *Store) pin(digest string) (func(), error) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	return func() {
-		err := s.st.Update(blobsBucket, digest, func(old []byte) ([]byte, error) {
-			r, err := decodeBlob(old)
-			if err != nil {
-				return nil, err
+	// A pin held long (the lowers of a long merged import) is renewed so
+	// that it does not go stale while its holder lives: written again,
+	// even if another process already took it for stale. mu orders the
+	// renewals before the unpin.
+	var mu sync.Mutex
+	done := false
+	stop := make(chan struct{})
+	go func() {
+		t := time.NewTicker(pinRenewEvery)
+		defer t.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-t.C:
 			}
-			delete(r.Pins, id)
-			return encodeBlob(r)
-		})
-		if err != nil {
-			// The pin goes stale on its own.
-			s.log.Warn("unpinning layer blob", "digest", digest, "err", err)
+			mu.Lock()
+			if done {
+				mu.Unlock()
+				return
+			}
+			err := s.st.Update(blobsBucket, digest, func(old []byte) ([]byte, error) {
+				r, err := decodeBlob(old)
+				if err != nil {
+					return nil, err
+				}
+				if r.Pins == nil {
+					r.Pins = map[string]time.Time{}
+				}
+				r.Pins[id] = time.Now()
+				return encodeBlob(r)
+			})
+			mu.Unlock()
+			if err != nil {
+				s.log.Warn("renewing a layer blob's pin", "digest", digest, "err", err)
+			}
 		}
+	}()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			mu.Lock()
+			done = true
+			close(stop)
+			mu.Unlock()
+			err := s.st.Update(blobsBucket, digest, func(old []byte) ([]byte, error) {
+				r, err := decodeBlob(old)
+				if err != nil {
+					return nil, err
+				}
+				delete(r.Pins, id)
+				return encodeBlob(r)
+			})
+			if err != nil {
+				// The pin goes stale on its own.
+				s.log.Warn("unpinning layer blob", "digest", digest, "err", err)
+			}
+		})
 	}, nil
 }
 

@@ -56,7 +56,7 @@ func (c *Client) DeleteLayer(ctx context.Context, ref string) error {
 
 // GCLayers removes the layer blobs that no ref names and no sandbox uses
 // (those of refs re-pointed with replace, what an interrupted build left).
-// It takes a key of the root project.
+// It takes a builder or admin key of the root project.
 func (c *Client) GCLayers(ctx context.Context) (*api.LayerGCResult, error) {
 	var res api.LayerGCResult
 	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/layers:gc"}, &res); err != nil {

@@ -83,8 +83,8 @@ func TestMergedImageOnEveryNode(t *testing.T) {
 		t.Fatalf("snapshot: %v", err)
 	}
 	sb := newSandbox(t, api.SandboxSpec{Snapshot: snapRef, NodeSelector: map[string]string{"zone": "z3"}})
-	if sb.Node == first.Node {
-		t.Fatalf("the snapshot's sandbox is on %s, where the snapshot was taken", sb.Node)
+	if sb.Node != "e3" || first.Node != "e1" {
+		t.Fatalf("the snapshot taken on %s runs on %s, want e1 and e3", first.Node, sb.Node)
 	}
 	if out := mustExec(t, c.client, sb.ID, "cat /app/hello.txt; ls /data"); out != "changed\nnew\n" {
 		t.Fatalf("from the snapshot on %s: %q", sb.Node, out)

@@ -628,6 +628,10 @@ type LayerStats struct {
 	// the node has read (pack and chunks, what they share once).
 	FromPackBytes int64 `json:"from_pack_bytes"`
 	ReadBytes     int64 `json:"read_bytes"`
+	// PackMismatches counts chunks completed from the pack that failed
+	// their digest while the source's bytes passed: the pack is wrong,
+	// and no longer used.
+	PackMismatches int64 `json:"pack_mismatches"`
 }
 
 // DaemonStats answer GET /stats.
@@ -646,14 +650,21 @@ type DaemonStats struct {
 func (d *Daemon) stats(w http.ResponseWriter, r *http.Request) {
 	out := DaemonStats{CacheBytes: d.cache.Size(), CacheMaxBytes: d.cfg.CacheBytes, OpenImages: int64(d.mounted()), Layers: []LayerStats{},
 		DockerConfig: d.cfg.DockerConfig}
+	// The readers are copied out: every FUSE call takes d.mu, and a
+	// reader's figures take its own lock.
 	d.mu.Lock()
+	readers := make([]*Reader, 0, len(d.readers))
 	for _, rd := range d.readers {
+		readers = append(readers, rd)
+	}
+	d.mu.Unlock()
+	for _, rd := range readers {
 		s := &rd.Stats
 		ls := LayerStats{Digest: rd.digest, SizeBytes: rd.ix.Size, ChunkSize: rd.ix.ChunkSize, Chunks: rd.ix.Chunks(), ChunksTouched: s.ChunksTouched.Load(),
 			BytesFetched: s.BytesFetched.Load(), Requests: s.Requests.Load(), FetchErrors: s.FetchErrors.Load(),
 			FetchSeconds: time.Duration(s.FetchNanos.Load()).Seconds(), CacheHits: s.CacheHits.Load(),
 			CacheMisses: s.CacheMisses.Load(), BadChunks: s.BadChunks.Load(), MetaReads: s.MetaReads.Load(),
-			FromPackBytes: s.FromPack.Load(), ReadBytes: rd.ReadBytes()}
+			FromPackBytes: s.FromPack.Load(), ReadBytes: rd.ReadBytes(), PackMismatches: s.PackMismatches.Load()}
 		if rd.meta != nil {
 			ls.MetaBytes = rd.meta.Bytes()
 		}
@@ -662,7 +673,6 @@ func (d *Daemon) stats(w http.ResponseWriter, r *http.Request) {
 		}
 		out.Layers = append(out.Layers, ls)
 	}
-	d.mu.Unlock()
 	sort.Slice(out.Layers, func(i, j int) bool { return out.Layers[i].Digest < out.Layers[j].Digest })
 	w.Header().Set("Content-Type", "application/json")
 	json.NewEncoder(w).Encode(out)

@@ -14,8 +14,8 @@ import (
 type Collector struct {
 	src *Source
 
-	fetched, requests, errors, seconds, hits, misses, bad, fraction, size, metaReads, metaBytes *prometheus.Desc
-	cacheBytes, cacheMax, mounted                                                               *prometheus.Desc
+	fetched, requests, errors, seconds, hits, misses, bad, fraction, size, metaReads, metaBytes, packBad, readBytes *prometheus.Desc
+	cacheBytes, cacheMax, mounted                                                                                   *prometheus.Desc
 }
 
 // NewCollector returns a collector of src's daemon.
@@ -37,6 +37,8 @@ func NewCollector(src *Source) *Collector {
 		size:       d("dsec_layer_image_bytes", "Size of a registry-backed layer's image.", l),
 		metaReads:  d("dsec_layer_metadata_reads_total", "Reads of a layer's image served from its metadata pack, fetched whole at registration.", l),
 		metaBytes:  d("dsec_layer_metadata_bytes", "Size of a layer's metadata pack (0: its artifact has none).", l),
+		packBad:    d("dsec_layer_metadata_pack_mismatches_total", "Chunks completed from a layer's metadata pack that failed their digest while the source's bytes passed (the pack is then no longer used).", l),
+		readBytes:  d("dsec_layer_read_bytes", "Bytes of a layer's image brought to the node: its metadata pack and the chunks read, what they share once.", l),
 		cacheBytes: d("dsec_layer_cache_bytes", "Bytes in the node's chunk cache.", nil),
 		cacheMax:   d("dsec_layer_cache_max_bytes", "Bound of the node's chunk cache.", nil),
 		mounted:    d("dsec_layer_images_mounted", "Registry-backed layer images mounted on the node.", nil),
@@ -46,7 +48,7 @@ func NewCollector(src *Source) *Collector {
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.fetched, c.requests, c.errors, c.seconds, c.hits, c.misses, c.bad, c.fraction, c.size, c.metaReads, c.metaBytes,
-		c.cacheBytes, c.cacheMax, c.mounted} {
+		c.packBad, c.readBytes, c.cacheBytes, c.cacheMax, c.mounted} {
 		ch <- d
 	}
 }
@@ -76,5 +78,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.size, g, float64(l.SizeBytes), l.Digest)
 		ch <- prometheus.MustNewConstMetric(c.metaReads, k, float64(l.MetaReads), l.Digest)
 		ch <- prometheus.MustNewConstMetric(c.metaBytes, g, float64(l.MetaBytes), l.Digest)
+		ch <- prometheus.MustNewConstMetric(c.packBad, k, float64(l.PackMismatches), l.Digest)
+		ch <- prometheus.MustNewConstMetric(c.readBytes, g, float64(l.ReadBytes), l.Digest)
 	}
 }

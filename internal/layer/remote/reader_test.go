@@ -238,22 +238,28 @@ func TestStalledSourceFailsInBoundedTime(t *testing.T) {
 // put together from the pack is verified like any other.
 func TestPackHeldBytesAreNotFetched(t *testing.T) {
 	const kib = 1 << 10
-	data := make([]byte, 1<<20)
+	const cs = 256 * kib
+	ms := int64(minSkip)
+	if ms%cs != 0 || ms > 8*cs {
+		t.Fatalf("the test lays the pack out in chunks of %d around minSkip %d", cs, ms)
+	}
+	data := make([]byte, 16*cs) // one run at most (maxRun)
 	rand.Read(data)
 	mk := func(pack []byte) (*Reader, *blobServer) {
 		srv, repo, digest := newBlobServer(t, data, 0)
-		ix, err := BuildIndex(bytes.NewReader(data), int64(len(data)), 64*kib)
+		ix, err := BuildIndex(bytes.NewReader(data), int64(len(data)), cs)
 		must(t, err)
-		cache, err := OpenCache(t.TempDir(), 4<<20)
+		cache, err := OpenCache(t.TempDir(), 64<<20)
 		must(t, err)
 		rd := NewReader(digest, ix, repo, cache, FetchPolicy{Timeout: 5 * time.Second, Attempts: 1}, nil)
 		rd.meta, err = UnmarshalMetaPack(pack, int64(len(data)))
 		must(t, err)
 		return rd, srv
 	}
-	// The pack holds 8 KiB at the start, chunks 1-3 whole (more than
-	// minSkip) and one page a little later (less than minSkip).
-	held := []Range{{0, 8 * kib}, {64 * kib, 192 * kib}, {300 * kib, 4 * kib}}
+	// The pack holds 8 KiB at the start, minSkip from chunk 1 on (whole
+	// chunks), and one page 44 KiB after that (less than minSkip).
+	heldEnd := cs + ms
+	held := []Range{{0, 8 * kib}, {cs, ms}, {heldEnd + 44*kib, 4 * kib}}
 	pack, err := encodeMetaPack(bytes.NewReader(data), held)
 	must(t, err)
 
@@ -262,14 +268,14 @@ func TestPackHeldBytesAreNotFetched(t *testing.T) {
 	if _, err := rd.ReadAt(context.Background(), buf, 0); err != nil || !bytes.Equal(buf, data) {
 		t.Fatalf("read of the whole image: %v", err)
 	}
-	// [8K, 64K) alone; [256K, 1M) in one request over the page at 300K.
+	// [8K, cs) alone; [heldEnd, end) in one request over the lone page.
 	if n := srv.requests.Load(); n != 2 {
 		t.Fatalf("%d requests, want 2", n)
 	}
-	if got, want := rd.Stats.BytesFetched.Load(), int64(56*kib+768*kib); got != want {
+	if got, want := rd.Stats.BytesFetched.Load(), int64(len(data))-8*kib-ms; got != want {
 		t.Fatalf("fetched %d bytes, want %d", got, want)
 	}
-	if got, want := rd.Stats.FromPack.Load(), int64(200*kib); got != want {
+	if got, want := rd.Stats.FromPack.Load(), 8*kib+ms; got != want {
 		t.Fatalf("%d bytes taken from the pack, want %d", got, want)
 	}
 	// Read: the whole image, its pack's bytes counted once.
@@ -277,28 +283,50 @@ func TestPackHeldBytesAreNotFetched(t *testing.T) {
 		t.Fatalf("ReadBytes = %d, want %d", got, len(data))
 	}
 
+	// Prefetching the chunks the pack holds whole asks nothing of the
+	// source and still checks them into the cache.
 	rd, srv = mk(pack)
-	rd.Prefetch(context.Background(), []int{1, 2, 3}, 1)
+	whole := []int{}
+	for i := 1; int64(i)*cs < heldEnd; i++ {
+		whole = append(whole, i)
+	}
+	rd.Prefetch(context.Background(), whole, 1)
 	if n := srv.requests.Load(); n != 0 {
 		t.Fatalf("%d requests for chunks the pack holds whole", n)
 	}
-	if _, err := rd.ReadAt(context.Background(), buf[:100*kib], 64*kib); err != nil || !bytes.Equal(buf[:100*kib], data[64*kib:164*kib]) {
-		t.Fatalf("read of prefetched chunks: %v", err)
+	for _, i := range whole {
+		if !rd.cache.Has(rd.ix.Sums[i]) {
+			t.Fatalf("chunk %d, which the pack holds whole, was not checked into the cache", i)
+		}
+	}
+	if got := rd.Stats.FromPack.Load(); got != ms {
+		t.Fatalf("%d bytes taken from the pack, want %d", got, ms)
+	}
+	if _, err := rd.ReadAt(context.Background(), buf[:100*kib], cs); err != nil || !bytes.Equal(buf[:100*kib], data[cs:cs+100*kib]) {
+		t.Fatalf("read in the pack: %v", err)
 	}
 	// The pack alone: the read fell wholly in it.
-	if got, want := rd.ReadBytes(), int64(204*kib); got != want {
+	if got, want := rd.ReadBytes(), 12*kib+ms; got != want {
 		t.Fatalf("ReadBytes = %d, want %d", got, want)
 	}
 
-	// A pack whose bytes are not the image's: the chunk it completes is
-	// refused, the read fails.
+	// A pack whose bytes are not the image's: the chunk it completes
+	// fails its digest and is fetched whole from the source, which
+	// passes; the pack is not used again, for chunks or metadata reads.
 	bad := append([]byte(nil), pack...)
-	bad[len(bad)-5000] ^= 1 // in the range at 64K
+	bad[len(bad)-5000] ^= 1 // 904 bytes before the end of the range at cs
+	at := heldEnd - 904
 	rd, _ = mk(bad)
-	if _, err := rd.ReadAt(context.Background(), buf[:10*kib], 250*kib); err == nil {
-		t.Fatal("a read completed from a pack that does not match the image succeeded")
+	if _, err := rd.ReadAt(context.Background(), buf[:20*kib], heldEnd-10*kib); err != nil || !bytes.Equal(buf[:20*kib], data[heldEnd-10*kib:heldEnd+10*kib]) {
+		t.Fatalf("a read of a chunk the bad pack completed: %v", err)
 	}
-	if rd.Stats.BadChunks.Load() == 0 {
-		t.Fatal("no bad chunk counted")
+	if rd.Stats.PackMismatches.Load() != 1 || rd.Stats.BadChunks.Load() != 0 {
+		t.Fatalf("%d pack mismatches and %d bad chunks, want 1 and 0", rd.Stats.PackMismatches.Load(), rd.Stats.BadChunks.Load())
+	}
+	if _, err := rd.ReadAt(context.Background(), buf[:100], at-50); err != nil || !bytes.Equal(buf[:100], data[at-50:at+50]) {
+		t.Fatalf("a metadata read after the pack proved wrong: %v", err)
+	}
+	if rd.Stats.MetaReads.Load() != 0 {
+		t.Fatalf("%d reads served from a pack known to be wrong", rd.Stats.MetaReads.Load())
 	}
 }
