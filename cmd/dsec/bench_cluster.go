@@ -37,6 +37,7 @@ type benchClusterOpts struct {
 	apiservers int
 	rounds     int
 	dir        string
+	profile    string
 	keep       bool
 	jsonOut    bool
 }
@@ -77,6 +78,7 @@ func runBenchCluster(args []string) error {
 	f.IntVar(&o.rounds, "rounds", 2, "rounds of every measure, alternating dsec up and the cluster")
 	f.StringVar(&o.dir, "dir", "", "working directory (default: a new one under /tmp, removed afterwards)")
 	f.BoolVar(&o.keep, "keep", false, "keep the working directory and the daemons' logs")
+	f.StringVar(&o.profile, "profile", "", "write CPU profiles of every daemon over each burst to this directory (ROUND-SIDE-NAME.pprof)")
 	f.BoolVar(&o.jsonOut, "json", false, "print JSON instead of a table")
 	if _, err := f.parseN(args, 0, 0); err != nil {
 		return err
@@ -122,6 +124,72 @@ type benchWorld struct {
 	cluster, clusterBare *dsec.Client
 	upRef                string
 	clRef                string
+	// pprof is the profiling address of each daemon by name, when the
+	// bench profiles.
+	pprof map[string]string
+}
+
+// profEnv is the environment of a daemon named name: a profiling
+// listener of its own when on (b.pprof records where).
+func (b *benchWorld) profEnv(on bool, name string) ([]string, error) {
+	if !on {
+		return nil, nil
+	}
+	port, err := benchPort("127.0.0.1")
+	if err != nil {
+		return nil, err
+	}
+	if b.pprof == nil {
+		b.pprof = map[string]string{}
+	}
+	b.pprof[name] = "127.0.0.1:" + port
+	return []string{profileEnv + "=127.0.0.1:" + port}, nil
+}
+
+// profileDaemons takes CPU profiles of secs seconds of the daemons names
+// (all of them if nil) at once, into dir as PREFIXNAME.pprof. A profile
+// counts CPU time only, so seconds past the work profiled add nothing.
+func (b *benchWorld) profileDaemons(dir, prefix string, names []string, secs int) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	if names == nil {
+		for name := range b.pprof {
+			names = append(names, name)
+		}
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, len(names))
+	for _, name := range names {
+		addr, ok := b.pprof[name]
+		if !ok {
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			hc := &http.Client{Timeout: time.Duration(secs+30) * time.Second}
+			resp, err := hc.Get(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", addr, secs))
+			if err != nil {
+				errs <- fmt.Errorf("profiling %s: %w", name, err)
+				return
+			}
+			defer resp.Body.Close()
+			out, err := os.Create(filepath.Join(dir, prefix+name+".pprof"))
+			if err == nil {
+				_, err = io.Copy(out, resp.Body)
+				if cerr := out.Close(); err == nil {
+					err = cerr
+				}
+			}
+			if err != nil {
+				errs <- fmt.Errorf("profiling %s: %w", name, err)
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	return <-errs
 }
 
 const benchKey = "bench-cluster-key-0123456789abcdef"
@@ -253,12 +321,16 @@ func startBenchWorld(ctx context.Context, o benchClusterOpts) (*benchWorld, erro
 		return b, err
 	}
 	b.metrics = append(b.metrics, "http://127.0.0.1:"+upPort+"/metrics")
-	up, err := b.start("up", append([]string{"up", "--listen", "127.0.0.1:" + upPort, "--state-dir", filepath.Join(dir, "up"),
+	upEnv, err := b.profEnv(o.profile != "", "up")
+	if err != nil {
+		return b, err
+	}
+	up, err := b.startEnv("up", upEnv, append([]string{"up", "--listen", "127.0.0.1:" + upPort, "--state-dir", filepath.Join(dir, "up"),
 		"--api-key", benchKey, "--config", filepath.Join(dir, "up-config.json"), "--sandbox-cidr", "10.254.0.0/20"}, common...)...)
 	if err != nil {
 		return b, err
 	}
-	cl, endpoints, err := b.startControlPlane(ctx, o.apiservers, nil)
+	cl, endpoints, err := b.startControlPlane(ctx, o.apiservers, func(name string) ([]string, error) { return b.profEnv(o.profile != "", name) })
 	if err != nil {
 		return b, err
 	}
@@ -276,7 +348,12 @@ func startBenchWorld(ctx context.Context, o benchClusterOpts) (*benchWorld, erro
 		args := append([]string{"edge", "--listen", host + ":" + port, "--node-name", fmt.Sprintf("bench%d", i+1),
 			"--state-dir", filepath.Join(dir, fmt.Sprintf("edge%d", i+1)), "--sandbox-cidr", fmt.Sprintf("10.254.%d.0/20", 16*(i+1)),
 			"--metrics-listen", "127.0.0.1:" + mport, "--node-labels", fmt.Sprintf("zone=bench%d", i+1)}, cl...)
-		if _, err := b.start(fmt.Sprintf("edge%d", i+1), append(args, common...)...); err != nil {
+		name := fmt.Sprintf("edge%d", i+1)
+		env, err := b.profEnv(o.profile != "", name)
+		if err != nil {
+			return b, err
+		}
+		if _, err := b.startEnv(name, env, append(args, common...)...); err != nil {
 			return b, err
 		}
 	}
@@ -519,6 +596,10 @@ type benchSide struct {
 	pin map[string]string
 }
 
+// profileSeconds is how long bench cluster --profile samples each burst:
+// longer than a burst of 1,000 here (a profile counts CPU time only).
+const profileSeconds = 10
+
 func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]clusterRow, error) {
 	sides := []benchSide{
 		{name: "dsec up", c: b.up, bare: b.upBare, ref: b.upRef},
@@ -667,6 +748,18 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 			for role, pids := range roles {
 				before[role] = cpuSeconds(pids)
 			}
+			profDone := make(chan error, 1)
+			if o.profile != "" {
+				var names []string
+				for name := range b.pprof {
+					if (name == "up") == (si == 0) {
+						names = append(names, name)
+					}
+				}
+				prefix := fmt.Sprintf("round%d-%s-", r+1, map[int]string{0: "up", 1: "cluster"}[si])
+				go func() { profDone <- b.profileDaemons(o.profile, prefix, names, profileSeconds) }()
+				time.Sleep(100 * time.Millisecond) // the profiles start first
+			}
 			d, f, w, ferr := runParallel(o.burst, o.burstConc, func(i int) error {
 				sb, err := side.c.CreateSandbox(ctx, api.SandboxSpec{Base: side.ref, Labels: map[string]string{"bench": "burst"}})
 				if err == nil {
@@ -683,6 +776,13 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 			burst[si].add(d, f, w)
 			for role, pids := range roles {
 				cpu[role] += cpuSeconds(pids) - before[role]
+			}
+			if o.profile != "" {
+				// The deletes wait for the profiles to end: they would
+				// be counted in them.
+				if err := <-profDone; err != nil {
+					return nil, err
+				}
 			}
 			d, f, w, _ = runParallel(o.burst, o.burstConc, func(i int) error {
 				if ids[i] == "" {

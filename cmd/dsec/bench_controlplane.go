@@ -159,10 +159,8 @@ func (o *cpOpts) check() error {
 type cpWorld struct {
 	benchWorld
 	clients []*dsec.Client
-	// servers are the apiservers' base URLs; pprof the profiling address
-	// of each daemon by name (with --profile).
+	// servers are the apiservers' base URLs.
 	servers []string
-	pprof   map[string]string
 	// hollow[k] is the k-th hollow process's edge names and hollowProc[k]
 	// the process (the
 	// edge-death phase kills and restarts one).
@@ -199,15 +197,7 @@ func (w *cpWorld) clientsOf(o cpOpts, urls []string) ([]*dsec.Client, error) {
 // daemonEnv is the environment a daemon of the bench starts with: a
 // profiling listener of its own with --profile.
 func (w *cpWorld) daemonEnv(o cpOpts, name string) ([]string, error) {
-	if o.profile == "" {
-		return nil, nil
-	}
-	port, err := benchPort("127.0.0.1")
-	if err != nil {
-		return nil, err
-	}
-	w.pprof[name] = "127.0.0.1:" + port
-	return []string{profileEnv + "=127.0.0.1:" + port}, nil
+	return w.profEnv(o.profile != "", name)
 }
 
 func startCPWorld(ctx context.Context, o cpOpts) (*cpWorld, error) {
@@ -227,7 +217,7 @@ func startCPWorld(ctx context.Context, o cpOpts) (*cpWorld, error) {
 	if err != nil {
 		return nil, err
 	}
-	w := &cpWorld{benchWorld: benchWorld{dir: dir, bin: bin}, pprof: map[string]string{}, label: fmt.Sprintf("cp-%d", time.Now().UnixNano())}
+	w := &cpWorld{benchWorld: benchWorld{dir: dir, bin: bin}, label: fmt.Sprintf("cp-%d", time.Now().UnixNano())}
 	progress("starting etcd, %d apiserver(s) and %d hollow edges in %s", o.apiservers, o.edges, dir)
 	_, servers, err := w.startControlPlane(ctx, o.apiservers, func(name string) ([]string, error) { return w.daemonEnv(o, name) })
 	if err != nil {
@@ -722,35 +712,9 @@ func (w *cpWorld) profiles(ctx context.Context, o cpOpts) error {
 	if err := pprof.StartCPUProfile(f); err != nil {
 		return err
 	}
-	var wg sync.WaitGroup
-	errs := make(chan error, len(w.pprof))
-	for name, addr := range w.pprof {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			hc := &http.Client{Timeout: time.Duration(secs+30) * time.Second}
-			resp, err := hc.Get(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", addr, secs))
-			if err != nil {
-				errs <- fmt.Errorf("profiling %s: %w", name, err)
-				return
-			}
-			defer resp.Body.Close()
-			out, err := os.Create(filepath.Join(o.profile, name+".pprof"))
-			if err == nil {
-				_, err = io.Copy(out, resp.Body)
-				if cerr := out.Close(); err == nil {
-					err = cerr
-				}
-			}
-			if err != nil {
-				errs <- fmt.Errorf("profiling %s: %w", name, err)
-			}
-		}()
-	}
-	wg.Wait()
+	err = w.profileDaemons(o.profile, "", nil, secs)
 	pprof.StopCPUProfile()
-	close(errs)
-	if err := <-errs; err != nil {
+	if err != nil {
 		return err
 	}
 	progress("CPU profiles of %d s in %s (go tool pprof -top %s/NAME.pprof)", secs, o.profile, o.profile)
