@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/dsecproject/dsec/internal/apiserver"
 	"github.com/dsecproject/dsec/internal/placement"
 )
 
@@ -254,6 +255,23 @@ func TestPlacementFlags(t *testing.T) {
 	for _, bad := range []string{"0", "-2", "some", ""} {
 		if _, _, err := parseServer(append(append([]string{}, base...), "--placement-k", bad)); err == nil || !strings.Contains(err.Error(), "--placement-k") {
 			t.Errorf("--placement-k %q: %v, want an error naming the flag", bad, err)
+		}
+	}
+}
+
+func TestIdempotencyTTLFlag(t *testing.T) {
+	base := []string{"--etcd", "http://127.0.0.1:2379", "--cluster", "/c", "--layers", "/l"}
+	c, _, err := parseServer(base)
+	if err != nil || c.idemTTL != apiserver.DefaultIdempotencyTTL {
+		t.Fatalf("default: %v (%v), want %v", c.idemTTL, err, apiserver.DefaultIdempotencyTTL)
+	}
+	c, _, err = parseServer(append(append([]string{}, base...), "--idempotency-ttl", "2h"))
+	if err != nil || c.idemTTL != 2*time.Hour {
+		t.Fatalf("2h: %v (%v)", c.idemTTL, err)
+	}
+	for _, bad := range []string{"30s", "721h", "-1h", "0"} {
+		if _, _, err := parseServer(append(append([]string{}, base...), "--idempotency-ttl", bad)); err == nil || !strings.Contains(err.Error(), "--idempotency-ttl") {
+			t.Errorf("--idempotency-ttl %s: %v, want an error naming the flag", bad, err)
 		}
 	}
 }

@@ -93,6 +93,8 @@ type serverConfig struct {
 	maxConns   int
 	// e2bDefaultTemplate is --e2b-default-template (up.go).
 	e2bDefaultTemplate string
+	// idemTTL is --idempotency-ttl (up.go).
+	idemTTL time.Duration
 }
 
 // parseServer parses and checks `dsec server`'s flags.
@@ -108,6 +110,7 @@ func parseServer(args []string) (serverConfig, placement.Config, error) {
 	overlay := f.Bool("placement-overlay", true, "count this apiserver's placements that the watcher's view does not show yet as load (false only to measure what that is worth: bursts herd)")
 	f.IntVar(&c.maxConns, "max-connections", 0, maxConnsHelp)
 	f.StringVar(&c.e2bDefaultTemplate, "e2b-default-template", defaultE2BTemplate, e2bDefaultTemplateHelp)
+	f.DurationVar(&c.idemTTL, "idempotency-ttl", apiserver.DefaultIdempotencyTTL, idemTTLHelp)
 	f.Var(c.overflow, "overflow-pool", "`pool=utilization` (repeatable or comma-separated): nodes labelled pool=NAME take sandboxes only once every other node is at least that full, e.g. cloud=0.8")
 	c.clusterFlags.register(f)
 	if _, err := f.parseN(args, 0, 0); err != nil {
@@ -121,6 +124,9 @@ func parseServer(args []string) (serverConfig, placement.Config, error) {
 		return c, placement.Config{}, err
 	}
 	if err := checkMaxConns(c.maxConns); err != nil {
+		return c, placement.Config{}, err
+	}
+	if err := checkIdemTTL(c.idemTTL); err != nil {
 		return c, placement.Config{}, err
 	}
 	overflow := map[string]float64{}
@@ -235,7 +241,7 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 	srv := apiserver.New(apiserver.Deps{
 		IAM: ident, Layers: layers, Nodes: view, Placement: pc, Log: log.With("apiserver", instance),
 		Registry: reg, Gatherer: reg, Policy: clusterPolicy(), MaxLayerBytes: 64 << 30,
-		Store: st, QuotaStore: st, Instance: instance, E2BDefaultTemplate: c.e2bDefaultTemplate,
+		Store: st, QuotaStore: st, Instance: instance, E2BDefaultTemplate: c.e2bDefaultTemplate, IdempotencyTTL: c.idemTTL,
 		Alive: func(other string) (bool, error) { return cluster.ServerAlive(st, other) },
 	})
 	go srv.Run(ctx)

@@ -43,6 +43,8 @@ type upConfig struct {
 	// e2bDefaultTemplate is what the E2B API's template "base" stands
 	// for when no alias of that name exists.
 	e2bDefaultTemplate string
+	// idemTTL is --idempotency-ttl.
+	idemTTL time.Duration
 }
 
 // defaultE2BTemplate is the default of --e2b-default-template: the Debian
@@ -67,6 +69,7 @@ func runUp(args []string) error {
 	f.StringVar(&c.node.nodeName, "node-name", "local", "this node's name (part of every sandbox id)")
 	f.IntVar(&c.maxConns, "max-connections", 0, maxConnsHelp)
 	f.StringVar(&c.e2bDefaultTemplate, "e2b-default-template", defaultE2BTemplate, e2bDefaultTemplateHelp)
+	f.DurationVar(&c.idemTTL, "idempotency-ttl", apiserver.DefaultIdempotencyTTL, idemTTLHelp)
 	c.node.register(f)
 	f.StringVar(&c.configPath, "config", "", "client config file to write (default ~/.config/dsec/config.json or $DSEC_CONFIG)")
 	f.StringVar(&c.logFormat, "log-format", "text", "log format: text or json")
@@ -78,6 +81,9 @@ func runUp(args []string) error {
 		return err
 	}
 	if err := checkMaxConns(c.maxConns); err != nil {
+		return err
+	}
+	if err := checkIdemTTL(c.idemTTL); err != nil {
 		return err
 	}
 	return daemon(c.logFormat, c.logLevel, func(ctx context.Context, log *slog.Logger) error { return up(ctx, c, log) })
@@ -127,6 +133,18 @@ func serveUntilDone(ctx context.Context, log *slog.Logger, stopping string, serv
 
 // maxConnsHelp describes --max-connections, the same for every daemon.
 const maxConnsHelp = "most connections the API keeps open at once (0 = a quarter of the open-files limit, 64 to 16384); at most half may be connections that have not yet carried an authenticated request, and a new connection past that closes the oldest of those"
+
+// idemTTLHelp describes --idempotency-ttl, the same for dsec up and dsec
+// server.
+const idemTTLHelp = "how long a keyed call's record answers its repeats (1m to 720h); each keyed create keeps about 1.5 KiB in the store that long, so a cluster's etcd holds about rate × TTL × 1.5 KiB of them"
+
+// checkIdemTTL checks --idempotency-ttl.
+func checkIdemTTL(d time.Duration) error {
+	if d < time.Minute || d > 720*time.Hour {
+		return fmt.Errorf("--idempotency-ttl %s: want 1m to 720h", d)
+	}
+	return nil
+}
 
 func checkMaxConns(n int) error {
 	if n != 0 && n < 16 {
@@ -262,6 +280,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 		IAM: ident, Layers: layers, Nodes: view, Log: log,
 		Registry: reg, Gatherer: reg, Policy: policy, MaxLayerBytes: 64 << 30,
 		Store: idem, StateStore: st, Instance: cluster.NewInstance(), E2BDefaultTemplate: c.e2bDefaultTemplate,
+		IdempotencyTTL: c.idemTTL,
 	})
 	go srv.Run(ctx)
 	return &node{layers: layers, edge: ed, host: h, server: srv, store: st, idem: idem}, ident, nil

@@ -236,3 +236,29 @@ func BenchmarkRecordBody(b *testing.B) {
 		rec.recordBody(body)
 	}
 }
+
+// TestIdempotencyTTL: a record answers repeats for the apiserver's TTL
+// (Deps.IdempotencyTTL, --idempotency-ttl) and no longer: past it, the
+// same key runs the call again.
+func TestIdempotencyTTL(t *testing.T) {
+	f := newFixture(t, false)
+	srv := f.apiserverWith(t, "ttl", func(d *Deps) { d.IdempotencyTTL = 300 * time.Millisecond })
+	spec := `{"base":"base/py:1"}`
+	resp, body := f.doAt(t, srv, f.admin, "ttl-1", "POST", "/v1/sandboxes", spec)
+	if resp.StatusCode != 201 {
+		t.Fatalf("create: %d %s", resp.StatusCode, body)
+	}
+	first := decodeSandbox(t, body)
+	resp, body = f.doAt(t, srv, f.admin, "ttl-1", "POST", "/v1/sandboxes", spec)
+	if resp.StatusCode != 201 || decodeSandbox(t, body).ID != first.ID || resp.Header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("repeat within the TTL: %d %s", resp.StatusCode, body)
+	}
+	time.Sleep(400 * time.Millisecond)
+	resp, body = f.doAt(t, srv, f.admin, "ttl-1", "POST", "/v1/sandboxes", spec)
+	if resp.StatusCode != 201 || decodeSandbox(t, body).ID == first.ID || resp.Header.Get("Idempotent-Replayed") == "true" {
+		t.Fatalf("repeat past the TTL: %d %s (first %s)", resp.StatusCode, body, first.ID)
+	}
+	if creates, _ := f.edge.Counts(); creates != 2 {
+		t.Fatalf("%d creates, want 2", creates)
+	}
+}
