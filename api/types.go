@@ -527,11 +527,14 @@ type LayerAddRequest struct {
 	Password string `json:"password,omitempty"`
 }
 
-// LayerGCResult answers POST /v1/layers:gc: the blobs removed, which no
-// ref named and no sandbox used, and the bytes they held.
+// LayerGCResult answers POST /v1/layers:gc: the blobs removed (with
+// dry_run, those that would be), which no ref named and no sandbox used,
+// and the bytes they held.
 type LayerGCResult struct {
 	Removed      []string `json:"removed"`
 	RemovedBytes int64    `json:"removed_bytes"`
+	// DryRun: removed lists what would go, and nothing went.
+	DryRun bool `json:"dry_run,omitempty"`
 }
 
 // LayerPushResult answers POST /v1/layers:push.

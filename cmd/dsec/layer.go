@@ -237,12 +237,13 @@ func layerDelete(ctx context.Context, args []string) error {
 }
 
 func layerGC(ctx context.Context, args []string) error {
-	fs := newCmdFlags("layer gc", "[--json]",
+	fs := newCmdFlags("layer gc", "[--dry-run] [--json]",
 		"Remove the layer blobs that no ref names and no sandbox uses: those of refs\n"+
 			"re-pointed with replace, and what a build or import that died left (its pins\n"+
 			"go stale 10 minutes after it died). Takes a builder or admin key of the root\n"+
 			"project; every node must answer (a blob is kept while any sandbox uses it).")
 	asJSON := fs.Bool("json", false, "print the API response as JSON")
+	dry := fs.Bool("dry-run", false, "list what would be removed, and remove nothing")
 	if _, err := fs.parseN(args, 0, 0); err != nil {
 		return err
 	}
@@ -250,17 +251,25 @@ func layerGC(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	res, err := c.GCLayers(ctx)
+	gc := c.GCLayers
+	if *dry {
+		gc = c.UnusedLayers
+	}
+	res, err := gc(ctx)
 	if err != nil {
 		return err
 	}
 	if *asJSON {
 		return printJSON(res)
 	}
-	for _, d := range res.Removed {
-		printf(os.Stdout, "removed %s\n", d)
+	verb, done := "removed", "removed"
+	if res.DryRun {
+		verb, done = "would remove", "would be removed"
 	}
-	printf(os.Stdout, "%d blobs removed, %s freed\n", len(res.Removed), humanBytes(res.RemovedBytes))
+	for _, d := range res.Removed {
+		printf(os.Stdout, "%s %s\n", verb, d)
+	}
+	printf(os.Stdout, "%d blobs %s, %s\n", len(res.Removed), done, humanBytes(res.RemovedBytes))
 	return nil
 }
 

@@ -98,7 +98,17 @@ func (s *Server) gcLayers(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, errdefs.PermissionDenied("collecting layer blobs concerns every project's layers: it takes a key of the root project"))
 		return
 	}
-	removed, n, err := s.deps.Layers.GC(func(d string) (bool, error) { return s.inUse(r.Context(), d) })
+	dry, err := boolQuery(r, "dry_run")
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	inUse := func(d string) (bool, error) { return s.inUse(r.Context(), d) }
+	gc := s.deps.Layers.GC
+	if dry {
+		gc = s.deps.Layers.Unused
+	}
+	removed, n, err := gc(inUse)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -106,7 +116,7 @@ func (s *Server) gcLayers(w http.ResponseWriter, r *http.Request) {
 	if removed == nil {
 		removed = []string{}
 	}
-	writeJSON(w, http.StatusOK, api.LayerGCResult{Removed: removed, RemovedBytes: n})
+	writeJSON(w, http.StatusOK, api.LayerGCResult{Removed: removed, RemovedBytes: n, DryRun: dry})
 }
 
 // copyBuffer copies with a 256 KiB buffer (files are often large).

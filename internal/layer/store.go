@@ -866,6 +866,30 @@ func (s *Store) GC(inUse func(digest string) (bool, error)) (removed []string, b
 	return removed, bytes, nil
 }
 
+// Unused is what GC would remove now, removing nothing: the blobs no ref
+// names and inUse (may be nil) does not claim, with the bytes they hold.
+// A blob a publisher pins meanwhile would still be kept.
+func (s *Store) Unused(inUse func(digest string) (bool, error)) (digests []string, bytes int64, err error) {
+	cands, sizes, err := s.unnamed()
+	if err != nil {
+		return nil, 0, fmt.Errorf("listing unused layer blobs: %w", err)
+	}
+	for k, digest := range cands {
+		if inUse != nil {
+			used, err := inUse(digest)
+			if err != nil {
+				return nil, 0, fmt.Errorf("listing unused layer blobs: %w", err)
+			}
+			if used {
+				continue
+			}
+		}
+		digests = append(digests, digest)
+		bytes += sizes[k]
+	}
+	return digests, bytes, nil
+}
+
 // unnamed lists the blobs in the layer directory that no entry names, as
 // its image or below it, with their sizes.
 func (s *Store) unnamed() (digests []string, sizes []int64, err error) {

@@ -58,8 +58,21 @@ func (c *Client) DeleteLayer(ctx context.Context, ref string) error {
 // (those of refs re-pointed with replace, what an interrupted build left).
 // It takes a builder or admin key of the root project.
 func (c *Client) GCLayers(ctx context.Context) (*api.LayerGCResult, error) {
+	return c.gcLayers(ctx, false)
+}
+
+// UnusedLayers is what GCLayers would remove now; it removes nothing.
+func (c *Client) UnusedLayers(ctx context.Context) (*api.LayerGCResult, error) {
+	return c.gcLayers(ctx, true)
+}
+
+func (c *Client) gcLayers(ctx context.Context, dry bool) (*api.LayerGCResult, error) {
 	var res api.LayerGCResult
-	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/layers:gc"}, &res); err != nil {
+	q := url.Values{}
+	if dry {
+		q.Set("dry_run", "true")
+	}
+	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/layers:gc", query: q}, &res); err != nil {
 		return nil, err
 	}
 	return &res, nil

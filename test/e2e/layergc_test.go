@@ -87,9 +87,20 @@ func TestLayerGC(t *testing.T) {
 	_, err = other.GCLayers(ctx(t))
 	wantCode(t, err, "permission_denied")
 
-	// The sandbox gone, the replaced blob goes; the current one stays.
+	// The sandbox gone, a dry run lists the replaced blob and removes
+	// nothing; then it goes, and the current one stays.
 	if err := client.DeleteSandbox(ctx(t), sb.ID); err != nil {
 		t.Fatal(err)
+	}
+	out, errOut, code := cli("layer", "gc", "--dry-run")
+	if code != 0 || !strings.Contains(out, "would remove "+l1.Digest) || strings.Contains(out, l2.Digest) {
+		t.Fatalf("layer gc --dry-run: exit %d: %s %s", code, out, errOut)
+	}
+	if _, err := os.Stat(blob(l1.Digest)); err != nil {
+		t.Fatalf("a dry run removed the blob: %v", err)
+	}
+	if dry, err := client.UnusedLayers(ctx(t)); err != nil || !dry.DryRun || !slices.Contains(dry.Removed, l1.Digest) || dry.RemovedBytes < l1.SizeBytes {
+		t.Fatalf("dry run through the SDK: %+v, %v", dry, err)
 	}
 	res = gc()
 	if !slices.Contains(res.Removed, l1.Digest) || res.RemovedBytes < l1.SizeBytes {
