@@ -756,7 +756,11 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 						names = append(names, name)
 					}
 				}
-				prefix := fmt.Sprintf("round%d-%s-", r+1, map[int]string{0: "up", 1: "cluster"}[si])
+				sideName := "up"
+				if si == 1 {
+					sideName = "cluster"
+				}
+				prefix := fmt.Sprintf("round%d-%s-", r+1, sideName)
 				go func() { profDone <- b.profileDaemons(o.profile, prefix, names, profileSeconds) }()
 				time.Sleep(100 * time.Millisecond) // the profiles start first
 			}

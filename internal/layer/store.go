@@ -837,20 +837,11 @@ func (s *Store) Delete(ref string, inUse func(digest string) (bool, error)) erro
 // publish lock (it may ask every node); each removal then checks again,
 // under the lock and the blob's mark, that no ref names the blob.
 func (s *Store) GC(inUse func(digest string) (bool, error)) (removed []string, bytes int64, err error) {
-	cands, sizes, err := s.unnamed()
+	cands, sizes, err := s.unused(inUse)
 	if err != nil {
 		return nil, 0, fmt.Errorf("collecting layer blobs: %w", err)
 	}
 	for k, digest := range cands {
-		if inUse != nil {
-			used, err := inUse(digest)
-			if err != nil {
-				return removed, bytes, fmt.Errorf("collecting layer blobs: %w", err)
-			}
-			if used {
-				continue
-			}
-		}
 		gone, err := s.Collect(digest)
 		if err != nil {
 			return removed, bytes, fmt.Errorf("collecting layer blobs: %w", err)
@@ -870,24 +861,34 @@ func (s *Store) GC(inUse func(digest string) (bool, error)) (removed []string, b
 // names and inUse (may be nil) does not claim, with the bytes they hold.
 // A blob a publisher pins meanwhile would still be kept.
 func (s *Store) Unused(inUse func(digest string) (bool, error)) (digests []string, bytes int64, err error) {
-	cands, sizes, err := s.unnamed()
+	cands, sizes, err := s.unused(inUse)
 	if err != nil {
 		return nil, 0, fmt.Errorf("listing unused layer blobs: %w", err)
 	}
-	for k, digest := range cands {
-		if inUse != nil {
-			used, err := inUse(digest)
-			if err != nil {
-				return nil, 0, fmt.Errorf("listing unused layer blobs: %w", err)
-			}
-			if used {
-				continue
-			}
-		}
-		digests = append(digests, digest)
-		bytes += sizes[k]
+	for _, n := range sizes {
+		bytes += n
 	}
-	return digests, bytes, nil
+	return cands, bytes, nil
+}
+
+// unused lists the blobs no entry names and inUse (may be nil) does not
+// claim, with their sizes.
+func (s *Store) unused(inUse func(digest string) (bool, error)) (digests []string, sizes []int64, err error) {
+	cands, all, err := s.unnamed()
+	if err != nil || inUse == nil {
+		return cands, all, err
+	}
+	for k, digest := range cands {
+		used, err := inUse(digest)
+		if err != nil {
+			return nil, nil, err
+		}
+		if !used {
+			digests = append(digests, digest)
+			sizes = append(sizes, all[k])
+		}
+	}
+	return digests, sizes, nil
 }
 
 // unnamed lists the blobs in the layer directory that no entry names, as

@@ -166,42 +166,43 @@ func (m *MetaPack) ReadAt(p []byte, off, end int64) bool {
 	return true
 }
 
+// held calls fn for each stretch [lo, hi) of [off, end) the pack holds,
+// in order, with where its bytes start in m.data. A nil pack holds none.
+func (m *MetaPack) held(off, end int64, fn func(lo, hi, at int64)) {
+	if m == nil {
+		return
+	}
+	i := sort.Search(len(m.ranges), func(i int) bool { return m.ranges[i].Off+m.ranges[i].Len > off })
+	for ; i < len(m.ranges) && m.ranges[i].Off < end; i++ {
+		x := m.ranges[i]
+		lo, hi := max(x.Off, off), min(x.Off+x.Len, end)
+		fn(lo, hi, m.starts[i]+lo-x.Off)
+	}
+}
+
 // Fill copies into p the bytes of [off, off+len(p)) that the pack holds
-// and returns, in order, the stretches it does not hold. A nil pack holds
-// nothing.
+// and returns, in order, the stretches it does not hold.
 func (m *MetaPack) Fill(p []byte, off int64) []Range {
 	end := off + int64(len(p))
 	var gaps []Range
-	at := off
-	if m != nil {
-		i := sort.Search(len(m.ranges), func(i int) bool { return m.ranges[i].Off+m.ranges[i].Len > off })
-		for ; i < len(m.ranges) && m.ranges[i].Off < end; i++ {
-			x := m.ranges[i]
-			lo, hi := max(x.Off, off), min(x.Off+x.Len, end)
-			if lo > at {
-				gaps = append(gaps, Range{at, lo - at})
-			}
-			s := m.starts[i] + lo - x.Off
-			copy(p[lo-off:hi-off], m.data[s:s+hi-lo])
-			at = hi
+	next := off
+	m.held(off, end, func(lo, hi, at int64) {
+		if lo > next {
+			gaps = append(gaps, Range{next, lo - next})
 		}
-	}
-	if at < end {
-		gaps = append(gaps, Range{at, end - at})
+		copy(p[lo-off:hi-off], m.data[at:at+hi-lo])
+		next = hi
+	})
+	if next < end {
+		gaps = append(gaps, Range{next, end - next})
 	}
 	return gaps
 }
 
-// Held is how many bytes of [off, end) the pack holds (0 for a nil pack).
+// Held is how many bytes of [off, end) the pack holds.
 func (m *MetaPack) Held(off, end int64) int64 {
-	if m == nil {
-		return 0
-	}
 	var n int64
-	i := sort.Search(len(m.ranges), func(i int) bool { return m.ranges[i].Off+m.ranges[i].Len > off })
-	for ; i < len(m.ranges) && m.ranges[i].Off < end; i++ {
-		n += min(m.ranges[i].Off+m.ranges[i].Len, end) - max(m.ranges[i].Off, off)
-	}
+	m.held(off, end, func(lo, hi, _ int64) { n += hi - lo })
 	return n
 }
 
