@@ -140,6 +140,13 @@ func (p *envdProcess) Start(ctx context.Context, req *connect.Request[processpb.
 		pr.PTY = &edgeapi.PTYSize{Cols: clampSize(sz.GetCols()), Rows: clampSize(sz.GetRows())}
 	}
 	send := func(ev *processpb.ProcessEvent) error { return st.Send(&processpb.StartResponse{Event: ev}) }
+	// The headers go now, while the command starts (milliseconds in a
+	// sandbox): the SDK's client spends about as long taking them in.
+	// A failure from here on is told in the stream's end, as Connect
+	// streams tell any.
+	if err := st.Send(nil); err != nil {
+		return p.fail(ctx, err)
+	}
 	return p.stream(ctx, req.Header(), send, func(ctx context.Context, emit func(edgeapi.ProcessEvent) error) error {
 		return e.StartProcess(ctx, id, pr, emit)
 	})

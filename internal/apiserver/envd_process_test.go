@@ -1,12 +1,14 @@
 package apiserver
 
 import (
+	"bytes"
 	"context"
 	"github.com/dsecproject/dsec/internal/store"
 	"io"
 	"log/slog"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -14,6 +16,8 @@ import (
 
 	"github.com/dsecproject/dsec/internal/e2b/processpb"
 	"github.com/dsecproject/dsec/internal/e2b/processpb/processpbconnect"
+	"github.com/dsecproject/dsec/internal/edgeapi"
+	"github.com/dsecproject/dsec/internal/watcher"
 )
 
 // envdClient returns a Connect client of the process service that names
@@ -246,5 +250,71 @@ func TestE2BSecretIsDurableState(t *testing.T) {
 	again, _ := New(Deps{Store: store.NewMemory(), StateStore: state, Log: slog.New(slog.DiscardHandler)}).envdToken("sb-n1-a")
 	if again != tok {
 		t.Fatal("two apiservers over one state store disagree on a token")
+	}
+}
+
+// slowStartEdge starts processes only once gate is closed, as a sandbox
+// takes milliseconds to.
+type slowStartEdge struct {
+	edgeapi.Edge
+	gate chan struct{}
+}
+
+func (e *slowStartEdge) StartProcess(ctx context.Context, id string, req edgeapi.ProcessRequest, emit func(edgeapi.ProcessEvent) error) error {
+	select {
+	case <-e.gate:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return e.Edge.StartProcess(ctx, id, req, emit)
+}
+
+// TestProcessStartSendsHeadersAtOnce: Process/Start answers its headers
+// before the command has started, and its first frame is still the start
+// event.
+func TestProcessStartSendsHeadersAtOnce(t *testing.T) {
+	f := newFixture(t, false)
+	slow := &slowStartEdge{Edge: f.edge, gate: make(chan struct{})}
+	release := sync.OnceFunc(func() { close(slow.gate) })
+	view := watcher.New(watcher.Static{slow}, watcher.Config{})
+	view.Sync(t.Context())
+	srv := f.apiserverWith(t, "b", func(d *Deps) { d.Nodes = view })
+	t.Cleanup(release)
+	id := f.sandboxFor(t)
+	msg := []byte(`{"process":{"cmd":"echo","args":["hi"]}}`)
+	body := append([]byte{0, 0, 0, 0, byte(len(msg))}, msg...)
+	req, _ := http.NewRequest("POST", srv.URL+"/process.Process/Start", bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/connect+json")
+	req.Header.Set("E2b-Sandbox-Id", id)
+	req.Header.Set("X-Access-Token", f.envdTokenOf(t, id))
+	type answer struct {
+		resp *http.Response
+		err  error
+	}
+	got := make(chan answer, 1)
+	go func() {
+		resp, err := http.DefaultClient.Do(req)
+		got <- answer{resp, err}
+	}()
+	var a answer
+	select {
+	case a = <-got:
+	case <-time.After(5 * time.Second):
+		t.Fatal("no headers while the command was starting")
+	}
+	if a.err != nil {
+		t.Fatal(a.err)
+	}
+	defer a.resp.Body.Close()
+	if a.resp.StatusCode != 200 || a.resp.Header.Get("Content-Type") != "application/connect+json" {
+		t.Fatalf("answer: %d %v", a.resp.StatusCode, a.resp.Header)
+	}
+	release()
+	frames, err := io.ReadAll(a.resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(frames) < 5 || frames[0] != 0 || !bytes.Contains(frames[5:], []byte(`{"event":{"start":{"pid":`)) || !bytes.HasPrefix(frames[5:], []byte(`{"event":{"start"`)) {
+		t.Fatalf("first frame is not the start event: %q", frames)
 	}
 }
