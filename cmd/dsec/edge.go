@@ -113,7 +113,7 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 	if advertise == "" {
 		advertise = ln.Addr().String()
 	}
-	trust, st, err := c.join(ctx, log, nil, nil)
+	trust, st, err := c.join(ctx, log, nil)
 	if err != nil {
 		return err
 	}

@@ -181,7 +181,7 @@ func runHollow(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 		}
 		lns = append(lns, ln)
 	}
-	trust, st, err := c.join(ctx, log, nil, nil)
+	trust, st, err := c.join(ctx, log, nil)
 	if err != nil {
 		return err
 	}

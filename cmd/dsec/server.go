@@ -58,15 +58,12 @@ func (c *clusterFlags) check() error {
 // join loads the cluster directory, connects to etcd and checks that etcd
 // and the layer directory are this cluster's. before, if not nil, runs
 // once etcd answers and before anything is written to it.
-//
-// expiring names the buckets whose keys etcd removes by itself
-// (EtcdConfig.Expiring).
-func (c *clusterFlags) join(ctx context.Context, log *slog.Logger, expiring map[string]time.Duration, before func(store.Store) error) (*cluster.Trust, *store.Etcd, error) {
+func (c *clusterFlags) join(ctx context.Context, log *slog.Logger, before func(store.Store) error) (*cluster.Trust, *store.Etcd, error) {
 	trust, err := cluster.Load(c.clusterDir)
 	if err != nil {
 		return nil, nil, err
 	}
-	st, err := store.OpenEtcd(store.EtcdConfig{Endpoints: splitList(c.etcd), Prefix: c.etcdPrefix, Log: log, Expiring: expiring})
+	st, err := store.OpenEtcd(store.EtcdConfig{Endpoints: splitList(c.etcd), Prefix: c.etcdPrefix, Log: log})
 	if err != nil {
 		return nil, nil, err
 	}
@@ -188,10 +185,7 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 		return fmt.Errorf("listening on %s: %w", c.listen, err)
 	}
 	defer ln.Close()
-	// The idempotency records go with etcd leases: none outlives the TTL
-	// by more than a few seconds, and nothing lists them to sweep them.
-	expiring := map[string]time.Duration{apiserver.IdempotencyBucket: c.idemTTL}
-	trust, st, err := c.join(ctx, log, expiring, func(st store.Store) error {
+	trust, st, err := c.join(ctx, log, func(st store.Store) error {
 		if c.apiKey != "" {
 			return nil
 		}

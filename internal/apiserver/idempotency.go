@@ -29,12 +29,8 @@ import (
 	"github.com/dsecproject/dsec/internal/store"
 )
 
-// IdempotencyBucket holds the records, by idemRecordKey. A store that
-// removes its keys by itself (store.Expirer) at least the TTL after each
-// write spares the apiserver its sweep.
-const IdempotencyBucket = "idempotency"
-
-const idemBucket = IdempotencyBucket
+// idemBucket holds the records, by idemRecordKey.
+const idemBucket = "idempotency"
 
 // IdempotencyLabel marks the sandboxes a keyed create made, so that a
 // retry that takes over from a dead apiserver finds them.
@@ -454,20 +450,9 @@ func (t *teeWriter) Flush() {
 func (t *teeWriter) Unwrap() http.ResponseWriter { return t.ResponseWriter }
 
 // janitor deletes expired records now and then. Every apiserver runs one;
-// deleting twice is harmless. A store that expires the records itself
-// (etcd leases, as dsec server opens it) needs no sweeping, which lists
-// every record (hundreds of MiB at the scale of a busy cluster): there
-// the janitor sweeps once, a TTL after the start, for records written
-// before their store bound them to leases (apiservers of releases before
-// 2026-12-06), and then stops.
+// deleting twice is harmless.
 func (s *Server) idemJanitor(ctx context.Context) {
-	every := 10 * time.Minute
-	ex, ok := s.deps.Store.(store.Expirer)
-	once := ok && ex.ExpiresAfter(idemBucket) >= s.idemTTL()
-	if once {
-		every = s.idemTTL()
-	}
-	t := time.NewTicker(every)
+	t := time.NewTicker(10 * time.Minute)
 	defer t.Stop()
 	for {
 		select {
@@ -475,31 +460,22 @@ func (s *Server) idemJanitor(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		s.sweepRecords()
-		if once {
-			return
+		kvs, err := s.deps.Store.List(idemBucket, "")
+		if err != nil {
+			continue
 		}
-	}
-}
-
-// sweepRecords deletes the expired records.
-func (s *Server) sweepRecords() {
-	kvs, err := s.deps.Store.List(idemBucket, "")
-	if err != nil {
-		s.log.Warn("listing idempotency records to remove the expired", "err", err)
-		return
-	}
-	now := time.Now()
-	n := 0
-	for _, kv := range kvs {
-		var rec idemRecord
-		if json.Unmarshal(kv.Value, &rec) == nil && now.After(rec.Expires) {
-			if s.deps.Store.Delete(idemBucket, kv.Key) == nil {
-				n++
+		now := time.Now()
+		n := 0
+		for _, kv := range kvs {
+			var rec idemRecord
+			if json.Unmarshal(kv.Value, &rec) == nil && now.After(rec.Expires) {
+				if s.deps.Store.Delete(idemBucket, kv.Key) == nil {
+					n++
+				}
 			}
 		}
-	}
-	if n > 0 {
-		s.log.Info("expired idempotency records removed", "count", n)
+		if n > 0 {
+			s.log.Info("expired idempotency records removed", "count", n)
+		}
 	}
 }

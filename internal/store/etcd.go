@@ -9,7 +9,6 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"strings"
-	"sync"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -33,11 +32,6 @@ type EtcdConfig struct {
 	// operations fail after OpTimeout, classified unavailable.
 	DialTimeout, OpTimeout time.Duration
 	Log                    *slog.Logger
-	// Expiring names buckets whose keys etcd removes by itself: a write
-	// there binds its key to a lease that ends at least that long after
-	// the write (and at most expiryStep later), so that nothing has to
-	// list the bucket to sweep it.
-	Expiring map[string]time.Duration
 }
 
 // Etcd is a Store in an etcd cluster: the control plane of a multi-process
@@ -51,11 +45,6 @@ type Etcd struct {
 	opTO   time.Duration // one operation, all its tries
 	try    time.Duration // one try
 	log    *slog.Logger
-	// expiring is EtcdConfig.Expiring; leases holds the leases its
-	// writes are bound to, by the unix second they end.
-	expiring map[string]time.Duration
-	leaseMu  sync.Mutex
-	leases   map[int64]clientv3.LeaseID
 }
 
 var (
@@ -63,7 +52,6 @@ var (
 	_ Leaser  = (*Etcd)(nil)
 	_ Watcher = (*Etcd)(nil)
 	_ Batcher = (*Etcd)(nil)
-	_ Expirer = (*Etcd)(nil)
 )
 
 // updateRetries bounds the compare-and-set attempts of one Update.
@@ -108,16 +96,7 @@ func OpenEtcd(cfg EtcdConfig) (*Etcd, error) {
 	if err != nil {
 		return nil, fmt.Errorf("connecting to etcd %s: %w", strings.Join(cfg.Endpoints, ","), err)
 	}
-	expiring := map[string]time.Duration{}
-	for b, ttl := range cfg.Expiring {
-		if ttl <= 0 {
-			_ = c.Close()
-			return nil, errdefs.Invalid("etcd: bucket %q expires after %v; want a positive time", b, ttl)
-		}
-		expiring[b] = ttl
-	}
-	return &Etcd{c: c, prefix: cfg.Prefix, opTO: cfg.OpTimeout, try: tryTimeout(cfg.OpTimeout), log: cfg.Log,
-		expiring: expiring, leases: map[int64]clientv3.LeaseID{}}, nil
+	return &Etcd{c: c, prefix: cfg.Prefix, opTO: cfg.OpTimeout, try: tryTimeout(cfg.OpTimeout), log: cfg.Log}, nil
 }
 
 // Ping checks that etcd answers a linearizable read now.
@@ -239,11 +218,8 @@ func (e *Etcd) Put(bucket, key string, val []byte) error {
 	}
 	ctx, cancel := e.ctx()
 	defer cancel()
-	err := e.withExpiry(ctx, bucket, func(opts []clientv3.OpOption) error {
-		_, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.PutResponse, error) {
-			return e.c.Put(ctx, e.key(bucket, key), string(val), opts...)
-		})
-		return err
+	_, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.PutResponse, error) {
+		return e.c.Put(ctx, e.key(bucket, key), string(val))
 	})
 	return e.classify(err)
 }
@@ -268,7 +244,7 @@ func (e *Etcd) Update(bucket, key string, fn func(old []byte) ([]byte, error)) e
 	}
 	k := e.key(bucket, key)
 	for i := range updateRetries {
-		done, err := e.updateOnce(bucket, k, fn)
+		done, err := e.updateOnce(k, fn)
 		if err != nil || done {
 			return err
 		}
@@ -280,7 +256,7 @@ func (e *Etcd) Update(bucket, key string, fn func(old []byte) ([]byte, error)) e
 	return errdefs.Unavailable("store: %s/%s changed under %d updates in a row", bucket, key, updateRetries)
 }
 
-func (e *Etcd) updateOnce(bucket, k string, fn func(old []byte) ([]byte, error)) (bool, error) {
+func (e *Etcd) updateOnce(k string, fn func(old []byte) ([]byte, error)) (bool, error) {
 	ctx, cancel := e.ctx()
 	defer cancel()
 	r, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.GetResponse, error) { return e.c.Get(ctx, k) })
@@ -299,21 +275,14 @@ func (e *Etcd) updateOnce(bucket, k string, fn func(old []byte) ([]byte, error))
 	if err != nil {
 		return false, err
 	}
-	var tr *clientv3.TxnResponse
-	lost := false
-	err = e.withExpiry(ctx, bucket, func(opts []clientv3.OpOption) error {
-		op := clientv3.OpDelete(k)
-		if val != nil {
-			op = clientv3.OpPut(k, string(val), opts...)
-		}
-		tctx, tcancel := context.WithTimeout(ctx, e.try)
-		defer tcancel()
-		var err error
-		tr, err = e.c.Txn(tctx).If(cmp).Then(op).Commit()
-		lost = maybeApplied(tctx, err) && ctx.Err() == nil
-		return err
-	})
-	if lost {
+	op := clientv3.OpDelete(k)
+	if val != nil {
+		op = clientv3.OpPut(k, string(val))
+	}
+	tctx, tcancel := context.WithTimeout(ctx, e.try)
+	defer tcancel()
+	tr, err := e.c.Txn(tctx).If(cmp).Then(op).Commit()
+	if maybeApplied(tctx, err) && ctx.Err() == nil {
 		return false, nil // lost: read again and decide again
 	}
 	if err != nil {
@@ -445,35 +414,31 @@ func (e *Etcd) Write(bucket string, creates, puts []KV) error {
 	if len(creates)+len(puts) == 0 {
 		return nil
 	}
-	for _, kv := range append(creates[:len(creates):len(creates)], puts...) {
+	cmps := make([]clientv3.Cmp, 0, len(creates))
+	ops := make([]clientv3.Op, 0, len(creates)+len(puts))
+	for _, kv := range creates {
 		if err := checkEtcdName(bucket, kv.Key); err != nil {
 			return err
 		}
+		k := e.key(bucket, kv.Key)
+		cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(k), "=", 0))
+		ops = append(ops, clientv3.OpPut(k, string(kv.Value)))
+	}
+	for _, kv := range puts {
+		if err := checkEtcdName(bucket, kv.Key); err != nil {
+			return err
+		}
+		ops = append(ops, clientv3.OpPut(e.key(bucket, kv.Key), string(kv.Value)))
 	}
 	ctx, cancel := e.ctx()
 	defer cancel()
 	lost := false
-	var r *clientv3.TxnResponse
-	err := e.withExpiry(ctx, bucket, func(opts []clientv3.OpOption) error {
-		cmps := make([]clientv3.Cmp, 0, len(creates))
-		ops := make([]clientv3.Op, 0, len(creates)+len(puts))
-		for _, kv := range creates {
-			k := e.key(bucket, kv.Key)
-			cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(k), "=", 0))
-			ops = append(ops, clientv3.OpPut(k, string(kv.Value), opts...))
+	r, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.TxnResponse, error) {
+		r, err := e.c.Txn(ctx).If(cmps...).Then(ops...).Commit()
+		if maybeApplied(ctx, err) {
+			lost = true
 		}
-		for _, kv := range puts {
-			ops = append(ops, clientv3.OpPut(e.key(bucket, kv.Key), string(kv.Value), opts...))
-		}
-		var err error
-		r, err = again(ctx, e.try, func(ctx context.Context) (*clientv3.TxnResponse, error) {
-			r, err := e.c.Txn(ctx).If(cmps...).Then(ops...).Commit()
-			if maybeApplied(ctx, err) {
-				lost = true
-			}
-			return r, err
-		})
-		return err
+		return r, err
 	})
 	if err != nil {
 		return e.classify(err)
@@ -495,71 +460,6 @@ func (e *Etcd) Write(bucket string, creates, puts []KV) error {
 		}
 	}
 	return errdefs.AlreadyExists("%s: one of %d keys already exists", bucket, len(creates))
-}
-
-// ExpiresAfter implements Expirer.
-func (e *Etcd) ExpiresAfter(bucket string) time.Duration { return e.expiring[bucket] }
-
-// expiryStep is the spacing of the end times of an expiring bucket's
-// leases: the writes of one step share a lease (one grant, one revocation
-// by etcd), and a key lives at most a step longer than asked. A variable
-// for tests.
-var expiryStep = 10 * time.Second
-
-// withExpiry runs write with the options that bind a key of bucket to its
-// lease (none when the bucket does not expire). A lease etcd no longer
-// has (revoked, or lost to a restore from a snapshot) is replaced, once.
-func (e *Etcd) withExpiry(ctx context.Context, bucket string, write func(opts []clientv3.OpOption) error) error {
-	ttl, ok := e.expiring[bucket]
-	if !ok {
-		return write(nil)
-	}
-	for try := 0; ; try++ {
-		id, err := e.leaseUntil(ctx, time.Now().Add(ttl))
-		if err != nil {
-			return err
-		}
-		err = write([]clientv3.OpOption{clientv3.WithLease(id)})
-		if try == 0 && leaseGone(err) {
-			e.leaseMu.Lock()
-			clear(e.leases)
-			e.leaseMu.Unlock()
-			continue
-		}
-		return err
-	}
-}
-
-// leaseUntil returns a lease that ends at the first step boundary after
-// t, granting it if needed.
-func (e *Etcd) leaseUntil(ctx context.Context, t time.Time) (clientv3.LeaseID, error) {
-	step := int64(expiryStep / time.Second)
-	end := (t.Unix()/step + 1) * step
-	e.leaseMu.Lock()
-	defer e.leaseMu.Unlock()
-	if id, ok := e.leases[end]; ok {
-		return id, nil
-	}
-	now := time.Now().Unix()
-	for k := range e.leases {
-		if k <= now {
-			delete(e.leases, k)
-		}
-	}
-	r, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.LeaseGrantResponse, error) {
-		return e.c.Grant(ctx, end-now+1)
-	})
-	if err != nil {
-		return 0, err
-	}
-	e.leases[end] = r.ID
-	return r.ID, nil
-}
-
-// leaseGone reports an etcd answer that the lease of a write does not
-// exist.
-func leaseGone(err error) bool {
-	return err != nil && (errors.Is(rpctypes.Error(err), rpctypes.ErrLeaseNotFound) || strings.Contains(err.Error(), rpctypes.ErrLeaseNotFound.Error()))
 }
 
 // WatchBucket implements Watcher with an etcd watch from the revision of

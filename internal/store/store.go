@@ -88,14 +88,6 @@ type Watcher interface {
 	WatchBucket(ctx context.Context, bucket string, reset func([]KV), change func(key string, val []byte))
 }
 
-// Expirer is implemented by stores that remove the keys of some buckets
-// by themselves (etcd leases), so that nothing has to sweep them.
-type Expirer interface {
-	// ExpiresAfter is how long after a write in bucket its key is
-	// removed, at the least (0: never).
-	ExpiresAfter(bucket string) time.Duration
-}
-
 // Batcher is implemented by stores that can write many keys in one
 // transaction (etcd: one raft entry and one fsync for all), which callers
 // use to group concurrent writes.
