@@ -2,13 +2,17 @@ package apiserver
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/store"
 )
 
 func decodeSandbox(t *testing.T, body []byte) api.Sandbox {
@@ -260,5 +264,59 @@ func TestIdempotencyTTL(t *testing.T) {
 	}
 	if creates, _ := f.edge.Counts(); creates != 2 {
 		t.Fatalf("%d creates, want 2", creates)
+	}
+}
+
+// pagedOnly is a store whose records may be read only a page at a time.
+type pagedOnly struct {
+	store.Store
+	pages atomic.Int32
+}
+
+func (s *pagedOnly) List(bucket, prefix string) ([]store.KV, error) {
+	return nil, errors.New("listed whole")
+}
+
+func (s *pagedOnly) ListAfter(bucket, after string, limit int) ([]store.KV, error) {
+	s.pages.Add(1)
+	return s.Store.(store.Pager).ListAfter(bucket, after, limit)
+}
+
+// TestSweepReadsRecordsInPages: the sweep of expired records reads a
+// store that pages a page at a time, never whole, and removes every
+// expired record of every page and nothing else.
+func TestSweepReadsRecordsInPages(t *testing.T) {
+	defer func(n int) { sweepPage = n }(sweepPage)
+	sweepPage = 3
+	f := newFixture(t, false)
+	st := &pagedOnly{Store: f.st}
+	s := New(Deps{IAM: f.iam, Nodes: f.view, Store: st, Log: slog.New(slog.DiscardHandler)})
+	live := map[string]bool{}
+	for i := range 11 {
+		rec := idemRecord{State: "done", Started: time.Now(), Expires: time.Now().Add(time.Hour)}
+		if i%2 == 0 {
+			rec.Expires = time.Now().Add(-time.Second)
+		} else {
+			live[fmt.Sprintf("k%02d", i)] = true
+		}
+		b, _ := json.Marshal(rec)
+		if err := f.st.Put(idemBucket, fmt.Sprintf("k%02d", i), b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	s.sweepRecords(t.Context())
+	kvs, err := f.st.List(idemBucket, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	left := map[string]bool{}
+	for _, kv := range kvs {
+		left[kv.Key] = true
+	}
+	if fmt.Sprint(left) != fmt.Sprint(live) {
+		t.Fatalf("left %v, want the unexpired %v", left, live)
+	}
+	if n := st.pages.Load(); n < 4 {
+		t.Fatalf("%d pages read for 11 records at 3 a page", n)
 	}
 }

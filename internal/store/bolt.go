@@ -35,6 +35,7 @@ type Bolt struct {
 var (
 	_ Store   = (*Bolt)(nil)
 	_ Watcher = (*Bolt)(nil)
+	_ Pager   = (*Bolt)(nil)
 )
 
 // OpenBolt opens (creating if needed) the bbolt file at path. The file is
@@ -216,6 +217,30 @@ func (b *Bolt) List(bucket, prefix string) ([]KV, error) {
 		p := []byte(prefix)
 		c := bk.Cursor()
 		for k, v := c.Seek(p); k != nil && bytes.HasPrefix(k, p); k, v = c.Next() {
+			out = append(out, KV{Key: string(k), Value: bytes.Clone(nonNil(v))})
+		}
+		return nil
+	})
+	return out, err
+}
+
+// ListAfter implements Pager.
+func (b *Bolt) ListAfter(bucket, after string, limit int) ([]KV, error) {
+	if err := checkPage(bucket, limit); err != nil {
+		return nil, err
+	}
+	var out []KV
+	err := b.db.View(func(tx *bbolt.Tx) error {
+		bk := tx.Bucket([]byte(bucket))
+		if bk == nil {
+			return nil
+		}
+		c := bk.Cursor()
+		k, v := c.Seek([]byte(after))
+		if k != nil && string(k) == after {
+			k, v = c.Next()
+		}
+		for ; k != nil && len(out) < limit; k, v = c.Next() {
 			out = append(out, KV{Key: string(k), Value: bytes.Clone(nonNil(v))})
 		}
 		return nil

@@ -52,6 +52,7 @@ var (
 	_ Leaser  = (*Etcd)(nil)
 	_ Watcher = (*Etcd)(nil)
 	_ Batcher = (*Etcd)(nil)
+	_ Pager   = (*Etcd)(nil)
 )
 
 // updateRetries bounds the compare-and-set attempts of one Update.
@@ -317,6 +318,32 @@ func (e *Etcd) List(bucket, prefix string) ([]KV, error) {
 	base := e.prefix + bucket + "/"
 	r, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.GetResponse, error) {
 		return e.c.Get(ctx, base+prefix, clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
+	})
+	if err != nil {
+		return nil, e.classify(err)
+	}
+	out := make([]KV, 0, len(r.Kvs))
+	for _, kv := range r.Kvs {
+		out = append(out, KV{Key: strings.TrimPrefix(string(kv.Key), base), Value: nonNil(bytes.Clone(kv.Value))})
+	}
+	return out, nil
+}
+
+// ListAfter implements Pager with a range request bounded by limit.
+func (e *Etcd) ListAfter(bucket, after string, limit int) ([]KV, error) {
+	if err := checkPage(bucket, limit); err != nil {
+		return nil, err
+	}
+	ctx, cancel := e.ctx()
+	defer cancel()
+	base := e.prefix + bucket + "/"
+	from := base
+	if after != "" {
+		from = base + after + "\x00"
+	}
+	r, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.GetResponse, error) {
+		return e.c.Get(ctx, from, clientv3.WithRange(clientv3.GetPrefixRangeEnd(base)), clientv3.WithLimit(int64(limit)),
+			clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
 	})
 	if err != nil {
 		return nil, e.classify(err)

@@ -74,6 +74,14 @@ func TestEtcdBatcher(t *testing.T) {
 	storetest.RunBatcher(t, openEtcd(t, etcdEndpoints(t)))
 }
 
+func TestEtcdPager(t *testing.T) {
+	storetest.RunPager(t, openEtcd(t, etcdEndpoints(t)))
+}
+
+func TestMemoryPager(t *testing.T) {
+	storetest.RunPager(t, store.NewMemory)
+}
+
 func TestMemoryWatcher(t *testing.T) {
 	storetest.RunWatcher(t, store.NewMemory)
 }

@@ -113,6 +113,20 @@ func (m *memory) List(bucket, prefix string) ([]KV, error) {
 	return m.list(bucket, prefix), nil
 }
 
+var _ Pager = (*memory)(nil)
+
+// ListAfter implements Pager.
+func (m *memory) ListAfter(bucket, after string, limit int) ([]KV, error) {
+	if err := checkPage(bucket, limit); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	all := m.list(bucket, "")
+	i := sort.Search(len(all), func(i int) bool { return all[i].Key > after })
+	return all[i:min(len(all), i+limit):min(len(all), i+limit)], nil
+}
+
 // list copies bucket's keys under prefix, in key order.
 // Preconditions: m.mu held.
 func (m *memory) list(bucket, prefix string) []KV {

@@ -8,6 +8,7 @@ package store
 
 import (
 	"context"
+	"strings"
 	"time"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
@@ -64,6 +65,20 @@ type Leaser interface {
 	Hold(ctx context.Context, bucket, key string, val []byte, ttl time.Duration, takeover func(cur []byte) bool) (lost <-chan struct{}, err error)
 }
 
+// checkPage rejects a page request no backend can answer.
+func checkPage(bucket string, limit int) error {
+	if bucket == "" {
+		return errdefs.Invalid("store: empty bucket name")
+	}
+	if strings.Contains(bucket, "/") {
+		return errdefs.Invalid("store: bucket name %q contains /", bucket)
+	}
+	if limit < 1 {
+		return errdefs.Invalid("store: a page of %d keys; want at least 1", limit)
+	}
+	return nil
+}
+
 // checkName rejects the names no backend can store: bbolt refuses empty keys
 // and buckets, and an etcd key built from them would be ambiguous.
 func checkName(bucket, key string) error {
@@ -86,6 +101,15 @@ type Watcher interface {
 	// reset again with the bucket as it is then. Both run on one
 	// goroutine of the store's; WatchBucket returns at once.
 	WatchBucket(ctx context.Context, bucket string, reset func([]KV), change func(key string, val []byte))
+}
+
+// Pager is implemented by stores that list a bucket a page at a time, so
+// that a bucket of any size is never held whole (etcd: one bounded range
+// request a page).
+type Pager interface {
+	// ListAfter returns at most limit pairs of bucket whose key sorts
+	// after the key after (from the first with after ""), in key order.
+	ListAfter(bucket, after string, limit int) ([]KV, error)
 }
 
 // Batcher is implemented by stores that can write many keys in one

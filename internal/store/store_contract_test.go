@@ -55,3 +55,13 @@ func TestBoltWatcher(t *testing.T) {
 		return b
 	})
 }
+
+func TestBoltPager(t *testing.T) {
+	storetest.RunPager(t, func() store.Store {
+		b, err := store.OpenBolt(filepath.Join(t.TempDir(), "pager.db"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	})
+}

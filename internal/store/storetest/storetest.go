@@ -506,3 +506,76 @@ func RunBatcher(t *testing.T, open func() store.Store) {
 		t.Fatalf("Write with an empty key: %v", err)
 	}
 }
+
+// RunPager checks store.Pager: pages in key order, each starting after
+// the key given, bounded by the limit, of one bucket only; bad requests
+// refused.
+func RunPager(t *testing.T, open func() store.Store) {
+	s := open()
+	t.Cleanup(func() { _ = s.Close() })
+	p, ok := s.(store.Pager)
+	if !ok {
+		t.Fatalf("%T does not implement store.Pager", s)
+	}
+	for _, k := range []string{"e", "a", "c", "b", "d", "b0"} {
+		if err := s.Put("pg", k, []byte("v"+k)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Neighbours that must not show: another bucket, one whose name the
+	// first's starts, and a key of the first's name in a bucket sorting
+	// before it.
+	for _, b := range []string{"pgx", "ph", "p"} {
+		if err := s.Put(b, "a", []byte("other")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.Put("p", "g", []byte("other")); err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	after := ""
+	for pages := 0; ; pages++ {
+		if pages > 10 {
+			t.Fatalf("paging does not end: %v", got)
+		}
+		kvs, err := p.ListAfter("pg", after, 2)
+		if err != nil {
+			t.Fatalf("ListAfter(%q): %v", after, err)
+		}
+		if len(kvs) > 2 {
+			t.Fatalf("ListAfter(%q, 2) gave %d", after, len(kvs))
+		}
+		for _, kv := range kvs {
+			if string(kv.Value) != "v"+kv.Key {
+				t.Fatalf("key %q has %q", kv.Key, kv.Value)
+			}
+			got = append(got, kv.Key)
+		}
+		if len(kvs) < 2 {
+			break
+		}
+		after = kvs[len(kvs)-1].Key
+	}
+	if want := []string{"a", "b", "b0", "c", "d", "e"}; fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("pages gave %v, want %v", got, want)
+	}
+	// after need not be a key; past the last, nothing; an empty bucket, nothing.
+	if kvs, err := p.ListAfter("pg", "bz", 10); err != nil || len(kvs) != 3 || kvs[0].Key != "c" {
+		t.Fatalf("ListAfter(bz): %v %v", kvs, err)
+	}
+	if kvs, err := p.ListAfter("pg", "e", 10); err != nil || len(kvs) != 0 {
+		t.Fatalf("ListAfter(e): %v %v", kvs, err)
+	}
+	if kvs, err := p.ListAfter("none", "", 10); err != nil || len(kvs) != 0 {
+		t.Fatalf("empty bucket: %v %v", kvs, err)
+	}
+	for _, bad := range []struct {
+		bucket string
+		limit  int
+	}{{"", 1}, {"pg", 0}, {"a/b", 1}} {
+		if _, err := p.ListAfter(bad.bucket, "", bad.limit); !errors.Is(err, errdefs.ErrInvalid) {
+			t.Fatalf("ListAfter(%q, limit %d): %v, want invalid", bad.bucket, bad.limit, err)
+		}
+	}
+}
