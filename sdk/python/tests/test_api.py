@@ -426,6 +426,19 @@ class ClientTest(AsyncTest):
         self.assertEqual(self.srv.requests[0].target, "/v1/layers/base%2Fpython%3A3.11")
 
 
+    async def test_gc_layers(self):
+        self.r.on("POST", "/v1/layers:gc", lambda q: json_reply(200, {"removed": ["sha256:a", "sha256:b"], "removed_bytes": 4096, "dry_run": q.query.get("dry_run") == ["true"]}))
+        res = await self.c.gc_layers(dry_run=True)
+        self.assertEqual((res.removed, res.removed_bytes, res.dry_run), (["sha256:a", "sha256:b"], 4096, True))
+        self.assertEqual(self.srv.requests[-1].query, {"dry_run": ["true"]})
+        res = await self.c.gc_layers()
+        self.assertEqual((res.removed_bytes, res.dry_run), (4096, False))
+        self.assertEqual(self.srv.requests[-1].query, {})
+        self.r.on("POST", "/v1/layers:gc", error_reply(403, "permission_denied", "gc takes a root project key"))
+        with self.assertRaises(libdsec.PermissionDenied):
+            await self.c.gc_layers()
+
+
 class SyncFacadeTest(unittest.TestCase):
     def test_sync_client_uses_one_thread(self):
         r = Router()

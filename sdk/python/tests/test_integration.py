@@ -251,6 +251,17 @@ class IntegrationTest(unittest.IsolatedAsyncioTestCase):
         running = await self.client.list(labels=job, state="running")
         self.assertEqual(running, [])
 
+    async def test_layer_gc_dry_run(self):
+        # A dry run only lists (other tests share the daemon); what a
+        # running sandbox uses is never among it.
+        async with self.client.run_container(args()):
+            res = await self.client.gc_layers(dry_run=True)
+            base = await self.client.get_layer(BASE)
+        self.assertTrue(res.dry_run)
+        self.assertGreaterEqual(res.removed_bytes, 0)
+        self.assertTrue(all(d.startswith("sha256:") for d in res.removed), res.removed)
+        self.assertNotIn(base.digest, res.removed)
+
     async def test_errors(self):
         with self.assertRaises(libdsec.SandboxNotFound):
             await self.client.get("sb-nosuchnode-0000")

@@ -35,7 +35,7 @@ from .errors import (
     error_from_response,
 )
 from .sandbox import Sandbox
-from .types import APIKey, AuditEntry, DSecContainerRunArgs, Layer, Node, Project, ProjectQuota, SandboxInfo, WhoAmI
+from .types import APIKey, AuditEntry, DSecContainerRunArgs, Layer, LayerGCResult, Node, Project, ProjectQuota, SandboxInfo, WhoAmI
 
 __all__ = ["DSecClient", "BatchResult", "USER_AGENT", "idempotency_key"]
 
@@ -631,6 +631,17 @@ class DSecClient:
     async def delete_layer(self, ref: str) -> None:
         """Remove a ref from the catalog (FailedPrecondition while in use)."""
         await self._call("DELETE", f"/v1/layers/{esc(ref)}")
+
+    async def gc_layers(self, *, dry_run: bool = False) -> LayerGCResult:
+        """Remove the layer blobs that no ref names and no sandbox on any
+        node uses (images of refs re-pointed with replace, what an
+        interrupted build left). With ``dry_run``, only list what would go.
+        Takes a builder or admin key of the root project; an unanswering
+        node makes it Unavailable, having removed nothing it could not
+        check."""
+        q = [("dry_run", "true")] if dry_run else None
+        doc = await self._call("POST", "/v1/layers:gc", query=q, idempotent=True) or {}
+        return LayerGCResult.from_json(doc)
 
     async def nodes(self) -> "list[Node]":
         """The edges the apiserver knows."""

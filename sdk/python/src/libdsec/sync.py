@@ -353,6 +353,7 @@ class DSecClient:
     list_layers = _fwd("list_layers", _aclient.DSecClient)
     get_layer = _fwd("get_layer", _aclient.DSecClient)
     delete_layer = _fwd("delete_layer", _aclient.DSecClient)
+    gc_layers = _fwd("gc_layers", _aclient.DSecClient)
     nodes = _fwd("nodes", _aclient.DSecClient)
     create_project = _fwd("create_project", _aclient.DSecClient)
     get_project = _fwd("get_project", _aclient.DSecClient)

@@ -385,6 +385,24 @@ class Layer:
 
 
 @dataclass
+class LayerGCResult:
+    """What a layer gc removed (with ``dry_run``, what it would remove now):
+    blobs no ref named and no sandbox used, and the bytes they held."""
+
+    removed: list[str] = field(default_factory=list)
+    removed_bytes: int = 0
+    dry_run: bool = False
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "LayerGCResult":
+        return cls(
+            removed=[str(x) for x in d.get("removed") or []],
+            removed_bytes=_i(d, "removed_bytes"),
+            dry_run=bool(d.get("dry_run", False)),
+        )
+
+
+@dataclass
 class LogEntry:
     """One operation of a sandbox's command log."""
 
