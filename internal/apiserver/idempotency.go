@@ -464,8 +464,11 @@ func (s *Server) idemJanitor(ctx context.Context) {
 	}
 }
 
-// sweepPage is how many records a sweep reads at a time from a store that
-// pages (store.Pager: etcd): about 1.5 MiB. A variable for tests.
+// sweepPage is how many records a sweep asks a store that pages
+// (store.Pager: etcd) for at a time: about 1.5 MiB of create records. A
+// page that fails (records that keep large answers, up to 768 KiB each,
+// can make one too big for the store's time limit) is asked for again at
+// half the size, down to one record. A variable for tests.
 var sweepPage = 1000
 
 // sweepRecords deletes the expired records. A store that pages is read a
@@ -475,28 +478,29 @@ var sweepPage = 1000
 func (s *Server) sweepRecords(ctx context.Context) {
 	pg, paged := s.deps.Store.(store.Pager)
 	now := time.Now()
-	n, after := 0, ""
+	n, after, size := 0, "", sweepPage
 	for ctx.Err() == nil {
 		var kvs []store.KV
 		var err error
 		if paged {
-			kvs, err = pg.ListAfter(idemBucket, after, sweepPage)
+			kvs, err = pg.ListAfter(idemBucket, after, size)
 		} else {
 			kvs, err = s.deps.Store.List(idemBucket, "")
 		}
+		if err != nil && paged && size > 1 {
+			size = max(size/2, 1)
+			continue
+		}
 		if err != nil {
-			s.log.Warn("listing idempotency records to remove the expired ones", "err", err)
+			s.log.Warn("listing idempotency records to remove the expired ones", "after", after, "err", err)
 			break
 		}
 		for _, kv := range kvs {
-			var rec idemRecord
-			if json.Unmarshal(kv.Value, &rec) == nil && now.After(rec.Expires) {
-				if s.deps.Store.Delete(idemBucket, kv.Key) == nil {
-					n++
-				}
+			if expired(kv.Value, now) && s.deleteExpired(kv.Key, now) {
+				n++
 			}
 		}
-		if !paged || len(kvs) < sweepPage {
+		if !paged || len(kvs) < size {
 			break
 		}
 		after = kvs[len(kvs)-1].Key
@@ -505,3 +509,24 @@ func (s *Server) sweepRecords(ctx context.Context) {
 		s.log.Info("expired idempotency records removed", "count", n)
 	}
 }
+
+// expired reports whether a record's value is of a record past its time.
+func expired(v []byte, now time.Time) bool {
+	var rec idemRecord
+	return json.Unmarshal(v, &rec) == nil && now.After(rec.Expires)
+}
+
+// deleteExpired deletes record rk if it is still expired: a repeat may
+// have claimed the key anew since the sweep read it.
+func (s *Server) deleteExpired(rk string, now time.Time) bool {
+	err := s.deps.Store.Update(idemBucket, rk, func(old []byte) ([]byte, error) {
+		if old == nil || !expired(old, now) {
+			return nil, errKept
+		}
+		return nil, nil
+	})
+	return err == nil
+}
+
+// errKept aborts deleteExpired's update of a record no longer expired.
+var errKept = errors.New("kept")

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
 	"github.com/dsecproject/dsec/internal/store"
 )
 
@@ -271,6 +272,9 @@ func TestIdempotencyTTL(t *testing.T) {
 type pagedOnly struct {
 	store.Store
 	pages atomic.Int32
+	// failAbove, if not 0, fails pages asked for more records than that
+	// (too big for the store's time limit).
+	failAbove int
 }
 
 func (s *pagedOnly) List(bucket, prefix string) ([]store.KV, error) {
@@ -279,6 +283,9 @@ func (s *pagedOnly) List(bucket, prefix string) ([]store.KV, error) {
 
 func (s *pagedOnly) ListAfter(bucket, after string, limit int) ([]store.KV, error) {
 	s.pages.Add(1)
+	if s.failAbove > 0 && limit > s.failAbove {
+		return nil, errdefs.Unavailable("store: context deadline exceeded")
+	}
 	return s.Store.(store.Pager).ListAfter(bucket, after, limit)
 }
 
@@ -286,10 +293,18 @@ func (s *pagedOnly) ListAfter(bucket, after string, limit int) ([]store.KV, erro
 // store that pages a page at a time, never whole, and removes every
 // expired record of every page and nothing else.
 func TestSweepReadsRecordsInPages(t *testing.T) {
+	for _, failAbove := range []int{0, 2, 1} {
+		t.Run(fmt.Sprintf("failAbove-%d", failAbove), func(t *testing.T) { testSweepInPages(t, failAbove) })
+	}
+}
+
+// testSweepInPages: with failAbove, pages of more records fail, and the
+// sweep asks for smaller ones.
+func testSweepInPages(t *testing.T, failAbove int) {
 	defer func(n int) { sweepPage = n }(sweepPage)
 	sweepPage = 3
 	f := newFixture(t, false)
-	st := &pagedOnly{Store: f.st}
+	st := &pagedOnly{Store: f.st, failAbove: failAbove}
 	s := New(Deps{IAM: f.iam, Nodes: f.view, Store: st, Log: slog.New(slog.DiscardHandler)})
 	live := map[string]bool{}
 	for i := range 11 {
@@ -318,5 +333,28 @@ func TestSweepReadsRecordsInPages(t *testing.T) {
 	}
 	if n := st.pages.Load(); n < 4 {
 		t.Fatalf("%d pages read for 11 records at 3 a page", n)
+	}
+}
+
+// TestSweepKeepsARecordClaimedAgain: the sweep deletes a record only if it
+// is still expired when deleted (a repeat may have claimed the key anew
+// since the sweep read it).
+func TestSweepKeepsARecordClaimedAgain(t *testing.T) {
+	f := newFixture(t, false)
+	s := New(Deps{IAM: f.iam, Nodes: f.view, Store: f.st, Log: slog.New(slog.DiscardHandler)})
+	now := time.Now()
+	for _, tc := range []struct {
+		expires time.Time
+		gone    bool
+	}{{now.Add(time.Hour), false}, {now.Add(-time.Second), true}} {
+		b, _ := json.Marshal(idemRecord{State: "pending", Started: now, Expires: tc.expires})
+		if err := f.st.Put(idemBucket, "rk", b); err != nil {
+			t.Fatal(err)
+		}
+		deleted := s.deleteExpired("rk", now)
+		_, err := f.st.Get(idemBucket, "rk")
+		if deleted != tc.gone || errors.Is(err, errdefs.ErrNotFound) != tc.gone {
+			t.Fatalf("record expiring %v: deleted %v, then %v", tc.expires.Sub(now), deleted, err)
+		}
 	}
 }

@@ -437,18 +437,7 @@ func newSandbox(t *testing.T, spec api.SandboxSpec) *api.Sandbox {
 	if spec.Base == "" && spec.Snapshot == "" {
 		spec.Base = baseRef
 	}
-	// A node the last test's tenancy held (dedicated nodes) is free once
-	// the views have polled it again, within a second or two: a create
-	// pinned to it is refused (resource_exhausted) until then.
-	var sb *api.Sandbox
-	var err error
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(250 * time.Millisecond) {
-		sb, err = c.client.CreateSandbox(ctx(t), spec)
-		var e *dsec.Error
-		if err == nil || !errors.As(err, &e) || e.Code != "resource_exhausted" || time.Now().After(deadline) {
-			break
-		}
-	}
+	sb, err := c.client.CreateSandbox(ctx(t), spec)
 	if err != nil {
 		t.Fatalf("create: %v", err)
 	}

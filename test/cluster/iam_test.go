@@ -176,8 +176,36 @@ func TestDedicatedNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		_ = c.client.DeleteProject(context.Background(), ded, true)
-		_ = c.client.DeleteProject(context.Background(), shared, true)
+		for _, p := range []string{ded, shared} {
+			if err := c.client.DeleteProject(context.Background(), p, true); err != nil {
+				t.Errorf("deleting project %s: %v", p, err)
+			}
+		}
+		// The next tests may pin creates to any node: wait until both
+		// apiservers' views have the dedicated node free again (a poll
+		// after the delete), or they would be refused until then.
+		began := time.Now()
+		for deadline := began.Add(15 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+			held := ""
+			for _, cl := range c.perServer {
+				l, err := cl.ListNodes(context.Background())
+				if err != nil {
+					held = err.Error()
+				}
+				for _, nd := range l {
+					if nd.DedicatedTo != "" || nd.LastSeen == nil || !nd.LastSeen.After(began.Add(time.Second)) {
+						held = fmt.Sprintf("%s: dedicated to %q, polled %v", nd.Name, nd.DedicatedTo, nd.LastSeen)
+					}
+				}
+			}
+			if held == "" {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Errorf("a node is not free 15 s after the dedicated project went: %s", held)
+				break
+			}
+		}
 	})
 	// A dedicated project needs an empty node to start on: wait until the
 	// views show one (earlier tests' sandboxes are gone within a poll).

@@ -640,7 +640,9 @@ class DSecClient:
         node makes it Unavailable, having removed nothing it could not
         check."""
         q = [("dry_run", "true")] if dry_run else None
-        doc = await self._call("POST", "/v1/layers:gc", query=q, idempotent=True) or {}
+        # A dry run is sent again like a read; a gc is not once it was sent:
+        # its answer lost, a second run would report nothing removed.
+        doc = await self._call("POST", "/v1/layers:gc", query=q, idempotent=dry_run) or {}
         return LayerGCResult.from_json(doc)
 
     async def nodes(self) -> "list[Node]":
