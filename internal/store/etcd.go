@@ -307,26 +307,11 @@ func (e *Etcd) Delete(bucket, key string) error {
 
 // List implements Store. etcd returns a prefix range in key order.
 func (e *Etcd) List(bucket, prefix string) ([]KV, error) {
-	if bucket == "" {
-		return nil, errdefs.Invalid("store: empty bucket name")
+	if err := checkBucket(bucket); err != nil {
+		return nil, err
 	}
-	if strings.Contains(bucket, "/") {
-		return nil, errdefs.Invalid("store: bucket name %q contains /", bucket)
-	}
-	ctx, cancel := e.ctx()
-	defer cancel()
 	base := e.prefix + bucket + "/"
-	r, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.GetResponse, error) {
-		return e.c.Get(ctx, base+prefix, clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
-	})
-	if err != nil {
-		return nil, e.classify(err)
-	}
-	out := make([]KV, 0, len(r.Kvs))
-	for _, kv := range r.Kvs {
-		out = append(out, KV{Key: strings.TrimPrefix(string(kv.Key), base), Value: nonNil(bytes.Clone(kv.Value))})
-	}
-	return out, nil
+	return e.rangeKVs(base, base+prefix, clientv3.WithPrefix())
 }
 
 // ListAfter implements Pager with a range request bounded by limit.
@@ -334,16 +319,22 @@ func (e *Etcd) ListAfter(bucket, after string, limit int) ([]KV, error) {
 	if err := checkPage(bucket, limit); err != nil {
 		return nil, err
 	}
-	ctx, cancel := e.ctx()
-	defer cancel()
 	base := e.prefix + bucket + "/"
 	from := base
 	if after != "" {
 		from = base + after + "\x00"
 	}
+	return e.rangeKVs(base, from, clientv3.WithRange(clientv3.GetPrefixRangeEnd(base)), clientv3.WithLimit(int64(limit)))
+}
+
+// rangeKVs reads the range from key with opts, in key order, as pairs
+// keyed below base.
+func (e *Etcd) rangeKVs(base, key string, opts ...clientv3.OpOption) ([]KV, error) {
+	ctx, cancel := e.ctx()
+	defer cancel()
+	opts = append(opts, clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
 	r, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.GetResponse, error) {
-		return e.c.Get(ctx, from, clientv3.WithRange(clientv3.GetPrefixRangeEnd(base)), clientv3.WithLimit(int64(limit)),
-			clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
+		return e.c.Get(ctx, key, opts...)
 	})
 	if err != nil {
 		return nil, e.classify(err)

@@ -122,9 +122,18 @@ func (m *memory) ListAfter(bucket, after string, limit int) ([]KV, error) {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	all := m.list(bucket, "")
-	i := sort.Search(len(all), func(i int) bool { return all[i].Key > after })
-	return all[i:min(len(all), i+limit):min(len(all), i+limit)], nil
+	var keys []string
+	for k := range m.buckets[bucket] {
+		if k > after {
+			keys = append(keys, k)
+		}
+	}
+	sort.Strings(keys)
+	out := make([]KV, 0, min(len(keys), limit))
+	for _, k := range keys[:min(len(keys), limit)] {
+		out = append(out, KV{Key: k, Value: bytes.Clone(m.buckets[bucket][k])})
+	}
+	return out, nil
 }
 
 // list copies bucket's keys under prefix, in key order.

@@ -65,13 +65,22 @@ type Leaser interface {
 	Hold(ctx context.Context, bucket, key string, val []byte, ttl time.Duration, takeover func(cur []byte) bool) (lost <-chan struct{}, err error)
 }
 
-// checkPage rejects a page request no backend can answer.
-func checkPage(bucket string, limit int) error {
+// checkBucket rejects a bucket name no backend can list: empty, or with
+// the "/" that ends an etcd bucket's prefix.
+func checkBucket(bucket string) error {
 	if bucket == "" {
 		return errdefs.Invalid("store: empty bucket name")
 	}
 	if strings.Contains(bucket, "/") {
 		return errdefs.Invalid("store: bucket name %q contains /", bucket)
+	}
+	return nil
+}
+
+// checkPage rejects a page request no backend can answer.
+func checkPage(bucket string, limit int) error {
+	if err := checkBucket(bucket); err != nil {
+		return err
 	}
 	if limit < 1 {
 		return errdefs.Invalid("store: a page of %d keys; want at least 1", limit)
