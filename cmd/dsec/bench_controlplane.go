@@ -20,6 +20,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime"
 	"runtime/pprof"
 	"slices"
 	"sort"
@@ -792,6 +793,15 @@ type cpReport struct {
 	LeftAfterDelete  int     `json:"left_after_delete"`
 	// Processes: CPU seconds over the whole run, RSS at full concurrency.
 	Procs []cpProc `json:"processes"`
+	// What the hold cost in CPU, by process, and what the host's cores
+	// spent over it (all processes, from /proc/stat): who is the limit,
+	// and what a rate would need elsewhere (ApiserverCoresAtTarget: the
+	// apiservers' CPU per create times the target rate).
+	HostCores              int         `json:"host_cores"`
+	HoldHostBusyCores      float64     `json:"hold_host_busy_cores"`
+	HoldCPU                []cpHoldCPU `json:"hold_cpu"`
+	ApiserverMSPerCreate   float64     `json:"apiserver_cpu_ms_per_create"`
+	ApiserverCoresAtTarget float64     `json:"apiserver_cores_at_target"`
 	// Control-plane memory per live sandbox (the largest apiserver's RSS
 	// growth from empty to full, over the live sandboxes), and etcd's own
 	// figures: its database, keys, and writes per second during the hold.
@@ -813,6 +823,90 @@ type cpStep struct {
 	P50MS    float64 `json:"p50_ms"`
 	P99MS    float64 `json:"p99_ms"`
 	P999MS   float64 `json:"p999_ms"`
+}
+
+// cpHoldCPU is one process group's CPU over the hold: cores busy on
+// average, and CPU milliseconds per create of the hold (which also
+// carries a delete per create and the exec traffic).
+type cpHoldCPU struct {
+	Name        string  `json:"name"`
+	Cores       float64 `json:"cores"`
+	MSPerCreate float64 `json:"cpu_ms_per_create"`
+}
+
+// cpuRoles are the process groups whose CPU the hold reports, in order.
+func (w *cpWorld) cpuRoles() []string {
+	var roles []string
+	for i := range w.servers {
+		roles = append(roles, fmt.Sprintf("server%d", i))
+	}
+	return append(roles, "hollow edges", "etcd", "bench (clients)")
+}
+
+// cpuByRole reads the CPU seconds each process group has spent so far.
+func (w *cpWorld) cpuByRole() map[string]float64 {
+	out := map[string]float64{}
+	for _, role := range w.cpuRoles() {
+		var pids []int
+		switch role {
+		case "hollow edges":
+			pids = w.pids("hollow")
+		case "etcd":
+			pids = w.etcd.Pids()
+		case "bench (clients)":
+			pids = []int{os.Getpid()}
+		default:
+			pids = w.pids(role)
+		}
+		out[role] = cpuSeconds(pids)
+	}
+	return out
+}
+
+// holdCPU fills the hold's CPU figures from two readings of cpuByRole
+// taken wall apart, over which creates creates were made.
+func (r *cpReport) holdCPU(roles []string, before, after map[string]float64, wall time.Duration, creates int) {
+	r.HostCores = runtime.NumCPU()
+	var apiserverS float64
+	for _, role := range roles {
+		d := after[role] - before[role]
+		c := cpHoldCPU{Name: role, Cores: d / wall.Seconds()}
+		if creates > 0 {
+			c.MSPerCreate = 1000 * d / float64(creates)
+		}
+		r.HoldCPU = append(r.HoldCPU, c)
+		if strings.HasPrefix(role, "server") {
+			apiserverS += d
+		}
+	}
+	if creates > 0 {
+		r.ApiserverMSPerCreate = 1000 * apiserverS / float64(creates)
+		r.ApiserverCoresAtTarget = r.ApiserverMSPerCreate * float64(r.Target.Rate) / 1000
+	}
+}
+
+// hostBusySeconds is the CPU time every core of the host has spent
+// working (user, nice, system, irq, softirq: not idle, iowait or steal)
+// since boot, from /proc/stat.
+func hostBusySeconds() (float64, error) {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, err
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	if len(f) < 8 || f[0] != "cpu" {
+		return 0, fmt.Errorf("/proc/stat: unexpected first line %q", line)
+	}
+	var busy float64
+	for _, i := range []int{1, 2, 3, 6, 7} { // user nice system irq softirq
+		v, err := strconv.ParseFloat(f[i], 64)
+		if err != nil {
+			return 0, fmt.Errorf("/proc/stat: %w", err)
+		}
+		busy += v
+	}
+	return busy / 100, nil // USER_HZ
 }
 
 type cpProc struct {
@@ -898,6 +992,8 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	old = old[:min(len(old), total)]
 	progress("hold: %d creates/s, %d deletes/s and %d execs/s for %s at %d live", o.rate, len(old)/int(o.duration.Seconds()), o.execRate, o.duration, live.Load())
 	etcd0, _ := etcdMetrics(w.etcd.Endpoints()[0])
+	cpu0 := w.cpuByRole()
+	busy0, _ := hostBusySeconds()
 	holdCtx, endHold := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	var del cpDeletes
@@ -916,6 +1012,8 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	}
 	hold := w.createsUntil(ctx, o, "hold", total, o.rate, until, &live)
 	holdWall := time.Since(holdStart)
+	cpu1 := w.cpuByRole()
+	busy1, busyErr := hostBusySeconds()
 	endHold()
 	wg.Wait()
 	if err := ctx.Err(); err != nil {
@@ -937,6 +1035,10 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	rep.FailedExecs, rep.ExecErrors = ex.failed, ex.errs
 	rep.ExecP50MS, rep.ExecP99MS = pct(ex.durs, .5), pct(ex.durs, .99)
 	rep.LiveSandboxes = int(live.Load())
+	rep.holdCPU(w.cpuRoles(), cpu0, cpu1, holdWall, len(hold.samples))
+	if busyErr == nil {
+		rep.HoldHostBusyCores = (busy1 - busy0) / holdWall.Seconds()
+	}
 	rep.PlacementOverTime = samples.spread
 	rep.ViewAgeMaxSeconds = samples.maxAge
 	if etcd1 != nil && etcd0 != nil {
@@ -1278,6 +1380,15 @@ func printCPReport(r *cpReport) error {
 	fmt.Fprintf(tw, "teardown\t%d deleted by label in %.2f s, %d left\n", r.DeletedAll, r.DeleteAllSeconds, r.LeftAfterDelete)
 	for _, p := range r.Procs {
 		fmt.Fprintf(tw, "%s\tCPU %.1f s, RSS %.0f MiB\n", p.Name, p.CPUSeconds, float64(p.RSSBytes)/(1<<20))
+	}
+	if len(r.HoldCPU) > 0 {
+		var parts []string
+		for _, c := range r.HoldCPU {
+			parts = append(parts, fmt.Sprintf("%s %.2f (%.2f ms per create)", c.Name, c.Cores, c.MSPerCreate))
+		}
+		fmt.Fprintf(tw, "hold CPU, cores\thost %.2f of %d busy; %s\n", r.HoldHostBusyCores, r.HostCores, strings.Join(parts, ", "))
+		fmt.Fprintf(tw, "  apiserver tier\t%.2f ms of CPU per create (with its delete and %.2f execs): %d creates/s of this mix need about %.1f cores of apiservers\n",
+			r.ApiserverMSPerCreate, r.ExecsPerSec/math.Max(r.CreatesPerSec, 1), r.Target.Rate, r.ApiserverCoresAtTarget)
 	}
 	fmt.Fprintf(tw, "control-plane memory\tapiserver %.0f B per live sandbox; etcd %.1f MiB in use of a %.1f MiB file, %d keys (%.0f B in use per live sandbox), %.0f writes/s in the hold\n",
 		r.ApiserverBytesPerSandbox, float64(r.EtcdDBInUseBytes)/(1<<20), float64(r.EtcdDBBytes)/(1<<20), r.EtcdKeys, r.EtcdBytesPerSandbox, r.EtcdWritesPerSec)

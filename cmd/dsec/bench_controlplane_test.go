@@ -2,11 +2,14 @@ package main
 
 import (
 	"encoding/json"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/dsecproject/dsec/internal/store/etcdtest"
 )
@@ -85,6 +88,17 @@ func TestControlPlaneBenchShort(t *testing.T) {
 	case r.APIDeath.FailedCreates != 0 || r.APIDeath.Duplicates != 0:
 		t.Errorf("apiserver death: %d creates failed (%v), %d made twice", r.APIDeath.FailedCreates, r.APIDeath.Errors, r.APIDeath.Duplicates)
 	}
+	// Who spent the hold's CPU: every group measured, the apiservers and
+	// the hollow edges busy, the host's cores no busier than it has.
+	t.Logf("hold CPU: host %.2f of %d cores; %+v; apiservers %.2f ms per create", r.HoldHostBusyCores, r.HostCores, r.HoldCPU, r.ApiserverMSPerCreate)
+	busy := map[string]float64{}
+	for _, c := range r.HoldCPU {
+		busy[c.Name] = c.Cores
+	}
+	if len(r.HoldCPU) != 5 || busy["server0"] <= 0 || busy["server1"] <= 0 || busy["hollow edges"] <= 0 || busy["bench (clients)"] <= 0 ||
+		r.HoldHostBusyCores <= 0 || r.HoldHostBusyCores > float64(r.HostCores)+0.5 || r.ApiserverMSPerCreate <= 0 {
+		t.Errorf("hold CPU: host %.2f of %d cores, %+v, apiservers %.2f ms per create", r.HoldHostBusyCores, r.HostCores, r.HoldCPU, r.ApiserverMSPerCreate)
+	}
 	for _, s := range r.Strategies {
 		t.Logf("placement %s (k %s, overlay %v): max/mean %.3f, worst during %.3f, job %.3f", s.Strategy, s.PlacementK, s.Overlay, s.MaxOverMean, s.WorstDuring, s.JobMaxOverMean)
 	}
@@ -113,5 +127,51 @@ func TestControlPlaneBenchShort(t *testing.T) {
 		if b, err := os.ReadFile(p); err == nil && strings.Contains(string(b), work) {
 			t.Errorf("a daemon outlived the bench: %s", strings.ReplaceAll(string(b), "\x00", " "))
 		}
+	}
+}
+
+// TestHoldCPU checks the hold's CPU arithmetic: cores over the wall time,
+// milliseconds per create, and the apiservers' sum scaled to the target.
+func TestHoldCPU(t *testing.T) {
+	var r cpReport
+	r.Target.Rate = 5000
+	roles := []string{"server0", "server1", "hollow edges", "etcd", "bench (clients)"}
+	before := map[string]float64{"server0": 10, "server1": 20, "hollow edges": 100, "etcd": 1, "bench (clients)": 5}
+	after := map[string]float64{"server0": 14, "server1": 25, "hollow edges": 110, "etcd": 1.5, "bench (clients)": 7}
+	r.holdCPU(roles, before, after, 10*time.Second, 4000)
+	if len(r.HoldCPU) != len(roles) {
+		t.Fatalf("%d groups, want %d", len(r.HoldCPU), len(roles))
+	}
+	for i, want := range []cpHoldCPU{{"server0", 0.4, 1}, {"server1", 0.5, 1.25}, {"hollow edges", 1, 2.5}, {"etcd", 0.05, 0.125}, {"bench (clients)", 0.2, 0.5}} {
+		if got := r.HoldCPU[i]; got.Name != want.Name || math.Abs(got.Cores-want.Cores) > 1e-9 || math.Abs(got.MSPerCreate-want.MSPerCreate) > 1e-9 {
+			t.Errorf("group %d: %+v, want %+v", i, got, want)
+		}
+	}
+	// 9 s of apiserver CPU over 4,000 creates: 2.25 ms each, 11.25 cores
+	// at 5,000/s.
+	if math.Abs(r.ApiserverMSPerCreate-2.25) > 1e-9 || math.Abs(r.ApiserverCoresAtTarget-11.25) > 1e-9 {
+		t.Errorf("apiservers %.3f ms per create, %.3f cores at the target; want 2.25 and 11.25", r.ApiserverMSPerCreate, r.ApiserverCoresAtTarget)
+	}
+	if r.HostCores < 1 {
+		t.Errorf("host cores %d", r.HostCores)
+	}
+}
+
+// TestHostBusySeconds reads /proc/stat twice around some work: busy time
+// grows, and by no more than the cores could give.
+func TestHostBusySeconds(t *testing.T) {
+	a, err := hostBusySeconds()
+	if err != nil {
+		t.Skip(err) // not Linux
+	}
+	start := time.Now()
+	for time.Since(start) < 200*time.Millisecond {
+	}
+	b, err := hostBusySeconds()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := b - a; d <= 0 || d > float64(runtime.NumCPU())*time.Since(start).Seconds()+0.05 {
+		t.Errorf("host busy grew by %.3f s over %v of spinning on %d cores", d, time.Since(start), runtime.NumCPU())
 	}
 }
