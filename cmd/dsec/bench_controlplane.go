@@ -20,7 +20,6 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
-	"runtime"
 	"runtime/pprof"
 	"slices"
 	"sort"
@@ -143,7 +142,10 @@ func (o *cpOpts) check() error {
 	if o.cloudEdges > maxHollowEdges {
 		return fmt.Errorf("--cloud-edges %d: want at most %d", o.cloudEdges, maxHollowEdges)
 	}
-	if o.jobs == 0 {
+	switch {
+	case o.jobs == 0 && o.jobSize > 0:
+		o.jobs = (o.sandboxes + o.jobSize - 1) / o.jobSize
+	case o.jobs == 0:
 		// Two at least, so that the hold has an older job to delete.
 		o.jobs = min(o.sandboxes, max(2, (o.sandboxes+31999)/32000))
 	}
@@ -856,20 +858,32 @@ func (w *cpWorld) cpuByRole() map[string]float64 {
 		case "bench (clients)":
 			pids = []int{os.Getpid()}
 		default:
-			pids = w.pids(role)
+			pids = w.pidsNamed(role) // server1, not server1-restarted
 		}
 		out[role] = cpuSeconds(pids)
 	}
 	return out
 }
 
+// pidsNamed returns the process ids of the daemons named exactly name.
+func (w *cpWorld) pidsNamed(name string) []int {
+	var out []int
+	for _, p := range w.procs {
+		if p.name == name && p.cmd != nil && p.cmd.Process != nil {
+			out = append(out, p.cmd.Process.Pid)
+		}
+	}
+	return out
+}
+
 // holdCPU fills the hold's CPU figures from two readings of cpuByRole
-// taken wall apart, over which creates creates were made.
+// taken wall apart, over which creates creates were made. (A process
+// that exited in between would make its group's reading go down: none
+// does in the hold, and a negative figure is counted as none.)
 func (r *cpReport) holdCPU(roles []string, before, after map[string]float64, wall time.Duration, creates int) {
-	r.HostCores = runtime.NumCPU()
 	var apiserverS float64
 	for _, role := range roles {
-		d := after[role] - before[role]
+		d := max(after[role]-before[role], 0)
 		c := cpHoldCPU{Name: role, Cores: d / wall.Seconds()}
 		if creates > 0 {
 			c.MSPerCreate = 1000 * d / float64(creates)
@@ -886,27 +900,44 @@ func (r *cpReport) holdCPU(roles []string, before, after map[string]float64, wal
 }
 
 // hostBusySeconds is the CPU time every core of the host has spent
-// working (user, nice, system, irq, softirq: not idle, iowait or steal)
-// since boot, from /proc/stat.
-func hostBusySeconds() (float64, error) {
+// working since boot, and how many cores it has, from /proc/stat.
+func hostBusySeconds() (float64, int, error) {
 	b, err := os.ReadFile("/proc/stat")
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
-	line, _, _ := strings.Cut(string(b), "\n")
-	f := strings.Fields(line)
-	if len(f) < 8 || f[0] != "cpu" {
-		return 0, fmt.Errorf("/proc/stat: unexpected first line %q", line)
-	}
-	var busy float64
-	for _, i := range []int{1, 2, 3, 6, 7} { // user nice system irq softirq
-		v, err := strconv.ParseFloat(f[i], 64)
-		if err != nil {
-			return 0, fmt.Errorf("/proc/stat: %w", err)
+	return parseProcStat(string(b))
+}
+
+// parseProcStat reads /proc/stat's text: the busy time of the "cpu" line
+// (user, nice, system, irq, softirq; not idle, iowait or steal, and guest
+// time is inside user) in seconds (USER_HZ is 100), and the "cpuN" lines.
+func parseProcStat(text string) (float64, int, error) {
+	busy, cores := -1.0, 0
+	for _, line := range strings.Split(text, "\n") {
+		f := strings.Fields(line)
+		switch {
+		case len(f) == 0 || !strings.HasPrefix(f[0], "cpu"):
+		case f[0] == "cpu":
+			if len(f) < 8 {
+				return 0, 0, fmt.Errorf("/proc/stat: short cpu line %q", line)
+			}
+			busy = 0
+			for _, i := range []int{1, 2, 3, 6, 7} { // user nice system irq softirq
+				v, err := strconv.ParseFloat(f[i], 64)
+				if err != nil {
+					return 0, 0, fmt.Errorf("/proc/stat: %w", err)
+				}
+				busy += v
+			}
+		default:
+			cores++
 		}
-		busy += v
 	}
-	return busy / 100, nil // USER_HZ
+	if busy < 0 || cores == 0 {
+		return 0, 0, fmt.Errorf("/proc/stat: no cpu lines")
+	}
+	return busy / 100, cores, nil
 }
 
 type cpProc struct {
@@ -972,7 +1003,9 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	}
 	order = order[:len(order)-1]
 	delete(jobIDs, job)
-	job = fmt.Sprintf("job-%d", o.jobs)
+	// (Named after the fill's jobs, which it must not take the name of:
+	// the hold deletes the older jobs by name.)
+	job = fmt.Sprintf("job-%d", len(order)+1)
 	progress("refill: %s, %d creates", job, rep.JobSize)
 	refill := w.creates(ctx, o, job, rep.JobSize, o.rate, &live)
 	jobIDs[job], order = refill.ids, append(order, job)
@@ -993,7 +1026,7 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	progress("hold: %d creates/s, %d deletes/s and %d execs/s for %s at %d live", o.rate, len(old)/int(o.duration.Seconds()), o.execRate, o.duration, live.Load())
 	etcd0, _ := etcdMetrics(w.etcd.Endpoints()[0])
 	cpu0 := w.cpuByRole()
-	busy0, _ := hostBusySeconds()
+	busy0, _, busyErr0 := hostBusySeconds()
 	holdCtx, endHold := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	var del cpDeletes
@@ -1013,7 +1046,7 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	hold := w.createsUntil(ctx, o, "hold", total, o.rate, until, &live)
 	holdWall := time.Since(holdStart)
 	cpu1 := w.cpuByRole()
-	busy1, busyErr := hostBusySeconds()
+	busy1, cores, busyErr := hostBusySeconds()
 	endHold()
 	wg.Wait()
 	if err := ctx.Err(); err != nil {
@@ -1036,8 +1069,8 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	rep.ExecP50MS, rep.ExecP99MS = pct(ex.durs, .5), pct(ex.durs, .99)
 	rep.LiveSandboxes = int(live.Load())
 	rep.holdCPU(w.cpuRoles(), cpu0, cpu1, holdWall, len(hold.samples))
-	if busyErr == nil {
-		rep.HoldHostBusyCores = (busy1 - busy0) / holdWall.Seconds()
+	if busyErr0 == nil && busyErr == nil {
+		rep.HostCores, rep.HoldHostBusyCores = cores, (busy1-busy0)/holdWall.Seconds()
 	}
 	rep.PlacementOverTime = samples.spread
 	rep.ViewAgeMaxSeconds = samples.maxAge
@@ -1387,8 +1420,8 @@ func printCPReport(r *cpReport) error {
 			parts = append(parts, fmt.Sprintf("%s %.2f (%.2f ms per create)", c.Name, c.Cores, c.MSPerCreate))
 		}
 		fmt.Fprintf(tw, "hold CPU, cores\thost %.2f of %d busy; %s\n", r.HoldHostBusyCores, r.HostCores, strings.Join(parts, ", "))
-		fmt.Fprintf(tw, "  apiserver tier\t%.2f ms of CPU per create (with its delete and %.2f execs): %d creates/s of this mix need about %.1f cores of apiservers\n",
-			r.ApiserverMSPerCreate, r.ExecsPerSec/math.Max(r.CreatesPerSec, 1), r.Target.Rate, r.ApiserverCoresAtTarget)
+		fmt.Fprintf(tw, "  apiserver tier\t%.2f ms of CPU per create (with %.2f deletes and %.2f execs per create); times %d creates/s: %.1f cores (a linear estimate, fixed costs included)\n",
+			r.ApiserverMSPerCreate, r.DeletesPerSec/math.Max(r.CreatesPerSec, 1), r.ExecsPerSec/math.Max(r.CreatesPerSec, 1), r.Target.Rate, r.ApiserverCoresAtTarget)
 	}
 	fmt.Fprintf(tw, "control-plane memory\tapiserver %.0f B per live sandbox; etcd %.1f MiB in use of a %.1f MiB file, %d keys (%.0f B in use per live sandbox), %.0f writes/s in the hold\n",
 		r.ApiserverBytesPerSandbox, float64(r.EtcdDBInUseBytes)/(1<<20), float64(r.EtcdDBBytes)/(1<<20), r.EtcdKeys, r.EtcdBytesPerSandbox, r.EtcdWritesPerSec)
