@@ -306,14 +306,22 @@ func testConcurrentCreate(t *testing.T, s store.Store) {
 	}
 }
 
-// RunLeaser runs the contract of store.Leaser against stores made by open.
-func RunLeaser(t *testing.T, open func() store.Store) {
+// openAs opens a store, closes it when the test ends, and returns it
+// also as the optional interface T the test is about.
+func openAs[T any](t *testing.T, open func() store.Store) (store.Store, T) {
+	t.Helper()
 	s := open()
 	t.Cleanup(func() { _ = s.Close() })
-	l, ok := s.(store.Leaser)
+	v, ok := s.(T)
 	if !ok {
-		t.Fatalf("%T does not implement store.Leaser", s)
+		t.Fatalf("%T does not implement %T", s, (*T)(nil))
 	}
+	return s, v
+}
+
+// RunLeaser runs the contract of store.Leaser against stores made by open.
+func RunLeaser(t *testing.T, open func() store.Store) {
+	s, l := openAs[store.Leaser](t, open)
 	ctx, cancel := context.WithCancel(t.Context())
 	lost, err := l.Hold(ctx, "nodes", "n1", []byte("a"), 3*time.Second, nil)
 	if err != nil {
@@ -420,12 +428,7 @@ func wantClosed(t *testing.T, ch <-chan struct{}, failure string) {
 // open: a reset with the bucket as it is, then every change in order, and
 // nothing of other buckets.
 func RunWatcher(t *testing.T, open func() store.Store) {
-	s := open()
-	t.Cleanup(func() { _ = s.Close() })
-	w, ok := s.(store.Watcher)
-	if !ok {
-		t.Fatalf("%T does not implement store.Watcher", s)
-	}
+	s, w := openAs[store.Watcher](t, open)
 	mustPut(t, s, "w", "a", "1")
 	mustPut(t, s, "w", "b", "2")
 	mustPut(t, s, "other", "x", "0")
@@ -476,12 +479,7 @@ func RunWatcher(t *testing.T, open func() store.Store) {
 
 // RunBatcher runs the contract of store.Batcher.
 func RunBatcher(t *testing.T, open func() store.Store) {
-	s := open()
-	t.Cleanup(func() { _ = s.Close() })
-	b, ok := s.(store.Batcher)
-	if !ok {
-		t.Fatalf("%T does not implement store.Batcher", s)
-	}
+	s, b := openAs[store.Batcher](t, open)
 	kv := func(k, v string) store.KV { return store.KV{Key: k, Value: []byte(v)} }
 	if err := b.Write("b", []store.KV{kv("a", "1"), kv("b", "2")}, []store.KV{kv("p", "0")}); err != nil {
 		t.Fatalf("Write: %v", err)
@@ -511,12 +509,7 @@ func RunBatcher(t *testing.T, open func() store.Store) {
 // the key given, bounded by the limit, of one bucket only; bad requests
 // refused.
 func RunPager(t *testing.T, open func() store.Store) {
-	s := open()
-	t.Cleanup(func() { _ = s.Close() })
-	p, ok := s.(store.Pager)
-	if !ok {
-		t.Fatalf("%T does not implement store.Pager", s)
-	}
+	s, p := openAs[store.Pager](t, open)
 	for _, k := range []string{"e", "a", "c", "b", "d", "b0"} {
 		if err := s.Put("pg", k, []byte("v"+k)); err != nil {
 			t.Fatal(err)
