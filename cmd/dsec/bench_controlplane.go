@@ -836,31 +836,33 @@ type cpHoldCPU struct {
 	MSPerCreate float64 `json:"cpu_ms_per_create"`
 }
 
-// cpuRoles are the process groups whose CPU the hold reports, in order.
-func (w *cpWorld) cpuRoles() []string {
-	var roles []string
-	for i := range w.servers {
-		roles = append(roles, fmt.Sprintf("server%d", i))
-	}
-	return append(roles, "hollow edges", "etcd", "bench (clients)")
+// cpuGroup is a process group whose CPU the hold reports.
+type cpuGroup struct {
+	name      string
+	apiserver bool // counts in the apiserver tier
+	pids      func() []int
 }
 
-// cpuByRole reads the CPU seconds each process group has spent so far.
-func (w *cpWorld) cpuByRole() map[string]float64 {
-	out := map[string]float64{}
-	for _, role := range w.cpuRoles() {
-		var pids []int
-		switch role {
-		case "hollow edges":
-			pids = w.pids("hollow")
-		case "etcd":
-			pids = w.etcd.Pids()
-		case "bench (clients)":
-			pids = []int{os.Getpid()}
-		default:
-			pids = w.pidsNamed(role) // server1, not server1-restarted
-		}
-		out[role] = cpuSeconds(pids)
+// cpuGroups are the hold's process groups, in the order reported: each
+// apiserver (by exact name: server1, not server1-restarted), the hollow
+// edges, etcd and this process (the clients).
+func (w *cpWorld) cpuGroups() []cpuGroup {
+	var groups []cpuGroup
+	for i := range w.servers {
+		name := fmt.Sprintf("server%d", i)
+		groups = append(groups, cpuGroup{name, true, func() []int { return w.pidsNamed(name) }})
+	}
+	return append(groups,
+		cpuGroup{"hollow edges", false, func() []int { return w.pids("hollow") }},
+		cpuGroup{"etcd", false, w.etcd.Pids},
+		cpuGroup{"bench (clients)", false, func() []int { return []int{os.Getpid()} }})
+}
+
+// cpuOf reads the CPU seconds each group has spent so far.
+func cpuOf(groups []cpuGroup) []float64 {
+	out := make([]float64, len(groups))
+	for i, g := range groups {
+		out[i] = cpuSeconds(g.pids())
 	}
 	return out
 }
@@ -876,20 +878,20 @@ func (w *cpWorld) pidsNamed(name string) []int {
 	return out
 }
 
-// holdCPU fills the hold's CPU figures from two readings of cpuByRole
+// holdCPU fills the hold's CPU figures from two readings of cpuOf
 // taken wall apart, over which creates creates were made. (A process
 // that exited in between would make its group's reading go down: none
 // does in the hold, and a negative figure is counted as none.)
-func (r *cpReport) holdCPU(roles []string, before, after map[string]float64, wall time.Duration, creates int) {
+func (r *cpReport) holdCPU(groups []cpuGroup, before, after []float64, wall time.Duration, creates int) {
 	var apiserverS float64
-	for _, role := range roles {
-		d := max(after[role]-before[role], 0)
-		c := cpHoldCPU{Name: role, Cores: d / wall.Seconds()}
+	for i, g := range groups {
+		d := max(after[i]-before[i], 0)
+		c := cpHoldCPU{Name: g.name, Cores: d / wall.Seconds()}
 		if creates > 0 {
 			c.MSPerCreate = 1000 * d / float64(creates)
 		}
 		r.HoldCPU = append(r.HoldCPU, c)
-		if strings.HasPrefix(role, "server") {
+		if g.apiserver {
 			apiserverS += d
 		}
 	}
@@ -1025,7 +1027,8 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	old = old[:min(len(old), total)]
 	progress("hold: %d creates/s, %d deletes/s and %d execs/s for %s at %d live", o.rate, len(old)/int(o.duration.Seconds()), o.execRate, o.duration, live.Load())
 	etcd0, _ := etcdMetrics(w.etcd.Endpoints()[0])
-	cpu0 := w.cpuByRole()
+	groups := w.cpuGroups()
+	cpu0 := cpuOf(groups)
 	busy0, _, busyErr0 := hostBusySeconds()
 	holdCtx, endHold := context.WithCancel(ctx)
 	var wg sync.WaitGroup
@@ -1045,7 +1048,7 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	}
 	hold := w.createsUntil(ctx, o, "hold", total, o.rate, until, &live)
 	holdWall := time.Since(holdStart)
-	cpu1 := w.cpuByRole()
+	cpu1 := cpuOf(groups)
 	busy1, cores, busyErr := hostBusySeconds()
 	endHold()
 	wg.Wait()
@@ -1068,7 +1071,7 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	rep.FailedExecs, rep.ExecErrors = ex.failed, ex.errs
 	rep.ExecP50MS, rep.ExecP99MS = pct(ex.durs, .5), pct(ex.durs, .99)
 	rep.LiveSandboxes = int(live.Load())
-	rep.holdCPU(w.cpuRoles(), cpu0, cpu1, holdWall, len(hold.samples))
+	rep.holdCPU(groups, cpu0, cpu1, holdWall, len(hold.samples))
 	if busyErr0 == nil && busyErr == nil {
 		rep.HostCores, rep.HoldHostBusyCores = cores, (busy1-busy0)/holdWall.Seconds()
 	}

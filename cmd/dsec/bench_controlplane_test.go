@@ -134,9 +134,9 @@ func TestControlPlaneBenchShort(t *testing.T) {
 func TestHoldCPU(t *testing.T) {
 	var r cpReport
 	r.Target.Rate = 5000
-	roles := []string{"server0", "server1", "hollow edges", "etcd", "bench (clients)"}
-	before := map[string]float64{"server0": 10, "server1": 20, "hollow edges": 100, "etcd": 1, "bench (clients)": 5}
-	after := map[string]float64{"server0": 14, "server1": 25, "hollow edges": 110, "etcd": 1.5, "bench (clients)": 7}
+	roles := []cpuGroup{{name: "server0", apiserver: true}, {name: "server1", apiserver: true}, {name: "hollow edges"}, {name: "etcd"}, {name: "bench (clients)"}}
+	before := []float64{10, 20, 100, 1, 5}
+	after := []float64{14, 25, 110, 1.5, 7}
 	r.holdCPU(roles, before, after, 10*time.Second, 4000)
 	if len(r.HoldCPU) != len(roles) {
 		t.Fatalf("%d groups, want %d", len(r.HoldCPU), len(roles))
