@@ -185,6 +185,13 @@ func (s *Server) claim(ctx context.Context, rk, hash string) (claimed, bool, err
 		switch err := s.records.create(store.KV{Key: rk, Value: b}); {
 		case err == nil:
 			return claimed{idemRecord: mine}, true, nil
+		case errors.Is(err, errdefs.ErrUnavailable):
+			// The write may land all the same (a store that timed out
+			// may still apply it): a record pending with this live
+			// apiserver as owner, running nothing, would hold every
+			// repeat off.
+			go s.releaseClaim(rk, nonce)
+			return claimed{}, false, err
 		case !errors.Is(err, errdefs.ErrAlreadyExists):
 			return claimed{}, false, err
 		}
@@ -530,3 +537,42 @@ func (s *Server) deleteExpired(rk string, now time.Time) bool {
 
 // errKept aborts deleteExpired's update of a record no longer expired.
 var errKept = errors.New("kept")
+
+// releaseClaim deletes rk's record if it is the pending one of attempt
+// nonce: a claim whose write failed as far as this apiserver could tell,
+// which the store may have made anyway, then or a moment later. It looks
+// a few times (releaseAfter), until it finds the record someone else's or
+// removes it.
+func (s *Server) releaseClaim(rk, nonce string) {
+	var err error
+	for _, after := range releaseAfter {
+		time.Sleep(after)
+		err = s.deps.Store.Update(idemBucket, rk, func(old []byte) ([]byte, error) {
+			var rec idemRecord
+			switch {
+			case old == nil:
+				return nil, errNotYet
+			case json.Unmarshal(old, &rec) != nil || rec.Nonce != nonce || rec.State != "pending":
+				return nil, errKept
+			}
+			return nil, nil
+		})
+		switch {
+		case err == nil:
+			s.log.Info("removed the record of an idempotency claim whose write had failed", "record", rk[:8])
+			return
+		case errors.Is(err, errKept):
+			return
+		}
+	}
+	if !errors.Is(err, errNotYet) {
+		s.log.Warn("removing the record of an idempotency claim whose write had failed (repeats wait for it while this apiserver lives)", "err", err)
+	}
+}
+
+// releaseAfter are the waits before each of releaseClaim's looks. A
+// variable for tests.
+var releaseAfter = []time.Duration{time.Second, 3 * time.Second, 10 * time.Second}
+
+// errNotYet aborts releaseClaim's update when there is no record (yet).
+var errNotYet = errors.New("no record")

@@ -3,7 +3,9 @@ package apiserver
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"log/slog"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -125,5 +127,76 @@ func TestRepeatRidesOverAStoreHiccup(t *testing.T) {
 	}
 	if creates, _ := f.edge.Counts(); creates != 1 {
 		t.Fatalf("%d creates for one key", creates)
+	}
+}
+
+// landedAnyway writes the idempotency records' first writes, then says
+// the store was unavailable: a write that timed out at the client and was
+// applied all the same.
+type landedAnyway struct{ store.Store }
+
+func (s *landedAnyway) Create(bucket, key string, value []byte) error {
+	if err := s.Store.Create(bucket, key, value); err != nil || bucket != idemBucket {
+		return err
+	}
+	return errdefs.Unavailable("store: context deadline exceeded")
+}
+
+// TestClaimThatLandedAnywayIsRemoved: a keyed create whose claim the store
+// reported failed is refused (503) having made nothing; the claim, written
+// after all, is removed, so that the caller's retry (on another apiserver)
+// runs instead of waiting for a call nobody runs.
+func TestClaimThatLandedAnywayIsRemoved(t *testing.T) {
+	defer func(d []time.Duration) { releaseAfter = d }(releaseAfter)
+	releaseAfter = []time.Duration{10 * time.Millisecond, 50 * time.Millisecond}
+	f := newFixture(t, false)
+	flaky := f.apiserverWith(t, "flaky", func(d *Deps) { d.Store = &landedAnyway{Store: f.st} })
+	spec := `{"base":"base/py:1"}`
+	resp, body := f.doAt(t, flaky, f.admin, "k11", "POST", "/v1/sandboxes", spec)
+	wantError(t, resp, body, 503, "unavailable")
+	if creates, _ := f.edge.Counts(); creates != 0 {
+		t.Fatalf("a create whose claim failed made %d sandboxes", creates)
+	}
+	rk := idemRecordKey(principalOf(t, f, f.admin), "k11")
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if _, err := f.st.Get(idemBucket, rk); errors.Is(err, errdefs.ErrNotFound) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the claim written after all was kept")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	start := time.Now()
+	resp, body = f.doAt(t, f.srv, f.admin, "k11", "POST", "/v1/sandboxes", spec)
+	if resp.StatusCode != 201 || resp.Header.Get("Idempotent-Replayed") != "" || time.Since(start) > 5*time.Second {
+		t.Fatalf("retry: %d %s after %v", resp.StatusCode, body, time.Since(start))
+	}
+}
+
+// TestReleaseClaimRemovesOnlyItsOwnPendingRecord: another attempt's
+// record, or this attempt's answered one, is kept.
+func TestReleaseClaimRemovesOnlyItsOwnPendingRecord(t *testing.T) {
+	defer func(d []time.Duration) { releaseAfter = d }(releaseAfter)
+	releaseAfter = []time.Duration{0}
+	f := newFixture(t, false)
+	s := New(Deps{IAM: f.iam, Nodes: f.view, Store: f.st, Log: slog.New(slog.DiscardHandler)})
+	for _, tc := range []struct {
+		rec  idemRecord
+		gone bool
+	}{
+		{idemRecord{Nonce: "other", State: "pending"}, false},
+		{idemRecord{Nonce: "mine", State: "done"}, false},
+		{idemRecord{Nonce: "mine", State: "pending"}, true},
+	} {
+		b, _ := json.Marshal(tc.rec)
+		if err := f.st.Put(idemBucket, "rk-release", b); err != nil {
+			t.Fatal(err)
+		}
+		s.releaseClaim("rk-release", "mine")
+		if _, err := f.st.Get(idemBucket, "rk-release"); errors.Is(err, errdefs.ErrNotFound) != tc.gone {
+			t.Fatalf("record %+v: after release %v, want gone %v", tc.rec, err, tc.gone)
+		}
 	}
 }
