@@ -482,7 +482,8 @@ func (b *benchWorld) settle(ctx context.Context) {
 	deadline := time.Now().Add(2 * time.Minute)
 	last := map[string]float64{}
 	stable := 0
-	busyPrev, totalPrev := cpuBusy()
+	busyPrev, _, _ := hostBusySeconds()
+	atPrev := time.Now()
 	for time.Now().Before(deadline) && ctx.Err() == nil {
 		time.Sleep(500 * time.Millisecond)
 		changed := false
@@ -496,9 +497,10 @@ func (b *benchWorld) settle(ctx context.Context) {
 		// The host quiet too: deleted sandboxes' files are removed in the
 		// background (each node's trash), which would weigh on the next
 		// side's measure.
-		busy, total := cpuBusy()
-		quiet := total > totalPrev && (busy-busyPrev)/(total-totalPrev) < 0.15
-		busyPrev, totalPrev = busy, total
+		busy, cores, err := hostBusySeconds()
+		at := time.Now()
+		quiet := err == nil && (busy-busyPrev)/(at.Sub(atPrev).Seconds()*float64(cores)) < 0.15
+		busyPrev, atPrev = busy, at
 		if !changed && quiet {
 			stable++
 			if stable >= 4 { // 2 s of both
@@ -508,25 +510,6 @@ func (b *benchWorld) settle(ctx context.Context) {
 			stable = 0
 		}
 	}
-}
-
-// cpuBusy reads the host's busy and total CPU time from /proc/stat.
-func cpuBusy() (busy, total float64) {
-	b, err := os.ReadFile("/proc/stat")
-	if err != nil {
-		return 0, 0
-	}
-	line, _, _ := strings.Cut(string(b), "\n")
-	f := strings.Fields(line)
-	for i, v := range f[1:] {
-		var x float64
-		fmt.Sscan(v, &x)
-		total += x
-		if i != 3 && i != 4 { // idle, iowait
-			busy += x
-		}
-	}
-	return busy, total
 }
 
 func (b *benchWorld) close(keep bool) {

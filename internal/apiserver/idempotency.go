@@ -526,16 +526,23 @@ func expired(v []byte, now time.Time) bool {
 // deleteExpired deletes record rk if it is still expired: a repeat may
 // have claimed the key anew since the sweep read it.
 func (s *Server) deleteExpired(rk string, now time.Time) bool {
-	err := s.deps.Store.Update(idemBucket, rk, func(old []byte) ([]byte, error) {
+	return s.deleteRecordIf(rk, func(old []byte) error {
 		if old == nil || !expired(old, now) {
-			return nil, errKept
+			return errKept
 		}
-		return nil, nil
-	})
-	return err == nil
+		return nil
+	}) == nil
 }
 
-// errKept aborts deleteExpired's update of a record no longer expired.
+// deleteRecordIf deletes record rk in one compare-and-set if keep, given
+// its value (nil: none), returns nil; else it returns keep's error.
+func (s *Server) deleteRecordIf(rk string, keep func(old []byte) error) error {
+	return s.deps.Store.Update(idemBucket, rk, func(old []byte) ([]byte, error) {
+		return nil, keep(old)
+	})
+}
+
+// errKept says a record is not to be deleted (deleteRecordIf).
 var errKept = errors.New("kept")
 
 // releaseClaim deletes rk's record if it is the pending one of attempt
@@ -547,15 +554,15 @@ func (s *Server) releaseClaim(rk, nonce string) {
 	var err error
 	for _, after := range releaseAfter {
 		time.Sleep(after)
-		err = s.deps.Store.Update(idemBucket, rk, func(old []byte) ([]byte, error) {
+		err = s.deleteRecordIf(rk, func(old []byte) error {
 			var rec idemRecord
 			switch {
 			case old == nil:
-				return nil, errNotYet
+				return errNotYet
 			case json.Unmarshal(old, &rec) != nil || rec.Nonce != nonce || rec.State != "pending":
-				return nil, errKept
+				return errKept
 			}
-			return nil, nil
+			return nil
 		})
 		switch {
 		case err == nil:
