@@ -13,6 +13,7 @@ import (
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/iam"
 	"github.com/dsecproject/dsec/internal/store"
 )
 
@@ -87,13 +88,8 @@ func TestIdempotentTakeover(t *testing.T) {
 	b := f.apiserver(t, "b")
 	spec := `{"base":"base/py:1"}`
 	// What apiserver "a" left: a pending record, and the sandbox it made.
-	rk := idemRecordKey(principalOf(t, f, f.admin), "k3")
-	hash := requestHash("POST", "/v1/sandboxes", "", []byte(spec))
-	pending, _ := json.Marshal(idemRecord{Hash: hash, State: "pending", Owner: "a", Started: time.Now(), Expires: time.Now().Add(time.Hour)})
-	if err := f.st.Put(idemBucket, rk, pending); err != nil {
-		t.Fatal(err)
-	}
-	f.edge.Put(api.Sandbox{ID: "sb-n1-made", Node: "n1", State: api.StateRunning, Labels: map[string]string{IdempotencyLabel: rk[:32]}})
+	rk := f.leavePending(t, "k3", "a", "/v1/sandboxes", spec)
+	f.edge.Put(api.Sandbox{ID: "sb-n1-made", Node: "n1", Project: iam.RootProject, State: api.StateRunning, Labels: map[string]string{IdempotencyLabel: rk[:32]}})
 	// While "a" lives, the retry waits; once it is gone, the retry takes over.
 	go func() {
 		time.Sleep(300 * time.Millisecond)
@@ -108,13 +104,9 @@ func TestIdempotentTakeover(t *testing.T) {
 	}
 
 	// A batch of 3 of which the dead apiserver made 1.
-	rk = idemRecordKey(principalOf(t, f, f.admin), "k4")
 	batch := `{"count":3,"spec":{"base":"base/py:1"}}`
-	pending, _ = json.Marshal(idemRecord{Hash: requestHash("POST", "/v1/sandboxes:batch", "", []byte(batch)), State: "pending", Owner: "dead", Started: time.Now(), Expires: time.Now().Add(time.Hour)})
-	if err := f.st.Put(idemBucket, rk, pending); err != nil {
-		t.Fatal(err)
-	}
-	f.edge.Put(api.Sandbox{ID: "sb-n1-b0", Node: "n1", State: api.StateRunning, Labels: map[string]string{IdempotencyLabel: rk[:32]}})
+	rk = f.leavePending(t, "k4", "dead", "/v1/sandboxes:batch", batch)
+	f.edge.Put(api.Sandbox{ID: "sb-n1-b0", Node: "n1", Project: iam.RootProject, State: api.StateRunning, Labels: map[string]string{IdempotencyLabel: rk[:32]}})
 	resp, body = f.doAt(t, b, f.admin, "k4", "POST", "/v1/sandboxes:batch", batch)
 	var br api.BatchResult
 	if resp.StatusCode != 200 || json.Unmarshal(body, &br) != nil || len(br.Sandboxes) != 3 || len(br.Errors) != 0 || br.Sandboxes[0].ID != "sb-n1-b0" {
@@ -122,6 +114,43 @@ func TestIdempotentTakeover(t *testing.T) {
 	}
 	if creates, _ := f.edge.Counts(); creates != 2 {
 		t.Fatalf("batch takeover made %d, want the 2 missing", creates)
+	}
+}
+
+// leavePending stores what an apiserver (owner) that died running a keyed
+// POST of body to path leaves for key k of the fixture's admin: a pending
+// record. It returns the record key.
+func (f *fixture) leavePending(t *testing.T, k, owner, path, body string) string {
+	t.Helper()
+	rk := idemRecordKey(principalOf(t, f, f.admin), k)
+	pending, _ := json.Marshal(idemRecord{Hash: requestHash("POST", path, "", []byte(body)), State: "pending", Owner: owner,
+		Started: time.Now(), Expires: time.Now().Add(time.Hour)})
+	if err := f.st.Put(idemBucket, rk, pending); err != nil {
+		t.Fatal(err)
+	}
+	return rk
+}
+
+// TestTakeoverAdoptsOnlyItsProjectsSandboxes: a takeover adopts what
+// carries its attempt's label in the caller's project only. Callers
+// cannot set dsec's labels now, but a sandbox made before they were
+// refused may carry any: another tenant's, planted with the label of a
+// key it learnt, would otherwise be handed to the caller as its own.
+func TestTakeoverAdoptsOnlyItsProjectsSandboxes(t *testing.T) {
+	f := newFixture(t, false)
+	b := f.apiserver(t, "b")
+	spec := `{"base":"base/py:1"}`
+	rk := f.leavePending(t, "k7", "dead", "/v1/sandboxes", spec)
+	f.edge.Put(api.Sandbox{ID: "sb-n1-planted", Node: "n1", Project: "mallory", State: api.StateRunning, Labels: map[string]string{IdempotencyLabel: rk[:32]}})
+	resp, body := f.doAt(t, b, f.admin, "k7", "POST", "/v1/sandboxes", spec)
+	if resp.StatusCode != 201 {
+		t.Fatalf("takeover: %d %s", resp.StatusCode, body)
+	}
+	if sb := decodeSandbox(t, body); sb.ID == "sb-n1-planted" || sb.Project != iam.RootProject {
+		t.Fatalf("the takeover answered another project's sandbox: %s", body)
+	}
+	if creates, _ := f.edge.Counts(); creates != 1 {
+		t.Fatalf("takeover made %d sandboxes, want 1", creates)
 	}
 }
 

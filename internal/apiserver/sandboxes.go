@@ -32,6 +32,10 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, err)
 		return
 	}
+	if err := sandbox.ValidateCallerLabels(spec.Labels); err != nil {
+		s.writeError(w, r, err)
+		return
+	}
 	sb, err := s.create(r.Context(), spec)
 	if err != nil {
 		s.writeError(w, r, err)
@@ -183,7 +187,7 @@ func (s *Server) create(ctx context.Context, spec api.SandboxSpec) (*api.Sandbox
 	if ic := idemFrom(ctx); ic != nil {
 		spec.Labels = withLabel(spec.Labels, IdempotencyLabel, ic.label)
 		if ic.takeover {
-			made, err := s.madeBefore(ctx, ic.label)
+			made, err := s.madeBefore(ctx, ic.label, spec.Project)
 			if err != nil {
 				return nil, err
 			}
@@ -205,11 +209,12 @@ func withLabel(l map[string]string, k, v string) map[string]string {
 }
 
 // madeBefore lists the sandboxes an earlier attempt of a keyed call made
-// (they carry its label). Every node must answer: a node that cannot be
-// asked may hold some, and creating them again could make two. A node
-// that does not answer (or that the view has down: under load it may be
-// only slow) is asked again, madeBeforeTries times in all.
-func (s *Server) madeBefore(ctx context.Context, label string) ([]api.Sandbox, error) {
+// (they carry its label, and are in the call's project). Every node must
+// answer: a node that cannot be asked may hold some, and creating them
+// again could make two. A node that does not answer (or that the view has
+// down: under load it may be only slow) is asked again, madeBeforeTries
+// times in all.
+func (s *Server) madeBefore(ctx context.Context, label, project string) ([]api.Sandbox, error) {
 	var mu sync.Mutex
 	var made []api.Sandbox
 	list := func(ctx context.Context, e edgeapi.Edge) error {
@@ -218,7 +223,14 @@ func (s *Server) madeBefore(ctx context.Context, label string) ([]api.Sandbox, e
 			return err
 		}
 		mu.Lock()
-		made = append(made, l...)
+		for _, sb := range l {
+			// Callers cannot set dsec's labels, but sandboxes made
+			// before they were refused may carry any: another
+			// project's is never this call's.
+			if sb.Project == project {
+				made = append(made, sb)
+			}
+		}
 		mu.Unlock()
 		return nil
 	}
@@ -269,6 +281,10 @@ func (s *Server) batchCreate(w http.ResponseWriter, r *http.Request) {
 	}
 	if req.Count < 1 || req.Count > maxBatch {
 		s.writeError(w, r, errdefs.Invalid("count must be between 1 and %d, got %d", maxBatch, req.Count))
+		return
+	}
+	if err := sandbox.ValidateCallerLabels(req.Spec.Labels); err != nil {
+		s.writeError(w, r, err)
 		return
 	}
 	spec := req.Spec

@@ -225,6 +225,10 @@ func TestBadInput(t *testing.T) {
 			{"POST", "/v1/sandboxes", `{"base":"base/py:1","snapshot":"snapshot/s:1"}`, 404, "not_found", "snapshot/s:1"},
 			{"POST", "/v1/sandboxes", `{"snapshot":"toolkit/t:1"}`, 400, "invalid_argument", "snapshot"},
 			{"POST", "/v1/sandboxes/sb-n1-0001/fork", `{"count":0}`, 400, "invalid_argument", "count"},
+			// dsec's own labels: a caller may select by them, not set them.
+			{"POST", "/v1/sandboxes", `{"base":"base/py:1","labels":{"dsec.idempotency":"0123456789abcdef0123456789abcdef"}}`, 400, "invalid_argument", "reserved"},
+			{"POST", "/v1/sandboxes:batch", `{"count":2,"spec":{"base":"base/py:1","labels":{"job":"j","dsec.fncall":"true"}}}`, 400, "invalid_argument", "dsec.fncall"},
+			{"POST", "/v1/sandboxes/sb-n1-0001/fork", `{"count":1,"labels":{"dsec.x":"y"}}`, 400, "invalid_argument", "reserved"},
 			{"POST", "/v1/sandboxes/sb-n1-0001/snapshot", `{}`, 400, "invalid_argument", "ref"},
 			{"POST", "/v1/sandboxes:batch", `{"count":0,"spec":{"base":"base/py:1"}}`, 400, "invalid_argument", "count"},
 			{"POST", "/v1/sandboxes:delete", `{"labels":{}}`, 400, "invalid_argument", "labels"},

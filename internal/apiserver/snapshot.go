@@ -51,11 +51,9 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 		s.writeError(w, r, errdefs.Invalid("count must be between 1 and %d, got %d", maxFork, req.Count))
 		return
 	}
-	for k, v := range req.Labels {
-		if err := sandbox.ValidateLabel(k, v); err != nil {
-			s.writeError(w, r, err)
-			return
-		}
+	if err := sandbox.ValidateCallerLabels(req.Labels); err != nil {
+		s.writeError(w, r, err)
+		return
 	}
 	id := r.PathValue("id")
 	e, err := s.edgeOf(r.Context(), id)
@@ -73,10 +71,10 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 	}
 	spec := l.Snapshot.Spec
 	spec.Snapshot = l.Ref
-	labels := map[string]string{}
-	for k, v := range spec.Labels {
-		labels[k] = v
-	}
+	// Not dsec's own labels: the source's dsec.idempotency names the
+	// attempt that made the source, and a retry of that attempt would
+	// take the forks for what it made.
+	labels := sandbox.WithoutReservedLabels(spec.Labels)
 	for k, v := range req.Labels {
 		labels[k] = v
 	}
@@ -97,7 +95,7 @@ func (s *Server) createMany(r *http.Request, count int, spec api.SandboxSpec, st
 		spec.Labels = withLabel(spec.Labels, IdempotencyLabel, ic.label)
 		if ic.takeover {
 			// What the first attempt made counts; only the rest is made.
-			made, err := s.madeBefore(r.Context(), ic.label)
+			made, err := s.madeBefore(r.Context(), ic.label, spec.Project)
 			if err != nil {
 				for i := range count {
 					res.Errors = append(res.Errors, api.BatchError{Index: i, Error: api.ErrorDetail{Code: errdefs.Code(err), Message: err.Error()}})

@@ -13,6 +13,7 @@ import (
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/iam"
 	"github.com/dsecproject/dsec/internal/store"
 	"github.com/dsecproject/dsec/internal/watcher"
 )
@@ -67,13 +68,8 @@ func TestTakeoverAsksASlowNodeAgain(t *testing.T) {
 			}
 			b := f.apiserverWith(t, "b", func(d *Deps) { d.Nodes = view })
 			spec := `{"base":"base/py:1"}`
-			rk := idemRecordKey(principalOf(t, f, f.admin), "k9")
-			pending, _ := json.Marshal(idemRecord{Hash: requestHash("POST", "/v1/sandboxes", "", []byte(spec)), State: "pending", Owner: "dead",
-				Started: time.Now(), Expires: time.Now().Add(time.Hour)})
-			if err := f.st.Put(idemBucket, rk, pending); err != nil {
-				t.Fatal(err)
-			}
-			f.edge.Put(api.Sandbox{ID: "sb-n1-first", Node: "n1", State: api.StateRunning, Labels: map[string]string{IdempotencyLabel: rk[:32]}})
+			rk := f.leavePending(t, "k9", "dead", "/v1/sandboxes", spec)
+			f.edge.Put(api.Sandbox{ID: "sb-n1-first", Node: "n1", Project: iam.RootProject, State: api.StateRunning, Labels: map[string]string{IdempotencyLabel: rk[:32]}})
 			slow.fails.Store(fails)
 			resp, body := f.doAt(t, b, f.admin, "k9", "POST", "/v1/sandboxes", spec)
 			if fails == 100 {

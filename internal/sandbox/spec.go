@@ -188,6 +188,37 @@ func Normalize(spec *api.SandboxSpec, p Policy) error {
 	return nil
 }
 
+// ReservedLabelPrefix starts the label keys dsec sets itself
+// (dsec.idempotency marks what a keyed create made, and a retry that takes
+// the call over adopts what carries it): callers may select by them but
+// not set them.
+const ReservedLabelPrefix = "dsec."
+
+// ValidateCallerLabels checks labels a caller asks a sandbox to carry: each
+// pair as ValidateLabel, and none of dsec's own.
+func ValidateCallerLabels(labels map[string]string) error {
+	for k, v := range labels {
+		if err := ValidateLabel(k, v); err != nil {
+			return err
+		}
+		if strings.HasPrefix(k, ReservedLabelPrefix) {
+			return errdefs.Invalid("label key %q: keys starting with %q are reserved for the labels dsec sets itself", k, ReservedLabelPrefix)
+		}
+	}
+	return nil
+}
+
+// WithoutReservedLabels is labels less dsec's own (a new map).
+func WithoutReservedLabels(labels map[string]string) map[string]string {
+	out := make(map[string]string, len(labels))
+	for k, v := range labels {
+		if !strings.HasPrefix(k, ReservedLabelPrefix) {
+			out[k] = v
+		}
+	}
+	return out
+}
+
 // ValidateLabel checks one label pair (also used for label selectors).
 func ValidateLabel(k, v string) error {
 	if !labelKeyRE.MatchString(k) {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	dsec "github.com/dsecproject/dsec/sdk/go"
 )
 
 func snapRef(name string) string {
@@ -87,6 +88,27 @@ func TestForkIsolationAndChains(t *testing.T) {
 			t.Fatalf("fork labels %v", f.Labels)
 		}
 	}
+	// The source's dsec.idempotency (the SDK sent a key) names the create
+	// that made it, not its forks: a fork without a key of its own
+	// carries none (a retry of that create would take it for its own).
+	if src.Labels["dsec.idempotency"] == "" {
+		t.Fatalf("the source has no dsec.idempotency label: %v", src.Labels)
+	}
+	bare, err := dsec.New(dsec.WithEndpoint("http://"+d.listen), dsec.WithAPIKey(d.key), dsec.WithoutIdempotencyKeys())
+	if err != nil {
+		t.Fatal(err)
+	}
+	unkeyed, err := bare.Fork(ctx(t), src.ID, 1, nil)
+	if err != nil || len(unkeyed.Sandboxes) != 1 {
+		t.Fatalf("unkeyed fork: %+v, %v", unkeyed, err)
+	}
+	t.Cleanup(func() { _ = client.DeleteSandbox(ctx(t), unkeyed.Sandboxes[0].ID) })
+	if l := unkeyed.Sandboxes[0].Labels; l["tree"] != "root" || l["dsec.idempotency"] != "" {
+		t.Fatalf("unkeyed fork labels %v: want the source's own, without dsec.idempotency", l)
+	}
+	// Nor may a caller set dsec's labels.
+	_, err = client.Fork(ctx(t), src.ID, 1, map[string]string{"dsec.idempotency": src.Labels["dsec.idempotency"]})
+	wantCode(t, err, "invalid_argument")
 	for i, f := range res.Sandboxes {
 		sh(t, f.ID, fmt.Sprintf("echo fork%d >> /root/state", i))
 	}
