@@ -456,10 +456,13 @@ func (t *teeWriter) Flush() {
 
 func (t *teeWriter) Unwrap() http.ResponseWriter { return t.ResponseWriter }
 
-// janitor deletes expired records now and then. Every apiserver runs one;
+// idemJanitor deletes expired records now and then. Every apiserver runs
+// one, but a sweep reads every record (hundreds of MiB in a busy
+// cluster), so they take turns: at its tick an apiserver sweeps only if
+// none has within sweepEvery (sweepTurn). Should two sweep at once,
 // deleting twice is harmless.
 func (s *Server) idemJanitor(ctx context.Context) {
-	t := time.NewTicker(10 * time.Minute)
+	t := time.NewTicker(sweepEvery)
 	defer t.Stop()
 	for {
 		select {
@@ -467,8 +470,47 @@ func (s *Server) idemJanitor(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		s.sweepRecords(ctx)
+		if s.sweepTurn(time.Now()) {
+			s.sweepRecords(ctx)
+		}
 	}
+}
+
+// sweepEvery is how often the records are swept, by one apiserver or
+// another.
+const sweepEvery = 10 * time.Minute
+
+// sweepBucket holds when the records were last swept, and by whom.
+const sweepBucket = "idempotency-sweep"
+
+type sweepMark struct {
+	At time.Time `json:"at"`
+	By string    `json:"by"`
+}
+
+// sweepTurn reports whether it is this apiserver's turn to sweep: no
+// apiserver has started a sweep within the last sweepEvery (less a tenth,
+// so that apiservers ticking together do not all skip), and this one has
+// now noted its own, in one compare-and-set. A mark from the future (a
+// clock far ahead) counts as old. A store it cannot reach gives no turn:
+// the sweep would fail as well.
+func (s *Server) sweepTurn(now time.Time) bool {
+	turn := false
+	err := s.deps.Store.Update(sweepBucket, "last", func(old []byte) ([]byte, error) {
+		turn = false
+		var m sweepMark
+		if old != nil && json.Unmarshal(old, &m) == nil {
+			if age := now.Sub(m.At); age < sweepEvery-sweepEvery/10 && age > -sweepEvery {
+				return nil, errKept
+			}
+		}
+		turn = true
+		return json.Marshal(sweepMark{At: now, By: s.deps.Instance})
+	})
+	if err != nil && !errors.Is(err, errKept) {
+		s.log.Warn("taking a turn at sweeping idempotency records", "err", err)
+	}
+	return err == nil && turn
 }
 
 // sweepPage is how many records a sweep asks a store that pages

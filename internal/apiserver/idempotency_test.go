@@ -387,3 +387,42 @@ func TestSweepKeepsARecordClaimedAgain(t *testing.T) {
 		}
 	}
 }
+
+// TestSweepTurns: apiservers sharing a store take turns at the sweep (it
+// reads every record): one sweeps per period between them, another takes
+// over when the last sweep is a period old, and a mark from a clock far
+// ahead does not stop the sweeps.
+func TestSweepTurns(t *testing.T) {
+	f := newFixture(t, false)
+	server := func(instance string) *Server {
+		return New(Deps{IAM: f.iam, Nodes: f.view, Store: f.st, Instance: instance, Log: slog.New(slog.DiscardHandler)})
+	}
+	a, b := server("a"), server("b")
+	now := time.Now()
+	steps := []struct {
+		s    *Server
+		at   time.Duration
+		want bool
+	}{
+		{a, 0, true},                                 // nobody swept yet
+		{b, time.Second, false},                      // a just did
+		{a, sweepEvery / 2, false},                   // a's own turn is not due either
+		{b, sweepEvery - sweepEvery/20, true},        // ticks a little early still take their turn
+		{a, sweepEvery, false},                       // b just did
+		{a, 2*sweepEvery - sweepEvery/20, true},      // and so on
+		{b, 2*sweepEvery - sweepEvery/20 + 1, false}, // the same moment: one of them
+	}
+	for i, st := range steps {
+		if got := st.s.sweepTurn(now.Add(st.at)); got != st.want {
+			t.Fatalf("step %d (%s at +%v): turn %v, want %v", i, st.s.deps.Instance, st.at, got, st.want)
+		}
+	}
+	// A mark far in the future (a clock that was far ahead) is stale.
+	future, _ := json.Marshal(sweepMark{At: now.Add(24 * time.Hour), By: "skewed"})
+	if err := f.st.Put(sweepBucket, "last", future); err != nil {
+		t.Fatal(err)
+	}
+	if !b.sweepTurn(now) {
+		t.Fatal("a mark a day ahead stopped the sweeps")
+	}
+}
