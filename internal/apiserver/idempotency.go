@@ -124,11 +124,6 @@ func (s *Server) idempotent(creates bool, h http.HandlerFunc) http.HandlerFunc {
 		ic := &idemCtx{label: rk[:32], takeover: rec.takeover}
 		tee := &teeWriter{ResponseWriter: w, status: http.StatusOK}
 		h(tee, r.WithContext(context.WithValue(r.Context(), idemCtxKey{}, ic)))
-		// The caller has its answer before the record is written: should
-		// this apiserver die in between, the record stays pending without
-		// a live owner, and a repeat takes it over (and finds what was
-		// made).
-		tee.Flush()
 		s.finish(rk, hash, rec.idemRecord, tee)
 	}
 }
@@ -384,6 +379,8 @@ func (s *Server) finish(rk, hash string, claim idemRecord, tee *teeWriter) {
 		}
 	}
 	if outcome == "free" {
+		// The caller has its refusal before the store is asked.
+		tee.Flush()
 		if err := s.deps.Store.Delete(idemBucket, rk); err != nil {
 			s.log.Warn("freeing an idempotency key", "err", err)
 		}
@@ -410,6 +407,10 @@ func (s *Server) finish(rk, hash string, claim idemRecord, tee *teeWriter) {
 		s.log.Warn("recording an idempotent answer", "err", err)
 		return
 	}
+	// Queued, not written: the caller has its answer (in one write, as
+	// the handler returns) before the record is written. Should this
+	// apiserver die in between, the record stays pending without a live
+	// owner, and a repeat takes it over (and finds what was made).
 	s.records.put(store.KV{Key: rk, Value: b})
 }
 
