@@ -131,8 +131,10 @@ func Normalize(spec *api.SandboxSpec, p Policy) error {
 	if err := ValidateEnv(spec.Env, p.MaxEnv); err != nil {
 		return err
 	}
-	if len(spec.Labels) > p.MaxLabels {
-		return errdefs.Invalid("at most %d labels, got %d", p.MaxLabels, len(spec.Labels))
+	// dsec's own labels (added after the caller's were checked) do not
+	// count against the caller's allowance.
+	if n := callerLabels(spec.Labels); n > p.MaxLabels {
+		return errdefs.Invalid("at most %d labels, got %d", p.MaxLabels, n)
 	}
 	for k, v := range spec.Labels {
 		if err := ValidateLabel(k, v); err != nil {
@@ -206,6 +208,17 @@ func ValidateCallerLabels(labels map[string]string) error {
 		}
 	}
 	return nil
+}
+
+// callerLabels counts the labels that are not dsec's own.
+func callerLabels(labels map[string]string) int {
+	n := 0
+	for k := range labels {
+		if !strings.HasPrefix(k, ReservedLabelPrefix) {
+			n++
+		}
+	}
+	return n
 }
 
 // WithoutReservedLabels is labels less dsec's own (a new map).

@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"testing"
 
@@ -11,11 +12,12 @@ import (
 
 func TestNormalize(t *testing.T) {
 	p := DefaultPolicy()
-	tests := []struct {
+	type normCase struct {
 		name  string
 		spec  api.SandboxSpec
 		class error // nil: valid
-	}{
+	}
+	tests := []normCase{
 		{"minimal", api.SandboxSpec{Base: "base/x:1"}, nil},
 		{"image alias", api.SandboxSpec{Image: "base/x:1"}, nil},
 		{"both base and image", api.SandboxSpec{Base: "base/x:1", Image: "base/y:1"}, errdefs.ErrInvalid},
@@ -53,6 +55,17 @@ func TestNormalize(t *testing.T) {
 		{"shared memory cgroup in a userns", api.SandboxSpec{Base: "b", MemoryCgroup: "shared", UserNS: new(true)}, nil},
 		{"bad memory cgroup", api.SandboxSpec{Base: "b", MemoryCgroup: "Shared"}, errdefs.ErrInvalid},
 	}
+	// A caller's full allowance of labels, and dsec's own on top (a keyed
+	// create's dsec.idempotency, added after the apiserver checked the
+	// caller's): the edge normalizes the spec again with both.
+	full := labelsN(p.MaxLabels)
+	keyed := labelsN(p.MaxLabels)
+	keyed["dsec.idempotency"] = "0123456789abcdef0123456789abcdef"
+	tests = append(tests,
+		normCase{"as many labels as allowed", api.SandboxSpec{Base: "b", Labels: full}, nil},
+		normCase{"as many labels as allowed, and dsec's own", api.SandboxSpec{Base: "b", Labels: keyed}, nil},
+		normCase{"one label too many", api.SandboxSpec{Base: "b", Labels: labelsN(p.MaxLabels + 1)}, errdefs.ErrInvalid},
+	)
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			spec := tt.spec
@@ -68,6 +81,15 @@ func TestNormalize(t *testing.T) {
 			}
 		})
 	}
+}
+
+// labelsN is n distinct labels.
+func labelsN(n int) map[string]string {
+	l := map[string]string{}
+	for i := range n {
+		l[fmt.Sprintf("l%d", i)] = "v"
+	}
+	return l
 }
 
 func TestNormalizeDefaults(t *testing.T) {

@@ -71,6 +71,22 @@ mkdir -p /data && echo d > /data/d
 	wantCode(t, err, "invalid_argument")
 }
 
+// TestKeyedCreateWithEveryLabel: a create may carry as many labels as
+// the policy allows (64) whether or not the SDK keys it: dsec's own
+// dsec.idempotency, added after the caller's labels were checked, does
+// not count against them when the edge checks the spec again.
+func TestKeyedCreateWithEveryLabel(t *testing.T) {
+	needDaemon(t)
+	labels := map[string]string{}
+	for i := range 64 {
+		labels[fmt.Sprintf("l%02d", i)] = "v"
+	}
+	sb := newSandbox(t, api.SandboxSpec{Labels: labels})
+	if len(sb.Labels) != 65 || sb.Labels["dsec.idempotency"] == "" {
+		t.Fatalf("labels %v: want the 64 given and dsec.idempotency", sb.Labels)
+	}
+}
+
 func TestForkIsolationAndChains(t *testing.T) {
 	needDaemon(t)
 	src := newSandbox(t, api.SandboxSpec{Labels: map[string]string{"tree": "root"}})
@@ -93,6 +109,11 @@ func TestForkIsolationAndChains(t *testing.T) {
 	// carries none (a retry of that create would take it for its own).
 	if src.Labels["dsec.idempotency"] == "" {
 		t.Fatalf("the source has no dsec.idempotency label: %v", src.Labels)
+	}
+	for _, f := range res.Sandboxes { // the fork call was keyed: its own label
+		if l := f.Labels["dsec.idempotency"]; l == "" || l == src.Labels["dsec.idempotency"] {
+			t.Fatalf("keyed fork's dsec.idempotency %q, the source's %q: want the fork call's own", l, src.Labels["dsec.idempotency"])
+		}
 	}
 	bare, err := dsec.New(dsec.WithEndpoint("http://"+d.listen), dsec.WithAPIKey(d.key), dsec.WithoutIdempotencyKeys())
 	if err != nil {

@@ -225,7 +225,8 @@ class Sandbox:
         timeout: Optional[float] = None,
     ) -> "list[Sandbox]":
         """Start ``count`` sandboxes from this one's current state. They keep
-        its labels, plus ``labels``. All or nothing unless ``allow_partial``
+        its labels (less dsec's own, ``dsec.*``), plus ``labels``, which may
+        not start with ``dsec.``. All or nothing unless ``allow_partial``
         (see ``DSecClient.run_containers``)."""
         body: dict[str, Any] = {"count": int(count)}
         if labels:
