@@ -379,11 +379,16 @@ func (s *Server) finish(rk, hash string, claim idemRecord, tee *teeWriter) {
 		}
 	}
 	if outcome == "free" {
-		// The caller has its refusal before the store is asked.
-		tee.Flush()
-		if err := s.deps.Store.Delete(idemBucket, rk); err != nil {
-			s.log.Warn("freeing an idempotency key", "err", err)
-		}
+		// After the answer, not before it (the caller would wait for the
+		// store), and only the record this call claimed: a repeat that
+		// meanwhile took the key over (this apiserver's lease lost)
+		// keeps its own. A repeat arriving first finds it pending and
+		// polls until it is gone.
+		go func() {
+			if err := s.deleteOwnPending(rk, claim.Nonce, errKept); err != nil && !errors.Is(err, errKept) {
+				s.log.Warn("freeing an idempotency key", "err", err)
+			}
+		}()
 		return
 	}
 	// One write, not a compare-and-set: the record is this apiserver's
@@ -472,7 +477,7 @@ func (s *Server) idemJanitor(ctx context.Context) {
 		case <-t.C:
 		}
 		if s.sweepTurn(time.Now()) {
-			s.sweepRecords(ctx)
+			s.sweepRecords(ctx, func() { s.renewSweep(time.Now()) })
 		}
 	}
 }
@@ -485,8 +490,11 @@ const sweepEvery = 10 * time.Minute
 const sweepBucket = "idempotency-sweep"
 
 type sweepMark struct {
-	At time.Time `json:"at"`
-	By string    `json:"by"`
+	// At is when By started its last sweep; Renewed, when it last
+	// said it was still at it (a sweep of many records takes long).
+	At      time.Time `json:"at"`
+	By      string    `json:"by"`
+	Renewed time.Time `json:"renewed,omitzero"`
 }
 
 // sweepTurn reports whether it is this apiserver's turn to sweep: no
@@ -501,7 +509,19 @@ func (s *Server) sweepTurn(now time.Time) bool {
 		turn = false
 		var m sweepMark
 		if old != nil && json.Unmarshal(old, &m) == nil {
-			if age := now.Sub(m.At); age < sweepEvery-sweepEvery/10 && age > -sweepEvery {
+			if m.By == s.deps.Instance && m.At.Equal(now) {
+				// This call's own mark, seen again by a store
+				// retrying a write whose answer it lost.
+				turn = true
+				return old, nil
+			}
+			// Its own sweeps keep their pace from their starts;
+			// another's holds the turn while it renews its mark.
+			last := m.At
+			if m.By != s.deps.Instance && m.Renewed.After(last) {
+				last = m.Renewed
+			}
+			if age := now.Sub(last); age < sweepEvery-sweepEvery/10 && age > -sweepEvery {
 				return nil, errKept
 			}
 		}
@@ -512,6 +532,22 @@ func (s *Server) sweepTurn(now time.Time) bool {
 		s.log.Warn("taking a turn at sweeping idempotency records", "err", err)
 	}
 	return err == nil && turn
+}
+
+// renewSweep notes in the mark that this apiserver's sweep still runs,
+// if the mark is still its own.
+func (s *Server) renewSweep(now time.Time) {
+	err := s.deps.Store.Update(sweepBucket, "last", func(old []byte) ([]byte, error) {
+		var m sweepMark
+		if old == nil || json.Unmarshal(old, &m) != nil || m.By != s.deps.Instance {
+			return nil, errKept
+		}
+		m.Renewed = now
+		return json.Marshal(m)
+	})
+	if err != nil && !errors.Is(err, errKept) {
+		s.log.Warn("renewing the idempotency sweep's mark", "err", err)
+	}
 }
 
 // sweepPage is how many records a sweep asks a store that pages
@@ -525,7 +561,7 @@ var sweepPage = 1000
 // page at a time, so that no apiserver ever holds every record (hundreds
 // of MiB at the scale of a busy cluster, past what one etcd answer may
 // carry); others are listed whole.
-func (s *Server) sweepRecords(ctx context.Context) {
+func (s *Server) sweepRecords(ctx context.Context, onPage func()) {
 	pg, paged := s.deps.Store.(store.Pager)
 	now := time.Now()
 	n, after, size := 0, "", sweepPage
@@ -552,6 +588,9 @@ func (s *Server) sweepRecords(ctx context.Context) {
 		}
 		if !paged || len(kvs) < size {
 			break
+		}
+		if onPage != nil {
+			onPage()
 		}
 		after = kvs[len(kvs)-1].Key
 	}
@@ -597,16 +636,7 @@ func (s *Server) releaseClaim(rk, nonce string) {
 	var err error
 	for _, after := range releaseAfter {
 		time.Sleep(after)
-		err = s.deleteRecordIf(rk, func(old []byte) error {
-			var rec idemRecord
-			switch {
-			case old == nil:
-				return errNotYet
-			case json.Unmarshal(old, &rec) != nil || rec.Nonce != nonce || rec.State != "pending":
-				return errKept
-			}
-			return nil
-		})
+		err = s.deleteOwnPending(rk, nonce, errNotYet)
 		switch {
 		case err == nil:
 			s.log.Info("removed the record of an idempotency claim whose write had failed", "record", rk[:8])
@@ -618,6 +648,21 @@ func (s *Server) releaseClaim(rk, nonce string) {
 	if !errors.Is(err, errNotYet) {
 		s.log.Warn("removing the record of an idempotency claim whose write had failed (repeats wait for it while this apiserver lives)", "err", err)
 	}
+}
+
+// deleteOwnPending deletes rk's record if it is the pending one of
+// attempt nonce; otherwise it returns errKept, or absent if there is none.
+func (s *Server) deleteOwnPending(rk, nonce string, absent error) error {
+	return s.deleteRecordIf(rk, func(old []byte) error {
+		var rec idemRecord
+		switch {
+		case old == nil:
+			return absent
+		case json.Unmarshal(old, &rec) != nil || rec.Nonce != nonce || rec.State != "pending":
+			return errKept
+		}
+		return nil
+	})
 }
 
 // releaseAfter are the waits before each of releaseClaim's looks. A

@@ -348,7 +348,11 @@ func testSweepInPages(t *testing.T, failAbove int) {
 			t.Fatal(err)
 		}
 	}
-	s.sweepRecords(t.Context())
+	pages := 0
+	s.sweepRecords(t.Context(), func() { pages++ })
+	if pages == 0 { // 11 records, pages of 3 or fewer
+		t.Error("the sweep did not say it was still at it between pages")
+	}
 	kvs, err := f.st.List(idemBucket, "")
 	if err != nil {
 		t.Fatal(err)
@@ -417,6 +421,29 @@ func TestSweepTurns(t *testing.T) {
 			t.Fatalf("step %d (%s at +%v): turn %v, want %v", i, st.s.deps.Instance, st.at, got, st.want)
 		}
 	}
+	// Another apiserver's sweep that renews its mark holds the turn past
+	// the period; the sweeper's own turns keep their pace from its starts.
+	start := now.Add(3 * sweepEvery)
+	if !a.sweepTurn(start) {
+		t.Fatal("a's turn after a period")
+	}
+	a.renewSweep(start.Add(sweepEvery - sweepEvery/20))
+	if b.sweepTurn(start.Add(sweepEvery)) {
+		t.Fatal("b took the turn from a sweep that renewed its mark")
+	}
+	if !a.sweepTurn(start.Add(sweepEvery)) {
+		t.Fatal("a's renewals held off its own next turn")
+	}
+	b.renewSweep(start.Add(sweepEvery + time.Second)) // not b's mark: no effect
+	if b.sweepTurn(start.Add(sweepEvery + 2*time.Second)) {
+		t.Fatal("b's renewal of a's mark counted")
+	}
+	// A store that retries a write whose answer it lost runs the update
+	// again on the value written: the caller still has its turn.
+	retried := New(Deps{IAM: f.iam, Nodes: f.view, Store: &replayUpdates{Store: f.st}, Instance: "c", Log: slog.New(slog.DiscardHandler)})
+	if !retried.sweepTurn(start.Add(3 * sweepEvery)) {
+		t.Fatal("a retried write of its own mark lost c its turn")
+	}
 	// A mark far in the future (a clock that was far ahead) is stale.
 	future, _ := json.Marshal(sweepMark{At: now.Add(24 * time.Hour), By: "skewed"})
 	if err := f.st.Put(sweepBucket, "last", future); err != nil {
@@ -425,4 +452,15 @@ func TestSweepTurns(t *testing.T) {
 	if !b.sweepTurn(now) {
 		t.Fatal("a mark a day ahead stopped the sweeps")
 	}
+}
+
+// replayUpdates runs every update twice, the second time on what the first
+// wrote, as a store retrying a write whose answer it lost does.
+type replayUpdates struct{ store.Store }
+
+func (s *replayUpdates) Update(bucket, key string, fn func([]byte) ([]byte, error)) error {
+	if err := s.Store.Update(bucket, key, fn); err != nil {
+		return err
+	}
+	return s.Store.Update(bucket, key, fn)
 }

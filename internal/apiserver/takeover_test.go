@@ -196,3 +196,58 @@ func TestReleaseClaimRemovesOnlyItsOwnPendingRecord(t *testing.T) {
 		}
 	}
 }
+
+// slowUpdates makes every Update of the idempotency records wait first,
+// as a loaded etcd does.
+type slowUpdates struct {
+	store.Store
+	wait time.Duration
+}
+
+func (s *slowUpdates) Update(bucket, key string, fn func([]byte) ([]byte, error)) error {
+	if bucket == idemBucket {
+		time.Sleep(s.wait)
+	}
+	return s.Store.Update(bucket, key, fn)
+}
+
+// TestRefusalDoesNotWaitForTheStore: a keyed call refused (here: no node
+// has room) is answered without waiting for its record to be removed,
+// and the record goes afterwards, so that the retry runs.
+func TestRefusalDoesNotWaitForTheStore(t *testing.T) {
+	f := newFixture(t, false)
+	slow := f.apiserverWith(t, "slow", func(d *Deps) { d.Store = &slowUpdates{Store: f.st, wait: time.Second} })
+	f.edge.SetRefuse(true)
+	spec := `{"base":"base/py:1"}`
+	t0 := time.Now()
+	resp, body := f.doAt(t, slow, f.admin, "k12", "POST", "/v1/sandboxes", spec)
+	wantError(t, resp, body, 503, "resource_exhausted")
+	if d := time.Since(t0); d > 500*time.Millisecond {
+		t.Fatalf("the refusal took %v: it waited for the store", d)
+	}
+	f.edge.SetRefuse(false)
+	resp, body = f.doAt(t, slow, f.admin, "k12", "POST", "/v1/sandboxes", spec)
+	if resp.StatusCode != 201 {
+		t.Fatalf("retry after a refusal: %d %s", resp.StatusCode, body)
+	}
+}
+
+// TestRefusalKeepsATakersRecord: freeing a refused call's key removes only
+// the record that call claimed, not one another attempt wrote since.
+func TestRefusalKeepsATakersRecord(t *testing.T) {
+	f := newFixture(t, false)
+	s := New(Deps{IAM: f.iam, Nodes: f.view, Store: f.st, Instance: "a", Log: slog.New(slog.DiscardHandler)})
+	theirs, _ := json.Marshal(idemRecord{Nonce: "theirs", State: "pending", Owner: "b", Started: time.Now(), Expires: time.Now().Add(time.Hour)})
+	if err := f.st.Put(idemBucket, "rk", theirs); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.deleteOwnPending("rk", "mine", errKept); !errors.Is(err, errKept) {
+		t.Fatalf("deleteOwnPending of another's record: %v", err)
+	}
+	if v, err := f.st.Get(idemBucket, "rk"); err != nil || v == nil {
+		t.Fatalf("another attempt's record was removed: %v", err)
+	}
+	if err := s.deleteOwnPending("rk", "theirs", errKept); err != nil {
+		t.Fatalf("deleteOwnPending of its own: %v", err)
+	}
+}
