@@ -186,6 +186,10 @@ func (s *Server) e2bSpec(ctx context.Context, req e2bCreateRequest) (api.Sandbox
 	if err != nil {
 		return api.SandboxSpec{}, err
 	}
+	// One of the sandbox's labels keeps its template (e2bTemplateLabel).
+	if max := s.deps.Policy.MaxLabels - 1; len(req.Metadata) > max {
+		return api.SandboxSpec{}, errdefs.Invalid("at most %d metadata entries (one of a sandbox's %d labels keeps its template), got %d", max, s.deps.Policy.MaxLabels, len(req.Metadata))
+	}
 	labels := make(map[string]string, len(req.Metadata)+1)
 	for k, v := range req.Metadata {
 		if e2bReservedLabel(k) {

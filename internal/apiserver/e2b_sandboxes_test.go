@@ -123,6 +123,20 @@ func TestE2BCreate(t *testing.T) {
 		if sb := f.stored(t, c.SandboxID); sb.Spec.Network != nil || sb.Spec.TTL != sandbox.DefaultPolicy().DefaultTTL {
 			t.Fatalf("defaults: network %+v, ttl %d", sb.Spec.Network, sb.Spec.TTL)
 		}
+		// As much metadata as fits beside the template's label (63 of 64),
+		// and one entry more is a clear 400, not the edge's count of 65.
+		metadata := func(n int) string {
+			m := map[string]string{}
+			for i := range n {
+				m[fmt.Sprintf("m%02d", i)] = "v"
+			}
+			b, _ := json.Marshal(m)
+			return string(b)
+		}
+		c = f.e2bCreate(t, f.admin, `{"templateID":"base/py:1","metadata":`+metadata(63)+`}`)
+		if sb := f.stored(t, c.SandboxID); len(sb.Labels) != 64 {
+			t.Fatalf("%d labels, want the 63 metadata and the template's", len(sb.Labels))
+		}
 
 		for _, tc := range []struct {
 			body   string
@@ -135,6 +149,7 @@ func TestE2BCreate(t *testing.T) {
 			{`{"templateID":"base/py:1","metadata":{"bad key!":"x"}}`, 400, "label key"},
 			{`{"templateID":"base/py:1","metadata":{"k":"two words"}}`, 400, "invalid value"},
 			{`{"templateID":"base/py:1","metadata":{"e2b.template":"x"}}`, 400, "reserved"},
+			{`{"templateID":"base/py:1","metadata":` + metadata(64) + `}`, 400, "at most 63 metadata entries"},
 			{`{"templateID":"base/py:1","envVars":{"1A":"x"}}`, 400, "environment variable"},
 			{`{"templateID":"base/py:1","timeout":-1}`, 400, "timeout"},
 			{`{"templateID":"base/py:1","timeout":99999999}`, 400, "ttl"},
@@ -149,8 +164,8 @@ func TestE2BCreate(t *testing.T) {
 				t.Errorf("%s: message %q, want it to say %q", tc.body, msg, tc.msg)
 			}
 		}
-		if n := f.edge.Len(); n != 2 {
-			t.Fatalf("the edge holds %d sandboxes, want the 2 good ones", n)
+		if n := f.edge.Len(); n != 3 {
+			t.Fatalf("the edge holds %d sandboxes, want the 3 good ones", n)
 		}
 	})
 }

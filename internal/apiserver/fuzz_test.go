@@ -114,7 +114,8 @@ func checkSpecBounds(t *testing.T, s *api.SandboxSpec, p sandbox.Policy) {
 		bad("idle_timeout %d", s.IdleTimeout)
 	case s.Network != nil && len(s.Network.Allow)+len(s.Network.Deny) == 0:
 		bad("empty network policy kept")
-	case len(s.Env) > p.MaxEnv || len(s.Labels) > p.MaxLabels || len(s.NodeSelector) > p.MaxLabels:
+	case len(s.Env) > p.MaxEnv || len(s.Labels)-ownLabels(s.Labels) > p.MaxLabels || ownLabels(s.Labels) > sandbox.OwnLabels ||
+		len(s.NodeSelector) > p.MaxLabels:
 		bad("%d env, %d labels, %d node labels", len(s.Env), len(s.Labels), len(s.NodeSelector))
 	case s.User == "" || !strings.HasPrefix(s.Workdir, "/"):
 		bad("user %q, workdir %q", s.User, s.Workdir)
@@ -274,4 +275,15 @@ func checkFnCall(t *testing.T, req api.FnCallRequest) {
 	if err := sandbox.NormalizeExec(&x); err != nil {
 		t.Fatalf("fncall accepted a command its edge refuses: %v", err)
 	}
+}
+
+// ownLabels counts the labels of dsec's own in l.
+func ownLabels(l map[string]string) int {
+	n := 0
+	for k := range l {
+		if strings.HasPrefix(k, sandbox.ReservedLabelPrefix) {
+			n++
+		}
+	}
+	return n
 }

@@ -132,9 +132,13 @@ func Normalize(spec *api.SandboxSpec, p Policy) error {
 		return err
 	}
 	// dsec's own labels (added after the caller's were checked) do not
-	// count against the caller's allowance.
-	if n := callerLabels(spec.Labels); n > p.MaxLabels {
+	// count against the caller's allowance; they have one of their own.
+	n := callerLabels(spec.Labels)
+	if n > p.MaxLabels {
 		return errdefs.Invalid("at most %d labels, got %d", p.MaxLabels, n)
+	}
+	if own := len(spec.Labels) - n; own > OwnLabels {
+		return errdefs.Invalid("at most %d labels starting %q, got %d", OwnLabels, ReservedLabelPrefix, own)
 	}
 	for k, v := range spec.Labels {
 		if err := ValidateLabel(k, v); err != nil {
@@ -209,6 +213,10 @@ func ValidateCallerLabels(labels map[string]string) error {
 	}
 	return nil
 }
+
+// OwnLabels is how many of dsec's own labels a sandbox may carry on top
+// of the policy's MaxLabels of the caller's.
+const OwnLabels = 4
 
 // callerLabels counts the labels that are not dsec's own.
 func callerLabels(labels map[string]string) int {

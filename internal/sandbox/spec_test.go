@@ -65,6 +65,7 @@ func TestNormalize(t *testing.T) {
 		normCase{"as many labels as allowed", api.SandboxSpec{Base: "b", Labels: full}, nil},
 		normCase{"as many labels as allowed, and dsec's own", api.SandboxSpec{Base: "b", Labels: keyed}, nil},
 		normCase{"one label too many", api.SandboxSpec{Base: "b", Labels: labelsN(p.MaxLabels + 1)}, errdefs.ErrInvalid},
+		normCase{"more of dsec's own than it ever sets", api.SandboxSpec{Base: "b", Labels: ownN(OwnLabels + 1)}, errdefs.ErrInvalid},
 	)
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -88,6 +89,15 @@ func labelsN(n int) map[string]string {
 	l := map[string]string{}
 	for i := range n {
 		l[fmt.Sprintf("l%d", i)] = "v"
+	}
+	return l
+}
+
+// ownN is n distinct labels of dsec's own.
+func ownN(n int) map[string]string {
+	l := map[string]string{}
+	for i := range n {
+		l[fmt.Sprintf("%sx%d", ReservedLabelPrefix, i)] = "v"
 	}
 	return l
 }
