@@ -18,6 +18,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -33,6 +34,7 @@ type benchClusterOpts struct {
 	count      int
 	burst      int
 	burstConc  int
+	bareBurst  bool
 	edges      int
 	apiservers int
 	rounds     int
@@ -78,6 +80,7 @@ func runBenchCluster(args []string) error {
 	f.IntVar(&o.rounds, "rounds", 2, "rounds of every measure, alternating dsec up and the cluster")
 	f.StringVar(&o.dir, "dir", "", "working directory (default: a new one under /tmp, removed afterwards)")
 	f.BoolVar(&o.keep, "keep", false, "keep the working directory and the daemons' logs")
+	f.BoolVar(&o.bareBurst, "bare-burst", false, "also run each round's bursts without idempotency keys (rows \"..., no keys\"): what the keyed creates' claims cost")
 	f.StringVar(&o.profile, "profile", "", "write CPU profiles of every daemon over each burst to this directory (ROUND-SIDE-NAME.pprof)")
 	f.BoolVar(&o.jsonOut, "json", false, "print JSON instead of a table")
 	if _, err := f.parseN(args, 0, 0); err != nil {
@@ -583,17 +586,30 @@ type benchSide struct {
 // longer than a burst of 1,000 here (a profile counts CPU time only).
 const profileSeconds = 10
 
+// burstKind is one kind of burst bench cluster measures: its creates and
+// deletes on each side, and the CPU seconds each side's daemons spent in
+// its bursts, by role.
+type burstKind struct {
+	name       string // added to its rows' names
+	bare       bool   // without idempotency keys
+	burst, del [2]sample
+	cpu        map[string]float64
+}
+
+func newBurstKind(name string, bare bool) *burstKind {
+	k := &burstKind{name: name, bare: bare, cpu: map[string]float64{}}
+	for i := range k.burst {
+		k.burst[i].nodes = map[string]bool{}
+	}
+	return k
+}
+
 func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]clusterRow, error) {
 	sides := []benchSide{
 		{name: "dsec up", c: b.up, bare: b.upBare, ref: b.upRef},
 		{name: "cluster", c: b.cluster, bare: b.clusterBare, ref: b.clRef, pin: map[string]string{"zone": "bench1"}},
 	}
-	var create, createBare, exec, burst, del [2]sample
-	for i := range 2 {
-		burst[i].nodes = map[string]bool{}
-	}
-	// CPU seconds the daemons of each side spent in the bursts, by role.
-	cpu := map[string]float64{}
+	var create, createBare, exec [2]sample
 	// The edge-side part of the one-at-a-time creates, per side.
 	var edgeSum, edgeN [2]float64
 	sideURLs := [2][]string{b.metrics[:1], b.metrics[1:2]}
@@ -685,6 +701,81 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 			return side.bare.DeleteSandbox(ctx, ids[i])
 		})
 	}
+	// A burst of o.burst creates on side si, keyed as the SDK does by
+	// default or (kind.bare) not, with the CPU its daemons spend; then its
+	// deletes.
+	bursts := []*burstKind{newBurstKind("", false)}
+	if o.bareBurst {
+		bursts = append(bursts, newBurstKind(", no keys", true))
+	}
+	burstOn := func(r, si int, kind *burstKind) error {
+		side := sides[si]
+		c := side.c
+		if kind.bare {
+			c = side.bare
+		}
+		b.settle(ctx)
+		fmt.Fprintf(os.Stderr, "bench cluster: round %d, %s: a burst of %d creates%s, %d at a time...\n", r+1, side.name, o.burst, kind.name, o.burstConc)
+		ids := make([]string, o.burst)
+		var mu sync.Mutex
+		roles := map[string][]int{"up": b.pids("up")}
+		if si == 1 {
+			roles = map[string][]int{"apiserver": b.pids("server"), "edges": b.pids("edge"), "etcd": b.etcd.Pids()}
+		}
+		before := map[string]float64{}
+		for role, pids := range roles {
+			before[role] = cpuSeconds(pids)
+		}
+		profile := o.profile != "" && !kind.bare
+		profDone := make(chan error, 1)
+		if profile {
+			var names []string
+			for name := range b.pprof {
+				if (name == "up") == (si == 0) {
+					names = append(names, name)
+				}
+			}
+			sideName := "up"
+			if si == 1 {
+				sideName = "cluster"
+			}
+			prefix := fmt.Sprintf("round%d-%s-", r+1, sideName)
+			go func() { profDone <- b.profileDaemons(o.profile, prefix, names, profileSeconds) }()
+			time.Sleep(100 * time.Millisecond) // the profiles start first
+		}
+		d, f, w, ferr := runParallel(o.burst, o.burstConc, func(i int) error {
+			sb, err := c.CreateSandbox(ctx, api.SandboxSpec{Base: side.ref, Labels: map[string]string{"bench": "burst"}})
+			if err == nil {
+				ids[i] = sb.ID
+				mu.Lock()
+				kind.burst[si].nodes[sb.Node] = true
+				mu.Unlock()
+			}
+			return err
+		})
+		if ferr != nil {
+			fmt.Fprintf(os.Stderr, "bench cluster: %s: first burst failure: %v\n", side.name, ferr)
+		}
+		kind.burst[si].add(d, f, w)
+		for role, pids := range roles {
+			kind.cpu[role] += cpuSeconds(pids) - before[role]
+		}
+		if profile {
+			// The deletes wait for the profiles to end: they would be
+			// counted in them.
+			if err := <-profDone; err != nil {
+				return err
+			}
+		}
+		d, f, w, _ = runParallel(o.burst, o.burstConc, func(i int) error {
+			if ids[i] == "" {
+				return nil
+			}
+			return c.DeleteSandbox(ctx, ids[i])
+		})
+		kind.del[si].add(d, f, w)
+		return nil
+	}
 	for r := range o.rounds {
 		// ABBA: each side goes first in every other round. A burst leaves
 		// the host with state the next one pays for (a node keeps emptied
@@ -717,67 +808,18 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 		for si, side := range sides {
 			_ = side.c.DeleteSandbox(ctx, execIn[si])
 		}
-		for _, si := range order {
-			side := sides[si]
-			b.settle(ctx)
-			fmt.Fprintf(os.Stderr, "bench cluster: round %d, %s: a burst of %d creates, %d at a time...\n", r+1, side.name, o.burst, o.burstConc)
-			ids := make([]string, o.burst)
-			var mu sync.Mutex
-			roles := map[string][]int{"up": b.pids("up")}
-			if si == 1 {
-				roles = map[string][]int{"apiserver": b.pids("server"), "edges": b.pids("edge"), "etcd": b.etcd.Pids()}
-			}
-			before := map[string]float64{}
-			for role, pids := range roles {
-				before[role] = cpuSeconds(pids)
-			}
-			profDone := make(chan error, 1)
-			if o.profile != "" {
-				var names []string
-				for name := range b.pprof {
-					if (name == "up") == (si == 0) {
-						names = append(names, name)
-					}
-				}
-				sideName := "up"
-				if si == 1 {
-					sideName = "cluster"
-				}
-				prefix := fmt.Sprintf("round%d-%s-", r+1, sideName)
-				go func() { profDone <- b.profileDaemons(o.profile, prefix, names, profileSeconds) }()
-				time.Sleep(100 * time.Millisecond) // the profiles start first
-			}
-			d, f, w, ferr := runParallel(o.burst, o.burstConc, func(i int) error {
-				sb, err := side.c.CreateSandbox(ctx, api.SandboxSpec{Base: side.ref, Labels: map[string]string{"bench": "burst"}})
-				if err == nil {
-					ids[i] = sb.ID
-					mu.Lock()
-					burst[si].nodes[sb.Node] = true
-					mu.Unlock()
-				}
-				return err
-			})
-			if ferr != nil {
-				fmt.Fprintf(os.Stderr, "bench cluster: %s: first burst failure: %v\n", side.name, ferr)
-			}
-			burst[si].add(d, f, w)
-			for role, pids := range roles {
-				cpu[role] += cpuSeconds(pids) - before[role]
-			}
-			if o.profile != "" {
-				// The deletes wait for the profiles to end: they would
-				// be counted in them.
-				if err := <-profDone; err != nil {
+		// The kinds of burst alternate as well (a burst runs faster on
+		// the cgroups the one before it emptied).
+		kinds := slices.Clone(bursts)
+		if r%2 == 1 {
+			slices.Reverse(kinds)
+		}
+		for _, kind := range kinds {
+			for _, si := range order {
+				if err := burstOn(r, si, kind); err != nil {
 					return nil, err
 				}
 			}
-			d, f, w, _ = runParallel(o.burst, o.burstConc, func(i int) error {
-				if ids[i] == "" {
-					return nil
-				}
-				return side.c.DeleteSandbox(ctx, ids[i])
-			})
-			del[si].add(d, f, w)
 		}
 	}
 	mk := func(measure string, n, conc int, s [2]sample, target string, met func(clusterRow) bool) clusterRow {
@@ -793,15 +835,24 @@ func (b *benchWorld) measure(ctx context.Context, o benchClusterOpts) ([]cluster
 		mk("create, one at a time", o.count*o.rounds, 1, create, "cluster p50 ≤ up p50 + 2 ms", func(r clusterRow) bool { return r.ClFail == 0 && r.ClP50 <= r.UpP50+2 }),
 		mk("create, one at a time, no keys", o.count*o.rounds, 1, createBare, "cluster p50 ≤ up p50 + 2 ms", func(r clusterRow) bool { return r.ClFail == 0 && r.ClP50 <= r.UpP50+2 }),
 		mk("exec true, one at a time", o.count*o.rounds, 1, exec, "cluster p50 ≤ up p50 + 1 ms", func(r clusterRow) bool { return r.ClFail == 0 && r.ClP50 <= r.UpP50+1 }),
-		mk(fmt.Sprintf("burst of %d", o.burst), o.burst*o.rounds, o.burstConc, burst, "cluster rate ≥ 75% of up's, 0 failures", func(r clusterRow) bool {
-			return r.ClFail == 0 && r.UpFail == 0 && r.ClRate >= 0.75*r.UpRate
-		}),
-		mk("delete of the burst", o.burst*o.rounds, o.burstConc, del, "-", none),
 	}
-	perCreate := func(role string) float64 { return 1000 * cpu[role] / float64(o.burst*o.rounds) }
-	rows = append(rows, clusterRow{Measure: "CPU ms per create in the burst", Count: o.burst * o.rounds, Conc: o.burstConc,
-		UpP50: perCreate("up"), ClP50: perCreate("apiserver") + perCreate("edges") + perCreate("etcd"),
-		Target: fmt.Sprintf("cluster: apiserver %.1f, edges %.1f, etcd %.1f", perCreate("apiserver"), perCreate("edges"), perCreate("etcd"))})
+	for _, kind := range bursts {
+		// The target is the keyed burst's (the SDK's default); the
+		// unkeyed one shows what the claims cost.
+		target, met := "cluster rate ≥ 75% of up's, 0 failures", func(r clusterRow) bool {
+			return r.ClFail == 0 && r.UpFail == 0 && r.ClRate >= 0.75*r.UpRate
+		}
+		if kind.bare {
+			target, met = "-", none
+		}
+		rows = append(rows,
+			mk(fmt.Sprintf("burst of %d%s", o.burst, kind.name), o.burst*o.rounds, o.burstConc, kind.burst, target, met),
+			mk("delete of the burst"+kind.name, o.burst*o.rounds, o.burstConc, kind.del, "-", none))
+		perCreate := func(role string) float64 { return 1000 * kind.cpu[role] / float64(o.burst*o.rounds) }
+		rows = append(rows, clusterRow{Measure: "CPU ms per create in the burst" + kind.name, Count: o.burst * o.rounds, Conc: o.burstConc,
+			UpP50: perCreate("up"), ClP50: perCreate("apiserver") + perCreate("edges") + perCreate("etcd"),
+			Target: fmt.Sprintf("cluster: apiserver %.1f, edges %.1f, etcd %.1f", perCreate("apiserver"), perCreate("edges"), perCreate("etcd"))})
+	}
 	if edgeN[0] > 0 && edgeN[1] > 0 {
 		rows = append(rows, clusterRow{Measure: "edge-side part of a create (mean)", Count: int(edgeN[1]), Conc: 1,
 			UpP50: 1000 * edgeSum[0] / edgeN[0], ClP50: 1000 * edgeSum[1] / edgeN[1], Target: "-"})
