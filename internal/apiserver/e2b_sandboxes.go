@@ -57,7 +57,7 @@ var e2bInternet = []string{"0.0.0.0/0", "*"}
 // e2bReservedLabel reports whether a label key is dsec's or this
 // dialect's own: E2B metadata may not set one, and does not show them.
 func e2bReservedLabel(k string) bool {
-	return strings.HasPrefix(k, "e2b.") || strings.HasPrefix(k, "dsec.")
+	return strings.HasPrefix(k, "e2b.") || sandbox.IsOwnLabel(k)
 }
 
 func (s *Server) e2bControlRoutes() {

@@ -281,7 +281,7 @@ func checkFnCall(t *testing.T, req api.FnCallRequest) {
 func ownLabels(l map[string]string) int {
 	n := 0
 	for k := range l {
-		if strings.HasPrefix(k, sandbox.ReservedLabelPrefix) {
+		if sandbox.IsOwnLabel(k) {
 			n++
 		}
 	}

@@ -200,6 +200,9 @@ func Normalize(spec *api.SandboxSpec, p Policy) error {
 // not set them.
 const ReservedLabelPrefix = "dsec."
 
+// IsOwnLabel reports whether a label key is one of dsec's own.
+func IsOwnLabel(k string) bool { return strings.HasPrefix(k, ReservedLabelPrefix) }
+
 // ValidateCallerLabels checks labels a caller asks a sandbox to carry: each
 // pair as ValidateLabel, and none of dsec's own.
 func ValidateCallerLabels(labels map[string]string) error {
@@ -207,7 +210,7 @@ func ValidateCallerLabels(labels map[string]string) error {
 		if err := ValidateLabel(k, v); err != nil {
 			return err
 		}
-		if strings.HasPrefix(k, ReservedLabelPrefix) {
+		if IsOwnLabel(k) {
 			return errdefs.Invalid("label key %q: keys starting with %q are reserved for the labels dsec sets itself", k, ReservedLabelPrefix)
 		}
 	}
@@ -222,7 +225,7 @@ const OwnLabels = 4
 func callerLabels(labels map[string]string) int {
 	n := 0
 	for k := range labels {
-		if !strings.HasPrefix(k, ReservedLabelPrefix) {
+		if !IsOwnLabel(k) {
 			n++
 		}
 	}
@@ -233,7 +236,7 @@ func callerLabels(labels map[string]string) int {
 func WithoutReservedLabels(labels map[string]string) map[string]string {
 	out := make(map[string]string, len(labels))
 	for k, v := range labels {
-		if !strings.HasPrefix(k, ReservedLabelPrefix) {
+		if !IsOwnLabel(k) {
 			out[k] = v
 		}
 	}
