@@ -240,6 +240,29 @@ func TestDedicatedNodes(t *testing.T) {
 		t.Fatalf("the first sandbox of a dedicated project on an idle cluster: %v (nodes %+v)", err, l)
 	}
 	nodes[ded] = map[string]bool{first.Node: true}
+	// Both apiservers' views must show that node as the dedicated
+	// project's before the two create at once: on a view a poll old the
+	// project holds no node yet, and its creates may take every empty one
+	// (placement fills a project's own nodes first only as far as it
+	// knows them), leaving none for the other tenant.
+	for deadline := time.Now().Add(15 * time.Second); ; {
+		seen := 0
+		for _, cl := range c.perServer[:2] {
+			l, err := cl.ListNodes(ctx(t))
+			for _, nd := range l {
+				if err == nil && nd.Name == first.Node && nd.DedicatedTo != "" {
+					seen++
+				}
+			}
+		}
+		if seen == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("node %s is not shown dedicated by both apiservers after 15 s", first.Node)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
 	var wg sync.WaitGroup
 	errs := make(chan error, 12)
 	for i := range 12 {
