@@ -8,11 +8,15 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
 	"os"
+	"regexp"
 	"strings"
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/iam"
+	dsec "github.com/dsecproject/dsec/sdk/go"
 )
 
 func runProject(ctx context.Context, args []string) error {
@@ -30,6 +34,7 @@ func runKey(ctx context.Context, args []string) error {
 		{"create", "mint an API key of a project (shown once)", keyCreate},
 		{"list", "list the keys of a project", keyList},
 		{"revoke", "revoke a key", keyRevoke},
+		{"e2b", "print a key spelled as E2B's SDKs want E2B_API_KEY", keyE2B},
 	}, args)
 }
 
@@ -352,6 +357,64 @@ func keyRevoke(ctx context.Context, args []string) error {
 	}
 	printf(os.Stdout, "%s\n", pos[1])
 	return nil
+}
+
+func keyE2B(_ context.Context, args []string) error {
+	fs := newCmdFlags("key e2b", "[-]",
+		"Print the E2B spelling of the key this CLI uses (DSEC_API_KEY, or the config\n"+
+			"file's), or with - of a key read from standard input: \"e2b_\" and hex\n"+
+			"digits, the only shape recent E2B SDKs take for E2B_API_KEY. dsec's E2B API\n"+
+			"takes it for the key it spells: same project, same role.\n\n"+
+			"  export E2B_API_KEY=$(dsec key e2b)")
+	pos, err := fs.parseN(args, 0, 1)
+	if err != nil {
+		return err
+	}
+	s, err := e2bSpelling(pos, os.Stdin, dsec.ResolveConfig)
+	if err != nil {
+		return err
+	}
+	printf(os.Stdout, "%s\n", s)
+	return nil
+}
+
+// e2bKeyShape is the shape E2B's SDKs check an API key against.
+var e2bKeyShape = regexp.MustCompile(`(?i)^e2b_[0-9a-f]+$`)
+
+// e2bSpelling is key e2b's answer for its arguments pos: the E2B
+// spelling of the key read from stdin ("-") or of the configured one. A
+// key that already has E2B's shape is its own spelling.
+func e2bSpelling(pos []string, stdin io.Reader, config func() (dsec.Config, error)) (string, error) {
+	var key string
+	switch {
+	case len(pos) == 1 && pos[0] == "-":
+		b, err := io.ReadAll(io.LimitReader(stdin, 4096))
+		if err != nil {
+			return "", fmt.Errorf("key e2b: reading the key: %w", err)
+		}
+		key = strings.TrimSpace(string(b))
+		if key == "" {
+			return "", fmt.Errorf("key e2b: no key on standard input")
+		}
+	case len(pos) == 1:
+		return "", fmt.Errorf("key e2b: give the key on standard input (-), not as an argument, which other users can see")
+	default:
+		cfg, err := config()
+		if err != nil {
+			return "", err
+		}
+		if key = cfg.APIKey; key == "" {
+			return "", fmt.Errorf("key e2b: this CLI has no key (set DSEC_API_KEY, or run dsec up, which writes one to the config file)")
+		}
+	}
+	if e2bKeyShape.MatchString(key) {
+		return key, nil
+	}
+	s := iam.E2BKey(key)
+	if k, ok := iam.FromE2BKey(s); !ok || k != key {
+		return "", fmt.Errorf("key e2b: that is not a dsec key (16 to 256 printable characters without spaces)")
+	}
+	return s, nil
 }
 
 func runWhoAmI(ctx context.Context, args []string) error {

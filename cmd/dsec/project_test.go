@@ -2,9 +2,11 @@ package main
 
 import (
 	"encoding/json"
+	"errors"
 	"io"
 	"net/http"
 	"net/url"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -12,6 +14,8 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/iam"
+	dsec "github.com/dsecproject/dsec/sdk/go"
 )
 
 // seenCall is one request the IAM fake answered.
@@ -478,5 +482,53 @@ func TestCLISandboxCreateProject(t *testing.T) {
 	out, err := runCLI(t, mux, "sandbox", "get", "sb-1")
 	if err != nil || !strings.Contains(out, "Project:") || !strings.Contains(out, "job-7") {
 		t.Errorf("sandbox get: %v\n%s", err, out)
+	}
+}
+
+// TestKeyE2B: key e2b spells the configured key, or one read from stdin,
+// as E2B's SDKs want it, and the spelling stands for that key.
+func TestKeyE2B(t *testing.T) {
+	const key = "dsec_abcdefghijklmnopqrstuvwxyz234567abcdefghijklmnopqrstu"
+	conf := func(k string) func() (dsec.Config, error) {
+		return func() (dsec.Config, error) { return dsec.Config{APIKey: k}, nil }
+	}
+	for _, tc := range []struct {
+		name  string
+		pos   []string
+		stdin string
+		conf  func() (dsec.Config, error)
+		want  string // the key spelt; "" for an error
+		err   string
+	}{
+		{"configured", nil, "", conf(key), key, ""},
+		{"stdin", []string{"-"}, key + "\n", conf("other-key-0123456789"), key, ""},
+		{"already E2B's shape", nil, "", conf("e2b_985895e32046e1404d05adfb33614a3026de2cb6"), "", ""},
+		{"as an argument", []string{key}, "", conf(""), "", "standard input"},
+		{"empty stdin", []string{"-"}, " \n", conf(key), "", "no key on standard input"},
+		{"none configured", nil, "", conf(""), "", "DSEC_API_KEY"},
+		{"not a key", []string{"-"}, "short", conf(""), "", "not a dsec key"},
+		{"config error", nil, "", func() (dsec.Config, error) { return dsec.Config{}, errors.New("bad config") }, "", "bad config"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := e2bSpelling(tc.pos, strings.NewReader(tc.stdin), tc.conf)
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("got %q, %v; want an error saying %q", got, err, tc.err)
+				}
+				return
+			}
+			if err != nil || !regexp.MustCompile(`^e2b_[0-9a-f]+$`).MatchString(got) {
+				t.Fatalf("got %q, %v", got, err)
+			}
+			if tc.want == "" {
+				if cfg, _ := tc.conf(); got != cfg.APIKey {
+					t.Fatalf("an E2B-shaped key became %q", got)
+				}
+				return
+			}
+			if k, ok := iam.FromE2BKey(got); !ok || k != tc.want {
+				t.Fatalf("%q spells %q (%v), want %q", got, k, ok, tc.want)
+			}
+		})
 	}
 }

@@ -61,8 +61,9 @@ func (s *Server) e2bError(w http.ResponseWriter, r *http.Request, err error) {
 }
 
 // e2bHandle registers an E2B control-plane route: the dsec key comes in
-// X-API-KEY (or, as on /v1, Authorization: Bearer), with the same IAM
-// checks and scope as the /v1 routes.
+// X-API-KEY (or, as on /v1, Authorization: Bearer), as is or in its E2B
+// spelling (iam.E2BKey), with the same IAM checks and scope as the /v1
+// routes.
 func (s *Server) e2bHandle(pattern string, action iam.Action, h http.HandlerFunc) {
 	s.actions[pattern] = action
 	s.mux.Handle(pattern, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -72,6 +73,11 @@ func (s *Server) e2bHandle(pattern string, action iam.Action, h http.HandlerFunc
 		found := key != ""
 		if !found {
 			key, found = bearer(r)
+		}
+		// Recent E2B SDKs send only keys spelled "e2b_" and hex digits:
+		// such a spelling stands for the key it spells.
+		if k, ok := iam.FromE2BKey(key); ok {
+			key = k
 		}
 		ctx, ok := s.admit(rec, r, key, found, action, "", s.e2bError)
 		if !ok {

@@ -62,6 +62,10 @@ func e2bReservedLabel(k string) bool {
 
 func (s *Server) e2bControlRoutes() {
 	s.e2bHandle("POST /v2/sandboxes", iam.SandboxCreate, s.e2bCreate)
+	// The first version of create and connect, which E2B's Python SDK
+	// and older JS SDKs call: the same bodies and answers.
+	s.e2bHandle("POST /sandboxes", iam.SandboxCreate, s.e2bCreate)
+	s.e2bHandle("POST /sandboxes/{id}/connect", iam.SandboxWrite, s.e2bConnect)
 	s.e2bHandle("GET /v2/sandboxes", iam.SandboxRead, s.e2bList)
 	s.e2bHandle("GET /sandboxes", iam.SandboxRead, s.e2bListRunning)
 	s.e2bHandle("POST /v2/sandboxes/{id}/connect", iam.SandboxWrite, s.e2bConnect)

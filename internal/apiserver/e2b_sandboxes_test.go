@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/iam"
 	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
@@ -334,6 +335,46 @@ func TestTemplateAliasesOfTenants(t *testing.T) {
 	}
 	if resp, body := f.do(t, f.admin, "GET", "/v1/templates/ta", ""); resp.StatusCode != 200 || !strings.Contains(string(body), `"project":"team-a"`) {
 		t.Fatalf("admin get: %d %s", resp.StatusCode, body)
+	}
+}
+
+// TestE2BFirstVersionCreateAndConnect: the create and connect that E2B's
+// Python SDK and older JS SDKs call (without /v2) are the same calls.
+func TestE2BFirstVersionCreateAndConnect(t *testing.T) {
+	f := newFixture(t, false)
+	resp, body := f.e2b(t, f.admin, "POST", "/sandboxes", `{"templateID":"base/py:1","timeout":120,"metadata":{"job":"j1"}}`)
+	var c e2bCreated
+	if resp.StatusCode != 201 || json.Unmarshal(body, &c) != nil || c.SandboxID == "" || c.TemplateID != "base/py:1" || c.EnvdAccessToken == "" {
+		t.Fatalf("create: %d %s", resp.StatusCode, body)
+	}
+	if sb := f.stored(t, c.SandboxID); sb.Spec.TTL != 120 || sb.Labels["job"] != "j1" {
+		t.Fatalf("created %+v, labels %v", sb.Spec, sb.Labels)
+	}
+	resp, body = f.e2b(t, f.admin, "POST", "/sandboxes", `{"templateID":"base/nope:1"}`)
+	wantE2BError(t, resp, body, 404)
+	resp, body = f.e2b(t, f.viewer, "POST", "/sandboxes", `{"templateID":"base/py:1"}`)
+	wantE2BError(t, resp, body, 403)
+
+	if resp, body := f.e2b(t, f.admin, "POST", "/sandboxes/"+c.SandboxID+"/pause", `{}`); resp.StatusCode != 204 {
+		t.Fatalf("pause: %d %s", resp.StatusCode, body)
+	}
+	resp, body = f.e2b(t, f.admin, "POST", "/sandboxes/"+c.SandboxID+"/connect", `{"timeout":600}`)
+	var got e2bCreated
+	if resp.StatusCode != 201 || json.Unmarshal(body, &got) != nil || got.SandboxID != c.SandboxID || got.EnvdAccessToken != c.EnvdAccessToken {
+		t.Fatalf("connect to the paused sandbox: %d %s", resp.StatusCode, body)
+	}
+	if st := f.stored(t, c.SandboxID).State; st != api.StateRunning {
+		t.Fatalf("after connect: %s", st)
+	}
+	if resp, body := f.e2b(t, f.admin, "POST", "/sandboxes/"+c.SandboxID+"/connect", `{"timeout":600}`); resp.StatusCode != 200 {
+		t.Fatalf("connect to the running sandbox: %d %s", resp.StatusCode, body)
+	}
+	resp, body = f.e2b(t, f.viewer, "POST", "/sandboxes/"+c.SandboxID+"/connect", `{}`)
+	wantE2BError(t, resp, body, 403)
+	resp, body = f.e2b(t, f.admin, "POST", "/sandboxes/sb-n1-nope/connect", `{}`)
+	wantE2BError(t, resp, body, 404)
+	if n := f.edge.Len(); n != 1 {
+		t.Fatalf("the edge holds %d sandboxes, want 1", n)
 	}
 }
 
@@ -707,6 +748,27 @@ func TestE2BAuth(t *testing.T) {
 	}
 	resp, body := f.e2b(t, f.viewer, "POST", "/v2/sandboxes", `{"templateID":"base/py:1"}`)
 	wantE2BError(t, resp, body, 403)
+	// A key's E2B spelling (what recent SDKs insist on) is that key: the
+	// same role and project; a spelling of no key is 401. /v1 takes keys
+	// as they are.
+	c := f.e2bCreate(t, iam.E2BKey(f.admin), `{"templateID":"base/py:1"}`)
+	if sb := f.stored(t, c.SandboxID); sb.Project != iam.RootProject {
+		t.Fatalf("created by the spelt admin key in project %q", sb.Project)
+	}
+	if resp, body := f.e2b(t, iam.E2BKey(f.viewer), "GET", "/v2/sandboxes", ""); resp.StatusCode != 200 || !strings.Contains(string(body), c.SandboxID) {
+		t.Fatalf("spelt viewer key list: %d %s", resp.StatusCode, body)
+	}
+	resp, body = f.e2b(t, iam.E2BKey(f.viewer), "POST", "/v2/sandboxes", `{"templateID":"base/py:1"}`)
+	wantE2BError(t, resp, body, 403)
+	resp, body = f.e2b(t, iam.E2BKey("not-a-key-of-anyone-0123"), "GET", "/v2/sandboxes", "")
+	wantE2BError(t, resp, body, 401)
+	if resp, body := f.do(t, iam.E2BKey(f.admin), "GET", "/v1/sandboxes", ""); resp.StatusCode != 401 {
+		t.Fatalf("/v1 with a spelt key: %d %s", resp.StatusCode, body)
+	}
+	if n := f.edge.Len(); n != 1 {
+		t.Fatalf("the edge holds %d sandboxes, want the admin's one", n)
+	}
+
 	// The rest of E2B's API answers in its shape.
 	resp, body = f.e2b(t, f.admin, "POST", "/sandboxes/sb-n1-0001/fork", `{}`)
 	if msg := wantE2BError(t, resp, body, 404); !strings.Contains(msg, "not part of dsec's E2B API") {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"math"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -152,9 +153,45 @@ func TestEnsureAdminKeyGiven(t *testing.T) {
 		t.Fatalf("Authenticate(given) = %+v, %v", p, err)
 	}
 
-	for _, bad := range []string{"short", "has a space in it, sadly", "tab\tinside-the-key-xx", strings.Repeat("k", maxKeyLen+1)} {
+	for _, bad := range []string{"short", "has a space in it, sadly", "tab\tinside-the-key-xx", strings.Repeat("k", maxKeyLen+1),
+		E2BKey("a-key-of-its-own-0123")} {
 		_, _, err := m.EnsureAdminKey(bad)
 		wantErr(t, fmt.Sprintf("EnsureAdminKey(%.20q)", bad), err, errdefs.ErrInvalid)
+	}
+}
+
+// TestE2BKey: every key has an E2B spelling ("e2b_" and hex digits, what
+// recent E2B SDKs insist on) that stands for it, and nothing else spells a
+// key.
+func TestE2BKey(t *testing.T) {
+	m := newIAM(t, store.NewMemory())
+	gen, _ := mustKey(t, m, rootAdmin, RootProject, RoleMember)
+	for _, key := range []string{gen, "a-given-key-0123", strings.Repeat("~", maxKeyLen)} {
+		s := E2BKey(key)
+		if !regexp.MustCompile(`^e2b_[0-9a-f]+$`).MatchString(s) {
+			t.Fatalf("E2BKey(%.20q) = %.30q: not what E2B's SDKs take", key, s)
+		}
+		for _, spelt := range []string{s, "E2B_" + s[4:], "e2b_" + strings.ToUpper(s[4:])} {
+			if got, ok := FromE2BKey(spelt); !ok || got != key {
+				t.Errorf("FromE2BKey(%.30q) = %.20q, %v; want %.20q", spelt, got, ok, key)
+			}
+		}
+	}
+	for _, s := range []string{
+		"", "e2b_", gen, "dsec_" + E2BKey(gen)[4:],
+		"e2b_985895e32046e1404d05adfb33614a3026de2cb6", // an E2B key: its bytes are no key
+		E2BKey("short-key-15chrs"[:15]),                // too short to be a key
+		E2BKey(strings.Repeat("k", maxKeyLen+1)),       // too long
+		E2BKey("a key with spaces 0123"),
+		E2BKey("a-key-with-a-newline\n"),
+		E2BKey("a-key-\x00-with-a-nul"),
+		E2BKey("a-good-key-0123456")[:39], // an odd number of digits
+		E2BKey("a-good-key-0123456") + "zz",
+		"e2b-" + E2BKey("a-good-key-0123456")[4:],
+	} {
+		if got, ok := FromE2BKey(s); ok {
+			t.Errorf("FromE2BKey(%.40q) = %.20q: spells a key", s, got)
+		}
 	}
 }
 

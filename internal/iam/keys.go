@@ -161,12 +161,50 @@ func checkGivenKey(key string) error {
 	if len(key) < minGivenKeyLen || len(key) > maxKeyLen {
 		return errdefs.Invalid("admin key must be %d to %d characters long", minGivenKeyLen, maxKeyLen)
 	}
-	for _, c := range []byte(key) {
-		if c <= ' ' || c > '~' {
-			return errdefs.Invalid("admin key must be printable ASCII without spaces")
-		}
+	if !printableKey(key) {
+		return errdefs.Invalid("admin key must be printable ASCII without spaces")
+	}
+	if _, ok := FromE2BKey(key); ok {
+		// It would name two keys on the E2B API: itself, and the one
+		// it spells, which that API takes it for.
+		return errdefs.Invalid("admin key must not be the E2B spelling (%s and hex digits) of another key: give that key", e2bKeyPrefix)
 	}
 	return nil
+}
+
+// printableKey reports whether key is printable ASCII without spaces.
+func printableKey(key string) bool {
+	for _, c := range []byte(key) {
+		if c <= ' ' || c > '~' {
+			return false
+		}
+	}
+	return true
+}
+
+// e2bKeyPrefix starts a key's E2B spelling.
+const e2bKeyPrefix = "e2b_"
+
+// E2BKey spells key the way E2B's SDKs want an API key: "e2b_" and hex
+// digits (recent SDKs refuse any other key before sending it). The digits
+// are the key's bytes, so the spelling names the same key, and the E2B
+// API takes it for that key (FromE2BKey).
+func E2BKey(key string) string { return e2bKeyPrefix + hex.EncodeToString([]byte(key)) }
+
+// FromE2BKey is the key that s spells (E2BKey), and whether s spells one:
+// "e2b_" in either case, then hex digits whose bytes make a key of the
+// shape a given key must have (16 to 256 printable ASCII characters
+// without spaces), which every generated key has.
+func FromE2BKey(s string) (string, bool) {
+	n := len(e2bKeyPrefix)
+	if len(s) < n+2*minGivenKeyLen || len(s) > n+2*maxKeyLen || !strings.EqualFold(s[:n], e2bKeyPrefix) {
+		return "", false
+	}
+	b, err := hex.DecodeString(s[n:])
+	if err != nil || !printableKey(string(b)) {
+		return "", false
+	}
+	return string(b), true
 }
 
 // Authenticate returns the principal behind an API key (the bearer token,

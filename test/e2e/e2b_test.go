@@ -98,8 +98,16 @@ func TestE2BSDK(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	// The suite sends the key as recent E2B SDKs insist on it ("e2b_" and
+	// hex digits), as `dsec key e2b` spells it; TestE2BOnMicroVM sends it
+	// as it is.
+	spelt, stderr, code := cliIn([]byte(d.key+"\n"), "key", "e2b", "-")
+	spelt = strings.TrimSpace(spelt)
+	if code != 0 || !strings.HasPrefix(spelt, "e2b_") || strings.Contains(spelt, d.key) {
+		t.Fatalf("dsec key e2b: %d %q %s", code, spelt, stderr)
+	}
 	for _, name := range []string{"lifecycle", "paging", "commands", "files", "pty", "pauseKeepsState", "concurrent", "auth"} {
-		t.Run(name, func(t *testing.T) { runE2BCase(t, dir, name, run, "base", "e2e-user") })
+		t.Run(name, func(t *testing.T) { runE2BCase(t, dir, name, run, "base", "e2e-user", "E2B_API_KEY="+spelt) })
 	}
 	checkE2BLeftNothing(t, run, sessionsBefore)
 }

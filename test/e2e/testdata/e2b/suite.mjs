@@ -244,6 +244,8 @@ const cases = {
       check('a refused write touches nothing', up.status === 401 && !(await a.files.exists('/tmp/planted')), up.status)
       const e = await throws(() => Sandbox.create(template, { apiKey: 'wrong-key-0123456789' }))
       check('a wrong API key', e instanceof AuthenticationError, e && e.constructor.name)
+      const spelt = await throws(() => Sandbox.create(template, { apiKey: 'e2b_' + Buffer.from('wrong-key-0123456789').toString('hex') }))
+      check('a wrong API key in E2B spelling', spelt instanceof AuthenticationError, spelt && spelt.constructor.name)
     } finally {
       await a.kill()
       await b.kill()
