@@ -89,6 +89,17 @@ func (s *Server) e2bHandle(pattern string, action iam.Action, h http.HandlerFunc
 
 type envdSandboxKey struct{}
 
+// envdSignedKey marks an envd request let in by a presigned URL's
+// signature rather than the sandbox's token.
+type envdSignedKey struct{}
+
+// envdSigned reports whether an envd request was let in by a presigned
+// URL: it may act only as the URL says.
+func envdSigned(ctx context.Context) bool {
+	signed, _ := ctx.Value(envdSignedKey{}).(bool)
+	return signed
+}
+
 // envdSandbox is the sandbox an envd request was admitted for.
 func envdSandbox(ctx context.Context) string {
 	id, _ := ctx.Value(envdSandboxKey{}).(string)
@@ -123,10 +134,11 @@ func (s *Server) envdHandle(pattern string, h http.Handler, fail func(http.Respo
 		if tok == "" {
 			tok = r.URL.Query().Get("access_token")
 		}
-		var ok bool
+		var ok, signed bool
 		var err error
 		if q := r.URL.Query(); tok == "" && r.URL.Path == "/files" && q.Get("signature") != "" {
 			ok, err = s.checkFileSignature(id, r.Method, q)
+			signed = true
 		} else {
 			ok, err = s.checkEnvdToken(id, tok)
 		}
@@ -142,6 +154,9 @@ func (s *Server) envdHandle(pattern string, h http.Handler, fail func(http.Respo
 		}
 		conns.Trust(r.Context())
 		ctx := context.WithValue(r.Context(), envdSandboxKey{}, id)
+		if signed {
+			ctx = context.WithValue(ctx, envdSignedKey{}, true)
+		}
 		h.ServeHTTP(rec, r.WithContext(ctx))
 	}))
 }

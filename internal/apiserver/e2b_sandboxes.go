@@ -452,9 +452,13 @@ func (s *Server) e2bInfo(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	d := e2bDetailOf(sb, s.nodeCPU())
-	if d.EnvdAccessToken, err = s.envdToken(sb.ID); err != nil {
-		s.e2bError(w, r, err)
-		return
+	// The token drives the sandbox (commands, files, resume): only a key
+	// that may do so through the API gets it. A viewer's getInfo has none.
+	if s.deps.IAM.Authorize(principal(r.Context()), iam.SandboxWrite) == nil {
+		if d.EnvdAccessToken, err = s.envdToken(sb.ID); err != nil {
+			s.e2bError(w, r, err)
+			return
+		}
 	}
 	writeJSON(w, http.StatusOK, d)
 }
@@ -708,11 +712,10 @@ func e2bMetadataQuery(v string) (map[string]string, error) {
 		return s
 	}
 	for k, vs := range pairs {
-		key, val := unescape(k), unescape(vs[len(vs)-1])
-		if err := sandbox.ValidateLabel(key, val); err != nil {
-			return nil, fmt.Errorf("metadata: %w", err)
-		}
-		sel[key] = val
+		sel[unescape(k)] = unescape(vs[len(vs)-1])
+	}
+	if err := sandbox.ValidateSelector(sel); err != nil {
+		return nil, fmt.Errorf("metadata: %w", err)
 	}
 	return sel, nil
 }

@@ -626,7 +626,12 @@ func TestE2BList(t *testing.T) {
 }
 
 func TestE2BMetadataQuery(t *testing.T) {
+	var many []string
+	for i := range sandbox.MaxSelectorLabels + 1 {
+		many = append(many, fmt.Sprintf("k%d=v", i))
+	}
 	for in, want := range map[string]map[string]string{
+		strings.Join(many, "&"): nil, // more than any sandbox has
 		"":                  {},
 		"a=b":               {"a": "b"},
 		"a=b&c=d":           {"a": "b", "c": "d"},
@@ -767,6 +772,16 @@ func TestE2BAuth(t *testing.T) {
 	}
 	if n := f.edge.Len(); n != 1 {
 		t.Fatalf("the edge holds %d sandboxes, want the admin's one", n)
+	}
+	// getInfo gives the envd access token (which runs commands and
+	// writes files) only to a key that may drive the sandbox.
+	for key, want := range map[string]bool{f.admin: true, f.viewer: false} {
+		resp, body := f.e2b(t, key, "GET", "/sandboxes/"+c.SandboxID, "")
+		var d e2bCreated
+		if resp.StatusCode != 200 || json.Unmarshal(body, &d) != nil || (d.EnvdAccessToken == c.EnvdAccessToken) != want ||
+			(!want && d.EnvdAccessToken != "") {
+			t.Fatalf("getInfo by a key that may drive the sandbox: %v: %d %s", want, resp.StatusCode, body)
+		}
 	}
 
 	// The rest of E2B's API answers in its shape.

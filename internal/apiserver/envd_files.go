@@ -583,9 +583,12 @@ func (s *Server) envdGone(ctx context.Context, id string) error {
 }
 
 // queryUser is the user of a /files request: the username parameter, or
-// the Authorization header's.
+// the Authorization header's (but never for a presigned URL).
 func queryUser(r *http.Request) (string, error) {
-	if q := r.URL.Query(); q.Has("username") {
+	// A presigned URL acts as the user it was signed for (the sandbox's
+	// own when it names none), whatever Authorization its holder adds:
+	// the signature covers the username parameter, not the headers.
+	if q := r.URL.Query(); q.Has("username") || envdSigned(r.Context()) {
 		return checkUserName(q.Get("username"))
 	}
 	return basicUser(r.Header)

@@ -636,4 +636,25 @@ func TestEnvdPresignedURLs(t *testing.T) {
 	if got := get(q, id); got != 401 {
 		t.Errorf("user changed after signing: %d", got)
 	}
+
+	// A URL signed for the sandbox's own user (no username, as the SDK
+	// makes them) acts as that user whatever Authorization its holder
+	// adds: a relative path stays in that user's home.
+	for _, p := range []string{"/home/user/notes.txt", "/root/notes.txt"} {
+		w := url.Values{"path": {p}, "username": {"root"}}
+		if r, out := f.envdHTTP(t, id, tok, "POST", "/files?"+w.Encode(), "application/octet-stream", strings.NewReader("in "+p)); r.StatusCode != 200 {
+			t.Fatalf("writing %s: %d %s", p, r.StatusCode, out)
+		}
+	}
+	q = presign("notes.txt", "read", "", tok, 0)
+	q.Set("sandbox", id)
+	for _, auth := range []string{"", "root", "user"} {
+		req, _ := http.NewRequest("GET", f.srv.URL+"/files?"+q.Encode(), nil)
+		if auth != "" {
+			req.Header.Set("Authorization", "Basic "+base64.StdEncoding.EncodeToString([]byte(auth+":")))
+		}
+		if resp, out := send(t, req); resp.StatusCode != 200 || string(out) != "in /home/user/notes.txt" {
+			t.Errorf("signed read of notes.txt with Authorization for %q: %d %q", auth, resp.StatusCode, out)
+		}
+	}
 }

@@ -47,11 +47,9 @@ func (s *Server) byLabels(w http.ResponseWriter, r *http.Request, fn func(edgeap
 		s.writeError(w, r, errdefs.Invalid("labels are required (refusing to act on every sandbox)"))
 		return
 	}
-	for k, v := range req.Labels {
-		if err := sandbox.ValidateLabel(k, v); err != nil {
-			s.writeError(w, r, err)
-			return
-		}
+	if err := sandbox.ValidateSelector(req.Labels); err != nil {
+		s.writeError(w, r, err)
+		return
 	}
 	var total atomic.Int64
 	skipped, err := s.fanOut(r.Context(), func(ctx context.Context, e edgeapi.Edge) error {

@@ -206,12 +206,22 @@ func TestCreateResolvesLayersInOrder(t *testing.T) {
 }
 
 func TestBadInput(t *testing.T) {
+	// Selectors longer than any sandbox's labels: refused before they go
+	// to every edge.
+	var bigQuery, bigBody []string
+	for i := range sandbox.MaxSelectorLabels + 1 {
+		bigQuery = append(bigQuery, fmt.Sprintf("label=k%d=v", i))
+		bigBody = append(bigBody, fmt.Sprintf(`"k%d":"v"`, i))
+	}
 	bothWays(t, func(t *testing.T, f *fixture) {
 		cases := []struct {
 			method, path, body string
 			status             int
 			code, mention      string
 		}{
+			{"GET", "/v1/sandboxes?" + strings.Join(bigQuery, "&"), ``, 400, "invalid_argument", "at most 128 pairs"},
+			{"POST", "/v1/sandboxes:delete", `{"labels":{` + strings.Join(bigBody, ",") + `}}`, 400, "invalid_argument", "at most 128 pairs"},
+			{"POST", "/v1/sandboxes:pause", `{"labels":{` + strings.Join(bigBody, ",") + `}}`, 400, "invalid_argument", "at most 128 pairs"},
 			{"POST", "/v1/sandboxes", `{"base":`, 400, "invalid_argument", "malformed"},
 			{"POST", "/v1/sandboxes", `{"base":"base/py:1","memory_mb":"lots"}`, 400, "invalid_argument", "memory_mb"},
 			{"POST", "/v1/sandboxes", `{"base":"base/py:1","memroy_mb":5}`, 400, "invalid_argument", "memroy_mb"},

@@ -389,8 +389,29 @@ func LabelsMatch(labels, sel map[string]string) bool {
 	return true
 }
 
+// MaxSelectorLabels bounds a label selector: more pairs than a sandbox
+// can carry (the default policy's 64 and dsec's own) match nothing, and a
+// selector goes to every edge.
+const MaxSelectorLabels = 128
+
+// ValidateSelector checks a label selector's pairs and their number.
+func ValidateSelector(sel map[string]string) error {
+	if len(sel) > MaxSelectorLabels {
+		return errdefs.Invalid("a label selector has at most %d pairs, got %d", MaxSelectorLabels, len(sel))
+	}
+	for k, v := range sel {
+		if err := ValidateLabel(k, v); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // ParseSelector parses "k=v" label selector strings.
 func ParseSelector(items []string) (map[string]string, error) {
+	if len(items) > MaxSelectorLabels {
+		return nil, errdefs.Invalid("a label selector has at most %d pairs, got %d", MaxSelectorLabels, len(items))
+	}
 	sel := map[string]string{}
 	for _, it := range items {
 		k, v, ok := strings.Cut(it, "=")

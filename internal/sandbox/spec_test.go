@@ -163,4 +163,25 @@ func TestSelectors(t *testing.T) {
 	if _, err := ParseSelector([]string{"novalue"}); err == nil {
 		t.Fatal("selector without = accepted")
 	}
+	items, sel := []string{}, map[string]string{}
+	for i := range MaxSelectorLabels {
+		items = append(items, fmt.Sprintf("k%d=v", i))
+		sel[fmt.Sprintf("k%d", i)] = "v"
+	}
+	if _, err := ParseSelector(items); err != nil {
+		t.Fatalf("%d pairs: %v", len(items), err)
+	}
+	if err := ValidateSelector(sel); err != nil {
+		t.Fatalf("%d pairs: %v", len(sel), err)
+	}
+	if _, err := ParseSelector(append(items, "one=more")); err == nil {
+		t.Fatal("a selector past the bound was accepted")
+	}
+	sel["one"] = "more"
+	if err := ValidateSelector(sel); err == nil {
+		t.Fatal("a selector past the bound was accepted")
+	}
+	if err := ValidateSelector(map[string]string{"bad key!": "v"}); err == nil {
+		t.Fatal("a bad key was accepted")
+	}
 }
