@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"path/filepath"
 
 	"github.com/dsecproject/dsec/internal/cluster"
 )
@@ -15,8 +16,11 @@ func runCluster(args []string) error {
 	f := newCmdFlags("cluster init", "--dir DIR",
 		"Write a new cluster directory: a CA and the certificates apiservers and\n"+
 			"edges use to trust each other (mutual TLS on the internal API), and the\n"+
-			"cluster's id. Copy it to every machine of the cluster (the *-key.pem\n"+
-			"files are secrets; ca-key.pem is needed only to issue more).")
+			"cluster's id; and in DIR/server and DIR/edge what each role's machines\n"+
+			"get as their --cluster directory. Copy DIR/server to apiserver machines\n"+
+			"and DIR/edge to edge machines, nothing more: an edge holding the\n"+
+			"apiserver key could drive every other edge, and nothing that runs needs\n"+
+			"ca-key.pem (keep it offline). The *-key.pem files are secrets.")
 	f.StringVar(&dir, "dir", "", "directory to write (required; must not hold a cluster yet)")
 	if _, err := f.parseN(args[1:], 0, 0); err != nil {
 		return err
@@ -28,7 +32,9 @@ func runCluster(args []string) error {
 	if err != nil {
 		return err
 	}
+	server, edge := filepath.Join(dir, "server"), filepath.Join(dir, "edge")
 	fmt.Printf("cluster %s written to %s\n", info.ID, dir)
-	fmt.Printf("next: dsec server --cluster %s --etcd URLS --layers DIR --api-key KEY; dsec edge --cluster %s ...\n", dir, dir)
+	fmt.Printf("copy %s to apiserver machines and %s to edge machines; keep %s offline\n", server, edge, filepath.Join(dir, "ca-key.pem"))
+	fmt.Printf("next: dsec server --cluster %s --etcd URLS --layers DIR --api-key KEY; dsec edge --cluster %s ...\n", server, edge)
 	return nil
 }

@@ -107,7 +107,7 @@ func stripComments(s string) string {
 func expandK8s(t *testing.T, arg string, env map[string]bool) string {
 	t.Helper()
 	samples := map[string]string{"NODE_IP": "10.0.0.21", "NODE_NAME": "node21", "POD_NAME": "dsec-etcd-0",
-		"DSEC_ETCD": "http://10.0.0.11:2379,http://10.0.0.12:2379"}
+		"DSEC_ETCD": "http://10.0.0.11:2379,http://10.0.0.12:2379", "DSEC_SANDBOX_DENY": "10.244.0.0/16,10.96.0.0/12"}
 	return regexp.MustCompile(`\$\(([A-Z_]+)\)`).ReplaceAllStringFunc(arg, func(m string) string {
 		name := m[2 : len(m)-1]
 		if !env[name] {

@@ -8,8 +8,12 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
+	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -142,6 +146,14 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 		return fmt.Errorf("opening layer store: %w", err)
 	}
 	defer layers.Close()
+	// etcd holds the cluster's keys and answers anyone who reaches it:
+	// no sandbox of this node may, whatever its allow list says.
+	etcdDeny, err := etcdAddrs(ctx, c.etcd)
+	if err != nil {
+		return err
+	}
+	c.node.deny = append(c.node.deny, etcdDeny...)
+	log.Info("sandboxes never reach these ranges", "deny", c.node.deny)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	ed, h, err := startEdge(ctx, c.node, filepath.Join(c.node.stateDir, "edge"), layers, log, reg)
@@ -221,4 +233,37 @@ func metricsServer(addr string, gather prometheus.Gatherer) (serving, error) {
 		ReadHeaderTimeout: conns.DefaultReadHeaderTimeout, IdleTimeout: conns.DefaultIdleTimeout})
 	ms := ml.Server(mmux)
 	return serving{ms, func() error { return ms.Serve(ml) }}, nil
+}
+
+// etcdAddrs are the IPv4 addresses of the etcd endpoints urls
+// (comma-separated), host names resolved now, each as a /32.
+func etcdAddrs(ctx context.Context, urls string) ([]netip.Prefix, error) {
+	var out []netip.Prefix
+	for _, u := range strings.Split(urls, ",") {
+		if u = strings.TrimSpace(u); u == "" {
+			continue
+		}
+		pu, err := url.Parse(u)
+		if err != nil || pu.Hostname() == "" {
+			return nil, fmt.Errorf("--etcd %q: want a URL such as http://10.0.0.11:2379", u)
+		}
+		var addrs []netip.Addr
+		if a, err := netip.ParseAddr(pu.Hostname()); err == nil {
+			addrs = []netip.Addr{a}
+		} else {
+			lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			addrs, err = net.DefaultResolver.LookupNetIP(lctx, "ip4", pu.Hostname())
+			cancel()
+			if err != nil {
+				return nil, fmt.Errorf("--etcd %s: resolving %s (to keep sandboxes from it): %w", u, pu.Hostname(), err)
+			}
+		}
+		for _, a := range addrs {
+			if a = a.Unmap(); a.Is4() {
+				out = append(out, netip.PrefixFrom(a, 32))
+			}
+		}
+	}
+	slices.SortFunc(out, func(a, b netip.Prefix) int { return a.Addr().Compare(b.Addr()) })
+	return slices.Compact(out), nil
 }

@@ -1,9 +1,11 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"io"
+	"net/netip"
 	"os"
 	"slices"
 	"strings"
@@ -272,6 +274,47 @@ func TestIdempotencyTTLFlag(t *testing.T) {
 	for _, bad := range []string{"30s", "721h", "-1h", "0"} {
 		if _, _, err := parseServer(append(append([]string{}, base...), "--idempotency-ttl", bad)); err == nil || !strings.Contains(err.Error(), "--idempotency-ttl") {
 			t.Errorf("--idempotency-ttl %s: %v, want an error naming the flag", bad, err)
+		}
+	}
+}
+
+// TestSandboxDenyFlag: --sandbox-deny takes IPv4 addresses and prefixes,
+// and refuses anything else before a node starts.
+func TestSandboxDenyFlag(t *testing.T) {
+	base := []string{"--listen", "10.0.0.5:7071", "--etcd", "http://127.0.0.1:2379", "--cluster", "/c", "--layers", "/l",
+		"--node-name", "n1", "--state-dir", "/s"}
+	c, err := parseEdge(append(append([]string{}, base...), "--sandbox-deny", " 10.0.0.11, 192.168.7.0/24 ,"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []netip.Prefix{netip.MustParsePrefix("10.0.0.11/32"), netip.MustParsePrefix("192.168.7.0/24")}
+	if !slices.Equal(c.node.deny, want) {
+		t.Fatalf("deny %v, want %v", c.node.deny, want)
+	}
+	if err := c.node.check(); err != nil || !slices.Equal(c.node.deny, want) {
+		t.Fatalf("a second check: %v, %v", err, c.node.deny)
+	}
+	for _, bad := range []string{"10.0.0.11/24", "fd00::1", "etcd.internal", "10.0.0.0/33"} {
+		if _, err := parseEdge(append(append([]string{}, base...), "--sandbox-deny", bad)); err == nil || !strings.Contains(err.Error(), "--sandbox-deny") {
+			t.Errorf("--sandbox-deny %s: %v", bad, err)
+		}
+	}
+}
+
+// TestEtcdAddrs: the edge keeps sandboxes from its etcd endpoints, named
+// by address or by host name.
+func TestEtcdAddrs(t *testing.T) {
+	got, err := etcdAddrs(context.Background(), "http://10.0.0.12:2379, https://10.0.0.11:2379,http://localhost:2379,http://10.0.0.11:2380")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []netip.Prefix{netip.MustParsePrefix("10.0.0.11/32"), netip.MustParsePrefix("10.0.0.12/32"), netip.MustParsePrefix("127.0.0.1/32")}
+	if !slices.Equal(got, want) {
+		t.Fatalf("etcdAddrs = %v, want %v", got, want)
+	}
+	for _, bad := range []string{"http://", "::not a url", "http://no-such-host.invalid:2379"} {
+		if _, err := etcdAddrs(context.Background(), bad); err == nil {
+			t.Errorf("etcdAddrs(%q) took it", bad)
 		}
 	}
 }

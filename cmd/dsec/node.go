@@ -4,8 +4,10 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -55,6 +57,10 @@ type nodeConfig struct {
 	maxSessions  int
 	maxStreams   int
 	labels       map[string]string
+	// sandboxDeny is --sandbox-deny; deny, what check made of it (and
+	// dsec edge adds to).
+	sandboxDeny  string
+	deny         []netip.Prefix
 	layerCacheMB int64
 	// registryConfig is a docker config.json whose auths the node's reads
 	// of registry-backed layers use.
@@ -74,6 +80,7 @@ func (c *nodeConfig) register(f *cmdFlags) {
 	f.StringVar(&c.sandboxCIDR, "sandbox-cidr", netpolicy.DefaultPool.String(), "address pool of sandbox veths (a /30 each; two edges on one host need two pools)")
 	f.StringVar(&c.dnsUpstream, "dns-upstream", "", "DNS servers (host:port, comma-separated) the edge's DNS proxy asks for permitted names (default: the host's /etc/resolv.conf)")
 	f.StringVar(&c.dnsPrivate, "dns-admit-private", "", "private IPv4 ranges (comma-separated, inside 10/8, 172.16/12, 192.168/16 or 100.64/10) whose addresses an answer for a permitted name may admit, e.g. an internal mirror's network (default: none, only globally routable addresses; sandbox pools and the host's own addresses never)")
+	f.StringVar(&c.sandboxDeny, "sandbox-deny", "", "IPv4 ranges (comma-separated) no sandbox on this node reaches, whatever its allow list: the control plane's networks (apiservers, load balancers, other nodes' internal API) and anything else off limits; an allow entry inside one is refused; dsec edge adds its --etcd endpoints' addresses itself")
 	f.StringVar(&c.netPresets, "net-presets", "", "JSON file of network presets {\"name\": {\"domains\": [...], \"ports\": [\"443/tcp\"]}}, added to (and overriding) the built-in pypi, npm, github, debian, goproxy")
 	f.StringVar(&c.diskQuota, "disk-quota", "auto", "how disk_mb is enforced: loop (a sparse ext4 disk per sandbox that asks for one), off (disk_mb refused), auto (loop where mkfs.ext4 and loop devices exist)")
 	f.IntVar(&c.poolMax, "warm-pool-max", 8, "most ready sandboxes kept per environment class for fast creates and fncall (pools follow demand; 0 = no pools)")
@@ -178,6 +185,24 @@ func (c *nodeConfig) check() error {
 			return fmt.Errorf("--node-labels: %v", err)
 		}
 	}
+	c.deny = nil
+	for _, s := range strings.Split(c.sandboxDeny, ",") {
+		if s = strings.TrimSpace(s); s == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(s)
+		if err != nil {
+			a, aerr := netip.ParseAddr(s)
+			if aerr != nil {
+				return fmt.Errorf("--sandbox-deny %q: want an IPv4 address or prefix", s)
+			}
+			p = netip.PrefixFrom(a, a.BitLen())
+		}
+		if err := netpolicy.CheckDeny(p); err != nil {
+			return fmt.Errorf("--sandbox-deny: %v", err)
+		}
+		c.deny = append(c.deny, p)
+	}
 	return nil
 }
 
@@ -190,7 +215,7 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 		Runtime: c.runtime, Launcher: c.launcher, RuntimeExec: c.runtimeExec, DynMods: c.dynMods,
 		CgroupPool: c.cgroupPool, NetnsPool: c.netnsPool,
 		Network: c.network, SandboxCIDR: c.sandboxCIDR, DNSUpstream: c.dnsUpstream, NetPresets: c.netPresets,
-		DNSAdmitPrivate: c.dnsPrivate, DiskQuota: c.diskQuota, GVisor: c.gvisor, MicroVM: c.microvm,
+		DNSAdmitPrivate: c.dnsPrivate, SandboxDeny: c.deny, DiskQuota: c.diskQuota, GVisor: c.gvisor, MicroVM: c.microvm,
 	}, log, reg)
 	if err != nil {
 		return nil, nil, err

@@ -632,14 +632,14 @@ func TestE2BMetadataQuery(t *testing.T) {
 	}
 	for in, want := range map[string]map[string]string{
 		strings.Join(many, "&"): nil, // more than any sandbox has
-		"":                  {},
-		"a=b":               {"a": "b"},
-		"a=b&c=d":           {"a": "b", "c": "d"},
-		"a=x%252By":         {"a": "x+y"}, // the SDK's encoding of "x+y"
-		"k%252Fx=v%253A1":   {"k/x": "v:1"},
-		"a=b%":              nil,
-		"a=two+words":       nil,
-		"bad%2520key=value": nil,
+		"":                      {},
+		"a=b":                   {"a": "b"},
+		"a=b&c=d":               {"a": "b", "c": "d"},
+		"a=x%252By":             {"a": "x+y"}, // the SDK's encoding of "x+y"
+		"k%252Fx=v%253A1":       {"k/x": "v:1"},
+		"a=b%":                  nil,
+		"a=two+words":           nil,
+		"bad%2520key=value":     nil,
 	} {
 		got, err := e2bMetadataQuery(in)
 		if want == nil {

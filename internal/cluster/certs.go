@@ -22,6 +22,7 @@ import (
 	"math/big"
 	"os"
 	"path/filepath"
+	"slices"
 	"time"
 )
 
@@ -129,7 +130,32 @@ func Init(dir string) (Info, error) {
 			return Info{}, fmt.Errorf("writing %s: %w", f.name, err)
 		}
 	}
+	// What each role's machines get: its own pair, the CA's certificate
+	// and the id. An edge holding the apiserver key could drive every
+	// other edge; nothing that runs needs the CA's key.
+	for role, names := range RoleFiles {
+		sub := filepath.Join(dir, role)
+		if err := os.Mkdir(sub, 0o700); err != nil {
+			return Info{}, fmt.Errorf("creating %s: %w", sub, err)
+		}
+		for _, f := range files {
+			if slices.Contains(names, f.name) {
+				if err := os.WriteFile(filepath.Join(sub, f.name), f.data, f.mode); err != nil {
+					return Info{}, fmt.Errorf("writing %s: %w", filepath.Join(role, f.name), err)
+				}
+			}
+		}
+	}
 	return info, nil
+}
+
+// RoleFiles are the files of the cluster directory each role's machines
+// need, which Init also writes into a subdirectory named after the role
+// (a --cluster directory of its own): apiservers ("server") their pair,
+// edges ("edge") theirs, both the CA's certificate and cluster.json.
+var RoleFiles = map[string][]string{
+	"server": {infoFile, caCert, apiserverCert, apiserverKey},
+	"edge":   {infoFile, caCert, edgeCert, edgeKey},
 }
 
 func serial() *big.Int {

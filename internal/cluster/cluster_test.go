@@ -70,6 +70,55 @@ func TestInitRefusesAnExistingCluster(t *testing.T) {
 	}
 }
 
+// TestRoleDirectories: Init writes a --cluster directory per role holding
+// only what that role needs: an edge's has no apiserver key (which drives
+// every edge) and nobody's has the CA's key; each works as --cluster.
+func TestRoleDirectories(t *testing.T) {
+	_, dir := mustInit(t)
+	for role, want := range map[string][]string{
+		"server": {"apiserver-key.pem", "apiserver.pem", "ca.pem", "cluster.json"},
+		"edge":   {"ca.pem", "cluster.json", "edge-key.pem", "edge.pem"},
+	} {
+		ents, err := os.ReadDir(filepath.Join(dir, role))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got []string
+		for _, e := range ents {
+			got = append(got, e.Name())
+		}
+		if strings.Join(got, " ") != strings.Join(want, " ") {
+			t.Fatalf("%s/ holds %v, want %v", role, got, want)
+		}
+		for _, f := range []string{apiserverKey, edgeKey} {
+			if fi, err := os.Stat(filepath.Join(dir, role, f)); err == nil && fi.Mode().Perm() != 0o600 {
+				t.Fatalf("%s/%s: mode %v", role, f, fi.Mode())
+			}
+		}
+	}
+	server, err := Load(filepath.Join(dir, "server"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	edge, err := Load(filepath.Join(dir, "edge"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	good, err := server.APIServerClientTLS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client(good, serveEdge(t, edge)).Info(t.Context()); err != nil {
+		t.Fatalf("an apiserver and an edge from their role directories: %v", err)
+	}
+	if _, err := edge.APIServerClientTLS(); err == nil {
+		t.Fatal("an edge's directory can act as an apiserver")
+	}
+	if _, err := server.EdgeServerTLS(); err == nil {
+		t.Fatal("an apiserver's directory can act as an edge")
+	}
+}
+
 // TestInternalAPITrust: the apiserver of the cluster reaches the edge;
 // nobody else does, and the apiserver trusts no edge but the cluster's.
 func TestInternalAPITrust(t *testing.T) {

@@ -102,20 +102,34 @@ func CheckAdmitPrivate(p netip.Prefix) error {
 	return errdefs.Invalid("DNS-admitted private range %v: want a range inside 10/8, 172.16/12, 192.168/16 or 100.64/10", p)
 }
 
+// CheckDeny validates a range no sandbox may reach (Config.Deny): an
+// IPv4 prefix without host bits. Sandboxes have no IPv6 route.
+func CheckDeny(p netip.Prefix) error {
+	if !p.IsValid() || !p.Addr().Is4() {
+		return errdefs.Invalid("denied range %v: want an IPv4 prefix", p)
+	}
+	if p.Masked() != p {
+		return errdefs.Invalid("denied range %v has host bits set (did you mean %s?)", p, p.Masked())
+	}
+	return nil
+}
+
 // addrFilter decides which addresses an answer for a permitted name may
 // admit: globally routable unicast ones, and those inside a range the
 // operator opened (Config.AdmitPrivate); never an address of a sandbox
-// pool nor one of this host's, whatever the operator opened. The host's
-// addresses change (DHCP, other dsec instances adding veths), so they are
-// replaced from time to time by setHost; the rest is fixed at New.
+// pool, one of this host's, nor one inside a denied range (Config.Deny),
+// whatever the operator opened. The host's addresses change (DHCP, other
+// dsec instances adding veths), so they are replaced from time to time by
+// setHost; the rest is fixed at New.
 type addrFilter struct {
 	pools   []netip.Prefix // this edge's pool and DefaultPool
 	private []netip.Prefix // Config.AdmitPrivate
+	deny    []netip.Prefix // Config.Deny
 	host    atomic.Pointer[[]netip.Prefix]
 }
 
-func newAddrFilter(pool netip.Prefix, private []netip.Prefix) *addrFilter {
-	f := &addrFilter{pools: []netip.Prefix{pool.Masked()}, private: private}
+func newAddrFilter(pool netip.Prefix, private, deny []netip.Prefix) *addrFilter {
+	f := &addrFilter{pools: []netip.Prefix{pool.Masked()}, private: private, deny: deny}
 	if DefaultPool != pool.Masked() {
 		f.pools = append(f.pools, DefaultPool)
 	}
@@ -128,7 +142,7 @@ func (f *addrFilter) setHost(ps []netip.Prefix) { f.host.Store(&ps) }
 // admits reports whether a DNS answer may admit a.
 func (f *addrFilter) admits(a netip.Addr) bool {
 	a = a.Unmap()
-	if inAny(f.pools, a) {
+	if inAny(f.pools, a) || inAny(f.deny, a) {
 		return false
 	}
 	if h := f.host.Load(); h != nil && inAny(*h, a) {

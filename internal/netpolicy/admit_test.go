@@ -76,7 +76,8 @@ func lastAddr(p netip.Prefix) netip.Addr {
 }
 
 func TestAddrFilter(t *testing.T) {
-	f := newAddrFilter(netip.MustParsePrefix("10.77.0.0/16"), []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")})
+	f := newAddrFilter(netip.MustParsePrefix("10.77.0.0/16"), []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")},
+		[]netip.Prefix{netip.MustParsePrefix("10.5.6.0/24"), netip.MustParsePrefix("151.101.64.10/32")})
 	f.setHost(hostExclusions([]ifAddr{
 		{netip.MustParsePrefix("93.184.215.14/24"), "eth0"},
 		{netip.MustParsePrefix("2a01:4f8::2/64"), ""},
@@ -89,13 +90,15 @@ func TestAddrFilter(t *testing.T) {
 		"10.88.0.4": false, "10.88.0.6": false, "10.88.0.7": false, "10.88.0.1": false,
 		"10.77.0.6": false, "10.77.255.254": false, "10.200.0.6": false, "::ffff:10.200.0.6": false,
 		"172.16.0.1": false, "100.64.0.1": false, "127.0.0.1": false, "169.254.169.254": false,
+		// Denied ranges: never, opened private range or global address alike.
+		"10.5.6.7": false, "::ffff:10.5.6.7": false, "151.101.64.10": false, "151.101.64.11": true,
 	} {
 		if got := f.admits(netip.MustParseAddr(s)); got != want {
 			t.Errorf("admits(%s) = %v, want %v", s, got, want)
 		}
 	}
 	// Without a private range opened, no private address passes.
-	g := newAddrFilter(DefaultPool, nil)
+	g := newAddrFilter(DefaultPool, nil, nil)
 	for _, s := range []string{"10.5.5.5", "192.168.0.1", "100.100.100.100"} {
 		if g.admits(netip.MustParseAddr(s)) {
 			t.Errorf("admits(%s) without AdmitPrivate", s)
@@ -124,6 +127,23 @@ func TestHostExclusions(t *testing.T) {
 	}
 	if !slices.Equal(got, want) {
 		t.Errorf("hostExclusions = %v, want %v", got, want)
+	}
+}
+
+func TestCheckDeny(t *testing.T) {
+	for s, ok := range map[string]bool{
+		"10.0.0.11/32": true, "10.0.0.0/24": true, "203.0.113.0/24": true, "0.0.0.0/0": true,
+		"10.0.0.11/24": false, "fd00::/8": false, "::ffff:10.0.0.1/128": false,
+	} {
+		err := CheckDeny(netip.MustParsePrefix(s))
+		if (err == nil) != ok || err != nil && !errors.Is(err, errdefs.ErrInvalid) {
+			t.Errorf("CheckDeny(%s) = %v", s, err)
+		}
+	}
+	for _, d := range []string{"10.0.0.11/24", "10.200.3.0/24", "10.0.0.0/8"} {
+		if _, err := New(Config{Instance: "abcde", Pool: DefaultPool, Deny: []netip.Prefix{netip.MustParsePrefix(d)}}); !errors.Is(err, errdefs.ErrInvalid) {
+			t.Errorf("New with Deny %s: %v", d, err)
+		}
 	}
 }
 

@@ -95,7 +95,7 @@ func newTestProxy(t *testing.T, p *Policy, upstream string, host []ifAddr, priva
 	for _, s := range private {
 		priv = append(priv, netip.MustParsePrefix(s))
 	}
-	f := newAddrFilter(netip.MustParsePrefix("10.77.0.0/16"), priv)
+	f := newAddrFilter(netip.MustParsePrefix("10.77.0.0/16"), priv, nil)
 	f.setHost(hostExclusions(host))
 	tp := &testProxy{}
 	tp.dnsProxy = &dnsProxy{
@@ -582,7 +582,7 @@ func FuzzDNSProxy(f *testing.F) {
 		f.Fatal(err)
 	}
 	var admitted []netip.Addr
-	f2 := newAddrFilter(netip.MustParsePrefix("10.77.0.0/16"), nil)
+	f2 := newAddrFilter(netip.MustParsePrefix("10.77.0.0/16"), nil, nil)
 	f2.setHost(hostExclusions([]ifAddr{{netip.MustParsePrefix("93.184.215.14/24"), "eth0"}}))
 	d := &dnsProxy{
 		policyFor: func(netip.Addr) *Policy { return p },

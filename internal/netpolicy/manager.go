@@ -34,6 +34,12 @@ type Config struct {
 	// them only globally routable addresses are admitted. Sandbox pools
 	// and the host's own addresses never are.
 	AdmitPrivate []netip.Prefix
+	// Deny are ranges no sandbox reaches, whatever its policy: the
+	// networks of the cluster's control plane (etcd, apiservers, the
+	// edges' internal API) and anything else off limits (CheckDeny). An
+	// allow entry inside one is refused; one that overlaps one stops at
+	// its edge; a DNS answer never admits an address inside one.
+	Deny []netip.Prefix
 	// Presets are the named domain lists policies may use.
 	Presets map[string]Preset
 	// MinAdmit is how long an address a permitted name resolved to stays
@@ -104,6 +110,15 @@ func New(cfg Config) (*Manager, error) {
 			return nil, err
 		}
 	}
+	for _, p := range cfg.Deny {
+		if err := CheckDeny(p); err != nil {
+			return nil, err
+		}
+		// The pool holds the sandboxes and their DNS proxy.
+		if p.Overlaps(cfg.Pool) {
+			return nil, errdefs.Invalid("denied range %v overlaps the sandbox address pool %v", p, cfg.Pool.Masked())
+		}
+	}
 	if cfg.Presets == nil {
 		cfg.Presets = DefaultPresets()
 	}
@@ -122,8 +137,8 @@ func New(cfg Config) (*Manager, error) {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
 	return &Manager{
-		cfg: cfg, l: layout{instance: cfg.Instance, pool: cfg.Pool.Masked()}, log: cfg.Log,
-		filter: newAddrFilter(cfg.Pool, cfg.AdmitPrivate),
+		cfg: cfg, l: layout{instance: cfg.Instance, pool: cfg.Pool.Masked(), deny: cfg.Deny}, log: cfg.Log,
+		filter: newAddrFilter(cfg.Pool, cfg.AdmitPrivate, cfg.Deny),
 		slots:  map[int]*slot{}, bySrc: map[netip.Addr]*slot{}, next: 1,
 	}, nil
 }
@@ -161,6 +176,11 @@ func (m *Manager) Compile(allow, deny []string) (*Policy, error) {
 	for _, e := range p.Allow {
 		if e.Prefix.Overlaps(m.l.pool) && e.Prefix.Bits() >= m.l.pool.Bits() {
 			return nil, errdefs.Invalid("network entry %s: sandboxes cannot connect to each other (%s is the sandbox address pool); use the ports proxy or a shared service", e.Prefix, m.l.pool)
+		}
+		for _, d := range m.cfg.Deny {
+			if d.Bits() <= e.Prefix.Bits() && d.Contains(e.Prefix.Addr()) {
+				return nil, errdefs.Invalid("network entry %s: %s is closed to sandboxes on this node (the cluster's control plane, or the operator's --sandbox-deny)", e.Prefix, d)
+			}
 		}
 	}
 	return p, nil

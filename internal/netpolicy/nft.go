@@ -29,8 +29,9 @@ import (
 
 // layout is the addressing and naming of one edge instance.
 type layout struct {
-	instance string       // 5 hex digits
-	pool     netip.Prefix // sandbox addresses
+	instance string         // 5 hex digits
+	pool     netip.Prefix   // sandbox addresses
+	deny     []netip.Prefix // ranges no sandbox reaches (Config.Deny)
 }
 
 func (l layout) table() string { return "dsec_" + l.instance }
@@ -86,6 +87,7 @@ func (l layout) baseScript() string {
 	ifp := l.ifPrefix() + "*"
 	fmt.Fprintf(&b, "add table %s\n", t)
 	fmt.Fprintf(&b, "add set %s protected { type ipv4_addr; flags interval; }\n", t)
+	fmt.Fprintf(&b, "add set %s denied { type ipv4_addr; flags interval; }\n", t)
 	fmt.Fprintf(&b, "add map %s egress { type ifname : verdict; }\n", t)
 	fmt.Fprintf(&b, "add map %s ingress { type ifname : verdict; }\n", t)
 	// Priority just before the usual filter chains, so that our verdict
@@ -96,6 +98,14 @@ func (l layout) baseScript() string {
 	fmt.Fprintf(&b, "add chain %s postrouting { type nat hook postrouting priority srcnat; policy accept; }\n", t)
 	fmt.Fprintf(&b, "flush set %s protected\n", t)
 	fmt.Fprintf(&b, "add element %s protected { %s }\n", t, strings.Join(l.protected(), ", "))
+	fmt.Fprintf(&b, "flush set %s denied\n", t)
+	if len(l.deny) > 0 {
+		var ds []string
+		for _, d := range l.deny {
+			ds = append(ds, d.String())
+		}
+		fmt.Fprintf(&b, "add element %s denied { %s }\n", t, strings.Join(ds, ", "))
+	}
 	// refuse answers a refused packet at once (TCP reset, ICMP
 	// admin-prohibited otherwise), so that a blocked connect fails fast
 	// instead of timing out. ICMP errors are rate-limited by the kernel;
@@ -157,8 +167,8 @@ func (l layout) slotScript(n int, p *Policy, dyn []dynEntry, now time.Time) stri
 	for _, d := range dyn {
 		if left := d.expires.Sub(now); left > time.Second {
 			e := Entry{netip.PrefixFrom(d.addr, 32), d.ports}
-			if l.isProtected(e) {
-				continue // a name never admits a protected address
+			if l.isProtected(e) || inAny(l.deny, d.addr) {
+				continue // a name never admits a protected or denied address
 			}
 			allow = append(allow, element(e.Prefix, e.Ports, left))
 		}
@@ -180,6 +190,7 @@ func (l layout) slotScript(n int, p *Policy, dyn []dynEntry, now time.Time) stri
 	fmt.Fprintf(&b, "add chain %s e_%d\n", t, n)
 	fmt.Fprintf(&b, "flush chain %s e_%d\n", t, n)
 	fmt.Fprintf(&b, "add rule %s e_%d ip saddr != %s drop\n", t, n, sbx)
+	fmt.Fprintf(&b, "add rule %s e_%d ip daddr @denied goto refuse\n", t, n)
 	fmt.Fprintf(&b, "add rule %s e_%d %s @d_%d goto refuse\n", t, n, match, n)
 	fmt.Fprintf(&b, "add rule %s e_%d %s @p_%d accept\n", t, n, match, n)
 	fmt.Fprintf(&b, "add rule %s e_%d ip daddr @protected goto refuse\n", t, n)
@@ -187,6 +198,7 @@ func (l layout) slotScript(n int, p *Policy, dyn []dynEntry, now time.Time) stri
 	fmt.Fprintf(&b, "add rule %s e_%d goto refuse\n", t, n)
 	fmt.Fprintf(&b, "add chain %s i_%d\n", t, n)
 	fmt.Fprintf(&b, "flush chain %s i_%d\n", t, n)
+	fmt.Fprintf(&b, "add rule %s i_%d ip saddr @denied drop\n", t, n)
 	fmt.Fprintf(&b, "add rule %s i_%d ct state established %s @d_%d drop\n", t, n, reply, n)
 	fmt.Fprintf(&b, "add rule %s i_%d ct state established %s @p_%d accept\n", t, n, reply, n)
 	fmt.Fprintf(&b, "add rule %s i_%d ct state established ip saddr @protected drop\n", t, n)

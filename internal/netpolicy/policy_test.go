@@ -153,6 +153,45 @@ func TestLayout(t *testing.T) {
 	}
 }
 
+// TestDenyIsFinal: an allow entry inside a denied range is refused with a
+// clear error; one that merely overlaps is kept (the denied part is cut
+// out by the rules, before the sandbox's own sets); the scripts carry the
+// denied set and test it first.
+func TestDenyIsFinal(t *testing.T) {
+	m, err := New(Config{Instance: "abcde", Pool: DefaultPool, Deny: []netip.Prefix{
+		netip.MustParsePrefix("10.0.0.11/32"), netip.MustParsePrefix("192.168.7.0/24")}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, allow := range []string{"10.0.0.11", "10.0.0.11:2379/tcp", "192.168.7.0/25", "192.168.7.9:80/tcp"} {
+		_, err := m.Compile([]string{"8.8.8.8", allow}, nil)
+		if !errors.Is(err, errdefs.ErrInvalid) || !strings.Contains(err.Error(), "closed to sandboxes") {
+			t.Errorf("allow %s: %v, want it refused", allow, err)
+		}
+	}
+	for _, allow := range []string{"10.0.0.0/8", "0.0.0.0/0", "192.168.0.0/16:443/tcp", "10.0.0.12"} {
+		if _, err := m.Compile([]string{allow}, nil); err != nil {
+			t.Errorf("allow %s: %v", allow, err)
+		}
+	}
+	base, slot := m.l.baseScript(), m.l.slotScript(3, &Policy{}, nil, time.Now())
+	if !strings.Contains(base, "add element inet dsec_abcde denied { 10.0.0.11/32, 192.168.7.0/24 }") {
+		t.Errorf("base script without the denied set:\n%s", base)
+	}
+	e := strings.Index(slot, "e_3 ip daddr @denied goto refuse")
+	if e < 0 || e > strings.Index(slot, "@d_3 goto refuse") || e > strings.Index(slot, "@p_3 accept") {
+		t.Errorf("slot script does not refuse denied addresses first:\n%s", slot)
+	}
+	if i := strings.Index(slot, "i_3 ip saddr @denied drop"); i < 0 || i > strings.Index(slot, "i_3 ct state established") {
+		t.Errorf("slot script lets replies from denied addresses in:\n%s", slot)
+	}
+	// A DNS-admitted address inside a denied range is never written.
+	dyn := []dynEntry{{netip.MustParseAddr("192.168.7.5"), AllPorts, time.Now().Add(time.Minute)}}
+	if s := m.l.slotScript(3, &Policy{}, dyn, time.Now()); strings.Contains(s, "192.168.7.5") {
+		t.Errorf("a denied address was admitted:\n%s", s)
+	}
+}
+
 func TestCheckPool(t *testing.T) {
 	for s, ok := range map[string]bool{
 		"10.200.0.0/16": true, "192.168.64.0/20": true, "100.64.0.0/12": true,
@@ -172,7 +211,15 @@ func TestScriptsParse(t *testing.T) {
 	if _, err := exec.LookPath("nft"); err != nil {
 		t.Skip("needs nft (apt-get install nftables)")
 	}
-	l := layout{instance: "fffff", pool: netip.MustParsePrefix("10.239.0.0/16")}
+	denied := layout{instance: "fffff", pool: netip.MustParsePrefix("10.239.0.0/16"),
+		deny: []netip.Prefix{netip.MustParsePrefix("10.0.0.11/32"), netip.MustParsePrefix("10.1.3.0/24")}}
+	for _, l := range []layout{{instance: "fffff", pool: netip.MustParsePrefix("10.239.0.0/16")}, denied} {
+		checkScripts(t, l)
+	}
+}
+
+func checkScripts(t *testing.T, l layout) {
+	t.Helper()
 	p, err := Compile([]string{"10.1.2.0/24:443/tcp", "8.8.8.8", "169.254.169.254:80/tcp", "1.1.1.1/icmp", "x.example.com"},
 		[]string{"10.1.2.7"}, nil)
 	if err != nil {

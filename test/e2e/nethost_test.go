@@ -24,7 +24,9 @@ import (
 // The network tests' outside world, all on this machine: a network
 // namespace "dsec-e2e-<pid>" joined to the host by a veth (host side
 // 10.251.N.1/24) whose side holds 10.251.N.2 ("pypi.e2e.test") and
-// 10.251.N.3 ("npm.e2e.test"), with HTTP servers on port 80 of both, a
+// 10.251.N.3 ("npm.e2e.test") and 10.251.N.4 ("ctl.e2e.test", standing
+// for the cluster's control plane, which dsec up is told sandboxes never
+// reach), with HTTP servers on port 80 of each, a
 // line-counting TCP server on 10.251.N.3:9000 and a datagram counter on
 // 10.251.N.3:9001; a DNS server on 127.0.0.1 that knows those two names and
 // records every name it is asked; and an HTTP server on the host itself
@@ -43,11 +45,15 @@ var (
 	hostAddr  = netSubnet + ".1"
 	pypiAddr  = netSubnet + ".2"
 	npmAddr   = netSubnet + ".3"
+	// ctlAddr stands for the cluster's control plane (etcd, apiservers):
+	// dsec up is told no sandbox may reach it (--sandbox-deny).
+	ctlAddr = netSubnet + ".4"
 )
 
 const (
 	pypiName = "pypi.e2e.test"
 	npmName  = "npm.e2e.test"
+	ctlName  = "ctl.e2e.test"
 	probeRef = "toolkit/netprobe:v1"
 	probe    = "/opt/netprobe"
 )
@@ -91,7 +97,7 @@ func netSetup() []string {
 	// The world's addresses are private: the proxy admits them only
 	// because this range is opened.
 	return []string{"--network", "on", "--sandbox-cidr", netPool, "--dns-upstream", netw.dnsAddr, "--net-presets", pf,
-		"--dns-admit-private", netSubnet + ".0/24"}
+		"--dns-admit-private", netSubnet + ".0/24", "--sandbox-deny", ctlAddr}
 }
 
 func run1(name string, args ...string) error {
@@ -120,6 +126,7 @@ func buildNetWorld() error {
 		{"link", "set", netHostIf, "up"},
 		{"-n", netNS, "addr", "add", pypiAddr + "/24", "dev", "eth0"},
 		{"-n", netNS, "addr", "add", npmAddr + "/24", "dev", "eth0"},
+		{"-n", netNS, "addr", "add", ctlAddr + "/24", "dev", "eth0"},
 		{"-n", netNS, "link", "set", "eth0", "up"},
 		{"-n", netNS, "link", "set", "lo", "up"},
 	} {
@@ -136,7 +143,7 @@ func buildNetWorld() error {
 	var lns []net.Listener
 	var pc net.PacketConn
 	err := inNS(netNS, func() error {
-		for _, a := range []string{pypiAddr + ":80", npmAddr + ":80", npmAddr + ":9000"} {
+		for _, a := range []string{pypiAddr + ":80", npmAddr + ":80", npmAddr + ":9000", ctlAddr + ":80"} {
 			ln, err := net.Listen("tcp4", a)
 			if err != nil {
 				return err
@@ -150,11 +157,14 @@ func buildNetWorld() error {
 	if err != nil {
 		return err
 	}
-	for i, name := range []string{"pypi", "npm"} {
+	for _, h := range []struct {
+		name string
+		ln   net.Listener
+	}{{"pypi", lns[0]}, {"npm", lns[1]}, {"the control plane", lns[3]}} {
 		srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			fmt.Fprintf(w, "hello from %s", name)
+			fmt.Fprintf(w, "hello from %s", h.name)
 		})}
-		go srv.Serve(lns[i])
+		go srv.Serve(h.ln)
 		netw.closers = append(netw.closers, func() { srv.Close() })
 	}
 	go func() {
@@ -207,7 +217,7 @@ func buildNetWorld() error {
 			netw.mu.Lock()
 			netw.queried = append(netw.queried, strings.ToLower(q.Name))
 			netw.mu.Unlock()
-			ip := map[string]string{pypiName + ".": pypiAddr, npmName + ".": npmAddr}[strings.ToLower(q.Name)]
+			ip := map[string]string{pypiName + ".": pypiAddr, npmName + ".": npmAddr, ctlName + ".": ctlAddr}[strings.ToLower(q.Name)]
 			switch {
 			case ip == "":
 				m.Rcode = dns.RcodeNameError

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	dsec "github.com/dsecproject/dsec/sdk/go"
 )
 
 func needNet(t *testing.T) {
@@ -248,6 +249,39 @@ func TestNetworkBadInput(t *testing.T) {
 	wantCode(t, err, "invalid_argument")
 	// The bad calls changed nothing.
 	mustNotReach(t, sb.ID, "dial", pypiAddr+":80")
+}
+
+// TestNetworkNeverReachesDeniedRanges: the operator's --sandbox-deny
+// (here standing for the cluster's control plane: etcd, apiservers) holds
+// whatever a sandbox's allow list says. A range around it stops at its
+// edge, an entry inside it is refused and changes nothing, and a name that
+// resolves to it admits nothing.
+func TestNetworkNeverReachesDeniedRanges(t *testing.T) {
+	needNet(t)
+	sb := netSandbox(t, []string{netSubnet + ".0/24", ctlName, "0.0.0.0/0"}, nil)
+	mustReach(t, sb.ID, "hello from pypi", "get", "http://"+pypiAddr+"/")
+	mustNotReach(t, sb.ID, "get", "http://"+ctlAddr+"/")
+	mustNotReach(t, sb.ID, "dial", ctlAddr+":80")
+	mustNotReach(t, sb.ID, "get", "http://"+ctlName+"/")
+	before, err := client.ListAllSandboxes(ctx(t), dsec.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, allow := range []string{ctlAddr, ctlAddr + ":80/tcp", ctlAddr + "/32"} {
+		_, err := client.CreateSandbox(ctx(t), api.SandboxSpec{Base: baseRef, Network: &api.NetworkPolicy{Allow: []string{allow}}})
+		wantCode(t, err, "invalid_argument")
+		if err == nil || !strings.Contains(err.Error(), "closed to sandboxes") {
+			t.Errorf("create allowing %s: %v, want it to say the range is closed to sandboxes", allow, err)
+		}
+		_, err = client.SetNetwork(ctx(t), sb.ID, api.NetworkPolicy{Allow: []string{allow}})
+		wantCode(t, err, "invalid_argument")
+	}
+	// The refused calls made nothing and left the sandbox's policy as it was.
+	if after, err := client.ListAllSandboxes(ctx(t), dsec.ListOptions{}); err != nil || len(after) != len(before) {
+		t.Fatalf("%d sandboxes after the refused creates, %d before (%v)", len(after), len(before), err)
+	}
+	mustReach(t, sb.ID, "hello from pypi", "get", "http://"+pypiAddr+"/")
+	mustNotReach(t, sb.ID, "get", "http://"+ctlAddr+"/")
 }
 
 func TestPortProxy(t *testing.T) {

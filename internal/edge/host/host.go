@@ -54,6 +54,9 @@ type Config struct {
 	// DNSAdmitPrivate comma-separated private prefixes DNS answers may
 	// admit.
 	Network, SandboxCIDR, DNSUpstream, NetPresets, DNSAdmitPrivate string
+	// SandboxDeny are ranges no sandbox reaches, whatever its policy
+	// (netpolicy.Config.Deny).
+	SandboxDeny []netip.Prefix
 	// DiskQuota is auto, loop or off.
 	DiskQuota string
 	// GVisor is auto (offer the gvisor backend where runsc is
@@ -375,7 +378,7 @@ func newNetwork(c Config, log *slog.Logger) (*netpolicy.Manager, error) {
 		admit = append(admit, p)
 	}
 	m, err := netpolicy.New(netpolicy.Config{
-		Instance: InstanceID(c.StateDir), Pool: pool, Upstreams: ups, AdmitPrivate: admit, Presets: presets, Log: log,
+		Instance: InstanceID(c.StateDir), Pool: pool, Upstreams: ups, AdmitPrivate: admit, Deny: c.SandboxDeny, Presets: presets, Log: log,
 	})
 	if err != nil {
 		return nil, err
