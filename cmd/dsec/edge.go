@@ -23,6 +23,7 @@ import (
 	"github.com/dsecproject/dsec/internal/cluster"
 	"github.com/dsecproject/dsec/internal/conns"
 	"github.com/dsecproject/dsec/internal/edge"
+	"github.com/dsecproject/dsec/internal/edge/host"
 	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/store"
@@ -113,6 +114,13 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 		return fmt.Errorf("listening on %s: %w", c.listen, err)
 	}
 	defer ln.Close()
+	// One edge per state dir, before its name is claimed: a second one
+	// would take the registry entry from under the first.
+	release, err := host.LockStateDir(c.node.stateDir)
+	if err != nil {
+		return err
+	}
+	defer release()
 	advertise := c.advertise
 	if advertise == "" {
 		advertise = ln.Addr().String()

@@ -293,6 +293,13 @@ func up(ctx context.Context, c upConfig, log *slog.Logger) error {
 		return fmt.Errorf("listening on %s: %w", c.listen, err)
 	}
 	defer ln.Close()
+	if os.Geteuid() == 0 {
+		release, err := host.LockStateDir(c.node.stateDir)
+		if err != nil {
+			return err
+		}
+		defer release()
+	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	n, ident, err := newNode(ctx, c, log, reg)

@@ -313,3 +313,50 @@ func TestPageLimits(t *testing.T) {
 		}
 	}
 }
+
+// TestNodesShowOnlyTheCallersTenancy: GET /v1/nodes tells a key below the
+// root its own subtree's usage and nothing of other tenants (projects,
+// jobs, dedicated projects, layers, the internal address); the root's
+// keys see it all.
+func TestNodesShowOnlyTheCallersTenancy(t *testing.T) {
+	f := newFixture(t, false)
+	f.mkProject(t, f.admin, "root", "team-a", "")
+	f.mkProject(t, f.admin, "root", "team-b", "")
+	keyA, _ := f.mkKey(t, f.admin, "team-a", "viewer")
+	keyB, _ := f.mkKey(t, f.admin, "team-b", "member")
+	if resp, body := f.do(t, keyB, "POST", "/v1/sandboxes", `{"base":"base/py:1"}`); resp.StatusCode != 201 {
+		t.Fatalf("create: %d %s", resp.StatusCode, body)
+	}
+	f.view.Sync(t.Context())
+	projects := func(key string) map[string]api.ProjectUsage {
+		resp, body := f.do(t, key, "GET", "/v1/nodes", "")
+		var l api.NodeList
+		if resp.StatusCode != 200 || json.Unmarshal(body, &l) != nil || len(l.Nodes) != 1 {
+			t.Fatalf("nodes: %d %s", resp.StatusCode, body)
+		}
+		return l.Nodes[0].Projects
+	}
+	if p := projects(f.admin); p["root/team-b"].Sandboxes != 1 {
+		t.Fatalf("the root's admin sees %v", p)
+	}
+	if p := projects(keyA); len(p) != 0 {
+		t.Fatalf("team-a sees %v", p)
+	}
+	if p := projects(keyB); len(p) != 1 || p["root/team-b"].Sandboxes != 1 {
+		t.Fatalf("team-b sees %v", p)
+	}
+
+	n := api.Node{Name: "n1", Healthy: true, Capacity: api.Capacity{MaxSandboxes: 9}, Counts: map[string]int{"running": 4},
+		Projects: map[string]api.ProjectUsage{"root": {Sandboxes: 1}, "root/team-a": {Sandboxes: 1},
+			"root/team-a/x": {Sandboxes: 1}, "root/team-ab": {Sandboxes: 1}},
+		Jobs: map[string]int{"secret-job": 1}, Layers: []string{"sha256:aa"}, Address: "10.0.0.21:7071", DedicatedTo: "root/team-ab"}
+	v := tenantView(n, "root/team-a")
+	if len(v.Projects) != 2 || v.Projects["root/team-a/x"].Sandboxes != 1 || v.Projects["root/team-a"].Sandboxes != 1 ||
+		v.Jobs != nil || v.Layers != nil || v.Address != "" || v.DedicatedTo != "" || v.Capacity.MaxSandboxes != 9 || v.Counts["running"] != 4 {
+		t.Fatalf("team-a's view %+v", v)
+	}
+	n.DedicatedTo = "root/team-a/x"
+	if v := tenantView(n, "root/team-a"); v.DedicatedTo != "root/team-a/x" {
+		t.Fatalf("a node dedicated to team-a's subtree: %+v", v)
+	}
+}

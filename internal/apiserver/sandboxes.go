@@ -623,5 +623,34 @@ func (s *Server) stats(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) listNodes(w http.ResponseWriter, r *http.Request) {
-	writeJSON(w, http.StatusOK, api.NodeList{Nodes: s.nodes()})
+	nodes := s.nodes()
+	if scope := edgeapi.ScopeOf(r.Context()); scope != "" && scope != edgeapi.RootPath {
+		for i := range nodes {
+			nodes[i] = tenantView(nodes[i], scope)
+		}
+	}
+	writeJSON(w, http.StatusOK, api.NodeList{Nodes: nodes})
+}
+
+// tenantView is what a key of a project below the root (scope) sees of a
+// node: its own subtree's usage, and nothing that tells other tenants'
+// projects, jobs or images, nor where the internal API listens. What
+// placement goes by (health, capacity, counts by state and backend,
+// labels) stays.
+func tenantView(n api.Node, scope string) api.Node {
+	var own map[string]api.ProjectUsage
+	for path, u := range n.Projects {
+		if edgeapi.PathIn(path, scope) {
+			if own == nil {
+				own = map[string]api.ProjectUsage{}
+			}
+			own[path] = u
+		}
+	}
+	n.Projects = own
+	if !edgeapi.PathIn(n.DedicatedTo, scope) {
+		n.DedicatedTo = ""
+	}
+	n.Jobs, n.Layers, n.Address = nil, nil, ""
+	return n
 }

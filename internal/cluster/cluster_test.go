@@ -202,13 +202,14 @@ func TestJoin(t *testing.T) {
 func TestRegistry(t *testing.T) {
 	st := store.NewMemory()
 	ctx, cancel := context.WithCancel(t.Context())
-	rec := NodeRecord{Name: "n1", Address: "127.0.0.1:1", StartedAt: time.Now()}
+	rec := NodeRecord{Name: "n1", Address: "127.0.0.1:1", StartedAt: time.Now(), Instance: "0123456789abcdef"}
 	if err := RegisterNode(ctx, st, rec, nil); err != nil {
 		t.Fatal(err)
 	}
-	// A second edge with the live name is refused and told where it is.
+	// A second edge with the live name is refused and told where it is,
+	// not the holder's instance (which would let it take the name over).
 	err := RegisterNode(t.Context(), st, NodeRecord{Name: "n1", Address: "127.0.0.1:2"}, nil)
-	if !errors.Is(err, errdefs.ErrAlreadyExists) || !strings.Contains(err.Error(), "127.0.0.1:1") {
+	if !errors.Is(err, errdefs.ErrAlreadyExists) || !strings.Contains(err.Error(), "127.0.0.1:1") || strings.Contains(err.Error(), rec.Instance) {
 		t.Fatalf("duplicate name: %v", err)
 	}
 	dialed := 0

@@ -117,6 +117,19 @@ func ServerAlive(st store.Store, instance string) (bool, error) {
 	return false, err
 }
 
+// withoutInstance is a registry value as a refusal tells it: without its
+// instance, which would let whoever reads the refusal take the entry over
+// (sameInstance).
+func withoutInstance(b []byte) string {
+	var m map[string]json.RawMessage
+	if json.Unmarshal(b, &m) != nil {
+		return "(unreadable)"
+	}
+	delete(m, "instance")
+	out, _ := json.Marshal(m)
+	return string(out)
+}
+
 // hold keeps key in bucket under this process's lease while ctx lasts,
 // taking the key over (atomically) when mine says its holder is this
 // process's own earlier incarnation, and taking it again after a lost
@@ -144,7 +157,7 @@ func hold(ctx context.Context, st store.Store, bucket, key string, v any, what s
 		if errors.Is(err, errdefs.ErrAlreadyExists) {
 			held := ""
 			if b, gerr := st.Get(bucket, key); gerr == nil {
-				held = ": " + string(b)
+				held = ": " + withoutInstance(b)
 			}
 			return nil, errdefs.AlreadyExists("%s is held by another live process%s (names must be unique; stop it or pick another name)", what, held)
 		}

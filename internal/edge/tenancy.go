@@ -17,15 +17,13 @@ import (
 // tenancyAdmitLocked takes one live sandbox of tenancy d, or refuses it
 // as resource_exhausted (another node may take it). e.mu is held.
 func (e *Edge) tenancyAdmitLocked(d string) error {
+	// The refusals reach the caller: they name no other tenant's project.
 	for k, n := range e.tenancy {
 		if n > 0 && k != d {
-			if d == "" {
-				return errdefs.Exhausted("node %s is dedicated to project %s", e.cfg.Name, k)
-			}
 			if k == "" {
 				return errdefs.Exhausted("node %s holds sandboxes of other projects; %s asks for dedicated nodes", e.cfg.Name, d)
 			}
-			return errdefs.Exhausted("node %s is dedicated to project %s", e.cfg.Name, k)
+			return errdefs.Exhausted("node %s is dedicated to another project", e.cfg.Name)
 		}
 	}
 	e.tenancyAddLocked(d, 1)

@@ -2,6 +2,7 @@ package edge
 
 import (
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
@@ -27,6 +28,13 @@ func TestTenancyAdmission(t *testing.T) {
 	step("root/a", true)
 	step("", false)
 	step("root/b", false)
+	// The refusal reaches root/b's caller: it names no other project.
+	if err := e.tenancyAdmitLocked("root/b"); err == nil || strings.Contains(err.Error(), "root/a") {
+		t.Fatalf("refusal %v", err)
+	}
+	if err := e.tenancyAdmitLocked(""); err == nil || strings.Contains(err.Error(), "root/a") {
+		t.Fatalf("refusal %v", err)
+	}
 	if got := e.dedicatedToLocked(); got != "root/a" {
 		t.Fatalf("dedicated to %q", got)
 	}

@@ -50,6 +50,13 @@ func TestBadProcesses(t *testing.T) {
 	if err := c.waitNodes(10*time.Second, "e1"); err != nil {
 		t.Fatalf("the live e1 suffered from the refused duplicate: %v", err)
 	}
+	// A second edge on e1's state dir (under another name and address):
+	// refused before it claims anything, e1 untouched.
+	runFails(t, "is in use by process", append([]string{"edge", "--listen", "127.0.0.29:" + freePort("127.0.0.29"),
+		"--node-name", "e1-again", "--state-dir", filepath.Join(c.dir, "e1"), "--sandbox-cidr", "10.253.0.0/24"}, c.common()...)...)
+	if err := c.waitNodes(10*time.Second, "e1"); err != nil {
+		t.Fatalf("the live e1 suffered from an edge on its state dir: %v", err)
+	}
 	other := filepath.Join(c.dir, "other-layers")
 	args := []string{"server", "--listen", "127.0.0.1:" + freePort("127.0.0.1"), "--etcd", strings.Join(c.etcd.Endpoints(), ","),
 		"--cluster", c.clusterDir(), "--layers", other}
