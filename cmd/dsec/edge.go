@@ -130,6 +130,15 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 		return err
 	}
 	defer st.Close()
+	// etcd holds the cluster's keys and answers anyone who reaches it: no
+	// sandbox of this node may, whatever its allow list says. (Before the
+	// name is claimed: nothing past this point fails for it.)
+	etcdDeny, unresolved := etcdAddrs(ctx, c.etcd)
+	for _, err := range unresolved {
+		log.Warn("an etcd endpoint's address is not known now: list its network in --sandbox-deny", "err", err)
+	}
+	c.node.deny = append(c.node.deny, etcdDeny...)
+	log.Info("sandboxes never reach these ranges", "deny", c.node.deny)
 	tlsCfg, err := trust.EdgeServerTLS()
 	if err != nil {
 		return err
@@ -154,14 +163,6 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 		return fmt.Errorf("opening layer store: %w", err)
 	}
 	defer layers.Close()
-	// etcd holds the cluster's keys and answers anyone who reaches it:
-	// no sandbox of this node may, whatever its allow list says.
-	etcdDeny, err := etcdAddrs(ctx, c.etcd)
-	if err != nil {
-		return err
-	}
-	c.node.deny = append(c.node.deny, etcdDeny...)
-	log.Info("sandboxes never reach these ranges", "deny", c.node.deny)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	ed, h, err := startEdge(ctx, c.node, filepath.Join(c.node.stateDir, "edge"), layers, log, reg)
@@ -244,26 +245,36 @@ func metricsServer(addr string, gather prometheus.Gatherer) (serving, error) {
 }
 
 // etcdAddrs are the IPv4 addresses of the etcd endpoints urls
-// (comma-separated), host names resolved now, each as a /32.
-func etcdAddrs(ctx context.Context, urls string) ([]netip.Prefix, error) {
+// (comma-separated URLs or host:port, as the etcd client takes them), host
+// names resolved now, each as a /32; and what could not be resolved. Unix
+// socket endpoints have no address.
+func etcdAddrs(ctx context.Context, urls string) ([]netip.Prefix, []error) {
 	var out []netip.Prefix
+	var unresolved []error
 	for _, u := range strings.Split(urls, ",") {
-		if u = strings.TrimSpace(u); u == "" {
+		if u = strings.TrimSpace(u); u == "" || strings.HasPrefix(u, "unix:") || strings.HasPrefix(u, "unixs:") {
 			continue
 		}
-		pu, err := url.Parse(u)
-		if err != nil || pu.Hostname() == "" {
-			return nil, fmt.Errorf("--etcd %q: want a URL such as http://10.0.0.11:2379", u)
+		hostname := ""
+		if pu, err := url.Parse(u); err == nil && pu.Scheme != "" && pu.Host != "" {
+			hostname = pu.Hostname()
+		} else if h, _, err := net.SplitHostPort(u); err == nil {
+			hostname = h
+		}
+		if hostname == "" {
+			unresolved = append(unresolved, fmt.Errorf("--etcd %q: no host in it", u))
+			continue
 		}
 		var addrs []netip.Addr
-		if a, err := netip.ParseAddr(pu.Hostname()); err == nil {
+		if a, err := netip.ParseAddr(hostname); err == nil {
 			addrs = []netip.Addr{a}
 		} else {
 			lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			addrs, err = net.DefaultResolver.LookupNetIP(lctx, "ip4", pu.Hostname())
+			addrs, err = net.DefaultResolver.LookupNetIP(lctx, "ip4", hostname)
 			cancel()
 			if err != nil {
-				return nil, fmt.Errorf("--etcd %s: resolving %s (to keep sandboxes from it): %w", u, pu.Hostname(), err)
+				unresolved = append(unresolved, fmt.Errorf("--etcd %s: resolving %s: %w", u, hostname, err))
+				continue
 			}
 		}
 		for _, a := range addrs {
@@ -273,5 +284,5 @@ func etcdAddrs(ctx context.Context, urls string) ([]netip.Prefix, error) {
 		}
 	}
 	slices.SortFunc(out, func(a, b netip.Prefix) int { return a.Addr().Compare(b.Addr()) })
-	return slices.Compact(out), nil
+	return slices.Compact(out), unresolved
 }

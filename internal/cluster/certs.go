@@ -65,6 +65,11 @@ func Init(dir string) (Info, error) {
 	} else if !errors.Is(err, fs.ErrNotExist) {
 		return Info{}, err
 	}
+	for role := range RoleFiles {
+		if _, err := os.Lstat(filepath.Join(dir, role)); err == nil {
+			return Info{}, fmt.Errorf("%s already holds %s/: use another directory, or remove it to start over", dir, role)
+		}
+	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return Info{}, fmt.Errorf("creating %s: %w", dir, err)
 	}

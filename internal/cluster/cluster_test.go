@@ -68,6 +68,18 @@ func TestInitRefusesAnExistingCluster(t *testing.T) {
 	if _, err := Load(t.TempDir()); err == nil || !strings.Contains(err.Error(), "cluster init") {
 		t.Fatalf("loading an empty dir: %v", err)
 	}
+	// A directory holding a role's directory is refused before anything
+	// is written.
+	half := t.TempDir()
+	if err := os.Mkdir(filepath.Join(half, "edge"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Init(half); err == nil || !strings.Contains(err.Error(), "edge/") {
+		t.Fatalf("init over edge/: %v", err)
+	}
+	if ents, _ := os.ReadDir(half); len(ents) != 1 {
+		t.Fatalf("the refused init wrote %d entries", len(ents))
+	}
 }
 
 // TestRoleDirectories: Init writes a --cluster directory per role holding

@@ -28,6 +28,16 @@ func (e *Edge) compileNetwork(np *api.NetworkPolicy) (*netpolicy.Policy, error) 
 	return e.deps.Net.Compile(allow, deny)
 }
 
+// recompileNetwork compiles the policy of a sandbox that had it before
+// (a restart): an entry inside a range the node denies since is kept, its
+// traffic refused by the rules, and the rest holds.
+func (e *Edge) recompileNetwork(np *api.NetworkPolicy) (*netpolicy.Policy, error) {
+	if np == nil || e.deps.Net == nil {
+		return e.compileNetwork(np)
+	}
+	return e.deps.Net.Recompile(np.Allow, np.Deny)
+}
+
 // initPid returns the host pid of a sandbox's init.
 func (e *Edge) initPid(ctx context.Context, id string) (int, error) {
 	st, err := e.backendByID(id).Status(ctx, id)
@@ -151,7 +161,7 @@ func (e *Edge) restoreNetwork(ctx context.Context) error {
 		if rec.Net == nil || !holdsResources(rec.Sandbox.State) {
 			continue
 		}
-		p, err := e.compileNetwork(rec.Sandbox.Spec.Network)
+		p, err := e.recompileNetwork(rec.Sandbox.Spec.Network)
 		if err != nil {
 			// The node's presets changed under it: let nothing out
 			// rather than guess.

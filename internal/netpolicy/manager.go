@@ -119,6 +119,7 @@ func New(cfg Config) (*Manager, error) {
 			return nil, errdefs.Invalid("denied range %v overlaps the sandbox address pool %v", p, cfg.Pool.Masked())
 		}
 	}
+	cfg.Deny = outermost(cfg.Deny)
 	if cfg.Presets == nil {
 		cfg.Presets = DefaultPresets()
 	}
@@ -164,9 +165,42 @@ func CheckPool(p netip.Prefix) error {
 	return nil
 }
 
+// outermost is ps without the ranges inside another one of ps (and
+// without repeats), in address order: an nft interval set refuses
+// overlapping elements, and --sandbox-deny ranges overlap etcd's
+// addresses as a rule.
+func outermost(ps []netip.Prefix) []netip.Prefix {
+	var out []netip.Prefix
+	for i, p := range ps {
+		inside := false
+		for j, q := range ps {
+			if i != j && q.Overlaps(p) && (q.Bits() < p.Bits() || q.Bits() == p.Bits() && j < i) {
+				inside = true
+				break
+			}
+		}
+		if !inside {
+			out = append(out, p)
+		}
+	}
+	slices.SortFunc(out, func(a, b netip.Prefix) int { return a.Addr().Compare(b.Addr()) })
+	return out
+}
+
 // Compile compiles a sandbox's allow and deny lists with this node's
-// presets.
+// presets. An allow entry inside a denied range (Config.Deny) is refused.
 func (m *Manager) Compile(allow, deny []string) (*Policy, error) {
+	return m.compile(allow, deny, true)
+}
+
+// Recompile is Compile for a policy that was accepted before: an allow
+// entry inside a range denied since is kept (the rules refuse its
+// traffic all the same), so the rest of the policy holds as it was.
+func (m *Manager) Recompile(allow, deny []string) (*Policy, error) {
+	return m.compile(allow, deny, false)
+}
+
+func (m *Manager) compile(allow, deny []string, refuseDenied bool) (*Policy, error) {
 	p, err := Compile(allow, deny, m.cfg.Presets)
 	if err != nil {
 		return nil, err
@@ -178,7 +212,7 @@ func (m *Manager) Compile(allow, deny []string) (*Policy, error) {
 			return nil, errdefs.Invalid("network entry %s: sandboxes cannot connect to each other (%s is the sandbox address pool); use the ports proxy or a shared service", e.Prefix, m.l.pool)
 		}
 		for _, d := range m.cfg.Deny {
-			if d.Bits() <= e.Prefix.Bits() && d.Contains(e.Prefix.Addr()) {
+			if refuseDenied && d.Bits() <= e.Prefix.Bits() && d.Contains(e.Prefix.Addr()) {
 				return nil, errdefs.Invalid("network entry %s: %s is closed to sandboxes on this node (the cluster's control plane, or the operator's --sandbox-deny)", e.Prefix, d)
 			}
 		}

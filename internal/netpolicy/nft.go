@@ -198,7 +198,10 @@ func (l layout) slotScript(n int, p *Policy, dyn []dynEntry, now time.Time) stri
 	fmt.Fprintf(&b, "add rule %s e_%d goto refuse\n", t, n)
 	fmt.Fprintf(&b, "add chain %s i_%d\n", t, n)
 	fmt.Fprintf(&b, "flush chain %s i_%d\n", t, n)
-	fmt.Fprintf(&b, "add rule %s i_%d ip saddr @denied drop\n", t, n)
+	// ICMP errors about the sandbox's other connections may come from a
+	// denied range (the gateway of a denied node network): they pass on
+	// to the related rule below.
+	fmt.Fprintf(&b, "add rule %s i_%d ip saddr @denied ct state != related drop\n", t, n)
 	fmt.Fprintf(&b, "add rule %s i_%d ct state established %s @d_%d drop\n", t, n, reply, n)
 	fmt.Fprintf(&b, "add rule %s i_%d ct state established %s @p_%d accept\n", t, n, reply, n)
 	fmt.Fprintf(&b, "add rule %s i_%d ct state established ip saddr @protected drop\n", t, n)

@@ -2,6 +2,7 @@ package netpolicy
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -158,10 +159,16 @@ func TestLayout(t *testing.T) {
 // out by the rules, before the sandbox's own sets); the scripts carry the
 // denied set and test it first.
 func TestDenyIsFinal(t *testing.T) {
+	// Ranges inside others (etcd's address in the operator's range) and
+	// repeats are dropped: an nft interval set refuses overlaps.
 	m, err := New(Config{Instance: "abcde", Pool: DefaultPool, Deny: []netip.Prefix{
-		netip.MustParsePrefix("10.0.0.11/32"), netip.MustParsePrefix("192.168.7.0/24")}})
+		netip.MustParsePrefix("192.168.7.5/32"), netip.MustParsePrefix("10.0.0.11/32"), netip.MustParsePrefix("192.168.7.0/24"),
+		netip.MustParsePrefix("10.0.0.11/32"), netip.MustParsePrefix("192.168.7.0/25")}})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if got := fmt.Sprint(m.l.deny); got != "[10.0.0.11/32 192.168.7.0/24]" {
+		t.Fatalf("denied ranges %s", got)
 	}
 	for _, allow := range []string{"10.0.0.11", "10.0.0.11:2379/tcp", "192.168.7.0/25", "192.168.7.9:80/tcp"} {
 		_, err := m.Compile([]string{"8.8.8.8", allow}, nil)
@@ -174,6 +181,11 @@ func TestDenyIsFinal(t *testing.T) {
 			t.Errorf("allow %s: %v", allow, err)
 		}
 	}
+	// A policy accepted before its range was denied keeps its other
+	// entries after a restart (the rules refuse the denied part).
+	if p, err := m.Recompile([]string{"8.8.8.8", "10.0.0.11:2379/tcp"}, nil); err != nil || len(p.Allow) != 2 {
+		t.Errorf("Recompile: %+v, %v", p, err)
+	}
 	base, slot := m.l.baseScript(), m.l.slotScript(3, &Policy{}, nil, time.Now())
 	if !strings.Contains(base, "add element inet dsec_abcde denied { 10.0.0.11/32, 192.168.7.0/24 }") {
 		t.Errorf("base script without the denied set:\n%s", base)
@@ -182,7 +194,7 @@ func TestDenyIsFinal(t *testing.T) {
 	if e < 0 || e > strings.Index(slot, "@d_3 goto refuse") || e > strings.Index(slot, "@p_3 accept") {
 		t.Errorf("slot script does not refuse denied addresses first:\n%s", slot)
 	}
-	if i := strings.Index(slot, "i_3 ip saddr @denied drop"); i < 0 || i > strings.Index(slot, "i_3 ct state established") {
+	if i := strings.Index(slot, "i_3 ip saddr @denied ct state != related drop"); i < 0 || i > strings.Index(slot, "i_3 ct state established") {
 		t.Errorf("slot script lets replies from denied addresses in:\n%s", slot)
 	}
 	// A DNS-admitted address inside a denied range is never written.
@@ -213,7 +225,13 @@ func TestScriptsParse(t *testing.T) {
 	}
 	denied := layout{instance: "fffff", pool: netip.MustParsePrefix("10.239.0.0/16"),
 		deny: []netip.Prefix{netip.MustParsePrefix("10.0.0.11/32"), netip.MustParsePrefix("10.1.3.0/24")}}
-	for _, l := range []layout{{instance: "fffff", pool: netip.MustParsePrefix("10.239.0.0/16")}, denied} {
+	// What New makes of overlapping ranges, as the examples have them.
+	m, err := New(Config{Instance: "fffff", Pool: netip.MustParsePrefix("10.239.0.0/16"), Deny: []netip.Prefix{
+		netip.MustParsePrefix("10.0.0.0/24"), netip.MustParsePrefix("10.0.0.11/32"), netip.MustParsePrefix("10.0.0.0/24")}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range []layout{{instance: "fffff", pool: netip.MustParsePrefix("10.239.0.0/16")}, denied, m.l} {
 		checkScripts(t, l)
 	}
 }
