@@ -7,7 +7,6 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -185,24 +184,16 @@ func (c *nodeConfig) check() error {
 			return fmt.Errorf("--node-labels: %v", err)
 		}
 	}
-	c.deny = nil
-	for _, s := range strings.Split(c.sandboxDeny, ",") {
-		if s = strings.TrimSpace(s); s == "" {
-			continue
-		}
-		p, err := netip.ParsePrefix(s)
-		if err != nil {
-			a, aerr := netip.ParseAddr(s)
-			if aerr != nil {
-				return fmt.Errorf("--sandbox-deny %q: want an IPv4 address or prefix", s)
-			}
-			p = netip.PrefixFrom(a, a.BitLen())
-		}
+	deny, err := netpolicy.ParsePrefixes(c.sandboxDeny)
+	if err != nil {
+		return fmt.Errorf("--sandbox-deny %v", err)
+	}
+	for _, p := range deny {
 		if err := netpolicy.CheckDeny(p); err != nil {
 			return fmt.Errorf("--sandbox-deny: %v", err)
 		}
-		c.deny = append(c.deny, p)
 	}
+	c.deny = deny
 	return nil
 }
 

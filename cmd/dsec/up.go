@@ -213,6 +213,8 @@ type node struct {
 	server *apiserver.Server
 	store  store.Store
 	idem   store.Store
+	// unlock lets go of the state dir (host.LockStateDir).
+	unlock func()
 }
 
 func (n *node) Close() {
@@ -221,6 +223,7 @@ func (n *node) Close() {
 	_ = n.layers.Close()
 	_ = n.idem.Close()
 	_ = n.store.Close()
+	n.unlock()
 }
 
 // newNode wires store, IAM, layer store, host, edge and apiserver.
@@ -228,11 +231,15 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 	if os.Geteuid() != 0 {
 		return nil, nil, errors.New("dsec up needs root: it mounts EROFS layers and overlayfs and runs OCI containers")
 	}
-	if err := os.MkdirAll(c.node.stateDir, 0o700); err != nil {
-		return nil, nil, fmt.Errorf("creating state dir: %w", err)
+	// One dsec per state dir (which this makes): a second would manage
+	// the same sandboxes.
+	unlock, err := host.LockStateDir(c.node.stateDir)
+	if err != nil {
+		return nil, nil, err
 	}
 	st, err := store.OpenBolt(filepath.Join(c.node.stateDir, "dsec.db"))
 	if err != nil {
+		unlock()
 		return nil, nil, err
 	}
 	var layers *layer.Store
@@ -241,6 +248,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 			_ = layers.Close()
 		}
 		_ = st.Close()
+		unlock()
 		return nil, nil, err
 	}
 	ident, err := iam.New(st)
@@ -283,7 +291,7 @@ func newNode(ctx context.Context, c upConfig, log *slog.Logger, reg *prometheus.
 		IdempotencyTTL: c.idemTTL,
 	})
 	go srv.Run(ctx)
-	return &node{layers: layers, edge: ed, host: h, server: srv, store: st, idem: idem}, ident, nil
+	return &node{layers: layers, edge: ed, host: h, server: srv, store: st, idem: idem, unlock: unlock}, ident, nil
 }
 
 func up(ctx context.Context, c upConfig, log *slog.Logger) error {
@@ -293,13 +301,6 @@ func up(ctx context.Context, c upConfig, log *slog.Logger) error {
 		return fmt.Errorf("listening on %s: %w", c.listen, err)
 	}
 	defer ln.Close()
-	if os.Geteuid() == 0 {
-		release, err := host.LockStateDir(c.node.stateDir)
-		if err != nil {
-			return err
-		}
-		defer release()
-	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	n, ident, err := newNode(ctx, c, log, reg)

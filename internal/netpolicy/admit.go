@@ -3,6 +3,7 @@ package netpolicy
 import (
 	"net/netip"
 	"regexp"
+	"strings"
 	"sync/atomic"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
@@ -100,6 +101,28 @@ func CheckAdmitPrivate(p netip.Prefix) error {
 		}
 	}
 	return errdefs.Invalid("DNS-admitted private range %v: want a range inside 10/8, 172.16/12, 192.168/16 or 100.64/10", p)
+}
+
+// ParsePrefixes parses a comma-separated list of IPv4 or IPv6 prefixes
+// or addresses (an address is its own host prefix), as the flags give
+// ranges; blank items are skipped. The caller checks what a range may be.
+func ParsePrefixes(list string) ([]netip.Prefix, error) {
+	var out []netip.Prefix
+	for _, s := range strings.Split(list, ",") {
+		if s = strings.TrimSpace(s); s == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(s)
+		if err != nil {
+			a, aerr := netip.ParseAddr(s)
+			if aerr != nil {
+				return nil, errdefs.Invalid("%q: want an address or a prefix such as 10.0.0.0/24", s)
+			}
+			p = netip.PrefixFrom(a, a.BitLen())
+		}
+		out = append(out, p)
+	}
+	return out, nil
 }
 
 // CheckDeny validates a range no sandbox may reach (Config.Deny): an

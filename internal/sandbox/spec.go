@@ -409,19 +409,16 @@ func ValidateSelector(sel map[string]string) error {
 
 // ParseSelector parses "k=v" label selector strings.
 func ParseSelector(items []string) (map[string]string, error) {
-	if len(items) > MaxSelectorLabels {
-		return nil, errdefs.Invalid("a label selector has at most %d pairs, got %d", MaxSelectorLabels, len(items))
-	}
 	sel := map[string]string{}
 	for _, it := range items {
 		k, v, ok := strings.Cut(it, "=")
 		if !ok {
 			return nil, errdefs.Invalid("label selector %q must be key=value", it)
 		}
-		if err := ValidateLabel(k, v); err != nil {
-			return nil, err
-		}
 		sel[k] = v
+	}
+	if err := ValidateSelector(sel); err != nil {
+		return nil, err
 	}
 	return sel, nil
 }

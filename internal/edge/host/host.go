@@ -366,16 +366,9 @@ func newNetwork(c Config, log *slog.Logger) (*netpolicy.Manager, error) {
 	} else {
 		ups = netpolicy.UpstreamsFromResolvConf("/etc/resolv.conf")
 	}
-	var admit []netip.Prefix
-	for _, s := range strings.Split(c.DNSAdmitPrivate, ",") {
-		if s = strings.TrimSpace(s); s == "" {
-			continue
-		}
-		p, err := netip.ParsePrefix(s)
-		if err != nil {
-			return nil, fmt.Errorf("--dns-admit-private %q: %w", s, err)
-		}
-		admit = append(admit, p)
+	admit, err := netpolicy.ParsePrefixes(c.DNSAdmitPrivate)
+	if err != nil {
+		return nil, fmt.Errorf("--dns-admit-private %w", err)
 	}
 	m, err := netpolicy.New(netpolicy.Config{
 		Instance: InstanceID(c.StateDir), Pool: pool, Upstreams: ups, AdmitPrivate: admit, Deny: c.SandboxDeny, Presets: presets, Log: log,
