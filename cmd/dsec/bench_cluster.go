@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/cluster"
 	"github.com/dsecproject/dsec/internal/store/etcdtest"
 	dsec "github.com/dsecproject/dsec/sdk/go"
 )
@@ -222,17 +223,22 @@ func (b *benchWorld) startEnv(name string, env []string, args ...string) (*bench
 	return p, nil
 }
 
-// startControlPlane starts a one-member etcd, writes a cluster's
-// certificates and starts n apiservers on loopback (the first with the
+// startControlPlane writes a cluster's certificates, starts a one-member
+// etcd (TLS) and starts n apiservers on loopback (the first with the
 // bench's admin key), each with env(name) added to its environment (env
 // may be nil), and waits until they answer. It returns the flags an edge
 // of that cluster needs and the apiservers' URLs.
 func (b *benchWorld) startControlPlane(ctx context.Context, n int, env func(name string) ([]string, error)) (edgeFlags, servers []string, err error) {
-	if b.etcd, err = etcdtest.Start(filepath.Join(b.dir, "etcd"), 1); err != nil {
-		return nil, nil, err
-	}
-	if out, err := exec.Command(b.bin, "cluster", "init", "--dir", filepath.Join(b.dir, "cluster")).CombinedOutput(); err != nil {
+	// etcd as deploy/ runs it: TLS, client certificates required.
+	cdir := filepath.Join(b.dir, "cluster")
+	if out, err := exec.Command(b.bin, "cluster", "init", "--dir", cdir, "--etcd-hosts", "127.0.0.1").CombinedOutput(); err != nil {
 		return nil, nil, fmt.Errorf("cluster init: %v: %s", err, out)
+	}
+	ed := filepath.Join(cdir, cluster.EtcdDir)
+	if b.etcd, err = etcdtest.StartTLS(filepath.Join(b.dir, "etcd"), 1, &etcdtest.TLS{
+		CA: filepath.Join(ed, "ca.pem"), Cert: filepath.Join(ed, cluster.EtcdServerCert), Key: filepath.Join(ed, cluster.EtcdServerKey),
+		ClientCert: filepath.Join(cdir, cluster.EtcdClientCert), ClientKey: filepath.Join(cdir, cluster.EtcdClientKey)}); err != nil {
+		return nil, nil, err
 	}
 	b.edgeFlags = []string{"--etcd", strings.Join(b.etcd.Endpoints(), ","), "--cluster", filepath.Join(b.dir, "cluster"), "--layers", filepath.Join(b.dir, "layers"), "--log-level", "warn"}
 	for i := range n {

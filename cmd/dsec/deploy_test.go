@@ -13,6 +13,8 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/yaml"
+
+	"github.com/dsecproject/dsec/internal/cluster"
 )
 
 // The manifests and units in deploy/ are checked against the code, so
@@ -107,7 +109,7 @@ func stripComments(s string) string {
 func expandK8s(t *testing.T, arg string, env map[string]bool) string {
 	t.Helper()
 	samples := map[string]string{"NODE_IP": "10.0.0.21", "NODE_NAME": "node21", "POD_NAME": "dsec-etcd-0",
-		"DSEC_ETCD": "http://10.0.0.11:2379,http://10.0.0.12:2379", "DSEC_SANDBOX_DENY": "10.244.0.0/16,10.96.0.0/12"}
+		"DSEC_ETCD": "https://10.0.0.11:2379,https://10.0.0.12:2379", "DSEC_SANDBOX_DENY": "10.244.0.0/16,10.96.0.0/12"}
 	return regexp.MustCompile(`\$\(([A-Z_]+)\)`).ReplaceAllStringFunc(arg, func(m string) string {
 		name := m[2 : len(m)-1]
 		if !env[name] {
@@ -153,6 +155,12 @@ func TestKubernetesManifests(t *testing.T) {
 		switch v := o.obj.(type) {
 		case *corev1.ConfigMap:
 			configMaps[v.Name] = true
+			// etcd as the manifests run it: TLS only.
+			if eps, ok := v.Data["DSEC_ETCD"]; ok {
+				if secure, err := etcdSecure(splitList(eps), cluster.EtcdTLSFiles{}); err != nil || !secure {
+					t.Errorf("%s: DSEC_ETCD %s: TLS %v, %v; want https:// endpoints", o.file, eps, secure, err)
+				}
+			}
 		case *corev1.PersistentVolumeClaim:
 			claims[v.Name] = true
 		}

@@ -316,3 +316,30 @@ func TestEtcdAddrs(t *testing.T) {
 		}
 	}
 }
+
+// TestEtcdTLSFlags: etcd is reached over TLS when every endpoint is
+// https://; TLS files given for plain endpoints, and a mix of schemes, are
+// refused at start rather than sending the cluster's keys in clear.
+func TestEtcdTLSFlags(t *testing.T) {
+	base := []string{"--cluster", "/c", "--layers", "/l"}
+	for _, tc := range []struct {
+		args []string
+		err  string
+	}{
+		{[]string{"--etcd", "http://10.0.0.1:2379,10.0.0.2:2379"}, ""},
+		{[]string{"--etcd", "https://10.0.0.1:2379,HTTPS://10.0.0.2:2379"}, ""},
+		{[]string{"--etcd", "https://10.0.0.1:2379", "--etcd-ca", "/ca.pem", "--etcd-cert", "/c.pem", "--etcd-key", "/k.pem"}, ""},
+		{[]string{"--etcd", "https://10.0.0.1:2379,http://10.0.0.2:2379"}, "mixes https:// and other endpoints (http://10.0.0.2:2379)"},
+		{[]string{"--etcd", "https://10.0.0.1:2379,10.0.0.2:2379"}, "mixes https://"},
+		{[]string{"--etcd", "http://10.0.0.1:2379", "--etcd-ca", "/ca.pem"}, "are for https:// endpoints"},
+		{[]string{"--etcd", "10.0.0.1:2379", "--etcd-cert", "/c.pem", "--etcd-key", "/k.pem"}, "are for https:// endpoints"},
+	} {
+		_, _, err := parseServer(append(append([]string{}, base...), tc.args...))
+		switch {
+		case tc.err == "" && err != nil:
+			t.Errorf("%v: %v", tc.args, err)
+		case tc.err != "" && (err == nil || !strings.Contains(err.Error(), tc.err)):
+			t.Errorf("%v: %v, want %q", tc.args, err, tc.err)
+		}
+	}
+}

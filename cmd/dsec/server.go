@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -9,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -31,6 +33,7 @@ import (
 type clusterFlags struct {
 	etcd       string
 	etcdPrefix string
+	etcdTLS    cluster.EtcdTLSFiles
 	clusterDir string
 	layersDir  string
 	logFormat  string
@@ -40,6 +43,9 @@ type clusterFlags struct {
 func (c *clusterFlags) register(f *cmdFlags) {
 	f.StringVar(&c.etcd, "etcd", "", "etcd client URLs, comma-separated (required)")
 	f.StringVar(&c.etcdPrefix, "etcd-prefix", "/dsec/", "key prefix of this cluster in etcd (several clusters may share one etcd)")
+	f.StringVar(&c.etcdTLS.CA, "etcd-ca", "", "CA certificate that https:// etcd endpoints are verified against (default: the cluster directory's ca.pem)")
+	f.StringVar(&c.etcdTLS.Cert, "etcd-cert", "", "client certificate presented to etcd (default: the cluster directory's etcd-client.pem)")
+	f.StringVar(&c.etcdTLS.Key, "etcd-key", "", "key of --etcd-cert")
 	f.StringVar(&c.clusterDir, "cluster", "", "cluster directory made by `dsec cluster init` (required)")
 	f.StringVar(&c.layersDir, "layers", "", "layer directory every server and edge of the cluster sees, e.g. a shared mount (required)")
 	f.StringVar(&c.logFormat, "log-format", "text", "log format: text or json")
@@ -52,7 +58,8 @@ func (c *clusterFlags) check() error {
 			return fmt.Errorf("%s is required", r.name)
 		}
 	}
-	return nil
+	_, err := etcdSecure(splitList(c.etcd), c.etcdTLS)
+	return err
 }
 
 // join loads the cluster directory, connects to etcd and checks that etcd
@@ -63,13 +70,24 @@ func (c *clusterFlags) join(ctx context.Context, log *slog.Logger, before func(s
 	if err != nil {
 		return nil, nil, err
 	}
-	st, err := store.OpenEtcd(store.EtcdConfig{Endpoints: splitList(c.etcd), Prefix: c.etcdPrefix, Log: log})
+	endpoints := splitList(c.etcd)
+	secure, err := etcdSecure(endpoints, c.etcdTLS)
+	if err != nil {
+		return nil, nil, err
+	}
+	cfg := store.EtcdConfig{Endpoints: endpoints, Prefix: c.etcdPrefix, Log: log}
+	if secure {
+		if cfg.TLS, err = trust.EtcdTLS(c.etcdTLS); err != nil {
+			return nil, nil, err
+		}
+	}
+	st, err := store.OpenEtcd(cfg)
 	if err != nil {
 		return nil, nil, err
 	}
 	if err := st.Ping(ctx); err != nil {
 		_ = st.Close()
-		return nil, nil, fmt.Errorf("etcd %s: %w", c.etcd, err)
+		return nil, nil, fmt.Errorf("etcd %s: %w%s", c.etcd, err, c.etcdHint(ctx, endpoints, cfg.TLS))
 	}
 	if before != nil {
 		if err := before(st); err != nil {
@@ -82,6 +100,75 @@ func (c *clusterFlags) join(ctx context.Context, log *slog.Logger, before func(s
 		return nil, nil, err
 	}
 	return trust, st, nil
+}
+
+// etcdSecure tells whether etcd is reached over TLS: every endpoint
+// https://, or none. TLS files with http:// endpoints are refused rather
+// than ignored (they would send the cluster's keys in clear).
+func etcdSecure(endpoints []string, files cluster.EtcdTLSFiles) (bool, error) {
+	var https, plain []string
+	for _, ep := range endpoints {
+		if strings.HasPrefix(strings.ToLower(ep), "https://") {
+			https = append(https, ep)
+		} else {
+			plain = append(plain, ep)
+		}
+	}
+	switch {
+	case len(https) > 0 && len(plain) > 0:
+		return false, fmt.Errorf("--etcd mixes https:// and other endpoints (%s): give every one as https://", strings.Join(plain, ","))
+	case len(plain) > 0 && files != (cluster.EtcdTLSFiles{}):
+		return false, fmt.Errorf("--etcd-ca, --etcd-cert and --etcd-key are for https:// endpoints, and --etcd gives %s", strings.Join(plain, ","))
+	}
+	return len(https) > 0, nil
+}
+
+// etcdHint says why etcd did not answer when TLS is the reason: the etcd
+// client reports only a timeout. It shakes hands with the first endpoint
+// as the client would (and, for a plain endpoint, over TLS, to tell one
+// that serves TLS); "" when that tells nothing.
+func (c *clusterFlags) etcdHint(ctx context.Context, endpoints []string, cfg *tls.Config) string {
+	ep := endpoints[0]
+	host := ep
+	if i := strings.Index(ep, "://"); i >= 0 {
+		host = ep[i+3:]
+	}
+	host, _, _ = strings.Cut(host, "/")
+	probe := func(cfg *tls.Config, read bool) error {
+		d := tls.Dialer{NetDialer: &net.Dialer{Timeout: 2 * time.Second}, Config: cfg}
+		conn, err := d.DialContext(ctx, "tcp", host)
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		if !read {
+			return nil
+		}
+		// Under TLS 1.3 a server refuses a client's certificate after
+		// the client's side of the handshake: the refusal is read.
+		_ = conn.SetReadDeadline(time.Now().Add(2 * time.Second))
+		var b [1]byte
+		if _, err := conn.Read(b[:]); err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+			return err
+		}
+		return nil
+	}
+	if cfg == nil {
+		if probe(&tls.Config{InsecureSkipVerify: true}, false) == nil { // only asks whether it speaks TLS
+			return fmt.Sprintf(" (%s serves TLS: give https:// endpoints)", host)
+		}
+		return ""
+	}
+	err := probe(cfg, true)
+	var netErr *net.OpError
+	if err == nil || (errors.As(err, &netErr) && netErr.Op == "dial") {
+		return ""
+	}
+	hint := fmt.Sprintf(" (TLS with %s: %v", host, err)
+	if len(cfg.Certificates) == 0 {
+		hint += fmt.Sprintf("; no client certificate was presented: %s has no %s (directories made before dsec cluster init wrote one), give --etcd-cert and --etcd-key", c.clusterDir, cluster.EtcdClientCert)
+	}
+	return hint + ")"
 }
 
 type serverConfig struct {

@@ -19,10 +19,13 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"math/big"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"time"
 )
 
@@ -46,7 +49,20 @@ const (
 	edgeCert      = "edge.pem"
 	edgeKey       = "edge-key.pem"
 	infoFile      = "cluster.json"
+	// EtcdClientCert and EtcdClientKey are the pair apiservers and edges
+	// present to an etcd that requires client certificates.
+	EtcdClientCert = "etcd-client.pem"
+	EtcdClientKey  = "etcd-client-key.pem"
+	// EtcdDir is the subdirectory Init writes for etcd's members when
+	// given their names: ca.pem, EtcdServerCert and EtcdServerKey.
+	EtcdDir        = "etcd"
+	EtcdServerCert = "etcd.pem"
+	EtcdServerKey  = "etcd-key.pem"
 )
+
+// EtcdClientName is the common name of the etcd client certificate (the
+// user name etcd sees when its authentication is on).
+const EtcdClientName = "dsec"
 
 // Info identifies a cluster.
 type Info struct {
@@ -56,18 +72,40 @@ type Info struct {
 	CreatedAt time.Time `json:"created_at"`
 }
 
+// InitOptions are Init's choices.
+type InitOptions struct {
+	// EtcdHosts, if not empty, are the names and addresses etcd's
+	// members are reached at (IP addresses or DNS names, "*.x" for a
+	// wildcard): Init then also writes EtcdDir, a certificate for them
+	// (client and peer TLS) from the cluster's CA.
+	EtcdHosts []string
+}
+
 // Init writes a new cluster directory: a CA, a certificate for the
-// apiservers (client) and one for the edges (server and client), and the
-// cluster's ID. It refuses a directory that already holds a cluster.
-func Init(dir string) (Info, error) {
+// apiservers (client) and one for the edges (server), the pair both
+// present to etcd, and the cluster's ID; with opt.EtcdHosts, etcd's own
+// pair. It refuses a directory that already holds a cluster.
+func Init(dir string, opt InitOptions) (Info, error) {
+	var etcdIPs []net.IP
+	var etcdDNS []string
+	for _, h := range opt.EtcdHosts {
+		switch ip := net.ParseIP(h); {
+		case ip != nil:
+			etcdIPs = append(etcdIPs, ip)
+		case validDNSName(h):
+			etcdDNS = append(etcdDNS, h)
+		default:
+			return Info{}, fmt.Errorf("etcd host %q is neither an IP address nor a DNS name", h)
+		}
+	}
 	if _, err := os.Stat(filepath.Join(dir, caCert)); err == nil {
 		return Info{}, fmt.Errorf("%s already holds a cluster (%s exists); use another directory, or remove it to start over", dir, caCert)
 	} else if !errors.Is(err, fs.ErrNotExist) {
 		return Info{}, err
 	}
-	for role := range RoleFiles {
-		if _, err := os.Lstat(filepath.Join(dir, role)); err == nil {
-			return Info{}, fmt.Errorf("%s already holds %s/: use another directory, or remove it to start over", dir, role)
+	for _, sub := range append(slices.Sorted(maps.Keys(RoleFiles)), EtcdDir) {
+		if _, err := os.Lstat(filepath.Join(dir, sub)); err == nil {
+			return Info{}, fmt.Errorf("%s already holds %s/: use another directory, or remove it to start over", dir, sub)
 		}
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -95,26 +133,30 @@ func Init(dir string) (Info, error) {
 		return Info{}, fmt.Errorf("making the cluster CA: %w", err)
 	}
 	ca, _ := x509.ParseCertificate(caDER)
-	leaf := func(cn string, dns []string, usage []x509.ExtKeyUsage) ([]byte, *ecdsa.PrivateKey, error) {
+	leaf := func(cn string, dns []string, ips []net.IP, usage []x509.ExtKeyUsage) ([]byte, *ecdsa.PrivateKey, error) {
 		priv, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 		if err != nil {
 			return nil, nil, err
 		}
 		t := &x509.Certificate{
 			SerialNumber: serial(), Subject: pkix.Name{CommonName: cn, Organization: []string{"dsec"}, OrganizationalUnit: []string{info.ID}},
-			NotBefore: now, NotAfter: until, DNSNames: dns, ExtKeyUsage: usage,
+			NotBefore: now, NotAfter: until, DNSNames: dns, IPAddresses: ips, ExtKeyUsage: usage,
 			KeyUsage: x509.KeyUsageDigitalSignature,
 		}
 		der, err := x509.CreateCertificate(rand.Reader, t, ca, &priv.PublicKey, caPriv)
 		return der, priv, err
 	}
-	apiDER, apiPriv, err := leaf(APIServerName, nil, []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth})
+	apiDER, apiPriv, err := leaf(APIServerName, nil, nil, []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth})
 	if err != nil {
 		return Info{}, fmt.Errorf("making the apiserver certificate: %w", err)
 	}
-	edgeDER, edgePriv, err := leaf(EdgeName, []string{EdgeName}, []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth})
+	edgeDER, edgePriv, err := leaf(EdgeName, []string{EdgeName}, nil, []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth})
 	if err != nil {
 		return Info{}, fmt.Errorf("making the edge certificate: %w", err)
+	}
+	etcdClientDER, etcdClientPriv, err := leaf(EtcdClientName, nil, nil, []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth})
+	if err != nil {
+		return Info{}, fmt.Errorf("making the etcd client certificate: %w", err)
 	}
 	infoJSON, _ := json.MarshalIndent(info, "", "  ")
 	files := []struct {
@@ -128,11 +170,34 @@ func Init(dir string) (Info, error) {
 		{apiserverKey, pemKey(apiPriv), 0o600},
 		{edgeCert, pemBlock("CERTIFICATE", edgeDER), 0o644},
 		{edgeKey, pemKey(edgePriv), 0o600},
+		{EtcdClientCert, pemBlock("CERTIFICATE", etcdClientDER), 0o644},
+		{EtcdClientKey, pemKey(etcdClientPriv), 0o600},
 		{infoFile, append(infoJSON, '\n'), 0o644},
 	}
 	for _, f := range files {
 		if err := os.WriteFile(filepath.Join(dir, f.name), f.data, f.mode); err != nil {
 			return Info{}, fmt.Errorf("writing %s: %w", f.name, err)
+		}
+	}
+	if len(opt.EtcdHosts) > 0 {
+		// Members serve clients and each other with one pair: server
+		// and client use.
+		der, priv, err := leaf("dsec-etcd", etcdDNS, etcdIPs, []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth})
+		if err != nil {
+			return Info{}, fmt.Errorf("making the etcd certificate: %w", err)
+		}
+		sub := filepath.Join(dir, EtcdDir)
+		if err := os.Mkdir(sub, 0o700); err != nil {
+			return Info{}, fmt.Errorf("creating %s: %w", sub, err)
+		}
+		for _, f := range []struct {
+			name string
+			data []byte
+			mode os.FileMode
+		}{{caCert, pemBlock("CERTIFICATE", caDER), 0o644}, {EtcdServerCert, pemBlock("CERTIFICATE", der), 0o644}, {EtcdServerKey, pemKey(priv), 0o600}} {
+			if err := os.WriteFile(filepath.Join(sub, f.name), f.data, f.mode); err != nil {
+				return Info{}, fmt.Errorf("writing %s: %w", filepath.Join(EtcdDir, f.name), err)
+			}
 		}
 	}
 	// What each role's machines get: its own pair, the CA's certificate
@@ -159,8 +224,23 @@ func Init(dir string) (Info, error) {
 // (a --cluster directory of its own): apiservers ("server") their pair,
 // edges ("edge") theirs, both the CA's certificate and cluster.json.
 var RoleFiles = map[string][]string{
-	"server": {infoFile, caCert, apiserverCert, apiserverKey},
-	"edge":   {infoFile, caCert, edgeCert, edgeKey},
+	"server": {infoFile, caCert, apiserverCert, apiserverKey, EtcdClientCert, EtcdClientKey},
+	"edge":   {infoFile, caCert, edgeCert, edgeKey, EtcdClientCert, EtcdClientKey},
+}
+
+// validDNSName reports whether h may stand in a certificate as a DNS
+// name: letters, digits, '-' and '.', optionally after a leading "*.".
+func validDNSName(h string) bool {
+	h = strings.TrimPrefix(h, "*.")
+	if h == "" || len(h) > 253 || strings.HasPrefix(h, ".") || strings.HasSuffix(h, ".") || strings.Contains(h, "..") {
+		return false
+	}
+	for _, r := range h {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '.') {
+			return false
+		}
+	}
+	return true
 }
 
 func serial() *big.Int {
@@ -251,4 +331,52 @@ func (t *Trust) APIServerClientTLS() (*tls.Config, error) {
 		RootCAs:      t.pool,
 		ServerName:   EdgeName,
 	}, nil
+}
+
+// EtcdTLSFiles override what EtcdTLS takes from the cluster directory,
+// for an etcd with a PKI of its own: CA verifies etcd's certificate, and
+// Cert and Key (both or neither) are presented to it.
+type EtcdTLSFiles struct {
+	CA, Cert, Key string
+}
+
+// EtcdTLS is the TLS apiservers and edges reach etcd with (https://
+// endpoints): etcd's certificate verified against the cluster's CA, and
+// the directory's etcd client pair presented, unless files say otherwise.
+// A cluster directory without that pair (made before it existed)
+// presents none: an etcd that requires client certificates then refuses,
+// which the caller's error says.
+func (t *Trust) EtcdTLS(files EtcdTLSFiles) (*tls.Config, error) {
+	if (files.Cert == "") != (files.Key == "") {
+		return nil, errors.New("--etcd-cert and --etcd-key go together")
+	}
+	cfg := &tls.Config{MinVersion: tls.VersionTLS12, RootCAs: t.pool}
+	if files.CA != "" {
+		b, err := os.ReadFile(files.CA)
+		if err != nil {
+			return nil, fmt.Errorf("--etcd-ca: %w", err)
+		}
+		cfg.RootCAs = x509.NewCertPool()
+		if !cfg.RootCAs.AppendCertsFromPEM(b) {
+			return nil, fmt.Errorf("--etcd-ca %s holds no PEM certificate", files.CA)
+		}
+	}
+	switch {
+	case files.Cert != "":
+		c, err := tls.LoadX509KeyPair(files.Cert, files.Key)
+		if err != nil {
+			return nil, fmt.Errorf("--etcd-cert/--etcd-key: %w", err)
+		}
+		cfg.Certificates = []tls.Certificate{c}
+	default:
+		if _, err := os.Stat(filepath.Join(t.dir, EtcdClientCert)); errors.Is(err, fs.ErrNotExist) {
+			break
+		}
+		c, err := t.pair(EtcdClientCert, EtcdClientKey)
+		if err != nil {
+			return nil, err
+		}
+		cfg.Certificates = []tls.Certificate{c}
+	}
+	return cfg, nil
 }

@@ -23,7 +23,7 @@ import (
 func mustInit(t *testing.T) (*Trust, string) {
 	t.Helper()
 	dir := filepath.Join(t.TempDir(), "cluster")
-	if _, err := Init(dir); err != nil {
+	if _, err := Init(dir, InitOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	tr, err := Load(dir)
@@ -56,7 +56,7 @@ func client(cfg *tls.Config, addr string) *edgeapi.Client {
 
 func TestInitRefusesAnExistingCluster(t *testing.T) {
 	_, dir := mustInit(t)
-	if _, err := Init(dir); err == nil || !strings.Contains(err.Error(), "already holds a cluster") {
+	if _, err := Init(dir, InitOptions{}); err == nil || !strings.Contains(err.Error(), "already holds a cluster") {
 		t.Fatalf("second init: %v", err)
 	}
 	for _, f := range []string{caKey, apiserverKey, edgeKey} {
@@ -74,7 +74,7 @@ func TestInitRefusesAnExistingCluster(t *testing.T) {
 	if err := os.Mkdir(filepath.Join(half, "edge"), 0o700); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := Init(half); err == nil || !strings.Contains(err.Error(), "edge/") {
+	if _, err := Init(half, InitOptions{}); err == nil || !strings.Contains(err.Error(), "edge/") {
 		t.Fatalf("init over edge/: %v", err)
 	}
 	if ents, _ := os.ReadDir(half); len(ents) != 1 {
@@ -88,8 +88,8 @@ func TestInitRefusesAnExistingCluster(t *testing.T) {
 func TestRoleDirectories(t *testing.T) {
 	_, dir := mustInit(t)
 	for role, want := range map[string][]string{
-		"server": {"apiserver-key.pem", "apiserver.pem", "ca.pem", "cluster.json"},
-		"edge":   {"ca.pem", "cluster.json", "edge-key.pem", "edge.pem"},
+		"server": {"apiserver-key.pem", "apiserver.pem", "ca.pem", "cluster.json", "etcd-client-key.pem", "etcd-client.pem"},
+		"edge":   {"ca.pem", "cluster.json", "edge-key.pem", "edge.pem", "etcd-client-key.pem", "etcd-client.pem"},
 	} {
 		ents, err := os.ReadDir(filepath.Join(dir, role))
 		if err != nil {
@@ -102,7 +102,7 @@ func TestRoleDirectories(t *testing.T) {
 		if strings.Join(got, " ") != strings.Join(want, " ") {
 			t.Fatalf("%s/ holds %v, want %v", role, got, want)
 		}
-		for _, f := range []string{apiserverKey, edgeKey} {
+		for _, f := range []string{apiserverKey, edgeKey, EtcdClientKey} {
 			if fi, err := os.Stat(filepath.Join(dir, role, f)); err == nil && fi.Mode().Perm() != 0o600 {
 				t.Fatalf("%s/%s: mode %v", role, f, fi.Mode())
 			}

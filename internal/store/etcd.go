@@ -13,6 +13,7 @@ import (
 
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -92,7 +93,9 @@ func OpenEtcd(cfg EtcdConfig) (*Etcd, error) {
 		// moves to another one.
 		DialKeepAliveTime:    2 * time.Second,
 		DialKeepAliveTimeout: 2 * time.Second,
-		Logger:               nil,
+		// The client's own log repeats, as JSON on stderr, each failed
+		// try that classify reports once.
+		Logger: zap.NewNop(),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("connecting to etcd %s: %w", strings.Join(cfg.Endpoints, ","), err)

@@ -66,11 +66,24 @@ func TestBadProcesses(t *testing.T) {
 	if out, err := exec.Command(c.bin, "cluster", "init", "--dir", otherCluster).CombinedOutput(); err != nil {
 		t.Fatalf("%v %s", err, out)
 	}
-	runFails(t, "etcd belongs to cluster", "server", "--listen", "127.0.0.1:"+freePort("127.0.0.1"), "--etcd", strings.Join(c.etcd.Endpoints(), ","),
+	// Its CA does not know etcd's certificate, nor etcd its client's.
+	runFails(t, "certificate signed by unknown authority", "server", "--listen", "127.0.0.1:"+freePort("127.0.0.1"), "--etcd", strings.Join(c.etcd.Endpoints(), ","),
 		"--cluster", otherCluster, "--layers", c.layersDir())
+	// Trusting etcd's CA, it still presents a certificate etcd does not
+	// know.
+	runFails(t, "TLS with 127.0.0.1", "server", "--listen", "127.0.0.1:"+freePort("127.0.0.1"), "--etcd", strings.Join(c.etcd.Endpoints(), ","),
+		"--etcd-ca", filepath.Join(c.clusterDir(), "ca.pem"), "--cluster", otherCluster, "--layers", c.layersDir())
+	// With this cluster's etcd files it reaches etcd, which is not its.
+	etcdFiles := []string{"--etcd-ca", filepath.Join(c.clusterDir(), "ca.pem"),
+		"--etcd-cert", filepath.Join(c.clusterDir(), "etcd-client.pem"), "--etcd-key", filepath.Join(c.clusterDir(), "etcd-client-key.pem")}
+	runFails(t, "etcd belongs to cluster", append([]string{"server", "--listen", "127.0.0.1:" + freePort("127.0.0.1"), "--etcd", strings.Join(c.etcd.Endpoints(), ","),
+		"--cluster", otherCluster, "--layers", c.layersDir()}, etcdFiles...)...)
+	// etcd's TLS port named as plain http.
+	runFails(t, "serves TLS: give https:// endpoints", "server", "--listen", "127.0.0.1:"+freePort("127.0.0.1"),
+		"--etcd", strings.ReplaceAll(strings.Join(c.etcd.Endpoints(), ","), "https://", "http://"), "--cluster", c.clusterDir(), "--layers", c.layersDir())
 	// An empty etcd (a fresh prefix) and no --api-key.
-	runFails(t, "start the first server with --api-key", "server", "--listen", "127.0.0.1:"+freePort("127.0.0.1"),
-		"--etcd", strings.Join(c.etcd.Endpoints(), ","), "--etcd-prefix", "/fresh/", "--cluster", otherCluster, "--layers", filepath.Join(c.dir, "fresh-layers"))
+	runFails(t, "start the first server with --api-key", append([]string{"server", "--listen", "127.0.0.1:" + freePort("127.0.0.1"),
+		"--etcd", strings.Join(c.etcd.Endpoints(), ","), "--etcd-prefix", "/fresh/", "--cluster", otherCluster, "--layers", filepath.Join(c.dir, "fresh-layers")}, etcdFiles...)...)
 	if _, err := os.Stat(filepath.Join(c.dir, "fresh-layers")); err == nil {
 		t.Errorf("the refused server marked a layer directory")
 	}

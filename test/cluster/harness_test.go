@@ -161,12 +161,17 @@ func (e *env) setup() error {
 	if err := build.Run(); err != nil {
 		return fmt.Errorf("building dsec: %w", err)
 	}
-	var err error
-	if e.etcd, err = etcdtest.Start(filepath.Join(e.dir, "etcd"), 3); err != nil {
-		return err
-	}
-	if out, err := exec.Command(e.bin, "cluster", "init", "--dir", e.clusterDir()).CombinedOutput(); err != nil {
+	// etcd as in production: TLS for clients and peers, client
+	// certificates of the cluster's CA required.
+	if out, err := exec.Command(e.bin, "cluster", "init", "--dir", e.clusterDir(), "--etcd-hosts", "127.0.0.1").CombinedOutput(); err != nil {
 		return fmt.Errorf("cluster init: %v: %s", err, out)
+	}
+	var err error
+	ed := filepath.Join(e.clusterDir(), "etcd")
+	if e.etcd, err = etcdtest.StartTLS(filepath.Join(e.dir, "etcd"), 3, &etcdtest.TLS{
+		CA: filepath.Join(ed, "ca.pem"), Cert: filepath.Join(ed, "etcd.pem"), Key: filepath.Join(ed, "etcd-key.pem"),
+		ClientCert: filepath.Join(e.clusterDir(), "etcd-client.pem"), ClientKey: filepath.Join(e.clusterDir(), "etcd-client-key.pem")}); err != nil {
+		return err
 	}
 	for i := range 2 {
 		addr := "127.0.0.1:" + freePort("127.0.0.1")

@@ -6,6 +6,8 @@ package etcdtest
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
@@ -36,6 +38,39 @@ type Cluster struct {
 	dir     string
 	members []*member
 	token   string
+	tls     *TLS
+	hc      *http.Client // health and status checks
+}
+
+// TLS makes a cluster serve clients and peers over TLS, and require
+// client certificates of CA: files in PEM. Client is the pair the checks
+// of this package present.
+type TLS struct {
+	CA, Cert, Key         string
+	ClientCert, ClientKey string
+}
+
+func (t *TLS) clientConfig() (*tls.Config, error) {
+	ca, err := os.ReadFile(t.CA)
+	if err != nil {
+		return nil, err
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(ca) {
+		return nil, fmt.Errorf("%s holds no certificate", t.CA)
+	}
+	pair, err := tls.LoadX509KeyPair(t.ClientCert, t.ClientKey)
+	if err != nil {
+		return nil, err
+	}
+	return &tls.Config{RootCAs: pool, Certificates: []tls.Certificate{pair}}, nil
+}
+
+func (c *Cluster) scheme() string {
+	if c.tls != nil {
+		return "https://"
+	}
+	return "http://"
 }
 
 type member struct {
@@ -51,10 +86,21 @@ type member struct {
 // and waits until it serves. The caller calls Stop. A member that cannot
 // bind the port picked for it (another process took it in between) fails
 // the attempt; a new one, on new ports and fresh data, follows, up to 3.
-func Start(dir string, n int) (*Cluster, error) {
+func Start(dir string, n int) (*Cluster, error) { return StartTLS(dir, n, nil) }
+
+// StartTLS is Start with clients and peers served over TLS (t nil: plain).
+func StartTLS(dir string, n int, t *TLS) (*Cluster, error) {
 	bin, err := Binary()
 	if err != nil {
 		return nil, err
+	}
+	hc := http.DefaultClient
+	if t != nil {
+		cfg, err := t.clientConfig()
+		if err != nil {
+			return nil, fmt.Errorf("etcd TLS files: %w", err)
+		}
+		hc = &http.Client{Transport: &http.Transport{TLSClientConfig: cfg}}
 	}
 	for attempt := 1; ; attempt++ {
 		if err := os.RemoveAll(dir); err != nil {
@@ -63,7 +109,7 @@ func Start(dir string, n int) (*Cluster, error) {
 		if err := os.MkdirAll(dir, 0o700); err != nil {
 			return nil, err
 		}
-		c, err := start(bin, dir, n)
+		c, err := start(&Cluster{bin: bin, dir: dir, tls: t, hc: hc, token: fmt.Sprintf("dsec-test-%d", time.Now().UnixNano())}, n)
 		switch {
 		case err == nil:
 			return c, nil
@@ -83,8 +129,8 @@ func (c *Cluster) bindFailed() bool {
 	return false
 }
 
-func start(bin, dir string, n int) (*Cluster, error) {
-	c := &Cluster{bin: bin, dir: dir, token: fmt.Sprintf("dsec-test-%d", time.Now().UnixNano())}
+func start(c *Cluster, n int) (*Cluster, error) {
+	dir := c.dir
 	var initial []string
 	for i := range n {
 		cp, err := FreePort("127.0.0.1")
@@ -103,7 +149,7 @@ func start(bin, dir string, n int) (*Cluster, error) {
 			logPath: filepath.Join(dir, fmt.Sprintf("m%d.log", i)),
 		}
 		c.members = append(c.members, m)
-		initial = append(initial, m.name+"=http://"+m.peer)
+		initial = append(initial, m.name+"="+c.scheme()+m.peer)
 	}
 	for _, m := range c.members {
 		if err := c.start(m, strings.Join(initial, ",")); err != nil {
@@ -181,7 +227,7 @@ func (c *Cluster) start(m *member, initial string) error {
 	if initial == "" {
 		var all []string
 		for _, o := range c.members {
-			all = append(all, o.name+"=http://"+o.peer)
+			all = append(all, o.name+"="+c.scheme()+o.peer)
 		}
 		initial = strings.Join(all, ",")
 	}
@@ -189,10 +235,11 @@ func (c *Cluster) start(m *member, initial string) error {
 	if err != nil {
 		return err
 	}
-	cmd := exec.Command(c.bin,
+	sc := c.scheme()
+	args := []string{
 		"--name", m.name, "--data-dir", m.dataDir,
-		"--listen-client-urls", "http://"+m.client, "--advertise-client-urls", "http://"+m.client,
-		"--listen-peer-urls", "http://"+m.peer, "--initial-advertise-peer-urls", "http://"+m.peer,
+		"--listen-client-urls", sc + m.client, "--advertise-client-urls", sc + m.client,
+		"--listen-peer-urls", sc + m.peer, "--initial-advertise-peer-urls", sc + m.peer,
 		"--initial-cluster", initial, "--initial-cluster-token", c.token, "--initial-cluster-state", "new",
 		// Fast elections keep failover drills short.
 		"--heartbeat-interval", "50", "--election-timeout", "500",
@@ -200,7 +247,12 @@ func (c *Cluster) start(m *member, initial string) error {
 		// thousands of records), by revision: a periodic retention of
 		// an hour would not start within a run.
 		"--auto-compaction-mode", "revision", "--auto-compaction-retention", "1000",
-		"--log-level", "warn")
+		"--log-level", "warn"}
+	if t := c.tls; t != nil {
+		args = append(args, "--cert-file", t.Cert, "--key-file", t.Key, "--trusted-ca-file", t.CA, "--client-cert-auth",
+			"--peer-cert-file", t.Cert, "--peer-key-file", t.Key, "--peer-trusted-ca-file", t.CA, "--peer-client-cert-auth")
+	}
+	cmd := exec.Command(c.bin, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
@@ -223,7 +275,7 @@ func (c *Cluster) start(m *member, initial string) error {
 func (c *Cluster) Endpoints() []string {
 	var out []string
 	for _, m := range c.members {
-		out = append(out, "http://"+m.client)
+		out = append(out, c.scheme()+m.client)
 	}
 	return out
 }
@@ -278,7 +330,7 @@ func (c *Cluster) WaitHealthy(within time.Duration) error {
 				return fmt.Errorf("etcd member %s exited; its log: %s", m.name, lastLines(string(b), 10))
 			default:
 			}
-			if !healthy(m.client) {
+			if !c.healthy(m.client) {
 				bad = m
 				break
 			}
@@ -294,11 +346,11 @@ func (c *Cluster) WaitHealthy(within time.Duration) error {
 	}
 }
 
-func healthy(hostport string) bool {
+func (c *Cluster) healthy(hostport string) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, "GET", "http://"+hostport+"/health", nil)
-	resp, err := http.DefaultClient.Do(req)
+	req, _ := http.NewRequestWithContext(ctx, "GET", c.scheme()+hostport+"/health", nil)
+	resp, err := c.hc.Do(req)
 	if err != nil {
 		return false
 	}
@@ -333,7 +385,7 @@ func (c *Cluster) Leader(within time.Duration) (int, error) {
 			if !running {
 				continue
 			}
-			if id, leader, err := status(m.client); err == nil && leader != "" && leader != "0" && id == leader {
+			if id, leader, err := c.status(m.client); err == nil && leader != "" && leader != "0" && id == leader {
 				return i, nil
 			}
 		}
@@ -346,11 +398,11 @@ func (c *Cluster) Leader(within time.Duration) (int, error) {
 
 // status asks a member, over etcd's JSON gateway, for its id and the
 // id of the leader it follows.
-func status(hostport string) (id, leader string, err error) {
+func (c *Cluster) status(hostport string) (id, leader string, err error) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, "POST", "http://"+hostport+"/v3/maintenance/status", strings.NewReader("{}"))
-	resp, err := http.DefaultClient.Do(req)
+	req, _ := http.NewRequestWithContext(ctx, "POST", c.scheme()+hostport+"/v3/maintenance/status", strings.NewReader("{}"))
+	resp, err := c.hc.Do(req)
 	if err != nil {
 		return "", "", err
 	}
