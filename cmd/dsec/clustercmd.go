@@ -1,16 +1,28 @@
 package main
 
 import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
 	"fmt"
+	"io/fs"
+	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 
 	"github.com/dsecproject/dsec/internal/cluster"
+	"github.com/dsecproject/dsec/internal/layer"
+	"github.com/dsecproject/dsec/internal/store"
 )
 
-// runCluster is `dsec cluster init`.
+// runCluster is `dsec cluster init` and `dsec cluster etcd-auth`.
 func runCluster(args []string) error {
+	if len(args) > 0 && args[0] == "etcd-auth" {
+		return runEtcdAuth(args[1:])
+	}
 	if len(args) == 0 || args[0] != "init" {
-		return fmt.Errorf("usage: dsec cluster init --dir DIR")
+		return fmt.Errorf("usage: dsec cluster init --dir DIR [--etcd-hosts HOSTS], or dsec cluster etcd-auth --etcd URLS --cluster DIR --root-password-file FILE")
 	}
 	var dir, etcdHosts string
 	f := newCmdFlags("cluster init", "--dir DIR [--etcd-hosts HOSTS]",
@@ -21,9 +33,10 @@ func runCluster(args []string) error {
 			"and DIR/edge to edge machines, nothing more: an edge holding the\n"+
 			"apiserver key could drive every other edge, and nothing that runs needs\n"+
 			"ca-key.pem (keep it offline). The *-key.pem files are secrets.\n"+
-			"Both roles also get etcd-client.pem, the pair they present to an etcd\n"+
-			"reached over https://; with --etcd-hosts, DIR/etcd holds the pair etcd's\n"+
-			"members serve clients and each other with (docs/operating.md).")
+			"Each role also gets etcd-client.pem, the pair it presents to an etcd\n"+
+			"reached over https:// (etcd users dsec-server and dsec-edge: see\n"+
+			"dsec cluster etcd-auth); with --etcd-hosts, DIR/etcd holds the pair\n"+
+			"etcd's members serve clients and each other with (docs/operating.md).")
 	f.StringVar(&dir, "dir", "", "directory to write (required; must not hold a cluster yet)")
 	f.StringVar(&etcdHosts, "etcd-hosts", "", "comma-separated IP addresses and DNS names (*.x for a wildcard) etcd's members are reached at: also write DIR/etcd, their TLS pair")
 	if _, err := f.parseN(args[1:], 0, 0); err != nil {
@@ -44,4 +57,111 @@ func runCluster(args []string) error {
 	}
 	fmt.Printf("next: dsec server --cluster %s --etcd URLS --layers DIR --api-key KEY; dsec edge --cluster %s ...\n", server, edge)
 	return nil
+}
+
+// etcdUsers are dsec's users of etcd: apiservers may use every key of the
+// prefix, an edge its buckets and the ping key.
+func etcdUsers() []store.EtcdUser {
+	edge := store.EtcdUser{Name: cluster.EtcdEdgeUser, Grants: []store.EtcdGrant{{Key: store.EtcdPingKey}}}
+	for _, b := range append(slices.Clone(cluster.EdgeBuckets), layer.Buckets...) {
+		edge.Grants = append(edge.Grants, store.EtcdGrant{Bucket: b, Write: true})
+	}
+	return []store.EtcdUser{{Name: cluster.EtcdServerUser, All: true}, edge}
+}
+
+// runEtcdAuth is `dsec cluster etcd-auth`.
+func runEtcdAuth(args []string) error {
+	var c clusterFlags
+	var pwFile string
+	f := newCmdFlags("cluster etcd-auth", "--etcd URLS --cluster DIR --root-password-file FILE [flags]",
+		"Turn etcd's authentication on for this cluster: apiservers (etcd user\n"+
+			cluster.EtcdServerUser+") may use every key of --etcd-prefix, edges ("+cluster.EtcdEdgeUser+") only\n"+
+			"the node registry, the layer catalog and what else an edge writes: an\n"+
+			"edge's machine can then not read or write IAM, idempotency records or\n"+
+			"quotas. Each logs in with the etcd-client.pem of its role's directory\n"+
+			"(etcd must require client certificates: https://). etcd's root user\n"+
+			"gets the password in FILE, written (0600) if FILE does not exist. Run\n"+
+			"again (with the same FILE) after an upgrade: it sets the roles anew.")
+	c.registerEtcd(f)
+	f.StringVar(&c.clusterDir, "cluster", "", "the cluster directory or its server/ (required: its etcd client certificate and CA)")
+	f.StringVar(&pwFile, "root-password-file", "", "file holding etcd's root password; written with a new one if it does not exist (required)")
+	if _, err := f.parseN(args, 0, 0); err != nil {
+		return err
+	}
+	for _, r := range []struct{ name, v string }{{"--etcd", c.etcd}, {"--cluster", c.clusterDir}, {"--root-password-file", pwFile}} {
+		if r.v == "" {
+			return fmt.Errorf("%s is required", r.name)
+		}
+	}
+	eps := splitList(c.etcd)
+	secure, err := etcdSecure(eps, c.etcdTLS)
+	if err != nil {
+		return err
+	}
+	if !secure {
+		return fmt.Errorf("--etcd %s: give https:// endpoints: dsec's processes log in to etcd with their certificates", c.etcd)
+	}
+	trust, err := cluster.Load(c.clusterDir)
+	if err != nil {
+		return err
+	}
+	tlsCfg, err := trust.EtcdTLS(c.etcdTLS)
+	if err != nil {
+		return err
+	}
+	pw, made, err := rootPassword(pwFile)
+	if err != nil {
+		return err
+	}
+	on, err := store.EnsureEtcdAuth(store.EtcdConfig{Endpoints: eps, Prefix: c.etcdPrefix, TLS: tlsCfg}, pw, etcdUsers())
+	if err != nil {
+		if made {
+			// Not root's password (authentication was on already), or
+			// not yet: the next run makes another.
+			_ = os.Remove(pwFile)
+		}
+		return err
+	}
+	if made {
+		fmt.Printf("wrote a new root password for etcd to %s\n", pwFile)
+	}
+	if on {
+		fmt.Printf("etcd's authentication is on: %s may use %s*, %s only what an edge uses; root's password is in %s\n", cluster.EtcdServerUser, c.etcdPrefix, cluster.EtcdEdgeUser, pwFile)
+	} else {
+		fmt.Printf("etcd's authentication was on already: the roles of %s and %s are set anew\n", cluster.EtcdServerUser, cluster.EtcdEdgeUser)
+	}
+	return nil
+}
+
+// rootPassword reads etcd's root password from path or, if path does not
+// exist, makes one and writes it there first (0600, never over a file).
+func rootPassword(path string) (pw string, made bool, err error) {
+	b, err := os.ReadFile(path)
+	switch {
+	case err == nil:
+		pw = strings.TrimSpace(string(b))
+		if len(pw) < 12 {
+			return "", false, fmt.Errorf("--root-password-file %s: a password of at least 12 characters, please", path)
+		}
+		return pw, false, nil
+	case !errors.Is(err, fs.ErrNotExist):
+		return "", false, fmt.Errorf("--root-password-file: %w", err)
+	}
+	var r [24]byte
+	if _, err := rand.Read(r[:]); err != nil {
+		return "", false, err
+	}
+	pw = hex.EncodeToString(r[:])
+	fh, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return "", false, fmt.Errorf("--root-password-file: %w", err)
+	}
+	if _, err := fh.WriteString(pw + "\n"); err != nil {
+		fh.Close()
+		return "", false, fmt.Errorf("--root-password-file: %w", err)
+	}
+	if err := fh.Close(); err != nil {
+		return "", false, fmt.Errorf("--root-password-file: %w", err)
+	}
+	return pw, true, nil
 }

@@ -41,15 +41,20 @@ type clusterFlags struct {
 }
 
 func (c *clusterFlags) register(f *cmdFlags) {
+	c.registerEtcd(f)
+	f.StringVar(&c.clusterDir, "cluster", "", "cluster directory made by `dsec cluster init` (required)")
+	f.StringVar(&c.layersDir, "layers", "", "layer directory every server and edge of the cluster sees, e.g. a shared mount (required)")
+	f.StringVar(&c.logFormat, "log-format", "text", "log format: text or json")
+	f.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
+}
+
+// registerEtcd registers the flags that say how to reach etcd.
+func (c *clusterFlags) registerEtcd(f *cmdFlags) {
 	f.StringVar(&c.etcd, "etcd", "", "etcd client URLs, comma-separated (required)")
 	f.StringVar(&c.etcdPrefix, "etcd-prefix", "/dsec/", "key prefix of this cluster in etcd (several clusters may share one etcd)")
 	f.StringVar(&c.etcdTLS.CA, "etcd-ca", "", "CA certificate that https:// etcd endpoints are verified against (default: the cluster directory's ca.pem)")
 	f.StringVar(&c.etcdTLS.Cert, "etcd-cert", "", "client certificate presented to etcd (default: the cluster directory's etcd-client.pem)")
 	f.StringVar(&c.etcdTLS.Key, "etcd-key", "", "key of --etcd-cert")
-	f.StringVar(&c.clusterDir, "cluster", "", "cluster directory made by `dsec cluster init` (required)")
-	f.StringVar(&c.layersDir, "layers", "", "layer directory every server and edge of the cluster sees, e.g. a shared mount (required)")
-	f.StringVar(&c.logFormat, "log-format", "text", "log format: text or json")
-	f.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 }
 
 func (c *clusterFlags) check() error {

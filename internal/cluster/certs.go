@@ -49,10 +49,14 @@ const (
 	edgeCert      = "edge.pem"
 	edgeKey       = "edge-key.pem"
 	infoFile      = "cluster.json"
-	// EtcdClientCert and EtcdClientKey are the pair apiservers and edges
-	// present to an etcd that requires client certificates.
+	// EtcdClientCert and EtcdClientKey are the pair a role's directory
+	// presents to an etcd that requires client certificates: common name
+	// EtcdServerUser in DIR/server (and DIR itself), EtcdEdgeUser in
+	// DIR/edge (DIR holds that one as etcdEdgeCert).
 	EtcdClientCert = "etcd-client.pem"
 	EtcdClientKey  = "etcd-client-key.pem"
+	etcdEdgeCert   = "etcd-client-edge.pem"
+	etcdEdgeKey    = "etcd-client-edge-key.pem"
 	// EtcdDir is the subdirectory Init writes for etcd's members when
 	// given their names: ca.pem, EtcdServerCert and EtcdServerKey.
 	EtcdDir        = "etcd"
@@ -60,9 +64,13 @@ const (
 	EtcdServerKey  = "etcd-key.pem"
 )
 
-// EtcdClientName is the common name of the etcd client certificate (the
-// user name etcd sees when its authentication is on).
-const EtcdClientName = "dsec"
+// The common names of the roles' etcd client certificates: the user
+// names etcd sees when its authentication is on (dsec cluster etcd-auth
+// gives edges only what they use).
+const (
+	EtcdServerUser = "dsec-server"
+	EtcdEdgeUser   = "dsec-edge"
+)
 
 // Info identifies a cluster.
 type Info struct {
@@ -154,9 +162,13 @@ func Init(dir string, opt InitOptions) (Info, error) {
 	if err != nil {
 		return Info{}, fmt.Errorf("making the edge certificate: %w", err)
 	}
-	etcdClientDER, etcdClientPriv, err := leaf(EtcdClientName, nil, nil, []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth})
+	etcdServerDER, etcdServerPriv, err := leaf(EtcdServerUser, nil, nil, []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth})
 	if err != nil {
-		return Info{}, fmt.Errorf("making the etcd client certificate: %w", err)
+		return Info{}, fmt.Errorf("making the apiservers' etcd client certificate: %w", err)
+	}
+	etcdEdgeDER, etcdEdgePriv, err := leaf(EtcdEdgeUser, nil, nil, []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth})
+	if err != nil {
+		return Info{}, fmt.Errorf("making the edges' etcd client certificate: %w", err)
 	}
 	infoJSON, _ := json.MarshalIndent(info, "", "  ")
 	files := []struct {
@@ -170,8 +182,10 @@ func Init(dir string, opt InitOptions) (Info, error) {
 		{apiserverKey, pemKey(apiPriv), 0o600},
 		{edgeCert, pemBlock("CERTIFICATE", edgeDER), 0o644},
 		{edgeKey, pemKey(edgePriv), 0o600},
-		{EtcdClientCert, pemBlock("CERTIFICATE", etcdClientDER), 0o644},
-		{EtcdClientKey, pemKey(etcdClientPriv), 0o600},
+		{EtcdClientCert, pemBlock("CERTIFICATE", etcdServerDER), 0o644},
+		{EtcdClientKey, pemKey(etcdServerPriv), 0o600},
+		{etcdEdgeCert, pemBlock("CERTIFICATE", etcdEdgeDER), 0o644},
+		{etcdEdgeKey, pemKey(etcdEdgePriv), 0o600},
 		{infoFile, append(infoJSON, '\n'), 0o644},
 	}
 	for _, f := range files {
@@ -209,9 +223,13 @@ func Init(dir string, opt InitOptions) (Info, error) {
 			return Info{}, fmt.Errorf("creating %s: %w", sub, err)
 		}
 		for _, f := range files {
-			if slices.Contains(names, f.name) {
-				if err := os.WriteFile(filepath.Join(sub, f.name), f.data, f.mode); err != nil {
-					return Info{}, fmt.Errorf("writing %s: %w", filepath.Join(role, f.name), err)
+			name := f.name
+			if to, ok := roleRenames[role][name]; ok {
+				name = to
+			}
+			if slices.Contains(names, name) && !slices.Contains(slices.Collect(maps.Values(roleRenames[role])), f.name) {
+				if err := os.WriteFile(filepath.Join(sub, name), f.data, f.mode); err != nil {
+					return Info{}, fmt.Errorf("writing %s: %w", filepath.Join(role, name), err)
 				}
 			}
 		}
@@ -226,6 +244,12 @@ func Init(dir string, opt InitOptions) (Info, error) {
 var RoleFiles = map[string][]string{
 	"server": {infoFile, caCert, apiserverCert, apiserverKey, EtcdClientCert, EtcdClientKey},
 	"edge":   {infoFile, caCert, edgeCert, edgeKey, EtcdClientCert, EtcdClientKey},
+}
+
+// roleRenames: a role's directory holds some files of the cluster
+// directory under another name (from → to).
+var roleRenames = map[string]map[string]string{
+	"edge": {etcdEdgeCert: EtcdClientCert, etcdEdgeKey: EtcdClientKey},
 }
 
 // validDNSName reports whether h may stand in a certificate as a DNS

@@ -56,6 +56,15 @@ func TestInitEtcdHosts(t *testing.T) {
 		if _, err := os.Stat(filepath.Join(dir, role, EtcdServerKey)); err == nil {
 			t.Errorf("%s/ holds etcd's key", role)
 		}
+		// Each role is its own user to etcd.
+		pair, err := tls.LoadX509KeyPair(filepath.Join(dir, role, EtcdClientCert), filepath.Join(dir, role, EtcdClientKey))
+		if err != nil {
+			t.Fatalf("%s/ etcd client pair: %v", role, err)
+		}
+		leaf, _ := x509.ParseCertificate(pair.Certificate[0])
+		if want := map[string]string{"server": EtcdServerUser, "edge": EtcdEdgeUser}[role]; leaf.Subject.CommonName != want {
+			t.Errorf("%s/%s is %q to etcd, want %q", role, EtcdClientCert, leaf.Subject.CommonName, want)
+		}
 	}
 	// Without hosts, no etcd directory; bad hosts are refused before
 	// anything is written.

@@ -28,6 +28,13 @@ const (
 	bucketMeta    = "cluster"         // id, layers: the cluster's identity
 )
 
+// EdgeBuckets are the buckets of this package an edge reads and writes:
+// its registry entry, the abandoned tokens it sweeps, and the cluster's
+// identity (which the first process of a cluster writes). With etcd's
+// authentication on (dsec cluster etcd-auth) an edge may use these, the
+// layer buckets (layer.Buckets) and the ping key, and nothing else.
+var EdgeBuckets = []string{bucketNodes, bucketAbandoned, bucketMeta}
+
 // LeaseTTL is how long a registry entry outlives its holder's last word.
 const LeaseTTL = 5 * time.Second
 

@@ -32,6 +32,10 @@ import (
 // catalogBucket holds ref string → JSON api.Layer.
 const catalogBucket = "layers"
 
+// Buckets are the store buckets of layers (the catalog, the indexes and
+// blobs of layers read on demand): edges write them too (snapshots).
+var Buckets = []string{catalogBucket, indexBucket, blobsBucket}
+
 // Defaults for BuildOptions limits left at zero.
 const (
 	DefaultMaxBytes = 32 << 30

@@ -107,7 +107,7 @@ func OpenEtcd(cfg EtcdConfig) (*Etcd, error) {
 func (e *Etcd) Ping(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, e.opTO)
 	defer cancel()
-	_, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.GetResponse, error) { return e.c.Get(ctx, e.prefix+"ping") })
+	_, err := again(ctx, e.try, func(ctx context.Context) (*clientv3.GetResponse, error) { return e.c.Get(ctx, e.prefix+EtcdPingKey) })
 	return e.classify(err)
 }
 
@@ -138,6 +138,8 @@ func (e *Etcd) classify(err error) error {
 		return errdefs.Invalid("control-plane store (etcd) refused the request: %v", err)
 	case codes.ResourceExhausted: // the database is full (its space quota)
 		return errdefs.Exhausted("control-plane store (etcd) is out of space: %v", err)
+	case codes.PermissionDenied, codes.Unauthenticated: // etcd's authentication: this process's user may not
+		return errdefs.Unavailable("control-plane store (etcd) refused this process (its user's role in etcd; dsec cluster etcd-auth sets them): %v", err)
 	}
 	return errdefs.Unavailable("control-plane store (etcd) unreachable or without quorum: %v", err)
 }

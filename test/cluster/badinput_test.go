@@ -43,7 +43,7 @@ func TestBadProcesses(t *testing.T) {
 	need(t)
 	dupState := filepath.Join(c.dir, "dup-state")
 	runFails(t, "held by another live process", append([]string{"edge", "--listen", "127.0.0.29:" + freePort("127.0.0.29"),
-		"--node-name", "e1", "--state-dir", dupState, "--sandbox-cidr", "10.253.0.0/24"}, c.common()...)...)
+		"--node-name", "e1", "--state-dir", dupState, "--sandbox-cidr", "10.253.0.0/24"}, c.common("edge")...)...)
 	if _, err := os.Stat(filepath.Join(dupState, "edge")); err == nil {
 		t.Errorf("the refused edge made its state dir")
 	}
@@ -53,7 +53,7 @@ func TestBadProcesses(t *testing.T) {
 	// A second edge on e1's state dir (under another name and address):
 	// refused before it claims anything, e1 untouched.
 	runFails(t, "is in use by process", append([]string{"edge", "--listen", "127.0.0.29:" + freePort("127.0.0.29"),
-		"--node-name", "e1-again", "--state-dir", filepath.Join(c.dir, "e1"), "--sandbox-cidr", "10.253.0.0/24"}, c.common()...)...)
+		"--node-name", "e1-again", "--state-dir", filepath.Join(c.dir, "e1"), "--sandbox-cidr", "10.253.0.0/24"}, c.common("edge")...)...)
 	if err := c.waitNodes(10*time.Second, "e1"); err != nil {
 		t.Fatalf("the live e1 suffered from an edge on its state dir: %v", err)
 	}
@@ -81,7 +81,12 @@ func TestBadProcesses(t *testing.T) {
 	// etcd's TLS port named as plain http.
 	runFails(t, "serves TLS: give https:// endpoints", "server", "--listen", "127.0.0.1:"+freePort("127.0.0.1"),
 		"--etcd", strings.ReplaceAll(strings.Join(c.etcd.Endpoints(), ","), "https://", "http://"), "--cluster", c.clusterDir(), "--layers", c.layersDir())
-	// An empty etcd (a fresh prefix) and no --api-key.
+	// An empty etcd (a fresh prefix, which etcd's roles must cover too)
+	// and no --api-key.
+	if out, err := exec.Command(c.bin, "cluster", "etcd-auth", "--etcd", strings.Join(c.etcd.Endpoints(), ","), "--etcd-prefix", "/fresh/",
+		"--cluster", c.clusterDir(), "--root-password-file", c.rootPasswordFile()).CombinedOutput(); err != nil || !strings.Contains(string(out), "was on already") {
+		t.Fatalf("etcd-auth for a second prefix: %v %s", err, out)
+	}
 	runFails(t, "start the first server with --api-key", append([]string{"server", "--listen", "127.0.0.1:" + freePort("127.0.0.1"),
 		"--etcd", strings.Join(c.etcd.Endpoints(), ","), "--etcd-prefix", "/fresh/", "--cluster", otherCluster, "--layers", filepath.Join(c.dir, "fresh-layers")}, etcdFiles...)...)
 	if _, err := os.Stat(filepath.Join(c.dir, "fresh-layers")); err == nil {
@@ -91,7 +96,7 @@ func TestBadProcesses(t *testing.T) {
 	runFails(t, "--etcd is required", "server", "--cluster", c.clusterDir(), "--layers", c.layersDir())
 	runFails(t, "etcd", "server", "--listen", "127.0.0.1:"+freePort("127.0.0.1"), "--etcd", "http://127.0.0.1:"+freePort("127.0.0.1"),
 		"--cluster", c.clusterDir(), "--layers", c.layersDir())
-	runFails(t, "--advertise", append([]string{"edge", "--listen", "0.0.0.0:7999", "--node-name", "x9", "--state-dir", dupState}, c.common()...)...)
+	runFails(t, "--advertise", append([]string{"edge", "--listen", "0.0.0.0:7999", "--node-name", "x9", "--state-dir", dupState}, c.common("edge")...)...)
 }
 
 // TestBadRequests: ids naming unknown nodes, malformed ids, a stale page

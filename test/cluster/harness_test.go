@@ -173,13 +173,19 @@ func (e *env) setup() error {
 		ClientCert: filepath.Join(e.clusterDir(), "etcd-client.pem"), ClientKey: filepath.Join(e.clusterDir(), "etcd-client-key.pem")}); err != nil {
 		return err
 	}
+	// etcd's authentication on, as docs/operating.md says: edges may
+	// touch only what they use.
+	if out, err := exec.Command(e.bin, "cluster", "etcd-auth", "--etcd", strings.Join(e.etcd.Endpoints(), ","), "--cluster", e.clusterDir(),
+		"--root-password-file", e.rootPasswordFile()).CombinedOutput(); err != nil {
+		return fmt.Errorf("cluster etcd-auth: %v: %s", err, out)
+	}
 	for i := range 2 {
 		addr := "127.0.0.1:" + freePort("127.0.0.1")
 		args := []string{"server", "--listen", addr}
 		if i == 0 {
 			args = append(args, "--api-key", adminKey)
 		}
-		p := &proc{name: fmt.Sprintf("s%d", i), addr: addr, args: append(args, e.common()...),
+		p := &proc{name: fmt.Sprintf("s%d", i), addr: addr, args: append(args, e.common("server")...),
 			log: filepath.Join(e.dir, fmt.Sprintf("s%d.log", i))}
 		e.servers = append(e.servers, p)
 		if err := p.start(e.bin); err != nil {
@@ -208,7 +214,7 @@ func (e *env) setup() error {
 				"--node-labels", "zone=z1", "--warm-pool-max", "0", "--max-sandboxes", "200",
 				"--metrics-listen", "127.0.0.1:" + freePort("127.0.0.1")}
 		}
-		p := &proc{name: fmt.Sprintf("e%d", i+1), addr: listen, args: append(args, e.common()...),
+		p := &proc{name: fmt.Sprintf("e%d", i+1), addr: listen, args: append(args, e.common("edge")...),
 			log: filepath.Join(e.dir, fmt.Sprintf("e%d.log", i+1))}
 		e.edges = append(e.edges, p)
 		if err := p.start(e.bin); err != nil {
@@ -248,9 +254,12 @@ func (e *env) setup() error {
 func (e *env) clusterDir() string { return filepath.Join(e.dir, "cluster") }
 func (e *env) layersDir() string  { return filepath.Join(e.dir, "layers") }
 
-// common are the flags every daemon gets.
-func (e *env) common() []string {
-	return []string{"--etcd", strings.Join(e.etcd.Endpoints(), ","), "--cluster", e.clusterDir(),
+func (e *env) rootPasswordFile() string { return filepath.Join(e.dir, "etcd-root-password") }
+
+// common are the flags every daemon of role ("server", "edge") gets: its
+// role's directory, as a machine of that role has.
+func (e *env) common(role string) []string {
+	return []string{"--etcd", strings.Join(e.etcd.Endpoints(), ","), "--cluster", filepath.Join(e.clusterDir(), role),
 		"--layers", e.layersDir(), "--log-level", "debug"}
 }
 

@@ -8,7 +8,6 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
-	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -21,6 +20,9 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
 )
 
 // Binary finds the etcd server binary, or says what to install.
@@ -396,25 +398,26 @@ func (c *Cluster) Leader(within time.Duration) (int, error) {
 	}
 }
 
-// status asks a member, over etcd's JSON gateway, for its id and the
-// id of the leader it follows.
+// status asks a member for its id and the id of the leader it follows
+// (over gRPC: etcd's JSON gateway ignores client certificates, which
+// etcd's authentication needs).
 func (c *Cluster) status(hostport string) (id, leader string, err error) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, "POST", c.scheme()+hostport+"/v3/maintenance/status", strings.NewReader("{}"))
-	resp, err := c.hc.Do(req)
+	var cfg *tls.Config
+	if c.tls != nil {
+		if cfg, err = c.tls.clientConfig(); err != nil {
+			return "", "", err
+		}
+	}
+	cl, err := clientv3.New(clientv3.Config{Endpoints: []string{c.scheme() + hostport}, DialTimeout: time.Second, TLS: cfg, Logger: zap.NewNop()})
 	if err != nil {
 		return "", "", err
 	}
-	defer resp.Body.Close()
-	var st struct {
-		Header struct {
-			MemberID string `json:"member_id"`
-		} `json:"header"`
-		Leader string `json:"leader"`
-	}
-	if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
+	defer cl.Close()
+	st, err := cl.Status(ctx, c.scheme()+hostport)
+	if err != nil {
 		return "", "", err
 	}
-	return st.Header.MemberID, st.Leader, nil
+	return strconv.FormatUint(st.Header.MemberId, 10), strconv.FormatUint(st.Leader, 10), nil
 }

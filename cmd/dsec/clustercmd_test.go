@@ -1,0 +1,61 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/dsecproject/dsec/internal/cluster"
+)
+
+// TestRootPassword: etcd's root password is read from its file, or made
+// and written there (0600) when there is none; a short one is refused.
+func TestRootPassword(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "pw")
+	pw, made, err := rootPassword(path)
+	if err != nil || !made || len(pw) < 32 {
+		t.Fatalf("new: %q %v %v", pw, made, err)
+	}
+	if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("written: %v %v", fi, err)
+	}
+	again, made, err := rootPassword(path)
+	if err != nil || made || again != pw {
+		t.Fatalf("read back: %q %v %v, want %q", again, made, err, pw)
+	}
+	short := filepath.Join(t.TempDir(), "short")
+	if err := os.WriteFile(short, []byte("abc\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := rootPassword(short); err == nil || !strings.Contains(err.Error(), "at least 12") {
+		t.Fatalf("short: %v", err)
+	}
+}
+
+// TestEtcdUsers: apiservers get the whole prefix; edges only their
+// buckets, never IAM's, idempotency's or quotas'.
+func TestEtcdUsers(t *testing.T) {
+	users := etcdUsers()
+	if len(users) != 2 || users[0].Name != cluster.EtcdServerUser || !users[0].All {
+		t.Fatalf("users %+v", users)
+	}
+	edge := users[1]
+	if edge.Name != cluster.EtcdEdgeUser || edge.All {
+		t.Fatalf("edge user %+v", edge)
+	}
+	have := map[string]bool{}
+	for _, g := range edge.Grants {
+		have[g.Bucket+g.Key] = true
+	}
+	for _, b := range []string{"cluster_nodes", "cluster_abandoned", "cluster", "layers", "ping"} {
+		if !have[b] {
+			t.Errorf("edges may not use %s", b)
+		}
+	}
+	for _, b := range []string{"iam_keys", "iam_projects", "iam_audit", "idempotency", "quota", "e2b", "cluster_servers"} {
+		if have[b] {
+			t.Errorf("edges may use %s", b)
+		}
+	}
+}

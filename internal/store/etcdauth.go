@@ -1,0 +1,169 @@
+package store
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+	"google.golang.org/grpc/codes"
+)
+
+// EtcdPingKey is the key (under the prefix) Ping reads.
+const EtcdPingKey = "ping"
+
+// EtcdGrant is a permission of an etcd role: the keys of Bucket (a bucket
+// of this store), or the one key Key (under the prefix); read or
+// read-write.
+type EtcdGrant struct {
+	Bucket, Key string
+	Write       bool
+}
+
+// EtcdUser is a user of etcd's authentication: its name is the common
+// name of its client certificate, and a role of the same name holds its
+// grants. All gives it every key of the prefix.
+type EtcdUser struct {
+	Name   string
+	All    bool
+	Grants []EtcdGrant
+}
+
+// EnsureEtcdAuth turns etcd's authentication on for users, as a role of
+// each one's name holding exactly its grants under cfg.Prefix
+// (permissions under it that it held before and no longer should are
+// revoked; those of other prefixes are left), and a root user with
+// rootPassword.
+// Run again, it updates the roles: the first time it connects as cfg
+// says (its client certificate), afterwards as root. It reports whether
+// authentication was off before.
+func EnsureEtcdAuth(cfg EtcdConfig, rootPassword string, users []EtcdUser) (turnedOn bool, err error) {
+	if cfg.Prefix == "" {
+		cfg.Prefix = "/dsec/"
+	}
+	c, err := etcdAdminClient(cfg, "", "")
+	if err != nil {
+		return false, err
+	}
+	defer func() {
+		if c != nil {
+			_ = c.Close()
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	// With authentication off anyone may list users; with it on, only
+	// root.
+	_, lerr := c.UserList(ctx)
+	switch {
+	case lerr == nil:
+		turnedOn = true
+	case slices.Contains([]codes.Code{codes.PermissionDenied, codes.Unauthenticated, codes.InvalidArgument, codes.FailedPrecondition}, code(lerr)):
+		_ = c.Close()
+		if c, err = etcdAdminClient(cfg, "root", rootPassword); err != nil {
+			c = nil
+			return false, fmt.Errorf("etcd's authentication is on: logging in as root: %w", err)
+		}
+	default:
+		return false, fmt.Errorf("etcd %v: %w", cfg.Endpoints, lerr)
+	}
+	if turnedOn {
+		if _, err := c.UserAdd(ctx, "root", rootPassword); errors.Is(err, rpctypes.ErrUserAlreadyExist) {
+			if _, err := c.UserChangePassword(ctx, "root", rootPassword); err != nil {
+				return false, fmt.Errorf("setting root's password: %w", err)
+			}
+		} else if err != nil {
+			return false, fmt.Errorf("adding root: %w", err)
+		}
+		if _, err := c.UserGrantRole(ctx, "root", "root"); err != nil && !errors.Is(err, rpctypes.ErrRoleNotFound) {
+			return false, fmt.Errorf("granting root its role: %w", err)
+		}
+	}
+	for _, u := range users {
+		if err := ensureEtcdUser(ctx, c, cfg.Prefix, u); err != nil {
+			return false, fmt.Errorf("etcd user %s: %w", u.Name, err)
+		}
+	}
+	if turnedOn {
+		if _, err := c.AuthEnable(ctx); err != nil {
+			return false, fmt.Errorf("turning etcd's authentication on: %w", err)
+		}
+	}
+	return turnedOn, nil
+}
+
+func etcdAdminClient(cfg EtcdConfig, user, password string) (*clientv3.Client, error) {
+	if cfg.DialTimeout <= 0 {
+		cfg.DialTimeout = 5 * time.Second
+	}
+	c, err := clientv3.New(clientv3.Config{Endpoints: cfg.Endpoints, DialTimeout: cfg.DialTimeout, TLS: cfg.TLS,
+		Username: user, Password: password, Logger: zap.NewNop()})
+	if err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+type etcdPerm struct {
+	key, end string
+	typ      clientv3.PermissionType
+}
+
+func ensureEtcdUser(ctx context.Context, c *clientv3.Client, prefix string, u EtcdUser) error {
+	var want []etcdPerm
+	rw, ro := clientv3.PermissionType(clientv3.PermReadWrite), clientv3.PermissionType(clientv3.PermRead)
+	if u.All {
+		want = append(want, etcdPerm{prefix, clientv3.GetPrefixRangeEnd(prefix), rw})
+	}
+	for _, g := range u.Grants {
+		p := etcdPerm{typ: ro}
+		if g.Write {
+			p.typ = rw
+		}
+		if g.Bucket != "" {
+			p.key = prefix + g.Bucket + "/"
+			p.end = clientv3.GetPrefixRangeEnd(p.key)
+		} else {
+			p.key = prefix + g.Key
+		}
+		want = append(want, p)
+	}
+	if _, err := c.RoleAdd(ctx, u.Name); err != nil && !errors.Is(err, rpctypes.ErrRoleAlreadyExist) {
+		return err
+	}
+	role, err := c.RoleGet(ctx, u.Name)
+	if err != nil {
+		return err
+	}
+	for _, p := range role.Perm {
+		// Another prefix's (another cluster on this etcd) are its own.
+		if have := (etcdPerm{string(p.Key), string(p.RangeEnd), clientv3.PermissionType(p.PermType)}); strings.HasPrefix(have.key, prefix) && !slices.Contains(want, have) {
+			if _, err := c.RoleRevokePermission(ctx, u.Name, have.key, have.end); err != nil {
+				return err
+			}
+		}
+	}
+	for _, p := range want {
+		if _, err := c.RoleGrantPermission(ctx, u.Name, p.key, p.end, p.typ); err != nil {
+			return err
+		}
+	}
+	// The user logs in with its certificate; the password is there
+	// because etcd 3.4 wants one, and nobody knows it.
+	var b [24]byte
+	_, _ = rand.Read(b[:])
+	if _, err := c.UserAdd(ctx, u.Name, hex.EncodeToString(b[:])); err != nil && !errors.Is(err, rpctypes.ErrUserAlreadyExist) {
+		return err
+	}
+	if _, err := c.UserGrantRole(ctx, u.Name, u.Name); err != nil {
+		return err
+	}
+	return nil
+}

@@ -1,0 +1,98 @@
+package cluster
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dsecproject/dsec/internal/cluster"
+	"github.com/dsecproject/dsec/internal/store"
+)
+
+// TestEtcdRoles: with etcd's authentication on (the harness ran dsec
+// cluster etcd-auth), the certificate an edge's machine holds reaches its
+// own buckets and nothing else of the cluster: not the API keys, not the
+// idempotency records, not quotas. The apiservers' reaches everything.
+func TestEtcdRoles(t *testing.T) {
+	need(t)
+	open := func(role string) *store.Etcd {
+		t.Helper()
+		tr, err := cluster.Load(filepath.Join(c.clusterDir(), role))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := tr.EtcdTLS(cluster.EtcdTLSFiles{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, err := store.OpenEtcd(store.EtcdConfig{Endpoints: c.etcd.Endpoints(), TLS: cfg, OpTimeout: 2 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { st.Close() })
+		return st
+	}
+	edge, server := open("edge"), open("server")
+	keys, err := server.List("iam_keys", "")
+	if err != nil || len(keys) == 0 {
+		t.Fatalf("the apiservers' user listing API keys: %d, %v", len(keys), err)
+	}
+	for _, bucket := range []string{"iam_keys", "iam_projects", "idempotency", "quota", "e2b", "cluster_servers"} {
+		if kvs, err := edge.List(bucket, ""); err == nil {
+			t.Errorf("an edge's user listed %s: %d keys", bucket, len(kvs))
+		} else if !strings.Contains(err.Error(), "refused this process") {
+			t.Errorf("an edge's user listing %s: %v, want etcd's refusal", bucket, err)
+		}
+	}
+	if _, err := edge.Get("iam_keys", keys[0].Key); err == nil {
+		t.Error("an edge's user read an API key's record")
+	}
+	if err := edge.Put("iam_keys", "forged", []byte(`{"project":"root","role":"admin"}`)); err == nil {
+		t.Error("an edge's user wrote an API key")
+	}
+	if _, err := server.Get("iam_keys", "forged"); err == nil {
+		t.Fatal("the forged key is in etcd")
+	}
+	if err := edge.Put("", "top", []byte("x")); err == nil {
+		t.Error("an edge's user wrote outside the buckets")
+	}
+	// What an edge does use.
+	if err := edge.Ping(t.Context()); err != nil {
+		t.Errorf("an edge's user pinging: %v", err)
+	}
+	if nodes, err := edge.List("cluster_nodes", ""); err != nil || len(nodes) < 3 {
+		t.Errorf("an edge's user listing the registry: %d, %v", len(nodes), err)
+	}
+	if _, err := edge.List("layers", ""); err != nil {
+		t.Errorf("an edge's user listing the layer catalog: %v", err)
+	}
+
+	// Run again: the roles are set anew, and root's password must match.
+	args := []string{"cluster", "etcd-auth", "--etcd", strings.Join(c.etcd.Endpoints(), ","), "--cluster", c.clusterDir()}
+	out, err := exec.Command(c.bin, append(args, "--root-password-file", c.rootPasswordFile())...).CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "was on already") {
+		t.Fatalf("etcd-auth again: %v %s", err, out)
+	}
+	wrong := filepath.Join(t.TempDir(), "pw")
+	if err := os.WriteFile(wrong, []byte("not-the-root-password\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command(c.bin, append(args, "--root-password-file", wrong)...).CombinedOutput(); err == nil || !strings.Contains(string(out), "authentication failed") {
+		t.Fatalf("etcd-auth with a wrong root password: %v %s", err, out)
+	}
+	// An edge's directory cannot turn itself into an apiserver's user.
+	edgeArgs := []string{"cluster", "etcd-auth", "--etcd", strings.Join(c.etcd.Endpoints(), ","), "--cluster", filepath.Join(c.clusterDir(), "edge"),
+		"--root-password-file", filepath.Join(t.TempDir(), "new")}
+	if out, err := exec.Command(c.bin, edgeArgs...).CombinedOutput(); err == nil || !strings.Contains(string(out), "logging in as root: etcdserver: authentication failed") {
+		t.Fatalf("etcd-auth from an edge's directory and a new password: %v %s", err, out)
+	}
+	if _, err := os.Stat(edgeArgs[len(edgeArgs)-1]); err == nil {
+		t.Error("a refused etcd-auth left the password it made")
+	}
+	if _, err := edge.List("iam_keys", ""); err == nil {
+		t.Error("after the attempts, an edge's user lists API keys")
+	}
+}
