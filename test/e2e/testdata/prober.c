@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
@@ -854,11 +855,38 @@ static int p_i386_mount_tmpfs(char *d, size_t n)
 	return int80ret(ret);
 }
 
+/* tracer_of is the TracerPid /proc says pid has (-1: unknown). */
+static long tracer_of(pid_t pid)
+{
+	char path[64], line[256];
+	snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+	FILE *f = fopen(path, "r");
+	if (!f)
+		return -1;
+	long t = -1;
+	while (fgets(line, sizeof line, f))
+		if (sscanf(line, "TracerPid: %ld", &t) == 1)
+			break;
+	fclose(f);
+	return t;
+}
+
 static int p_i386_ptrace_attach_child(char *d, size_t n)
 {
 	pid_t c = sleeper();
 	int r = int80ret(int80(I386_PTRACE, P_PTRACE_ATTACH, c, 0));
 	int e = errno;
+	/* A 0 from a call that did not attach was another call (a sandbox
+	 * that takes int $0x80 as a 64-bit call runs msync for 26). */
+	if (r == 0) {
+		usleep(10000);
+		long t = tracer_of(c);
+		if (t != (long)getpid()) {
+			snprintf(d, n, "(int $0x80 returned 0, but the child's TracerPid is %ld: another call ran)", t);
+			r = -1;
+			e = ENOSYS;
+		}
+	}
 	reap(c);
 	errno = e;
 	return r;
@@ -885,17 +913,28 @@ static int p_x32_unshare_newuser(char *d, size_t n)
 
 /* i386 has socket(2) itself (since Linux 4.3) and the older socketcall(2),
  * whose arguments are in memory where seccomp cannot read them. */
-static int i386_sock_ret(long r)
+/* i386_sock_ret: r from an i386 socket call for an AF_VSOCK socket. A
+ * result that is not such a socket was another call (a kernel or sandbox
+ * that takes int $0x80 as a 64-bit call runs the 64-bit call of that
+ * number: getuid for socketcall), and counts as refused. */
+static int i386_sock_ret(long r, char *d, size_t n)
 {
 	if (int80ret(r) < 0)
 		return -1;
+	int domain = -1;
+	socklen_t len = sizeof domain;
+	if (getsockopt((int)r, SOL_SOCKET, SO_DOMAIN, &domain, &len) < 0 || domain != P_AF_VSOCK) {
+		snprintf(d, n, "(int $0x80 returned %ld, not a vsock socket: another call ran)", r);
+		errno = ENOSYS;
+		return -1;
+	}
 	close((int)r);
 	return 0;
 }
 
 static int p_i386_socket_vsock(char *d, size_t n)
 {
-	return i386_sock_ret(int80(I386_SOCKET, P_AF_VSOCK, P_SOCK_STREAM, 0));
+	return i386_sock_ret(int80(I386_SOCKET, P_AF_VSOCK, P_SOCK_STREAM, 0), d, n);
 }
 
 static int p_i386_socketcall_vsock(char *d, size_t n)
@@ -908,7 +947,7 @@ static int p_i386_socketcall_vsock(char *d, size_t n)
 	g_sockargs[0] = P_AF_VSOCK;
 	g_sockargs[1] = P_SOCK_STREAM;
 	g_sockargs[2] = 0;
-	return i386_sock_ret(int80(I386_SOCKETCALL, P_SYS_SOCKET, (long)(uintptr_t)g_sockargs, 0));
+	return i386_sock_ret(int80(I386_SOCKETCALL, P_SYS_SOCKET, (long)(uintptr_t)g_sockargs, 0), d, n);
 }
 
 static int p_x32_socket_vsock(char *d, size_t n)
