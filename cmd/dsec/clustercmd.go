@@ -61,12 +61,15 @@ func runCluster(args []string) error {
 
 // etcdUsers are dsec's users of etcd: apiservers may use every key of the
 // prefix, an edge its buckets and the ping key.
-func etcdUsers() []store.EtcdUser {
-	edge := store.EtcdUser{Name: cluster.EtcdEdgeUser, Grants: []store.EtcdGrant{{Key: store.EtcdPingKey}}}
+func etcdUsers(id string) []store.EtcdUser {
+	edge := store.EtcdUser{Name: cluster.EtcdEdgeUser(id), Grants: []store.EtcdGrant{{Key: store.EtcdPingKey}}}
+	for _, b := range cluster.EdgeReadBuckets {
+		edge.Grants = append(edge.Grants, store.EtcdGrant{Bucket: b})
+	}
 	for _, b := range append(slices.Clone(cluster.EdgeBuckets), layer.Buckets...) {
 		edge.Grants = append(edge.Grants, store.EtcdGrant{Bucket: b, Write: true})
 	}
-	return []store.EtcdUser{{Name: cluster.EtcdServerUser, All: true}, edge}
+	return []store.EtcdUser{{Name: cluster.EtcdServerUser(id), All: true}, edge}
 }
 
 // runEtcdAuth is `dsec cluster etcd-auth`.
@@ -75,10 +78,10 @@ func runEtcdAuth(args []string) error {
 	var pwFile string
 	f := newCmdFlags("cluster etcd-auth", "--etcd URLS --cluster DIR --root-password-file FILE [flags]",
 		"Turn etcd's authentication on for this cluster: apiservers (etcd user\n"+
-			cluster.EtcdServerUser+") may use every key of --etcd-prefix, edges ("+cluster.EtcdEdgeUser+") only\n"+
-			"the node registry, the layer catalog and what else an edge writes: an\n"+
-			"edge's machine can then not read or write IAM, idempotency records or\n"+
-			"quotas. Each logs in with the etcd-client.pem of its role's directory\n"+
+			"dsec-server-ID) may use every key of --etcd-prefix, edges (dsec-edge-ID)\n"+
+			"only the node registry, the layer buckets and what else an edge uses:\n"+
+			"an edge's machine can then not read or write IAM, idempotency records\n"+
+			"or quotas. Each logs in with the etcd-client.pem of its role's directory\n"+
 			"(etcd must require client certificates: https://). etcd's root user\n"+
 			"gets the password in FILE, written (0600) if FILE does not exist. Run\n"+
 			"again (with the same FILE) after an upgrade: it sets the roles anew.")
@@ -113,12 +116,17 @@ func runEtcdAuth(args []string) error {
 	if err != nil {
 		return err
 	}
-	on, err := store.EnsureEtcdAuth(store.EtcdConfig{Endpoints: eps, Prefix: c.etcdPrefix, TLS: tlsCfg}, pw, etcdUsers())
+	users := etcdUsers(trust.Info.ID)
+	on, err := store.EnsureEtcdAuth(store.EtcdConfig{Endpoints: eps, Prefix: c.etcdPrefix, TLS: tlsCfg}, pw, users)
 	if err != nil {
-		if made {
-			// Not root's password (authentication was on already), or
-			// not yet: the next run makes another.
+		switch {
+		case made && errors.Is(err, store.ErrEtcdRootLogin):
+			// Authentication was on already, with another password:
+			// the one made here is nobody's.
 			_ = os.Remove(pwFile)
+		case made:
+			// etcd may have taken it (an answer lost after the change).
+			err = fmt.Errorf("%w (the root password made for this run is kept in %s: etcd may hold it)", err, pwFile)
 		}
 		return err
 	}
@@ -126,9 +134,9 @@ func runEtcdAuth(args []string) error {
 		fmt.Printf("wrote a new root password for etcd to %s\n", pwFile)
 	}
 	if on {
-		fmt.Printf("etcd's authentication is on: %s may use %s*, %s only what an edge uses; root's password is in %s\n", cluster.EtcdServerUser, c.etcdPrefix, cluster.EtcdEdgeUser, pwFile)
+		fmt.Printf("etcd's authentication is on: %s may use %s*, %s only what an edge uses; root's password is in %s\n", users[0].Name, c.etcdPrefix, users[1].Name, pwFile)
 	} else {
-		fmt.Printf("etcd's authentication was on already: the roles of %s and %s are set anew\n", cluster.EtcdServerUser, cluster.EtcdEdgeUser)
+		fmt.Printf("etcd's authentication was on already: the roles of %s and %s are set anew\n", users[0].Name, users[1].Name)
 	}
 	return nil
 }

@@ -36,21 +36,27 @@ func TestRootPassword(t *testing.T) {
 // TestEtcdUsers: apiservers get the whole prefix; edges only their
 // buckets, never IAM's, idempotency's or quotas'.
 func TestEtcdUsers(t *testing.T) {
-	users := etcdUsers()
-	if len(users) != 2 || users[0].Name != cluster.EtcdServerUser || !users[0].All {
+	users := etcdUsers("c1")
+	if len(users) != 2 || users[0].Name != cluster.EtcdServerUser("c1") || !users[0].All || users[0].Name != "dsec-server-c1" {
 		t.Fatalf("users %+v", users)
 	}
 	edge := users[1]
-	if edge.Name != cluster.EtcdEdgeUser || edge.All {
+	if edge.Name != cluster.EtcdEdgeUser("c1") || edge.All {
 		t.Fatalf("edge user %+v", edge)
 	}
-	have := map[string]bool{}
+	have, writes := map[string]bool{}, map[string]bool{}
 	for _, g := range edge.Grants {
 		have[g.Bucket+g.Key] = true
+		writes[g.Bucket+g.Key] = g.Write
 	}
 	for _, b := range []string{"cluster_nodes", "cluster_abandoned", "cluster", "layers", "ping"} {
 		if !have[b] {
 			t.Errorf("edges may not use %s", b)
+		}
+	}
+	for _, b := range []string{"cluster", "ping"} {
+		if writes[b] {
+			t.Errorf("edges may write %s", b)
 		}
 	}
 	for _, b := range []string{"iam_keys", "iam_projects", "iam_audit", "idempotency", "quota", "e2b", "cluster_servers"} {

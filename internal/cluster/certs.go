@@ -64,13 +64,14 @@ const (
 	EtcdServerKey  = "etcd-key.pem"
 )
 
-// The common names of the roles' etcd client certificates: the user
-// names etcd sees when its authentication is on (dsec cluster etcd-auth
-// gives edges only what they use).
-const (
-	EtcdServerUser = "dsec-server"
-	EtcdEdgeUser   = "dsec-edge"
-)
+// EtcdServerUser and EtcdEdgeUser are the common names of the roles'
+// etcd client certificates of cluster id: the user names etcd sees when
+// its authentication is on (dsec cluster etcd-auth gives edges only what
+// they use). The id keeps apart the users of clusters sharing one etcd.
+func EtcdServerUser(id string) string { return "dsec-server-" + id }
+
+// EtcdEdgeUser: see EtcdServerUser.
+func EtcdEdgeUser(id string) string { return "dsec-edge-" + id }
 
 // Info identifies a cluster.
 type Info struct {
@@ -162,11 +163,11 @@ func Init(dir string, opt InitOptions) (Info, error) {
 	if err != nil {
 		return Info{}, fmt.Errorf("making the edge certificate: %w", err)
 	}
-	etcdServerDER, etcdServerPriv, err := leaf(EtcdServerUser, nil, nil, []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth})
+	etcdServerDER, etcdServerPriv, err := leaf(EtcdServerUser(info.ID), nil, nil, []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth})
 	if err != nil {
 		return Info{}, fmt.Errorf("making the apiservers' etcd client certificate: %w", err)
 	}
-	etcdEdgeDER, etcdEdgePriv, err := leaf(EtcdEdgeUser, nil, nil, []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth})
+	etcdEdgeDER, etcdEdgePriv, err := leaf(EtcdEdgeUser(info.ID), nil, nil, []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth})
 	if err != nil {
 		return Info{}, fmt.Errorf("making the edges' etcd client certificate: %w", err)
 	}

@@ -62,7 +62,7 @@ func TestInitEtcdHosts(t *testing.T) {
 			t.Fatalf("%s/ etcd client pair: %v", role, err)
 		}
 		leaf, _ := x509.ParseCertificate(pair.Certificate[0])
-		if want := map[string]string{"server": EtcdServerUser, "edge": EtcdEdgeUser}[role]; leaf.Subject.CommonName != want {
+		if want := map[string]string{"server": EtcdServerUser(tr.Info.ID), "edge": EtcdEdgeUser(tr.Info.ID)}[role]; leaf.Subject.CommonName != want {
 			t.Errorf("%s/%s is %q to etcd, want %q", role, EtcdClientCert, leaf.Subject.CommonName, want)
 		}
 	}

@@ -28,12 +28,16 @@ const (
 	bucketMeta    = "cluster"         // id, layers: the cluster's identity
 )
 
-// EdgeBuckets are the buckets of this package an edge reads and writes:
-// its registry entry, the abandoned tokens it sweeps, and the cluster's
-// identity (which the first process of a cluster writes). With etcd's
-// authentication on (dsec cluster etcd-auth) an edge may use these, the
-// layer buckets (layer.Buckets) and the ping key, and nothing else.
-var EdgeBuckets = []string{bucketNodes, bucketAbandoned, bucketMeta}
+// EdgeBuckets are the buckets of this package an edge reads and writes
+// (its registry entry, the abandoned tokens it sweeps), EdgeReadBuckets
+// those it only reads (the cluster's identity, which an apiserver writes
+// first when etcd's authentication is on). With it on (dsec cluster
+// etcd-auth) an edge may use these, the layer buckets (layer.Buckets) and
+// the ping key, and nothing else.
+var (
+	EdgeBuckets     = []string{bucketNodes, bucketAbandoned}
+	EdgeReadBuckets = []string{bucketMeta}
+)
 
 // LeaseTTL is how long a registry entry outlives its holder's last word.
 const LeaseTTL = 5 * time.Second
@@ -268,18 +272,26 @@ const layersIDFile = ".dsec-cluster"
 // here with a clear error instead of serving layers nobody else sees.
 func Join(st store.Store, t *Trust, layersDir string) error {
 	id := t.Info.ID
-	switch err := st.Create(bucketMeta, "id", []byte(id)); {
-	case err == nil:
-	case errors.Is(err, errdefs.ErrAlreadyExists):
-		got, err := st.Get(bucketMeta, "id")
-		if err != nil {
-			return fmt.Errorf("reading the cluster id from etcd: %w", err)
+	// Read first: an edge may only read the cluster's identity when
+	// etcd's authentication is on (and etcd asks for write permission
+	// for a create even where the key exists).
+	got, err := st.Get(bucketMeta, "id")
+	if errors.Is(err, errdefs.ErrNotFound) {
+		switch err := st.Create(bucketMeta, "id", []byte(id)); {
+		case err == nil:
+			got = []byte(id)
+		case errors.Is(err, errdefs.ErrAlreadyExists):
+			if got, err = st.Get(bucketMeta, "id"); err != nil {
+				return fmt.Errorf("reading the cluster id from etcd: %w", err)
+			}
+		default:
+			return fmt.Errorf("recording the cluster id in etcd (with etcd's authentication on, an apiserver claims a new cluster, not an edge): %w", err)
 		}
-		if string(got) != id {
-			return errdefs.Precondition("etcd belongs to cluster %s, but --cluster is cluster %s: give every process the same cluster directory (or another --etcd / --etcd-prefix)", got, id)
-		}
-	default:
-		return fmt.Errorf("recording the cluster id in etcd: %w", err)
+	} else if err != nil {
+		return fmt.Errorf("reading the cluster id from etcd: %w", err)
+	}
+	if string(got) != id {
+		return errdefs.Precondition("etcd belongs to cluster %s, but --cluster is cluster %s: give every process the same cluster directory (or another --etcd / --etcd-prefix)", got, id)
 	}
 	path := filepath.Join(layersDir, layersIDFile)
 	local, err := readLayersID(path)
@@ -301,7 +313,7 @@ func Join(st store.Store, t *Trust, layersDir string) error {
 			}
 		}
 		if err := st.Create(bucketMeta, "layers", []byte(local)); err != nil && !errors.Is(err, errdefs.ErrAlreadyExists) {
-			return fmt.Errorf("recording the layer directory in etcd: %w", err)
+			return fmt.Errorf("recording the layer directory in etcd (with etcd's authentication on, an apiserver claims a new cluster, not an edge): %w", err)
 		}
 		if want, err = st.Get(bucketMeta, "layers"); err != nil {
 			return fmt.Errorf("reading the layer directory's id from etcd: %w", err)

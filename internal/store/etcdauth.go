@@ -16,6 +16,10 @@ import (
 	"google.golang.org/grpc/codes"
 )
 
+// ErrEtcdRootLogin: etcd's authentication is on and root's password was
+// refused.
+var ErrEtcdRootLogin = errors.New("etcd's authentication is on: logging in as root")
+
 // EtcdPingKey is the key (under the prefix) Ping reads.
 const EtcdPingKey = "ping"
 
@@ -48,6 +52,9 @@ func EnsureEtcdAuth(cfg EtcdConfig, rootPassword string, users []EtcdUser) (turn
 	if cfg.Prefix == "" {
 		cfg.Prefix = "/dsec/"
 	}
+	if !strings.HasSuffix(cfg.Prefix, "/") {
+		cfg.Prefix += "/" // as OpenEtcd keys them
+	}
 	c, err := etcdAdminClient(cfg, "", "")
 	if err != nil {
 		return false, err
@@ -69,7 +76,7 @@ func EnsureEtcdAuth(cfg EtcdConfig, rootPassword string, users []EtcdUser) (turn
 		_ = c.Close()
 		if c, err = etcdAdminClient(cfg, "root", rootPassword); err != nil {
 			c = nil
-			return false, fmt.Errorf("etcd's authentication is on: logging in as root: %w", err)
+			return false, fmt.Errorf("%w: %w", ErrEtcdRootLogin, err)
 		}
 	default:
 		return false, fmt.Errorf("etcd %v: %w", cfg.Endpoints, lerr)

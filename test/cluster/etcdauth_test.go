@@ -59,6 +59,18 @@ func TestEtcdRoles(t *testing.T) {
 	if err := edge.Put("", "top", []byte("x")); err == nil {
 		t.Error("an edge's user wrote outside the buckets")
 	}
+	// The cluster's identity: read, never rewritten by an edge (every
+	// process would then refuse etcd at its next start).
+	id, err := edge.Get("cluster", "id")
+	if err != nil {
+		t.Fatalf("an edge's user reading the cluster's id: %v", err)
+	}
+	if err := edge.Put("cluster", "id", []byte("forged")); err == nil {
+		t.Error("an edge's user rewrote the cluster's id")
+	}
+	if got, err := server.Get("cluster", "id"); err != nil || string(got) != string(id) {
+		t.Fatalf("the cluster's id after the attempt: %q %v", got, err)
+	}
 	// What an edge does use.
 	if err := edge.Ping(t.Context()); err != nil {
 		t.Errorf("an edge's user pinging: %v", err)
