@@ -282,6 +282,13 @@ func (c *Cluster) Endpoints() []string {
 	return out
 }
 
+// HTTPClient returns a client for the members' HTTP endpoints (/metrics,
+// /health): with the cluster's TLS when it has one.
+func (c *Cluster) HTTPClient() *http.Client {
+	hc := *c.hc
+	return &hc
+}
+
 // Pids returns the process ids of the running members.
 func (c *Cluster) Pids() []int {
 	var out []int
