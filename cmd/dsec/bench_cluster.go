@@ -234,10 +234,17 @@ func (b *benchWorld) startControlPlane(ctx context.Context, n int, env func(name
 	if out, err := exec.Command(b.bin, "cluster", "init", "--dir", cdir, "--etcd-hosts", "127.0.0.1").CombinedOutput(); err != nil {
 		return nil, nil, fmt.Errorf("cluster init: %v: %s", err, out)
 	}
+	trust, err := cluster.Load(cdir)
+	if err != nil {
+		return nil, nil, err
+	}
+	client, err := trust.EtcdTLS(cluster.EtcdTLSFiles{})
+	if err != nil {
+		return nil, nil, err
+	}
 	ed := filepath.Join(cdir, cluster.EtcdDir)
 	if b.etcd, err = etcdtest.StartTLS(filepath.Join(b.dir, "etcd"), 1, &etcdtest.TLS{
-		CA: filepath.Join(ed, "ca.pem"), Cert: filepath.Join(ed, cluster.EtcdServerCert), Key: filepath.Join(ed, cluster.EtcdServerKey),
-		ClientCert: filepath.Join(cdir, cluster.EtcdClientCert), ClientKey: filepath.Join(cdir, cluster.EtcdClientKey)}); err != nil {
+		CA: filepath.Join(ed, "ca.pem"), Cert: filepath.Join(ed, cluster.EtcdServerCert), Key: filepath.Join(ed, cluster.EtcdServerKey), Client: client}); err != nil {
 		return nil, nil, err
 	}
 	b.edgeFlags = []string{"--etcd", strings.Join(b.etcd.Endpoints(), ","), "--cluster", filepath.Join(b.dir, "cluster"), "--layers", filepath.Join(b.dir, "layers"), "--log-level", "warn"}

@@ -172,11 +172,7 @@ func Init(dir string, opt InitOptions) (Info, error) {
 		return Info{}, fmt.Errorf("making the edges' etcd client certificate: %w", err)
 	}
 	infoJSON, _ := json.MarshalIndent(info, "", "  ")
-	files := []struct {
-		name string
-		data []byte
-		mode os.FileMode
-	}{
+	files := []pemFile{
 		{caCert, pemBlock("CERTIFICATE", caDER), 0o644},
 		{caKey, pemKey(caPriv), 0o600},
 		{apiserverCert, pemBlock("CERTIFICATE", apiDER), 0o644},
@@ -189,10 +185,8 @@ func Init(dir string, opt InitOptions) (Info, error) {
 		{etcdEdgeKey, pemKey(etcdEdgePriv), 0o600},
 		{infoFile, append(infoJSON, '\n'), 0o644},
 	}
-	for _, f := range files {
-		if err := os.WriteFile(filepath.Join(dir, f.name), f.data, f.mode); err != nil {
-			return Info{}, fmt.Errorf("writing %s: %w", f.name, err)
-		}
+	if err := writeFiles(dir, files); err != nil {
+		return Info{}, err
 	}
 	if len(opt.EtcdHosts) > 0 {
 		// Members serve clients and each other with one pair: server
@@ -201,56 +195,64 @@ func Init(dir string, opt InitOptions) (Info, error) {
 		if err != nil {
 			return Info{}, fmt.Errorf("making the etcd certificate: %w", err)
 		}
-		sub := filepath.Join(dir, EtcdDir)
-		if err := os.Mkdir(sub, 0o700); err != nil {
-			return Info{}, fmt.Errorf("creating %s: %w", sub, err)
-		}
-		for _, f := range []struct {
-			name string
-			data []byte
-			mode os.FileMode
-		}{{caCert, pemBlock("CERTIFICATE", caDER), 0o644}, {EtcdServerCert, pemBlock("CERTIFICATE", der), 0o644}, {EtcdServerKey, pemKey(priv), 0o600}} {
-			if err := os.WriteFile(filepath.Join(sub, f.name), f.data, f.mode); err != nil {
-				return Info{}, fmt.Errorf("writing %s: %w", filepath.Join(EtcdDir, f.name), err)
-			}
+		if err := writeFiles(filepath.Join(dir, EtcdDir), []pemFile{{caCert, pemBlock("CERTIFICATE", caDER), 0o644},
+			{EtcdServerCert, pemBlock("CERTIFICATE", der), 0o644}, {EtcdServerKey, pemKey(priv), 0o600}}); err != nil {
+			return Info{}, err
 		}
 	}
-	// What each role's machines get: its own pair, the CA's certificate
+	// What each role's machines get: its own pairs, the CA's certificate
 	// and the id. An edge holding the apiserver key could drive every
 	// other edge; nothing that runs needs the CA's key.
+	byName := map[string]pemFile{}
+	for _, f := range files {
+		byName[f.name] = f
+	}
 	for role, names := range RoleFiles {
-		sub := filepath.Join(dir, role)
-		if err := os.Mkdir(sub, 0o700); err != nil {
-			return Info{}, fmt.Errorf("creating %s: %w", sub, err)
+		var sub []pemFile
+		for name, from := range names {
+			f := byName[from]
+			f.name = name
+			sub = append(sub, f)
 		}
-		for _, f := range files {
-			name := f.name
-			if to, ok := roleRenames[role][name]; ok {
-				name = to
-			}
-			if slices.Contains(names, name) && !slices.Contains(slices.Collect(maps.Values(roleRenames[role])), f.name) {
-				if err := os.WriteFile(filepath.Join(sub, name), f.data, f.mode); err != nil {
-					return Info{}, fmt.Errorf("writing %s: %w", filepath.Join(role, name), err)
-				}
-			}
+		if err := writeFiles(filepath.Join(dir, role), sub); err != nil {
+			return Info{}, err
 		}
 	}
 	return info, nil
 }
 
-// RoleFiles are the files of the cluster directory each role's machines
-// need, which Init also writes into a subdirectory named after the role
-// (a --cluster directory of its own): apiservers ("server") their pair,
-// edges ("edge") theirs, both the CA's certificate and cluster.json.
-var RoleFiles = map[string][]string{
-	"server": {infoFile, caCert, apiserverCert, apiserverKey, EtcdClientCert, EtcdClientKey},
-	"edge":   {infoFile, caCert, edgeCert, edgeKey, EtcdClientCert, EtcdClientKey},
+// pemFile is a file of a cluster directory.
+type pemFile struct {
+	name string
+	data []byte
+	mode os.FileMode
 }
 
-// roleRenames: a role's directory holds some files of the cluster
-// directory under another name (from → to).
-var roleRenames = map[string]map[string]string{
-	"edge": {etcdEdgeCert: EtcdClientCert, etcdEdgeKey: EtcdClientKey},
+// writeFiles writes files into dir, which it makes (0700) unless it
+// exists.
+func writeFiles(dir string, files []pemFile) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("creating %s: %w", dir, err)
+	}
+	for _, f := range files {
+		if err := os.WriteFile(filepath.Join(dir, f.name), f.data, f.mode); err != nil {
+			return fmt.Errorf("writing %s: %w", filepath.Join(dir, f.name), err)
+		}
+	}
+	return nil
+}
+
+// RoleFiles are the files each role's machines need, which Init writes
+// into a subdirectory named after the role (a --cluster directory of its
+// own): by their name there, the file of the cluster directory each is.
+// Apiservers ("server") get their pairs, edges ("edge") theirs (the
+// edges' etcd pair under the name every role's has), both the CA's
+// certificate and cluster.json.
+var RoleFiles = map[string]map[string]string{
+	"server": {infoFile: infoFile, caCert: caCert, apiserverCert: apiserverCert, apiserverKey: apiserverKey,
+		EtcdClientCert: EtcdClientCert, EtcdClientKey: EtcdClientKey},
+	"edge": {infoFile: infoFile, caCert: caCert, edgeCert: edgeCert, edgeKey: edgeKey,
+		EtcdClientCert: etcdEdgeCert, EtcdClientKey: etcdEdgeKey},
 }
 
 // validDNSName reports whether h may stand in a certificate as a DNS

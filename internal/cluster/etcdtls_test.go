@@ -107,10 +107,17 @@ func TestEtcdTLS(t *testing.T) {
 	if _, err := Init(other, InitOptions{EtcdHosts: []string{"127.0.0.1"}}); err != nil {
 		t.Fatal(err)
 	}
+	tr, err := Load(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	client, err := tr.EtcdTLS(EtcdTLSFiles{})
+	if err != nil {
+		t.Fatal(err)
+	}
 	ed := filepath.Join(dir, EtcdDir)
 	c, err := etcdtest.StartTLS(filepath.Join(root, "etcd"), 1, &etcdtest.TLS{
-		CA: filepath.Join(ed, caCert), Cert: filepath.Join(ed, EtcdServerCert), Key: filepath.Join(ed, EtcdServerKey),
-		ClientCert: filepath.Join(dir, EtcdClientCert), ClientKey: filepath.Join(dir, EtcdClientKey)})
+		CA: filepath.Join(ed, caCert), Cert: filepath.Join(ed, EtcdServerCert), Key: filepath.Join(ed, EtcdServerKey), Client: client})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/cluster"
 	"github.com/dsecproject/dsec/internal/hostfs"
 	"github.com/dsecproject/dsec/internal/store/etcdtest"
 	dsec "github.com/dsecproject/dsec/sdk/go"
@@ -166,11 +167,17 @@ func (e *env) setup() error {
 	if out, err := exec.Command(e.bin, "cluster", "init", "--dir", e.clusterDir(), "--etcd-hosts", "127.0.0.1").CombinedOutput(); err != nil {
 		return fmt.Errorf("cluster init: %v: %s", err, out)
 	}
-	var err error
-	ed := filepath.Join(e.clusterDir(), "etcd")
+	trust, err := cluster.Load(e.clusterDir())
+	if err != nil {
+		return err
+	}
+	client, err := trust.EtcdTLS(cluster.EtcdTLSFiles{})
+	if err != nil {
+		return err
+	}
+	ed := filepath.Join(e.clusterDir(), cluster.EtcdDir)
 	if e.etcd, err = etcdtest.StartTLS(filepath.Join(e.dir, "etcd"), 3, &etcdtest.TLS{
-		CA: filepath.Join(ed, "ca.pem"), Cert: filepath.Join(ed, "etcd.pem"), Key: filepath.Join(ed, "etcd-key.pem"),
-		ClientCert: filepath.Join(e.clusterDir(), "etcd-client.pem"), ClientKey: filepath.Join(e.clusterDir(), "etcd-client-key.pem")}); err != nil {
+		CA: filepath.Join(ed, "ca.pem"), Cert: filepath.Join(ed, cluster.EtcdServerCert), Key: filepath.Join(ed, cluster.EtcdServerKey), Client: client}); err != nil {
 		return err
 	}
 	// etcd's authentication on, as docs/operating.md says: edges may

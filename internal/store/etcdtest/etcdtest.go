@@ -7,7 +7,6 @@ package etcdtest
 import (
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -45,27 +44,12 @@ type Cluster struct {
 }
 
 // TLS makes a cluster serve clients and peers over TLS, and require
-// client certificates of CA: files in PEM. Client is the pair the checks
-// of this package present.
+// client certificates of CA: CA, Cert and Key are PEM files for etcd's
+// members; Client is the TLS this package's checks (and HTTPClient)
+// reach them with, a client certificate included.
 type TLS struct {
-	CA, Cert, Key         string
-	ClientCert, ClientKey string
-}
-
-func (t *TLS) clientConfig() (*tls.Config, error) {
-	ca, err := os.ReadFile(t.CA)
-	if err != nil {
-		return nil, err
-	}
-	pool := x509.NewCertPool()
-	if !pool.AppendCertsFromPEM(ca) {
-		return nil, fmt.Errorf("%s holds no certificate", t.CA)
-	}
-	pair, err := tls.LoadX509KeyPair(t.ClientCert, t.ClientKey)
-	if err != nil {
-		return nil, err
-	}
-	return &tls.Config{RootCAs: pool, Certificates: []tls.Certificate{pair}}, nil
+	CA, Cert, Key string
+	Client        *tls.Config
 }
 
 func (c *Cluster) scheme() string {
@@ -98,11 +82,7 @@ func StartTLS(dir string, n int, t *TLS) (*Cluster, error) {
 	}
 	hc := http.DefaultClient
 	if t != nil {
-		cfg, err := t.clientConfig()
-		if err != nil {
-			return nil, fmt.Errorf("etcd TLS files: %w", err)
-		}
-		hc = &http.Client{Transport: &http.Transport{TLSClientConfig: cfg}}
+		hc = &http.Client{Transport: &http.Transport{TLSClientConfig: t.Client}}
 	}
 	for attempt := 1; ; attempt++ {
 		if err := os.RemoveAll(dir); err != nil {
@@ -413,9 +393,7 @@ func (c *Cluster) status(hostport string) (id, leader string, err error) {
 	defer cancel()
 	var cfg *tls.Config
 	if c.tls != nil {
-		if cfg, err = c.tls.clientConfig(); err != nil {
-			return "", "", err
-		}
+		cfg = c.tls.Client
 	}
 	cl, err := clientv3.New(clientv3.Config{Endpoints: []string{c.scheme() + hostport}, DialTimeout: time.Second, TLS: cfg, Logger: zap.NewNop()})
 	if err != nil {
