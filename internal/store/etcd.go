@@ -161,7 +161,7 @@ func again[T any](ctx context.Context, try time.Duration, op func(context.Contex
 	for {
 		actx, cancel := context.WithTimeout(ctx, try)
 		v, err := op(actx)
-		hung := actx.Err() != nil
+		hung := tryExpired(actx, err)
 		cancel()
 		if err == nil || ctx.Err() != nil || (code(err) != codes.Unavailable && !hung) {
 			return v, err
@@ -181,7 +181,20 @@ func again[T any](ctx context.Context, try time.Duration, op func(context.Contex
 // context is tctx, may have been applied all the same: its answer was lost
 // with the member, or the try was given up while the write was in flight.
 func maybeApplied(tctx context.Context, err error) bool {
-	return err != nil && (code(err) == codes.Unavailable || tctx.Err() != nil)
+	return err != nil && (code(err) == codes.Unavailable || tryExpired(tctx, err))
+}
+
+// tryExpired tells whether a try with context tctx ended in err because
+// its time ran out. The member serving the call waits under the deadline
+// the call carries and may answer first that it ran out ("rpc error:
+// code = Unknown desc = context deadline exceeded", seen from etcd 3.4
+// while a new leader was being elected), a moment before tctx itself
+// expires here.
+func tryExpired(tctx context.Context, err error) bool {
+	if tctx.Err() != nil || code(err) == codes.DeadlineExceeded {
+		return true
+	}
+	return err != nil && code(err) == codes.Unknown && strings.Contains(err.Error(), context.DeadlineExceeded.Error())
 }
 
 // code is err's gRPC code. The client turns the server's own errors

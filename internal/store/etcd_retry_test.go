@@ -56,6 +56,28 @@ func TestAgainRetriesServerErrorsOfAFailover(t *testing.T) {
 	if err != nil || n != 2 || time.Since(start) > time.Second {
 		t.Errorf("a hung try: %v after %d tries and %v, want success after 2", err, n, time.Since(start))
 	}
+	// The member gives up under the deadline the call carries and says so
+	// a moment before the try's own context expires: a hung try all the
+	// same, made again, and a write so ended may have been applied.
+	for _, memberSaid := range []error{status.Error(codes.Unknown, context.DeadlineExceeded.Error()), status.Error(codes.DeadlineExceeded, "deadline")} {
+		n = 0
+		_, err = again(context.Background(), time.Hour, func(ctx context.Context) (int, error) {
+			n++
+			if n == 1 {
+				return 0, memberSaid
+			}
+			return 1, nil
+		})
+		if err != nil || n != 2 {
+			t.Errorf("a try the member said ran out (%v): %v after %d tries, want success after 2", memberSaid, err, n)
+		}
+		if !maybeApplied(context.Background(), memberSaid) {
+			t.Errorf("a write the member said ran out (%v) is not taken as maybe applied", memberSaid)
+		}
+	}
+	if maybeApplied(context.Background(), status.Error(codes.Unknown, "boom")) {
+		t.Error("an unknown error that is not a deadline is taken as maybe applied")
+	}
 }
 
 // What etcd will never take is the caller's to fix, a full database is
