@@ -20,6 +20,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"net/http"
 	"net/url"
@@ -593,7 +594,7 @@ func (s *Server) e2bList(w http.ResponseWriter, r *http.Request) {
 }
 
 // e2bListRunning is GET /sandboxes, E2B's first list: the running
-// sandboxes, all of them, in one answer.
+// sandboxes, all of them, in one answer (streamed: e2bStreamAll).
 func (s *Server) e2bListRunning(w http.ResponseWriter, r *http.Request) {
 	s.e2bListSandboxes(w, r, false)
 }
@@ -628,19 +629,22 @@ func (s *Server) e2bListSandboxes(w http.ResponseWriter, r *http.Request, paged 
 			return
 		}
 	}
-	limit, after := 0, ""
-	if paged {
-		if limit, err = pageLimit(r); err != nil {
-			s.e2bError(w, r, err)
-			return
-		}
-		if limit == 0 {
-			limit = defaultPageSize
-		}
-		if after, err = pageAfter("nextToken", q.Get("nextToken")); err != nil {
-			s.e2bError(w, r, err)
-			return
-		}
+	if !paged {
+		s.e2bStreamAll(w, r, states, sel, startedAfter)
+		return
+	}
+	limit, err := pageLimit(r)
+	if err != nil {
+		s.e2bError(w, r, err)
+		return
+	}
+	if limit == 0 {
+		limit = defaultPageSize
+	}
+	after, err := pageAfter("nextToken", q.Get("nextToken"))
+	if err != nil {
+		s.e2bError(w, r, err)
+		return
 	}
 	raw, more, skipped, err := s.listPage(r.Context(), states, sel, after, limit)
 	if err != nil {
@@ -668,6 +672,79 @@ func (s *Server) e2bListSandboxes(w http.ResponseWriter, r *http.Request, paged 
 		out = append(out, e2bDetailOf(&page[i], cpu))
 	}
 	writeJSON(w, http.StatusOK, out)
+}
+
+// e2bStreamPage is how many sandboxes e2bStreamAll fetches at a time. A
+// variable for tests.
+var e2bStreamPage = maxPageSize
+
+// e2bStreamAll answers every sandbox in states matching sel (and created
+// after startedAfter, if set) as one JSON array, fetched and written a
+// page at a time: the apiserver holds one page, not every sandbox of a
+// large cluster. Nodes that could not be asked are named in the header
+// X-Dsec-Unreachable-Nodes when the first page is the only one, else in
+// a trailer of that name. Should a later page fail, the answer is cut
+// off (the client sees a broken response), never ended short as if
+// complete.
+func (s *Server) e2bStreamAll(w http.ResponseWriter, r *http.Request, states []string, sel map[string]string, startedAfter time.Time) {
+	cpu := s.nodeCPU()
+	after, started, wrote := "", false, false
+	var skipped []string
+	for {
+		raw, more, sk, err := s.listPage(r.Context(), states, sel, after, e2bStreamPage)
+		if err != nil {
+			if !started {
+				s.e2bError(w, r, err)
+				return
+			}
+			s.log.Warn("listing every sandbox: a later page failed; the answer is cut off", "after", after, "err", err)
+			panic(http.ErrAbortHandler)
+		}
+		page, bad := s.decodePage(raw)
+		for _, n := range append(sk, bad...) {
+			if !slices.Contains(skipped, n) {
+				skipped = append(skipped, n)
+			}
+		}
+		if !started {
+			started = true
+			w.Header().Set("Content-Type", "application/json")
+			if !more && len(skipped) > 0 {
+				slices.Sort(skipped)
+				w.Header().Set("X-Dsec-Unreachable-Nodes", strings.Join(skipped, ","))
+			} else if more {
+				w.Header().Set("Trailer", "X-Dsec-Unreachable-Nodes")
+			}
+			w.WriteHeader(http.StatusOK)
+			_, _ = io.WriteString(w, "[")
+		}
+		for i := range page {
+			if !startedAfter.IsZero() && !page[i].CreatedAt.After(startedAfter) {
+				continue
+			}
+			b, err := json.Marshal(e2bDetailOf(&page[i], cpu))
+			if err != nil {
+				panic(http.ErrAbortHandler)
+			}
+			if wrote {
+				_, _ = io.WriteString(w, ",")
+			}
+			_, _ = w.Write(b)
+			wrote = true
+		}
+		if !more {
+			break
+		}
+		if fl, ok := w.(http.Flusher); ok {
+			fl.Flush()
+		}
+		after = raw[len(raw)-1].ID
+	}
+	_, _ = io.WriteString(w, "]\n")
+	if w.Header().Get("Trailer") != "" && len(skipped) > 0 {
+		slices.Sort(skipped)
+		w.Header().Set("X-Dsec-Unreachable-Nodes", strings.Join(skipped, ","))
+	}
 }
 
 // e2bStates reads the list's ?state= (comma-separated, or repeated):
