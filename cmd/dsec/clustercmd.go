@@ -16,13 +16,17 @@ import (
 	"github.com/dsecproject/dsec/internal/store"
 )
 
-// runCluster is `dsec cluster init` and `dsec cluster etcd-auth`.
+// runCluster is `dsec cluster init`, `dsec cluster add-edge` and `dsec
+// cluster etcd-auth`.
 func runCluster(args []string) error {
 	if len(args) > 0 && args[0] == "etcd-auth" {
 		return runEtcdAuth(args[1:])
 	}
+	if len(args) > 0 && args[0] == "add-edge" {
+		return runAddEdge(args[1:])
+	}
 	if len(args) == 0 || args[0] != "init" {
-		return fmt.Errorf("usage: dsec cluster init --dir DIR [--etcd-hosts HOSTS], or dsec cluster etcd-auth --etcd URLS --cluster DIR --root-password-file FILE")
+		return fmt.Errorf("usage: dsec cluster init --dir DIR [--etcd-hosts HOSTS], dsec cluster add-edge --dir DIR --node-name NAME, or dsec cluster etcd-auth --etcd URLS --cluster DIR --root-password-file FILE")
 	}
 	var dir, etcdHosts string
 	f := newCmdFlags("cluster init", "--dir DIR [--etcd-hosts HOSTS]",
@@ -56,6 +60,34 @@ func runCluster(args []string) error {
 		fmt.Printf("copy %s to etcd machines (etcd --cert-file, --key-file, --trusted-ca-file and --client-cert-auth, and the same for peers) and give dsec https:// etcd URLs\n", filepath.Join(dir, cluster.EtcdDir))
 	}
 	fmt.Printf("next: dsec server --cluster %s --etcd URLS --layers DIR --api-key KEY; dsec edge --cluster %s ...\n", server, edge)
+	return nil
+}
+
+// runAddEdge is `dsec cluster add-edge`.
+func runAddEdge(args []string) error {
+	var dir, node string
+	f := newCmdFlags("cluster add-edge", "--dir DIR --node-name NAME",
+		"Write DIR/edges/NAME, the --cluster directory of one edge: a certificate\n"+
+			"of its own that names node NAME, and what DIR/edge holds besides. An\n"+
+			"apiserver takes that certificate only from the edge it dials as NAME, so\n"+
+			"that no other edge host can answer for this node (even one that rewrote\n"+
+			"NAME's address in etcd); with dsec server --require-node-certs it takes\n"+
+			"no edge without one. DIR is the directory dsec cluster init wrote (this\n"+
+			"needs the CA's key).")
+	f.StringVar(&dir, "dir", "", "the cluster directory dsec cluster init wrote (required)")
+	f.StringVar(&node, "node-name", "", "the node's name, as its dsec edge --node-name (required)")
+	if _, err := f.parseN(args, 0, 0); err != nil {
+		return err
+	}
+	if dir == "" || node == "" {
+		return fmt.Errorf("--dir and --node-name are required")
+	}
+	out, err := cluster.AddEdge(dir, node)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("node %s's directory written to %s\n", node, out)
+	fmt.Printf("copy it to that machine and start it with dsec edge --cluster DIR --node-name %s ...\n", node)
 	return nil
 }
 

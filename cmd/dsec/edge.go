@@ -108,6 +108,9 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 	if os.Geteuid() != 0 {
 		return errors.New("dsec edge needs root: it mounts EROFS layers and overlayfs and runs OCI containers")
 	}
+	if err := checkNodeCert(c.clusterDir, c.node.nodeName); err != nil {
+		return err
+	}
 	// Bind first: a taken port is reported before anything is touched.
 	ln, err := net.Listen("tcp", c.listen)
 	if err != nil {
@@ -285,4 +288,21 @@ func etcdAddrs(ctx context.Context, urls string) ([]netip.Prefix, []error) {
 	}
 	slices.SortFunc(out, func(a, b netip.Prefix) int { return a.Addr().Compare(b.Addr()) })
 	return slices.Compact(out), unresolved
+}
+
+// checkNodeCert refuses to run node from a --cluster directory whose
+// certificate is another node's (dsec cluster add-edge): apiservers
+// would refuse it. The edges' shared certificate serves any node.
+func checkNodeCert(dir, node string) error {
+	tr, err := cluster.Load(dir)
+	if err != nil {
+		return err
+	}
+	switch named, err := tr.NodeName(); {
+	case err != nil:
+		return err
+	case named != "" && named != node:
+		return fmt.Errorf("--cluster %s holds node %s's certificate, not %s's: give --node-name %s, or the directory dsec cluster add-edge --node-name %s writes", dir, named, node, named, node)
+	}
+	return nil
 }

@@ -181,6 +181,9 @@ func runHollow(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 		}
 		lns = append(lns, ln)
 	}
+	if err := checkNodeCert(c.clusterDir, ""); err != nil {
+		return fmt.Errorf("hollow edges serve many node names, from the edges' shared directory: %w", err)
+	}
 	trust, st, err := c.join(ctx, log, nil)
 	if err != nil {
 		return err

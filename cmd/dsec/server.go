@@ -11,6 +11,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -187,6 +188,8 @@ type serverConfig struct {
 	e2bDefaultTemplate string
 	// idemTTL is --idempotency-ttl (up.go).
 	idemTTL time.Duration
+	// requireNodeCerts is --require-node-certs.
+	requireNodeCerts bool
 }
 
 // parseServer parses and checks `dsec server`'s flags.
@@ -203,6 +206,7 @@ func parseServer(args []string) (serverConfig, placement.Config, error) {
 	f.IntVar(&c.maxConns, "max-connections", 0, maxConnsHelp)
 	f.StringVar(&c.e2bDefaultTemplate, "e2b-default-template", defaultE2BTemplate, e2bDefaultTemplateHelp)
 	f.DurationVar(&c.idemTTL, "idempotency-ttl", apiserver.DefaultIdempotencyTTL, idemTTLHelp)
+	f.BoolVar(&c.requireNodeCerts, "require-node-certs", false, "take an edge only with a certificate of its own node (dsec cluster add-edge), never the edges' shared one from DIR/edge: then no edge host can answer for another node")
 	f.Var(c.overflow, "overflow-pool", "`pool=utilization` (repeatable or comma-separated): nodes labelled pool=NAME take sandboxes only once every other node is at least that full, e.g. cloud=0.8")
 	c.clusterFlags.register(f)
 	if _, err := f.parseN(args, 0, 0); err != nil {
@@ -252,23 +256,52 @@ func runServer(args []string) error {
 	return daemon(c.logFormat, c.logLevel, func(ctx context.Context, log *slog.Logger) error { return serve(ctx, c, pc, log) })
 }
 
-// edgeTransport is how an apiserver reaches edges: the cluster's mutual
-// TLS, many idle connections per edge (bursts of creates and execs), and
-// no overall timeout (exec and streams last as long as their command).
-func edgeTransport(trust *cluster.Trust) (*http.Client, error) {
-	tlsCfg, err := trust.APIServerClientTLS()
+// edgeDialer makes an apiserver's clients of the edges: the cluster's
+// mutual TLS, checked against the node dialed (Trust.APIServerClientTLS),
+// many idle connections per edge (bursts of creates and execs), and no
+// overall timeout (exec and streams last as long as their command). Each
+// node has its own transport, its TLS knowing which node it is for; a
+// node's transport is dropped when its address changes.
+type edgeDialer struct {
+	tls func(node string) *tls.Config
+	mu  sync.Mutex
+	by  map[string]edgeTransport
+}
+
+type edgeTransport struct {
+	addr string
+	hc   *http.Client
+}
+
+func newEdgeDialer(trust *cluster.Trust, requireNode bool) (*edgeDialer, error) {
+	cfg, err := trust.APIServerClientTLS(requireNode)
 	if err != nil {
 		return nil, err
 	}
-	return &http.Client{Transport: &http.Transport{
-		TLSClientConfig:     tlsCfg,
-		DialContext:         (&net.Dialer{Timeout: 2 * time.Second, KeepAlive: 15 * time.Second}).DialContext,
-		TLSHandshakeTimeout: 3 * time.Second,
-		MaxIdleConns:        4096,
-		MaxIdleConnsPerHost: 256,
-		IdleConnTimeout:     90 * time.Second,
-		ForceAttemptHTTP2:   false,
-	}}, nil
+	return &edgeDialer{tls: cfg, by: map[string]edgeTransport{}}, nil
+}
+
+// dial is the client of rec's edge.
+func (d *edgeDialer) dial(rec cluster.NodeRecord) edgeapi.Edge {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	t, ok := d.by[rec.Name]
+	if !ok || t.addr != rec.Address {
+		if ok {
+			t.hc.CloseIdleConnections()
+		}
+		t = edgeTransport{addr: rec.Address, hc: &http.Client{Transport: &http.Transport{
+			TLSClientConfig:     d.tls(rec.Name),
+			DialContext:         (&net.Dialer{Timeout: 2 * time.Second, KeepAlive: 15 * time.Second}).DialContext,
+			TLSHandshakeTimeout: 3 * time.Second,
+			MaxIdleConns:        256,
+			MaxIdleConnsPerHost: 256,
+			IdleConnTimeout:     90 * time.Second,
+			ForceAttemptHTTP2:   false,
+		}}}
+		d.by[rec.Name] = t
+	}
+	return edgeapi.NewClient(rec.Name, "https://"+rec.Address, t.hc)
 }
 
 func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.Logger) error {
@@ -314,14 +347,11 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 	// stops working here as soon as the watch says so).
 	layers.WatchCatalog(ctx)
 	ident.Watch(ctx)
-	hc, err := edgeTransport(trust)
+	edges, err := newEdgeDialer(trust, c.requireNodeCerts)
 	if err != nil {
 		return err
 	}
-	dial := func(rec cluster.NodeRecord) edgeapi.Edge {
-		return edgeapi.NewClient(rec.Name, "https://"+rec.Address, hc)
-	}
-	view := watcher.New(cluster.NewSource(st, dial), watcher.Config{Log: log})
+	view := watcher.New(cluster.NewSource(st, edges.dial), watcher.Config{Log: log})
 	view.Sync(ctx)
 	go view.Run(ctx)
 	instance := cluster.NewInstance()

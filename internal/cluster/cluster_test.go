@@ -33,12 +33,16 @@ func mustInit(t *testing.T) (*Trust, string) {
 	return tr, dir
 }
 
-// serveEdge serves a fake edge's internal API over the edge TLS of tr.
-func serveEdge(t *testing.T, tr *Trust) string {
+// serveEdge serves a fake edge's internal API over the edge TLS of tr,
+// to the apiservers of tr's cluster, or of caller's if given.
+func serveEdge(t *testing.T, tr *Trust, caller ...*Trust) string {
 	t.Helper()
 	cfg, err := tr.EdgeServerTLS()
 	if err != nil {
 		t.Fatal(err)
+	}
+	if len(caller) > 0 {
+		cfg.ClientCAs = caller[0].pool
 	}
 	ln, err := tls.Listen("tcp", "127.0.0.1:0", cfg)
 	if err != nil {
@@ -116,14 +120,14 @@ func TestRoleDirectories(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	good, err := server.APIServerClientTLS()
+	good, err := server.APIServerClientTLS(false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := client(good, serveEdge(t, edge)).Info(t.Context()); err != nil {
+	if _, err := client(good("n1"), serveEdge(t, edge)).Info(t.Context()); err != nil {
 		t.Fatalf("an apiserver and an edge from their role directories: %v", err)
 	}
-	if _, err := edge.APIServerClientTLS(); err == nil {
+	if _, err := edge.APIServerClientTLS(false); err == nil {
 		t.Fatal("an edge's directory can act as an apiserver")
 	}
 	if _, err := server.EdgeServerTLS(); err == nil {
@@ -136,10 +140,11 @@ func TestRoleDirectories(t *testing.T) {
 func TestInternalAPITrust(t *testing.T) {
 	tr, _ := mustInit(t)
 	addr := serveEdge(t, tr)
-	good, err := tr.APIServerClientTLS()
+	tlsFor, err := tr.APIServerClientTLS(false)
 	if err != nil {
 		t.Fatal(err)
 	}
+	good := tlsFor("n1")
 	if _, err := client(good, addr).Info(t.Context()); err != nil {
 		t.Fatalf("the cluster's apiserver: %v", err)
 	}
@@ -152,8 +157,9 @@ func TestInternalAPITrust(t *testing.T) {
 	}
 	// A certificate of another cluster's CA.
 	other, _ := mustInit(t)
-	foreign, _ := other.APIServerClientTLS()
-	foreign.RootCAs = good.RootCAs // it even trusts our edge
+	otherFor, _ := other.APIServerClientTLS(false)
+	foreign := otherFor("n1")
+	foreign.VerifyConnection = nil // it even trusts our edge
 	if _, err := client(foreign, addr).Info(t.Context()); err == nil {
 		t.Fatal("served an apiserver of another cluster")
 	}

@@ -14,7 +14,6 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
-	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -221,18 +220,8 @@ type Edge struct {
 
 var _ edgeapi.Edge = (*Edge)(nil)
 
-// nodeNameRE admits host names as most clusters spell them (lowercase
-// letters, digits, inner '-' and '.'), up to 40 characters: the name is
-// part of every sandbox id.
-var nodeNameRE = regexp.MustCompile(`^[a-z0-9]([a-z0-9.-]{0,38}[a-z0-9])?$`)
-
-// CheckName validates a node name.
-func CheckName(name string) error {
-	if !nodeNameRE.MatchString(name) {
-		return errdefs.Invalid("node name %q must be 1-40 lowercase letters, digits, '-' or '.', starting and ending with a letter or digit", name)
-	}
-	return nil
-}
+// CheckName validates a node name (edgeapi.CheckNodeName).
+func CheckName(name string) error { return edgeapi.CheckNodeName(name) }
 
 // New validates cfg and prepares the state directory. Call Start before use.
 func New(cfg Config, deps Deps) (*Edge, error) {

@@ -15,9 +15,11 @@ import (
 	"io"
 	"net"
 	"os"
+	"regexp"
 	"strings"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
 // Edge is what an apiserver needs from one node. Every call takes a
@@ -185,6 +187,19 @@ const (
 	DefaultLogLimit = 1000
 	MaxLogLimit     = 10000
 )
+
+// nodeNameRE admits host names as most clusters spell them (lowercase
+// letters, digits, inner '-' and '.'), up to 40 characters: the name is
+// part of every sandbox id.
+var nodeNameRE = regexp.MustCompile(`^[a-z0-9]([a-z0-9.-]{0,38}[a-z0-9])?$`)
+
+// CheckNodeName validates a node name.
+func CheckNodeName(name string) error {
+	if !nodeNameRE.MatchString(name) {
+		return errdefs.Invalid("node name %q must be 1-40 lowercase letters, digits, '-' or '.', starting and ending with a letter or digit", name)
+	}
+	return nil
+}
 
 // NodeOf returns the node encoded in a sandbox id (sb-<node>-<random>).
 func NodeOf(id string) (string, bool) {

@@ -97,6 +97,10 @@ func TestBadProcesses(t *testing.T) {
 	runFails(t, "etcd", "server", "--listen", "127.0.0.1:"+freePort("127.0.0.1"), "--etcd", "http://127.0.0.1:"+freePort("127.0.0.1"),
 		"--cluster", c.clusterDir(), "--layers", c.layersDir())
 	runFails(t, "--advertise", append([]string{"edge", "--listen", "0.0.0.0:7999", "--node-name", "x9", "--state-dir", dupState}, c.common("edge")...)...)
+	// Another node's directory (dsec cluster add-edge): its certificate
+	// names e2, which apiservers would refuse at x9's address.
+	runFails(t, "holds node e2's certificate", append([]string{"edge", "--listen", "127.0.0.29:" + freePort("127.0.0.29"), "--node-name", "x9",
+		"--state-dir", dupState}, c.nodeFlags("e2")...)...)
 }
 
 // TestBadRequests: ids naming unknown nodes, malformed ids, a stale page

@@ -186,9 +186,16 @@ func (e *env) setup() error {
 		"--root-password-file", e.rootPasswordFile()).CombinedOutput(); err != nil {
 		return fmt.Errorf("cluster etcd-auth: %v: %s", err, out)
 	}
+	// Each edge with a certificate of its own node, and apiservers that
+	// take no other (docs/operating.md).
+	for i := range 3 {
+		if out, err := exec.Command(e.bin, "cluster", "add-edge", "--dir", e.clusterDir(), "--node-name", fmt.Sprintf("e%d", i+1)).CombinedOutput(); err != nil {
+			return fmt.Errorf("cluster add-edge: %v: %s", err, out)
+		}
+	}
 	for i := range 2 {
 		addr := "127.0.0.1:" + freePort("127.0.0.1")
-		args := []string{"server", "--listen", addr}
+		args := []string{"server", "--listen", addr, "--require-node-certs"}
 		if i == 0 {
 			args = append(args, "--api-key", adminKey)
 		}
@@ -221,7 +228,7 @@ func (e *env) setup() error {
 				"--node-labels", "zone=z1", "--warm-pool-max", "0", "--max-sandboxes", "200",
 				"--metrics-listen", "127.0.0.1:" + freePort("127.0.0.1")}
 		}
-		p := &proc{name: fmt.Sprintf("e%d", i+1), addr: listen, args: append(args, e.common("edge")...),
+		p := &proc{name: fmt.Sprintf("e%d", i+1), addr: listen, args: append(args, e.nodeFlags(fmt.Sprintf("e%d", i+1))...),
 			log: filepath.Join(e.dir, fmt.Sprintf("e%d.log", i+1))}
 		e.edges = append(e.edges, p)
 		if err := p.start(e.bin); err != nil {
@@ -265,9 +272,16 @@ func (e *env) rootPasswordFile() string { return filepath.Join(e.dir, "etcd-root
 
 // common are the flags every daemon of role ("server", "edge") gets: its
 // role's directory, as a machine of that role has.
-func (e *env) common(role string) []string {
-	return []string{"--etcd", strings.Join(e.etcd.Endpoints(), ","), "--cluster", filepath.Join(e.clusterDir(), role),
-		"--layers", e.layersDir(), "--log-level", "debug"}
+func (e *env) common(role string) []string { return e.flagsFrom(filepath.Join(e.clusterDir(), role)) }
+
+// nodeFlags are common("edge") with node's own directory (dsec cluster
+// add-edge) for --cluster.
+func (e *env) nodeFlags(node string) []string {
+	return e.flagsFrom(filepath.Join(e.clusterDir(), cluster.EdgesDir, node))
+}
+
+func (e *env) flagsFrom(dir string) []string {
+	return []string{"--etcd", strings.Join(e.etcd.Endpoints(), ","), "--cluster", dir, "--layers", e.layersDir(), "--log-level", "debug"}
 }
 
 func (e *env) endpoints() string {

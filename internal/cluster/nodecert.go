@@ -1,0 +1,223 @@
+package cluster
+
+import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/dsecproject/dsec/internal/edgeapi"
+)
+
+// Edge identities. The certificate `dsec cluster init` writes into
+// DIR/edge is every edge's ("dsec-edge"): an apiserver takes whoever
+// presents it for whichever node it dials. A node certificate, made by
+// AddEdge for one node, names it (a URI, NodeURI) and nothing else: an
+// apiserver dialing node N takes it only if it names N, so that a host
+// holding node M's certificate cannot stand in for N even where it can
+// rewrite N's address in the node registry. An apiserver that requires
+// node certificates (RequireNodeCerts) refuses the shared one.
+
+// EdgesDir is where AddEdge writes each node's --cluster directory
+// (EdgesDir/NAME).
+const EdgesDir = "edges"
+
+// NodeURI is the URI a node certificate of cluster id names node by.
+func NodeURI(id, node string) string {
+	return (&url.URL{Scheme: "dsec", Host: id, Path: "/edge/" + node}).String()
+}
+
+// AddEdge writes dir/EdgesDir/node, the --cluster directory of one
+// edge: its own certificate (NodeURI), the edges' etcd pair, the CA's
+// certificate and cluster.json. dir is the directory Init wrote (it
+// needs the CA's key). It refuses a node that already has one.
+func AddEdge(dir, node string) (string, error) {
+	if err := edgeapi.CheckNodeName(node); err != nil {
+		return "", err
+	}
+	iss, err := loadIssuer(dir)
+	if err != nil {
+		return "", err
+	}
+	out := filepath.Join(dir, EdgesDir, node)
+	if _, err := os.Lstat(out); err == nil {
+		return "", fmt.Errorf("%s exists: node %s has a directory already (remove it to issue a new one)", out, node)
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		return "", err
+	}
+	u, _ := url.Parse(NodeURI(iss.id, node))
+	der, priv, err := iss.leaf(EdgeName+" "+node, leafNames{uris: []*url.URL{u}}, []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth})
+	if err != nil {
+		return "", fmt.Errorf("making node %s's certificate: %w", node, err)
+	}
+	mine := map[string][]byte{edgeCert: pemBlock("CERTIFICATE", der), edgeKey: pemKey(priv)}
+	var files []pemFile
+	for name, from := range RoleFiles["edge"] {
+		f := pemFile{name: name, mode: 0o644}
+		if b, ok := mine[from]; ok {
+			f.data = b
+		} else if f.data, err = os.ReadFile(filepath.Join(dir, from)); err != nil {
+			return "", fmt.Errorf("%s: %w", dir, err)
+		}
+		if from == edgeKey || from == etcdEdgeKey {
+			f.mode = 0o600
+		}
+		files = append(files, f)
+	}
+	if err := os.MkdirAll(filepath.Join(dir, EdgesDir), 0o700); err != nil {
+		return "", err
+	}
+	// Written into a temporary directory renamed into place: a failure
+	// leaves no half directory for the node.
+	tmp, err := os.MkdirTemp(filepath.Join(dir, EdgesDir), "."+node+".")
+	if err != nil {
+		return "", err
+	}
+	defer os.RemoveAll(tmp)
+	if err := writeFiles(tmp, files); err != nil {
+		return "", err
+	}
+	if err := os.Rename(tmp, out); err != nil {
+		return "", err
+	}
+	return out, nil
+}
+
+// issuer makes leaf certificates from a cluster's CA.
+type issuer struct {
+	id          string
+	ca          *x509.Certificate
+	key         *ecdsa.PrivateKey
+	from, until time.Time
+}
+
+// leafNames are what a leaf certificate is for besides its common name.
+type leafNames struct {
+	dns  []string
+	ips  []net.IP
+	uris []*url.URL
+}
+
+// leaf makes a certificate and its key for cn, names and usage.
+func (iss *issuer) leaf(cn string, names leafNames, usage []x509.ExtKeyUsage) ([]byte, *ecdsa.PrivateKey, error) {
+	priv, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, nil, err
+	}
+	t := &x509.Certificate{
+		SerialNumber: serial(), Subject: pkix.Name{CommonName: cn, Organization: []string{"dsec"}, OrganizationalUnit: []string{iss.id}},
+		NotBefore: iss.from, NotAfter: iss.until, DNSNames: names.dns, IPAddresses: names.ips, URIs: names.uris, ExtKeyUsage: usage,
+		KeyUsage: x509.KeyUsageDigitalSignature,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, t, iss.ca, &priv.PublicKey, iss.key)
+	return der, priv, err
+}
+
+// loadIssuer reads the CA of the cluster directory dir (Init's, with
+// ca-key.pem).
+func loadIssuer(dir string) (*issuer, error) {
+	t, err := Load(dir)
+	if err != nil {
+		return nil, err
+	}
+	certPEM, err := os.ReadFile(filepath.Join(dir, caCert))
+	if err != nil {
+		return nil, err
+	}
+	keyPEM, err := os.ReadFile(filepath.Join(dir, caKey))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("%s has no %s: give the directory dsec cluster init wrote (a role's directory holds no CA key)", dir, caKey)
+	} else if err != nil {
+		return nil, err
+	}
+	cb, _ := pem.Decode(certPEM)
+	kb, _ := pem.Decode(keyPEM)
+	if cb == nil || kb == nil {
+		return nil, fmt.Errorf("%s: %s or %s is not PEM", dir, caCert, caKey)
+	}
+	ca, err := x509.ParseCertificate(cb.Bytes)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %s: %w", dir, caCert, err)
+	}
+	key, err := x509.ParseECPrivateKey(kb.Bytes)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %s: %w", dir, caKey, err)
+	}
+	// Valid as long as the CA is (a certificate cannot outlive it).
+	return &issuer{id: t.Info.ID, ca: ca, key: key, from: time.Now().Add(-time.Hour), until: ca.NotAfter}, nil
+}
+
+// NodeName is the node this directory's edge certificate names, if it is
+// a node certificate (AddEdge); "" for the shared one.
+func (t *Trust) NodeName() (string, error) {
+	c, err := t.pair(edgeCert, edgeKey)
+	if err != nil {
+		return "", err
+	}
+	leaf, err := x509.ParseCertificate(c.Certificate[0])
+	if err != nil {
+		return "", fmt.Errorf("--cluster %s: %s: %w", t.dir, edgeCert, err)
+	}
+	for _, u := range leaf.URIs {
+		if node, ok := t.nodeOf(u); ok {
+			return node, nil
+		}
+	}
+	return "", nil
+}
+
+// nodeOf is the node u names if it is a NodeURI of this cluster.
+func (t *Trust) nodeOf(u *url.URL) (string, bool) {
+	if u.Scheme != "dsec" || u.Host != t.Info.ID || u.RawQuery != "" || u.Fragment != "" {
+		return "", false
+	}
+	node, ok := strings.CutPrefix(u.Path, "/edge/")
+	return node, ok && edgeapi.CheckNodeName(node) == nil
+}
+
+// verifyEdge checks the certificate chain an edge presented for node:
+// from this cluster's CA, for serving, and either a node certificate
+// naming node, or (unless requireNode) the shared edge certificate.
+func (t *Trust) verifyEdge(cs tls.ConnectionState, node string, requireNode bool) error {
+	if len(cs.PeerCertificates) == 0 {
+		return errors.New("the edge presented no certificate")
+	}
+	leaf := cs.PeerCertificates[0]
+	inter := x509.NewCertPool()
+	for _, c := range cs.PeerCertificates[1:] {
+		inter.AddCert(c)
+	}
+	if _, err := leaf.Verify(x509.VerifyOptions{Roots: t.pool, Intermediates: inter, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}); err != nil {
+		return fmt.Errorf("the edge's certificate is not of this cluster: %w", err)
+	}
+	var named []string
+	for _, u := range leaf.URIs {
+		if n, ok := t.nodeOf(u); ok {
+			named = append(named, n)
+		}
+	}
+	switch {
+	case slices.Contains(named, node):
+		return nil
+	case len(named) > 0:
+		return fmt.Errorf("the certificate at node %s's address is node %s's: another host answers there (its registry entry rewritten, or an address reused)", node, named[0])
+	case leaf.VerifyHostname(EdgeName) != nil:
+		return fmt.Errorf("the certificate at node %s's address is not an edge's", node)
+	case requireNode:
+		return fmt.Errorf("node %s presents the edges' shared certificate, and this apiserver requires node certificates (--require-node-certs): issue it one with dsec cluster add-edge --node-name %s", node, node)
+	}
+	return nil
+}
