@@ -69,11 +69,12 @@ func runAddEdge(args []string) error {
 	f := newCmdFlags("cluster add-edge", "--dir DIR --node-name NAME",
 		"Write DIR/edges/NAME, the --cluster directory of one edge: a certificate\n"+
 			"of its own that names node NAME, and what DIR/edge holds besides. An\n"+
-			"apiserver takes that certificate only from the edge it dials as NAME, so\n"+
-			"that no other edge host can answer for this node (even one that rewrote\n"+
-			"NAME's address in etcd); with dsec server --require-node-certs it takes\n"+
-			"no edge without one. DIR is the directory dsec cluster init wrote (this\n"+
-			"needs the CA's key).")
+			"apiserver takes that certificate only from the edge it dials as NAME.\n"+
+			"Once every node has its own, run the apiservers with --require-node-certs:\n"+
+			"they then refuse the edges' shared certificate too, and no other edge host\n"+
+			"can answer for a node (even one that rewrote its address in etcd). DIR is\n"+
+			"the directory dsec cluster init wrote (this needs the CA's key). A node\n"+
+			"certificate cannot be revoked: issuing one again leaves the first valid.")
 	f.StringVar(&dir, "dir", "", "the cluster directory dsec cluster init wrote (required)")
 	f.StringVar(&node, "node-name", "", "the node's name, as its dsec edge --node-name (required)")
 	if _, err := f.parseN(args, 0, 0); err != nil {

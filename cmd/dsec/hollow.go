@@ -181,8 +181,12 @@ func runHollow(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 		}
 		lns = append(lns, ln)
 	}
-	if err := checkNodeCert(c.clusterDir, ""); err != nil {
-		return fmt.Errorf("hollow edges serve many node names, from the edges' shared directory: %w", err)
+	if tr, err := cluster.Load(c.clusterDir); err != nil {
+		return err
+	} else if named, err := tr.NodeName(); err != nil {
+		return err
+	} else if named != "" {
+		return fmt.Errorf("--cluster %s holds node %s's certificate: hollow edges serve many node names, with the edges' shared directory (DIR/edge; apiservers must then run without --require-node-certs)", c.clusterDir, named)
 	}
 	trust, st, err := c.join(ctx, log, nil)
 	if err != nil {

@@ -304,6 +304,16 @@ func (d *edgeDialer) dial(rec cluster.NodeRecord) edgeapi.Edge {
 	return edgeapi.NewClient(rec.Name, "https://"+rec.Address, t.hc)
 }
 
+// forget drops the transport of a node that left the registry.
+func (d *edgeDialer) forget(node string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if t, ok := d.by[node]; ok {
+		t.hc.CloseIdleConnections()
+		delete(d.by, node)
+	}
+}
+
 func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.Logger) error {
 	ln, err := net.Listen("tcp", c.listen)
 	if err != nil {
@@ -351,7 +361,9 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 	if err != nil {
 		return err
 	}
-	view := watcher.New(cluster.NewSource(st, edges.dial), watcher.Config{Log: log})
+	src := cluster.NewSource(st, edges.dial)
+	src.Forget = edges.forget
+	view := watcher.New(src, watcher.Config{Log: log})
 	view.Sync(ctx)
 	go view.Run(ctx)
 	instance := cluster.NewInstance()

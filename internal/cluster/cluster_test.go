@@ -159,7 +159,7 @@ func TestInternalAPITrust(t *testing.T) {
 	other, _ := mustInit(t)
 	otherFor, _ := other.APIServerClientTLS(false)
 	foreign := otherFor("n1")
-	foreign.VerifyConnection = nil // it even trusts our edge
+	foreign.VerifyConnection = nil // it even trusts our edge (it takes any: InsecureSkipVerify)
 	if _, err := client(foreign, addr).Info(t.Context()); err == nil {
 		t.Fatal("served an apiserver of another cluster")
 	}
@@ -235,6 +235,8 @@ func TestRegistry(t *testing.T) {
 		dialed++
 		return edgeapi.NewClient(r.Name, "https://"+r.Address, http.DefaultClient)
 	})
+	var forgot []string
+	src.Forget = func(name string) { forgot = append(forgot, name) }
 	m, err := src.Members(t.Context())
 	if err != nil || len(m) != 1 || m["n1"].Address != "127.0.0.1:1" {
 		t.Fatalf("members %+v, %v", m, err)
@@ -252,6 +254,10 @@ func TestRegistry(t *testing.T) {
 			t.Fatal("the entry outlived its holder")
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+	// Its client is forgotten with it (once), and made anew if it comes back.
+	if len(src.known) != 0 || strings.Join(forgot, " ") != "n1" {
+		t.Fatalf("a node gone from the registry: known %v, forgotten %v", src.known, forgot)
 	}
 	if err := RegisterNode(t.Context(), st, NodeRecord{Name: "n1", Address: "127.0.0.1:2"}, nil); err != nil {
 		t.Fatalf("the name is free again: %v", err)

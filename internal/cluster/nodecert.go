@@ -29,7 +29,11 @@ import (
 // apiserver dialing node N takes it only if it names N, so that a host
 // holding node M's certificate cannot stand in for N even where it can
 // rewrite N's address in the node registry. An apiserver that requires
-// node certificates (RequireNodeCerts) refuses the shared one.
+// node certificates (APIServerClientTLS's requireNode; dsec server
+// --require-node-certs) refuses the shared one: until it does, any host
+// holding the shared certificate may still answer for any node. A node
+// certificate cannot be revoked: one issued again for a node (after its
+// directory was removed) leaves the first valid.
 
 // EdgesDir is where AddEdge writes each node's --cluster directory
 // (EdgesDir/NAME).
@@ -69,7 +73,9 @@ func AddEdge(dir, node string) (string, error) {
 		f := pemFile{name: name, mode: 0o644}
 		if b, ok := mine[from]; ok {
 			f.data = b
-		} else if f.data, err = os.ReadFile(filepath.Join(dir, from)); err != nil {
+		} else if f.data, err = os.ReadFile(filepath.Join(dir, from)); errors.Is(err, fs.ErrNotExist) && (from == etcdEdgeCert || from == etcdEdgeKey) {
+			continue // a directory older than etcd's pairs: as DIR/edge then
+		} else if err != nil {
 			return "", fmt.Errorf("%s: %w", dir, err)
 		}
 		if from == edgeKey || from == etcdEdgeKey {
@@ -201,7 +207,7 @@ func (t *Trust) verifyEdge(cs tls.ConnectionState, node string, requireNode bool
 		inter.AddCert(c)
 	}
 	if _, err := leaf.Verify(x509.VerifyOptions{Roots: t.pool, Intermediates: inter, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}); err != nil {
-		return fmt.Errorf("the edge's certificate is not of this cluster: %w", err)
+		return fmt.Errorf("the certificate at node %s's address is not an edge certificate of this cluster: %w", node, err)
 	}
 	var named []string
 	for _, u := range leaf.URIs {
@@ -214,7 +220,9 @@ func (t *Trust) verifyEdge(cs tls.ConnectionState, node string, requireNode bool
 		return nil
 	case len(named) > 0:
 		return fmt.Errorf("the certificate at node %s's address is node %s's: another host answers there (its registry entry rewritten, or an address reused)", node, named[0])
-	case leaf.VerifyHostname(EdgeName) != nil:
+	case leaf.Subject.CommonName != EdgeName || leaf.VerifyHostname(EdgeName) != nil:
+		// Not the shared one Init made (another certificate of the CA
+		// for serving, such as etcd's, is not an edge's).
 		return fmt.Errorf("the certificate at node %s's address is not an edge's", node)
 	case requireNode:
 		return fmt.Errorf("node %s presents the edges' shared certificate, and this apiserver requires node certificates (--require-node-certs): issue it one with dsec cluster add-edge --node-name %s", node, node)

@@ -2,11 +2,14 @@ package cluster
 
 import (
 	"crypto/tls"
+	"errors"
 	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/dsecproject/dsec/internal/edgeapi"
 )
 
 // TestNodeCertificates: a node's own certificate (AddEdge) is taken for
@@ -74,21 +77,31 @@ func TestNodeCertificates(t *testing.T) {
 		what string
 		cfg  *tls.Config
 		addr string
-		ok   bool
+		why  string // "" for taken
 	}{
-		{"n1's own certificate", strict("n1"), at1, true},
-		{"n1's own certificate, lenient", lenient("n1"), at1, true},
-		{"a dotted node name", strict("n2.rack-3"), at2, true},
-		{"n2's certificate at n1's address", strict("n1"), at2, false},
-		{"n2's certificate at n1's address, lenient", lenient("n1"), at2, false},
-		{"the shared certificate", lenient("n1"), shared, true},
-		{"the shared certificate to a strict apiserver", strict("n1"), shared, false},
-		{"another cluster's n1", lenient("n1"), foreign1, false},
-		{"another cluster's shared edge", lenient("n1"), serveEdge(t, other, tr), false},
+		{"n1's own certificate", strict("n1"), at1, ""},
+		{"n1's own certificate, lenient", lenient("n1"), at1, ""},
+		{"a dotted node name", strict("n2.rack-3"), at2, ""},
+		{"n2's certificate at n1's address", strict("n1"), at2, "node n2.rack-3's"},
+		{"n2's certificate at n1's address, lenient", lenient("n1"), at2, "node n2.rack-3's"},
+		{"the shared certificate", lenient("n1"), shared, ""},
+		{"the shared certificate to a strict apiserver", strict("n1"), shared, "requires node certificates"},
+		{"another cluster's n1", lenient("n1"), foreign1, "unknown authority"},
+		{"another cluster's shared edge", lenient("n1"), serveEdge(t, other, tr), "unknown authority"},
 	} {
 		_, err := client(c.cfg, c.addr).Info(t.Context())
-		if (err == nil) != c.ok {
-			t.Errorf("%s: %v, want ok %v", c.what, err, c.ok)
+		switch {
+		case c.why == "" && err != nil:
+			t.Errorf("%s: %v, want it taken", c.what, err)
+		case c.why != "" && (err == nil || !strings.Contains(err.Error(), c.why)):
+			t.Errorf("%s: %v, want refused for %q", c.what, err, c.why)
+		case c.why != "":
+			// Refused in the handshake: the request was never sent, so
+			// a create may go to another node.
+			var u *edgeapi.Unreachable
+			if !errors.As(err, &u) || !u.NotSent {
+				t.Errorf("%s: %#v, want unreachable and not sent", c.what, err)
+			}
 		}
 	}
 	// The apiserver's own certificate (client use only) served as an
@@ -110,7 +123,7 @@ func TestNodeCertificates(t *testing.T) {
 			go func() { _ = c.(*tls.Conn).Handshake(); c.Close() }()
 		}
 	}()
-	if _, err := client(lenient("n1"), ln.Addr().String()).Info(t.Context()); err == nil || !strings.Contains(err.Error(), "not of this cluster") {
+	if _, err := client(lenient("n1"), ln.Addr().String()).Info(t.Context()); err == nil || !strings.Contains(err.Error(), "incompatible key usage") {
 		t.Errorf("an apiserver certificate served as an edge's: %v", err)
 	}
 	// The URI names a node only for this cluster and only in its form.

@@ -220,6 +220,9 @@ func hold(ctx context.Context, st store.Store, bucket, key string, v any, what s
 type Source struct {
 	st   store.Store
 	dial func(NodeRecord) edgeapi.Edge
+	// Forget, if set, is told of each node that left the registry (its
+	// client is dropped here too).
+	Forget func(name string)
 
 	mu    sync.Mutex
 	known map[string]cached
@@ -258,6 +261,16 @@ func (s *Source) Members(ctx context.Context) (map[string]watcher.Member, error)
 			s.known[rec.Name] = c
 		}
 		out[rec.Name] = watcher.Member{Edge: c.edge, Address: rec.Address, Hollow: rec.Hollow}
+	}
+	// Nodes gone from the registry are forgotten: names come and go
+	// (anyone who may write the registry could make up many).
+	for name := range s.known {
+		if _, ok := out[name]; !ok {
+			delete(s.known, name)
+			if s.Forget != nil {
+				s.Forget(name)
+			}
+		}
 	}
 	return out, nil
 }

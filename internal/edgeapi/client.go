@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/base64"
 	"encoding/json"
 	"errors"
@@ -112,26 +113,32 @@ func (c *Client) do(ctx context.Context, cl call) (*http.Response, error) {
 	if cl.json != nil {
 		req.Header.Set("Content-Type", "application/json")
 	}
-	// A request the transport may send again (Idempotency-Key) can fail
-	// to dial after an earlier attempt was written: it was sent all the
-	// same.
-	var wrote atomic.Bool
-	if cl.header.Get("Idempotency-Key") != "" {
-		req = req.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
-			WroteRequest: func(i httptrace.WroteRequestInfo) {
-				if i.Err == nil {
-					wrote.Store(true)
-				}
-			},
-		}))
-	}
+	// Not sent: the connection could not be made, or its TLS handshake
+	// failed (the edge's certificate refused: another host at the node's
+	// address). A request the transport may send again (Idempotency-Key)
+	// can fail so after an earlier attempt was written: it was sent all
+	// the same.
+	var wrote, handshakeFailed atomic.Bool
+	req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{
+		WroteRequest: func(i httptrace.WroteRequestInfo) {
+			if i.Err == nil {
+				wrote.Store(true)
+			}
+		},
+		TLSHandshakeDone: func(_ tls.ConnectionState, err error) {
+			if err != nil {
+				handshakeFailed.Store(true)
+			}
+		},
+	}))
 	resp, err := c.hc.Do(req)
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
 		var op *net.OpError
-		return nil, &Unreachable{Node: c.name, Err: err, NotSent: errors.As(err, &op) && op.Op == "dial" && !wrote.Load()}
+		dialed := errors.As(err, &op) && op.Op == "dial"
+		return nil, &Unreachable{Node: c.name, Err: err, NotSent: (dialed || handshakeFailed.Load()) && !wrote.Load()}
 	}
 	if resp.StatusCode/100 == 2 || resp.StatusCode == http.StatusSwitchingProtocols {
 		return resp, nil
