@@ -223,11 +223,29 @@ func writeFiles(dir string, files []pemFile) error {
 		return fmt.Errorf("creating %s: %w", dir, err)
 	}
 	for _, f := range files {
-		if err := os.WriteFile(filepath.Join(dir, f.name), f.data, f.mode); err != nil {
+		if err := writeSynced(filepath.Join(dir, f.name), f.data, f.mode); err != nil {
 			return fmt.Errorf("writing %s: %w", filepath.Join(dir, f.name), err)
 		}
 	}
 	return nil
+}
+
+// writeSynced writes a new file and syncs it: keys and certificates are
+// written once, and a directory renamed into place after a crash must not
+// hold torn ones.
+func writeSynced(path string, data []byte, mode os.FileMode) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, mode)
+	if err != nil {
+		return err
+	}
+	_, err = f.Write(data)
+	if serr := f.Sync(); err == nil {
+		err = serr
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }
 
 // RoleFiles are the files each role's machines need, which Init writes

@@ -87,7 +87,20 @@ func AddEdge(dir, node string) (string, error) {
 		return "", err
 	}
 	// Written into a temporary directory renamed into place: a failure
-	// leaves no half directory for the node.
+	// leaves no half directory for the node. One a killed run left (a key
+	// in it) goes first.
+	ents, err := os.ReadDir(filepath.Join(dir, EdgesDir))
+	if err != nil {
+		return "", err
+	}
+	for _, e := range ents {
+		// MkdirTemp's names: the pattern, then digits.
+		if rest, ok := strings.CutPrefix(e.Name(), "."+node+"."); ok && rest != "" && strings.Trim(rest, "0123456789") == "" {
+			if err := os.RemoveAll(filepath.Join(dir, EdgesDir, e.Name())); err != nil {
+				return "", err
+			}
+		}
+	}
 	tmp, err := os.MkdirTemp(filepath.Join(dir, EdgesDir), "."+node+".")
 	if err != nil {
 		return "", err

@@ -143,6 +143,22 @@ func TestNodeCertificates(t *testing.T) {
 		}
 	}
 
+	// What a killed run left for a node goes when it is issued; another
+	// node's (a name it is a prefix of) stays.
+	for _, left := range []string{".n3.123", ".n3.x.456"} {
+		if err := os.MkdirAll(filepath.Join(dir, EdgesDir, left), 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	add(dir, "n3")
+	if _, err := os.Stat(filepath.Join(dir, EdgesDir, ".n3.123")); err == nil {
+		t.Error("n3's leftover is still there")
+	}
+	if _, err := os.Stat(filepath.Join(dir, EdgesDir, ".n3.x.456")); err != nil {
+		t.Errorf("n3.x's leftover was removed: %v", err)
+	}
+	_ = os.Remove(filepath.Join(dir, EdgesDir, ".n3.x.456"))
+
 	// Refused: a node twice, a bad name, a role directory (no CA key);
 	// none leaves a directory behind.
 	if _, err := AddEdge(dir, "n1"); err == nil || !strings.Contains(err.Error(), "exists") {
@@ -157,7 +173,7 @@ func TestNodeCertificates(t *testing.T) {
 		t.Errorf("from a role directory: %v", err)
 	}
 	ents, _ = os.ReadDir(filepath.Join(dir, EdgesDir))
-	if len(ents) != 2 {
-		t.Errorf("edges/ holds %d entries, want 2", len(ents))
+	if len(ents) != 3 {
+		t.Errorf("edges/ holds %d entries, want 3", len(ents))
 	}
 }
