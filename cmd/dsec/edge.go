@@ -294,15 +294,21 @@ func etcdAddrs(ctx context.Context, urls string) ([]netip.Prefix, []error) {
 // certificate is another node's (dsec cluster add-edge): apiservers
 // would refuse it. The edges' shared certificate serves any node.
 func checkNodeCert(dir, node string) error {
-	tr, err := cluster.Load(dir)
-	if err != nil {
-		return err
-	}
-	switch named, err := tr.NodeName(); {
+	switch named, err := nodeCertOf(dir); {
 	case err != nil:
 		return err
 	case named != "" && named != node:
 		return fmt.Errorf("--cluster %s holds node %s's certificate, not %s's: give --node-name %s, or the directory dsec cluster add-edge --node-name %s writes", dir, named, node, named, node)
 	}
 	return nil
+}
+
+// nodeCertOf is the node the --cluster directory dir's edge certificate
+// names ("" for the edges' shared one).
+func nodeCertOf(dir string) (string, error) {
+	tr, err := cluster.Load(dir)
+	if err != nil {
+		return "", err
+	}
+	return tr.NodeName()
 }

@@ -181,9 +181,7 @@ func runHollow(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 		}
 		lns = append(lns, ln)
 	}
-	if tr, err := cluster.Load(c.clusterDir); err != nil {
-		return err
-	} else if named, err := tr.NodeName(); err != nil {
+	if named, err := nodeCertOf(c.clusterDir); err != nil {
 		return err
 	} else if named != "" {
 		return fmt.Errorf("--cluster %s holds node %s's certificate: hollow edges serve many node names, with the edges' shared directory (DIR/edge; apiservers must then run without --require-node-certs)", c.clusterDir, named)

@@ -195,18 +195,25 @@ func Init(dir string, opt InitOptions) (Info, error) {
 	for _, f := range files {
 		byName[f.name] = f
 	}
-	for role, names := range RoleFiles {
-		var sub []pemFile
-		for name, from := range names {
-			f := byName[from]
-			f.name = name
-			sub = append(sub, f)
-		}
-		if err := writeFiles(filepath.Join(dir, role), sub); err != nil {
+	for role := range RoleFiles {
+		if err := writeFiles(filepath.Join(dir, role), roleDir(role, byName)); err != nil {
 			return Info{}, err
 		}
 	}
 	return info, nil
+}
+
+// roleDir is the files of role's directory (RoleFiles), from the files of
+// the cluster directory by name; a source missing there is left out.
+func roleDir(role string, byName map[string]pemFile) []pemFile {
+	var out []pemFile
+	for name, from := range RoleFiles[role] {
+		if f, ok := byName[from]; ok {
+			f.name = name
+			out = append(out, f)
+		}
+	}
+	return out
 }
 
 // pemFile is a file of a cluster directory.

@@ -67,22 +67,26 @@ func AddEdge(dir, node string) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("making node %s's certificate: %w", node, err)
 	}
-	mine := map[string][]byte{edgeCert: pemBlock("CERTIFICATE", der), edgeKey: pemKey(priv)}
-	var files []pemFile
-	for name, from := range RoleFiles["edge"] {
-		f := pemFile{name: name, mode: 0o644}
-		if b, ok := mine[from]; ok {
-			f.data = b
-		} else if f.data, err = os.ReadFile(filepath.Join(dir, from)); errors.Is(err, fs.ErrNotExist) && (from == etcdEdgeCert || from == etcdEdgeKey) {
-			continue // a directory older than etcd's pairs: as DIR/edge then
+	// DIR/edge's files, this node's pair instead of the shared one. A
+	// directory older than etcd's pairs has none (as DIR/edge then).
+	byName := map[string]pemFile{edgeCert: {edgeCert, pemBlock("CERTIFICATE", der), 0o644}, edgeKey: {edgeKey, pemKey(priv), 0o600}}
+	for _, from := range RoleFiles["edge"] {
+		if _, ok := byName[from]; ok {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(dir, from))
+		if errors.Is(err, fs.ErrNotExist) && (from == etcdEdgeCert || from == etcdEdgeKey) {
+			continue
 		} else if err != nil {
 			return "", fmt.Errorf("%s: %w", dir, err)
 		}
-		if from == edgeKey || from == etcdEdgeKey {
-			f.mode = 0o600
+		mode := os.FileMode(0o644)
+		if from == etcdEdgeKey {
+			mode = 0o600
 		}
-		files = append(files, f)
+		byName[from] = pemFile{from, b, mode}
 	}
+	files := roleDir("edge", byName)
 	if err := os.MkdirAll(filepath.Join(dir, EdgesDir), 0o700); err != nil {
 		return "", err
 	}
