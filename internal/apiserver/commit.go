@@ -4,6 +4,7 @@ import (
 	"errors"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/dsecproject/dsec/internal/errdefs"
@@ -23,6 +24,17 @@ import (
 // one fsync per create (or per batch), not two. A repeat of a call whose
 // answer still waits here finds its record pending and polls for it.
 //
+// Claims of calls that make sandboxes (creates, batches, forks,
+// snapshots, fncalls) are patient: while more than claimSiblings of those
+// calls run on this apiserver (a burst), their claims wait up to
+// claimLinger for one another, so that a burst's claims share
+// transactions too, as a database delays a commit while others are about
+// to commit (PostgreSQL's commit_delay and commit_siblings). Each
+// transaction costs etcd and this apiserver CPU that a burst on shared
+// cores would rather give the nodes, and a create in a burst takes far
+// longer than the wait. One create at a time never waits, nor does an
+// exec's claim.
+//
 // An answer not yet written when the apiserver dies leaves its record
 // pending with a dead owner: a repeat takes the call over and finds what
 // it made, as for any call cut short.
@@ -34,6 +46,9 @@ type groupCommit struct {
 	maxOps   int
 	maxBytes int
 	log      *slog.Logger
+
+	// making counts the keyed calls that make sandboxes running.
+	making atomic.Int64
 
 	mu      sync.Mutex
 	queue   []*commitOp
@@ -47,8 +62,12 @@ type groupCommit struct {
 type commitOp struct {
 	kv     store.KV
 	create bool
-	err    error
-	done   chan struct{} // nil for an answer
+	// patient: the claim of a call that makes sandboxes, which may
+	// wait for others (claimLinger) from at.
+	patient bool
+	at      time.Time
+	err     error
+	done    chan struct{} // nil for an answer
 }
 
 // Batch bounds: etcd takes up to 128 operations and 1.5 MiB per request.
@@ -59,7 +78,12 @@ const (
 	commitMaxOps   = 64
 	commitMaxBytes = 1 << 20
 	commitLinger   = 50 * time.Millisecond
+	claimSiblings  = 8
 )
+
+// claimLinger is how long the claims of calls that make sandboxes wait
+// for one another in a burst. A variable for tests.
+var claimLinger = 10 * time.Millisecond
 
 func newGroupCommit(st store.Store, bucket string, log *slog.Logger) *groupCommit {
 	g := &groupCommit{st: st, bucket: bucket, linger: commitLinger, maxOps: commitMaxOps, maxBytes: commitMaxBytes,
@@ -75,7 +99,15 @@ func newGroupCommit(st store.Store, bucket string, log *slog.Logger) *groupCommi
 // create writes kv if its key is absent (errdefs.ErrAlreadyExists
 // otherwise) and waits for the write.
 func (g *groupCommit) create(kv store.KV) error {
-	op := &commitOp{kv: kv, create: true, done: make(chan struct{})}
+	return g.createOp(&commitOp{kv: kv, create: true, done: make(chan struct{})})
+}
+
+// createPatient is create for the claim of a call that makes sandboxes.
+func (g *groupCommit) createPatient(kv store.KV) error {
+	return g.createOp(&commitOp{kv: kv, create: true, patient: true, at: time.Now(), done: make(chan struct{})})
+}
+
+func (g *groupCommit) createOp(op *commitOp) error {
 	g.enqueue(op)
 	<-op.done
 	return op.err
@@ -139,25 +171,39 @@ func (g *groupCommit) drain() {
 			g.mu.Unlock()
 			return
 		}
-		claims := false
+		claims, patient := false, true
+		var oldest time.Time
 		for _, op := range g.queue {
-			claims = claims || op.create
+			if op.create {
+				claims = true
+				patient = patient && op.patient
+				if oldest.IsZero() || op.at.Before(oldest) {
+					oldest = op.at
+				}
+			}
 		}
-		if !claims && !g.settling && g.linger > 0 && len(g.queue) < g.maxOps {
+		var wait time.Duration
+		switch {
+		case claims && patient && !g.settling && g.batcher != nil && len(g.queue) < g.maxOps && g.making.Load() > claimSiblings:
+			// Patient claims only, in a burst: give others a moment
+			// to join them.
+			wait = time.Until(oldest.Add(claimLinger))
+		case !claims && !g.settling && g.linger > 0 && len(g.queue) < g.maxOps:
+			// Answers only: give a claim a moment to join them.
 			if until.IsZero() {
 				until = time.Now().Add(g.linger)
 			}
-			if wait := time.Until(until); wait > 0 {
-				g.mu.Unlock()
-				// Answers only: give a claim a moment to join them.
-				t := time.NewTimer(wait)
-				select {
-				case <-g.kick:
-				case <-t.C:
-				}
-				t.Stop()
-				continue
+			wait = time.Until(until)
+		}
+		if wait > 0 {
+			g.mu.Unlock()
+			t := time.NewTimer(wait)
+			select {
+			case <-g.kick:
+			case <-t.C:
 			}
+			t.Stop()
+			continue
 		}
 		// A key goes into a transaction once (etcd refuses a repeat):
 		// a second write of it (a repeat's claim, or an answer and the

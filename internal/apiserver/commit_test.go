@@ -212,3 +212,86 @@ func TestAnswersWaitForAClaim(t *testing.T) {
 		t.Errorf("settle took %v: it waited for the linger", el)
 	}
 }
+
+// TestCreatesClaimsWaitForOneAnother: in a burst of creates (more than
+// claimSiblings keyed calls that make sandboxes running), their claims
+// wait up to claimLinger for one another and go in one transaction; a
+// claim that is not patient (an exec's) does not wait, and takes the
+// waiting ones along; a create's claim does not wait when few run.
+func TestCreatesClaimsWaitForOneAnother(t *testing.T) {
+	defer func(d time.Duration) { claimLinger = d }(claimLinger)
+	claimLinger = 500 * time.Millisecond
+	claims := func(making int64, patient ...bool) ([]string, time.Duration) {
+		bs := &batchStore{Store: store.NewMemory()}
+		g := newGroupCommit(bs, "b", slog.New(slog.DiscardHandler))
+		g.making.Store(making)
+		var wg sync.WaitGroup
+		start := time.Now()
+		for i, p := range patient {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				kv := store.KV{Key: fmt.Sprint("k", i), Value: []byte("v")}
+				var err error
+				if p {
+					err = g.createPatient(kv)
+				} else {
+					err = g.create(kv)
+				}
+				if err != nil {
+					t.Error(err)
+				}
+			}()
+			time.Sleep(10 * time.Millisecond)
+		}
+		wg.Wait()
+		return bs.log(), time.Since(start)
+	}
+	if log, d := claims(claimSiblings+1, true, true, true, true); fmt.Sprint(log) != "[c4p0]" || d < claimLinger/2 {
+		t.Fatalf("a burst's claims: transactions %v after %v, want the four in one after a wait", log, d)
+	}
+	if log, d := claims(claimSiblings+1, true, false); fmt.Sprint(log) != "[c2p0]" || d >= claimLinger/2 {
+		t.Fatalf("a create's claim, then an exec's: transactions %v after %v, want both in one at once", log, d)
+	}
+	if log, d := claims(1, true); fmt.Sprint(log) != "[c1p0]" || d >= claimLinger/2 {
+		t.Fatalf("a lone create's claim: transactions %v after %v, want it at once", log, d)
+	}
+}
+
+// TestGroupCommitUnderLoad: claims and answers from many goroutines, some
+// claims written from their caller's goroutine and some by the drain's,
+// are all written, each once, in transactions that never hold a key
+// twice, and settle leaves nothing queued.
+func TestGroupCommitUnderLoad(t *testing.T) {
+	bs := &batchStore{Store: store.NewMemory()}
+	g := newGroupCommit(bs, "b", slog.New(slog.DiscardHandler))
+	var wg sync.WaitGroup
+	for i := range 200 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			k := fmt.Sprint("k", i)
+			var err error
+			if i%3 == 0 {
+				err = g.createPatient(store.KV{Key: k, Value: []byte("pending")})
+			} else {
+				err = g.create(store.KV{Key: k, Value: []byte("pending")})
+			}
+			if err != nil {
+				t.Errorf("claim %s: %v", k, err)
+				return
+			}
+			g.put(store.KV{Key: k, Value: []byte("done")})
+		}()
+	}
+	wg.Wait()
+	g.settle(5 * time.Second)
+	for i := range 200 {
+		if v, err := bs.Get("b", fmt.Sprint("k", i)); err != nil || string(v) != "done" {
+			t.Fatalf("k%d: %q, %v; want its answer", i, v, err)
+		}
+	}
+	if err := g.create(store.KV{Key: "k7", Value: []byte("again")}); !errors.Is(err, errdefs.ErrAlreadyExists) {
+		t.Fatalf("a claim of a written key: %v, want already exists", err)
+	}
+}

@@ -107,7 +107,11 @@ func (s *Server) idempotent(creates bool, h http.HandlerFunc) http.HandlerFunc {
 		r.Body = io.NopCloser(bytes.NewReader(body))
 		hash := requestHash(r.Method, r.URL.Path, r.URL.RawQuery, body)
 		rk := idemRecordKey(principalID(r), key)
-		rec, run, err := s.claim(r.Context(), rk, hash)
+		if creates {
+			s.records.making.Add(1)
+			defer s.records.making.Add(-1)
+		}
+		rec, run, err := s.claim(r.Context(), rk, hash, creates)
 		switch {
 		case err != nil && errors.Is(err, errdefs.ErrUnavailable) && !creates:
 			s.log.Warn("running a keyed call unrecorded: the store is unavailable", "path", r.URL.Path, "err", err)
@@ -165,7 +169,9 @@ type claimed struct {
 
 // claim makes this apiserver the runner of rk, or returns the record to
 // answer from (run false). It waits while a live apiserver runs it.
-func (s *Server) claim(ctx context.Context, rk, hash string) (claimed, bool, error) {
+// patient: the call makes sandboxes (its claim may wait for others in a
+// burst, see groupCommit).
+func (s *Server) claim(ctx context.Context, rk, hash string, patient bool) (claimed, bool, error) {
 	deadline := time.Now().Add(idemWait)
 	nonce := newNonce()
 	misses := 0 // store calls given up in a row (a loaded store; a lost quorum)
@@ -177,7 +183,11 @@ func (s *Server) claim(ctx context.Context, rk, hash string) (claimed, bool, err
 		if err != nil {
 			return claimed{}, false, err
 		}
-		switch err := s.records.create(store.KV{Key: rk, Value: b}); {
+		create := s.records.create
+		if patient {
+			create = s.records.createPatient
+		}
+		switch err := create(store.KV{Key: rk, Value: b}); {
 		case err == nil:
 			return claimed{idemRecord: mine}, true, nil
 		case errors.Is(err, errdefs.ErrUnavailable):

@@ -213,8 +213,40 @@ func withLabel(l map[string]string, k, v string) map[string]string {
 // answer: a node that cannot be asked may hold some, and creating them
 // again could make two. A node that does not answer (or that the view has
 // down: under load it may be only slow) is asked again, madeBeforeTries
-// times in all.
+// times in all. A sandbox of it still "creating" (its node still making
+// it, or about to undo a failed create) is waited for, up to
+// madeBeforeCreating: answered as it was made, it could be gone a moment
+// later.
 func (s *Server) madeBefore(ctx context.Context, label, project string) ([]api.Sandbox, error) {
+	// One still being made is waited for: its create may yet fail (the
+	// node undoes it) or succeed.
+	deadline := time.Now().Add(madeBeforeCreating)
+	for {
+		made, err := s.madeBeforeOnce(ctx, label, project)
+		if err != nil {
+			return nil, err
+		}
+		creating := ""
+		for _, sb := range made {
+			if sb.State == api.StateCreating {
+				creating = sb.ID
+			}
+		}
+		if creating == "" {
+			return made, nil
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return nil, errdefs.Unavailable("an earlier attempt of this request is still making sandbox %s; retry later", creating)
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(madeBeforePause / 5):
+		}
+	}
+}
+
+// madeBeforeOnce is one look of madeBefore.
+func (s *Server) madeBeforeOnce(ctx context.Context, label, project string) ([]api.Sandbox, error) {
 	var mu sync.Mutex
 	var made []api.Sandbox
 	list := func(ctx context.Context, e edgeapi.Edge) error {
@@ -271,6 +303,8 @@ func (s *Server) madeBefore(ctx context.Context, label, project string) ([]api.S
 var (
 	madeBeforeTries = 3
 	madeBeforePause = 500 * time.Millisecond
+	// madeBeforeCreating bounds the wait for a sandbox still being made.
+	madeBeforeCreating = 30 * time.Second
 )
 
 func (s *Server) batchCreate(w http.ResponseWriter, r *http.Request) {

@@ -251,3 +251,37 @@ func TestRefusalKeepsATakersRecord(t *testing.T) {
 		t.Fatalf("deleteOwnPending of its own: %v", err)
 	}
 }
+
+// TestTakeoverWaitsForASandboxBeingMade: an earlier attempt's sandbox
+// still "creating" is waited for: made, it is the answer (running);
+// undone, the takeover makes one.
+func TestTakeoverWaitsForASandboxBeingMade(t *testing.T) {
+	for _, made := range []bool{true, false} {
+		f := newFixture(t, true)
+		spec := `{"base":"base/py:1"}`
+		rk := f.leavePending(t, "k11", "dead", "/v1/sandboxes", spec)
+		first := api.Sandbox{ID: "sb-n1-making", Node: "n1", Project: iam.RootProject, State: api.StateCreating, Labels: map[string]string{IdempotencyLabel: rk[:32]}}
+		f.edge.Put(first)
+		go func() {
+			time.Sleep(300 * time.Millisecond)
+			if made {
+				first.State = api.StateRunning
+				f.edge.Put(first)
+			} else {
+				_ = f.edge.Delete(context.Background(), first.ID)
+			}
+		}()
+		resp, body := f.doAt(t, f.srv, f.admin, "k11", "POST", "/v1/sandboxes", spec)
+		if resp.StatusCode != 201 {
+			t.Fatalf("takeover (made %v): %d %s", made, resp.StatusCode, body)
+		}
+		got := decodeSandbox(t, body)
+		creates, _ := f.edge.Counts()
+		switch {
+		case made && (got.ID != first.ID || got.State != api.StateRunning || creates != 0):
+			t.Fatalf("takeover of a sandbox that was made answered %s after %d creates", body, creates)
+		case !made && (got.ID == first.ID || creates != 1):
+			t.Fatalf("takeover of a sandbox that was undone answered %s after %d creates", body, creates)
+		}
+	}
+}
