@@ -1,23 +1,26 @@
 package main
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/dsecproject/dsec/internal/cluster"
 	"github.com/dsecproject/dsec/internal/layer"
 	"github.com/dsecproject/dsec/internal/store"
 )
 
-// runCluster is `dsec cluster init`, `dsec cluster add-edge` and `dsec
-// cluster etcd-auth`.
+// runCluster is `dsec cluster init`, `dsec cluster add-edge`, `dsec
+// cluster revoke-edge` and `dsec cluster etcd-auth`.
 func runCluster(args []string) error {
 	if len(args) > 0 && args[0] == "etcd-auth" {
 		return runEtcdAuth(args[1:])
@@ -25,8 +28,11 @@ func runCluster(args []string) error {
 	if len(args) > 0 && args[0] == "add-edge" {
 		return runAddEdge(args[1:])
 	}
+	if len(args) > 0 && args[0] == "revoke-edge" {
+		return runRevokeEdge(args[1:])
+	}
 	if len(args) == 0 || args[0] != "init" {
-		return fmt.Errorf("usage: dsec cluster init --dir DIR [--etcd-hosts HOSTS], dsec cluster add-edge --dir DIR --node-name NAME, or dsec cluster etcd-auth --etcd URLS --cluster DIR --root-password-file FILE")
+		return fmt.Errorf("usage: dsec cluster init --dir DIR [--etcd-hosts HOSTS], dsec cluster add-edge --dir DIR --node-name NAME, dsec cluster revoke-edge --etcd URLS --cluster DIR --node-name NAME, or dsec cluster etcd-auth --etcd URLS --cluster DIR --root-password-file FILE")
 	}
 	var dir, etcdHosts string
 	f := newCmdFlags("cluster init", "--dir DIR [--etcd-hosts HOSTS]",
@@ -73,8 +79,9 @@ func runAddEdge(args []string) error {
 			"Once every node has its own, run the apiservers with --require-node-certs:\n"+
 			"they then refuse the edges' shared certificate too, and no other edge host\n"+
 			"can answer for a node (even one that rewrote its address in etcd). DIR is\n"+
-			"the directory dsec cluster init wrote (this needs the CA's key). A node\n"+
-			"certificate cannot be revoked: issuing one again leaves the first valid.")
+			"the directory dsec cluster init wrote (this needs the CA's key). To take\n"+
+			"a node's certificate back, dsec cluster revoke-edge; then add-edge issues\n"+
+			"it a new one.")
 	f.StringVar(&dir, "dir", "", "the cluster directory dsec cluster init wrote (required)")
 	f.StringVar(&node, "node-name", "", "the node's name, as its dsec edge --node-name (required)")
 	if _, err := f.parseN(args, 0, 0); err != nil {
@@ -89,6 +96,46 @@ func runAddEdge(args []string) error {
 	}
 	fmt.Printf("node %s's directory written to %s\n", node, out)
 	fmt.Printf("copy it to that machine and start it with dsec edge --cluster DIR --node-name %s ...\n", node)
+	return nil
+}
+
+// runRevokeEdge is `dsec cluster revoke-edge`.
+func runRevokeEdge(args []string) error {
+	var c clusterFlags
+	var node string
+	f := newCmdFlags("cluster revoke-edge", "--etcd URLS --cluster DIR --node-name NAME [flags]",
+		"Revoke node NAME's certificate, the one in DIR/edges/NAME (dsec cluster\n"+
+			"add-edge): its serial is recorded in etcd, every apiserver refuses it\n"+
+			"from then on (each drops its connections to the node within about a\n"+
+			"second), and an edge started with it refuses to start. DIR/edges/NAME\n"+
+			"moves to DIR/revoked/NAME-SERIAL; dsec cluster add-edge then issues the\n"+
+			"node a new certificate. DIR is the directory dsec cluster init wrote:\n"+
+			"this logs in to etcd with its etcd-client.pem (an apiserver's).")
+	c.registerEtcd(f)
+	f.StringVar(&c.clusterDir, "cluster", "", "the cluster directory dsec cluster init wrote (required)")
+	f.StringVar(&node, "node-name", "", "the node whose certificate to revoke (required)")
+	if _, err := f.parseN(args, 0, 0); err != nil {
+		return err
+	}
+	for _, r := range []struct{ name, v string }{{"--etcd", c.etcd}, {"--cluster", c.clusterDir}, {"--node-name", node}} {
+		if r.v == "" {
+			return fmt.Errorf("%s is required", r.name)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	_, st, err := c.openEtcd(ctx, slog.New(slog.DiscardHandler))
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	r, err := cluster.RevokeEdge(st, c.clusterDir, node)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("node %s's certificate (serial %s) is revoked; its directory moved to %s\n", node, r.Serial, filepath.Join(c.clusterDir, cluster.RevokedDir, node+"-"+r.Serial))
+	fmt.Printf("to bring the node back: dsec cluster add-edge --dir %s --node-name %s, copy the new directory to it, restart its edge\n", c.clusterDir, node)
+	fmt.Printf("note: apiservers without --require-node-certs still take the shared certificate (%s) from any host that holds it, and the node keeps the edges' etcd access\n", filepath.Join(c.clusterDir, "edge"))
 	return nil
 }
 

@@ -65,3 +65,21 @@ func TestEtcdUsers(t *testing.T) {
 		}
 	}
 }
+
+// TestRevokeEdgeBadInput: revoke-edge says what is missing before it
+// reaches etcd.
+func TestRevokeEdgeBadInput(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{nil, "--etcd is required"},
+		{[]string{"--etcd", "http://127.0.0.1:1"}, "--cluster is required"},
+		{[]string{"--etcd", "http://127.0.0.1:1", "--cluster", t.TempDir()}, "--node-name is required"},
+		{[]string{"--etcd", "http://127.0.0.1:1", "--cluster", t.TempDir(), "--node-name", "n1"}, "cluster.json"},
+	} {
+		if err := runCluster(append([]string{"revoke-edge"}, c.args...)); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("revoke-edge %v: %v, want %q", c.args, err, c.want)
+		}
+	}
+}

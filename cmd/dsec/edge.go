@@ -133,6 +133,15 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 		return err
 	}
 	defer st.Close()
+	switch told, err := cluster.CheckNotRevoked(st, c.clusterDir); {
+	case told && err != nil:
+		return err
+	case err != nil:
+		// An etcd whose roles predate the revocations (dsec cluster
+		// etcd-auth not run again since the upgrade): the apiservers
+		// refuse a revoked certificate all the same.
+		log.Warn("cannot tell whether this node's certificate is revoked", "err", err)
+	}
 	// etcd holds the cluster's keys and answers anyone who reaches it: no
 	// sandbox of this node may, whatever its allow list says. (Before the
 	// name is claimed: nothing past this point fails for it.)

@@ -1,9 +1,13 @@
 package main
 
 import (
+	"context"
+	"net/http"
+	"net/http/httptest"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/dsecproject/dsec/internal/cluster"
 )
@@ -70,4 +74,78 @@ func mustLoad(t *testing.T, dir string) *cluster.Trust {
 		t.Fatal(err)
 	}
 	return tr
+}
+
+// TestEdgeDialerCutClosesCallsUnderWay: when a node's certificate is
+// revoked (cut), its calls under way end at once, not only its idle
+// connections; a node that left the registry (forget) keeps them.
+func TestEdgeDialerCutClosesCallsUnderWay(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "c")
+	if _, err := cluster.Init(dir, cluster.InitOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	n1, err := cluster.AddEdge(dir, "n1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srvTLS, err := mustLoad(t, n1).EdgeServerTLS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	entered := make(chan struct{}, 4)
+	release := make(chan struct{})
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		entered <- struct{}{}
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	srv.TLS = srvTLS
+	srv.StartTLS()
+	defer srv.Close()
+	defer close(release) // before Close, which waits for the handlers
+	d, err := newEdgeDialer(mustLoad(t, filepath.Join(dir, "server")), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	call := func() chan error {
+		e := d.dial(cluster.NodeRecord{Name: "n1", Address: srv.Listener.Addr().String()})
+		done := make(chan error, 1)
+		go func() {
+			_, err := e.Info(context.Background())
+			done <- err
+		}()
+		select {
+		case <-entered:
+		case err := <-done:
+			t.Fatalf("the call ended before the edge had it: %v", err)
+		case <-time.After(5 * time.Second):
+			t.Fatal("the call never reached the edge")
+		}
+		return done
+	}
+	done := call()
+	d.forget("n1")
+	select {
+	case err := <-done:
+		t.Fatalf("a call under way ended when its node left the registry: %v", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	release <- struct{}{}
+	if err := <-done; err == nil {
+		// The test edge answers no JSON: any answer is an error; what
+		// matters is that it came.
+		t.Log("answered")
+	}
+	done = call()
+	d.cut("n1")
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Fatal("a cut call succeeded")
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("a call under way went on after its node's certificate was revoked")
+	}
 }

@@ -19,7 +19,7 @@ var daemonCommands = map[string]struct {
 	"up":      {"run apiserver + edge + store on this machine (needs root)", runUp},
 	"server":  {"run a stateless apiserver of a cluster (state in etcd)", runServer},
 	"edge":    {"run the node daemon of a cluster on this machine (needs root)", runEdgeDaemon},
-	"cluster": {"init: write a cluster's CA and certificates; add-edge: a node's own certificate; etcd-auth: etcd users per role", runCluster},
+	"cluster": {"init: write a cluster's CA and certificates; add-edge: a node's own certificate; revoke-edge: take it back; etcd-auth: etcd users per role", runCluster},
 	"bench":   {"measure create and exec latency against a bare runtime loop", runBench},
 	// Started by the edge, not by hand: not listed in the usage.
 	"layerfs": {"serve registry-backed layers on demand (started by the edge)", runLayerFS},

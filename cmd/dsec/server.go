@@ -72,6 +72,26 @@ func (c *clusterFlags) check() error {
 // and the layer directory are this cluster's. before, if not nil, runs
 // once etcd answers and before anything is written to it.
 func (c *clusterFlags) join(ctx context.Context, log *slog.Logger, before func(store.Store) error) (*cluster.Trust, *store.Etcd, error) {
+	trust, st, err := c.openEtcd(ctx, log)
+	if err != nil {
+		return nil, nil, err
+	}
+	if before != nil {
+		if err := before(st); err != nil {
+			_ = st.Close()
+			return nil, nil, err
+		}
+	}
+	if err := cluster.Join(st, trust, c.layersDir); err != nil {
+		_ = st.Close()
+		return nil, nil, err
+	}
+	return trust, st, nil
+}
+
+// openEtcd loads the cluster directory and connects to etcd with its
+// credentials, checking that etcd answers.
+func (c *clusterFlags) openEtcd(ctx context.Context, log *slog.Logger) (*cluster.Trust, *store.Etcd, error) {
 	trust, err := cluster.Load(c.clusterDir)
 	if err != nil {
 		return nil, nil, err
@@ -94,16 +114,6 @@ func (c *clusterFlags) join(ctx context.Context, log *slog.Logger, before func(s
 	if err := st.Ping(ctx); err != nil {
 		_ = st.Close()
 		return nil, nil, fmt.Errorf("etcd %s: %w%s", c.etcd, err, c.etcdHint(ctx, endpoints, cfg.TLS))
-	}
-	if before != nil {
-		if err := before(st); err != nil {
-			_ = st.Close()
-			return nil, nil, err
-		}
-	}
-	if err := cluster.Join(st, trust, c.layersDir); err != nil {
-		_ = st.Close()
-		return nil, nil, err
 	}
 	return trust, st, nil
 }
@@ -269,8 +279,59 @@ type edgeDialer struct {
 }
 
 type edgeTransport struct {
-	addr string
-	hc   *http.Client
+	addr  string
+	hc    *http.Client
+	conns *connSet
+}
+
+// connSet holds the connections a node's transport opened and has not
+// closed: when the node's certificate is revoked, those in use (a call
+// under way, a port tunnel) and those it would keep for reuse are closed
+// too, not only the idle ones.
+type connSet struct {
+	mu     sync.Mutex
+	open   map[*trackedConn]bool
+	closed bool
+}
+
+type trackedConn struct {
+	net.Conn
+	set  *connSet
+	once sync.Once
+}
+
+func (c *trackedConn) Close() error {
+	c.once.Do(func() {
+		c.set.mu.Lock()
+		delete(c.set.open, c)
+		c.set.mu.Unlock()
+	})
+	return c.Conn.Close()
+}
+
+// track adds c to the set; a set closed already closes it.
+func (s *connSet) track(c net.Conn) (net.Conn, error) {
+	tc := &trackedConn{Conn: c, set: s}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		_ = c.Close()
+		return nil, errors.New("the node's connections were closed (its certificate revoked, or the node gone)")
+	}
+	s.open[tc] = true
+	return tc, nil
+}
+
+// closeAll closes every connection of the set, and every one opened later.
+func (s *connSet) closeAll() {
+	s.mu.Lock()
+	s.closed = true
+	open := s.open
+	s.open = map[*trackedConn]bool{}
+	s.mu.Unlock()
+	for c := range open {
+		_ = c.Conn.Close()
+	}
 }
 
 func newEdgeDialer(trust *cluster.Trust, requireNode bool) (*edgeDialer, error) {
@@ -290,9 +351,17 @@ func (d *edgeDialer) dial(rec cluster.NodeRecord) edgeapi.Edge {
 		if ok {
 			t.hc.CloseIdleConnections()
 		}
-		t = edgeTransport{addr: rec.Address, hc: &http.Client{Transport: &http.Transport{
-			TLSClientConfig:     d.tls(rec.Name),
-			DialContext:         (&net.Dialer{Timeout: 2 * time.Second, KeepAlive: 15 * time.Second}).DialContext,
+		conns := &connSet{open: map[*trackedConn]bool{}}
+		dialer := &net.Dialer{Timeout: 2 * time.Second, KeepAlive: 15 * time.Second}
+		t = edgeTransport{addr: rec.Address, conns: conns, hc: &http.Client{Transport: &http.Transport{
+			TLSClientConfig: d.tls(rec.Name),
+			DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+				c, err := dialer.DialContext(ctx, network, addr)
+				if err != nil {
+					return nil, err
+				}
+				return conns.track(c)
+			},
 			TLSHandshakeTimeout: 3 * time.Second,
 			MaxIdleConns:        256,
 			MaxIdleConnsPerHost: 256,
@@ -304,13 +373,28 @@ func (d *edgeDialer) dial(rec cluster.NodeRecord) edgeapi.Edge {
 	return edgeapi.NewClient(rec.Name, "https://"+rec.Address, t.hc)
 }
 
-// forget drops the transport of a node that left the registry.
-func (d *edgeDialer) forget(node string) {
+// forget drops the transport of a node that left the registry: its
+// idle connections close; calls under way (a long exec to an edge only
+// cut off from etcd) run on.
+func (d *edgeDialer) forget(node string) { d.drop(node, false) }
+
+// cut drops the transport of a node whose certificate was revoked ("":
+// of every node, when the revocations were read anew) and closes all its
+// connections, those in use too: its next call makes a new one, with a
+// new handshake, which is refused.
+func (d *edgeDialer) cut(node string) { d.drop(node, true) }
+
+func (d *edgeDialer) drop(node string, all bool) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if t, ok := d.by[node]; ok {
-		t.hc.CloseIdleConnections()
-		delete(d.by, node)
+	for name, t := range d.by {
+		if node == "" || name == node {
+			t.hc.CloseIdleConnections()
+			if all {
+				t.conns.closeAll()
+			}
+			delete(d.by, name)
+		}
 	}
 }
 
@@ -363,6 +447,13 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 	}
 	src := cluster.NewSource(st, edges.dial)
 	src.Forget = edges.forget
+	// Revoked node certificates are known before any edge is dialed; a
+	// node whose certificate is revoked later loses its connections and
+	// client (the view dials it anew within a poll, and is refused).
+	trust.WatchRevoked(ctx, st, func(node string) {
+		edges.cut(node)
+		src.Redial(node)
+	})
 	view := watcher.New(src, watcher.Config{Log: log})
 	view.Sync(ctx)
 	go view.Run(ctx)

@@ -26,6 +26,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 )
 
@@ -302,6 +303,8 @@ type Trust struct {
 	Info Info
 	pool *x509.CertPool
 	dir  string
+	// revoked are the revoked certificates by serial (WatchRevoked).
+	revoked atomic.Pointer[map[string]Revocation]
 }
 
 // Load reads the cluster directory dir (made by Init).

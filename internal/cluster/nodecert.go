@@ -32,8 +32,8 @@ import (
 // node certificates (APIServerClientTLS's requireNode; dsec server
 // --require-node-certs) refuses the shared one: until it does, any host
 // holding the shared certificate may still answer for any node. A node
-// certificate cannot be revoked: one issued again for a node (after its
-// directory was removed) leaves the first valid.
+// certificate is taken back with RevokeEdge (revoke.go), which also
+// moves its directory aside so that AddEdge can issue the node another.
 
 // EdgesDir is where AddEdge writes each node's --cluster directory
 // (EdgesDir/NAME).
@@ -58,7 +58,7 @@ func AddEdge(dir, node string) (string, error) {
 	}
 	out := filepath.Join(dir, EdgesDir, node)
 	if _, err := os.Lstat(out); err == nil {
-		return "", fmt.Errorf("%s exists: node %s has a directory already (remove it to issue a new one)", out, node)
+		return "", fmt.Errorf("%s exists: node %s has a certificate already (dsec cluster revoke-edge takes it back; then issue a new one)", out, node)
 	} else if !errors.Is(err, fs.ErrNotExist) {
 		return "", err
 	}
@@ -225,6 +225,9 @@ func (t *Trust) verifyEdge(cs tls.ConnectionState, node string, requireNode bool
 	}
 	if _, err := leaf.Verify(x509.VerifyOptions{Roots: t.pool, Intermediates: inter, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}); err != nil {
 		return fmt.Errorf("the certificate at node %s's address is not an edge certificate of this cluster: %w", node, err)
+	}
+	if r, ok := t.revocationOf(leaf); ok {
+		return fmt.Errorf("the certificate at node %s's address (node %s's, serial %s) was revoked at %s (dsec cluster revoke-edge)", node, r.Node, r.Serial, r.At.Format(time.RFC3339))
 	}
 	var named []string
 	for _, u := range leaf.URIs {

@@ -19,14 +19,7 @@ import (
 // not for serving.
 func TestNodeCertificates(t *testing.T) {
 	tr, dir := mustInit(t)
-	load := func(d string) *Trust {
-		t.Helper()
-		x, err := Load(d)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return x
-	}
+	load := func(d string) *Trust { return mustLoad(t, d) }
 	add := func(dir, node string) *Trust {
 		t.Helper()
 		out, err := AddEdge(dir, node)

@@ -31,12 +31,13 @@ const (
 // EdgeBuckets are the buckets of this package an edge reads and writes
 // (its registry entry, the abandoned tokens it sweeps), EdgeReadBuckets
 // those it only reads (the cluster's identity, which an apiserver writes
-// first when etcd's authentication is on). With it on (dsec cluster
+// first when etcd's authentication is on; the revoked certificates, so
+// that an edge with one refuses to start). With it on (dsec cluster
 // etcd-auth) an edge may use these, the layer buckets (layer.Buckets) and
 // the ping key, and nothing else.
 var (
 	EdgeBuckets     = []string{bucketNodes, bucketAbandoned}
-	EdgeReadBuckets = []string{bucketMeta}
+	EdgeReadBuckets = []string{bucketMeta, bucketRevoked}
 )
 
 // LeaseTTL is how long a registry entry outlives its holder's last word.
@@ -273,6 +274,19 @@ func (s *Source) Members(ctx context.Context) (map[string]watcher.Member, error)
 		}
 	}
 	return out, nil
+}
+
+// Redial drops the client of node name ("": of every node), so that the
+// next Members dials it anew: its certificate was revoked, and the
+// connections of the old client must not be used again.
+func (s *Source) Redial(name string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for n := range s.known {
+		if name == "" || n == name {
+			delete(s.known, n)
+		}
+	}
 }
 
 // layersIDFile marks a layer directory as a cluster's.

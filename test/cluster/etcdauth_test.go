@@ -71,6 +71,17 @@ func TestEtcdRoles(t *testing.T) {
 	if got, err := server.Get("cluster", "id"); err != nil || string(got) != string(id) {
 		t.Fatalf("the cluster's id after the attempt: %q %v", got, err)
 	}
+	// The revoked certificates: read (an edge checks its own at start),
+	// never written (a revoked node would lift its revocation).
+	if _, err := edge.List("cluster_revoked", ""); err != nil {
+		t.Errorf("an edge's user listing the revoked certificates: %v", err)
+	}
+	if err := edge.Put("cluster_revoked", "ff", []byte(`{"serial":"ff","node":"e1"}`)); err == nil {
+		t.Error("an edge's user wrote a revocation")
+	}
+	if err := edge.Delete("cluster_revoked", "ff"); err == nil {
+		t.Error("an edge's user deleted a revocation")
+	}
 	// What an edge does use.
 	if err := edge.Ping(t.Context()); err != nil {
 		t.Errorf("an edge's user pinging: %v", err)
