@@ -48,14 +48,7 @@ func TestEdgeDialer(t *testing.T) {
 // TestCheckNodeCert: an edge starts from its own node's directory or the
 // shared one, never from another node's.
 func TestCheckNodeCert(t *testing.T) {
-	dir := filepath.Join(t.TempDir(), "c")
-	if _, err := cluster.Init(dir, cluster.InitOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	n1, err := cluster.AddEdge(dir, "n1")
-	if err != nil {
-		t.Fatal(err)
-	}
+	dir, n1 := clusterWithN1(t)
 	if err := checkNodeCert(n1, "n1"); err != nil {
 		t.Fatalf("n1 from its own directory: %v", err)
 	}
@@ -65,6 +58,20 @@ func TestCheckNodeCert(t *testing.T) {
 	if err := checkNodeCert(n1, "n2"); err == nil || !strings.Contains(err.Error(), "holds node n1's certificate, not n2's") {
 		t.Fatalf("n2 from n1's directory: %v", err)
 	}
+}
+
+// clusterWithN1 makes a cluster directory and node n1's (add-edge).
+func clusterWithN1(t *testing.T) (dir, n1 string) {
+	t.Helper()
+	dir = filepath.Join(t.TempDir(), "c")
+	if _, err := cluster.Init(dir, cluster.InitOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	n1, err := cluster.AddEdge(dir, "n1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dir, n1
 }
 
 func mustLoad(t *testing.T, dir string) *cluster.Trust {
@@ -80,14 +87,7 @@ func mustLoad(t *testing.T, dir string) *cluster.Trust {
 // revoked (cut), its calls under way end at once, not only its idle
 // connections; a node that left the registry (forget) keeps them.
 func TestEdgeDialerCutClosesCallsUnderWay(t *testing.T) {
-	dir := filepath.Join(t.TempDir(), "c")
-	if _, err := cluster.Init(dir, cluster.InitOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	n1, err := cluster.AddEdge(dir, "n1")
-	if err != nil {
-		t.Fatal(err)
-	}
+	dir, n1 := clusterWithN1(t)
 	srvTLS, err := mustLoad(t, n1).EdgeServerTLS()
 	if err != nil {
 		t.Fatal(err)

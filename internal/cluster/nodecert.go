@@ -186,13 +186,9 @@ func loadIssuer(dir string) (*issuer, error) {
 // NodeName is the node this directory's edge certificate names, if it is
 // a node certificate (AddEdge); "" for the shared one.
 func (t *Trust) NodeName() (string, error) {
-	c, err := t.pair(edgeCert, edgeKey)
+	leaf, err := t.edgeLeaf()
 	if err != nil {
 		return "", err
-	}
-	leaf, err := x509.ParseCertificate(c.Certificate[0])
-	if err != nil {
-		return "", fmt.Errorf("--cluster %s: %s: %w", t.dir, edgeCert, err)
 	}
 	for _, u := range leaf.URIs {
 		if node, ok := t.nodeOf(u); ok {
@@ -200,6 +196,20 @@ func (t *Trust) NodeName() (string, error) {
 		}
 	}
 	return "", nil
+}
+
+// edgeLeaf is the directory's edge certificate (with its key: a pair an
+// edge can serve with).
+func (t *Trust) edgeLeaf() (*x509.Certificate, error) {
+	c, err := t.pair(edgeCert, edgeKey)
+	if err != nil {
+		return nil, err
+	}
+	leaf, err := x509.ParseCertificate(c.Certificate[0])
+	if err != nil {
+		return nil, fmt.Errorf("--cluster %s: %s: %w", t.dir, edgeCert, err)
+	}
+	return leaf, nil
 }
 
 // nodeOf is the node u names if it is a NodeURI of this cluster.

@@ -11,7 +11,6 @@ import (
 	"context"
 	"crypto/x509"
 	"encoding/json"
-	"encoding/pem"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -42,17 +41,13 @@ type Revocation struct {
 // serialOf is how certificates are named in the revocation bucket.
 func serialOf(c *x509.Certificate) string { return c.SerialNumber.Text(16) }
 
-// edgeCertIn reads the edge certificate of the --cluster directory dir.
+// edgeCertIn is the edge certificate of the --cluster directory dir.
 func edgeCertIn(dir string) (*x509.Certificate, error) {
-	b, err := os.ReadFile(filepath.Join(dir, edgeCert))
+	t, err := Load(dir)
 	if err != nil {
 		return nil, err
 	}
-	blk, _ := pem.Decode(b)
-	if blk == nil || blk.Type != "CERTIFICATE" {
-		return nil, fmt.Errorf("%s: not a PEM certificate", filepath.Join(dir, edgeCert))
-	}
-	return x509.ParseCertificate(blk.Bytes)
+	return t.edgeLeaf()
 }
 
 // RevokeEdge revokes node's certificate, the one in dir/edges/NODE (dir:
@@ -89,12 +84,12 @@ func RevokeEdge(st store.Store, dir, node string) (Revocation, error) {
 }
 
 // CheckNotRevoked returns an error naming the revocation if the edge
-// certificate of the --cluster directory dir has been revoked in st, and
-// ok false with the error if it could not tell.
-func CheckNotRevoked(st store.Store, dir string) (ok bool, err error) {
+// certificate of the --cluster directory dir has been revoked in st; told
+// is false, with the error, if it could not tell.
+func CheckNotRevoked(st store.Store, dir string) (told bool, err error) {
 	cert, err := edgeCertIn(dir)
 	if err != nil {
-		return false, fmt.Errorf("--cluster %s: %w", dir, err)
+		return false, err
 	}
 	b, err := st.Get(bucketRevoked, serialOf(cert))
 	switch {
