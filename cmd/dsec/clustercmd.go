@@ -140,13 +140,14 @@ func runRevokeEdge(args []string) error {
 }
 
 // etcdUsers are dsec's users of etcd: apiservers may use every key of the
-// prefix, an edge its buckets and the ping key.
+// prefix, an edge its buckets and the ping key, and read the layer
+// catalog (the apiservers publish the snapshots edges stage).
 func etcdUsers(id string) []store.EtcdUser {
 	edge := store.EtcdUser{Name: cluster.EtcdEdgeUser(id), Grants: []store.EtcdGrant{{Key: store.EtcdPingKey}}}
-	for _, b := range cluster.EdgeReadBuckets {
+	for _, b := range append(slices.Clone(cluster.EdgeReadBuckets), layer.Buckets...) {
 		edge.Grants = append(edge.Grants, store.EtcdGrant{Bucket: b})
 	}
-	for _, b := range append(slices.Clone(cluster.EdgeBuckets), layer.Buckets...) {
+	for _, b := range cluster.EdgeBuckets {
 		edge.Grants = append(edge.Grants, store.EtcdGrant{Bucket: b, Write: true})
 	}
 	return []store.EtcdUser{{Name: cluster.EtcdServerUser(id), All: true}, edge}

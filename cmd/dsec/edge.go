@@ -170,7 +170,9 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 			return fmt.Errorf("writing the state dir's instance: %w", err)
 		}
 	}
-	layers, err := layer.NewStore(c.layersDir, st, log)
+	// The node reads layers and stages its snapshots; the apiservers
+	// publish them.
+	layers, err := layer.NewNodeStore(c.layersDir, st, log)
 	if err != nil {
 		return fmt.Errorf("opening layer store: %w", err)
 	}

@@ -464,7 +464,7 @@ func serve(ctx context.Context, c serverConfig, pc placement.Config, log *slog.L
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	srv := apiserver.New(apiserver.Deps{
-		IAM: ident, Layers: layers, Nodes: view, Placement: pc, Log: log.With("apiserver", instance),
+		IAM: ident, Layers: layers, PublishSnapshots: true, Nodes: view, Placement: pc, Log: log.With("apiserver", instance),
 		Registry: reg, Gatherer: reg, Policy: clusterPolicy(), MaxLayerBytes: 64 << 30,
 		Store: st, QuotaStore: st, Instance: instance, E2BDefaultTemplate: c.e2bDefaultTemplate, IdempotencyTTL: c.idemTTL,
 		Alive: func(other string) (bool, error) { return cluster.ServerAlive(st, other) },

@@ -32,6 +32,11 @@ import (
 type Deps struct {
 	IAM    *iam.IAM
 	Layers *layer.Store
+	// PublishSnapshots: the edges stage the snapshots they pack and this
+	// apiserver publishes them (a cluster, whose edges may not write the
+	// layer catalog; Layers is then required); otherwise the edge
+	// publishes them itself (dsec up).
+	PublishSnapshots bool
 	// Nodes is the view of the edges this apiserver places on and
 	// forwards to (a watcher).
 	Nodes Nodes

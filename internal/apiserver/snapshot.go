@@ -1,6 +1,7 @@
 package apiserver
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"strings"
@@ -35,8 +36,52 @@ func (s *Server) snapshot(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	s.forward(w, r, http.StatusCreated, func(e edgeapi.Edge, id string) (any, error) {
-		return e.Snapshot(r.Context(), id, edgeapi.SnapshotOptions{Request: req, Principal: principalID(r), Project: s.callerProject(r.Context())})
+		return s.takeSnapshot(r.Context(), e, id, edgeapi.SnapshotOptions{Request: req, Principal: principalID(r), Project: s.callerProject(r.Context())})
 	})
+}
+
+// takeSnapshot has e snapshot sandbox id and returns the layer,
+// published. With Deps.PublishSnapshots the edge only stages the image
+// and this apiserver publishes it (layer.Store.Adopt): from the edge it
+// takes what the image is (its digest and size, checked against its
+// bytes, and what the snapshot records of the sandbox), never the name,
+// owner or author, which it knows itself.
+func (s *Server) takeSnapshot(ctx context.Context, e edgeapi.Edge, id string, o edgeapi.SnapshotOptions) (*api.Layer, error) {
+	o.Stage = s.deps.PublishSnapshots
+	res, err := e.Snapshot(ctx, id, o)
+	switch {
+	case err != nil:
+		return nil, err
+	case res.Staged == nil && !o.Stage:
+		// dsec up's edge, this process, published it.
+		if res.Snapshot == nil {
+			return nil, fmt.Errorf("the node of sandbox %s answered a snapshot without its record", id)
+		}
+		return &res.Layer, nil
+	case res.Staged == nil:
+		// An edge of an earlier version published it itself: what
+		// counts is what the catalog says, not its answer.
+		l, err := s.deps.Layers.Resolve(o.Request.Ref)
+		if err != nil || l.Snapshot == nil || l.Snapshot.Sandbox != id {
+			return nil, fmt.Errorf("the node of sandbox %s answered snapshot %s published, and the catalog does not have it so (%v)", id, o.Request.Ref, err)
+		}
+		return &l, nil
+	case !o.Stage:
+		return nil, fmt.Errorf("the node of sandbox %s staged a snapshot it was asked to publish", id)
+	case res.Snapshot == nil:
+		return nil, fmt.Errorf("the node of sandbox %s staged a snapshot without its record", id)
+	}
+	l := res.Layer
+	info := *l.Snapshot
+	info.Sandbox, info.CreatedBy = id, o.Principal
+	info.Include, info.Exclude = o.Request.Include, o.Request.Exclude
+	l.Snapshot, l.Ref, l.Project, l.CreatedAt = &info, o.Request.Ref, o.Project, time.Now().UTC()
+	l.Image, l.Remote, l.Lowers, l.LowersBytes = nil, nil, nil, 0
+	pl, err := s.deps.Layers.Adopt(ctx, *res.Staged, l)
+	if err != nil {
+		return nil, err
+	}
+	return &pl, nil
 }
 
 // fork snapshots a sandbox's current state and starts count sandboxes from
@@ -64,7 +109,7 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) {
 	// The fork's snapshot is an ordinary catalogued layer: forks keep it in
 	// use, and it can be forked from again or deleted once unused.
 	ref := fmt.Sprintf("snapshot/fork-%s:%d", strings.ToLower(strings.TrimPrefix(id, "sb-")), time.Now().UnixNano())
-	l, err := e.Snapshot(r.Context(), id, edgeapi.SnapshotOptions{Request: api.SnapshotRequest{Ref: ref}, Principal: principalID(r), Project: s.callerProject(r.Context())})
+	l, err := s.takeSnapshot(r.Context(), e, id, edgeapi.SnapshotOptions{Request: api.SnapshotRequest{Ref: ref}, Principal: principalID(r), Project: s.callerProject(r.Context())})
 	if err != nil {
 		s.writeError(w, r, err)
 		return

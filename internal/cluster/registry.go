@@ -33,8 +33,8 @@ const (
 // those it only reads (the cluster's identity, which an apiserver writes
 // first when etcd's authentication is on; the revoked certificates, so
 // that an edge with one refuses to start). With it on (dsec cluster
-// etcd-auth) an edge may use these, the layer buckets (layer.Buckets) and
-// the ping key, and nothing else.
+// etcd-auth) an edge may use these, read the layer buckets
+// (layer.Buckets) and the ping key, and nothing else.
 var (
 	EdgeBuckets     = []string{bucketNodes, bucketAbandoned}
 	EdgeReadBuckets = []string{bucketMeta, bucketRevoked}

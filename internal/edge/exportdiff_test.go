@@ -65,6 +65,11 @@ func (b *treeBuilder) BuildFromDir(ctx context.Context, ref layer.Ref, dir strin
 	return api.Layer{Ref: ref.String(), Digest: "sha256:" + strings.Repeat("f", 64)}, err
 }
 
+func (b *treeBuilder) Stage(ctx context.Context, ref layer.Ref, dir string, opts layer.BuildOptions, progress io.Writer) (api.Layer, layer.Staged, error) {
+	l, err := b.BuildFromDir(ctx, ref, dir, opts, progress)
+	return l, layer.Staged{Digest: l.Digest}, err
+}
+
 func diffTar(t *testing.T, hdrs ...*tar.Header) []byte {
 	t.Helper()
 	var buf bytes.Buffer

@@ -21,10 +21,12 @@ import (
 	"github.com/dsecproject/dsec/internal/sandbox"
 )
 
-// LayerBuilder seals a directory into a catalogued layer; layer.Store
-// implements it. The edge uses it to pack a sandbox's writable layer.
+// LayerBuilder seals a directory into a catalogued layer, or into a
+// staged one that the caller publishes; layer.Store implements it. The
+// edge uses it to pack a sandbox's writable layer.
 type LayerBuilder interface {
 	BuildFromDir(ctx context.Context, ref layer.Ref, dir string, opts layer.BuildOptions, progress io.Writer) (api.Layer, error)
+	Stage(ctx context.Context, ref layer.Ref, dir string, opts layer.BuildOptions, progress io.Writer) (api.Layer, layer.Staged, error)
 }
 
 // maxStack bounds the layers under one sandbox (base, workspace, toolkits
@@ -52,7 +54,7 @@ const DefaultSnapshotDepth = 8
 // changes are merged into one layer instead (layer.ApplyDiff), which then
 // sits right on base, workspace and toolkits; sandboxes started from it see
 // the same files as from the chain.
-func (e *Edge) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOptions) (*api.Layer, error) {
+func (e *Edge) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOptions) (*edgeapi.SnapshotResult, error) {
 	req := o.Request
 	ref, err := layer.ParseRef(req.Ref)
 	if err != nil {
@@ -169,13 +171,21 @@ func (e *Edge) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOption
 		}
 		src = stage
 	}
-	l, err := e.deps.Layers.BuildFromDir(ctx, ref, src, layer.BuildOptions{Exclude: excludes, Snapshot: info, Project: o.Project}, nil)
+	opts := layer.BuildOptions{Exclude: excludes, Snapshot: info, Project: o.Project}
+	var res edgeapi.SnapshotResult
+	if o.Stage {
+		var st layer.Staged
+		res.Layer, st, err = e.deps.Layers.Stage(ctx, ref, src, opts, nil)
+		res.Staged = &st
+	} else {
+		res.Layer, err = e.deps.Layers.BuildFromDir(ctx, ref, src, opts, nil)
+	}
 	if err != nil {
 		return nil, err
 	}
-	e.log.Info("snapshot taken", "sandbox_id", id, "ref", l.Ref, "digest", l.Digest,
-		"size_bytes", l.SizeBytes, "flattened", info.Flattened, "ms", time.Since(start).Milliseconds())
-	return &l, nil
+	e.log.Info("snapshot taken", "sandbox_id", id, "ref", res.Ref, "digest", res.Digest,
+		"size_bytes", res.SizeBytes, "flattened", info.Flattened, "staged", o.Stage, "ms", time.Since(start).Milliseconds())
+	return &res, nil
 }
 
 // exportDiff unpacks the writable layer a backend exports into a new

@@ -306,12 +306,12 @@ func (c *Client) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
 }
 
 // Snapshot implements Edge.
-func (c *Client) Snapshot(ctx context.Context, id string, o SnapshotOptions) (*api.Layer, error) {
-	var l api.Layer
-	if err := c.roundTrip(ctx, call{method: "POST", path: sbPath(id, "/snapshot"), json: o}, &l); err != nil {
+func (c *Client) Snapshot(ctx context.Context, id string, o SnapshotOptions) (*SnapshotResult, error) {
+	var res SnapshotResult
+	if err := c.roundTrip(ctx, call{method: "POST", path: sbPath(id, "/snapshot"), json: o}, &res); err != nil {
 		return nil, err
 	}
-	return &l, nil
+	return &res, nil
 }
 
 // SetNetwork implements Edge.

@@ -20,6 +20,7 @@ import (
 
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/errdefs"
+	"github.com/dsecproject/dsec/internal/layer"
 )
 
 // Edge is what an apiserver needs from one node. Every call takes a
@@ -45,7 +46,7 @@ type Edge interface {
 	Resume(ctx context.Context, id string) (*api.Sandbox, error)
 	PauseByLabels(ctx context.Context, sel map[string]string) (int, error)
 	ResumeByLabels(ctx context.Context, sel map[string]string) (int, error)
-	Snapshot(ctx context.Context, id string, o SnapshotOptions) (*api.Layer, error)
+	Snapshot(ctx context.Context, id string, o SnapshotOptions) (*SnapshotResult, error)
 	SetNetwork(ctx context.Context, id string, np api.NetworkPolicy) (*api.Sandbox, error)
 	FnCall(ctx context.Context, req api.FnCallRequest, cr CreateRequest) (*api.FnCallResult, error)
 	// DialPort connects to a port on the sandbox's loopback; done is
@@ -180,6 +181,21 @@ type SnapshotOptions struct {
 	// is its project, which owns the layer.
 	Principal string `json:"principal,omitempty"`
 	Project   string `json:"project,omitempty"`
+	// Stage asks the edge to seal the snapshot and leave it staged for
+	// the caller to publish (layer.Store.Adopt) rather than publish it:
+	// an apiserver of a cluster asks so, and its edges may not write the
+	// layer catalog. An edge of an earlier version publishes anyway.
+	Stage bool `json:"stage,omitempty"`
+}
+
+// SnapshotResult is an edge's answer to a snapshot: the layer, published,
+// or, if it was asked to stage it, sealed and staged (Staged set; the
+// layer is not in the catalog yet). On the wire the layer's fields sit at
+// the top level, as before staging existed, so that either side may be
+// of an earlier version.
+type SnapshotResult struct {
+	api.Layer
+	Staged *layer.Staged `json:"staged,omitempty"`
 }
 
 // Command log page bounds (GET /v1/sandboxes/{id}/log?limit=).

@@ -33,7 +33,8 @@ import (
 const catalogBucket = "layers"
 
 // Buckets are the store buckets of layers (the catalog, the indexes and
-// blobs of layers read on demand): edges write them too (snapshots).
+// blobs of layers read on demand). Edges of a cluster read them; the
+// snapshots they pack are published by apiservers (Stage, Adopt).
 var Buckets = []string{catalogBucket, indexBucket, blobsBucket}
 
 // Defaults for BuildOptions limits left at zero.
@@ -121,6 +122,10 @@ type Store struct {
 	log *slog.Logger
 	// instance names this process's staging directory and its pins.
 	instance string
+	// stageRoot is where staging directories are: "staging", or
+	// "outbox" for a node's store (NewNodeStore), which publishes
+	// nothing.
+	stageRoot string
 	// stageLock holds the flock that tells other processes this
 	// process's staging directory is in use.
 	stageLock *os.File
@@ -140,6 +145,38 @@ const stageLockName = ".lock"
 // and removes the staging directories that no live process holds (what
 // interrupted builds left).
 func NewStore(dir string, st store.Store, log *slog.Logger) (*Store, error) {
+	return openStore(dir, st, log, stagingRoot)
+}
+
+// NewNodeStore opens the layer store of an edge of a cluster: it reads
+// the catalog and the blobs, and stages the snapshots it packs (Stage)
+// for an apiserver to publish (Adopt) in a directory of its own under
+// outbox/, the only part of the layer directory it writes. It publishes
+// and removes nothing (ErrNodeStore).
+func NewNodeStore(dir string, st store.Store, log *slog.Logger) (*Store, error) {
+	return openStore(dir, st, log, outboxRoot)
+}
+
+// The roots of the staging directories: of processes that publish, and
+// of nodes (NewNodeStore).
+const (
+	stagingRoot = "staging"
+	outboxRoot  = "outbox"
+)
+
+// ErrNodeStore is what a node's store answers a call that would publish
+// or remove.
+var ErrNodeStore = errdefs.Precondition("this node's layer store publishes nothing: an apiserver publishes the layers nodes stage")
+
+// mayPublish refuses, for a node's store, what publishes or removes.
+func (s *Store) mayPublish() error {
+	if s.stageRoot == outboxRoot {
+		return ErrNodeStore
+	}
+	return nil
+}
+
+func openStore(dir string, st store.Store, log *slog.Logger, stageRoot string) (*Store, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -147,13 +184,13 @@ func NewStore(dir string, st store.Store, log *slog.Logger) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("opening layer store: %w", err)
 	}
-	s := &Store{dir: dir, st: st, log: log}
+	s := &Store{dir: dir, st: st, log: log, stageRoot: stageRoot}
 	if err := os.MkdirAll(s.blobDir(), 0o755); err != nil {
 		return nil, fmt.Errorf("opening layer store: %w", err)
 	}
 	// Staging holds extracted trees with setuid files and device nodes
 	// before they are sealed into an image: nobody but root may enter.
-	root := filepath.Join(s.dir, "staging")
+	root := filepath.Join(s.dir, stageRoot)
 	if err := os.MkdirAll(root, 0o700); err != nil {
 		return nil, fmt.Errorf("opening layer store: %w", err)
 	}
@@ -287,7 +324,7 @@ func (s *Store) Close() error {
 }
 
 func (s *Store) blobDir() string    { return filepath.Join(s.dir, "blobs", "sha256") }
-func (s *Store) stagingDir() string { return filepath.Join(s.dir, "staging", s.instance) }
+func (s *Store) stagingDir() string { return filepath.Join(s.dir, s.stageRoot, s.instance) }
 
 // StagingDir is this process's root-only directory (0700) where builds
 // keep their temporary files; whatever an interrupted build leaves there
@@ -347,6 +384,9 @@ var _ Source = (*Store)(nil)
 // ref. Owners, modes, xattrs, device nodes and mtimes are kept as found.
 // Progress lines go to progress if it is not nil.
 func (s *Store) BuildFromDir(ctx context.Context, ref Ref, dir string, opts BuildOptions, progress io.Writer) (api.Layer, error) {
+	if err := s.mayPublish(); err != nil {
+		return api.Layer{}, err
+	}
 	if err := checkBuild(ref, opts); err != nil {
 		return api.Layer{}, err
 	}
@@ -462,6 +502,9 @@ func (s *Store) build(ctx context.Context, ref Ref, src string, opts BuildOption
 // nothing names after unpin goes with Collect. opts.Compress, MaxBytes,
 // SourceDateEpoch and Exclude apply; the rest concern entries.
 func (s *Store) BuildBlob(ctx context.Context, dir string, opts BuildOptions, progress io.Writer) (digest string, size int64, unpin func(), err error) {
+	if err := s.mayPublish(); err != nil {
+		return "", 0, nil, err
+	}
 	fi, err := os.Stat(dir)
 	if err != nil || !fi.IsDir() {
 		return "", 0, nil, errdefs.Invalid("building a lower layer: %s is not a directory (%v)", dir, err)
@@ -500,6 +543,9 @@ func (s *Store) BuildBlob(ctx context.Context, dir string, opts BuildOptions, pr
 // it (a lower layer BuildBlob made for a build that then failed), and
 // reports whether it did.
 func (s *Store) Collect(digest string) (bool, error) {
+	if err := s.mayPublish(); err != nil {
+		return false, err
+	}
 	if !IsDigest(digest) {
 		return false, errdefs.Invalid("collecting %q: not a sha256 digest", digest)
 	}
@@ -570,6 +616,9 @@ func (s *Store) seal(ctx context.Context, what, src string, opts BuildOptions, p
 // names a blob that is not in place. A pin in the store keeps any process
 // from removing the blob between the two.
 func (s *Store) publish(tmpPath string, l api.Layer, replace bool, mayReplace func(api.Layer) error) (deduped bool, err error) {
+	if err := s.mayPublish(); err != nil {
+		return false, err
+	}
 	val, err := json.Marshal(l)
 	if err != nil {
 		return false, fmt.Errorf("encoding layer %s: %w", l.Ref, err)
@@ -638,6 +687,9 @@ func (s *Store) place(tmpPath, digest string) (deduped bool, err error) {
 // catalog without a blob: edges fetch it from its source. opts.Replace and
 // opts.MayReplace mean what they mean for builds.
 func (s *Store) AddRemote(l api.Layer, opts BuildOptions) (api.Layer, error) {
+	if err := s.mayPublish(); err != nil {
+		return api.Layer{}, err
+	}
 	r, err := ParseRef(l.Ref)
 	if err != nil {
 		return api.Layer{}, err
@@ -788,6 +840,9 @@ func (s *Store) List(kind string) ([]api.Layer, error) {
 // use a digest; a layer in use is refused with errdefs.ErrPrecondition.
 // inUse is called with the store's publish lock held, so builds wait for it.
 func (s *Store) Delete(ref string, inUse func(digest string) (bool, error)) error {
+	if err := s.mayPublish(); err != nil {
+		return err
+	}
 	r, err := ParseRef(ref)
 	if err != nil {
 		return err
@@ -841,6 +896,9 @@ func (s *Store) Delete(ref string, inUse func(digest string) (bool, error)) erro
 // publish lock (it may ask every node); each removal then checks again,
 // under the lock and the blob's mark, that no ref names the blob.
 func (s *Store) GC(inUse func(digest string) (bool, error)) (removed []string, bytes int64, err error) {
+	if err := s.mayPublish(); err != nil {
+		return nil, 0, err
+	}
 	cands, sizes, err := s.unused(inUse)
 	if err != nil {
 		return nil, 0, fmt.Errorf("collecting layer blobs: %w", err)

@@ -23,6 +23,9 @@ import (
 // files.ExtractTar with errdefs.ErrInvalid. On any error nothing is left in
 // the staging area and the catalog is unchanged.
 func (s *Store) BuildFromTar(ctx context.Context, ref Ref, r io.Reader, opts BuildOptions, progress io.Writer) (api.Layer, error) {
+	if err := s.mayPublish(); err != nil {
+		return api.Layer{}, err
+	}
 	if err := checkBuild(ref, opts); err != nil {
 		return api.Layer{}, err
 	}

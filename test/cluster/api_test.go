@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"path/filepath"
 	"sort"
 	"strings"
 	"testing"
@@ -241,8 +242,17 @@ func TestForkAcrossNodes(t *testing.T) {
 		t.Fatalf("6 forks of one job on %v, want every node", nodes)
 	}
 	snap := res.Sandboxes[0].Spec.Snapshot
-	if _, err := c.perServer[0].GetLayer(ctx(t), snap); err != nil {
+	l, err := c.perServer[0].GetLayer(ctx(t), snap)
+	if err != nil {
 		t.Fatalf("the fork's snapshot %s is not in the catalog seen by s0: %v", snap, err)
+	}
+	// The edge staged it and s1 published it (edges may not write the
+	// catalog): recorded as s1 knows it, and no staged image is left.
+	if l.Snapshot == nil || l.Snapshot.Sandbox != src.ID || l.Project != src.Project {
+		t.Fatalf("the fork's snapshot records %+v, project %q; want sandbox %s of project %q", l.Snapshot, l.Project, src.ID, src.Project)
+	}
+	if left, _ := filepath.Glob(filepath.Join(c.layersDir(), "outbox", "*", "image-*")); len(left) > 0 {
+		t.Fatalf("staged images left: %v", left)
 	}
 	err = c.perServer[0].DeleteLayer(ctx(t), snap)
 	wantCode(t, err, "failed_precondition")

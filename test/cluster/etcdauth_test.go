@@ -15,7 +15,8 @@ import (
 // TestEtcdRoles: with etcd's authentication on (the harness ran dsec
 // cluster etcd-auth), the certificate an edge's machine holds reaches its
 // own buckets and nothing else of the cluster: not the API keys, not the
-// idempotency records, not quotas. The apiservers' reaches everything.
+// idempotency records, not quotas; it reads the layer catalog but does
+// not write it. The apiservers' reaches everything.
 func TestEtcdRoles(t *testing.T) {
 	need(t)
 	open := func(role string) *store.Etcd {
@@ -89,8 +90,30 @@ func TestEtcdRoles(t *testing.T) {
 	if nodes, err := edge.List("cluster_nodes", ""); err != nil || len(nodes) < 3 {
 		t.Errorf("an edge's user listing the registry: %d, %v", len(nodes), err)
 	}
-	if _, err := edge.List("layers", ""); err != nil {
-		t.Errorf("an edge's user listing the layer catalog: %v", err)
+	// The layer catalog and its blob and index records: read (an edge
+	// resolves refs and mounts digests), never written (the apiservers
+	// publish the snapshots edges stage). An edge that could write them
+	// would re-point a ref, or mark a blob for removal, for every node.
+	layers, err := edge.List("layers", "")
+	if err != nil || len(layers) == 0 {
+		t.Fatalf("an edge's user listing the layer catalog: %d, %v", len(layers), err)
+	}
+	if err := edge.Put("layers", layers[0].Key, []byte(`{"ref":"`+layers[0].Key+`","digest":"sha256:`+strings.Repeat("0", 64)+`"}`)); err == nil {
+		t.Errorf("an edge's user re-pointed the layer %s", layers[0].Key)
+	}
+	if err := edge.Create("layers", "base/forged:1", []byte(`{}`)); err == nil {
+		t.Error("an edge's user added a layer")
+	}
+	if err := edge.Delete("layers", layers[0].Key); err == nil {
+		t.Errorf("an edge's user deleted the layer %s", layers[0].Key)
+	}
+	for _, bucket := range []string{"layer_blobs", "layer_indexes"} {
+		if err := edge.Put(bucket, "sha256:"+strings.Repeat("0", 64), []byte(`{}`)); err == nil {
+			t.Errorf("an edge's user wrote %s", bucket)
+		}
+	}
+	if got, err := server.Get("layers", layers[0].Key); err != nil || string(got) != string(layers[0].Value) {
+		t.Fatalf("the layer %s after the attempts: %s %v", layers[0].Key, got, err)
 	}
 
 	// Run again: the roles are set anew, and root's password must match.

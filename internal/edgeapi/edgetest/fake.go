@@ -60,6 +60,8 @@ type Fake struct {
 	openPorts int
 	// Refuse makes Create answer resource_exhausted.
 	Refuse bool
+	// SnapshotFn, if set, answers Snapshot (otherwise refused).
+	SnapshotFn func(id string, o edgeapi.SnapshotOptions) (*edgeapi.SnapshotResult, error)
 	// procs are the processes by sandbox (process.go); pids numbers them.
 	procs map[string][]*fakeProc
 	pids  int
@@ -394,6 +396,9 @@ func (f *Fake) DialPort(ctx context.Context, id string, port int) (net.Conn, fun
 }
 
 // Snapshot implements edgeapi.Edge.
-func (f *Fake) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOptions) (*api.Layer, error) {
+func (f *Fake) Snapshot(ctx context.Context, id string, o edgeapi.SnapshotOptions) (*edgeapi.SnapshotResult, error) {
+	if f.SnapshotFn != nil {
+		return f.SnapshotFn(id, o)
+	}
 	return nil, errdefs.Precondition("the fake edge takes no snapshots")
 }
