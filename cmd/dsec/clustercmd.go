@@ -95,6 +95,7 @@ func runAddEdge(args []string) error {
 		return err
 	}
 	fmt.Printf("node %s's directory written to %s\n", node, out)
+	fmt.Printf("with etcd's authentication on, run dsec cluster etcd-auth --cluster %s ... again: it makes the node's own etcd user\n", dir)
 	fmt.Printf("copy it to that machine and start it with dsec edge --cluster DIR --node-name %s ...\n", node)
 	return nil
 }
@@ -135,22 +136,33 @@ func runRevokeEdge(args []string) error {
 	}
 	fmt.Printf("node %s's certificate (serial %s) is revoked; its directory moved to %s\n", node, r.Serial, filepath.Join(c.clusterDir, cluster.RevokedDir, node+"-"+r.Serial))
 	fmt.Printf("to bring the node back: dsec cluster add-edge --dir %s --node-name %s, copy the new directory to it, restart its edge\n", c.clusterDir, node)
-	fmt.Printf("note: apiservers without --require-node-certs still take the shared certificate (%s) from any host that holds it, and the node keeps the edges' etcd access\n", filepath.Join(c.clusterDir, "edge"))
+	fmt.Printf("with etcd's authentication on, run dsec cluster etcd-auth --cluster %s ... again: it deletes the node's etcd user\n", c.clusterDir)
+	fmt.Printf("note: apiservers without --require-node-certs still take the shared certificate (%s) from any host that holds it, as etcd takes its etcd pair\n", filepath.Join(c.clusterDir, "edge"))
 	return nil
 }
 
 // etcdUsers are dsec's users of etcd: apiservers may use every key of the
-// prefix, an edge its buckets and the ping key, and read the layer
-// catalog (the apiservers publish the snapshots edges stage).
-func etcdUsers(id string) []store.EtcdUser {
-	edge := store.EtcdUser{Name: cluster.EtcdEdgeUser(id), Grants: []store.EtcdGrant{{Key: store.EtcdPingKey}}}
-	for _, b := range append(slices.Clone(cluster.EdgeReadBuckets), layer.Buckets...) {
+// prefix; an edge with the shared pair its buckets and the ping key, and
+// read the layer catalog (the apiservers publish the snapshots edges
+// stage); a node with a pair of its own (nodes) the same, writing only
+// its own registry entry and abandoned creates.
+func etcdUsers(id string, nodes []cluster.NodeEtcdUser) []store.EtcdUser {
+	read := []store.EtcdGrant{{Key: store.EtcdPingKey}}
+	for _, b := range layer.Buckets {
+		read = append(read, store.EtcdGrant{Bucket: b})
+	}
+	edge := store.EtcdUser{Name: cluster.EtcdEdgeUser(id), Grants: slices.Clone(read)}
+	for _, b := range cluster.EdgeReadBuckets {
 		edge.Grants = append(edge.Grants, store.EtcdGrant{Bucket: b})
 	}
 	for _, b := range cluster.EdgeBuckets {
 		edge.Grants = append(edge.Grants, store.EtcdGrant{Bucket: b, Write: true})
 	}
-	return []store.EtcdUser{{Name: cluster.EtcdServerUser(id), All: true}, edge}
+	users := []store.EtcdUser{{Name: cluster.EtcdServerUser(id), All: true}, edge}
+	for _, n := range nodes {
+		users = append(users, store.EtcdUser{Name: n.User, Grants: append(slices.Clone(read), cluster.NodeGrants(n.Node)...)})
+	}
+	return users
 }
 
 // runEtcdAuth is `dsec cluster etcd-auth`.
@@ -160,12 +172,16 @@ func runEtcdAuth(args []string) error {
 	f := newCmdFlags("cluster etcd-auth", "--etcd URLS --cluster DIR --root-password-file FILE [flags]",
 		"Turn etcd's authentication on for this cluster: apiservers (etcd user\n"+
 			"dsec-server-ID) may use every key of --etcd-prefix, edges (dsec-edge-ID)\n"+
-			"only the node registry, the layer buckets and what else an edge uses:\n"+
-			"an edge's machine can then not read or write IAM, idempotency records\n"+
-			"or quotas. Each logs in with the etcd-client.pem of its role's directory\n"+
-			"(etcd must require client certificates: https://). etcd's root user\n"+
-			"gets the password in FILE, written (0600) if FILE does not exist. Run\n"+
-			"again (with the same FILE) after an upgrade: it sets the roles anew.")
+			"only the node registry, reading the layer buckets and what else an edge\n"+
+			"uses: an edge's machine can then not read or write IAM, idempotency\n"+
+			"records or quotas. A node with a directory of its own (dsec cluster\n"+
+			"add-edge, under DIR/edges) gets a user of its own that writes only its\n"+
+			"own registry entry; the users of nodes whose directory is gone (dsec\n"+
+			"cluster revoke-edge) are deleted. Each logs in with the etcd-client.pem\n"+
+			"of its directory (etcd must require client certificates: https://).\n"+
+			"etcd's root user gets the password in FILE, written (0600) if FILE does\n"+
+			"not exist. Run again (with the same FILE) after add-edge, revoke-edge or\n"+
+			"an upgrade: it sets the roles anew.")
 	c.registerEtcd(f)
 	f.StringVar(&c.clusterDir, "cluster", "", "the cluster directory or its server/ (required: its etcd client certificate and CA)")
 	f.StringVar(&pwFile, "root-password-file", "", "file holding etcd's root password; written with a new one if it does not exist (required)")
@@ -197,8 +213,25 @@ func runEtcdAuth(args []string) error {
 	if err != nil {
 		return err
 	}
-	users := etcdUsers(trust.Info.ID)
-	on, err := store.EnsureEtcdAuth(store.EtcdConfig{Endpoints: eps, Prefix: c.etcdPrefix, TLS: tlsCfg}, pw, users)
+	// Nodes' own users: those of the node directories here, and none of
+	// nodes whose directory is gone (revoked). A directory without
+	// EdgesDir (DIR/server) cannot tell: node users stay as they are.
+	var nodes []cluster.NodeEtcdUser
+	var stale func(string) bool
+	if _, err := os.Stat(filepath.Join(c.clusterDir, cluster.EdgesDir)); err == nil {
+		if nodes, err = cluster.NodeEtcdUsers(c.clusterDir); err != nil {
+			return err
+		}
+		prefix := cluster.EtcdNodeUserPrefix(trust.Info.ID)
+		stale = func(name string) bool { return strings.HasPrefix(name, prefix) }
+	} else if _, kerr := os.Stat(filepath.Join(c.clusterDir, "ca-key.pem")); kerr != nil {
+		fmt.Printf("note: %s has no %s/: nodes' own etcd users are left as they are (run this with the directory dsec cluster init wrote to set them)\n", c.clusterDir, cluster.EdgesDir)
+	}
+	users := etcdUsers(trust.Info.ID, nodes)
+	on, deleted, err := store.EnsureEtcdAuth(store.EtcdConfig{Endpoints: eps, Prefix: c.etcdPrefix, TLS: tlsCfg}, pw, users, stale)
+	for _, d := range deleted {
+		fmt.Printf("deleted etcd user %s: its node's directory is gone (revoked)\n", d)
+	}
 	if err != nil {
 		switch {
 		case made && errors.Is(err, store.ErrEtcdRootLogin):
@@ -213,6 +246,9 @@ func runEtcdAuth(args []string) error {
 	}
 	if made {
 		fmt.Printf("wrote a new root password for etcd to %s\n", pwFile)
+	}
+	for _, n := range nodes {
+		fmt.Printf("node %s: etcd user %s, writing only its own registry entry\n", n.Node, n.User)
 	}
 	if on {
 		fmt.Printf("etcd's authentication is on: %s may use %s*, %s only what an edge uses; root's password is in %s\n", users[0].Name, c.etcdPrefix, users[1].Name, pwFile)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -36,8 +37,8 @@ func TestRootPassword(t *testing.T) {
 // TestEtcdUsers: apiservers get the whole prefix; edges only their
 // buckets, never IAM's, idempotency's or quotas'.
 func TestEtcdUsers(t *testing.T) {
-	users := etcdUsers("c1")
-	if len(users) != 2 || users[0].Name != cluster.EtcdServerUser("c1") || !users[0].All || users[0].Name != "dsec-server-c1" {
+	users := etcdUsers("c1", []cluster.NodeEtcdUser{{Node: "n1", User: "dsec-edge-c1-n1-ab"}})
+	if len(users) != 3 || users[0].Name != cluster.EtcdServerUser("c1") || !users[0].All || users[0].Name != "dsec-server-c1" {
 		t.Fatalf("users %+v", users)
 	}
 	edge := users[1]
@@ -62,6 +63,34 @@ func TestEtcdUsers(t *testing.T) {
 	for _, b := range []string{"iam_keys", "iam_projects", "iam_audit", "idempotency", "quota", "e2b", "cluster_servers"} {
 		if have[b] {
 			t.Errorf("edges may use %s", b)
+		}
+	}
+	for _, b := range []string{"layers", "layer_blobs", "layer_indexes"} {
+		if writes[b] {
+			t.Errorf("edges may write %s", b)
+		}
+	}
+	// A node's own user: what the shared one reads, and writes only of
+	// its own.
+	node := users[2]
+	if node.Name != "dsec-edge-c1-n1-ab" || node.All {
+		t.Fatalf("node user %+v", node)
+	}
+	var nodeWrites []string
+	nodeReads := map[string]bool{}
+	for _, g := range node.Grants {
+		if g.Write {
+			nodeWrites = append(nodeWrites, g.Bucket+"|"+g.Key+"|"+g.Prefix)
+		} else {
+			nodeReads[g.Bucket+g.Key] = true
+		}
+	}
+	if fmt.Sprint(nodeWrites) != "[|cluster_nodes/n1| ||cluster_abandoned/n1/]" {
+		t.Errorf("a node's user writes %v", nodeWrites)
+	}
+	for _, b := range []string{"cluster_nodes", "cluster", "cluster_revoked", "layers", "ping"} {
+		if !nodeReads[b] {
+			t.Errorf("a node's user may not read %s", b)
 		}
 	}
 }

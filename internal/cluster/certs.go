@@ -74,6 +74,12 @@ func EtcdServerUser(id string) string { return "dsec-server-" + id }
 // EtcdEdgeUser: see EtcdServerUser.
 func EtcdEdgeUser(id string) string { return "dsec-edge-" + id }
 
+// EtcdNodeUserPrefix begins the user names of nodes' own etcd
+// certificates (AddEdge): EtcdNodeUserPrefix(id) + NODE + "-" + a random
+// suffix, new with each certificate, so that a certificate taken back
+// (RevokeEdge) names a user nobody else's does.
+func EtcdNodeUserPrefix(id string) string { return EtcdEdgeUser(id) + "-" }
+
 // Info identifies a cluster.
 type Info struct {
 	// ID is random, made by Init; etcd and the layer directory remember

@@ -7,6 +7,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"encoding/hex"
 	"encoding/pem"
 	"errors"
 	"fmt"
@@ -45,8 +46,10 @@ func NodeURI(id, node string) string {
 }
 
 // AddEdge writes dir/EdgesDir/node, the --cluster directory of one
-// edge: its own certificate (NodeURI), the edges' etcd pair, the CA's
-// certificate and cluster.json. dir is the directory Init wrote (it
+// edge: its own certificate (NodeURI), an etcd client pair of its own
+// (a user of its own, EtcdNodeUserPrefix, which dsec cluster etcd-auth
+// lets write only the node's registry entry and abandoned creates), the
+// CA's certificate and cluster.json. dir is the directory Init wrote (it
 // needs the CA's key). It refuses a node that already has one.
 func AddEdge(dir, node string) (string, error) {
 	if err := edgeapi.CheckNodeName(node); err != nil {
@@ -67,24 +70,30 @@ func AddEdge(dir, node string) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("making node %s's certificate: %w", node, err)
 	}
-	// DIR/edge's files, this node's pair instead of the shared one. A
+	// DIR/edge's files, this node's pairs instead of the shared ones. A
 	// directory older than etcd's pairs has none (as DIR/edge then).
 	byName := map[string]pemFile{edgeCert: {edgeCert, pemBlock("CERTIFICATE", der), 0o644}, edgeKey: {edgeKey, pemKey(priv), 0o600}}
+	if _, err := os.Stat(filepath.Join(dir, etcdEdgeCert)); err == nil {
+		var suffix [6]byte
+		_, _ = rand.Read(suffix[:])
+		der, priv, err := iss.leaf(EtcdNodeUserPrefix(iss.id)+node+"-"+hex.EncodeToString(suffix[:]), leafNames{}, []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth})
+		if err != nil {
+			return "", fmt.Errorf("making node %s's etcd certificate: %w", node, err)
+		}
+		byName[etcdEdgeCert] = pemFile{etcdEdgeCert, pemBlock("CERTIFICATE", der), 0o644}
+		byName[etcdEdgeKey] = pemFile{etcdEdgeKey, pemKey(priv), 0o600}
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		return "", err
+	}
 	for _, from := range RoleFiles["edge"] {
-		if _, ok := byName[from]; ok {
+		if _, ok := byName[from]; ok || from == etcdEdgeCert || from == etcdEdgeKey {
 			continue
 		}
 		b, err := os.ReadFile(filepath.Join(dir, from))
-		if errors.Is(err, fs.ErrNotExist) && (from == etcdEdgeCert || from == etcdEdgeKey) {
-			continue
-		} else if err != nil {
+		if err != nil {
 			return "", fmt.Errorf("%s: %w", dir, err)
 		}
-		mode := os.FileMode(0o644)
-		if from == etcdEdgeKey {
-			mode = 0o600
-		}
-		byName[from] = pemFile{from, b, mode}
+		byName[from] = pemFile{from, b, 0o644}
 	}
 	files := roleDir("edge", byName)
 	if err := os.MkdirAll(filepath.Join(dir, EdgesDir), 0o700); err != nil {
@@ -258,4 +267,58 @@ func (t *Trust) verifyEdge(cs tls.ConnectionState, node string, requireNode bool
 		return fmt.Errorf("node %s presents the edges' shared certificate, and this apiserver requires node certificates (--require-node-certs): issue it one with dsec cluster add-edge --node-name %s", node, node)
 	}
 	return nil
+}
+
+// NodeEtcdUser is a node's own etcd user: the common name of the etcd
+// certificate in its directory under EdgesDir.
+type NodeEtcdUser struct {
+	Node, User string
+}
+
+// NodeEtcdUsers lists the etcd users of the nodes dir/EdgesDir holds
+// directories of (AddEdge's), for dsec cluster etcd-auth. A directory
+// made before nodes had etcd users of their own holds the edges' shared
+// pair and is left out; an unreadable one, or one whose certificate
+// names another node, fails.
+func NodeEtcdUsers(dir string) ([]NodeEtcdUser, error) {
+	t, err := Load(dir)
+	if err != nil {
+		return nil, err
+	}
+	ents, err := os.ReadDir(filepath.Join(dir, EdgesDir))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	} else if err != nil {
+		return nil, err
+	}
+	var out []NodeEtcdUser
+	for _, e := range ents {
+		if !e.IsDir() || strings.HasPrefix(e.Name(), ".") {
+			continue // AddEdge's temporary directories
+		}
+		p := filepath.Join(dir, EdgesDir, e.Name(), EtcdClientCert)
+		b, err := os.ReadFile(p)
+		if errors.Is(err, fs.ErrNotExist) {
+			continue // made before etcd's pairs
+		} else if err != nil {
+			return nil, err
+		}
+		blk, _ := pem.Decode(b)
+		if blk == nil {
+			return nil, fmt.Errorf("%s is not PEM", p)
+		}
+		c, err := x509.ParseCertificate(blk.Bytes)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", p, err)
+		}
+		cn := c.Subject.CommonName
+		switch rest, ok := strings.CutPrefix(cn, EtcdNodeUserPrefix(t.Info.ID)+e.Name()+"-"); {
+		case cn == EtcdEdgeUser(t.Info.ID):
+			continue // the shared pair: an older node directory
+		case !ok || rest == "" || strings.Contains(rest, "-"):
+			return nil, fmt.Errorf("%s names etcd user %q, not one of node %s of cluster %s", p, cn, e.Name(), t.Info.ID)
+		}
+		out = append(out, NodeEtcdUser{Node: e.Name(), User: cn})
+	}
+	return out, nil
 }

@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"net/url"
 	"os"
@@ -51,6 +52,47 @@ func TestNodeCertificates(t *testing.T) {
 	if got := strings.Join(names, " "); got != "ca.pem cluster.json edge-key.pem edge.pem etcd-client-key.pem etcd-client.pem" {
 		t.Fatalf("edges/n1 holds %s", got)
 	}
+	// Each node's etcd pair is its own (a user of its own), valid for the
+	// cluster's etcd; NodeEtcdUsers lists them.
+	users, err := NodeEtcdUsers(dir)
+	if err != nil || len(users) != 2 {
+		t.Fatalf("node etcd users %+v %v", users, err)
+	}
+	for _, u := range users {
+		rest, ok := strings.CutPrefix(u.User, EtcdNodeUserPrefix(tr.Info.ID)+u.Node+"-")
+		if !ok || len(rest) != 12 {
+			t.Fatalf("node %s's etcd user %q", u.Node, u.User)
+		}
+		cfg, err := load(filepath.Join(dir, EdgesDir, u.Node)).EtcdTLS(EtcdTLSFiles{})
+		if err != nil || len(cfg.Certificates) != 1 {
+			t.Fatalf("node %s's etcd pair: %v", u.Node, err)
+		}
+		leaf, _ := x509.ParseCertificate(cfg.Certificates[0].Certificate[0])
+		if _, verr := leaf.Verify(x509.VerifyOptions{Roots: tr.pool, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}); leaf.Subject.CommonName != u.User || verr != nil {
+			t.Fatalf("node %s's etcd certificate: %q", u.Node, leaf.Subject.CommonName)
+		}
+	}
+	// A node directory of an earlier release (the shared pair) is not
+	// listed; one whose pair names another node is refused.
+	old := filepath.Join(dir, EdgesDir, "old")
+	if err := os.MkdirAll(old, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	sharedPair, _ := os.ReadFile(filepath.Join(dir, "edge", EtcdClientCert))
+	if err := os.WriteFile(filepath.Join(old, EtcdClientCert), sharedPair, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if users, err := NodeEtcdUsers(dir); err != nil || len(users) != 2 {
+		t.Fatalf("with an older node directory: %+v %v", users, err)
+	}
+	n1Pair, _ := os.ReadFile(filepath.Join(dir, EdgesDir, "n1", EtcdClientCert))
+	if err := os.WriteFile(filepath.Join(old, EtcdClientCert), n1Pair, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := NodeEtcdUsers(dir); err == nil || !strings.Contains(err.Error(), "not one of node old") {
+		t.Fatalf("a node directory holding n1's etcd pair: %v", err)
+	}
+	os.RemoveAll(old)
 
 	lenient, err := tr.APIServerClientTLS(false)
 	if err != nil {

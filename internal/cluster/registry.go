@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -39,6 +40,20 @@ var (
 	EdgeBuckets     = []string{bucketNodes, bucketAbandoned}
 	EdgeReadBuckets = []string{bucketMeta, bucketRevoked}
 )
+
+// NodeGrants are what a node's own etcd user (NodeEtcdUsers) may do with
+// this package's buckets: read EdgeReadBuckets and the registry, and
+// write only its own registry entry and the abandoned creates of its
+// own, so that a subverted node host can neither take another node's
+// name nor sweep its creates.
+func NodeGrants(node string) []store.EtcdGrant {
+	var g []store.EtcdGrant
+	for _, b := range append(slices.Clone(EdgeReadBuckets), bucketNodes) {
+		g = append(g, store.EtcdGrant{Bucket: b})
+	}
+	return append(g, store.EtcdGrant{Key: bucketNodes + "/" + node, Write: true},
+		store.EtcdGrant{Prefix: bucketAbandoned + "/" + node + "/", Write: true})
+}
 
 // LeaseTTL is how long a registry entry outlives its holder's last word.
 const LeaseTTL = 5 * time.Second

@@ -24,11 +24,11 @@ var ErrEtcdRootLogin = errors.New("etcd's authentication is on: logging in as ro
 const EtcdPingKey = "ping"
 
 // EtcdGrant is a permission of an etcd role: the keys of Bucket (a bucket
-// of this store), or the one key Key (under the prefix); read or
-// read-write.
+// of this store), the one key Key, or the keys starting with Prefix (both
+// under the store's prefix: "BUCKET/KEY"); read or read-write.
 type EtcdGrant struct {
-	Bucket, Key string
-	Write       bool
+	Bucket, Key, Prefix string
+	Write               bool
 }
 
 // EtcdUser is a user of etcd's authentication: its name is the common
@@ -46,9 +46,11 @@ type EtcdUser struct {
 // revoked; those of other prefixes are left), and a root user with
 // rootPassword.
 // Run again, it updates the roles: the first time it connects as cfg
-// says (its client certificate), afterwards as root. It reports whether
-// authentication was off before.
-func EnsureEtcdAuth(cfg EtcdConfig, rootPassword string, users []EtcdUser) (turnedOn bool, err error) {
+// says (its client certificate), afterwards as root. Users (and their
+// roles) that stale reports and that are not among users are deleted
+// (stale nil: none): those of certificates taken back. It reports
+// whether authentication was off before, and whom it deleted.
+func EnsureEtcdAuth(cfg EtcdConfig, rootPassword string, users []EtcdUser, stale func(name string) bool) (turnedOn bool, deleted []string, err error) {
 	if cfg.Prefix == "" {
 		cfg.Prefix = "/dsec/"
 	}
@@ -57,7 +59,7 @@ func EnsureEtcdAuth(cfg EtcdConfig, rootPassword string, users []EtcdUser) (turn
 	}
 	c, err := etcdAdminClient(cfg, "", "")
 	if err != nil {
-		return false, err
+		return false, nil, err
 	}
 	defer func() {
 		if c != nil {
@@ -76,34 +78,62 @@ func EnsureEtcdAuth(cfg EtcdConfig, rootPassword string, users []EtcdUser) (turn
 		_ = c.Close()
 		if c, err = etcdAdminClient(cfg, "root", rootPassword); err != nil {
 			c = nil
-			return false, fmt.Errorf("%w: %w", ErrEtcdRootLogin, err)
+			return false, nil, fmt.Errorf("%w: %w", ErrEtcdRootLogin, err)
 		}
 	default:
-		return false, fmt.Errorf("etcd %v: %w", cfg.Endpoints, lerr)
+		return false, nil, fmt.Errorf("etcd %v: %w", cfg.Endpoints, lerr)
 	}
 	if turnedOn {
 		if _, err := c.UserAdd(ctx, "root", rootPassword); errors.Is(err, rpctypes.ErrUserAlreadyExist) {
 			if _, err := c.UserChangePassword(ctx, "root", rootPassword); err != nil {
-				return false, fmt.Errorf("setting root's password: %w", err)
+				return false, nil, fmt.Errorf("setting root's password: %w", err)
 			}
 		} else if err != nil {
-			return false, fmt.Errorf("adding root: %w", err)
+			return false, nil, fmt.Errorf("adding root: %w", err)
 		}
 		if _, err := c.UserGrantRole(ctx, "root", "root"); err != nil && !errors.Is(err, rpctypes.ErrRoleNotFound) {
-			return false, fmt.Errorf("granting root its role: %w", err)
+			return false, nil, fmt.Errorf("granting root its role: %w", err)
 		}
 	}
 	for _, u := range users {
 		if err := ensureEtcdUser(ctx, c, cfg.Prefix, u); err != nil {
-			return false, fmt.Errorf("etcd user %s: %w", u.Name, err)
+			return false, nil, fmt.Errorf("etcd user %s: %w", u.Name, err)
+		}
+	}
+	if stale != nil {
+		if deleted, err = deleteStaleUsers(ctx, c, users, stale); err != nil {
+			return false, deleted, err
 		}
 	}
 	if turnedOn {
 		if _, err := c.AuthEnable(ctx); err != nil {
-			return false, fmt.Errorf("turning etcd's authentication on: %w", err)
+			return false, deleted, fmt.Errorf("turning etcd's authentication on: %w", err)
 		}
 	}
-	return turnedOn, nil
+	return turnedOn, deleted, nil
+}
+
+// deleteStaleUsers deletes the users stale reports that are not among
+// keep, with their roles.
+func deleteStaleUsers(ctx context.Context, c *clientv3.Client, keep []EtcdUser, stale func(string) bool) ([]string, error) {
+	list, err := c.UserList(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("listing etcd's users: %w", err)
+	}
+	var deleted []string
+	for _, name := range list.Users {
+		if !stale(name) || slices.ContainsFunc(keep, func(u EtcdUser) bool { return u.Name == name }) {
+			continue
+		}
+		if _, err := c.UserDelete(ctx, name); err != nil && !errors.Is(err, rpctypes.ErrUserNotFound) {
+			return deleted, fmt.Errorf("deleting etcd user %s: %w", name, err)
+		}
+		if _, err := c.RoleDelete(ctx, name); err != nil && !errors.Is(err, rpctypes.ErrRoleNotFound) {
+			return deleted, fmt.Errorf("deleting etcd role %s: %w", name, err)
+		}
+		deleted = append(deleted, name)
+	}
+	return deleted, nil
 }
 
 func etcdAdminClient(cfg EtcdConfig, user, password string) (*clientv3.Client, error) {
@@ -134,10 +164,14 @@ func ensureEtcdUser(ctx context.Context, c *clientv3.Client, prefix string, u Et
 		if g.Write {
 			p.typ = rw
 		}
-		if g.Bucket != "" {
+		switch {
+		case g.Bucket != "":
 			p.key = prefix + g.Bucket + "/"
 			p.end = clientv3.GetPrefixRangeEnd(p.key)
-		} else {
+		case g.Prefix != "":
+			p.key = prefix + g.Prefix
+			p.end = clientv3.GetPrefixRangeEnd(p.key)
+		default:
 			p.key = prefix + g.Key
 		}
 		want = append(want, p)

@@ -6,7 +6,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/dsecproject/dsec/internal/cluster"
 	"github.com/dsecproject/dsec/internal/store"
@@ -19,23 +18,7 @@ import (
 // not write it. The apiservers' reaches everything.
 func TestEtcdRoles(t *testing.T) {
 	need(t)
-	open := func(role string) *store.Etcd {
-		t.Helper()
-		tr, err := cluster.Load(filepath.Join(c.clusterDir(), role))
-		if err != nil {
-			t.Fatal(err)
-		}
-		cfg, err := tr.EtcdTLS(cluster.EtcdTLSFiles{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		st, err := store.OpenEtcd(store.EtcdConfig{Endpoints: c.etcd.Endpoints(), TLS: cfg, OpTimeout: 2 * time.Second})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { st.Close() })
-		return st
-	}
+	open := func(role string) *store.Etcd { return c.etcdAs(t, filepath.Join(c.clusterDir(), role)) }
 	edge, server := open("edge"), open("server")
 	keys, err := server.List("iam_keys", "")
 	if err != nil || len(keys) == 0 {
@@ -114,6 +97,49 @@ func TestEtcdRoles(t *testing.T) {
 	}
 	if got, err := server.Get("layers", layers[0].Key); err != nil || string(got) != string(layers[0].Value) {
 		t.Fatalf("the layer %s after the attempts: %s %v", layers[0].Key, got, err)
+	}
+
+	// A node's own user (its directory from add-edge): its own registry
+	// entry and abandoned creates, nobody else's.
+	e1 := open(filepath.Join(cluster.EdgesDir, "e1"))
+	if nodes, err := e1.List("cluster_nodes", ""); err != nil || len(nodes) < 3 {
+		t.Errorf("e1's user listing the registry: %d, %v", len(nodes), err)
+	}
+	e2rec, err := server.Get("cluster_nodes", "e2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e1.Put("cluster_nodes", "e2", []byte(`{"name":"e2","address":"127.0.0.1:1"}`)); err == nil {
+		t.Error("e1's user rewrote e2's registry entry")
+	}
+	if err := e1.Delete("cluster_nodes", "e2"); err == nil {
+		t.Error("e1's user deleted e2's registry entry")
+	}
+	if err := e1.Put("cluster_nodes", "e1x", []byte(`{}`)); err == nil {
+		t.Error("e1's user wrote the entry of a node named e1x")
+	}
+	if got, err := server.Get("cluster_nodes", "e2"); err != nil || string(got) != string(e2rec) {
+		t.Fatalf("e2's entry after the attempts: %s %v", got, err)
+	}
+	if err := e1.Put("cluster_abandoned", "e2/forged", []byte(`{}`)); err == nil {
+		t.Error("e1's user wrote an abandoned create of e2")
+	}
+	if err := e1.Put("cluster_abandoned", "e1/test-token", []byte(`{"at":"2026-01-01T00:00:00Z"}`)); err != nil {
+		t.Errorf("e1's user writing its own abandoned create: %v", err)
+	}
+	if err := e1.Delete("cluster_abandoned", "e1/test-token"); err != nil {
+		t.Errorf("e1's user deleting its own abandoned create: %v", err)
+	}
+	for _, bucket := range []string{"layers", "cluster_revoked", "cluster"} {
+		if _, err := e1.List(bucket, ""); err != nil {
+			t.Errorf("e1's user listing %s: %v", bucket, err)
+		}
+		if err := e1.Put(bucket, "forged", []byte(`{}`)); err == nil {
+			t.Errorf("e1's user wrote %s", bucket)
+		}
+	}
+	if _, err := e1.List("iam_keys", ""); err == nil {
+		t.Error("e1's user listed API keys")
 	}
 
 	// Run again: the roles are set anew, and root's password must match.

@@ -25,6 +25,7 @@ import (
 	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/cluster"
 	"github.com/dsecproject/dsec/internal/hostfs"
+	"github.com/dsecproject/dsec/internal/store"
 	"github.com/dsecproject/dsec/internal/store/etcdtest"
 	dsec "github.com/dsecproject/dsec/sdk/go"
 )
@@ -180,18 +181,17 @@ func (e *env) setup() error {
 		CA: filepath.Join(ed, "ca.pem"), Cert: filepath.Join(ed, cluster.EtcdServerCert), Key: filepath.Join(ed, cluster.EtcdServerKey), Client: client}); err != nil {
 		return err
 	}
-	// etcd's authentication on, as docs/operating.md says: edges may
-	// touch only what they use.
-	if out, err := exec.Command(e.bin, "cluster", "etcd-auth", "--etcd", strings.Join(e.etcd.Endpoints(), ","), "--cluster", e.clusterDir(),
-		"--root-password-file", e.rootPasswordFile()).CombinedOutput(); err != nil {
-		return fmt.Errorf("cluster etcd-auth: %v: %s", err, out)
-	}
 	// Each edge with a certificate of its own node, and apiservers that
 	// take no other (docs/operating.md).
 	for i := range 3 {
 		if out, err := exec.Command(e.bin, "cluster", "add-edge", "--dir", e.clusterDir(), "--node-name", fmt.Sprintf("e%d", i+1)).CombinedOutput(); err != nil {
 			return fmt.Errorf("cluster add-edge: %v: %s", err, out)
 		}
+	}
+	// etcd's authentication on, as docs/operating.md says: edges may
+	// touch only what they use, each node only its own entries.
+	if _, err := e.etcdAuth(); err != nil {
+		return err
 	}
 	for i := range 2 {
 		addr := "127.0.0.1:" + freePort("127.0.0.1")
@@ -267,6 +267,46 @@ func (e *env) setup() error {
 
 func (e *env) clusterDir() string { return filepath.Join(e.dir, "cluster") }
 func (e *env) layersDir() string  { return filepath.Join(e.dir, "layers") }
+
+// etcdAs opens etcd with the etcd pair of the cluster directory dir.
+func (e *env) etcdAs(t *testing.T, dir string) *store.Etcd {
+	t.Helper()
+	tr, err := cluster.Load(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := tr.EtcdTLS(cluster.EtcdTLSFiles{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := store.OpenEtcd(store.EtcdConfig{Endpoints: e.etcd.Endpoints(), TLS: cfg, OpTimeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	return st
+}
+
+// clusterID is the cluster's id (cluster init's).
+func (e *env) clusterID(t *testing.T) string {
+	t.Helper()
+	tr, err := cluster.Load(e.clusterDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tr.Info.ID
+}
+
+// etcdAuth runs dsec cluster etcd-auth (again): after add-edge and
+// revoke-edge, it sets the nodes' own etcd users.
+func (e *env) etcdAuth() (string, error) {
+	out, err := exec.Command(e.bin, "cluster", "etcd-auth", "--etcd", strings.Join(e.etcd.Endpoints(), ","), "--cluster", e.clusterDir(),
+		"--root-password-file", e.rootPasswordFile()).CombinedOutput()
+	if err != nil {
+		return string(out), fmt.Errorf("cluster etcd-auth: %v: %s", err, out)
+	}
+	return string(out), nil
+}
 
 func (e *env) rootPasswordFile() string { return filepath.Join(e.dir, "etcd-root-password") }
 

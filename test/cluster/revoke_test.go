@@ -45,6 +45,10 @@ func TestRevokedNodeCert(t *testing.T) {
 		if out, err := cli("cluster", "add-edge", "--dir", c.clusterDir(), "--node-name", "e3"); err != nil {
 			t.Fatalf("add-edge: %v\n%s", err, out)
 		}
+		// The new certificate's etcd user.
+		if out, err := c.etcdAuth(); err != nil || !strings.Contains(out, "node e3: etcd user") {
+			t.Fatalf("etcd-auth after add-edge: %v\n%s", err, out)
+		}
 		victim.kill9()
 		if err := victim.start(c.bin); err != nil {
 			t.Fatal(err)
@@ -89,6 +93,22 @@ func TestRevokedNodeCert(t *testing.T) {
 		t.Fatalf("an edge with the revoked certificate: %v, want it refused\n%s", err, lastLines(string(out2), 10))
 	}
 	t.Logf("an edge with the revoked certificate: %s", lastLines(string(out2), 1))
+
+	// etcd-auth run again deletes the revoked node's etcd user: its etcd
+	// pair reaches nothing any more.
+	ru, err := cluster.NodeEtcdUsers(c.clusterDir())
+	if err != nil || len(ru) != 2 {
+		t.Fatalf("node etcd users after the revocation: %+v %v", ru, err)
+	}
+	out3, err := c.etcdAuth()
+	if err != nil || !strings.Contains(out3, "deleted etcd user "+cluster.EtcdNodeUserPrefix(c.clusterID(t))+"e3-") {
+		t.Fatalf("etcd-auth after the revocation: %v\n%s", err, out3)
+	}
+	if err := c.etcdAs(t, revoked[0]).Ping(ctx(t)); err == nil {
+		t.Fatal("the revoked node's etcd pair still reaches etcd")
+	} else {
+		t.Logf("the revoked node's etcd pair: %v", err)
+	}
 
 	restore()
 	for i, pc := range c.perServer {
