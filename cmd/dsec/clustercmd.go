@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"flag"
 	"fmt"
 	"io/fs"
 	"log/slog"
@@ -136,17 +137,18 @@ func runRevokeEdge(args []string) error {
 	}
 	fmt.Printf("node %s's certificate (serial %s) is revoked; its directory moved to %s\n", node, r.Serial, filepath.Join(c.clusterDir, cluster.RevokedDir, node+"-"+r.Serial))
 	fmt.Printf("to bring the node back: dsec cluster add-edge --dir %s --node-name %s, copy the new directory to it, restart its edge\n", c.clusterDir, node)
-	fmt.Printf("with etcd's authentication on, run dsec cluster etcd-auth --cluster %s ... again: it deletes the node's etcd user\n", c.clusterDir)
+	fmt.Printf("with etcd's authentication on, run dsec cluster etcd-auth --cluster %s ... now, before add-edge: it deletes the node's etcd user and registry entry\n", c.clusterDir)
 	fmt.Printf("note: apiservers without --require-node-certs still take the shared certificate (%s) from any host that holds it, as etcd takes its etcd pair\n", filepath.Join(c.clusterDir, "edge"))
 	return nil
 }
 
 // etcdUsers are dsec's users of etcd: apiservers may use every key of the
-// prefix; an edge with the shared pair its buckets and the ping key, and
+// prefix; an edge with the shared pair (unless !shared) its buckets and
+// the ping key, and
 // read the layer catalog (the apiservers publish the snapshots edges
 // stage); a node with a pair of its own (nodes) the same, writing only
 // its own registry entry and abandoned creates.
-func etcdUsers(id string, nodes []cluster.NodeEtcdUser) []store.EtcdUser {
+func etcdUsers(id string, nodes []cluster.NodeEtcdUser, shared bool) []store.EtcdUser {
 	read := []store.EtcdGrant{{Key: store.EtcdPingKey}}
 	for _, b := range layer.Buckets {
 		read = append(read, store.EtcdGrant{Bucket: b})
@@ -158,7 +160,10 @@ func etcdUsers(id string, nodes []cluster.NodeEtcdUser) []store.EtcdUser {
 	for _, b := range cluster.EdgeBuckets {
 		edge.Grants = append(edge.Grants, store.EtcdGrant{Bucket: b, Write: true})
 	}
-	users := []store.EtcdUser{{Name: cluster.EtcdServerUser(id), All: true}, edge}
+	users := []store.EtcdUser{{Name: cluster.EtcdServerUser(id), All: true}}
+	if shared {
+		users = append(users, edge)
+	}
 	for _, n := range nodes {
 		users = append(users, store.EtcdUser{Name: n.User, Grants: append(slices.Clone(read), cluster.NodeGrants(n.Node)...)})
 	}
@@ -176,7 +181,7 @@ func runEtcdAuth(args []string) error {
 			"uses: an edge's machine can then not read or write IAM, idempotency\n"+
 			"records or quotas. A node with a directory of its own (dsec cluster\n"+
 			"add-edge, under DIR/edges) gets a user of its own that writes only its\n"+
-			"own registry entry; the users of nodes whose directory is gone (dsec\n"+
+			"own registry entry; the users of revoked directories (DIR/revoked, dsec\n"+
 			"cluster revoke-edge) are deleted. Each logs in with the etcd-client.pem\n"+
 			"of its directory (etcd must require client certificates: https://).\n"+
 			"etcd's root user gets the password in FILE, written (0600) if FILE does\n"+
@@ -185,6 +190,8 @@ func runEtcdAuth(args []string) error {
 	c.registerEtcd(f)
 	f.StringVar(&c.clusterDir, "cluster", "", "the cluster directory or its server/ (required: its etcd client certificate and CA)")
 	f.StringVar(&pwFile, "root-password-file", "", "file holding etcd's root password; written with a new one if it does not exist (required)")
+	var sharedFlag bool
+	f.BoolVar(&sharedFlag, "shared-edge-user", true, "keep the etcd user of DIR/edge's shared pair; false deletes it (once every node runs from its own directory), and later runs keep it deleted until given true")
 	if _, err := f.parseN(args, 0, 0); err != nil {
 		return err
 	}
@@ -213,24 +220,38 @@ func runEtcdAuth(args []string) error {
 	if err != nil {
 		return err
 	}
-	// Nodes' own users: those of the node directories here, and none of
-	// nodes whose directory is gone (revoked). A directory without
-	// EdgesDir (DIR/server) cannot tell: node users stay as they are.
-	var nodes []cluster.NodeEtcdUser
-	var stale func(string) bool
-	if _, err := os.Stat(filepath.Join(c.clusterDir, cluster.EdgesDir)); err == nil {
-		if nodes, err = cluster.NodeEtcdUsers(c.clusterDir); err != nil {
-			return err
-		}
-		prefix := cluster.EtcdNodeUserPrefix(trust.Info.ID)
-		stale = func(name string) bool { return strings.HasPrefix(name, prefix) }
-	} else if _, kerr := os.Stat(filepath.Join(c.clusterDir, "ca-key.pem")); kerr != nil {
-		fmt.Printf("note: %s has no %s/: nodes' own etcd users are left as they are (run this with the directory dsec cluster init wrote to set them)\n", c.clusterDir, cluster.EdgesDir)
+	// Nodes' own users: those of the node directories here are granted,
+	// those of revoked directories deleted. A directory without them
+	// (DIR/server) cannot tell: node users stay as they are.
+	var nodes, revoked []cluster.NodeEtcdUser
+	if nodes, revoked, err = cluster.NodeEtcdUsers(c.clusterDir); err != nil {
+		return err
 	}
-	users := etcdUsers(trust.Info.ID, nodes)
-	on, deleted, err := store.EnsureEtcdAuth(store.EtcdConfig{Endpoints: eps, Prefix: c.etcdPrefix, TLS: tlsCfg}, pw, users, stale)
+	_, kerr := os.Stat(filepath.Join(c.clusterDir, "ca-key.pem"))
+	if kerr != nil && len(nodes) == 0 && len(revoked) == 0 {
+		fmt.Printf("note: %s holds no node directories: nodes' own etcd users are left as they are (run this with the directory dsec cluster init wrote to set them)\n", c.clusterDir)
+	}
+	// The shared edge user: kept unless this run or an earlier one said
+	// otherwise (remembered in etcd).
+	cfg := store.EtcdConfig{Endpoints: eps, Prefix: c.etcdPrefix, TLS: tlsCfg}
+	shared, err := sharedEdgeUser(cfg, f, sharedFlag)
+	if err != nil {
+		return err
+	}
+	drop := map[string]bool{}
+	for _, r := range revoked {
+		drop[r.User] = true
+	}
+	if !shared {
+		drop[cluster.EtcdEdgeUser(trust.Info.ID)] = true
+	}
+	users := etcdUsers(trust.Info.ID, nodes, shared)
+	on, deleted, err := store.EnsureEtcdAuth(cfg, pw, users, func(name string) bool { return drop[name] })
 	for _, d := range deleted {
-		fmt.Printf("deleted etcd user %s: its node's directory is gone (revoked)\n", d)
+		fmt.Printf("deleted etcd user %s\n", d)
+	}
+	if err == nil {
+		err = afterEtcdAuth(cfg, shared, nodes, revoked, deleted)
 	}
 	if err != nil {
 		switch {
@@ -250,10 +271,63 @@ func runEtcdAuth(args []string) error {
 	for _, n := range nodes {
 		fmt.Printf("node %s: etcd user %s, writing only its own registry entry\n", n.Node, n.User)
 	}
+	edges := cluster.EtcdEdgeUser(trust.Info.ID) + " (DIR/edge's shared pair)"
+	if !shared {
+		edges = "only nodes' own users (DIR/edge's shared pair has none: --shared-edge-user=true brings it back)"
+	}
 	if on {
-		fmt.Printf("etcd's authentication is on: %s may use %s*, %s only what an edge uses; root's password is in %s\n", users[0].Name, c.etcdPrefix, users[1].Name, pwFile)
+		fmt.Printf("etcd's authentication is on: %s may use %s*, %s only what an edge uses; root's password is in %s\n", users[0].Name, c.etcdPrefix, edges, pwFile)
 	} else {
-		fmt.Printf("etcd's authentication was on already: the roles of %s and %s are set anew\n", users[0].Name, users[1].Name)
+		fmt.Printf("etcd's authentication was on already: the roles of %s and %s are set anew\n", users[0].Name, edges)
+	}
+	return nil
+}
+
+// sharedEdgeUser decides whether the shared edge user is kept: as
+// --shared-edge-user says if given, else as the last run that was told
+// (cluster.SharedEdgeUser), else yes.
+func sharedEdgeUser(cfg store.EtcdConfig, f *cmdFlags, flagValue bool) (bool, error) {
+	given := false
+	f.Visit(func(fl *flag.Flag) { given = given || fl.Name == "shared-edge-user" })
+	if given {
+		return flagValue, nil
+	}
+	st, err := store.OpenEtcd(cfg)
+	if err != nil {
+		return false, err
+	}
+	defer st.Close()
+	keep, err := cluster.SharedEdgeUser(st)
+	if errors.Is(err, store.ErrEtcdRefused) {
+		// A prefix no run has set roles for yet: its apiservers' user
+		// may not read it, and nothing is recorded there.
+		return true, nil
+	}
+	return keep, err
+}
+
+// afterEtcdAuth records the shared edge user's fate, and removes the
+// registry entries of the revoked nodes whose users this run deleted and
+// that have no new directory yet: a revoked edge still running could
+// otherwise keep its entry alive (etcd renews a lease without asking who
+// renews it), holding the node's name against its new directory.
+func afterEtcdAuth(cfg store.EtcdConfig, shared bool, nodes, revoked []cluster.NodeEtcdUser, deleted []string) error {
+	st, err := store.OpenEtcd(cfg)
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	if err := cluster.SetSharedEdgeUser(st, shared); err != nil {
+		return err
+	}
+	for _, r := range revoked {
+		if !slices.Contains(deleted, r.User) || slices.ContainsFunc(nodes, func(n cluster.NodeEtcdUser) bool { return n.Node == r.Node }) {
+			continue
+		}
+		if err := cluster.DropNodeEntry(st, r.Node); err != nil {
+			return err
+		}
+		fmt.Printf("removed node %s's registry entry (its certificate is revoked)\n", r.Node)
 	}
 	return nil
 }

@@ -37,7 +37,10 @@ func TestRootPassword(t *testing.T) {
 // TestEtcdUsers: apiservers get the whole prefix; edges only their
 // buckets, never IAM's, idempotency's or quotas'.
 func TestEtcdUsers(t *testing.T) {
-	users := etcdUsers("c1", []cluster.NodeEtcdUser{{Node: "n1", User: "dsec-edge-c1-n1-ab"}})
+	if users := etcdUsers("c1", nil, false); len(users) != 1 || users[0].Name != "dsec-server-c1" {
+		t.Fatalf("without the shared edge user: %+v", users)
+	}
+	users := etcdUsers("c1", []cluster.NodeEtcdUser{{Node: "n1", User: "dsec-edge-c1-n1-ab"}}, true)
 	if len(users) != 3 || users[0].Name != cluster.EtcdServerUser("c1") || !users[0].All || users[0].Name != "dsec-server-c1" {
 		t.Fatalf("users %+v", users)
 	}

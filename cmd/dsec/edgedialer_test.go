@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/dsecproject/dsec/internal/cluster"
+	"github.com/dsecproject/dsec/internal/edgeapi"
 )
 
 // TestEdgeDialer: one transport per node, kept while its address stays,
@@ -138,6 +140,7 @@ func TestEdgeDialerCutClosesCallsUnderWay(t *testing.T) {
 		// matters is that it came.
 		t.Log("answered")
 	}
+	e := d.dial(cluster.NodeRecord{Name: "n1", Address: srv.Listener.Addr().String()})
 	done = call()
 	d.cut("n1")
 	select {
@@ -148,4 +151,10 @@ func TestEdgeDialerCutClosesCallsUnderWay(t *testing.T) {
 	case <-time.After(2 * time.Second):
 		t.Fatal("a call under way went on after its node's certificate was revoked")
 	}
+	// A client made before the cut says why, and not to retry.
+	_, err = e.Info(context.Background())
+	if !edgeapi.IsUnreachable(err) || !errors.Is(err, edgeapi.ErrRevoked) || strings.Contains(err.Error(), "retry later") {
+		t.Fatalf("a call after the cut: %v", err)
+	}
+	t.Log(err)
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -113,9 +114,22 @@ func (c *clusterFlags) openEtcd(ctx context.Context, log *slog.Logger) (*cluster
 	}
 	if err := st.Ping(ctx); err != nil {
 		_ = st.Close()
-		return nil, nil, fmt.Errorf("etcd %s: %w%s", c.etcd, err, c.etcdHint(ctx, endpoints, cfg.TLS))
+		return nil, nil, fmt.Errorf("etcd %s: %w%s%s", c.etcd, err, c.etcdHint(ctx, endpoints, cfg.TLS), nodeUserHint(trust, cfg.TLS, err))
 	}
 	return trust, st, nil
+}
+
+// nodeUserHint explains etcd's refusal of a node's own etcd user (dsec
+// cluster add-edge's): etcd-auth has not made it yet, or deleted it.
+func nodeUserHint(trust *cluster.Trust, cfg *tls.Config, err error) string {
+	if !errors.Is(err, store.ErrEtcdRefused) || cfg == nil || len(cfg.Certificates) == 0 || len(cfg.Certificates[0].Certificate) == 0 {
+		return ""
+	}
+	leaf, perr := x509.ParseCertificate(cfg.Certificates[0].Certificate[0])
+	if perr != nil || !strings.HasPrefix(leaf.Subject.CommonName, cluster.EtcdNodeUserPrefix(trust.Info.ID)) {
+		return ""
+	}
+	return fmt.Sprintf(" (this directory's etcd user is %s, a node's own: etcd knows it once dsec cluster etcd-auth runs with the cluster directory after dsec cluster add-edge, and forgets it once the node's certificate is revoked)", leaf.Subject.CommonName)
 }
 
 // etcdSecure tells whether etcd is reached over TLS: every endpoint
@@ -316,7 +330,7 @@ func (s *connSet) track(c net.Conn) (net.Conn, error) {
 	defer s.mu.Unlock()
 	if s.closed {
 		_ = c.Close()
-		return nil, errors.New("the node's connections were closed (its certificate revoked, or the node gone)")
+		return nil, fmt.Errorf("the node's connections were closed: its certificate was revoked (%w)", edgeapi.ErrRevoked)
 	}
 	s.open[tc] = true
 	return tc, nil

@@ -246,7 +246,7 @@ func (t *Trust) verifyEdge(cs tls.ConnectionState, node string, requireNode bool
 		return fmt.Errorf("the certificate at node %s's address is not an edge certificate of this cluster: %w", node, err)
 	}
 	if r, ok := t.revocationOf(leaf); ok {
-		return fmt.Errorf("the certificate at node %s's address (node %s's, serial %s) was revoked at %s (dsec cluster revoke-edge)", node, r.Node, r.Serial, r.At.Format(time.RFC3339))
+		return fmt.Errorf("the certificate at node %s's address (node %s's, serial %s) was revoked at %s (%w)", node, r.Node, r.Serial, r.At.Format(time.RFC3339), edgeapi.ErrRevoked)
 	}
 	var named []string
 	for _, u := range leaf.URIs {
@@ -270,22 +270,35 @@ func (t *Trust) verifyEdge(cs tls.ConnectionState, node string, requireNode bool
 }
 
 // NodeEtcdUser is a node's own etcd user: the common name of the etcd
-// certificate in its directory under EdgesDir.
+// certificate in its directory under EdgesDir (or RevokedDir).
 type NodeEtcdUser struct {
 	Node, User string
 }
 
 // NodeEtcdUsers lists the etcd users of the nodes dir/EdgesDir holds
-// directories of (AddEdge's), for dsec cluster etcd-auth. A directory
-// made before nodes had etcd users of their own holds the edges' shared
-// pair and is left out; an unreadable one, or one whose certificate
-// names another node, fails.
-func NodeEtcdUsers(dir string) ([]NodeEtcdUser, error) {
+// directories of (AddEdge's), for dsec cluster etcd-auth to grant, and
+// those of the directories RevokeEdge moved to dir/RevokedDir, for it to
+// delete. A directory made before nodes had etcd users of their own
+// holds the edges' shared pair and is left out; an unreadable one, or
+// one whose certificate names another node, fails.
+func NodeEtcdUsers(dir string) (current, revoked []NodeEtcdUser, err error) {
 	t, err := Load(dir)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	ents, err := os.ReadDir(filepath.Join(dir, EdgesDir))
+	if current, err = t.nodeEtcdUsers(filepath.Join(dir, EdgesDir), false); err != nil {
+		return nil, nil, err
+	}
+	if revoked, err = t.nodeEtcdUsers(filepath.Join(dir, RevokedDir), true); err != nil {
+		return nil, nil, err
+	}
+	return current, revoked, nil
+}
+
+// nodeEtcdUsers reads the node directories under root: named NAME, or
+// NAME-SERIAL if serialed (RevokeEdge's).
+func (t *Trust) nodeEtcdUsers(root string, serialed bool) ([]NodeEtcdUser, error) {
+	ents, err := os.ReadDir(root)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
 	} else if err != nil {
@@ -296,7 +309,18 @@ func NodeEtcdUsers(dir string) ([]NodeEtcdUser, error) {
 		if !e.IsDir() || strings.HasPrefix(e.Name(), ".") {
 			continue // AddEdge's temporary directories
 		}
-		p := filepath.Join(dir, EdgesDir, e.Name(), EtcdClientCert)
+		node := e.Name()
+		if serialed {
+			i := strings.LastIndexByte(node, '-')
+			if i <= 0 {
+				return nil, fmt.Errorf("%s: not a revoked node's directory (NAME-SERIAL)", filepath.Join(root, node))
+			}
+			node = node[:i]
+		}
+		if err := edgeapi.CheckNodeName(node); err != nil {
+			return nil, fmt.Errorf("%s: %w", filepath.Join(root, e.Name()), err)
+		}
+		p := filepath.Join(root, e.Name(), EtcdClientCert)
 		b, err := os.ReadFile(p)
 		if errors.Is(err, fs.ErrNotExist) {
 			continue // made before etcd's pairs
@@ -312,13 +336,13 @@ func NodeEtcdUsers(dir string) ([]NodeEtcdUser, error) {
 			return nil, fmt.Errorf("%s: %w", p, err)
 		}
 		cn := c.Subject.CommonName
-		switch rest, ok := strings.CutPrefix(cn, EtcdNodeUserPrefix(t.Info.ID)+e.Name()+"-"); {
+		switch rest, ok := strings.CutPrefix(cn, EtcdNodeUserPrefix(t.Info.ID)+node+"-"); {
 		case cn == EtcdEdgeUser(t.Info.ID):
 			continue // the shared pair: an older node directory
 		case !ok || rest == "" || strings.Contains(rest, "-"):
-			return nil, fmt.Errorf("%s names etcd user %q, not one of node %s of cluster %s", p, cn, e.Name(), t.Info.ID)
+			return nil, fmt.Errorf("%s names etcd user %q, not one of node %s of cluster %s", p, cn, node, t.Info.ID)
 		}
-		out = append(out, NodeEtcdUser{Node: e.Name(), User: cn})
+		out = append(out, NodeEtcdUser{Node: node, User: cn})
 	}
 	return out, nil
 }

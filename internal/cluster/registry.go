@@ -41,6 +41,43 @@ var (
 	EdgeReadBuckets = []string{bucketMeta, bucketRevoked}
 )
 
+// sharedEdgeUserKey (in bucketMeta) says "off" when dsec cluster
+// etcd-auth was told to delete the edges' shared etcd user.
+const sharedEdgeUserKey = "shared_edge_user"
+
+// SharedEdgeUser reports whether the edges' shared etcd user is to be
+// kept: yes unless dsec cluster etcd-auth was told otherwise.
+func SharedEdgeUser(st store.Store) (bool, error) {
+	v, err := st.Get(bucketMeta, sharedEdgeUserKey)
+	switch {
+	case errors.Is(err, errdefs.ErrNotFound):
+		return true, nil
+	case err != nil:
+		return false, err
+	}
+	return string(v) != "off", nil
+}
+
+// SetSharedEdgeUser records whether the edges' shared etcd user is kept.
+func SetSharedEdgeUser(st store.Store, keep bool) error {
+	if keep {
+		if err := st.Delete(bucketMeta, sharedEdgeUserKey); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+			return err
+		}
+		return nil
+	}
+	return st.Put(bucketMeta, sharedEdgeUserKey, []byte("off"))
+}
+
+// DropNodeEntry removes node's registry entry (its edge, if it runs and
+// may still write, makes it again).
+func DropNodeEntry(st store.Store, node string) error {
+	if err := st.Delete(bucketNodes, node); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+		return err
+	}
+	return nil
+}
+
 // NodeGrants are what a node's own etcd user (NodeEtcdUsers) may do with
 // this package's buckets: read EdgeReadBuckets and the registry, and
 // write only its own registry entry and the abandoned creates of its

@@ -2,13 +2,16 @@ package cluster
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/dsecproject/dsec/internal/edgeapi"
 	"github.com/dsecproject/dsec/internal/store"
 )
 
@@ -57,6 +60,10 @@ func TestRevokeEdge(t *testing.T) {
 	for {
 		_, err := client(strict("n1"), at1).Info(t.Context())
 		if err != nil && strings.Contains(err.Error(), "revoked") && strings.Contains(err.Error(), r.Serial) {
+			// Refused in the handshake, and said so: not "retry later".
+			if !errors.Is(err, edgeapi.ErrRevoked) || strings.Contains(err.Error(), "retry later") {
+				t.Errorf("n1's refusal: %v", err)
+			}
 			break
 		}
 		if time.Now().After(deadline) {
@@ -71,6 +78,10 @@ func TestRevokeEdge(t *testing.T) {
 	mu.Unlock()
 	if _, err := client(strict("n2"), at2).Info(t.Context()); err != nil {
 		t.Fatalf("n2 after n1's revocation: %v", err)
+	}
+	// Its etcd user is now a revoked directory's, for etcd-auth to delete.
+	if cur, rev, err := NodeEtcdUsers(dir); err != nil || len(rev) != 1 || rev[0].Node != "n1" || slices.ContainsFunc(cur, func(u NodeEtcdUser) bool { return u.Node == "n1" }) {
+		t.Fatalf("node etcd users after the revocation: %+v, revoked %+v, %v", cur, rev, err)
 	}
 	moved := filepath.Join(dir, RevokedDir, "n1-"+r.Serial)
 	if ok, err := CheckNotRevoked(st, moved); !ok || err == nil || !strings.Contains(err.Error(), "revoked") {

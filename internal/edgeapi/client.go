@@ -55,8 +55,16 @@ type Unreachable struct {
 }
 
 func (e *Unreachable) Error() string {
+	if errors.Is(e.Err, ErrRevoked) {
+		return fmt.Sprintf("node %s is refused: %v", e.Node, e.Err)
+	}
 	return fmt.Sprintf("node %s cannot be reached now (retry later): %v", e.Node, e.Err)
 }
+
+// ErrRevoked is in the error of a call refused because the node's
+// certificate was revoked: no retry reaches that node until it has a new
+// one.
+var ErrRevoked = errors.New("dsec cluster revoke-edge")
 
 // Is makes Unreachable an errdefs.ErrUnavailable.
 func (e *Unreachable) Is(target error) bool { return target == errdefs.ErrUnavailable }

@@ -139,10 +139,22 @@ func (e *Etcd) classify(err error) error {
 	case codes.ResourceExhausted: // the database is full (its space quota)
 		return errdefs.Exhausted("control-plane store (etcd) is out of space: %v", err)
 	case codes.PermissionDenied, codes.Unauthenticated: // etcd's authentication: this process's user may not
-		return errdefs.Unavailable("control-plane store (etcd) refused this process (its user's role in etcd; dsec cluster etcd-auth sets them): %v", err)
+		return fmt.Errorf("%w%w", errdefs.Unavailable("control-plane store (etcd) refused this process (its user's role in etcd; dsec cluster etcd-auth sets them): %v", err), errEtcdRefusedMark)
 	}
 	return errdefs.Unavailable("control-plane store (etcd) unreachable or without quorum: %v", err)
 }
+
+// ErrEtcdRefused is in the error of an operation etcd refused this
+// process's user (its authentication: no such user, or no permission).
+var ErrEtcdRefused = errors.New("etcd refused this process's user")
+
+// errEtcdRefusedMark wraps ErrEtcdRefused without adding to the message.
+var errEtcdRefusedMark = silent{ErrEtcdRefused}
+
+type silent struct{ error }
+
+func (silent) Error() string   { return "" }
+func (s silent) Unwrap() error { return s.error }
 
 func (e *Etcd) ctx() (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.Background(), e.opTO)

@@ -121,8 +121,10 @@ func TestEtcdRoles(t *testing.T) {
 	if got, err := server.Get("cluster_nodes", "e2"); err != nil || string(got) != string(e2rec) {
 		t.Fatalf("e2's entry after the attempts: %s %v", got, err)
 	}
-	if err := e1.Put("cluster_abandoned", "e2/forged", []byte(`{}`)); err == nil {
-		t.Error("e1's user wrote an abandoned create of e2")
+	for _, k := range []string{"e2/forged", "e1x/forged", "e1"} {
+		if err := e1.Put("cluster_abandoned", k, []byte(`{}`)); err == nil {
+			t.Errorf("e1's user wrote abandoned create %s", k)
+		}
 	}
 	if err := e1.Put("cluster_abandoned", "e1/test-token", []byte(`{"at":"2026-01-01T00:00:00Z"}`)); err != nil {
 		t.Errorf("e1's user writing its own abandoned create: %v", err)
@@ -140,6 +142,32 @@ func TestEtcdRoles(t *testing.T) {
 	}
 	if _, err := e1.List("iam_keys", ""); err == nil {
 		t.Error("e1's user listed API keys")
+	}
+
+	// The shared user deleted (every node has its own directory): the
+	// shared pair reaches nothing, and a later run without the flag
+	// keeps it so; the flag's true brings it back.
+	t.Cleanup(func() { _, _ = c.etcdAuth("--shared-edge-user=true") })
+	if out, err := c.etcdAuth("--shared-edge-user=false"); err != nil || !strings.Contains(out, "deleted etcd user "+cluster.EtcdEdgeUser(c.clusterID(t))) {
+		t.Fatalf("etcd-auth --shared-edge-user=false: %v\n%s", err, out)
+	}
+	if err := edge.Ping(t.Context()); err == nil {
+		t.Error("the shared pair reaches etcd after its user was deleted")
+	}
+	if out, err := c.etcdAuth(); err != nil || !strings.Contains(out, "only nodes' own users") {
+		t.Fatalf("etcd-auth after --shared-edge-user=false: %v\n%s", err, out)
+	}
+	if err := edge.Ping(t.Context()); err == nil {
+		t.Error("a run without the flag brought the shared user back")
+	}
+	if err := e1.Ping(t.Context()); err != nil {
+		t.Errorf("e1's user without the shared one: %v", err)
+	}
+	if out, err := c.etcdAuth("--shared-edge-user=true"); err != nil || strings.Contains(out, "only nodes' own users") {
+		t.Fatalf("etcd-auth --shared-edge-user=true: %v\n%s", err, out)
+	}
+	if err := edge.Ping(t.Context()); err != nil {
+		t.Errorf("the shared pair after --shared-edge-user=true: %v", err)
 	}
 
 	// Run again: the roles are set anew, and root's password must match.

@@ -299,9 +299,9 @@ func (e *env) clusterID(t *testing.T) string {
 
 // etcdAuth runs dsec cluster etcd-auth (again): after add-edge and
 // revoke-edge, it sets the nodes' own etcd users.
-func (e *env) etcdAuth() (string, error) {
-	out, err := exec.Command(e.bin, "cluster", "etcd-auth", "--etcd", strings.Join(e.etcd.Endpoints(), ","), "--cluster", e.clusterDir(),
-		"--root-password-file", e.rootPasswordFile()).CombinedOutput()
+func (e *env) etcdAuth(more ...string) (string, error) {
+	out, err := exec.Command(e.bin, append([]string{"cluster", "etcd-auth", "--etcd", strings.Join(e.etcd.Endpoints(), ","), "--cluster", e.clusterDir(),
+		"--root-password-file", e.rootPasswordFile()}, more...)...).CombinedOutput()
 	if err != nil {
 		return string(out), fmt.Errorf("cluster etcd-auth: %v: %s", err, out)
 	}

@@ -66,6 +66,9 @@ func TestRevokedNodeCert(t *testing.T) {
 			var ae *dsec.Error
 			if errors.As(err, &ae) && ae.Code == "unavailable" && strings.Contains(ae.Message, "revoked") {
 				t.Logf("apiserver %d refuses e3: %s", i, ae.Message)
+				if strings.Contains(ae.Message, "retry later") {
+					t.Errorf("apiserver %d tells to retry a call to a revoked node: %s", i, ae.Message)
+				}
 				break
 			}
 			if time.Now().After(deadline) {
@@ -94,20 +97,47 @@ func TestRevokedNodeCert(t *testing.T) {
 	}
 	t.Logf("an edge with the revoked certificate: %s", lastLines(string(out2), 1))
 
-	// etcd-auth run again deletes the revoked node's etcd user: its etcd
-	// pair reaches nothing any more.
-	ru, err := cluster.NodeEtcdUsers(c.clusterDir())
-	if err != nil || len(ru) != 2 {
-		t.Fatalf("node etcd users after the revocation: %+v %v", ru, err)
+	// A revoked edge that still runs keeps its registry entry alive with
+	// its etcd pair (here, this test holds it).
+	held := c.etcdAs(t, revoked[0])
+	hctx, hcancel := context.WithCancel(ctx(t))
+	defer hcancel()
+	if _, err := held.Hold(hctx, "cluster_nodes", "e3", []byte(`{"name":"e3","address":"127.0.0.1:1"}`), cluster.LeaseTTL,
+		func([]byte) bool { return true }); err != nil {
+		t.Fatalf("holding e3's entry with the revoked pair: %v", err)
+	}
+	// etcd-auth run again deletes the revoked node's etcd user (its pair
+	// then reaches nothing) and its registry entry, which the revoked
+	// pair cannot write again.
+	cur, rev, err := cluster.NodeEtcdUsers(c.clusterDir())
+	if err != nil || len(cur) != 2 || len(rev) != 1 || rev[0].Node != "e3" {
+		t.Fatalf("node etcd users after the revocation: %+v, revoked %+v, %v", cur, rev, err)
 	}
 	out3, err := c.etcdAuth()
-	if err != nil || !strings.Contains(out3, "deleted etcd user "+cluster.EtcdNodeUserPrefix(c.clusterID(t))+"e3-") {
+	if err != nil || !strings.Contains(out3, "deleted etcd user "+rev[0].User) || !strings.Contains(out3, "removed node e3's registry entry") {
 		t.Fatalf("etcd-auth after the revocation: %v\n%s", err, out3)
 	}
-	if err := c.etcdAs(t, revoked[0]).Ping(ctx(t)); err == nil {
+	if err := held.Ping(ctx(t)); err == nil {
 		t.Fatal("the revoked node's etcd pair still reaches etcd")
 	} else {
 		t.Logf("the revoked node's etcd pair: %v", err)
+	}
+	// An edge started from the revoked directory now fails at etcd,
+	// saying whose user etcd refused and why it may be gone.
+	ectx2, cancel2 := context.WithTimeout(ctx(t), 60*time.Second)
+	defer cancel2()
+	out5, err := exec.CommandContext(ectx2, c.bin, args...).CombinedOutput()
+	if err == nil || !strings.Contains(string(out5), "this directory's etcd user is "+rev[0].User) {
+		t.Fatalf("an edge with the revoked directory after etcd-auth: %v, want etcd's refusal explained\n%s", err, lastLines(string(out5), 10))
+	}
+	server := c.etcdAs(t, filepath.Join(c.clusterDir(), "server"))
+	time.Sleep(2 * cluster.LeaseTTL)
+	if v, err := server.Get("cluster_nodes", "e3"); err == nil {
+		t.Fatalf("e3's entry %s after etcd-auth, held with the revoked pair", v)
+	}
+	// Once more: nothing left to delete, and the live nodes keep theirs.
+	if out4, err := c.etcdAuth(); err != nil || strings.Contains(out4, "deleted") || strings.Contains(out4, "removed") {
+		t.Fatalf("etcd-auth once more: %v\n%s", err, out4)
 	}
 
 	restore()
