@@ -515,17 +515,35 @@ func (e *Etcd) Write(bucket string, creates, puts []KV) error {
 func (e *Etcd) WatchBucket(ctx context.Context, bucket string, reset func([]KV), change func(key string, val []byte)) {
 	base := e.prefix + bucket + "/"
 	go func() {
+		// A read that keeps failing is said, then again every
+		// watchWarnEvery, and its end too: a process waiting on it (an
+		// apiserver reads the revoked certificates before it serves)
+		// must not wait without a word.
+		var failingSince, warned time.Time
 		for ctx.Err() == nil {
 			lctx, cancel := e.ctx()
 			r, err := e.c.Get(lctx, base, clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
 			cancel()
 			if err != nil {
+				now := time.Now()
+				if failingSince.IsZero() {
+					failingSince = now
+				}
+				if now.Sub(warned) >= watchWarnEvery {
+					warned = now
+					e.log.Warn("cannot read a store bucket to watch it; retrying every second", "bucket", bucket,
+						"failing_for", now.Sub(failingSince).Round(time.Second).String(), "err", e.classify(err))
+				}
 				select {
 				case <-ctx.Done():
 					return
 				case <-time.After(time.Second):
 				}
 				continue
+			}
+			if !failingSince.IsZero() {
+				e.log.Info("reading a store bucket to watch it again", "bucket", bucket, "failed_for", time.Since(failingSince).Round(time.Second).String())
+				failingSince, warned = time.Time{}, time.Time{}
 			}
 			kvs := make([]KV, 0, len(r.Kvs))
 			for _, kv := range r.Kvs {
@@ -551,6 +569,10 @@ func (e *Etcd) WatchBucket(ctx context.Context, bucket string, reset func([]KV),
 		}
 	}()
 }
+
+// watchWarnEvery is how often WatchBucket repeats that its read fails (a
+// variable for tests).
+var watchWarnEvery = 30 * time.Second
 
 // Close implements Store.
 func (e *Etcd) Close() error { return e.c.Close() }

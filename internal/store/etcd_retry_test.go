@@ -1,8 +1,14 @@
 package store
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -99,4 +105,61 @@ func TestEtcdErrorClasses(t *testing.T) {
 			t.Errorf("%v: classified %v, want %v", c.err, got, c.want)
 		}
 	}
+}
+
+// TestWatchBucketSaysItsReadFails: a watch whose first read keeps failing
+// (no etcd answers) warns at once and again every watchWarnEvery, rather
+// than retrying without a word.
+func TestWatchBucketSaysItsReadFails(t *testing.T) {
+	defer func(d time.Duration) { watchWarnEvery = d }(watchWarnEvery)
+	watchWarnEvery = 2500 * time.Millisecond
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close() // nothing answers there
+	var mu sync.Mutex
+	var buf bytes.Buffer
+	log := slog.New(slog.NewTextHandler(lockedWriter{&mu, &buf}, nil))
+	e, err := OpenEtcd(EtcdConfig{Endpoints: []string{addr}, OpTimeout: 200 * time.Millisecond, Log: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	start := time.Now()
+	e.WatchBucket(ctx, "cluster_revoked", func([]KV) { t.Error("a read succeeded with no etcd") }, func(string, []byte) {})
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		mu.Lock()
+		out := buf.String()
+		mu.Unlock()
+		if n := strings.Count(out, "cannot read a store bucket to watch it"); n >= 2 {
+			if !strings.Contains(out, "bucket=cluster_revoked") || !strings.Contains(out, "unreachable") {
+				t.Fatalf("the warnings say too little:\n%s", out)
+			}
+			// The reads are a second or so apart; the warnings are not.
+			if since := time.Since(start); since < watchWarnEvery {
+				t.Fatalf("%d warnings within %v: not one per %v\n%s", n, since, watchWarnEvery, out)
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("10 s of failed reads, warnings:\n%s", out)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
 }
