@@ -144,10 +144,9 @@ func runRevokeEdge(args []string) error {
 
 // etcdUsers are dsec's users of etcd: apiservers may use every key of the
 // prefix; an edge with the shared pair (unless !shared) its buckets and
-// the ping key, and
-// read the layer catalog (the apiservers publish the snapshots edges
-// stage); a node with a pair of its own (nodes) the same, writing only
-// its own registry entry and abandoned creates.
+// the ping key, and read the layer catalog (the apiservers publish the
+// snapshots edges stage); a node with a pair of its own (nodes) the same,
+// writing only its own registry entry and abandoned creates.
 func etcdUsers(id string, nodes []cluster.NodeEtcdUser, shared bool) []store.EtcdUser {
 	read := []store.EtcdGrant{{Key: store.EtcdPingKey}}
 	for _, b := range layer.Buckets {
@@ -224,7 +223,7 @@ func runEtcdAuth(args []string) error {
 	// those of revoked directories deleted. A directory without them
 	// (DIR/server) cannot tell: node users stay as they are.
 	var nodes, revoked []cluster.NodeEtcdUser
-	if nodes, revoked, err = cluster.NodeEtcdUsers(c.clusterDir); err != nil {
+	if nodes, revoked, err = trust.NodeEtcdUsers(); err != nil {
 		return err
 	}
 	_, kerr := os.Stat(filepath.Join(c.clusterDir, "ca-key.pem"))
@@ -232,9 +231,16 @@ func runEtcdAuth(args []string) error {
 		fmt.Printf("note: %s holds no node directories: nodes' own etcd users are left as they are (run this with the directory dsec cluster init wrote to set them)\n", c.clusterDir)
 	}
 	// The shared edge user: kept unless this run or an earlier one said
-	// otherwise (remembered in etcd).
+	// otherwise (remembered in etcd). One client with the apiservers'
+	// pair reads and writes that before and after the roles are set
+	// (etcd takes its certificate's user per request).
 	cfg := store.EtcdConfig{Endpoints: eps, Prefix: c.etcdPrefix, TLS: tlsCfg}
-	shared, err := sharedEdgeUser(cfg, f, sharedFlag)
+	st, err := store.OpenEtcd(cfg)
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	shared, err := sharedEdgeUser(st, f, sharedFlag)
 	if err != nil {
 		return err
 	}
@@ -251,7 +257,7 @@ func runEtcdAuth(args []string) error {
 		fmt.Printf("deleted etcd user %s\n", d)
 	}
 	if err == nil {
-		err = afterEtcdAuth(cfg, shared, nodes, revoked, deleted)
+		err = afterEtcdAuth(st, shared, nodes, revoked, deleted)
 	}
 	if err != nil {
 		switch {
@@ -286,17 +292,12 @@ func runEtcdAuth(args []string) error {
 // sharedEdgeUser decides whether the shared edge user is kept: as
 // --shared-edge-user says if given, else as the last run that was told
 // (cluster.SharedEdgeUser), else yes.
-func sharedEdgeUser(cfg store.EtcdConfig, f *cmdFlags, flagValue bool) (bool, error) {
+func sharedEdgeUser(st store.Store, f *cmdFlags, flagValue bool) (bool, error) {
 	given := false
 	f.Visit(func(fl *flag.Flag) { given = given || fl.Name == "shared-edge-user" })
 	if given {
 		return flagValue, nil
 	}
-	st, err := store.OpenEtcd(cfg)
-	if err != nil {
-		return false, err
-	}
-	defer st.Close()
 	keep, err := cluster.SharedEdgeUser(st)
 	if errors.Is(err, store.ErrEtcdRefused) {
 		// A prefix no run has set roles for yet: its apiservers' user
@@ -311,12 +312,7 @@ func sharedEdgeUser(cfg store.EtcdConfig, f *cmdFlags, flagValue bool) (bool, er
 // that have no new directory yet: a revoked edge still running could
 // otherwise keep its entry alive (etcd renews a lease without asking who
 // renews it), holding the node's name against its new directory.
-func afterEtcdAuth(cfg store.EtcdConfig, shared bool, nodes, revoked []cluster.NodeEtcdUser, deleted []string) error {
-	st, err := store.OpenEtcd(cfg)
-	if err != nil {
-		return err
-	}
-	defer st.Close()
+func afterEtcdAuth(st store.Store, shared bool, nodes, revoked []cluster.NodeEtcdUser, deleted []string) error {
 	if err := cluster.SetSharedEdgeUser(st, shared); err != nil {
 		return err
 	}

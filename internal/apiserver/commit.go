@@ -97,17 +97,10 @@ func newGroupCommit(st store.Store, bucket string, log *slog.Logger) *groupCommi
 }
 
 // create writes kv if its key is absent (errdefs.ErrAlreadyExists
-// otherwise) and waits for the write.
-func (g *groupCommit) create(kv store.KV) error {
-	return g.createOp(&commitOp{kv: kv, create: true, done: make(chan struct{})})
-}
-
-// createPatient is create for the claim of a call that makes sandboxes.
-func (g *groupCommit) createPatient(kv store.KV) error {
-	return g.createOp(&commitOp{kv: kv, create: true, patient: true, at: time.Now(), done: make(chan struct{})})
-}
-
-func (g *groupCommit) createOp(op *commitOp) error {
+// otherwise) and waits for the write; patient: the claim of a call that
+// makes sandboxes.
+func (g *groupCommit) create(kv store.KV, patient bool) error {
+	op := &commitOp{kv: kv, create: true, patient: patient, at: time.Now(), done: make(chan struct{})}
 	g.enqueue(op)
 	<-op.done
 	return op.err

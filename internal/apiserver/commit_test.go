@@ -82,11 +82,14 @@ func TestGroupCommit(t *testing.T) {
 	var wg sync.WaitGroup
 	errs := make([]error, 6)
 	wg.Add(1)
-	go func() { defer wg.Done(); errs[0] = g.create(store.KV{Key: "k0", Value: []byte("v")}) }()
+	go func() { defer wg.Done(); errs[0] = g.create(store.KV{Key: "k0", Value: []byte("v")}, false) }()
 	time.Sleep(50 * time.Millisecond) // k0's transaction is held
 	for i := 1; i < 5; i++ {
 		wg.Add(1)
-		go func() { defer wg.Done(); errs[i] = g.create(store.KV{Key: fmt.Sprint("k", i), Value: []byte("v")}) }()
+		go func() {
+			defer wg.Done()
+			errs[i] = g.create(store.KV{Key: fmt.Sprint("k", i), Value: []byte("v")}, false)
+		}()
 	}
 	g.put(store.KV{Key: "a0", Value: []byte("answer")})
 	time.Sleep(50 * time.Millisecond)
@@ -105,11 +108,11 @@ func TestGroupCommit(t *testing.T) {
 	_ = bs2.Put("b", "dup", []byte("x"))
 	g2 := newGroupCommit(bs2, "b", slog.New(slog.DiscardHandler))
 	wg.Add(1)
-	go func() { defer wg.Done(); errs[0] = g2.create(store.KV{Key: "z0", Value: []byte("v")}) }()
+	go func() { defer wg.Done(); errs[0] = g2.create(store.KV{Key: "z0", Value: []byte("v")}, false) }()
 	time.Sleep(50 * time.Millisecond)
 	for i, k := range []string{"z1", "dup", "z2"} {
 		wg.Add(1)
-		go func() { defer wg.Done(); errs[i+1] = g2.create(store.KV{Key: k, Value: []byte("v")}) }()
+		go func() { defer wg.Done(); errs[i+1] = g2.create(store.KV{Key: k, Value: []byte("v")}, false) }()
 	}
 	time.Sleep(50 * time.Millisecond)
 	close(bs2.hold)
@@ -126,12 +129,12 @@ func TestGroupCommit(t *testing.T) {
 	bs4 := &batchStore{Store: store.NewMemory(), hold: make(chan struct{})}
 	g4 := newGroupCommit(bs4, "b", slog.New(slog.DiscardHandler))
 	wg.Add(1)
-	go func() { defer wg.Done(); errs[0] = g4.create(store.KV{Key: "y0", Value: []byte("v")}) }()
+	go func() { defer wg.Done(); errs[0] = g4.create(store.KV{Key: "y0", Value: []byte("v")}, false) }()
 	time.Sleep(50 * time.Millisecond)
 	g4.put(store.KV{Key: "y1", Value: []byte("answer")})
 	for i, k := range []string{"y1", "same", "same", "y2"} {
 		wg.Add(1)
-		go func() { defer wg.Done(); errs[i+1] = g4.create(store.KV{Key: k, Value: []byte("v")}) }()
+		go func() { defer wg.Done(); errs[i+1] = g4.create(store.KV{Key: k, Value: []byte("v")}, false) }()
 		time.Sleep(5 * time.Millisecond) // queued in this order
 	}
 	time.Sleep(50 * time.Millisecond)
@@ -178,7 +181,7 @@ func TestAnswersWaitForAClaim(t *testing.T) {
 		g.put(store.KV{Key: fmt.Sprint("a", i), Value: []byte("answer")})
 		time.Sleep(commitLinger / 5)
 	}
-	if err := g.create(store.KV{Key: "c0", Value: []byte("v")}); err != nil {
+	if err := g.create(store.KV{Key: "c0", Value: []byte("v")}, false); err != nil {
 		t.Fatal(err)
 	}
 	if got := bs.log(); fmt.Sprint(got) != "[c1p3]" {
@@ -232,13 +235,7 @@ func TestCreatesClaimsWaitForOneAnother(t *testing.T) {
 			go func() {
 				defer wg.Done()
 				kv := store.KV{Key: fmt.Sprint("k", i), Value: []byte("v")}
-				var err error
-				if p {
-					err = g.createPatient(kv)
-				} else {
-					err = g.create(kv)
-				}
-				if err != nil {
+				if err := g.create(kv, p); err != nil {
 					t.Error(err)
 				}
 			}()
@@ -271,13 +268,7 @@ func TestGroupCommitUnderLoad(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			k := fmt.Sprint("k", i)
-			var err error
-			if i%3 == 0 {
-				err = g.createPatient(store.KV{Key: k, Value: []byte("pending")})
-			} else {
-				err = g.create(store.KV{Key: k, Value: []byte("pending")})
-			}
-			if err != nil {
+			if err := g.create(store.KV{Key: k, Value: []byte("pending")}, i%3 == 0); err != nil {
 				t.Errorf("claim %s: %v", k, err)
 				return
 			}
@@ -291,7 +282,7 @@ func TestGroupCommitUnderLoad(t *testing.T) {
 			t.Fatalf("k%d: %q, %v; want its answer", i, v, err)
 		}
 	}
-	if err := g.create(store.KV{Key: "k7", Value: []byte("again")}); !errors.Is(err, errdefs.ErrAlreadyExists) {
+	if err := g.create(store.KV{Key: "k7", Value: []byte("again")}, false); !errors.Is(err, errdefs.ErrAlreadyExists) {
 		t.Fatalf("a claim of a written key: %v, want already exists", err)
 	}
 }

@@ -183,11 +183,7 @@ func (s *Server) claim(ctx context.Context, rk, hash string, patient bool) (clai
 		if err != nil {
 			return claimed{}, false, err
 		}
-		create := s.records.create
-		if patient {
-			create = s.records.createPatient
-		}
-		switch err := create(store.KV{Key: rk, Value: b}); {
+		switch err := s.records.create(store.KV{Key: rk, Value: b}, patient); {
 		case err == nil:
 			return claimed{idemRecord: mine}, true, nil
 		case errors.Is(err, errdefs.ErrUnavailable):

@@ -275,21 +275,17 @@ type NodeEtcdUser struct {
 	Node, User string
 }
 
-// NodeEtcdUsers lists the etcd users of the nodes dir/EdgesDir holds
-// directories of (AddEdge's), for dsec cluster etcd-auth to grant, and
-// those of the directories RevokeEdge moved to dir/RevokedDir, for it to
-// delete. A directory made before nodes had etcd users of their own
-// holds the edges' shared pair and is left out; an unreadable one, or
-// one whose certificate names another node, fails.
-func NodeEtcdUsers(dir string) (current, revoked []NodeEtcdUser, err error) {
-	t, err := Load(dir)
-	if err != nil {
+// NodeEtcdUsers lists the etcd users of the nodes this cluster directory
+// holds directories of under EdgesDir (AddEdge's), for dsec cluster
+// etcd-auth to grant, and those of the directories RevokeEdge moved to
+// RevokedDir, for it to delete. A directory made before nodes had etcd
+// users of their own holds the edges' shared pair and is left out; an
+// unreadable one, or one whose certificate names another node, fails.
+func (t *Trust) NodeEtcdUsers() (current, revoked []NodeEtcdUser, err error) {
+	if current, err = t.nodeEtcdUsers(filepath.Join(t.dir, EdgesDir), false); err != nil {
 		return nil, nil, err
 	}
-	if current, err = t.nodeEtcdUsers(filepath.Join(dir, EdgesDir), false); err != nil {
-		return nil, nil, err
-	}
-	if revoked, err = t.nodeEtcdUsers(filepath.Join(dir, RevokedDir), true); err != nil {
+	if revoked, err = t.nodeEtcdUsers(filepath.Join(t.dir, RevokedDir), true); err != nil {
 		return nil, nil, err
 	}
 	return current, revoked, nil

@@ -54,7 +54,7 @@ func TestNodeCertificates(t *testing.T) {
 	}
 	// Each node's etcd pair is its own (a user of its own), valid for the
 	// cluster's etcd; NodeEtcdUsers lists them.
-	users, revokedUsers, err := NodeEtcdUsers(dir)
+	users, revokedUsers, err := tr.NodeEtcdUsers()
 	if err != nil || len(users) != 2 || len(revokedUsers) != 0 {
 		t.Fatalf("node etcd users %+v %v", users, err)
 	}
@@ -82,14 +82,14 @@ func TestNodeCertificates(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(old, EtcdClientCert), sharedPair, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if users, _, err := NodeEtcdUsers(dir); err != nil || len(users) != 2 {
+	if users, _, err := tr.NodeEtcdUsers(); err != nil || len(users) != 2 {
 		t.Fatalf("with an older node directory: %+v %v", users, err)
 	}
 	n1Pair, _ := os.ReadFile(filepath.Join(dir, EdgesDir, "n1", EtcdClientCert))
 	if err := os.WriteFile(filepath.Join(old, EtcdClientCert), n1Pair, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := NodeEtcdUsers(dir); err == nil || !strings.Contains(err.Error(), "not one of node old") {
+	if _, _, err := tr.NodeEtcdUsers(); err == nil || !strings.Contains(err.Error(), "not one of node old") {
 		t.Fatalf("a node directory holding n1's etcd pair: %v", err)
 	}
 	os.RemoveAll(old)

@@ -61,24 +61,16 @@ func SharedEdgeUser(st store.Store) (bool, error) {
 // SetSharedEdgeUser records whether the edges' shared etcd user is kept.
 func SetSharedEdgeUser(st store.Store, keep bool) error {
 	if keep {
-		if err := st.Delete(bucketMeta, sharedEdgeUserKey); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
-			return err
-		}
-		return nil
+		return st.Delete(bucketMeta, sharedEdgeUserKey)
 	}
 	return st.Put(bucketMeta, sharedEdgeUserKey, []byte("off"))
 }
 
 // DropNodeEntry removes node's registry entry (its edge, if it runs and
 // may still write, makes it again).
-func DropNodeEntry(st store.Store, node string) error {
-	if err := st.Delete(bucketNodes, node); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
-		return err
-	}
-	return nil
-}
+func DropNodeEntry(st store.Store, node string) error { return st.Delete(bucketNodes, node) }
 
-// NodeGrants are what a node's own etcd user (NodeEtcdUsers) may do with
+// NodeGrants are what a node's own etcd user (Trust.NodeEtcdUsers) may do with
 // this package's buckets: read EdgeReadBuckets and the registry, and
 // write only its own registry entry and the abandoned creates of its
 // own, so that a subverted node host can neither take another node's

@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"os"
 	"path/filepath"
 	"time"
@@ -164,12 +165,9 @@ func (t *Trust) setRevoked(kvs []store.KV) (added []string) {
 // revokeOne adds (val nil: removes) one revoked serial.
 func (t *Trust) revokeOne(serial string, val []byte) Revocation {
 	var r Revocation
-	old := t.revoked.Load()
 	m := map[string]Revocation{}
-	if old != nil {
-		for k, v := range *old {
-			m[k] = v
-		}
+	if old := t.revoked.Load(); old != nil {
+		m = maps.Clone(*old)
 	}
 	if val == nil {
 		r = m[serial]

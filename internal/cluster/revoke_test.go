@@ -80,7 +80,7 @@ func TestRevokeEdge(t *testing.T) {
 		t.Fatalf("n2 after n1's revocation: %v", err)
 	}
 	// Its etcd user is now a revoked directory's, for etcd-auth to delete.
-	if cur, rev, err := NodeEtcdUsers(dir); err != nil || len(rev) != 1 || rev[0].Node != "n1" || slices.ContainsFunc(cur, func(u NodeEtcdUser) bool { return u.Node == "n1" }) {
+	if cur, rev, err := tr.NodeEtcdUsers(); err != nil || len(rev) != 1 || rev[0].Node != "n1" || slices.ContainsFunc(cur, func(u NodeEtcdUser) bool { return u.Node == "n1" }) {
 		t.Fatalf("node etcd users after the revocation: %+v, revoked %+v, %v", cur, rev, err)
 	}
 	moved := filepath.Join(dir, RevokedDir, "n1-"+r.Serial)

@@ -109,7 +109,11 @@ func TestRevokedNodeCert(t *testing.T) {
 	// etcd-auth run again deletes the revoked node's etcd user (its pair
 	// then reaches nothing) and its registry entry, which the revoked
 	// pair cannot write again.
-	cur, rev, err := cluster.NodeEtcdUsers(c.clusterDir())
+	tr, err := cluster.Load(c.clusterDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cur, rev, err := tr.NodeEtcdUsers()
 	if err != nil || len(cur) != 2 || len(rev) != 1 || rev[0].Node != "e3" {
 		t.Fatalf("node etcd users after the revocation: %+v, revoked %+v, %v", cur, rev, err)
 	}
