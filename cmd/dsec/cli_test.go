@@ -378,3 +378,32 @@ func TestCLIFnCall(t *testing.T) {
 		t.Errorf("a refused call reached the server: %+v", got)
 	}
 }
+
+// Delete, pause and resume by labels that could not ask a node print what
+// they did and fail, naming the node: its sandboxes were left.
+func TestCLIByLabelsNamesUnreachableNodes(t *testing.T) {
+	mux := http.NewServeMux()
+	down := true
+	mux.HandleFunc("POST /v1/sandboxes:delete", func(w http.ResponseWriter, r *http.Request) {
+		res := api.DeleteResult{Deleted: 2}
+		if down {
+			res.UnreachableNodes = []string{"e1"}
+		}
+		jsonReply(w, 200, res)
+	})
+	for _, verb := range []string{"pause", "resume"} {
+		mux.HandleFunc("POST /v1/sandboxes:"+verb, func(w http.ResponseWriter, r *http.Request) {
+			jsonReply(w, 200, api.CountResult{Count: 3, UnreachableNodes: []string{"e1"}})
+		})
+	}
+	for _, tc := range []struct{ verb, out string }{{"delete", "deleted 2 sandboxes\n"}, {"pause", "paused 3 sandboxes\n"}, {"resume", "resumed 3 sandboxes\n"}} {
+		out, err := runCLI(t, mux, "sandbox", tc.verb, "--label", "job=j")
+		if out != tc.out || err == nil || !strings.Contains(err.Error(), "could not be asked") || !strings.Contains(err.Error(), "e1") {
+			t.Errorf("%s: stdout %q, err %v", tc.verb, out, err)
+		}
+	}
+	down = false
+	if out, err := runCLI(t, mux, "sandbox", "delete", "--label", "job=j"); out != "deleted 2 sandboxes\n" || err != nil {
+		t.Errorf("every node asked: stdout %q, err %v", out, err)
+	}
+}

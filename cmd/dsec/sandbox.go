@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"strings"
@@ -250,11 +251,12 @@ func sandboxDelete(ctx context.Context, args []string) error {
 	}
 	if len(labels) > 0 {
 		n, err := c.DeleteSandboxes(ctx, labels)
-		if err != nil {
+		if partial := new(*dsec.NodesUnreachableError); err != nil && !errors.As(err, partial) {
 			return err
 		}
+		// With nodes that could not be asked: the count, then the error.
 		fmt.Printf("deleted %d sandboxes\n", n)
-		return nil
+		return err
 	}
 	failed := 0
 	for _, id := range ids {
@@ -394,11 +396,11 @@ func pauseOrResume(ctx context.Context, args []string, pause bool) error {
 		} else {
 			n, err = c.ResumeSandboxes(ctx, labels)
 		}
-		if err != nil {
+		if partial := new(*dsec.NodesUnreachableError); err != nil && !errors.As(err, partial) {
 			return err
 		}
 		fmt.Printf("%sd %d sandboxes\n", verb, n)
-		return nil
+		return err
 	}
 	failed := 0
 	for _, id := range ids {

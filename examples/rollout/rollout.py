@@ -36,7 +36,7 @@ try:
     import libdsec  # noqa: F401
 except ImportError:  # run from a checkout without `pip install ./sdk/python`
     sys.path.insert(0, str(REPO_ROOT / "sdk" / "python" / "src"))
-from libdsec import DSecClient, DSecContainerRunArgs, NotFound  # noqa: E402
+from libdsec import DSecClient, DSecContainerRunArgs, NodesUnreachable, NotFound  # noqa: E402
 
 BASE_REF = "base/rollout-python:3.11"
 TASK_TAG = "v1"
@@ -261,7 +261,7 @@ async def run(opts: argparse.Namespace, job: str) -> dict:
         elapsed = time.perf_counter() - t0
     finally:
         try:
-            await asyncio.shield(client.delete(labels={"job": job}))
+            await asyncio.shield(delete_job(client, job))
         finally:
             await client.close()
     steps = [ms for r in results for ms in r.step_ms]
@@ -296,12 +296,22 @@ def print_table(doc: dict) -> None:
           f"create p50 {t['create_p50_s']:.2f} s")
 
 
+async def delete_job(client: DSecClient, job: str) -> int:
+    """Delete the job's sandboxes; a node that could not be asked is said,
+    not raised (the run's results stand; its sandboxes end with their TTL)."""
+    try:
+        return await client.delete(labels={"job": job})
+    except NodesUnreachable as e:
+        print(f"cleanup: {e}", file=sys.stderr)
+        return e.count
+
+
 async def cleanup(job: str) -> None:
     # Twice: a create cut short by the interrupt may still finish on the server.
     async with DSecClient() as client:
-        n = await client.delete(labels={"job": job})
+        n = await delete_job(client, job)
         await asyncio.sleep(1)
-        n += await client.delete(labels={"job": job})
+        n += await delete_job(client, job)
         if n:
             print(f"cleanup: deleted {n} sandboxes labelled job={job}", file=sys.stderr)
 

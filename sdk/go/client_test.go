@@ -241,6 +241,41 @@ func TestDeleteSandbox(t *testing.T) {
 	}
 }
 
+// A call by labels that could not ask some nodes left their sandboxes as
+// they were: the caller gets the count of the others and an unavailable
+// error naming the nodes, not a success.
+func TestByLabelsNamesUnreachableNodes(t *testing.T) {
+	f, c := newFakeServer(t)
+	f.mux.HandleFunc("POST /v1/sandboxes:delete", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, 200, api.DeleteResult{Deleted: 3, UnreachableNodes: []string{"e2"}})
+	})
+	for _, p := range []string{"pause", "resume"} {
+		f.mux.HandleFunc("POST /v1/sandboxes:"+p, func(w http.ResponseWriter, r *http.Request) {
+			writeJSON(w, 200, api.CountResult{Count: 4, UnreachableNodes: []string{"e1", "e3"}})
+		})
+	}
+	ctx, job := context.Background(), map[string]string{"job": "j"}
+	for _, tc := range []struct {
+		call  func(context.Context, map[string]string) (int, error)
+		n     int
+		done  string
+		nodes string
+	}{
+		{c.DeleteSandboxes, 3, "deleted", "e2"},
+		{c.PauseSandboxes, 4, "paused", "e1,e3"},
+		{c.ResumeSandboxes, 4, "resumed", "e1,e3"},
+	} {
+		n, err := tc.call(ctx, job)
+		var nu *NodesUnreachableError
+		if n != tc.n || !errors.As(err, &nu) || !errors.Is(err, ErrUnavailable) {
+			t.Fatalf("%s: %d, %v", tc.done, n, err)
+		}
+		if nu.Done != tc.done || nu.Count != tc.n || strings.Join(nu.Nodes, ",") != tc.nodes || !strings.Contains(err.Error(), strings.ReplaceAll(tc.nodes, ",", ", ")) {
+			t.Fatalf("%s: %+v: %v", tc.done, nu, err)
+		}
+	}
+}
+
 func TestListPagination(t *testing.T) {
 	f, c := newFakeServer(t)
 	f.mux.HandleFunc("GET /v1/sandboxes", func(w http.ResponseWriter, r *http.Request) {
@@ -360,8 +395,10 @@ func TestExecStream(t *testing.T) {
 		t.Fatalf("final %+v", final)
 	}
 
-	if _, err := c.ExecStream(ctx, "sb-1", api.ExecRequest{Cmd: "cut"}, nil); !errors.Is(err, io.ErrUnexpectedEOF) {
-		t.Fatalf("cut stream: want ErrUnexpectedEOF, got %v", err)
+	// Cut short: unavailable (the command's fate is unknown), saying so.
+	if _, err := c.ExecStream(ctx, "sb-1", api.ExecRequest{Cmd: "cut"}, nil); !errors.Is(err, io.ErrUnexpectedEOF) || !errors.Is(err, ErrUnavailable) ||
+		!strings.Contains(err.Error(), "connection to the API server broke") {
+		t.Fatalf("cut stream: want ErrUnexpectedEOF and ErrUnavailable, got %v", err)
 	}
 	if _, err := c.ExecStream(ctx, "sb-1", api.ExecRequest{Cmd: "err"}, nil); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("error event: want ErrNotFound, got %v", err)

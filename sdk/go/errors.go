@@ -60,6 +60,35 @@ func (e *Error) Unwrap() error {
 	return cls
 }
 
+// NodesUnreachableError says a call over many nodes (delete, pause or
+// resume by labels) could not ask some of them: their sandboxes were left
+// as they are, and Count is of the others. It is unavailable
+// (errors.Is(err, dsec.ErrUnavailable)); the call may be sent again once
+// the nodes are back.
+type NodesUnreachableError struct {
+	// Done is what the call did ("deleted", "paused", "resumed").
+	Done  string
+	Count int
+	Nodes []string
+}
+
+func (e *NodesUnreachableError) Error() string {
+	return fmt.Sprintf("%s %d sandboxes, but %d node(s) could not be asked and their sandboxes were left as they are: %s (retry once they are back)",
+		e.Done, e.Count, len(e.Nodes), strings.Join(e.Nodes, ", "))
+}
+
+// Unwrap returns ErrUnavailable.
+func (e *NodesUnreachableError) Unwrap() error { return ErrUnavailable }
+
+// unreachable is the error of a call by labels that could not ask nodes
+// (nil if it asked all).
+func unreachable(done string, count int, nodes []string) error {
+	if len(nodes) == 0 {
+		return nil
+	}
+	return &NodesUnreachableError{Done: done, Count: count, Nodes: nodes}
+}
+
 // errorFromResponse builds an *Error from a non-2xx response. A body that is
 // not the API's error JSON (a proxy's HTML page, a panic trace) still yields
 // the status and the start of the body, and a code guessed from the status.

@@ -7,10 +7,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/url"
+	"syscall"
 
 	"github.com/dsecproject/dsec/api"
+	"github.com/dsecproject/dsec/internal/errdefs"
 )
 
 // Exec runs one command and waits for it. A command that exits non-zero or
@@ -57,8 +60,14 @@ func readExecEvents(r io.Reader, fn func(api.ExecEvent) error) (*api.ExecEvent, 
 	for {
 		var ev api.ExecEvent
 		if err := dec.Decode(&ev); err != nil {
-			if errors.Is(err, io.EOF) {
-				return nil, fmt.Errorf("exec stream ended without a final event: %w", io.ErrUnexpectedEOF)
+			var ne net.Error
+			if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) || errors.As(err, &ne) && !ne.Timeout() {
+				// The connection broke (an apiserver or node restarted):
+				// what became of the command is not known.
+				if errors.Is(err, io.EOF) {
+					err = io.ErrUnexpectedEOF // between events: still cut short
+				}
+				return nil, fmt.Errorf("%w: %w", errdefs.Unavailable("the exec stream ended before the command's exit status: the connection to the API server broke (it or the sandbox's node may have restarted); the command may still be running, or may have run"), err)
 			}
 			return nil, fmt.Errorf("reading exec stream: %w", err)
 		}

@@ -28,17 +28,20 @@ func (c *Client) Resume(ctx context.Context, id string) (*api.Sandbox, error) {
 }
 
 // PauseSandboxes pauses every running sandbox whose labels contain labels
-// (e.g. a whole preempted job) and returns how many it paused.
+// (e.g. a whole preempted job) and returns how many it paused. Nodes that
+// could not be asked are named in a *NodesUnreachableError, with the count
+// of the others (as DeleteSandboxes).
 func (c *Client) PauseSandboxes(ctx context.Context, labels map[string]string) (int, error) {
-	return c.countByLabels(ctx, "/v1/sandboxes:pause", labels)
+	return c.countByLabels(ctx, "/v1/sandboxes:pause", "paused", labels)
 }
 
-// ResumeSandboxes resumes every paused sandbox whose labels contain labels.
+// ResumeSandboxes resumes every paused sandbox whose labels contain labels;
+// nodes that could not be asked as for PauseSandboxes.
 func (c *Client) ResumeSandboxes(ctx context.Context, labels map[string]string) (int, error) {
-	return c.countByLabels(ctx, "/v1/sandboxes:resume", labels)
+	return c.countByLabels(ctx, "/v1/sandboxes:resume", "resumed", labels)
 }
 
-func (c *Client) countByLabels(ctx context.Context, path string, labels map[string]string) (int, error) {
+func (c *Client) countByLabels(ctx context.Context, path, done string, labels map[string]string) (int, error) {
 	if len(labels) == 0 {
 		return 0, errdefs.Invalid("at least one label is required")
 	}
@@ -46,5 +49,5 @@ func (c *Client) countByLabels(ctx context.Context, path string, labels map[stri
 	if err := c.call(ctx, request{method: http.MethodPost, path: path, jsonBody: api.LabelsRequest{Labels: labels}}, &res); err != nil {
 		return 0, err
 	}
-	return res.Count, nil
+	return res.Count, unreachable(done, res.Count, res.UnreachableNodes)
 }

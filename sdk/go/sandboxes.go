@@ -127,7 +127,9 @@ func (c *Client) DeleteSandbox(ctx context.Context, id string) error {
 
 // DeleteSandboxes destroys every sandbox carrying all of labels and returns
 // how many were deleted. Empty labels are refused client-side: they would
-// select every sandbox the caller can see.
+// select every sandbox the caller can see. If some nodes could not be
+// asked (down or cut off), their sandboxes are left as they are: the count
+// is of the others, and the error a *NodesUnreachableError (unavailable).
 func (c *Client) DeleteSandboxes(ctx context.Context, labels map[string]string) (int, error) {
 	if len(labels) == 0 {
 		return 0, errdefs.Invalid("delete by labels needs at least one label")
@@ -137,7 +139,7 @@ func (c *Client) DeleteSandboxes(ctx context.Context, labels map[string]string) 
 	if err := c.call(ctx, request{method: http.MethodPost, path: "/v1/sandboxes:delete", jsonBody: body}, &res); err != nil {
 		return 0, err
 	}
-	return res.Deleted, nil
+	return res.Deleted, unreachable("deleted", res.Deleted, res.UnreachableNodes)
 }
 
 // Keepalive extends a sandbox's lifetime: it then expires ttl from now.

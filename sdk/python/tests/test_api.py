@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import os
+import pickle
 import tarfile
 import tempfile
 import threading
@@ -392,6 +393,31 @@ class ClientTest(AsyncTest):
         self.assertEqual(await self.c.resume(labels={"job": "j"}), 5)
         with self.assertRaises(libdsec.InvalidArgument):
             await self.c.delete(labels={})
+
+    async def test_label_ops_name_unreachable_nodes(self):
+        # A call by labels that could not ask some nodes left their
+        # sandboxes: it raises, with the count of the others.
+        self.r.on("POST", "/v1/sandboxes:delete", json_reply(200, {"deleted": 3, "unreachable_nodes": ["e2"]}))
+        self.r.on("POST", "/v1/sandboxes:pause", json_reply(200, {"count": 4, "unreachable_nodes": ["e1", "e3"]}))
+        self.r.on("POST", "/v1/sandboxes:resume", json_reply(200, {"count": 5, "unreachable_nodes": ["e3"]}))
+        for call, n, nodes, done in [
+            (self.c.delete, 3, ["e2"], "deleted 3"),
+            (self.c.pause, 4, ["e1", "e3"], "paused 4"),
+            (self.c.resume, 5, ["e3"], "resumed 5"),
+        ]:
+            with self.assertRaises(libdsec.NodesUnreachable) as cm:
+                await call(labels={"job": "j"})
+            e = cm.exception
+            self.assertIsInstance(e, libdsec.Unavailable)
+            self.assertEqual((e.count, e.nodes, e.code), (n, nodes, "unavailable"))
+            self.assertIn(done, str(e))
+            back = pickle.loads(pickle.dumps(e))
+            self.assertEqual((type(back), back.count, back.nodes, str(back)), (libdsec.NodesUnreachable, n, nodes, str(e)))
+        self.r.on("GET", "/v1/sandboxes", json_reply(200, {"sandboxes": [sandbox_doc("sb-e-1")], "unreachable_nodes": ["e2"]}))
+        with self.assertLogs("libdsec", "WARNING") as logs:
+            sbs = await self.c.list(labels={"job": "j"})
+        self.assertEqual([s.id for s in sbs], ["sb-e-1"])
+        self.assertIn("1 node(s) could not be asked, so their sandboxes are not listed: e2", logs.output[0])
 
     async def test_lifecycle_calls(self):
         sb_paused = sandbox_doc(state="paused")

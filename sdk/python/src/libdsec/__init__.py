@@ -31,6 +31,7 @@ from .errors import (
     FailedPrecondition,
     InternalError,
     InvalidArgument,
+    NodesUnreachable,
     NotFound,
     PermissionDenied,
     ProtocolError,

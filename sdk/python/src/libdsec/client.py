@@ -30,6 +30,7 @@ from .errors import (
     DeadlineExceeded,
     DSecError,
     InvalidArgument,
+    NodesUnreachable,
     ProtocolError,
     error_from_code,
     error_from_response,
@@ -563,10 +564,13 @@ class DSecClient:
         page_size: Optional[int] = None,
     ) -> "list[Sandbox]":
         """List the caller's sandboxes carrying all of ``labels`` (and in
-        ``state``, if given), following pagination to the end."""
+        ``state``, if given), following pagination to the end. Nodes that
+        could not be asked (down or cut off) are named in a warning on the
+        ``libdsec`` logger: their sandboxes are not in the list."""
         out: list[Sandbox] = []
         token = ""
         seen: set[str] = set()
+        skipped: set[str] = set()
         while True:
             q: list[tuple[str, str]] = []
             if state:
@@ -579,8 +583,11 @@ class DSecClient:
                 q.append(("page_token", token))
             doc = await self._call("GET", "/v1/sandboxes", query=q) or {}
             out.extend(Sandbox(self, SandboxInfo.from_json(d)) for d in doc.get("sandboxes") or [])
+            skipped.update(str(n) for n in doc.get("unreachable_nodes") or [])
             token = doc.get("next_page_token") or ""
             if not token:
+                if skipped:
+                    log.warning("list: %d node(s) could not be asked, so their sandboxes are not listed: %s", len(skipped), ", ".join(sorted(skipped)))
                 return out
             if token in seen:  # a server repeating itself would loop us forever
                 raise ProtocolError(f"server repeated page token {token!r}")
@@ -590,11 +597,15 @@ class DSecClient:
         """Delete every sandbox carrying all of ``labels``; returns how many.
 
         At least one label is required: none would select every sandbox.
+        Raises :class:`NodesUnreachable` (with the count of those deleted)
+        when some nodes could not be asked: their sandboxes are left.
         """
         if not labels:
             raise InvalidArgument("delete by labels needs at least one label")
-        doc = await self._call("POST", "/v1/sandboxes:delete", json_body={"labels": dict(labels)}, idempotent=True)
-        return int((doc or {}).get("deleted", 0))
+        doc = await self._call("POST", "/v1/sandboxes:delete", json_body={"labels": dict(labels)}, idempotent=True) or {}
+        n = int(doc.get("deleted", 0))
+        _check_reached("deleted", n, doc, "/v1/sandboxes:delete")
+        return n
 
     async def delete_sandbox(self, sandbox_id: str) -> None:
         """Delete one sandbox. Idempotent: an unknown id is not an error."""
@@ -602,18 +613,23 @@ class DSecClient:
 
     async def pause(self, *, labels: Mapping[str, str]) -> int:
         """Pause every running sandbox carrying all of ``labels`` (e.g. a
-        preempted job); returns how many were paused."""
+        preempted job); returns how many were paused. Nodes that could not
+        be asked raise :class:`NodesUnreachable`, as for :meth:`delete`."""
         return await self._count_by_labels("/v1/sandboxes:pause", labels)
 
     async def resume(self, *, labels: Mapping[str, str]) -> int:
-        """Resume every paused sandbox carrying all of ``labels``."""
+        """Resume every paused sandbox carrying all of ``labels``; returns
+        how many. Nodes that could not be asked raise
+        :class:`NodesUnreachable`, as for :meth:`delete`."""
         return await self._count_by_labels("/v1/sandboxes:resume", labels)
 
     async def _count_by_labels(self, path: str, labels: Mapping[str, str]) -> int:
         if not labels:
             raise InvalidArgument("at least one label is required")
-        doc = await self._call("POST", path, json_body={"labels": dict(labels)}, idempotent=True)
-        return int((doc or {}).get("count", 0))
+        doc = await self._call("POST", path, json_body={"labels": dict(labels)}, idempotent=True) or {}
+        n = int(doc.get("count", 0))
+        _check_reached("paused" if path.endswith(":pause") else "resumed", n, doc, path)
+        return n
 
     # -- layers and nodes -----------------------------------------------
 
@@ -791,6 +807,22 @@ class DSecClient:
             q.append(("limit", str(int(limit))))
         doc = await self._call("GET", "/v1/audit", query=q) or {}
         return [AuditEntry.from_json(d) for d in doc.get("entries") or []]
+
+
+def _check_reached(done: str, count: int, doc: dict, path: str) -> None:
+    """Raise NodesUnreachable if a call by labels names nodes it could not
+    ask (their sandboxes were left as they are)."""
+    nodes = [str(n) for n in doc.get("unreachable_nodes") or []]
+    if nodes:
+        raise NodesUnreachable(
+            f"{done} {count} sandboxes, but {len(nodes)} node(s) could not be asked and their sandboxes"
+            f" were left as they are: {', '.join(nodes)} (retry once they are back)",
+            count=count,
+            nodes=nodes,
+            status=200,
+            method="POST",
+            path=path,
+        )
 
 
 def _need_id(what: str, value: str) -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "ConfigError",
     "UnsafeArchive",
     "BatchFailed",
+    "NodesUnreachable",
     "error_from_code",
     "error_from_response",
 ]
@@ -198,6 +199,28 @@ class BatchFailed(DSecError):
     def __init__(self, message: str = "", *, errors: Optional[list] = None, **kw: Any) -> None:
         self.errors: list = list(errors or [])
         super().__init__(message, **kw)
+
+
+class NodesUnreachable(Unavailable):
+    """A call by labels (``delete``, ``pause``, ``resume``) could not ask
+    some nodes (down or cut off): their sandboxes were left as they are.
+
+    ``count`` is how many sandboxes the call did handle on the other nodes,
+    ``nodes`` the names of those it could not ask. Sending the call again
+    once they are back finishes the job.
+    """
+
+    def __init__(self, message: str = "", *, count: int = 0, nodes: Optional[list] = None, **kw: Any) -> None:
+        self.count = count
+        self.nodes: list = list(nodes or [])
+        super().__init__(message, **kw)
+
+    def __reduce__(self):
+        return (_rebuild_unreachable, (self.message, self.count, self.nodes, self.code, self.status, self.method, self.path))
+
+
+def _rebuild_unreachable(message: str, count: int, nodes: list, code: str, status: int, method: Any, path: Any) -> "NodesUnreachable":
+    return NodesUnreachable(message, count=count, nodes=nodes, code=code, status=status, method=method, path=path)
 
 
 _BY_CODE: dict[str, type[DSecError]] = {
