@@ -407,3 +407,23 @@ func TestCLIByLabelsNamesUnreachableNodes(t *testing.T) {
 		t.Errorf("every node asked: stdout %q, err %v", out, err)
 	}
 }
+
+// dsec nodes shows capacity and, under the table, why a node is down.
+func TestCLINodes(t *testing.T) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v1/nodes", func(w http.ResponseWriter, r *http.Request) {
+		jsonReply(w, 200, api.NodeList{Nodes: []api.Node{
+			{Name: "e1", Healthy: true, Backends: []string{"container"}, Capacity: api.Capacity{MaxSandboxes: 100, CPU: 2, MemoryMB: 22057}, Counts: map[string]int{"running": 3}},
+			{Name: "e2", Unhealthy: "not in the node registry (lease lost)", Capacity: api.Capacity{MaxSandboxes: 50}},
+		}})
+	})
+	out, err := runCLI(t, mux, "nodes")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if len(lines) != 4 || !strings.Contains(lines[1], "healthy") || !strings.Contains(lines[1], "21.5 GiB") || !strings.Contains(lines[2], "unhealthy") ||
+		lines[3] != "e2: not in the node registry (lease lost)" {
+		t.Errorf("nodes:\n%s", out)
+	}
+}

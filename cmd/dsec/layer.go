@@ -274,7 +274,7 @@ func layerGC(ctx context.Context, args []string) error {
 }
 
 func runNodes(ctx context.Context, args []string) error {
-	fs := newCmdFlags("nodes", "[--json]", "List the edges the apiserver knows, with capacity and sandbox counts.")
+	fs := newCmdFlags("nodes", "[--json]", "List the edges the apiserver knows, with capacity and sandbox counts\n(and, for a node counted as down, why).")
 	asJSON := fs.Bool("json", false, "print a JSON array")
 	if _, err := fs.parseN(args, 0, 0); err != nil {
 		return err
@@ -292,10 +292,14 @@ func runNodes(ctx context.Context, args []string) error {
 	}
 	tw := newTable()
 	tw.printf("NAME\tSTATUS\tBACKENDS\tCPU\tMEMORY\tRUNNING\tSANDBOXES\tMAX\n")
+	var down []string
 	for _, n := range nodes {
 		status := "healthy"
 		if !n.Healthy {
 			status = "unhealthy"
+			if n.Unhealthy != "" {
+				down = append(down, n.Name+": "+n.Unhealthy)
+			}
 		}
 		total := 0
 		for _, v := range n.Counts {
@@ -304,7 +308,14 @@ func runNodes(ctx context.Context, args []string) error {
 		tw.printf("%s\t%s\t%s\t%g\t%s\t%d\t%d\t%d\n", n.Name, status, orDash(strings.Join(n.Backends, ",")),
 			n.Capacity.CPU, humanBytes(n.Capacity.MemoryMB<<20), n.Counts[api.StateRunning], total, n.Capacity.MaxSandboxes)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	// Why a node is down, under the table (a reason is a sentence).
+	for _, d := range down {
+		printf(os.Stdout, "%s\n", d)
+	}
+	return nil
 }
 
 func runHealth(ctx context.Context, args []string) error {

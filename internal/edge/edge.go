@@ -159,6 +159,8 @@ type Edge struct {
 	// on detached idmapped layers (userns.go): user-namespace sandboxes
 	// then get their idmapped layers mounted on the host.
 	noDetachedLowers atomic.Bool
+	// nodeCap is what the node's sandboxes have together (capacity).
+	nodeCap api.Capacity
 	// output bounds the node's buffered command output.
 	output *outputBudget
 	// sessions and streams bound the node's open sessions and its running
@@ -331,6 +333,7 @@ func New(cfg Config, deps Deps) (*Edge, error) {
 		}
 		e.log.Info("user namespaces by default", "backends", by)
 	}
+	e.nodeCap = e.capacity()
 	e.metrics.bind(e)
 	return e, nil
 }
@@ -645,7 +648,7 @@ func (e *Edge) Info(ctx context.Context) (api.Node, error) {
 		Backends: slices.Clone(e.cfg.Policy.Backends),
 		Runtime:  e.deps.Runtime,
 		Launcher: e.deps.Launcher,
-		Capacity: api.Capacity{MaxSandboxes: e.cfg.MaxSandboxes},
+		Capacity: e.nodeCap,
 		Labels:   e.cfg.Labels,
 	}
 	if e.deps.Cgroups != nil {

@@ -4,11 +4,13 @@ import (
 	"bufio"
 	"fmt"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/dsecproject/dsec/api"
 	"github.com/dsecproject/dsec/internal/cgroup"
 )
 
@@ -73,14 +75,10 @@ func (e *Edge) repairDevNull() {
 		"owner_was", fmt.Sprintf("%d:%d", st.Uid, st.Gid), "mode_was", fmt.Sprintf("%o", st.Mode&0o7777))
 }
 
-// reserveForHost applies the reserve to the top dsec cgroup. Best effort:
-// a limit the kernel refuses (usage above it already) is logged.
-func (e *Edge) reserveForHost() {
-	top := "/" + strings.SplitN(strings.TrimPrefix(e.cfg.CgroupParent, "/"), "/", 2)[0]
-	if top == "/" {
-		return
-	}
-	memTotal, pidMax := hostMemTotal(), hostPidMax()
+// sandboxLimits are the limits of the top dsec cgroup on a host with
+// memTotal bytes of memory and pidMax pids: the host's less the reserve
+// (0: no limit).
+func (e *Edge) sandboxLimits(memTotal, pidMax int64) cgroup.Limits {
 	memRes, pidsRes := reserveDefaults(memTotal, pidMax)
 	if e.cfg.HostReserveMB >= 0 {
 		memRes = e.cfg.HostReserveMB << 20
@@ -95,6 +93,45 @@ func (e *Edge) reserveForHost() {
 	if pidsRes > 0 && pidMax > pidsRes {
 		l.Pids = pidMax - pidsRes
 	}
+	return l
+}
+
+// capacity is what the node's sandboxes have together, for the watcher:
+// the cores this process may run on and the host's memory less its
+// reserve (all of it where nothing is reserved).
+func (e *Edge) capacity() api.Capacity {
+	memTotal := hostMemTotal()
+	mem := memTotal
+	if e.reserveTop() != "" {
+		if l := e.sandboxLimits(memTotal, hostPidMax()); l.MemoryBytes > 0 {
+			mem = l.MemoryBytes
+		}
+	}
+	return api.Capacity{MaxSandboxes: e.cfg.MaxSandboxes, CPU: float64(runtime.NumCPU()), MemoryMB: mem >> 20}
+}
+
+// reserveTop is the cgroup the reserve limits (the first level of the
+// cgroup parent), "" where there is none (no cgroups, a parent at the
+// root).
+func (e *Edge) reserveTop() string {
+	if e.deps.Cgroups == nil {
+		return ""
+	}
+	top := "/" + strings.SplitN(strings.TrimPrefix(e.cfg.CgroupParent, "/"), "/", 2)[0]
+	if top == "/" {
+		return ""
+	}
+	return top
+}
+
+// reserveForHost applies the reserve to the top dsec cgroup. Best effort:
+// a limit the kernel refuses (usage above it already) is logged.
+func (e *Edge) reserveForHost() {
+	top := e.reserveTop()
+	if top == "" {
+		return
+	}
+	l := e.sandboxLimits(hostMemTotal(), hostPidMax())
 	if l.MemoryBytes == 0 && l.Pids == 0 {
 		return
 	}

@@ -1,7 +1,10 @@
 package cluster
 
 import (
+	"os"
+	"runtime"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -45,5 +48,40 @@ func TestBackendPlacement(t *testing.T) {
 	_, err = c.client.CreateSandbox(ctx(t), api.SandboxSpec{Base: baseRef, Backend: api.BackendMicroVM})
 	if err == nil {
 		t.Fatal("a microvm sandbox was created")
+	}
+}
+
+// TestNodeCapacity: each edge says what its sandboxes have together: the
+// host's cores (the edges run on this host) and its memory less the
+// reserve dsec keeps for the host.
+func TestNodeCapacity(t *testing.T) {
+	need(t)
+	nodes, err := c.client.ListNodes(ctx(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// MemTotal less the default reserve, the larger of 2 GiB and a 16th.
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var kb int64
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "MemTotal:"); ok {
+			kb, _ = strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+		}
+	}
+	total := kb << 10
+	want := total
+	if res := max(2<<30, total/16); total > res {
+		want = total - res
+	}
+	for _, n := range nodes {
+		if !strings.HasPrefix(n.Name, "e") || len(n.Name) != 2 {
+			continue // a node another test added
+		}
+		if n.Capacity.CPU != float64(runtime.NumCPU()) || n.Capacity.MemoryMB != want>>20 {
+			t.Errorf("%s: capacity %+v; want %d cores and %d MiB (the host's %d MiB less the reserve)", n.Name, n.Capacity, runtime.NumCPU(), want>>20, total>>20)
+		}
 	}
 }
