@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/hex"
 	"errors"
 	"flag"
@@ -45,9 +47,10 @@ func runCluster(args []string) error {
 			"apiserver key could drive every other edge, and nothing that runs needs\n"+
 			"ca-key.pem (keep it offline). The *-key.pem files are secrets.\n"+
 			"Each role also gets etcd-client.pem, the pair it presents to an etcd\n"+
-			"reached over https:// (etcd users dsec-server and dsec-edge: see\n"+
-			"dsec cluster etcd-auth); with --etcd-hosts, DIR/etcd holds the pair\n"+
-			"etcd's members serve clients and each other with (docs/operating.md).")
+			"reached over https:// (etcd users dsec-server-ID and dsec-edge-ID, ID\n"+
+			"the cluster's id: see dsec cluster etcd-auth); with --etcd-hosts,\n"+
+			"DIR/etcd holds the pair etcd's members serve clients and each other\n"+
+			"with (docs/operating.md).")
 	f.StringVar(&dir, "dir", "", "directory to write (required; must not hold a cluster yet)")
 	f.StringVar(&etcdHosts, "etcd-hosts", "", "comma-separated IP addresses and DNS names (*.x for a wildcard) etcd's members are reached at: also write DIR/etcd, their TLS pair")
 	if _, err := f.parseN(args[1:], 0, 0); err != nil {
@@ -215,6 +218,11 @@ func runEtcdAuth(args []string) error {
 	if err != nil {
 		return err
 	}
+	// It works as the apiservers' etcd user: another pair (an edge's
+	// directory) would only be refused by etcd.
+	if cn := etcdClientUser(tlsCfg); c.etcdTLS.Cert == "" && cn != "" && cn != cluster.EtcdServerUser(trust.Info.ID) {
+		return fmt.Errorf("--cluster %s holds the etcd pair of %s, not the apiservers': give the directory dsec cluster init wrote (or its server/)", c.clusterDir, cn)
+	}
 	pw, made, err := rootPassword(pwFile)
 	if err != nil {
 		return err
@@ -359,4 +367,17 @@ func rootPassword(path string) (pw string, made bool, err error) {
 		return "", false, fmt.Errorf("--root-password-file: %w", err)
 	}
 	return pw, true, nil
+}
+
+// etcdClientUser is the user etcd takes a client pair for: its
+// certificate's common name ("" if there is none).
+func etcdClientUser(cfg *tls.Config) string {
+	if cfg == nil || len(cfg.Certificates) == 0 || len(cfg.Certificates[0].Certificate) == 0 {
+		return ""
+	}
+	leaf, err := x509.ParseCertificate(cfg.Certificates[0].Certificate[0])
+	if err != nil {
+		return ""
+	}
+	return leaf.Subject.CommonName
 }

@@ -150,6 +150,12 @@ func runEdge(ctx context.Context, c edgeCmdConfig, log *slog.Logger) error {
 		log.Warn("an etcd endpoint's address is not known now: list its network in --sandbox-deny", "err", err)
 	}
 	c.node.deny = append(c.node.deny, etcdDeny...)
+	c.node.refusePoolOverlap = true
+	// Before the name is claimed: host.Open checks again as it claims
+	// the pool.
+	if err := host.CheckPoolFree(c.node.network, c.node.sandboxCIDR, c.node.stateDir); err != nil {
+		return err
+	}
 	log.Info("sandboxes never reach these ranges", "deny", c.node.deny)
 	tlsCfg, err := trust.EdgeServerTLS()
 	if err != nil {

@@ -232,7 +232,7 @@ func filesPush(ctx context.Context, args []string) error {
 	if st.Skipped > 0 {
 		fmt.Fprintf(os.Stderr, "dsec: skipped %d sockets\n", st.Skipped)
 	}
-	printf(os.Stdout, "uploaded %d files (%s) to %s\n", res.Files, humanBytes(res.Bytes), dest)
+	printf(os.Stdout, "uploaded %d entries (%s) to %s\n", res.Files, humanBytes(res.Bytes), dest)
 	return nil
 }
 

@@ -21,41 +21,44 @@ import (
 
 // nodeConfig is what `dsec up` and `dsec edge` are told about the node.
 type nodeConfig struct {
-	stateDir     string
-	nodeName     string
-	runtime      string
-	maxSandboxes int
-	maxPaused    time.Duration
-	snapLabels   kvFlag
-	snapDepth    int
-	network      string
-	sandboxCIDR  string
-	dnsUpstream  string
-	dnsPrivate   string
-	netPresets   string
-	diskQuota    string
-	usernsBase   uint
-	usernsDef    bool
-	poolMax      int
-	poolMin      int
-	cgroupPool   int
-	dynMods      bool
-	runtimeExec  bool
-	launcher     string
-	gvisor       string
-	microvm      string
-	netnsPool    int
-	sharedMemMB  int64
-	outputMB     int64
-	minFreeMB    int64
-	defDiskMB    int64
-	reserveMB    int64
-	reservePids  int64
-	pidMax       int64
-	cleanupExit  bool
-	maxSessions  int
-	maxStreams   int
-	labels       map[string]string
+	// refusePoolOverlap: dsec edge stops on a sandbox address pool that
+	// overlaps another running dsec's (host.Config.RefusePoolOverlap).
+	refusePoolOverlap bool
+	stateDir          string
+	nodeName          string
+	runtime           string
+	maxSandboxes      int
+	maxPaused         time.Duration
+	snapLabels        kvFlag
+	snapDepth         int
+	network           string
+	sandboxCIDR       string
+	dnsUpstream       string
+	dnsPrivate        string
+	netPresets        string
+	diskQuota         string
+	usernsBase        uint
+	usernsDef         bool
+	poolMax           int
+	poolMin           int
+	cgroupPool        int
+	dynMods           bool
+	runtimeExec       bool
+	launcher          string
+	gvisor            string
+	microvm           string
+	netnsPool         int
+	sharedMemMB       int64
+	outputMB          int64
+	minFreeMB         int64
+	defDiskMB         int64
+	reserveMB         int64
+	reservePids       int64
+	pidMax            int64
+	cleanupExit       bool
+	maxSessions       int
+	maxStreams        int
+	labels            map[string]string
 	// sandboxDeny is --sandbox-deny; deny, what check made of it (and
 	// dsec edge adds to).
 	sandboxDeny  string
@@ -206,7 +209,8 @@ func startEdge(ctx context.Context, c nodeConfig, edgeDir string, layers *layer.
 		Runtime: c.runtime, Launcher: c.launcher, RuntimeExec: c.runtimeExec, DynMods: c.dynMods,
 		CgroupPool: c.cgroupPool, NetnsPool: c.netnsPool,
 		Network: c.network, SandboxCIDR: c.sandboxCIDR, DNSUpstream: c.dnsUpstream, NetPresets: c.netPresets,
-		DNSAdmitPrivate: c.dnsPrivate, SandboxDeny: c.deny, DiskQuota: c.diskQuota, GVisor: c.gvisor, MicroVM: c.microvm,
+		DNSAdmitPrivate: c.dnsPrivate, SandboxDeny: c.deny, RefusePoolOverlap: c.refusePoolOverlap,
+		DiskQuota: c.diskQuota, GVisor: c.gvisor, MicroVM: c.microvm,
 	}, log, reg)
 	if err != nil {
 		return nil, nil, err

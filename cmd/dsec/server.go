@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -122,14 +121,11 @@ func (c *clusterFlags) openEtcd(ctx context.Context, log *slog.Logger) (*cluster
 // nodeUserHint explains etcd's refusal of a node's own etcd user (dsec
 // cluster add-edge's): etcd-auth has not made it yet, or deleted it.
 func nodeUserHint(trust *cluster.Trust, cfg *tls.Config, err error) string {
-	if !errors.Is(err, store.ErrEtcdRefused) || cfg == nil || len(cfg.Certificates) == 0 || len(cfg.Certificates[0].Certificate) == 0 {
+	user := etcdClientUser(cfg)
+	if !errors.Is(err, store.ErrEtcdRefused) || !strings.HasPrefix(user, cluster.EtcdNodeUserPrefix(trust.Info.ID)) {
 		return ""
 	}
-	leaf, perr := x509.ParseCertificate(cfg.Certificates[0].Certificate[0])
-	if perr != nil || !strings.HasPrefix(leaf.Subject.CommonName, cluster.EtcdNodeUserPrefix(trust.Info.ID)) {
-		return ""
-	}
-	return fmt.Sprintf(" (this directory's etcd user is %s, a node's own: etcd knows it once dsec cluster etcd-auth runs with the cluster directory after dsec cluster add-edge, and forgets it once the node's certificate is revoked)", leaf.Subject.CommonName)
+	return fmt.Sprintf(" (this directory's etcd user is %s, a node's own: etcd knows it once dsec cluster etcd-auth runs with the cluster directory after dsec cluster add-edge, and forgets it once the node's certificate is revoked)", user)
 }
 
 // etcdSecure tells whether etcd is reached over TLS: every endpoint
@@ -158,12 +154,28 @@ func etcdSecure(endpoints []string, files cluster.EtcdTLSFiles) (bool, error) {
 // as the client would (and, for a plain endpoint, over TLS, to tell one
 // that serves TLS); "" when that tells nothing.
 func (c *clusterFlags) etcdHint(ctx context.Context, endpoints []string, cfg *tls.Config) string {
-	ep := endpoints[0]
-	host := ep
-	if i := strings.Index(ep, "://"); i >= 0 {
-		host = ep[i+3:]
+	hostOf := func(ep string) string {
+		if i := strings.Index(ep, "://"); i >= 0 {
+			ep = ep[i+3:]
+		}
+		h, _, _ := strings.Cut(ep, "/")
+		return h
 	}
-	host, _, _ = strings.Cut(host, "/")
+	// No endpoint takes a connection: say what each dial met (the
+	// client's own error is only its deadline).
+	var dialErrs []string
+	for _, ep := range endpoints {
+		conn, err := (&net.Dialer{Timeout: 2 * time.Second}).DialContext(ctx, "tcp", hostOf(ep))
+		if err != nil {
+			dialErrs = append(dialErrs, err.Error())
+			continue
+		}
+		conn.Close()
+	}
+	if len(dialErrs) == len(endpoints) {
+		return " (" + strings.Join(dialErrs, "; ") + ")"
+	}
+	host := hostOf(endpoints[0])
 	probe := func(cfg *tls.Config, read bool) error {
 		d := tls.Dialer{NetDialer: &net.Dialer{Timeout: 2 * time.Second}, Config: cfg}
 		conn, err := d.DialContext(ctx, "tcp", host)

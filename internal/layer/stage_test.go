@@ -310,3 +310,32 @@ func TestAdoptRefusesWhatAStagerForges(t *testing.T) {
 	assertStagingClean(t, dir)
 	assertOutboxClean(t, dir)
 }
+
+// The staging left by a process gone is removed; only what held a
+// build's files counts as an interrupted build (an idle process killed
+// leaves its empty directory, which is not worth a word).
+func TestSweepStagingCountsBuilds(t *testing.T) {
+	root := t.TempDir()
+	idle, cut := filepath.Join(root, "aaaaaaaaaaaa"), filepath.Join(root, "bbbbbbbbbbbb")
+	for _, d := range []string{idle, cut} {
+		if err := os.Mkdir(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(d, stageLockName), nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(cut, "tree.tar"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(root, "old-build"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	n, err := sweepStaging(root)
+	if err != nil || n != 2 {
+		t.Fatalf("sweep: %d, %v; want 2 (the cut build and an old build's file)", n, err)
+	}
+	if left, _ := os.ReadDir(root); len(left) != 0 {
+		t.Fatalf("left: %v", left)
+	}
+}

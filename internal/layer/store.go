@@ -266,7 +266,8 @@ func sameFile(f *os.File, path string) bool {
 
 // sweepStaging removes the entries of the staging root that no live
 // process holds: a directory whose lock can be taken, and anything else
-// (what builds of earlier versions left).
+// (what builds of earlier versions left). It counts those that held a
+// build's files.
 func sweepStaging(root string) (int, error) {
 	left, err := os.ReadDir(root)
 	if err != nil {
@@ -292,6 +293,12 @@ func sweepStaging(root string) (int, error) {
 				f.Close()
 				continue // a live process builds there
 			}
+			// Only a directory holding more than its lock was a build
+			// cut short; an idle process's, killed, held nothing.
+			built := false
+			if ents, rerr := os.ReadDir(p); rerr == nil {
+				built = len(ents) > 1 || len(ents) == 1 && ents[0].Name() != stageLockName
+			}
 			if err == nil {
 				err = os.RemoveAll(p)
 			}
@@ -301,7 +308,9 @@ func sweepStaging(root string) (int, error) {
 			if err != nil && !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, unix.ENOTEMPTY) {
 				return n, err
 			}
-			n++
+			if built {
+				n++
+			}
 			continue
 		}
 		if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {

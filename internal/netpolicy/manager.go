@@ -74,6 +74,8 @@ type Manager struct {
 	next    int // where the search for a free slot starts
 	started bool
 	dns     *dnsProxy
+	// claim is the pool's note on the host, held (ClaimPool).
+	claim *poolClaim
 }
 
 // slot is one sandbox with a veth.
@@ -426,7 +428,7 @@ func (m *Manager) ensureStarted(ctx context.Context) error {
 	if who, err := poolInUse(m.l.pool, m.l.ifPrefix(), m.l.dnsAddr()); err != nil {
 		return err
 	} else if who != "" {
-		return errdefs.Precondition("sandbox address pool %s is already in use on this host (%s): give this edge another pool (dsec up --sandbox-cidr)", m.l.pool, who)
+		return errdefs.Precondition("sandbox address pool %s is already in use on this host (%s): give each dsec on this host a pool of its own (--sandbox-cidr)", m.l.pool, who)
 	}
 	if err := nft(ctx, m.l.baseScript()); err != nil {
 		return fmt.Errorf("creating nftables table (is nftables in the kernel and nft installed?): %w", err)
@@ -451,13 +453,15 @@ func (m *Manager) ensureStarted(ctx context.Context) error {
 	return nil
 }
 
-// Close stops the DNS proxy. Rules, veths and the proxy's address stay:
-// the sandboxes keep running and a restarted edge re-adopts them.
+// Close stops the DNS proxy and ends the pool's claim. Rules, veths and
+// the proxy's address stay: the sandboxes keep running and a restarted
+// edge re-adopts them.
 func (m *Manager) Close() {
 	m.mu.Lock()
 	d := m.dns
 	m.dns = nil
 	m.started = false
+	m.releaseClaimLocked()
 	m.mu.Unlock()
 	if d != nil {
 		d.close()

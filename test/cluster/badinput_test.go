@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -43,7 +44,7 @@ func TestBadProcesses(t *testing.T) {
 	need(t)
 	dupState := filepath.Join(c.dir, "dup-state")
 	runFails(t, "held by another live process", append([]string{"edge", "--listen", "127.0.0.29:" + freePort("127.0.0.29"),
-		"--node-name", "e1", "--state-dir", dupState, "--sandbox-cidr", "10.253.0.0/24"}, c.common("edge")...)...)
+		"--node-name", "e1", "--state-dir", dupState, "--sandbox-cidr", "10.253.200.0/24"}, c.common("edge")...)...)
 	if _, err := os.Stat(filepath.Join(dupState, "edge")); err == nil {
 		t.Errorf("the refused edge made its state dir")
 	}
@@ -53,9 +54,24 @@ func TestBadProcesses(t *testing.T) {
 	// A second edge on e1's state dir (under another name and address):
 	// refused before it claims anything, e1 untouched.
 	runFails(t, "is in use by process", append([]string{"edge", "--listen", "127.0.0.29:" + freePort("127.0.0.29"),
-		"--node-name", "e1-again", "--state-dir", filepath.Join(c.dir, "e1"), "--sandbox-cidr", "10.253.0.0/24"}, c.common("edge")...)...)
+		"--node-name", "e1-again", "--state-dir", filepath.Join(c.dir, "e1"), "--sandbox-cidr", "10.253.200.0/24"}, c.common("edge")...)...)
 	if err := c.waitNodes(10*time.Second, "e1"); err != nil {
 		t.Fatalf("the live e1 suffered from an edge on its state dir: %v", err)
+	}
+	// A sandbox address pool that overlaps e1's: refused before the name
+	// is claimed (pools show on the host only once a sandbox needs a route
+	// out, so without the check it would start and fail creates later).
+	e1Pool := ""
+	for i, a := range c.edges[0].args {
+		if a == "--sandbox-cidr" {
+			e1Pool = c.edges[0].args[i+1]
+		}
+	}
+	inside := strings.Replace(e1Pool, ".0/20", ".0/24", 1)
+	runFails(t, "overlaps the pool of another dsec running on this host: "+e1Pool+" of node e1", append([]string{"edge", "--listen", "127.0.0.29:" + freePort("127.0.0.29"),
+		"--node-name", "x8", "--state-dir", filepath.Join(c.dir, "x8"), "--sandbox-cidr", inside}, c.common("edge")...)...)
+	if nodes, err := c.client.ListNodes(ctx(t)); err != nil || slices.ContainsFunc(nodes, func(n api.Node) bool { return n.Name == "x8" }) {
+		t.Errorf("the refused edge is listed: %v %+v", err, nodes)
 	}
 	other := filepath.Join(c.dir, "other-layers")
 	args := []string{"server", "--listen", "127.0.0.1:" + freePort("127.0.0.1"), "--etcd", strings.Join(c.etcd.Endpoints(), ","),
@@ -92,9 +108,12 @@ func TestBadProcesses(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(c.dir, "fresh-layers")); err == nil {
 		t.Errorf("the refused server marked a layer directory")
 	}
+	// etcd-auth given an edge's directory: it would log in as the edge.
+	runFails(t, "holds the etcd pair of dsec-edge-", "cluster", "etcd-auth", "--etcd", strings.Join(c.etcd.Endpoints(), ","),
+		"--cluster", filepath.Join(c.clusterDir(), "edge"), "--root-password-file", c.rootPasswordFile())
 	// Missing flags, an etcd nobody serves.
 	runFails(t, "--etcd is required", "server", "--cluster", c.clusterDir(), "--layers", c.layersDir())
-	runFails(t, "etcd", "server", "--listen", "127.0.0.1:"+freePort("127.0.0.1"), "--etcd", "http://127.0.0.1:"+freePort("127.0.0.1"),
+	runFails(t, "connect: connection refused", "server", "--listen", "127.0.0.1:"+freePort("127.0.0.1"), "--etcd", "http://127.0.0.1:"+freePort("127.0.0.1"),
 		"--cluster", c.clusterDir(), "--layers", c.layersDir())
 	runFails(t, "--advertise", append([]string{"edge", "--listen", "0.0.0.0:7999", "--node-name", "x9", "--state-dir", dupState}, c.common("edge")...)...)
 	// Another node's directory (dsec cluster add-edge): its certificate

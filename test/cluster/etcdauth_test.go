@@ -183,13 +183,20 @@ func TestEtcdRoles(t *testing.T) {
 	if out, err := exec.Command(c.bin, append(args, "--root-password-file", wrong)...).CombinedOutput(); err == nil || !strings.Contains(string(out), "authentication failed") {
 		t.Fatalf("etcd-auth with a wrong root password: %v %s", err, out)
 	}
-	// An edge's directory cannot turn itself into an apiserver's user.
-	edgeArgs := []string{"cluster", "etcd-auth", "--etcd", strings.Join(c.etcd.Endpoints(), ","), "--cluster", filepath.Join(c.clusterDir(), "edge"),
+	// An edge's directory cannot turn itself into an apiserver's user:
+	// refused before etcd is asked, and, with its pair given as files
+	// (past that check), by etcd.
+	edgeDir := filepath.Join(c.clusterDir(), "edge")
+	edgeArgs := []string{"cluster", "etcd-auth", "--etcd", strings.Join(c.etcd.Endpoints(), ","), "--cluster", edgeDir,
 		"--root-password-file", filepath.Join(t.TempDir(), "new")}
-	if out, err := exec.Command(c.bin, edgeArgs...).CombinedOutput(); err == nil || !strings.Contains(string(out), "logging in as root: etcdserver: authentication failed") {
-		t.Fatalf("etcd-auth from an edge's directory and a new password: %v %s", err, out)
+	if out, err := exec.Command(c.bin, edgeArgs...).CombinedOutput(); err == nil || !strings.Contains(string(out), "holds the etcd pair of dsec-edge-") {
+		t.Fatalf("etcd-auth from an edge's directory: %v %s", err, out)
 	}
-	if _, err := os.Stat(edgeArgs[len(edgeArgs)-1]); err == nil {
+	edgeArgs = append(edgeArgs, "--etcd-cert", filepath.Join(edgeDir, cluster.EtcdClientCert), "--etcd-key", filepath.Join(edgeDir, cluster.EtcdClientKey))
+	if out, err := exec.Command(c.bin, edgeArgs...).CombinedOutput(); err == nil || !strings.Contains(string(out), "logging in as root: etcdserver: authentication failed") {
+		t.Fatalf("etcd-auth with an edge's pair and a new password: %v %s", err, out)
+	}
+	if _, err := os.Stat(edgeArgs[len(edgeArgs)-5]); err == nil {
 		t.Error("a refused etcd-auth left the password it made")
 	}
 	if _, err := edge.List("iam_keys", ""); err == nil {

@@ -57,6 +57,11 @@ type Config struct {
 	// SandboxDeny are ranges no sandbox reaches, whatever its policy
 	// (netpolicy.Config.Deny).
 	SandboxDeny []netip.Prefix
+	// RefusePoolOverlap: a sandbox address pool that overlaps the pool
+	// of another running dsec on this host stops Open (dsec edge); else
+	// it is a warning (dsec up, of which several may run without ever
+	// needing a route out).
+	RefusePoolOverlap bool
 	// DiskQuota is auto, loop or off.
 	DiskQuota string
 	// GVisor is auto (offer the gvisor backend where runsc is
@@ -376,7 +381,61 @@ func newNetwork(c Config, log *slog.Logger) (*netpolicy.Manager, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := claimPool(m, c, pool, log); err != nil {
+		return nil, err
+	}
 	return m, nil
+}
+
+// CheckPoolFree refuses a sandbox address pool (--network, --sandbox-cidr)
+// that overlaps the pool of another dsec running on this host, without
+// claiming anything: for a process to check before it claims its name.
+// What it cannot tell (no claims yet) is not an error.
+func CheckPoolFree(network, cidr, stateDir string) error {
+	if network == "off" {
+		return nil
+	}
+	if _, err := exec.LookPath("nft"); err != nil && network == "auto" {
+		return nil // no networking here (newNetwork)
+	}
+	pool, err := netip.ParsePrefix(cidr)
+	if err != nil {
+		return fmt.Errorf("--sandbox-cidr %q: %w", cidr, err)
+	}
+	others, err := netpolicy.OverlappingPools(netpolicy.PoolClaimsDir, InstanceID(stateDir), pool)
+	if err != nil || len(others) == 0 {
+		return nil
+	}
+	return poolOverlap(pool, others)
+}
+
+func poolOverlap(pool netip.Prefix, others []string) error {
+	return fmt.Errorf("--sandbox-cidr %s overlaps the pool of another dsec running on this host: %s; give each a pool of its own", pool.Masked(), strings.Join(others, "; "))
+}
+
+// claimPool notes the sandbox address pool on the host and says (or,
+// with RefusePoolOverlap, refuses) when another running dsec has one that
+// overlaps it: sandboxes given a route out would fail on one of them.
+func claimPool(m *netpolicy.Manager, c Config, pool netip.Prefix, log *slog.Logger) error {
+	owner := "dsec with state dir " + c.StateDir
+	if abs, err := filepath.Abs(c.StateDir); err == nil {
+		owner = "dsec with state dir " + abs
+	}
+	if c.NodeName != "" {
+		owner = "node " + c.NodeName + ", " + owner
+	}
+	others, err := m.ClaimPool(netpolicy.PoolClaimsDir, owner)
+	switch {
+	case err != nil:
+		log.Warn("could not note the sandbox address pool on the host; a pool another dsec uses shows only when a sandbox needs a route out", "err", err)
+	case len(others) > 0 && c.RefusePoolOverlap:
+		m.Close()
+		return poolOverlap(pool, others)
+	case len(others) > 0:
+		log.Warn("the sandbox address pool overlaps the pool of another dsec running on this host: sandboxes with a route out will fail on one of them; give each a pool of its own (--sandbox-cidr)",
+			"pool", pool.String(), "others", strings.Join(others, "; "))
+	}
+	return nil
 }
 
 // diskQuotaMode resolves --disk-quota.
