@@ -86,7 +86,13 @@ func (e *Edge) recover(ctx context.Context) error {
 		}
 		st := rec.Sandbox.State
 		switch {
-		case st == api.StateCreating || rec.Pooled:
+		case rec.Pooled:
+			// The warm pool is made anew; nobody knew this one.
+			e.log.Info("dropping a warm-pool sandbox of the previous run", "sandbox_id", id)
+			e.reapDir(ctx, id, sdir)
+			reaped++
+			continue
+		case st == api.StateCreating:
 			e.log.Warn("reaping sandbox whose creation was interrupted", "sandbox_id", id)
 			e.reapDir(ctx, id, sdir)
 			reaped++
