@@ -89,6 +89,23 @@ func idemFrom(ctx context.Context) *idemCtx {
 // run unrecorded; an exec runs anyway (sandboxes must stay usable while
 // etcd has no quorum).
 func (s *Server) idempotent(creates bool, h http.HandlerFunc) http.HandlerFunc {
+	return s.keyed(creates, creates, h)
+}
+
+// idempotentOnce wraps a keyed route whose handler cannot tell what an
+// attempt cut short did (an exec, a session run, an fncall, a snapshot):
+// a repeat that takes over from an apiserver that died running it is
+// refused, and keeps that refusal as the key's answer, rather than run
+// the call a second time. (A call its apiserver gave up on with a 5xx,
+// such as a node it could not reach, is run again by a repeat, as
+// before.)
+func (s *Server) idempotentOnce(creates bool, h http.HandlerFunc) http.HandlerFunc {
+	return s.keyed(creates, false, h)
+}
+
+// keyed is idempotent; resumable says the handler finishes what an
+// attempt cut short started (creates look for the sandboxes it made).
+func (s *Server) keyed(creates, resumable bool, h http.HandlerFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		key := r.Header.Get("Idempotency-Key")
 		if key == "" || s.deps.Store == nil {
@@ -125,8 +142,14 @@ func (s *Server) idempotent(creates bool, h http.HandlerFunc) http.HandlerFunc {
 			s.replay(w, r, rec)
 			return
 		}
-		ic := &idemCtx{label: rk[:32], takeover: rec.takeover}
 		tee := &teeWriter{ResponseWriter: w, status: http.StatusOK}
+		if rec.cutOff && !resumable {
+			s.writeError(tee, r, errdefs.Precondition("an earlier attempt of this request (this Idempotency-Key) was cut off when the apiserver running it stopped, "+
+				"and what it did is not known (a command may have run, in whole or in part): it is not run again; send it with a new key to run it"))
+			s.record(rk, hash, rec.idemRecord, tee, "done")
+			return
+		}
+		ic := &idemCtx{label: rk[:32], takeover: rec.takeover}
 		h(tee, r.WithContext(context.WithValue(r.Context(), idemCtxKey{}, ic)))
 		s.finish(rk, hash, rec.idemRecord, tee)
 	}
@@ -165,6 +188,9 @@ func idemRecordKey(principal, key string) string {
 type claimed struct {
 	idemRecord
 	takeover bool
+	// cutOff: taken over from an apiserver that died running the call
+	// (not one that gave up on it, leaving it with no owner).
+	cutOff bool
 }
 
 // claim makes this apiserver the runner of rk, or returns the record to
@@ -226,7 +252,7 @@ func (s *Server) claim(ctx context.Context, rk, hash string, patient bool) (clai
 				run = true
 				mine.Started = got.Started
 				b, err := json.Marshal(mine)
-				got.takeover = true
+				got.takeover, got.cutOff = true, got.Owner != ""
 				return b, err
 			}
 			return nil, errPending
@@ -384,6 +410,13 @@ func (s *Server) finish(rk, hash string, claim idemRecord, tee *teeWriter) {
 			outcome = "free"
 		}
 	}
+	s.record(rk, hash, claim, tee, outcome)
+}
+
+// record settles rk's record by outcome: "free" removes it (the call
+// left nothing done), "orphan" leaves it pending with no owner, "done"
+// keeps the answer tee holds.
+func (s *Server) record(rk, hash string, claim idemRecord, tee *teeWriter, outcome string) {
 	if outcome == "free" {
 		// After the answer, not before it (the caller would wait for the
 		// store), and only the record this call claimed: a repeat that

@@ -177,6 +177,36 @@ func TestIdempotentExec(t *testing.T) {
 	})
 }
 
+// TestKeyedExecCutOffIsNotRunAgain: a keyed exec whose apiserver died
+// running it may have run, in whole or in part: a repeat is refused (and
+// every later repeat with it), not run a second time. One its apiserver
+// gave up on (no owner: a node it could not reach) is run by a repeat.
+func TestKeyedExecCutOffIsNotRunAgain(t *testing.T) {
+	f := newFixture(t, true)
+	b := f.apiserver(t, "b")
+	_, body := f.do(t, f.admin, "POST", "/v1/sandboxes", `{"base":"base/py:1"}`)
+	path := "/v1/sandboxes/" + decodeSandbox(t, body).ID + "/exec"
+	cmd := `{"cmd":"echo run >> /tmp/runs"}`
+	f.leavePending(t, "x9", "dead", path, cmd)
+	for i := range 2 {
+		resp, body := f.doAt(t, b, f.admin, "x9", "POST", path, cmd)
+		if resp.StatusCode != 409 || !strings.Contains(string(body), "it is not run again") || (i == 1) != (resp.Header.Get("Idempotent-Replayed") == "true") {
+			t.Fatalf("repeat %d of a cut-off exec: %d %s %v", i, resp.StatusCode, body, resp.Header)
+		}
+	}
+	if _, execs := f.edge.Counts(); execs != 0 {
+		t.Fatalf("the cut-off exec ran %d more times", execs)
+	}
+	// Given up on by its apiserver (owner ""): run by the repeat.
+	f.leavePending(t, "x10", "", path, cmd)
+	if resp, body := f.doAt(t, b, f.admin, "x10", "POST", path, cmd); resp.StatusCode != 200 {
+		t.Fatalf("repeat of an exec given up on: %d %s", resp.StatusCode, body)
+	}
+	if _, execs := f.edge.Counts(); execs != 1 {
+		t.Fatalf("the exec given up on ran %d times, want 1", execs)
+	}
+}
+
 func principalOf(t *testing.T, f *fixture, key string) string {
 	t.Helper()
 	p, err := f.iam.Authenticate(key)
