@@ -87,7 +87,9 @@ func (s *Server) pty(w http.ResponseWriter, r *http.Request) {
 	c.SetReadLimit(1 << 20)
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
-	req := edgeapi.ProcessRequest{Argv: argv, PTY: &size, Env: map[string]string{"TERM": "xterm-256color"}, User: q.Get("user")}
+	// Ended with its stream: should this apiserver die, the node ends the
+	// shell itself (kill, below, needs this process).
+	req := edgeapi.ProcessRequest{Argv: argv, PTY: &size, Env: map[string]string{"TERM": "xterm-256color"}, User: q.Get("user"), EndWithStream: true}
 	started := make(chan int, 1)
 	done := make(chan error, 1)
 	var end *edgeapi.ProcessEnd

@@ -197,7 +197,17 @@ func (e *Edge) StartProcess(ctx context.Context, id string, req edgeapi.ProcessR
 	if err != nil {
 		return err
 	}
-	return e.follow(ctx, m, su, emit)
+	err = e.follow(ctx, m, su, emit)
+	if req.EndWithStream {
+		select {
+		case <-m.done:
+		default:
+			// The stream ended first (its caller gone): so does the
+			// process.
+			m.kill("its stream ended")
+		}
+	}
+	return err
 }
 
 func validateProcess(req *edgeapi.ProcessRequest) error {

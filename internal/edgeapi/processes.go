@@ -23,6 +23,11 @@ type ProcessRequest struct {
 	// Stdin keeps a pipe to the process's stdin open for ProcessInput;
 	// without it stdin is /dev/null. A terminal always takes input.
 	Stdin bool `json:"stdin,omitempty"`
+	// EndWithStream kills the process (and what it started) when the
+	// stream that started it ends before it does: a terminal, whose
+	// caller, or the apiserver between them, is gone. Without it a
+	// process outlives its stream (E2B's processes are reconnected to).
+	EndWithStream bool `json:"end_with_stream,omitempty"`
 	// PTY runs the process under a new pseudo-terminal of this size.
 	PTY *PTYSize `json:"pty,omitempty"`
 	// TimeoutMS kills the process's tree this long after it starts

@@ -166,6 +166,20 @@ func TestDrillServerKilled(t *testing.T) {
 			t.Fatal(err)
 		}
 	})
+	// A terminal open through the victim: its shell must end with the
+	// victim, not hold a session slot of the sandbox for good.
+	term := newSandbox(t, api.SandboxSpec{Labels: map[string]string{"job": "drill-server"}})
+	tm, err := c.perServer[0].Terminal(ctx(t), term.ID, dsec.TerminalOptions{Cmd: "exec sleep 7777"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tm.Close()
+	sleeping := func() string {
+		return strings.TrimSpace(mustExec(t, c.perServer[1], term.ID, `n=0; for p in /proc/[0-9]*; do case "$(cat $p/cmdline 2>/dev/null | tr '\0' ' ')" in "sleep 7777 ") n=$((n+1));; esac; done; echo $n`))
+	}
+	if got := sleeping(); got != "1" {
+		t.Fatalf("the terminal's shell is not running (%s)", got)
+	}
 	const n = 30
 	start := time.Now()
 	made, errs := burst(t, cl, "drill-server", n, 6, func(i int) {
@@ -177,8 +191,13 @@ func TestDrillServerKilled(t *testing.T) {
 	if made != n || len(errs) > 0 {
 		t.Fatalf("%d of %d creates made with s0 killed mid-burst; errors: %v", made, n, errs)
 	}
-	if got, per := countJob(t, "drill-server"); got != n {
-		t.Fatalf("%d sandboxes for %d keyed creates (%v): a create was lost or doubled", got, n, per)
+	if got, per := countJob(t, "drill-server"); got != n+1 {
+		t.Fatalf("%d sandboxes for %d keyed creates and a terminal's (%v): a create was lost or doubled", got, n, per)
+	}
+	for deadline := time.Now().Add(10 * time.Second); sleeping() != "0"; time.Sleep(200 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the terminal's shell outlived the apiserver it was opened through by 10 s")
+		}
 	}
 	if err := victim.start(c.bin); err != nil {
 		t.Fatal(err)
