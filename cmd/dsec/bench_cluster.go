@@ -279,7 +279,8 @@ func (b *benchWorld) startServer(ctx context.Context, name, addr string, env []s
 		}
 		addr = "127.0.0.1:" + port
 	}
-	args = append(append([]string{"server", "--listen", addr}, b.edgeFlags...), args...)
+	// Benches on hollow edges place on them (harmless with real ones).
+	args = append(append([]string{"server", "--listen", addr, "--place-on-hollow"}, b.edgeFlags...), args...)
 	p, err := b.startEnv(name, env, args...)
 	if err != nil {
 		return "", nil, err

@@ -243,6 +243,7 @@ func parseServer(args []string) (serverConfig, placement.Config, error) {
 	f.StringVar(&c.e2bDefaultTemplate, "e2b-default-template", defaultE2BTemplate, e2bDefaultTemplateHelp)
 	f.DurationVar(&c.idemTTL, "idempotency-ttl", apiserver.DefaultIdempotencyTTL, idemTTLHelp)
 	f.BoolVar(&c.requireNodeCerts, "require-node-certs", false, "take an edge only with a certificate of its own node (dsec cluster add-edge), never the edges' shared one from DIR/edge: then no edge host can answer for another node")
+	hollow := f.Bool("place-on-hollow", false, "let placement choose hollow edges (dsec edge --hollow: simulated, running nothing), for load tests of the control plane; without it they take no sandbox")
 	f.Var(c.overflow, "overflow-pool", "`pool=utilization` (repeatable or comma-separated): nodes labelled pool=NAME take sandboxes only once every other node is at least that full, e.g. cloud=0.8")
 	c.clusterFlags.register(f)
 	if _, err := f.parseN(args, 0, 0); err != nil {
@@ -269,7 +270,7 @@ func parseServer(args []string) (serverConfig, placement.Config, error) {
 		}
 		overflow[pool] = u
 	}
-	return c, placement.Config{K: k, Overflow: overflow, NoOverlay: !*overlay}, nil
+	return c, placement.Config{K: k, Overflow: overflow, NoOverlay: !*overlay, Hollow: *hollow}, nil
 }
 
 // parsePlacementK parses --placement-k: a number of nodes from 1, or all.

@@ -198,7 +198,7 @@ func (s *Server) pick(req placement.Request) (node string, undo func(), err erro
 	var nn *placement.NoNode
 	if errors.As(err, &nn) && nn.OnlyFull() {
 		req.IgnoreCapacity = true
-		node, err = placement.Pick(cands, req, placement.Config{K: placement.AllNodes, Overflow: s.deps.Placement.Overflow}, nil)
+		node, err = placement.Pick(cands, req, placement.Config{K: placement.AllNodes, Overflow: s.deps.Placement.Overflow, Hollow: s.deps.Placement.Hollow}, nil)
 	}
 	if err != nil {
 		return "", nil, err

@@ -51,6 +51,9 @@ type Config struct {
 	// what the overlay is worth (bench control-plane): without it, a
 	// burst herds onto the nodes that were least loaded at the last poll.
 	NoOverlay bool
+	// Hollow lets hollow edges (simulated, running nothing: load tests of
+	// the control plane) take sandboxes; otherwise they take none.
+	Hollow bool
 }
 
 // Candidate is a node as placement sees it: the watcher's view and the
@@ -142,6 +145,7 @@ const (
 	ReasonTried     = "already tried"
 	ReasonOverflow  = "in an overflow pool the others leave unused"
 	ReasonTenancy   = "holding another tenant's sandboxes (dedicated nodes)"
+	ReasonHollow    = "hollow (simulated; only apiservers with --place-on-hollow place on them)"
 )
 
 // Pick returns the name of the chosen node. rng may be nil (default source).
@@ -157,6 +161,9 @@ func Pick(nodes []Candidate, req Request, cfg Config, rng *rand.Rand) (string, e
 	for i := range nodes {
 		n := &nodes[i]
 		r := leftOut(n, req)
+		if r == "" && n.Hollow && !cfg.Hollow {
+			r = ReasonHollow
+		}
 		if r != "" {
 			why[r]++
 			continue

@@ -216,3 +216,25 @@ func TestPickDedicatedNodes(t *testing.T) {
 		}
 	}
 }
+
+// Hollow edges (simulated, running nothing) take sandboxes only from an
+// apiserver that places on them: joined to a real cluster they would
+// swallow real creates.
+func TestPickHollow(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	hollow := node("h", 0, 100, true)
+	hollow.Hollow = true
+	real := node("r", 90, 100, true)
+	for range 20 {
+		if got, err := Pick([]Candidate{hollow, real}, Request{Backend: "container"}, Config{}, rng); err != nil || got != "r" {
+			t.Fatalf("without Hollow: %q %v", got, err)
+		}
+	}
+	_, err := Pick([]Candidate{hollow}, Request{Backend: "container"}, Config{}, rng)
+	if err == nil || !strings.Contains(err.Error(), "hollow") {
+		t.Fatalf("only a hollow node: %v", err)
+	}
+	if got, err := Pick([]Candidate{hollow, real}, Request{Backend: "container"}, Config{Hollow: true}, rng); err != nil || got != "h" {
+		t.Fatalf("with Hollow, the less loaded: %q %v", got, err)
+	}
+}
