@@ -177,8 +177,12 @@ func TestDrillServerKilled(t *testing.T) {
 	sleeping := func() string {
 		return strings.TrimSpace(mustExec(t, c.perServer[1], term.ID, `n=0; for p in /proc/[0-9]*; do case "$(cat $p/cmdline 2>/dev/null | tr '\0' ' ')" in "sleep 7777 ") n=$((n+1));; esac; done; echo $n`))
 	}
-	if got := sleeping(); got != "1" {
-		t.Fatalf("the terminal's shell is not running (%s)", got)
+	// The terminal answers once its stream is open; its shell starts a
+	// moment later.
+	for deadline := time.Now().Add(10 * time.Second); sleeping() != "1"; time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the terminal's shell is not running after 10 s")
+		}
 	}
 	const n = 30
 	start := time.Now()

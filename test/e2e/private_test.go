@@ -91,7 +91,9 @@ func TestPrivateExec(t *testing.T) {
 			}
 			// What it starts in the background ends with it: a loop that
 			// counts every 100 ms stops writing.
-			if _, err := client.Exec(c, sb.ID, api.ExecRequest{Cmd: "(i=0; while :; do i=$((i+1)); echo $i > /tmp/alive; sleep 0.1; done) >/dev/null 2>&1 & sleep 0.3; echo started", Private: true}); err != nil {
+			// (It waits until the loop has written, up to 10 s: under
+			// QEMU's emulation 0.3 s was not always enough in CI.)
+			if _, err := client.Exec(c, sb.ID, api.ExecRequest{Cmd: "(i=0; while :; do i=$((i+1)); echo $i > /tmp/alive; sleep 0.1; done) >/dev/null 2>&1 & n=0; while [ ! -s /tmp/alive ] && [ $n -lt 100 ]; do sleep 0.1; n=$((n+1)); done; sleep 0.2; echo started", Private: true}); err != nil {
 				t.Fatal(err)
 			}
 			alive := func() string { return sh(t, sb.ID, "cat /tmp/alive").Stdout }
