@@ -1133,7 +1133,7 @@ func (w *cpWorld) run(ctx context.Context, o cpOpts) (*cpReport, error) {
 	t := time.Now()
 	n, err := w.clients[0].DeleteSandboxes(ctx, map[string]string{"bench": w.label})
 	rep.DeleteAllSeconds, rep.DeletedAll = time.Since(t).Seconds(), n
-	if partial := new(*dsec.NodesUnreachableError); errors.As(err, partial) {
+	if nodesUnreachable(err) {
 		// What those nodes hold is counted next, as left.
 		fmt.Fprintf(os.Stderr, "bench control-plane: %v\n", err)
 	} else if err != nil {

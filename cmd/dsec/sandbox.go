@@ -251,7 +251,7 @@ func sandboxDelete(ctx context.Context, args []string) error {
 	}
 	if len(labels) > 0 {
 		n, err := c.DeleteSandboxes(ctx, labels)
-		if partial := new(*dsec.NodesUnreachableError); err != nil && !errors.As(err, partial) {
+		if err != nil && !nodesUnreachable(err) {
 			return err
 		}
 		// With nodes that could not be asked: the count, then the error.
@@ -396,7 +396,7 @@ func pauseOrResume(ctx context.Context, args []string, pause bool) error {
 		} else {
 			n, err = c.ResumeSandboxes(ctx, labels)
 		}
-		if partial := new(*dsec.NodesUnreachableError); err != nil && !errors.As(err, partial) {
+		if err != nil && !nodesUnreachable(err) {
 			return err
 		}
 		fmt.Printf("%sd %d sandboxes\n", verb, n)
@@ -612,4 +612,10 @@ func oneLine(s string) string {
 		s = string(r[:59]) + "…"
 	}
 	return s
+}
+
+// nodesUnreachable reports whether err is a call by labels that could not
+// ask some nodes (its count is still worth printing).
+func nodesUnreachable(err error) bool {
+	return errors.As(err, new(*dsec.NodesUnreachableError))
 }

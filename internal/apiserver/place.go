@@ -198,7 +198,9 @@ func (s *Server) pick(req placement.Request) (node string, undo func(), err erro
 	var nn *placement.NoNode
 	if errors.As(err, &nn) && nn.OnlyFull() {
 		req.IgnoreCapacity = true
-		node, err = placement.Pick(cands, req, placement.Config{K: placement.AllNodes, Overflow: s.deps.Placement.Overflow, Hollow: s.deps.Placement.Hollow}, nil)
+		all := s.deps.Placement // its pools and hollow setting, every node
+		all.K = placement.AllNodes
+		node, err = placement.Pick(cands, req, all, nil)
 	}
 	if err != nil {
 		return "", nil, err

@@ -160,10 +160,7 @@ func Pick(nodes []Candidate, req Request, cfg Config, rng *rand.Rand) (string, e
 	var regular, overflow []*Candidate
 	for i := range nodes {
 		n := &nodes[i]
-		r := leftOut(n, req)
-		if r == "" && n.Hollow && !cfg.Hollow {
-			r = ReasonHollow
-		}
+		r := leftOut(n, req, cfg)
 		if r != "" {
 			why[r]++
 			continue
@@ -213,12 +210,14 @@ func Pick(nodes []Candidate, req Request, cfg Config, rng *rand.Rand) (string, e
 }
 
 // leftOut says why n cannot take req ("" if it can).
-func leftOut(n *Candidate, req Request) string {
+func leftOut(n *Candidate, req Request, cfg Config) string {
 	switch {
 	case req.Exclude[n.Name]:
 		return ReasonTried
 	case !n.Healthy:
 		return ReasonUnhealthy
+	case n.Hollow && !cfg.Hollow:
+		return ReasonHollow
 	case !slices.Contains(n.Backends, req.Backend):
 		return ReasonBackend
 	case !selects(req.Selector, n.Labels):

@@ -615,20 +615,20 @@ class DSecClient:
         """Pause every running sandbox carrying all of ``labels`` (e.g. a
         preempted job); returns how many were paused. Nodes that could not
         be asked raise :class:`NodesUnreachable`, as for :meth:`delete`."""
-        return await self._count_by_labels("/v1/sandboxes:pause", labels)
+        return await self._count_by_labels("/v1/sandboxes:pause", "paused", labels)
 
     async def resume(self, *, labels: Mapping[str, str]) -> int:
         """Resume every paused sandbox carrying all of ``labels``; returns
         how many. Nodes that could not be asked raise
         :class:`NodesUnreachable`, as for :meth:`delete`."""
-        return await self._count_by_labels("/v1/sandboxes:resume", labels)
+        return await self._count_by_labels("/v1/sandboxes:resume", "resumed", labels)
 
-    async def _count_by_labels(self, path: str, labels: Mapping[str, str]) -> int:
+    async def _count_by_labels(self, path: str, done: str, labels: Mapping[str, str]) -> int:
         if not labels:
             raise InvalidArgument("at least one label is required")
         doc = await self._call("POST", path, json_body={"labels": dict(labels)}, idempotent=True) or {}
         n = int(doc.get("count", 0))
-        _check_reached("paused" if path.endswith(":pause") else "resumed", n, doc, path)
+        _check_reached(done, n, doc, path)
         return n
 
     # -- layers and nodes -----------------------------------------------
